@@ -1,0 +1,45 @@
+# The two commands a newcomer needs: `make dev` and `make test`. Everything else is a step of those.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
+
+.PHONY: help setup build sim dev test test-native test-worker test-python clean
+
+help:
+	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
+	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
+	@echo "make setup  - install the toolchain (idempotent)"
+	@echo "make build  - build the Worker into build/"
+
+setup:
+	@scripts/setup.sh
+
+build:
+	@scripts/build.sh
+
+# The native tools (vllm-sim), built in release mode for tests, benchmarks and `make dev`.
+sim:
+	@cargo build --release -q -p vllm-sim
+
+dev: setup sim
+	@scripts/dev.sh
+
+test: setup
+	@$(MAKE) --no-print-directory test-native
+	@$(MAKE) --no-print-directory sim build
+	@$(MAKE) --no-print-directory test-worker test-python
+
+test-native:
+	@echo "== native crates: cargo test"
+	@cargo test -q $(NATIVE_CRATES)
+
+test-worker:
+	@echo "== Worker under Miniflare: node --test"
+	@source scripts/env.sh && node --test --test-concurrency=1 tests/*.test.mjs
+
+test-python:
+	@echo "== OpenAI client: pytest"
+	@source scripts/env.sh && .venv/bin/pytest -q tests/python
+
+clean:
+	rm -rf build target/wasm32-unknown-unknown

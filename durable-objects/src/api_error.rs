@@ -1,0 +1,185 @@
+//! OpenAI-style errors, the one shape every failure takes on its way to a client.
+//!
+//! Clients of an OpenAI-compatible server parse `{"error": {"message", "type", "param", "code"}}`,
+//! so the Worker, the admin API and the Durable Objects all answer with this body and the matching
+//! HTTP status. The Durable Objects use the same type, which lets the Worker pass their refusals
+//! through unchanged.
+
+use serde::{Deserialize, Serialize};
+use worker::{Headers, Response};
+
+/// An error as an OpenAI client expects it, plus its HTTP status and optional `Retry-After`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status code.
+    pub status: u16,
+    /// Human-readable explanation; never contains a secret.
+    pub message: String,
+    /// OpenAI error type, such as `invalid_request_error`.
+    pub kind: String,
+    /// Machine-readable code, such as `model_not_found`.
+    pub code: Option<String>,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    /// Seconds a client should wait before retrying (503, 429).
+    pub retry_after_s: Option<u32>,
+}
+
+/// The JSON body of an error response.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error object.
+    pub error: ErrorObject,
+}
+
+/// The `error` object inside [`ErrorBody`].
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorObject {
+    /// Human-readable explanation.
+    pub message: String,
+    /// OpenAI error type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The request field at fault.
+    pub param: Option<String>,
+    /// Machine-readable code.
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: u16, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind: kind.to_string(),
+            code: code.map(str::to_string),
+            param: None,
+            retry_after_s: None,
+        }
+    }
+
+    /// 400: the request is malformed or fails validation.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request_error", None, message)
+    }
+
+    /// 401: missing or wrong bearer token.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(401, "authentication_error", Some("invalid_api_key"), message)
+    }
+
+    /// 404: no such route or resource.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(404, "invalid_request_error", Some("not_found"), message)
+    }
+
+    /// 404 `model_not_found`: no backend anywhere lists this model.
+    pub fn model_not_found(model: &str) -> Self {
+        Self::new(
+            404,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("The model `{model}` does not exist or is not served by any backend."),
+        )
+        .with_param("model")
+    }
+
+    /// 405: the route exists but not with this method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(405, "invalid_request_error", Some("method_not_allowed"), format!("Method {method} is not allowed on {path}."))
+    }
+
+    /// 409: the resource already exists.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(409, "invalid_request_error", Some("conflict"), message)
+    }
+
+    /// 413: the body is larger than the configured limit.
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(413, "invalid_request_error", Some("payload_too_large"), format!("Request body exceeds the limit of {limit} bytes."))
+    }
+
+    /// 429: the client is over its rate limit.
+    pub fn rate_limited(message: impl Into<String>, retry_after_s: u32) -> Self {
+        Self::new(429, "rate_limit_error", Some("rate_limit_exceeded"), message).with_retry_after(retry_after_s)
+    }
+
+    /// 500: a fault of the gateway itself (should never be seen; logged).
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, "server_error", Some("internal_error"), message)
+    }
+
+    /// 502: the upstream failed after every allowed attempt.
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(502, "server_error", Some("upstream_error"), message)
+    }
+
+    /// 503: no backend can take the request now.
+    pub fn unavailable(message: impl Into<String>, retry_after_s: u32) -> Self {
+        Self::new(503, "server_error", Some("no_backend_available"), message).with_retry_after(retry_after_s)
+    }
+
+    /// 504: the upstream did not answer in time.
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        Self::new(504, "server_error", Some("upstream_timeout"), message)
+    }
+
+    /// 500 from a platform error (storage, bindings); the detail goes to the log, not the client.
+    pub fn from_worker(e: worker::Error) -> Self {
+        worker::console_error!("internal error: {e}");
+        Self::internal("The gateway hit an internal error; it has been logged.")
+    }
+
+    /// Rebuilds an error from a status and a decoded body (an answer relayed from a Durable Object).
+    pub fn from_parts(status: u16, error: ErrorObject) -> Self {
+        ApiError {
+            status,
+            message: error.message,
+            kind: error.kind,
+            code: error.code,
+            param: error.param,
+            retry_after_s: None,
+        }
+    }
+
+    /// Names the request field at fault.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// Adds a `Retry-After` header.
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after_s = Some(seconds);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorObject {
+                message: self.message.clone(),
+                kind: self.kind.clone(),
+                param: self.param.clone(),
+                code: self.code.clone(),
+            },
+        }
+    }
+
+    /// Builds the HTTP response.
+    pub fn to_response(&self) -> worker::Result<Response> {
+        let headers = Headers::new();
+        headers.set("content-type", "application/json")?;
+        if let Some(s) = self.retry_after_s {
+            headers.set("retry-after", &s.to_string())?;
+        }
+        let body = serde_json::to_vec(&self.body()).map_err(|e| worker::Error::RustError(e.to_string()))?;
+        Ok(Response::from_bytes(body)?.with_status(self.status).with_headers(headers))
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.message)
+    }
+}

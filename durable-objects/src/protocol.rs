@@ -1,0 +1,61 @@
+//! The messages the Worker and the Durable Objects exchange.
+//!
+//! Rust Durable Objects are reached over `stub.fetch`, so every call is an HTTP request to an
+//! internal URL with a JSON body. This module names those routes and their bodies in one place, so
+//! the two sides cannot drift apart.
+
+use serde::{Deserialize, Serialize};
+
+/// Base of the internal URLs used to reach a Durable Object (the host is never resolved).
+pub const INTERNAL_ORIGIN: &str = "https://do.internal";
+
+/// Registration of a backend, as posted to `POST /admin/backends`.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BackendRegistration {
+    /// Base URL of the vLLM server, `http(s)://host:port`, without credentials.
+    pub url: String,
+    /// Pool (regional GPU group) the backend belongs to; default `default`.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Region of the pool, such as `us-east`.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Models the backend serves; probes refresh this list.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Relative weight for weighted policies and ring virtual nodes; default 1.
+    #[serde(default)]
+    pub weight: Option<u32>,
+    /// `mixed` (default), `prefill` or `decode`.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// Bearer key the gateway sends to this backend; stored, never returned.
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// Capacity hint: maximum concurrent sequences (vLLM `--max-num-seqs`).
+    #[serde(default)]
+    pub max_num_seqs: Option<u32>,
+    /// Capacity hint: KV-cache blocks (vLLM `num_gpu_blocks`).
+    #[serde(default)]
+    pub kv_blocks: Option<u64>,
+    /// Capacity hint: tokens per KV block.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Caller-chosen id; derived from the URL when absent.
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+/// The name a pool gets when a registration names none.
+pub const DEFAULT_POOL: &str = "default";
+
+/// A pool as the directory knows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PoolEntry {
+    /// Pool name (also the Durable Object name).
+    pub name: String,
+    /// Region, such as `us-east`; empty when unknown.
+    #[serde(default)]
+    pub region: String,
+}

@@ -1,0 +1,44 @@
+//! Bearer-token checks for the admin API, the metrics endpoint and clients.
+//!
+//! Tokens are compared in constant time (independent of where the first difference is, and of the
+//! length of the guess), so response timing reveals nothing about a secret.
+
+use crate::ApiError;
+use worker::{Env, Request};
+
+/// Reads a secret (production: `wrangler secret put`; locally: `.dev.vars`), falling back to a var.
+pub fn secret(env: &Env, name: &str) -> Option<String> {
+    env.secret(name)
+        .map(|s| s.to_string())
+        .or_else(|_| env.var(name).map(|v| v.to_string()))
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+/// The token in `Authorization: Bearer <token>`, if any.
+pub fn bearer(req: &Request) -> Option<String> {
+    let value = req.headers().get("authorization").ok().flatten()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_string())
+}
+
+/// Compares two byte strings in time that depends only on the length of `expected`.
+pub fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = (given.len() != expected.len()) as u8;
+    for (i, e) in expected.iter().enumerate() {
+        diff |= e ^ given.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// Requires the admin token; an unset `ADMIN_TOKEN` locks the admin API rather than opening it.
+pub fn require_admin(req: &Request, env: &Env) -> Result<(), ApiError> {
+    let Some(expected) = secret(env, "ADMIN_TOKEN") else {
+        return Err(ApiError::unauthorized("The admin API is disabled: ADMIN_TOKEN is not set."));
+    };
+    match bearer(req) {
+        Some(given) if constant_time_eq(given.as_bytes(), expected.as_bytes()) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("Invalid admin token.")),
+        None => Err(ApiError::unauthorized("Missing admin token: send Authorization: Bearer <ADMIN_TOKEN>.")),
+    }
+}
