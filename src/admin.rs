@@ -1,58 +1,178 @@
-//! The admin API under `/admin`: register, list and inspect backends and pools.
+//! The admin API under `/admin`: backends, pools and client keys.
 //!
-//! Every route requires `Authorization: Bearer <ADMIN_TOKEN>`. The Worker validates the envelope
-//! (JSON, pool name), records the pool in the directory, and relays the call to the pool's
-//! coordinator, which validates the rest and owns the data.
+//! Every route requires `Authorization: Bearer <ADMIN_TOKEN>` (checked by the caller). The Worker
+//! validates the envelope (JSON, names), keeps the pool directory up to date, and relays each call
+//! to the pool's coordinator, which validates the rest and owns the data.
+//!
+//! | route | what it does |
+//! |---|---|
+//! | `POST /admin/backends` | register a backend (`pool` in the body, default `default`) |
+//! | `GET /admin/backends` | every backend of every pool |
+//! | `GET/PATCH/DELETE /admin/backends/{id}` | inspect, change (weight, models, `drain`), remove (drains first unless `?force=true`) |
+//! | `GET /admin/pools` | every pool with its summary |
+//! | `GET/PUT /admin/pools/{pool}` | a pool's summary and settings; change policy and knobs |
+//! | `POST /admin/pools/{pool}/probe` | probe the pool's backends now |
+//! | `POST/GET /admin/keys`, `DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) |
 
-use crate::pools::{call, error_from_response, list_pools, pool_stub, remember_pool};
+use crate::keys::{hash_key, invalidate};
+use crate::pools::{directory_json, error_from_response, list_pools, pool_call, pool_json, remember_pool};
 use crate::ApiError;
+use gateway_durable_objects::directory::StoredKey;
+use gateway_durable_objects::pool_coordinator::{validate_pool_name, PoolSettings};
 use gateway_durable_objects::protocol::{BackendRegistration, PoolEntry, DEFAULT_POOL};
 use gateway_durable_objects::registry::validate_name;
+use serde::Deserialize;
 use serde_json::{json, Value};
-use worker::{Env, Method, Request, Response};
+use worker::{Date, Env, Method, Request, Response};
+
+type AdminResult = Result<Response, ApiError>;
+
+fn json_ok(value: &Value) -> AdminResult {
+    Response::from_json(value).map_err(ApiError::from_worker)
+}
+
+async fn body_text(req: &mut Request) -> Result<String, ApiError> {
+    req.text().await.map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))
+}
+
+/// Relays a pool's answer, turning its error answers into `ApiError`s.
+async fn relay(mut resp: Response) -> AdminResult {
+    if resp.status_code() >= 400 {
+        return Err(error_from_response(&mut resp).await);
+    }
+    Ok(resp)
+}
 
 /// Dispatches an authenticated admin request.
-pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> Result<Response, ApiError> {
-    match (req.method(), segments) {
+pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
+    let method = req.method();
+    let query_pool = req
+        .url()
+        .ok()
+        .and_then(|u| u.query_pairs().find(|(k, _)| k == "pool").map(|(_, v)| v.to_string()));
+    let force = req.url().map(|u| u.query_pairs().any(|(k, v)| k == "force" && v == "true")).unwrap_or(false);
+    match (method.clone(), segments) {
         (Method::Post, ["backends"]) => {
-            let text = req.text().await.map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))?;
+            let text = body_text(&mut req).await?;
             let reg: BackendRegistration = serde_json::from_str(&text)
                 .map_err(|e| ApiError::bad_request(format!("invalid backend registration: {e}")))?;
             let pool = reg.pool.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
-            validate_name("pool", &pool)?;
-            let region = reg.region.clone().unwrap_or_default();
-            let stub = pool_stub(env, &pool)?;
-            let mut resp = call(&stub, Method::Post, "/backends", Some(text)).await?;
-            if resp.status_code() != 201 {
-                return Err(error_from_response(&mut resp).await);
+            validate_pool_name(&pool)?;
+            let resp = relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
+            if !list_pools(env).await?.iter().any(|p| p.name == pool) {
+                remember_pool(env, &PoolEntry { name: pool, region: reg.region.unwrap_or_default() }).await?;
             }
-            remember_pool(env, &PoolEntry { name: pool, region }).await?;
             Ok(resp)
         }
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();
             for pool in list_pools(env).await? {
-                let mut resp = call(&pool_stub(env, &pool.name)?, Method::Get, "/backends", None).await?;
-                let listing: Value = resp.json().await.map_err(ApiError::from_worker)?;
-                if let Some(items) = listing.get("data").and_then(Value::as_array) {
-                    for item in items {
-                        let mut item = item.clone();
-                        item["pool"] = json!(pool.name);
-                        all.push(item);
-                    }
-                }
+                let listing: Value = pool_json(env, &pool.name, Method::Get, "/backends", None::<&()>).await?;
+                all.extend(listing.get("data").and_then(Value::as_array).cloned().unwrap_or_default());
             }
-            Response::from_json(&json!({ "object": "list", "data": all })).map_err(ApiError::from_worker)
+            json_ok(&json!({ "object": "list", "data": all }))
+        }
+        (Method::Get | Method::Patch | Method::Delete, ["backends", id]) => {
+            validate_name("id", id)?;
+            let pool = find_backend(env, id, query_pool.as_deref()).await?;
+            let path = if force { format!("/backends/{id}?force=true") } else { format!("/backends/{id}") };
+            let body = if method == Method::Patch { Some(body_text(&mut req).await?) } else { None };
+            relay(pool_call(env, &pool, method, &path, body).await?).await
         }
         (Method::Get, ["pools"]) => {
-            let pools = list_pools(env).await?;
-            Response::from_json(&json!({ "object": "list", "data": pools })).map_err(ApiError::from_worker)
+            let mut data = Vec::new();
+            for pool in list_pools(env).await? {
+                let state: Value = pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
+                data.push(state);
+            }
+            json_ok(&json!({ "object": "list", "data": data }))
         }
         (Method::Get, ["pools", pool]) => {
-            validate_name("pool", pool)?;
-            call(&pool_stub(env, pool)?, Method::Get, "/state", None).await
+            validate_pool_name(pool)?;
+            if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
+                return Err(ApiError::not_found(format!("no pool `{pool}`")));
+            }
+            let mut state: Value = pool_json(env, pool, Method::Get, "/state", None::<&()>).await?;
+            let config: Value = pool_json(env, pool, Method::Get, "/config", None::<&()>).await?;
+            state["config"] = config;
+            json_ok(&state)
         }
-        (_, ["backends"] | ["pools"] | ["pools", _]) => Err(ApiError::method_not_allowed(&req.method().to_string(), &req.path())),
+        (Method::Put, ["pools", pool]) => {
+            validate_pool_name(pool)?;
+            let text = body_text(&mut req).await?;
+            let settings: PoolSettings =
+                serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
+            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
+            remember_pool(env, &PoolEntry { name: pool.to_string(), region: settings.routing.region.clone() }).await?;
+            json_ok(&applied)
+        }
+        (Method::Post, ["pools", pool, "probe"]) => {
+            validate_pool_name(pool)?;
+            relay(pool_call(env, pool, Method::Post, "/probe/now", None).await?).await
+        }
+        (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
+        (Method::Get, ["keys"]) => {
+            let keys: Vec<StoredKey> = directory_json(env, Method::Get, "/keys", None::<&()>).await?;
+            let data: Vec<Value> =
+                keys.iter().map(|k| json!({ "id": k.id, "name": k.name, "created_ms": k.created_ms })).collect();
+            json_ok(&json!({ "object": "list", "data": data }))
+        }
+        (Method::Delete, ["keys", id]) => {
+            validate_name("id", id)?;
+            let v: Value = directory_json(env, Method::Delete, &format!("/keys/{id}"), None::<&()>).await?;
+            invalidate();
+            json_ok(&v)
+        }
+        (_, ["backends"] | ["backends", _] | ["pools"] | ["pools", _] | ["pools", _, "probe"] | ["keys"] | ["keys", _]) => {
+            Err(ApiError::method_not_allowed(&method.to_string(), &req.path()))
+        }
         _ => Err(ApiError::not_found(format!("no admin route {}", req.path()))),
     }
+}
+
+/// The pool holding backend `id` (the `?pool=` hint is tried first).
+async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String, ApiError> {
+    let mut pools: Vec<String> = list_pools(env).await?.into_iter().map(|p| p.name).collect();
+    if let Some(h) = hint {
+        pools.retain(|p| p != h);
+        pools.insert(0, h.to_string());
+    }
+    for pool in pools {
+        let resp = pool_call(env, &pool, Method::Get, &format!("/backends/{id}"), None).await?;
+        if resp.status_code() == 200 {
+            return Ok(pool);
+        }
+    }
+    Err(ApiError::not_found(format!("no backend `{id}`")))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct MintRequest {
+    name: String,
+}
+
+/// `POST /admin/keys`: mints a client key, stores its hash, and shows the key this once.
+async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
+    let text = body_text(req).await?;
+    let mint: MintRequest = if text.trim().is_empty() {
+        MintRequest::default()
+    } else {
+        serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid key request: {e}")))?
+    };
+    if mint.name.len() > 128 || mint.name.chars().any(char::is_control) {
+        return Err(ApiError::bad_request("`name` must be at most 128 printable characters").with_param("name"));
+    }
+    let key = format!("sk-gw-{}", crate::random_hex(24));
+    let stored = StoredKey {
+        id: format!("key-{}", crate::random_hex(6)),
+        name: mint.name,
+        hash: hash_key(&key),
+        created_ms: Date::now().as_millis(),
+    };
+    let _: StoredKey = directory_json(env, Method::Post, "/keys", Some(&stored)).await?;
+    invalidate();
+    Response::from_json(&json!({ "id": stored.id, "name": stored.name, "key": key, "created_ms": stored.created_ms }))
+        .map(|r| r.with_status(201))
+        .map_err(ApiError::from_worker)
 }

@@ -42,3 +42,19 @@ pub fn require_admin(req: &Request, env: &Env) -> Result<(), ApiError> {
         None => Err(ApiError::unauthorized("Missing admin token: send Authorization: Bearer <ADMIN_TOKEN>.")),
     }
 }
+
+/// Requires `METRICS_TOKEN` (or the admin token) for `/metrics`.
+pub fn require_metrics(req: &Request, env: &Env) -> Result<(), ApiError> {
+    let given = bearer(req);
+    let matches = |name: &str| match (&given, secret(env, name)) {
+        (Some(g), Some(expected)) => constant_time_eq(g.as_bytes(), expected.as_bytes()),
+        _ => false,
+    };
+    // Both are compared, so the time taken does not tell which one matched.
+    let (metrics, admin) = (matches("METRICS_TOKEN"), matches("ADMIN_TOKEN"));
+    if metrics | admin {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorized("Send Authorization: Bearer <METRICS_TOKEN or ADMIN_TOKEN> for /metrics."))
+    }
+}

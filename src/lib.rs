@@ -1,20 +1,24 @@
-//! The edge Worker: the OpenAI surface, the admin API, and the cron trigger.
+//! The edge Worker: the OpenAI surface, the admin API, the metrics endpoint and the cron trigger.
 //!
-//! Handlers here are thin: they authenticate, parse, and call the proxy, the admin module or the
-//! pools' Durable Objects. The routing decisions live in `routing-core`, called by the pool
-//! coordinator in `durable-objects/`.
+//! Handlers here are thin: they authenticate, parse, extract the request's routing features, ask
+//! the nearest pool's Durable Object for a lease, and hand over to the streaming proxy. The routing
+//! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
 mod admin;
 mod auth;
+mod keys;
+mod metrics;
 mod pools;
 mod proxy;
+mod regions;
 
 pub use gateway_durable_objects::api_error::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
 pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 
-use gateway_durable_objects::pool_coordinator::Grant;
+use routing_core::pool::Grant;
+use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
@@ -44,11 +48,7 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     match pools::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                let result = match pools::pool_stub(&env, &pool.name) {
-                    Ok(stub) => pools::call(&stub, Method::Post, "/probe/ensure", None).await.map(|_| ()),
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = result {
+                if let Err(e) = pools::pool_call(&env, &pool.name, Method::Post, "/probe/ensure", None).await {
                     console_error!("cron: pool {}: {e}", pool.name);
                 }
             }
@@ -57,25 +57,36 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     }
 }
 
-/// The client's `x-request-id` when it is safe to echo, otherwise a fresh one.
+/// The client's `x-request-id` when it is safe to echo (printable ASCII, no separators that
+/// could split a header or a log line), otherwise a fresh one.
 fn request_id(req: &Request) -> String {
     let given = req.headers().get("x-request-id").ok().flatten();
     match given {
-        Some(id) if !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()) => id,
-        _ => format!("req-{}", crypto_random_hex()),
+        Some(id)
+            if !id.is_empty()
+                && id.len() <= 128
+                && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&b)) =>
+        {
+            id
+        }
+        _ => format!("req-{}", random_hex(12)),
     }
 }
 
-fn crypto_random_hex() -> String {
-    let mut bytes = [0u8; 12];
+/// `n` random bytes from the platform's CSPRNG, hex-encoded.
+pub(crate) fn random_hex(n: usize) -> String {
+    let mut bytes = vec![0u8; n];
     let crypto = js_sys::Reflect::get(&js_sys::global(), &"crypto".into()).ok();
     let filled = crypto
         .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok())
         .map(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
         .unwrap_or(false);
     if !filled {
-        let t = Date::now().as_millis().to_le_bytes();
-        bytes[..8].copy_from_slice(&t);
+        // workerd always has crypto; this only keeps ids unique if it somehow does not.
+        let t = (Date::now().as_millis() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = t[i % 8].wrapping_add(i as u8);
+        }
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -83,56 +94,200 @@ fn crypto_random_hex() -> String {
 async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std::result::Result<Response, ApiError> {
     let path = req.path();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let method = req.method();
     match segments.as_slice() {
-        ["healthz"] => match req.method() {
+        ["healthz"] => match method {
             Method::Get | Method::Head => {
                 Response::from_json(&json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") })).map_err(ApiError::from_worker)
             }
             m => Err(ApiError::method_not_allowed(&m.to_string(), &path)),
         },
+        ["metrics"] => {
+            if method != Method::Get {
+                return Err(ApiError::method_not_allowed(&method.to_string(), &path));
+            }
+            auth::require_metrics(&req, env)?;
+            metrics::handle(env).await
+        }
         ["admin", rest @ ..] => {
             auth::require_admin(&req, env)?;
             admin::handle(req, env, rest).await
         }
-        ["v1", "chat", "completions"] => completion(req, env, ctx, "/v1/chat/completions", request_id).await,
-        ["v1", "completions"] => completion(req, env, ctx, "/v1/completions", request_id).await,
+        ["v1", "models"] => {
+            if method != Method::Get {
+                return Err(ApiError::method_not_allowed(&method.to_string(), &path));
+            }
+            keys::require_client(&req, env).await?;
+            list_models(env).await
+        }
+        ["v1", "chat", "completions"] => completion(req, env, ctx, Endpoint::Chat, request_id).await,
+        ["v1", "completions"] => completion(req, env, ctx, Endpoint::Completions, request_id).await,
+        ["v1", "embeddings"] => completion(req, env, ctx, Endpoint::Embeddings, request_id).await,
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
     }
 }
 
-fn max_body_bytes(env: &Env) -> usize {
-    env.var("MAX_BODY_BYTES").ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(DEFAULT_MAX_BODY_BYTES)
+/// The OpenAI endpoints the gateway routes.
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoint {
+    Chat,
+    Completions,
+    Embeddings,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
+    env.var(name).ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(default)
+}
+
+fn feature_config(env: &Env) -> FeatureConfig {
+    let defaults = FeatureConfig::default();
+    FeatureConfig {
+        block_tokens: var_or(env, "BLOCK_TOKENS", defaults.block_tokens),
+        default_max_tokens: var_or(env, "DEFAULT_MAX_TOKENS", defaults.default_max_tokens),
+        routing_header: env.var("ROUTING_KEY_HEADER").ok().map(|v| v.to_string().to_ascii_lowercase()).filter(|h| !h.is_empty()),
+        max_blocks: defaults.max_blocks,
+    }
+}
+
+/// Reads the body, refusing it (413) past the limit.
+async fn read_body(req: &mut Request, env: &Env) -> std::result::Result<Vec<u8>, ApiError> {
+    let limit = var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES);
+    let declared: Option<usize> = req.headers().get("content-length").ok().flatten().and_then(|v| v.parse().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::payload_too_large(limit));
+    }
+    let body = req.bytes().await.map_err(|_| ApiError::bad_request("unreadable request body"))?;
+    if body.len() > limit {
+        return Err(ApiError::payload_too_large(limit));
+    }
+    Ok(body)
+}
+
+/// Routing features of an embeddings request: model, input size, no prefix reuse.
+fn embedding_features(body: &Value) -> std::result::Result<RequestFeatures, ApiError> {
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_request("`model` is required and must be a string").with_param("model"))?;
+    let input = body.get("input").ok_or_else(|| ApiError::bad_request("`input` is required").with_param("input"))?;
+    let tokens = match input {
+        Value::String(s) => estimate_tokens(s),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| match i {
+                Value::String(s) => estimate_tokens(s),
+                Value::Array(t) => t.len() as u32,
+                _ => 1,
+            })
+            .fold(0u32, u32::saturating_add),
+        _ => return Err(ApiError::bad_request("`input` must be a string or an array").with_param("input")),
+    };
+    Ok(RequestFeatures {
+        kind: RequestKind::Completion,
+        model: model.to_string(),
+        prompt_tokens: tokens,
+        max_tokens: 0,
+        ..RequestFeatures::default()
+    })
 }
 
 async fn completion(
     mut req: Request,
     env: &Env,
     ctx: &Context,
-    path: &str,
+    endpoint: Endpoint,
     request_id: &str,
 ) -> std::result::Result<Response, ApiError> {
     if req.method() != Method::Post {
-        return Err(ApiError::method_not_allowed(&req.method().to_string(), path));
+        return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
     }
-    let limit = max_body_bytes(env);
-    let body = req.bytes().await.map_err(|_| ApiError::bad_request("unreadable request body"))?;
-    if body.len() > limit {
-        return Err(ApiError::payload_too_large(limit));
-    }
+    keys::require_client(&req, env).await?;
+    let body = read_body(&mut req, env).await?;
     let parsed: Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
-    let model = parsed
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad_request("`model` is required and must be a string").with_param("model"))?;
-    let mut last_err = ApiError::model_not_found(model);
-    for pool in pools::list_pools(env).await? {
-        let stub = pools::pool_stub(env, &pool.name)?;
-        match pools::call_json::<Grant>(&stub, Method::Post, "/acquire", Some(&json!({ "model": model }))).await {
-            Ok(grant) => return proxy::forward(&req, env, ctx, pool.name, grant, path, body, request_id).await,
+    if !parsed.is_object() {
+        return Err(ApiError::bad_request("request body must be a JSON object"));
+    }
+    let mut features = match endpoint {
+        Endpoint::Embeddings => embedding_features(&parsed)?,
+        _ => {
+            let headers = req.headers().clone();
+            let header = move |name: &str| headers.get(name).ok().flatten();
+            let f = request_features(&parsed, &header, &feature_config(env)).map_err(|e| {
+                let err = ApiError::bad_request(e.to_string()).with_code(e.code());
+                match e.param() {
+                    Some(p) => err.with_param(p),
+                    None => err,
+                }
+            })?;
+            let wrong_kind = match endpoint {
+                Endpoint::Chat => f.kind != RequestKind::Chat,
+                _ => f.kind != RequestKind::Completion,
+            };
+            if wrong_kind {
+                let field = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
+                return Err(ApiError::bad_request(format!("`{field}` is required")).with_param(field));
+            }
+            f
+        }
+    };
+    features.request_id = request_id.to_string();
+    let stream = features.stream;
+    let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
+    let mut last_err = ApiError::model_not_found(&features.model);
+    for pool in pools {
+        match pools::pool_json::<Grant>(env, &pool.name, Method::Post, "/acquire", Some(&features)).await {
+            Ok(grant) => {
+                return proxy::Forward {
+                    client: &req,
+                    env,
+                    ctx,
+                    pool: pool.name,
+                    grant,
+                    path: endpoint.path(),
+                    body,
+                    stream,
+                    request_id,
+                    settings: proxy::ProxySettings::from_env(env),
+                }
+                .run()
+                .await
+            }
+            // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,
-            Err(e) => last_err = e,
+            // Serves it but has no capacity now: spill to the next pool.
+            Err(e) if e.status == 503 => last_err = e,
+            Err(e) => return Err(e),
         }
     }
     Err(last_err)
+}
+
+/// `GET /v1/models`: every model some pool has a ready backend for. A pool that cannot answer is
+/// skipped (and logged), never turned into an error for the client.
+async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
+    let mut models: Vec<String> = Vec::new();
+    for pool in pools::list_pools(env).await? {
+        match pools::pool_json::<Value>(env, &pool.name, Method::Get, "/models", None::<&()>).await {
+            Ok(v) => models.extend(
+                v.get("models").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).map(str::to_string),
+            ),
+            Err(e) => console_error!("models: pool {}: {e}", pool.name),
+        }
+    }
+    models.sort();
+    models.dedup();
+    let data: Vec<Value> =
+        models.iter().map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" })).collect();
+    Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from_worker)
 }

@@ -5,55 +5,63 @@
 
 use crate::ApiError;
 use gateway_durable_objects::directory::DIRECTORY_NAME;
-use gateway_durable_objects::protocol::{PoolEntry, INTERNAL_ORIGIN};
+use gateway_durable_objects::protocol::{PoolEntry, INTERNAL_ORIGIN, POOL_HEADER};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use worker::{Env, Headers, Method, Request, RequestInit, Response, Stub};
+use std::cell::RefCell;
+use worker::{Date, Env, Headers, Method, Request, RequestInit, Response, Stub};
 
 /// Binding name of the pool coordinator namespace (wrangler.toml).
 pub const POOL_BINDING: &str = "POOL";
 /// Binding name of the pool directory namespace (wrangler.toml).
 pub const DIRECTORY_BINDING: &str = "DIRECTORY";
 
-/// The coordinator of the named pool.
-pub fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
-    env.durable_object(POOL_BINDING)
-        .and_then(|ns| ns.id_from_name(pool)?.get_stub())
-        .map_err(ApiError::from_worker)
+fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
+    env.durable_object(binding).and_then(|ns| ns.id_from_name(name)?.get_stub()).map_err(ApiError::from_worker)
 }
 
-fn directory_stub(env: &Env) -> Result<Stub, ApiError> {
-    env.durable_object(DIRECTORY_BINDING)
-        .and_then(|ns| ns.id_from_name(DIRECTORY_NAME)?.get_stub())
-        .map_err(ApiError::from_worker)
-}
-
-/// Sends a request to a Durable Object and returns its raw response.
-pub async fn call(stub: &Stub, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
+async fn send(stub: &Stub, pool: Option<&str>, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
+    let headers = Headers::new();
+    if let Some(pool) = pool {
+        headers.set(POOL_HEADER, pool).map_err(ApiError::from_worker)?;
+    }
     let mut init = RequestInit::new();
     init.with_method(method);
     if let Some(body) = body {
-        let headers = Headers::new();
         headers.set("content-type", "application/json").map_err(ApiError::from_worker)?;
-        init.with_headers(headers).with_body(Some(body.into()));
+        init.with_body(Some(body.into()));
     }
+    init.with_headers(headers);
     let req = Request::new_with_init(&format!("{INTERNAL_ORIGIN}{path}"), &init).map_err(ApiError::from_worker)?;
     stub.fetch_with_request(req).await.map_err(ApiError::from_worker)
 }
 
-/// Sends a JSON request and decodes a JSON answer; a non-2xx answer becomes its error.
-pub async fn call_json<T: DeserializeOwned>(
-    stub: &Stub,
-    method: Method,
-    path: &str,
-    body: Option<&impl Serialize>,
-) -> Result<T, ApiError> {
-    let body = body.map(|b| serde_json::to_string(b)).transpose().map_err(|e| ApiError::internal(e.to_string()))?;
-    let mut resp = call(stub, method, path, body).await?;
+async fn decode<T: DeserializeOwned>(mut resp: Response) -> Result<T, ApiError> {
     if !(200..300).contains(&resp.status_code()) {
         return Err(error_from_response(&mut resp).await);
     }
     resp.json::<T>().await.map_err(ApiError::from_worker)
+}
+
+fn encode(body: Option<&impl Serialize>) -> Result<Option<String>, ApiError> {
+    body.map(serde_json::to_string).transpose().map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// Calls the named pool's coordinator and returns its raw response.
+pub async fn pool_call(env: &Env, pool: &str, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
+    send(&stub(env, POOL_BINDING, pool)?, Some(pool), method, path, body).await
+}
+
+/// Calls the named pool's coordinator with a JSON body and decodes its JSON answer; a non-2xx
+/// answer becomes its error.
+pub async fn pool_json<T: DeserializeOwned>(
+    env: &Env,
+    pool: &str,
+    method: Method,
+    path: &str,
+    body: Option<&impl Serialize>,
+) -> Result<T, ApiError> {
+    decode(pool_call(env, pool, method, path, encode(body)?).await?).await
 }
 
 /// Rebuilds the `ApiError` a Durable Object answered with.
@@ -69,13 +77,40 @@ pub async fn error_from_response(resp: &mut Response) -> ApiError {
     err
 }
 
-/// Every pool the directory knows.
+/// Calls the pool directory with a JSON body and decodes its JSON answer.
+pub async fn directory_json<T: DeserializeOwned>(
+    env: &Env,
+    method: Method,
+    path: &str,
+    body: Option<&impl Serialize>,
+) -> Result<T, ApiError> {
+    let resp = send(&stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?, None, method, path, encode(body)?).await?;
+    decode(resp).await
+}
+
+thread_local! {
+    static POOLS: RefCell<Option<(u64, Vec<PoolEntry>)>> = const { RefCell::new(None) };
+}
+
+/// How long an isolate trusts its copy of the pool list.
+const POOL_CACHE_MS: u64 = 2_000;
+
+/// Every pool the directory knows (cached in the isolate for a moment: it changes only when an
+/// operator adds a pool, and this isolate forgets its copy when it does so itself).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
-    call_json(&directory_stub(env)?, Method::Get, "/pools", None::<&()>).await
+    let now = Date::now().as_millis();
+    let cached = POOLS.with(|p| p.borrow().as_ref().filter(|(at, _)| now < at + POOL_CACHE_MS).map(|(_, l)| l.clone()));
+    if let Some(list) = cached {
+        return Ok(list);
+    }
+    let list: Vec<PoolEntry> = directory_json(env, Method::Get, "/pools", None::<&()>).await?;
+    POOLS.with(|p| *p.borrow_mut() = Some((now, list.clone())));
+    Ok(list)
 }
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
-    let _: PoolEntry = call_json(&directory_stub(env)?, Method::Put, &format!("/pools/{}", entry.name), Some(entry)).await?;
+    let _: PoolEntry = directory_json(env, Method::Put, &format!("/pools/{}", entry.name), Some(entry)).await?;
+    POOLS.with(|p| *p.borrow_mut() = None);
     Ok(())
 }

@@ -1,86 +1,353 @@
-//! The streaming proxy: forwards an OpenAI request to the backend a pool chose and passes the
-//! answer straight back.
+//! The streaming proxy: sends an OpenAI request to the backend a pool chose, retries on the next
+//! candidate while nothing has reached the client yet, and passes the answer straight back.
 //!
-//! The response body is never read in wasm: the upstream stream is piped into a `TransformStream`
-//! whose readable side goes to the client, and the pipe's promise, awaited in `wait_until`, tells
-//! us when the stream ended, so the lease is released then (also when the client hung up: the
-//! client's abort signal is passed to the upstream fetch, which cancels it).
+//! Bytes stay out of wasm except the first chunk of a stream: it is read here (with the
+//! first-byte timeout), so a backend that accepts the request and then hangs is retried
+//! elsewhere. Everything after it is piped from the upstream body into a `TransformStream` whose
+//! readable side is the client's response. The pipe's promise, awaited in `wait_until`, says when
+//! and how the stream ended: then the lease is released with the outcome. A failure after the
+//! first byte cannot be retried, so the stream is ended with an SSE error event instead of being
+//! silently truncated. A client that hangs up aborts the upstream fetch through its signal.
 
-use crate::pools::{call_json, pool_stub};
+use crate::pools::pool_json;
 use crate::ApiError;
-use gateway_durable_objects::pool_coordinator::Grant;
+use gateway_durable_objects::protocol::{ReassignRequest, ReleaseRequest};
+use gateway_durable_objects::timed_fetch::{fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort};
+use routing_core::outcome::{Outcome, OutcomeKind};
+use routing_core::pool::{CandidateView, Grant};
 use serde_json::json;
-use wasm_bindgen::JsCast;
+use std::time::Duration;
+use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Env, Fetch, Headers, Method, Request, RequestInit, Response, ResponseBody};
+use worker::{AbortSignal, Context, Date, Env, Headers, Method, Request, RequestInit, Response, ResponseBody};
 
-/// Forwards `body` to `path` on the granted backend and streams the answer back.
-pub async fn forward(
-    req: &Request,
-    env: &Env,
-    ctx: &Context,
-    pool: String,
-    grant: Grant,
-    path: &str,
-    body: Vec<u8>,
-    request_id: &str,
-) -> Result<Response, ApiError> {
-    let headers = Headers::new();
-    let set = |k: &str, v: &str| headers.set(k, v).map_err(ApiError::from_worker);
-    set("content-type", "application/json")?;
-    set("x-request-id", request_id)?;
-    if let Some(key) = &grant.api_key {
-        set("authorization", &format!("Bearer {key}"))?;
+/// Request headers never forwarded upstream: hop-by-hop headers (RFC 9110 section 7.6.1), the
+/// client's credentials, and headers the platform or the gateway sets itself.
+const DROPPED_REQUEST_HEADERS: [&str; 14] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "authorization",
+    "cookie",
+    "x-request-id",
+    "accept-encoding",
+];
+
+/// Upstream response headers passed to the client.
+const PASSED_RESPONSE_HEADERS: [&str; 3] = ["content-type", "cache-control", "openai-processing-ms"];
+
+/// Proxy timing and retry knobs (wrangler.toml vars).
+#[derive(Debug, Clone, Copy)]
+pub struct ProxySettings {
+    /// Most extra attempts after the first (default 2).
+    pub max_retries: u32,
+    /// A streamed answer must deliver its first chunk within this time (default 30 s).
+    pub first_byte_timeout: Duration,
+    /// A non-streamed answer must arrive within this time (default 600 s).
+    pub response_timeout: Duration,
+}
+
+impl ProxySettings {
+    /// Reads the knobs from the environment, with defaults.
+    pub fn from_env(env: &Env) -> Self {
+        let var = |name: &str, default: u64| -> u64 {
+            env.var(name).ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(default)
+        };
+        ProxySettings {
+            max_retries: var("MAX_RETRIES", 2).min(10) as u32,
+            first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
+            response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
+        }
     }
-    let mut init = RequestInit::new();
-    init.with_method(Method::Post).with_headers(headers).with_body(Some(js_sys::Uint8Array::from(body.as_slice()).into()));
-    let upstream_req =
-        Request::new_with_init(&format!("{}{}", grant.url, path), &init).map_err(ApiError::from_worker)?;
-    let signal: AbortSignal = req.inner().signal().into();
-    let upstream = match Fetch::Request(upstream_req).send_with_signal(&signal).await {
-        Ok(r) => r,
-        Err(e) => {
-            release(env.clone(), pool, grant.lease_id).await;
-            return Err(ApiError::bad_gateway(format!("backend {} unreachable: {e}", grant.backend_id)));
+}
+
+/// Everything one proxied request needs.
+pub struct Forward<'a> {
+    /// The client's request (for its headers and abort signal).
+    pub client: &'a Request,
+    /// Worker environment.
+    pub env: &'a Env,
+    /// Worker context, for `wait_until`.
+    pub ctx: &'a Context,
+    /// Pool that granted the lease.
+    pub pool: String,
+    /// The lease and its ranked candidates.
+    pub grant: Grant,
+    /// Upstream path, such as `/v1/chat/completions`.
+    pub path: &'a str,
+    /// The request body, forwarded byte for byte.
+    pub body: Vec<u8>,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    /// The request id, forwarded and echoed.
+    pub request_id: &'a str,
+    /// Timeouts and retries.
+    pub settings: ProxySettings,
+}
+
+/// A retryable failure of one attempt, before anything reached the client.
+struct AttemptFailure {
+    outcome: Outcome,
+    reason: String,
+}
+
+/// A successful (or non-retryable) attempt: headers known, first chunk (if streaming) in hand.
+struct Answer {
+    status: u16,
+    headers: Headers,
+    first_chunk: Option<JsValue>,
+    body: Option<web_sys::ReadableStream>,
+    ttfb_ms: u64,
+    _abort: LinkedAbort,
+}
+
+impl Forward<'_> {
+    /// Runs the attempts and returns the client's response.
+    pub async fn run(self) -> Result<Response, ApiError> {
+        let client_signal: AbortSignal = self.client.inner().signal().into();
+        let mut candidate = self.grant.candidates.first().cloned().ok_or_else(|| ApiError::internal("grant without candidates"))?;
+        let mut next_index = 1;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let failure = match self.attempt(&candidate, &client_signal).await {
+                Ok(answer) => return self.respond(answer, &candidate, attempts, client_signal),
+                Err(f) => f,
+            };
+            if client_signal.aborted() {
+                self.release(Outcome::of_kind(OutcomeKind::Cancelled)).await;
+                return Err(ApiError::bad_request("The client closed the request.").with_code("client_closed_request"));
+            }
+            // Walk the ranking: the next candidate the pool will move the lease to.
+            let mut moved = None;
+            while attempts <= self.settings.max_retries && next_index < self.grant.candidates.len() {
+                let to = self.grant.candidates[next_index].clone();
+                next_index += 1;
+                match self.reassign(&to, &failure.outcome).await {
+                    Ok(view) => {
+                        moved = Some(view);
+                        break;
+                    }
+                    Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
+                        return Err(final_error(&failure, attempts, " (pool retry budget exhausted)"));
+                    }
+                    Err(_) => continue, // that candidate became unavailable; try the next
+                }
+            }
+            match moved {
+                Some(view) => candidate = view,
+                None => {
+                    self.release(failure.outcome.clone()).await;
+                    return Err(final_error(&failure, attempts, ""));
+                }
+            }
         }
-    };
-    let status = upstream.status_code();
-    let content_type = upstream.headers().get("content-type").ok().flatten();
-    let (_, upstream_body) = upstream.into_parts();
-    let out_headers = Headers::new();
-    let oset = |k: &str, v: &str| out_headers.set(k, v).map_err(ApiError::from_worker);
-    if let Some(ct) = content_type {
-        oset("content-type", &ct)?;
     }
-    oset("x-request-id", request_id)?;
-    oset("x-gateway-backend", &grant.backend_id)?;
-    oset("x-gateway-pool", &pool)?;
-    let resp = match upstream_body {
-        ResponseBody::Stream(stream) => {
-            let ts = web_sys::TransformStream::new().map_err(|_| ApiError::internal("TransformStream unavailable"))?;
-            let pipe = stream.pipe_to(&ts.writable());
-            let lease_id = grant.lease_id;
-            let env = env.clone();
-            ctx.wait_until(async move {
-                let _ = JsFuture::from(pipe).await;
-                release(env, pool, lease_id).await;
-            });
-            Response::builder().with_status(status).with_headers(out_headers).stream(ts.readable().unchecked_into())
+
+    async fn attempt(&self, c: &CandidateView, client_signal: &AbortSignal) -> Result<Answer, AttemptFailure> {
+        let started = Date::now().as_millis();
+        let req = self.upstream_request(c).map_err(|e| AttemptFailure {
+            outcome: Outcome::of_kind(OutcomeKind::Transport),
+            reason: format!("cannot build the request to backend {}: {e}", c.id.0),
+        })?;
+        let timeout = if self.stream { self.settings.first_byte_timeout } else { self.settings.response_timeout };
+        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal)).await.map_err(|f| match f {
+            FetchFailure::Timeout => AttemptFailure {
+                outcome: Outcome::of_kind(OutcomeKind::Timeout),
+                reason: format!("backend {} sent no response within {} ms", c.id.0, timeout.as_millis()),
+            },
+            FetchFailure::Transport(e) => AttemptFailure {
+                outcome: Outcome::of_kind(OutcomeKind::Transport),
+                reason: format!("backend {} unreachable: {e}", c.id.0),
+            },
+        })?;
+        let status = resp.status_code();
+        let kind = OutcomeKind::from_status(status);
+        if matches!(kind, OutcomeKind::ServerError | OutcomeKind::RateLimited) {
+            let mut outcome = Outcome::from_status(status);
+            outcome.ttfb_ms = Some(Date::now().as_millis().saturating_sub(started));
+            abort.abort();
+            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}", c.id.0) });
         }
-        other => {
-            release(env.clone(), pool, grant.lease_id).await;
-            Response::builder().with_status(status).with_headers(out_headers).body(other)
+        let headers = resp.headers().clone();
+        let (_, body) = resp.into_parts();
+        let body = match body {
+            ResponseBody::Stream(s) => Some(s),
+            _ => None,
+        };
+        let mut answer = Answer { status, headers, first_chunk: None, body, ttfb_ms: 0, _abort: abort };
+        if self.stream && (200..300).contains(&status) {
+            if let Some(stream) = &answer.body {
+                let remaining = timeout.saturating_sub(Duration::from_millis(Date::now().as_millis().saturating_sub(started)));
+                answer.first_chunk = Some(read_first_chunk(stream, remaining, &c.id.0).await?);
+            }
         }
+        answer.ttfb_ms = Date::now().as_millis().saturating_sub(started);
+        Ok(answer)
+    }
+
+    fn upstream_request(&self, c: &CandidateView) -> worker::Result<Request> {
+        let headers = Headers::new();
+        for (name, value) in self.client.headers().entries() {
+            let lower = name.to_ascii_lowercase();
+            if DROPPED_REQUEST_HEADERS.contains(&lower.as_str()) || lower.starts_with("cf-") || lower.starts_with("x-gateway-") {
+                continue;
+            }
+            headers.append(&name, &value)?;
+        }
+        headers.set("content-type", "application/json")?;
+        headers.set("x-request-id", self.request_id)?;
+        if let Some(key) = &c.api_key {
+            headers.set("authorization", &format!("Bearer {key}"))?;
+        }
+        let mut init = RequestInit::new();
+        init.with_method(Method::Post)
+            .with_headers(headers)
+            .with_body(Some(js_sys::Uint8Array::from(self.body.as_slice()).into()));
+        Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
+    }
+
+    fn respond(self, answer: Answer, c: &CandidateView, attempts: u32, client_signal: AbortSignal) -> Result<Response, ApiError> {
+        let out = Headers::new();
+        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
+        for name in PASSED_RESPONSE_HEADERS {
+            if let Some(v) = answer.headers.get(name).ok().flatten() {
+                set(name, &v)?;
+            }
+        }
+        set("x-request-id", self.request_id)?;
+        set("x-gateway-pool", &self.pool)?;
+        set("x-gateway-backend", &c.id.0)?;
+        set("x-gateway-attempts", &attempts.to_string())?;
+        if let Some(d) = self.grant.decision {
+            if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
+                set("x-gateway-decision", &s)?;
+            }
+        }
+        let status = answer.status;
+        let mut outcome = Outcome::from_status(status);
+        outcome.ttfb_ms = Some(answer.ttfb_ms);
+        let Some(body) = answer.body else {
+            let env = self.env.clone();
+            let pool = self.pool.clone();
+            let lease_id = self.grant.lease_id;
+            self.ctx.wait_until(async move { release(env, pool, lease_id, outcome).await });
+            return Ok(Response::builder().with_status(status).with_headers(out).empty());
+        };
+        let ts = web_sys::TransformStream::new().map_err(|_| ApiError::internal("TransformStream unavailable"))?;
+        let writable = ts.writable();
+        // The first chunk is queued now but piping starts only once it has been taken: the write
+        // completes when the client starts reading, after this function has returned.
+        let writer = writable.get_writer().map_err(|_| ApiError::internal("stream writer unavailable"))?;
+        let first_write = answer.first_chunk.as_ref().map(|chunk| writer.write_with_chunk(chunk));
+        let env = self.env.clone();
+        let pool = self.pool.clone();
+        let lease_id = self.grant.lease_id;
+        let streaming = self.stream;
+        let backend = c.id.0.clone();
+        self.ctx.wait_until(async move {
+            if let Some(w) = first_write {
+                let _ = JsFuture::from(w).await;
+            }
+            writer.release_lock();
+            let options = web_sys::StreamPipeOptions::new();
+            options.set_prevent_close(true);
+            options.set_prevent_abort(true);
+            let piped = JsFuture::from(body.pipe_to_with_options(&writable, &options)).await;
+            let outcome = match piped {
+                _ if client_signal.aborted() => Outcome { kind: OutcomeKind::Cancelled, ..outcome },
+                Ok(_) => {
+                    close_writable(&writable, None).await;
+                    outcome
+                }
+                Err(e) => {
+                    let reason = e.as_string().unwrap_or_else(|| "the backend's stream failed".to_string());
+                    worker::console_error!("stream from backend {backend} failed mid-way: {reason}");
+                    let event = streaming.then(|| mid_stream_error_event(&backend));
+                    close_writable(&writable, event.as_deref()).await;
+                    Outcome { kind: OutcomeKind::Transport, ..outcome }
+                }
+            };
+            release(env, pool, lease_id, outcome).await;
+        });
+        Ok(Response::builder().with_status(status).with_headers(out).stream(ts.readable().unchecked_into()))
+    }
+
+    async fn reassign(&self, to: &CandidateView, failure: &Outcome) -> Result<CandidateView, ApiError> {
+        let req = ReassignRequest { lease_id: self.grant.lease_id, to: to.id.clone(), failure: failure.clone() };
+        pool_json(self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await
+    }
+
+    async fn release(&self, outcome: Outcome) {
+        release(self.env.clone(), self.pool.clone(), self.grant.lease_id, outcome).await;
+    }
+}
+
+/// Reads the first chunk of a stream within `timeout`, then unlocks the stream for piping.
+async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, backend: &str) -> Result<JsValue, AttemptFailure> {
+    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
+    let read = JsFuture::from(reader.read());
+    let result = with_timeout(read, timeout).await;
+    let fail = |kind: OutcomeKind, reason: String| AttemptFailure { outcome: Outcome::of_kind(kind), reason };
+    let chunk = match result {
+        None => {
+            let _ = reader.cancel();
+            return Err(fail(OutcomeKind::Timeout, format!("backend {backend} sent no first token within {} ms", timeout.as_millis())));
+        }
+        Some(Err(_)) => return Err(fail(OutcomeKind::Transport, format!("backend {backend} failed before its first token"))),
+        Some(Ok(r)) => r,
     };
-    Ok(resp)
+    let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|v| v.as_bool()).unwrap_or(true);
+    if done {
+        return Err(fail(OutcomeKind::Transport, format!("backend {backend} closed the stream before its first token")));
+    }
+    reader.release_lock();
+    js_sys::Reflect::get(&chunk, &"value".into())
+        .map_err(|_| fail(OutcomeKind::Transport, format!("backend {backend} sent an unreadable chunk")))
+}
+
+/// Writes an optional final event, then closes the client's side of the stream.
+async fn close_writable(writable: &web_sys::WritableStream, final_event: Option<&str>) {
+    let Ok(writer) = writable.get_writer() else { return };
+    if let Some(event) = final_event {
+        let bytes = js_sys::Uint8Array::from(event.as_bytes());
+        let _ = JsFuture::from(writer.write_with_chunk(&bytes)).await;
+    }
+    let _ = JsFuture::from(writer.close()).await;
+}
+
+/// The SSE event that ends a stream whose backend failed after the first byte.
+fn mid_stream_error_event(backend: &str) -> String {
+    let body = json!({ "error": {
+        "message": format!("The backend ({backend}) failed while streaming; the response is incomplete."),
+        "type": "server_error",
+        "param": null,
+        "code": "upstream_stream_error",
+    }});
+    format!("data: {body}\n\ndata: [DONE]\n\n")
+}
+
+/// The client's error after every allowed attempt failed.
+fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiError {
+    let message = format!("Upstream failed after {attempts} attempt(s): {}{suffix}", failure.reason);
+    match failure.outcome.kind {
+        OutcomeKind::Timeout => ApiError::gateway_timeout(message),
+        OutcomeKind::RateLimited => ApiError::rate_limited(message, 1),
+        _ => ApiError::bad_gateway(message),
+    }
 }
 
 /// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.
-pub async fn release(env: Env, pool: String, lease_id: u64) {
-    let result: Result<serde_json::Value, ApiError> = match pool_stub(&env, &pool) {
-        Ok(stub) => call_json(&stub, Method::Post, "/release", Some(&json!({ "lease_id": lease_id }))).await,
-        Err(e) => Err(e),
-    };
+pub async fn release(env: Env, pool: String, lease_id: u64, outcome: Outcome) {
+    let req = ReleaseRequest { lease_id, outcome };
+    let result: Result<serde_json::Value, ApiError> = pool_json(&env, &pool, Method::Post, "/release", Some(&req)).await;
     if let Err(e) = result {
         worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
     }

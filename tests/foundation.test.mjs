@@ -3,7 +3,7 @@
 // completion that reaches the client before the backend has finished (no buffering).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSseServer, tempDir, waitFor, errorBody, ADMIN_TOKEN } from "./lib/harness.mjs";
+import { startGateway, startSseServer, tempDir, waitFor, waitReady, errorBody, ADMIN_TOKEN } from "./lib/harness.mjs";
 
 let gw, sse, persist;
 
@@ -72,8 +72,11 @@ test("a registered backend is listed with its API key redacted, and duplicates c
   assert.ok(!listText.includes(secret), "listing leaks the API key");
   const item = JSON.parse(listText).data.find((b) => b.id === created.id);
   assert.equal(item.url, sse.url);
-  assert.equal(item.api_key, "[redacted]");
+  assert.equal(item.api_key, undefined);
+  assert.equal(item.has_api_key, true);
   assert.equal(item.pool, "default");
+  assert.equal(item.lifecycle, "pending", "a new backend serves nothing before its first probe");
+  await waitReady(gw, created.id);
 
   const dup = await gw.admin("/admin/backends", { method: "POST", body: { url: sse.url + "/", models: ["x"] } });
   assert.equal(dup.status, 409);
@@ -138,6 +141,7 @@ test("the cron trigger arms the pool's probe alarm, which records its probe", as
   }, { what: "a recorded probe" });
   assert.ok(state.last_probe_ms > Date.now() - 60_000);
   assert.equal(state.backends, 1);
+  assert.ok(state.probe_rounds >= 1);
 });
 
 test("the registry survives a restart of the gateway", async () => {

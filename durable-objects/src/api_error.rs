@@ -148,6 +148,12 @@ impl ApiError {
         self
     }
 
+    /// Replaces the machine-readable code.
+    pub fn with_code(mut self, code: &str) -> Self {
+        self.code = Some(code.to_string());
+        self
+    }
+
     /// Adds a `Retry-After` header.
     pub fn with_retry_after(mut self, seconds: u32) -> Self {
         self.retry_after_s = Some(seconds);

@@ -5,10 +5,26 @@
 //! - `GET /pools`: every [`PoolEntry`], ordered by name.
 //! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]).
 //! - `DELETE /pools/{name}`: forget a pool.
+//! - `GET /keys`, `POST /keys`, `DELETE /keys/{id}`: client API keys, stored as SHA-256 hashes
+//!   (the Worker mints a key, shows it once, and sends only its hash here).
 
 use crate::api_error::ApiError;
 use crate::protocol::PoolEntry;
+use serde::{Deserialize, Serialize};
 use worker::*;
+
+/// A client API key as stored: never the key itself, only its hash.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StoredKey {
+    /// Public id, used to revoke the key.
+    pub id: String,
+    /// Operator's label.
+    pub name: String,
+    /// Hex SHA-256 of the key.
+    pub hash: String,
+    /// When it was minted (ms since the epoch).
+    pub created_ms: u64,
+}
 
 /// The name of the single directory instance.
 pub const DIRECTORY_NAME: &str = "directory";
@@ -22,11 +38,13 @@ pub struct PoolDirectory {
 impl DurableObject for PoolDirectory {
     fn new(state: State, _env: Env) -> Self {
         let sql = state.storage().sql();
-        if let Err(e) = sql.exec(
+        for ddl in [
             "CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, region TEXT NOT NULL DEFAULT '')",
-            None,
-        ) {
-            console_error!("directory: schema: {e}");
+            "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL UNIQUE, created_ms INTEGER NOT NULL)",
+        ] {
+            if let Err(e) = sql.exec(ddl, None) {
+                console_error!("directory: schema: {e}");
+            }
         }
         PoolDirectory { state }
     }
@@ -48,6 +66,29 @@ impl DurableObject for PoolDirectory {
                 .exec("DELETE FROM pools WHERE name = ?", vec![(*name).into()])
                 .map_err(ApiError::from_worker)
                 .and_then(|_| Response::empty().map_err(ApiError::from_worker)),
+            (Method::Get, ["keys"]) => self
+                .sql("SELECT id, name, hash, created_ms FROM keys ORDER BY created_ms", vec![])
+                .and_then(|c| c.to_array::<StoredKey>().map_err(ApiError::from_worker))
+                .and_then(|keys| Response::from_json(&keys).map_err(ApiError::from_worker)),
+            (Method::Post, ["keys"]) => match req.json::<StoredKey>().await {
+                Ok(k) => self
+                    .sql(
+                        "INSERT INTO keys (id, name, hash, created_ms) VALUES (?, ?, ?, ?)",
+                        vec![k.id.clone().into(), k.name.clone().into(), k.hash.clone().into(), (k.created_ms as i64).into()],
+                    )
+                    .and_then(|_| Response::from_json(&k).map(|r| r.with_status(201)).map_err(ApiError::from_worker)),
+                Err(e) => Err(ApiError::bad_request(format!("invalid key: {e}"))),
+            },
+            (Method::Delete, ["keys", id]) => self
+                .sql("DELETE FROM keys WHERE id = ?", vec![(*id).into()])
+                .and_then(|c| {
+                    let deleted = c.rows_written() > 0;
+                    if deleted {
+                        Response::from_json(&serde_json::json!({ "id": id, "deleted": true })).map_err(ApiError::from_worker)
+                    } else {
+                        Err(ApiError::not_found(format!("no key `{id}`")))
+                    }
+                }),
             _ => Err(ApiError::not_found(format!("directory has no route {path}"))),
         };
         result.or_else(|e| e.to_response())
@@ -55,6 +96,10 @@ impl DurableObject for PoolDirectory {
 }
 
 impl PoolDirectory {
+    fn sql(&self, query: &str, bindings: Vec<SqlStorageValue>) -> std::result::Result<SqlCursor, ApiError> {
+        self.state.storage().sql().exec(query, bindings).map_err(ApiError::from_worker)
+    }
+
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {
         let cursor = self
             .state

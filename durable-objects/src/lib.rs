@@ -1,11 +1,15 @@
 //! The gateway's Durable Objects and the protocol the Worker speaks to them.
 //!
-//! - [`pool_coordinator::PoolCoordinator`]: one per GPU pool; registry, health, leases.
+//! - [`pool_coordinator::PoolCoordinator`]: one per GPU pool; registry, health, breakers, leases,
+//!   prefix affinity (the decisions are `routing_core`'s).
 //! - [`directory::PoolDirectory`]: a single instance listing every pool.
 //! - [`protocol`]: the internal routes and bodies; [`api_error`]: the OpenAI-style error shape.
+//! - [`probe`] and [`timed_fetch`]: active health checks and outbound fetches with deadlines.
 
 pub mod api_error;
 pub mod directory;
 pub mod pool_coordinator;
+pub mod probe;
 pub mod protocol;
 pub mod registry;
+pub mod timed_fetch;

@@ -1,197 +1,491 @@
 //! The pool coordinator: one Durable Object per GPU pool, the single authority for that pool's
-//! backends, their health, and the requests in flight on them.
+//! backends, their health and breakers, the requests in flight on them, and the prefix-affinity
+//! table. The decisions themselves are `routing_core::pool::Pool`'s; this file is the adapter that
+//! gives it time, randomness, persistence and an HTTP surface.
 //!
-//! The Worker reaches it over internal HTTP routes (see [`crate::protocol`]). Response bytes never
-//! pass through here: the Worker asks for a lease, streams from the backend itself, and releases
-//! the lease when the stream ends. Probes run from this object's alarm, which the cron trigger keeps
-//! armed.
+//! Response bytes never pass through here: the Worker acquires a lease, streams from the backend
+//! itself, reassigns the lease if it must retry elsewhere, and releases it when the stream ends.
+//! Leases also expire on a deadline, so a Worker that dies never leaks load. Probes run from this
+//! object's alarm, which re-arms itself and which the cron trigger makes sure is armed.
+//!
+//! Persisted in SQLite: backend specs, their lifecycle/health/breaker snapshots, pool settings.
+//! In memory only: leases, affinity, the retry budget, the last probe reports.
 
 use crate::api_error::ApiError;
-use crate::protocol::BackendRegistration;
-use crate::registry::{validate_registration, Registry, StoredBackend};
+use crate::probe::{probe_backend, ProbeReport};
+use crate::protocol::{BackendRegistration, ReassignRequest, ReleaseRequest, POOL_HEADER};
+use crate::registry::{validate_name, validate_registration, validate_url, Registry};
+use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
+use routing_core::health::HealthState;
+use routing_core::outcome::OutcomeKind;
+use routing_core::pool::{AcquireError, BackendView, Pool, PoolConfig, PoolError};
+use routing_core::prompt::RequestFeatures;
+use routing_core::random::SplitMix64;
+use routing_core::retry_budget::{RetryBudget, RetryBudgetConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::time::Duration;
 use worker::*;
 
-/// How often the alarm probes backends unless configured otherwise.
-const DEFAULT_PROBE_INTERVAL_MS: i64 = 10_000;
+/// Default time between probe rounds (the `PROBE_INTERVAL_MS` var overrides it).
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 10_000;
+/// Default timeout of each probe request.
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2_000;
+/// Most backends probed at once (the platform allows six outbound connections per invocation).
+const PROBE_CONCURRENCY: usize = 6;
+
+/// A pool's settings: the routing core's configuration plus what the coordinator itself uses.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PoolSettings {
+    /// Policy and routing knobs.
+    #[serde(flatten)]
+    pub routing: PoolConfig,
+    /// Retry-budget knobs.
+    pub retry_budget: RetryBudgetConfig,
+    /// Time between probe rounds, ms (0: the `PROBE_INTERVAL_MS` var or 10,000).
+    pub probe_interval_ms: u64,
+    /// Timeout of each probe request, ms.
+    pub probe_timeout_ms: u64,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        PoolSettings {
+            routing: PoolConfig::default(),
+            retry_budget: RetryBudgetConfig::default(),
+            probe_interval_ms: 0,
+            probe_timeout_ms: DEFAULT_PROBE_TIMEOUT_MS,
+        }
+    }
+}
+
+impl PoolSettings {
+    fn validate(&self) -> std::result::Result<(), ApiError> {
+        self.routing.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
+        self.retry_budget.validate().map_err(ApiError::bad_request)?;
+        if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
+            return Err(ApiError::bad_request("probe_interval_ms must be 0 (default) or 500-3,600,000").with_param("probe_interval_ms"));
+        }
+        if !(100..=60_000).contains(&self.probe_timeout_ms) {
+            return Err(ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000").with_param("probe_timeout_ms"));
+        }
+        Ok(())
+    }
+}
 
 /// Live state of one pool.
 #[durable_object]
 pub struct PoolCoordinator {
     state: State,
     env: Env,
-    inner: RefCell<Option<Inner>>,
+    live: RefCell<Option<Live>>,
 }
 
 /// What the coordinator keeps in memory (rebuilt from the registry after a restart).
-struct Inner {
+struct Live {
+    name: String,
     registry: Registry,
-    backends: Vec<StoredBackend>,
-    healthy: HashMap<String, bool>,
-    in_flight: HashMap<u64, String>,
-    next_lease: u64,
+    pool: Pool,
+    settings: PoolSettings,
+    rng: SplitMix64,
+    budget: RetryBudget,
+    probes: HashMap<BackendId, ProbeReport>,
+    /// Backends whose `DELETE` waits for their drain to finish.
+    pending_delete: HashSet<BackendId>,
+    probe_rounds: u64,
+    last_probe_ms: Option<u64>,
 }
 
-/// A granted lease: the backend to call.
-#[derive(Serialize, Deserialize)]
-pub struct Grant {
-    /// Lease id, to release.
-    pub lease_id: u64,
-    /// Chosen backend id.
-    pub backend_id: String,
-    /// Its base URL.
-    pub url: String,
-    /// Its API key, for the Authorization header.
-    pub api_key: Option<String>,
-}
-
-/// A backend as listed by the admin API (API key redacted).
+/// A backend as the admin API shows it: the core's view plus the last probe report.
 #[derive(Serialize)]
-struct BackendView<'a> {
-    id: &'a str,
-    url: &'a str,
-    region: &'a str,
-    models: &'a [String],
-    weight: u32,
-    role: &'a str,
-    api_key: Option<&'static str>,
-    healthy: Option<bool>,
-    in_flight: usize,
+struct AdminBackend<'a> {
+    #[serde(flatten)]
+    view: BackendView,
+    last_probe: Option<&'a ProbeReport>,
+    delete_pending: bool,
 }
 
-#[derive(Deserialize)]
-struct AcquireRequest {
-    model: String,
+/// Body of `PATCH /backends/{id}`: spec changes plus drain / undrain.
+#[derive(Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct AdminPatch {
+    #[serde(flatten)]
+    patch: BackendPatch,
+    drain: Option<bool>,
 }
 
-#[derive(Deserialize)]
-struct ReleaseRequest {
-    lease_id: u64,
+type ApiResult = std::result::Result<Response, ApiError>;
+
+fn now_ms() -> u64 {
+    Date::now().as_millis()
+}
+
+fn json_response<T: Serialize>(status: u16, value: &T) -> ApiResult {
+    Response::from_json(value).map(|r| r.with_status(status)).map_err(ApiError::from_worker)
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(body: &str, what: &str) -> std::result::Result<T, ApiError> {
+    serde_json::from_str(body).map_err(|e| ApiError::bad_request(format!("invalid {what}: {e}")))
+}
+
+fn pool_error(e: PoolError) -> ApiError {
+    match e {
+        PoolError::UnknownBackend { .. } => ApiError::not_found(e.to_string()),
+        PoolError::DuplicateBackend { .. } => ApiError::conflict(e.to_string()),
+        PoolError::UnknownLease { .. } => ApiError::not_found(e.to_string()),
+        PoolError::BackendUnavailable { .. } => ApiError::unavailable(e.to_string(), 1),
+        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => ApiError::bad_request(e.to_string()),
+    }
 }
 
 impl DurableObject for PoolCoordinator {
     fn new(state: State, env: Env) -> Self {
-        PoolCoordinator { state, env, inner: RefCell::new(None) }
+        PoolCoordinator { state, env, live: RefCell::new(None) }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
-        if let Err(e) = self.load() {
+        let name = req.headers().get(POOL_HEADER).ok().flatten();
+        if let Err(e) = self.load(name.as_deref()) {
             return e.to_response();
         }
         let path = req.path();
         let segments: Vec<String> = path.trim_matches('/').split('/').map(str::to_string).collect();
         let segs: Vec<&str> = segments.iter().map(String::as_str).collect();
         let method = req.method();
+        let force = req.url().map(|u| u.query_pairs().any(|(k, v)| k == "force" && v == "true")).unwrap_or(false);
         let body = match method {
             Method::Post | Method::Put | Method::Patch => match req.text().await {
                 Ok(t) => t,
-                Err(e) => return ApiError::bad_request(format!("unreadable body: {e}")).to_response(),
+                Err(_) => return ApiError::bad_request("request body is not valid UTF-8").to_response(),
             },
             _ => String::new(),
         };
         let result = match (method, segs.as_slice()) {
-            (Method::Post, ["backends"]) => self.register(&body),
-            (Method::Get, ["backends"]) => self.list(),
             (Method::Post, ["acquire"]) => self.acquire(&body),
+            (Method::Post, ["reassign"]) => self.reassign(&body),
             (Method::Post, ["release"]) => self.release(&body),
-            (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
+            (Method::Post, ["backends"]) => self.register(&body).await,
+            (Method::Get, ["backends"]) => self.list(),
+            (Method::Get, ["backends", id]) => self.show(id),
+            (Method::Patch, ["backends", id]) => self.patch(id, &body),
+            (Method::Delete, ["backends", id]) => self.delete(id, force),
+            (Method::Get, ["models"]) => self.models(),
+            (Method::Get, ["config"]) => self.with(|l| json_response(200, &l.settings)),
+            (Method::Put, ["config"]) => self.put_config(&body),
             (Method::Get, ["state"]) => self.summary(),
+            (Method::Get, ["metrics"]) => self.metrics(),
+            (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
+            (Method::Post, ["probe", "now"]) => {
+                self.probe_all().await;
+                self.summary()
+            }
             _ => Err(ApiError::not_found(format!("pool has no route {path}"))),
         };
         result.or_else(|e| e.to_response())
     }
 
     async fn alarm(&self) -> Result<Response> {
-        if let Err(e) = self.load() {
+        if let Err(e) = self.load(None) {
             return e.to_response();
         }
+        self.with(|l| {
+            l.pool.expire(now_ms());
+            finish_drains(l);
+        });
         self.probe_all().await;
-        self.state.storage().set_alarm(self.probe_interval_ms()).await?;
+        self.state.storage().set_alarm(self.probe_interval_ms() as i64).await?;
         Response::ok("probed")
     }
 }
 
-type ApiResult = std::result::Result<Response, ApiError>;
-
-fn json_response<T: Serialize>(status: u16, value: &T) -> ApiResult {
-    Response::from_json(value).map(|r| r.with_status(status)).map_err(ApiError::from_worker)
-}
-
 impl PoolCoordinator {
     /// Loads the registry into memory on first use after a (re)start.
-    fn load(&self) -> std::result::Result<(), ApiError> {
-        if self.inner.borrow().is_some() {
+    fn load(&self, name: Option<&str>) -> std::result::Result<(), ApiError> {
+        if let Some(live) = self.live.borrow_mut().as_mut() {
+            if let Some(n) = name.filter(|n| *n != live.name) {
+                live.name = n.to_string();
+                live.registry.set_meta("name", &live.name)?;
+            }
             return Ok(());
         }
         let registry = Registry::open(self.state.storage().sql()).map_err(ApiError::from_worker)?;
-        let backends = registry.backends().map_err(ApiError::from_worker)?;
-        *self.inner.borrow_mut() =
-            Some(Inner { registry, backends, healthy: HashMap::new(), in_flight: HashMap::new(), next_lease: 1 });
+        let stored_name: Option<String> = registry.meta("name");
+        let name = name.map(str::to_string).or(stored_name.clone()).unwrap_or_else(|| "unnamed".to_string());
+        if stored_name.as_deref() != Some(&name) {
+            registry.set_meta("name", &name)?;
+        }
+        let mut settings: PoolSettings = registry.meta("config").unwrap_or_default();
+        if settings.validate().is_err() {
+            settings = PoolSettings::default();
+        }
+        let mut pool = Pool::new(&name, settings.routing.clone());
+        let now = now_ms();
+        for (spec, snapshot) in registry.backends().map_err(ApiError::from_worker)? {
+            let id = spec.id.clone();
+            if let Err(e) = pool.add_backend(spec, now) {
+                console_error!("pool {name}: cannot restore backend {id}: {e}");
+                continue;
+            }
+            if let Some(snapshot) = snapshot {
+                let _ = pool.restore(&snapshot);
+            }
+        }
+        let pending_delete: HashSet<BackendId> = registry.meta("pending_delete").unwrap_or_default();
+        let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
+        *self.live.borrow_mut() = Some(Live {
+            name,
+            registry,
+            pool,
+            settings,
+            rng: SplitMix64::new(seed),
+            budget: RetryBudget::new(),
+            probes: HashMap::new(),
+            pending_delete,
+            probe_rounds: 0,
+            last_probe_ms: None,
+        });
         Ok(())
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
-        let mut guard = self.inner.borrow_mut();
+    fn with<R>(&self, f: impl FnOnce(&mut Live) -> R) -> R {
+        let mut guard = self.live.borrow_mut();
         f(guard.as_mut().expect("load() runs before every handler"))
     }
 
-    fn probe_interval_ms(&self) -> i64 {
+    fn probe_interval_ms(&self) -> u64 {
+        let configured = self.with(|l| l.settings.probe_interval_ms);
+        if configured > 0 {
+            return configured;
+        }
         self.env
             .var("PROBE_INTERVAL_MS")
             .ok()
             .and_then(|v| v.to_string().parse().ok())
+            .filter(|&v: &u64| v >= 100)
             .unwrap_or(DEFAULT_PROBE_INTERVAL_MS)
     }
 
-    fn register(&self, body: &str) -> ApiResult {
-        let reg: BackendRegistration =
-            serde_json::from_str(body).map_err(|e| ApiError::bad_request(format!("invalid backend registration: {e}")))?;
-        let backend = validate_registration(reg, "")?;
-        self.with(|inner| {
-            inner.registry.insert(&backend)?;
-            inner.backends.push(backend.clone());
-            Ok(())
-        })?;
-        self.with(|inner| json_response(201, &view(inner, inner.backends.last().expect("just pushed"))))
-    }
-
-    fn list(&self) -> ApiResult {
-        self.with(|inner| {
-            let views: Vec<BackendView> = inner.backends.iter().map(|b| view(inner, b)).collect();
-            json_response(200, &json!({ "object": "list", "data": views }))
+    fn acquire(&self, body: &str) -> ApiResult {
+        let features: RequestFeatures = parse(body, "acquire request")?;
+        self.with(|l| {
+            let now = now_ms();
+            let Live { pool, rng, budget, settings, .. } = l;
+            match pool.acquire(&features, now, rng) {
+                Ok(grant) => {
+                    budget.record_request(now, &settings.retry_budget);
+                    json_response(200, &grant)
+                }
+                Err(AcquireError::ModelNotFound { model }) => Err(ApiError::model_not_found(&model)),
+                Err(AcquireError::NoBackendAvailable { retry_after_s }) => Err(ApiError::unavailable(
+                    "No backend in this pool can take the request now.",
+                    retry_after_s.clamp(1, 3600) as u32,
+                )),
+            }
         })
     }
 
-    fn acquire(&self, body: &str) -> ApiResult {
-        let req: AcquireRequest =
-            serde_json::from_str(body).map_err(|e| ApiError::bad_request(format!("invalid acquire: {e}")))?;
-        self.with(|inner| {
-            let serving: Vec<&StoredBackend> =
-                inner.backends.iter().filter(|b| b.models.is_empty() || b.models.contains(&req.model)).collect();
-            if serving.is_empty() {
-                return Err(ApiError::model_not_found(&req.model));
+    fn reassign(&self, body: &str) -> ApiResult {
+        let req: ReassignRequest = parse(body, "reassign request")?;
+        self.with(|l| {
+            let now = now_ms();
+            if !l.budget.try_retry(now, &l.settings.retry_budget) {
+                // The failure still counts against the failed backend; the lease ends with it.
+                l.pool.release(req.lease_id, &req.failure, now);
+                persist_snapshots(l);
+                return Err(ApiError::unavailable("The pool's retry budget is exhausted.", 1)
+                    .with_code("retry_budget_exhausted"));
             }
-            let chosen = serving
-                .into_iter()
-                .filter(|b| inner.healthy.get(&b.id).copied().unwrap_or(true))
-                .min_by_key(|b| inner.in_flight.values().filter(|id| *id == &b.id).count())
-                .cloned()
-                .ok_or_else(|| ApiError::unavailable("No healthy backend can serve this model now.", 1))?;
-            let lease_id = inner.next_lease;
-            inner.next_lease += 1;
-            inner.in_flight.insert(lease_id, chosen.id.clone());
-            json_response(200, &Grant { lease_id, backend_id: chosen.id, url: chosen.url, api_key: chosen.api_key })
+            let result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            persist_snapshots(l);
+            match result {
+                Ok(candidate) => json_response(200, &candidate),
+                Err(e) => Err(pool_error(e)),
+            }
         })
     }
 
     fn release(&self, body: &str) -> ApiResult {
-        let req: ReleaseRequest =
-            serde_json::from_str(body).map_err(|e| ApiError::bad_request(format!("invalid release: {e}")))?;
-        let released = self.with(|inner| inner.in_flight.remove(&req.lease_id).is_some());
-        json_response(200, &json!({ "released": released }))
+        let req: ReleaseRequest = parse(body, "release request")?;
+        self.with(|l| {
+            let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
+            if released && req.outcome.kind != OutcomeKind::Success {
+                persist_snapshots(l);
+            }
+            finish_drains(l);
+            json_response(200, &json!({ "released": released }))
+        })
+    }
+
+    async fn register(&self, body: &str) -> ApiResult {
+        let reg: BackendRegistration = parse(body, "backend registration")?;
+        let spec = validate_registration(reg)?;
+        let view = self.with(|l| {
+            if l.registry.url_taken(&spec.url, &spec.id.0)? {
+                return Err(ApiError::conflict("a backend with this URL is already registered"));
+            }
+            l.pool.add_backend(spec.clone(), now_ms()).map_err(pool_error)?;
+            if let Err(e) = l.registry.put_spec(&spec) {
+                let _ = l.pool.remove_backend(&spec.id, now_ms());
+                return Err(e);
+            }
+            persist_snapshots(l);
+            l.pool.backend(&spec.id).ok_or_else(|| ApiError::internal("backend vanished"))
+        })?;
+        // A new backend serves nothing until probed: probe soon rather than at the next round.
+        self.ensure_alarm().await?;
+        json_response(201, &view)
+    }
+
+    fn list(&self) -> ApiResult {
+        self.with(|l| {
+            let data: Vec<AdminBackend> = l
+                .pool
+                .backends()
+                .map(|view| {
+                    let last_probe = l.probes.get(&view.id);
+                    let delete_pending = l.pending_delete.contains(&view.id);
+                    AdminBackend { view, last_probe, delete_pending }
+                })
+                .collect();
+            json_response(200, &json!({ "object": "list", "pool": l.name, "data": data }))
+        })
+    }
+
+    fn show(&self, id: &str) -> ApiResult {
+        self.with(|l| {
+            let id = BackendId(id.to_string());
+            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
+            let delete_pending = l.pending_delete.contains(&id);
+            json_response(200, &AdminBackend { view, last_probe: l.probes.get(&id), delete_pending })
+        })
+    }
+
+    fn patch(&self, id: &str, body: &str) -> ApiResult {
+        let req: AdminPatch = parse(body, "backend patch")?;
+        let id = BackendId(id.to_string());
+        self.with(|l| {
+            let now = now_ms();
+            let mut patch = req.patch;
+            if let Some(url) = &patch.url {
+                let url = validate_url(url)?;
+                if l.registry.url_taken(&url, &id.0)? {
+                    return Err(ApiError::conflict("a backend with this URL is already registered"));
+                }
+                patch.url = Some(url);
+            }
+            l.pool.update_backend(&id, &patch, now).map_err(pool_error)?;
+            match req.drain {
+                Some(true) => {
+                    l.pool.set_lifecycle(&id, Lifecycle::Draining, now).map_err(pool_error)?;
+                }
+                Some(false) => {
+                    l.pool.set_lifecycle(&id, Lifecycle::Ready, now).map_err(pool_error)?;
+                    l.pending_delete.remove(&id);
+                    l.registry.set_meta("pending_delete", &l.pending_delete)?;
+                }
+                None => {}
+            }
+            finish_drains(l);
+            if let Some(spec) = l.pool.spec(&id) {
+                l.registry.put_spec(spec)?;
+            }
+            persist_snapshots(l);
+            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found("backend vanished"))?;
+            json_response(200, &AdminBackend { view, last_probe: l.probes.get(&id), delete_pending: l.pending_delete.contains(&id) })
+        })
+    }
+
+    fn delete(&self, id: &str, force: bool) -> ApiResult {
+        let id = BackendId(id.to_string());
+        self.with(|l| {
+            let now = now_ms();
+            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
+            if force || view.leases_in_flight == 0 {
+                remove_backend(l, &id)?;
+                return json_response(200, &json!({ "id": id, "deleted": true }));
+            }
+            l.pool.set_lifecycle(&id, Lifecycle::Draining, now).map_err(pool_error)?;
+            l.pending_delete.insert(id.clone());
+            l.registry.set_meta("pending_delete", &l.pending_delete)?;
+            persist_snapshots(l);
+            json_response(
+                202,
+                &json!({ "id": id, "deleted": false, "status": "draining", "leases_in_flight": view.leases_in_flight }),
+            )
+        })
+    }
+
+    fn models(&self) -> ApiResult {
+        self.with(|l| {
+            let mut models: Vec<String> = l
+                .pool
+                .backends()
+                .filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy)
+                .flat_map(|v| v.served_models)
+                .collect();
+            models.sort();
+            models.dedup();
+            json_response(200, &json!({ "models": models }))
+        })
+    }
+
+    fn put_config(&self, body: &str) -> ApiResult {
+        let settings: PoolSettings = parse(body, "pool configuration")?;
+        settings.validate()?;
+        self.with(|l| {
+            l.pool.set_config(settings.routing.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
+            l.registry.set_meta("config", &settings)?;
+            l.settings = settings;
+            json_response(200, &l.settings)
+        })
+    }
+
+    fn summary(&self) -> ApiResult {
+        self.with(|l| {
+            let views: Vec<BackendView> = l.pool.backends().collect();
+            let ready = views.iter().filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy).count();
+            let waiting: f64 = views.iter().filter_map(|v| v.scraped.waiting).sum();
+            let running: f64 = views.iter().filter_map(|v| v.scraped.running).sum();
+            json_response(
+                200,
+                &json!({
+                    "pool": l.name,
+                    "region": l.settings.routing.region,
+                    "policy": l.settings.routing.policy,
+                    "backends": views.len(),
+                    "ready_backends": ready,
+                    "in_flight": l.pool.live_leases(),
+                    "in_flight_tokens": l.pool.in_flight_total(),
+                    "waiting": waiting,
+                    "running": running,
+                    "last_probe_ms": l.last_probe_ms,
+                    "probe_rounds": l.probe_rounds,
+                    "retry_budget_exhausted": l.budget.exhausted_total(),
+                }),
+            )
+        })
+    }
+
+    fn metrics(&self) -> ApiResult {
+        let text = self.with(|l| {
+            let mut out = String::new();
+            l.pool.render_metrics(&mut out);
+            let pool = &l.name;
+            let _ = writeln!(out, "# HELP llm_gateway_retry_budget_exhausted_total Retries refused by the pool's retry budget.");
+            let _ = writeln!(out, "# TYPE llm_gateway_retry_budget_exhausted_total counter");
+            let _ = writeln!(out, "llm_gateway_retry_budget_exhausted_total{{pool=\"{pool}\"}} {}", l.budget.exhausted_total());
+            let _ = writeln!(out, "# HELP llm_gateway_probe_rounds_total Probe rounds run by the pool's alarm.");
+            let _ = writeln!(out, "# TYPE llm_gateway_probe_rounds_total counter");
+            let _ = writeln!(out, "llm_gateway_probe_rounds_total{{pool=\"{pool}\"}} {}", l.probe_rounds);
+            out
+        });
+        let mut resp = Response::ok(text).map_err(ApiError::from_worker)?;
+        resp.headers_mut().set("content-type", "text/plain; version=0.0.4").map_err(ApiError::from_worker)?;
+        Ok(resp)
     }
 
     async fn ensure_alarm(&self) -> ApiResult {
@@ -203,58 +497,85 @@ impl PoolCoordinator {
         json_response(200, &json!({ "alarm_was_armed": armed.is_some() }))
     }
 
-    fn summary(&self) -> ApiResult {
-        self.with(|inner| {
-            let last_probe_ms: Option<f64> = inner.registry.meta("last_probe_ms").and_then(|v| v.parse().ok());
-            json_response(
-                200,
-                &json!({
-                    "backends": inner.backends.len(),
-                    "in_flight": inner.in_flight.len(),
-                    "last_probe_ms": last_probe_ms,
-                }),
-            )
-        })
-    }
-
-    /// Probes every backend's `/health`, six at a time (the platform's connection limit).
+    /// Probes every backend, `PROBE_CONCURRENCY` at a time, and feeds the results to the pool.
     async fn probe_all(&self) {
-        let targets: Vec<(String, String)> =
-            self.with(|inner| inner.backends.iter().map(|b| (b.id.clone(), b.url.clone())).collect());
-        for batch in targets.chunks(6) {
-            let probes = batch.iter().map(|(id, url)| async move {
-                let ok = matches!(Fetch::Url(match Url::parse(&format!("{url}/health")) {
-                    Ok(u) => u,
-                    Err(_) => return (id.clone(), false),
-                }).send().await, Ok(r) if r.status_code() == 200);
-                (id.clone(), ok)
+        let (targets, timeout) = self.with(|l| {
+            let targets: Vec<(BackendId, String, Option<String>)> = l
+                .pool
+                .backends()
+                .map(|v| {
+                    let key = l.pool.spec(&v.id).and_then(|s| s.api_key.clone());
+                    (v.id, v.url, key)
+                })
+                .collect();
+            (targets, Duration::from_millis(l.settings.probe_timeout_ms))
+        });
+        for batch in targets.chunks(PROBE_CONCURRENCY) {
+            let probes = batch.iter().map(|(id, url, key)| async move {
+                (id.clone(), probe_backend(url, key.as_deref(), timeout).await)
             });
-            let results = futures_util::future::join_all(probes).await;
-            self.with(|inner| {
-                for (id, ok) in results {
-                    inner.healthy.insert(id, ok);
+            let reports = futures_util::future::join_all(probes).await;
+            self.with(|l| {
+                let now = now_ms();
+                for (id, report) in reports {
+                    // The backend may have been removed while the probe ran.
+                    if l.pool.record_probe(&id, &report.result, now).is_ok() {
+                        l.probes.insert(id, report);
+                    }
                 }
             });
         }
-        let now = Date::now().as_millis().to_string();
-        self.with(|inner| {
-            if let Err(e) = inner.registry.set_meta("last_probe_ms", &now) {
-                console_error!("pool: could not record probe time: {e}");
-            }
+        self.with(|l| {
+            l.probe_rounds += 1;
+            l.last_probe_ms = Some(now_ms());
+            l.pool.expire(now_ms());
+            finish_drains(l);
+            persist_snapshots(l);
         });
     }
 }
 
-fn view<'a>(inner: &Inner, b: &'a StoredBackend) -> BackendView<'a> {
-    BackendView {
-        id: &b.id,
-        url: &b.url,
-        region: &b.region,
-        models: &b.models,
-        weight: b.weight,
-        role: &b.role,
-        api_key: b.api_key.as_ref().map(|_| "[redacted]"),
-        healthy: inner.healthy.get(&b.id).copied(),
-        in_flight: inner.in_flight.values().filter(|id| *id == &b.id).count(),
+/// Removes drained backends whose `DELETE` was waiting for the drain.
+fn finish_drains(l: &mut Live) {
+    if l.pending_delete.is_empty() {
+        return;
     }
+    let done: Vec<BackendId> = l
+        .pending_delete
+        .iter()
+        .filter(|id| match l.pool.backend(id) {
+            Some(v) => v.leases_in_flight == 0 && v.lifecycle == Lifecycle::Drained,
+            None => true,
+        })
+        .cloned()
+        .collect();
+    for id in done {
+        if let Err(e) = remove_backend(l, &id) {
+            console_error!("pool {}: removing drained backend {}: {e}", l.name, id.0);
+        }
+    }
+}
+
+fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiError> {
+    let _ = l.pool.remove_backend(id, now_ms());
+    l.registry.delete(&id.0)?;
+    l.probes.remove(id);
+    if l.pending_delete.remove(id) {
+        l.registry.set_meta("pending_delete", &l.pending_delete)?;
+    }
+    Ok(())
+}
+
+/// Writes every backend's lifecycle, health and breaker state (a handful of rows).
+fn persist_snapshots(l: &Live) {
+    for snapshot in l.pool.snapshots() {
+        if let Err(e) = l.registry.put_snapshot(&snapshot) {
+            console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0);
+        }
+    }
+}
+
+/// Validates a pool name (used by the Worker before addressing a pool).
+pub fn validate_pool_name(name: &str) -> std::result::Result<(), ApiError> {
+    validate_name("pool", name)
 }

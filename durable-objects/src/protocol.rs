@@ -59,3 +59,27 @@ pub struct PoolEntry {
     #[serde(default)]
     pub region: String,
 }
+
+/// Header carrying the pool's name on every call to a pool coordinator (a Durable Object does not
+/// know the name it was addressed by).
+pub const POOL_HEADER: &str = "x-gateway-pool";
+
+/// `POST /reassign`: the lease's backend failed before the first byte; move it to `to`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReassignRequest {
+    /// The lease.
+    pub lease_id: routing_core::lease::LeaseId,
+    /// The next candidate.
+    pub to: routing_core::backend::BackendId,
+    /// How the failed attempt ended (fed to the failed backend's breaker).
+    pub failure: routing_core::outcome::Outcome,
+}
+
+/// `POST /release`: the request ended.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReleaseRequest {
+    /// The lease.
+    pub lease_id: routing_core::lease::LeaseId,
+    /// How it ended.
+    pub outcome: routing_core::outcome::Outcome,
+}

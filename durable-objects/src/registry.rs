@@ -5,36 +5,11 @@
 
 use crate::api_error::ApiError;
 use crate::protocol::BackendRegistration;
+use routing_core::backend::{BackendId, BackendSpec, Capacity, Role};
+use routing_core::pool::BackendSnapshot;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use worker::{SqlStorage, Url};
-
-/// A validated backend as stored (the API key included; views redact it).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct StoredBackend {
-    /// Stable id, derived from the URL unless the caller chose one.
-    pub id: String,
-    /// Base URL without a trailing slash.
-    pub url: String,
-    /// Region of the backend's pool.
-    pub region: String,
-    /// Models it serves.
-    pub models: Vec<String>,
-    /// Relative weight.
-    pub weight: u32,
-    /// `mixed`, `prefill` or `decode`.
-    pub role: String,
-    /// Bearer key sent to the backend.
-    pub api_key: Option<String>,
-    /// Capacity hint: maximum concurrent sequences.
-    pub max_num_seqs: Option<u32>,
-    /// Capacity hint: KV blocks.
-    pub kv_blocks: Option<u64>,
-    /// Capacity hint: tokens per block.
-    pub block_size: Option<u32>,
-}
-
-/// Roles a backend may have.
-pub const ROLES: [&str; 3] = ["mixed", "prefill", "decode"];
 
 /// Longest accepted id or model name; ids appear in URLs and metric labels.
 const MAX_NAME_LEN: usize = 128;
@@ -78,22 +53,18 @@ pub fn validate_url(raw: &str) -> Result<String, ApiError> {
     Ok(url.as_str().trim_end_matches('/').to_string())
 }
 
-/// Validates a registration and turns it into a stored backend.
-pub fn validate_registration(reg: BackendRegistration, default_region: &str) -> Result<StoredBackend, ApiError> {
+/// Validates a registration and turns it into a backend spec.
+pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, ApiError> {
     let url = validate_url(&reg.url)?;
-    let role = reg.role.unwrap_or_else(|| "mixed".to_string());
-    if !ROLES.contains(&role.as_str()) {
-        return Err(ApiError::bad_request(format!("unknown role `{role}`; expected mixed, prefill or decode")).with_param("role"));
-    }
-    for m in &reg.models {
-        if m.is_empty() || m.len() > 256 || m.chars().any(|c| c.is_control()) {
-            return Err(ApiError::bad_request("model names must be 1-256 printable characters").with_param("models"));
+    let role = match reg.role.as_deref().unwrap_or("mixed") {
+        "mixed" => Role::Mixed,
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        other => {
+            return Err(ApiError::bad_request(format!("unknown role `{other}`; expected mixed, prefill or decode"))
+                .with_param("role"))
         }
-    }
-    let weight = reg.weight.unwrap_or(1);
-    if weight == 0 || weight > 1000 {
-        return Err(ApiError::bad_request("`weight` must be between 1 and 1000").with_param("weight"));
-    }
+    };
     let id = match reg.id {
         Some(id) => {
             validate_name("id", &id)?;
@@ -101,22 +72,27 @@ pub fn validate_registration(reg: BackendRegistration, default_region: &str) -> 
         }
         None => format!("b-{:012x}", xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & 0xffff_ffff_ffff),
     };
-    let region = reg.region.unwrap_or_else(|| default_region.to_string());
+    let region = reg.region.unwrap_or_default();
     if !region.is_empty() {
         validate_name("region", &region)?;
     }
-    Ok(StoredBackend {
-        id,
+    let defaults = Capacity::default();
+    let spec = BackendSpec {
+        id: BackendId(id),
         url,
         region,
         models: reg.models,
-        weight,
+        weight: reg.weight.unwrap_or(1),
         role,
         api_key: reg.api_key.filter(|k| !k.is_empty()),
-        max_num_seqs: reg.max_num_seqs,
-        kv_blocks: reg.kv_blocks,
-        block_size: reg.block_size,
-    })
+        capacity: Capacity {
+            max_num_seqs: reg.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+            kv_blocks: reg.kv_blocks.unwrap_or(defaults.kv_blocks),
+            block_size: reg.block_size.unwrap_or(defaults.block_size),
+        },
+    };
+    spec.validate().map_err(|e| ApiError::bad_request(format!("invalid backend: {e}")))?;
+    Ok(spec)
 }
 
 /// The SQLite tables of a pool.
@@ -125,8 +101,9 @@ pub struct Registry {
 }
 
 #[derive(Deserialize)]
-struct SpecRow {
+struct BackendRow {
     spec: String,
+    snapshot: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -137,38 +114,55 @@ struct ValueRow {
 impl Registry {
     /// Opens the registry, creating its tables on first use.
     pub fn open(sql: SqlStorage) -> worker::Result<Self> {
-        sql.exec("CREATE TABLE IF NOT EXISTS backends (id TEXT PRIMARY KEY, url TEXT NOT NULL UNIQUE, spec TEXT NOT NULL)", None)?;
+        sql.exec(
+            "CREATE TABLE IF NOT EXISTS backends (id TEXT PRIMARY KEY, url TEXT NOT NULL UNIQUE, spec TEXT NOT NULL, snapshot TEXT)",
+            None,
+        )?;
         sql.exec("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)", None)?;
         Ok(Registry { sql })
     }
 
-    /// Every stored backend.
-    pub fn backends(&self) -> worker::Result<Vec<StoredBackend>> {
-        let rows: Vec<SpecRow> = self.sql.exec("SELECT spec FROM backends ORDER BY id", None)?.to_array()?;
-        Ok(rows.into_iter().filter_map(|r| serde_json::from_str(&r.spec).ok()).collect())
+    /// Every stored backend with its last snapshot (lifecycle, health, breaker).
+    pub fn backends(&self) -> worker::Result<Vec<(BackendSpec, Option<BackendSnapshot>)>> {
+        let rows: Vec<BackendRow> = self.sql.exec("SELECT spec, snapshot FROM backends ORDER BY id", None)?.to_array()?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| {
+                let spec = serde_json::from_str(&r.spec).ok()?;
+                let snapshot = r.snapshot.and_then(|s| serde_json::from_str(&s).ok());
+                Some((spec, snapshot))
+            })
+            .collect())
     }
 
-    /// Inserts a backend; `Conflict` when its id or URL is taken.
-    pub fn insert(&self, b: &StoredBackend) -> Result<(), ApiError> {
-        let taken: Vec<SpecRow> = self
+    /// Whether a backend with this URL exists under another id.
+    pub fn url_taken(&self, url: &str, except_id: &str) -> Result<bool, ApiError> {
+        let rows: Vec<ValueRow> = self
             .sql
-            .exec("SELECT spec FROM backends WHERE id = ? OR url = ?", vec![b.id.clone().into(), b.url.clone().into()])
+            .exec("SELECT id AS value FROM backends WHERE url = ? AND id != ?", vec![url.into(), except_id.into()])
             .and_then(|c| c.to_array())
             .map_err(ApiError::from_worker)?;
-        if !taken.is_empty() {
-            return Err(ApiError::conflict(format!("a backend with id `{}` or this URL is already registered", b.id)));
-        }
-        self.put(b)
+        Ok(!rows.is_empty())
     }
 
-    /// Writes (inserts or replaces) a backend.
-    pub fn put(&self, b: &StoredBackend) -> Result<(), ApiError> {
-        let spec = serde_json::to_string(b).map_err(|e| ApiError::internal(e.to_string()))?;
+    /// Writes (inserts or replaces) a backend's spec, keeping its snapshot.
+    pub fn put_spec(&self, spec: &BackendSpec) -> Result<(), ApiError> {
+        let json = to_json(spec)?;
         self.sql
             .exec(
-                "INSERT OR REPLACE INTO backends (id, url, spec) VALUES (?, ?, ?)",
-                vec![b.id.clone().into(), b.url.clone().into(), spec.into()],
+                "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
+                 ON CONFLICT(id) DO UPDATE SET url = excluded.url, spec = excluded.spec",
+                vec![spec.id.0.clone().into(), spec.url.clone().into(), json.into()],
             )
+            .map(|_| ())
+            .map_err(ApiError::from_worker)
+    }
+
+    /// Writes a backend's snapshot.
+    pub fn put_snapshot(&self, snapshot: &BackendSnapshot) -> Result<(), ApiError> {
+        let json = to_json(snapshot)?;
+        self.sql
+            .exec("UPDATE backends SET snapshot = ? WHERE id = ?", vec![json.into(), snapshot.id.0.clone().into()])
             .map(|_| ())
             .map_err(ApiError::from_worker)
     }
@@ -179,20 +173,25 @@ impl Registry {
     }
 
     /// Reads a metadata value.
-    pub fn meta(&self, key: &str) -> Option<String> {
+    pub fn meta<T: DeserializeOwned>(&self, key: &str) -> Option<T> {
         let rows: Vec<ValueRow> = self
             .sql
             .exec("SELECT value FROM meta WHERE key = ?", vec![key.into()])
             .and_then(|c| c.to_array())
             .ok()?;
-        rows.into_iter().next().map(|r| r.value)
+        rows.into_iter().next().and_then(|r| serde_json::from_str(&r.value).ok())
     }
 
     /// Writes a metadata value.
-    pub fn set_meta(&self, key: &str, value: &str) -> Result<(), ApiError> {
+    pub fn set_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), ApiError> {
+        let json = to_json(value)?;
         self.sql
-            .exec("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", vec![key.into(), value.into()])
+            .exec("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", vec![key.into(), json.into()])
             .map(|_| ())
             .map_err(ApiError::from_worker)
     }
+}
+
+fn to_json<T: Serialize>(value: &T) -> Result<String, ApiError> {
+    serde_json::to_string(value).map_err(|e| ApiError::internal(e.to_string()))
 }

@@ -62,6 +62,11 @@ export async function startSseServer({ chunks = 5, delayMs = 300 } = {}) {
     req.on("end", async () => {
       state.requests.push({ url: req.url, headers: req.headers, body });
       if (req.url === "/health") return res.end("ok");
+      if (req.url === "/v1/models") {
+        res.writeHead(200, { "content-type": "application/json" });
+        return res.end(JSON.stringify({ object: "list", data: [{ id: "sse-model", object: "model" }] }));
+      }
+      if (req.method === "GET") { res.writeHead(404); return res.end(); }
       res.writeHead(200, { "content-type": "text/event-stream" });
       for (let i = 0; i < chunks; i++) {
         res.write(`data: ${JSON.stringify({ object: "chat.completion.chunk", choices: [{ index: 0, delta: { content: `tok${i} ` } }] })}\n\n`);
@@ -75,6 +80,16 @@ export async function startSseServer({ chunks = 5, delayMs = 300 } = {}) {
   state.url = `http://127.0.0.1:${server.address().port}`;
   state.close = () => new Promise((r) => { server.closeAllConnections(); server.close(r); });
   return state;
+}
+
+/** Waits until the admin API reports backend `id` ready (probed healthy). */
+export async function waitReady(gw, id, timeoutMs = 10000) {
+  return waitFor(async () => {
+    const r = await gw.admin(`/admin/backends/${id}`);
+    if (r.status !== 200) return null;
+    const b = await r.json();
+    return b.lifecycle === "ready" && b.health === "healthy" ? b : null;
+  }, { timeoutMs, what: `backend ${id} ready` });
 }
 
 /** Polls `fn` until it returns a truthy value or `timeoutMs` passes. */

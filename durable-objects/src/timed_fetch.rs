@@ -1,0 +1,101 @@
+//! Outbound fetches with a deadline, for probes and for the proxy's attempts.
+//!
+//! Workers have no socket timeouts: a fetch to a server that accepted the connection and then
+//! went silent waits forever. Each call here races the fetch against a timer and, when the timer
+//! wins, aborts the fetch so the connection is closed, not leaked. A caller's own signal (the
+//! client's, when it hangs up) aborts it too.
+
+use futures_util::future::{select, Either};
+use std::time::Duration;
+use wasm_bindgen::JsCast;
+use worker::{AbortController, AbortSignal, Delay, Fetch, Request, Response};
+
+/// How a timed fetch failed.
+#[derive(Debug)]
+pub enum FetchFailure {
+    /// No response within the deadline (the fetch was aborted).
+    Timeout,
+    /// Connection refused or reset, DNS or TLS failure, or aborted by the caller's signal.
+    Transport(String),
+}
+
+impl std::fmt::Display for FetchFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FetchFailure::Timeout => write!(f, "timed out"),
+            FetchFailure::Transport(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// An abort controller whose signal also fires when `parent` does (`AbortSignal.any`).
+pub struct LinkedAbort {
+    controller: AbortController,
+    signal: AbortSignal,
+}
+
+impl LinkedAbort {
+    /// A controller linked to `parent`, if given.
+    pub fn new(parent: Option<&AbortSignal>) -> Self {
+        let controller = AbortController::default();
+        let own = controller.signal();
+        let signal = match parent {
+            Some(p) => any_signal(&[p, &own]).unwrap_or(own),
+            None => own,
+        };
+        LinkedAbort { controller, signal }
+    }
+
+    /// The combined signal to pass to a fetch.
+    pub fn signal(&self) -> &AbortSignal {
+        &self.signal
+    }
+
+    /// Aborts the fetch (and anything else using this signal).
+    pub fn abort(self) {
+        self.controller.abort();
+    }
+}
+
+fn any_signal(signals: &[&AbortSignal]) -> Option<AbortSignal> {
+    let ctor = js_sys::Reflect::get(&js_sys::global(), &"AbortSignal".into()).ok()?;
+    let any: js_sys::Function = js_sys::Reflect::get(&ctor, &"any".into()).ok()?.dyn_into().ok()?;
+    let list = js_sys::Array::new();
+    for s in signals {
+        let raw: &web_sys::AbortSignal = s;
+        list.push(raw);
+    }
+    let combined = any.call1(&ctor, &list).ok()?;
+    Some(AbortSignal::from(combined.unchecked_into::<web_sys::AbortSignal>()))
+}
+
+/// Fetches `req`, giving up (and aborting it) after `timeout`.
+pub async fn fetch_with_timeout(
+    req: Request,
+    timeout: Duration,
+    parent: Option<&AbortSignal>,
+) -> Result<(Response, LinkedAbort), FetchFailure> {
+    let abort = LinkedAbort::new(parent);
+    let signal = AbortSignal::from(web_sys::AbortSignal::clone(abort.signal()));
+    let fetch = Fetch::Request(req);
+    let send = fetch.send_with_signal(&signal);
+    let delay = Delay::from(timeout);
+    futures_util::pin_mut!(send);
+    match select(send, delay).await {
+        Either::Left((Ok(resp), _)) => Ok((resp, abort)),
+        Either::Left((Err(e), _)) => Err(FetchFailure::Transport(e.to_string())),
+        Either::Right(_) => {
+            abort.abort();
+            Err(FetchFailure::Timeout)
+        }
+    }
+}
+
+/// Races any future against a timer; `None` when the timer wins.
+pub async fn with_timeout<F: std::future::Future>(fut: F, timeout: Duration) -> Option<F::Output> {
+    futures_util::pin_mut!(fut);
+    match select(fut, Delay::from(timeout)).await {
+        Either::Left((v, _)) => Some(v),
+        Either::Right(_) => None,
+    }
+}

@@ -1,0 +1,70 @@
+//! `GET /metrics`: every pool's Prometheus text, merged into one exposition.
+//!
+//! Each pool renders the same metric families with its own `pool` label; a valid exposition lists
+//! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
+//! family by family rather than concatenated.
+
+use crate::pools;
+use crate::ApiError;
+use worker::{Env, Method, Response};
+
+/// Merges Prometheus text pages, keeping each family's header once and its samples together.
+pub fn merge_expositions(pages: &[String]) -> String {
+    let mut order: Vec<String> = Vec::new();
+    let mut families: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
+    for page in pages {
+        let mut current = String::new();
+        for line in page.lines() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ").or_else(|| line.strip_prefix("# TYPE ")) {
+                let name = rest.split_whitespace().next().unwrap_or_default().to_string();
+                let entry = families.entry(name.clone()).or_insert_with(|| {
+                    order.push(name.clone());
+                    (Vec::new(), Vec::new())
+                });
+                if !entry.0.iter().any(|h| h == line) {
+                    entry.0.push(line.to_string());
+                }
+                current = name;
+            } else if !line.starts_with('#') {
+                let name: String = line.chars().take_while(|c| *c != '{' && *c != ' ').collect();
+                let key = if !current.is_empty() && name.starts_with(&current) { current.clone() } else { name };
+                families
+                    .entry(key.clone())
+                    .or_insert_with(|| {
+                        order.push(key.clone());
+                        (Vec::new(), Vec::new())
+                    })
+                    .1
+                    .push(line.to_string());
+            }
+        }
+    }
+    let mut out = String::new();
+    for name in order {
+        if let Some((headers, samples)) = families.get(&name) {
+            for l in headers.iter().chain(samples) {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// Collects and merges the metrics of every pool.
+pub async fn handle(env: &Env) -> Result<Response, ApiError> {
+    let mut pages = Vec::new();
+    for pool in pools::list_pools(env).await? {
+        match pools::pool_call(env, &pool.name, Method::Get, "/metrics", None).await {
+            Ok(mut r) if r.status_code() == 200 => pages.push(r.text().await.map_err(ApiError::from_worker)?),
+            Ok(r) => worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code()),
+            Err(e) => worker::console_error!("metrics: pool {}: {e}", pool.name),
+        }
+    }
+    let mut resp = Response::ok(merge_expositions(&pages)).map_err(ApiError::from_worker)?;
+    resp.headers_mut().set("content-type", "text/plain; version=0.0.4; charset=utf-8").map_err(ApiError::from_worker)?;
+    Ok(resp)
+}

@@ -1,0 +1,34 @@
+//! Which pool a client should try first: the nearest region, then the others.
+//!
+//! The client's region comes from, in order: the `x-gateway-region` header when
+//! `ALLOW_REGION_HEADER` is `"true"` (tests, or a trusted front proxy), then the platform's view of
+//! the client (`request.cf` continent or colo) mapped through the `REGION_MAP` var, a JSON object
+//! such as `{"NA": "us-east", "EU": "eu-west", "LHR": "eu-west"}` (colo codes win over
+//! continents). Pools in that region come first; the rest keep their directory order.
+
+use gateway_durable_objects::protocol::PoolEntry;
+use std::collections::HashMap;
+use worker::{Env, Request};
+
+/// The client's region, if it can be told.
+pub fn client_region(req: &Request, env: &Env) -> Option<String> {
+    let header_allowed = env.var("ALLOW_REGION_HEADER").map(|v| v.to_string() == "true").unwrap_or(false);
+    if header_allowed {
+        if let Some(r) = req.headers().get("x-gateway-region").ok().flatten().filter(|r| !r.is_empty()) {
+            return Some(r);
+        }
+    }
+    let map: HashMap<String, String> =
+        env.var("REGION_MAP").ok().and_then(|v| serde_json::from_str(&v.to_string()).ok()).unwrap_or_default();
+    let cf = req.cf()?;
+    let colo = cf.colo();
+    map.get(&colo).or_else(|| cf.continent().and_then(|c| map.get(&c))).cloned()
+}
+
+/// Orders pools nearest first.
+pub fn order_pools(req: &Request, env: &Env, mut pools: Vec<PoolEntry>) -> Vec<PoolEntry> {
+    if let Some(region) = client_region(req, env) {
+        pools.sort_by_key(|p| p.region != region);
+    }
+    pools
+}

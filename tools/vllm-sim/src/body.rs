@@ -1,0 +1,77 @@
+//! Response bodies: a whole body sent at once, or a server-sent event stream fed by the engine.
+//! One body type serves every route so hyper's service has a single response type; a stream that
+//! returns an error makes hyper drop the connection (used for simulated disconnects).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Response, StatusCode};
+use serde::Serialize;
+
+use crate::sse::{SseStream, StreamCut};
+
+/// The body of every response the sim sends.
+pub enum SimBody {
+    /// A complete body (taken when sent).
+    Full(Option<Bytes>),
+    /// A stream of server-sent events.
+    Events(Box<SseStream>),
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = StreamCut;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, StreamCut>>> {
+        match self.get_mut() {
+            SimBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Events(stream) => stream.poll_next(cx).map(|next| next.map(|r| r.map(Frame::data))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, SimBody::Full(None))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            SimBody::Full(None) => SizeHint::with_exact(0),
+            SimBody::Events(_) => SizeHint::default(),
+        }
+    }
+}
+
+/// A response with a complete body.
+pub fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<SimBody> {
+    let mut response = Response::new(SimBody::Full(Some(body.into())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+/// A JSON response.
+pub fn json(status: StatusCode, value: &impl Serialize) -> Response<SimBody> {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    full(status, "application/json", body)
+}
+
+/// An empty response.
+pub fn empty(status: StatusCode) -> Response<SimBody> {
+    let mut response = Response::new(SimBody::Full(None));
+    *response.status_mut() = status;
+    response
+}
+
+/// A streaming `text/event-stream` response.
+pub fn event_stream(stream: SseStream) -> Response<SimBody> {
+    let mut response = Response::new(SimBody::Events(Box::new(stream)));
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    response
+}

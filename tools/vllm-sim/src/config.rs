@@ -1,0 +1,289 @@
+//! Command-line configuration of `vllm-sim`, with defaults that resemble a 7-8B model (Llama-3-8B
+//! class, bf16) served by vLLM on one data-centre GPU. `README.md` explains the numbers.
+
+use clap::{Parser, ValueEnum};
+
+use crate::faults::{FaultError, FaultSettings};
+use crate::scheduler::{SchedulerConfig, StepTiming};
+
+/// What a server does in a prefill/decode-disaggregated deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    /// Serves whole requests and either half of a disaggregated one.
+    Mixed,
+    /// Serves whole requests and prefills for remote decodes; refuses `do_remote_prefill`.
+    Prefill,
+    /// Serves whole requests and decodes remotely prefilled ones; refuses `do_remote_decode`.
+    Decode,
+}
+
+impl Role {
+    /// The role's name as given on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Mixed => "mixed",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// A simulated vLLM OpenAI-compatible server: prefix cache, continuous-batching scheduler, vLLM's
+/// metrics, prefill/decode kv_transfer_params and fault injection. No GPU, no weights.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "vllm-sim", version, about, long_about = None)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0 picks a free one; the chosen address is printed on stdout).
+    #[arg(long, default_value_t = 8101)]
+    pub port: u16,
+
+    /// Served model name; repeat for aliases of the same engine (like vLLM's --served-model-name).
+    /// Metrics are labelled with the first.
+    #[arg(long = "model", default_value = "sim-model")]
+    pub models: Vec<String>,
+
+    /// Most sequences running at once; the rest wait in FIFO order.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+
+    /// Most tokens computed in one step; longer prompts are prefilled in chunks (chunked prefill).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: u32,
+
+    /// KV cache size in blocks (vLLM's num_gpu_blocks).
+    #[arg(long, default_value_t = 4096)]
+    pub kv_blocks: u32,
+
+    /// Tokens per KV block (and per prefix-cache block).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+
+    /// Prefill cost per uncached prompt token, in microseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub prefill_us_per_token: f64,
+
+    /// Fixed cost of one engine step (a forward pass at batch size 1), in milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub decode_ms_per_step: f64,
+
+    /// Extra step cost per decoding sequence in the batch, in milliseconds.
+    #[arg(long, default_value_t = 0.15)]
+    pub decode_ms_per_seq: f64,
+
+    /// Longest sequence (prompt + output) in tokens; longer prompts get 400.
+    #[arg(long, default_value_t = 32768)]
+    pub max_model_len: u32,
+
+    /// Mean output length, in tokens, of requests that do not set ignore_eos (EOS is drawn uniformly
+    /// from 1..2*mean, deterministically per seed and prompt).
+    #[arg(long, default_value_t = 128)]
+    pub mean_output_tokens: u32,
+
+    /// Require `Authorization: Bearer KEY` on /v1/* (like vLLM's --api-key).
+    #[arg(long)]
+    pub api_key: Option<String>,
+
+    /// Role in a prefill/decode-disaggregated deployment.
+    #[arg(long, value_enum, default_value_t = Role::Mixed)]
+    pub role: Role,
+
+    /// Divides every simulated delay (prefill, decode steps, embeddings): 100 runs 100x faster than
+    /// the modelled GPU. Fault delays, loading time and kv_transfer_params expiry are wall-clock.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+
+    /// Seed of generated text and of fault draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Secret shared by prefill and decode servers to sign and verify kv_transfer_params.
+    #[arg(long, default_value = "vllm-sim-dev-kv-transfer-secret")]
+    pub kv_transfer_secret: String,
+
+    /// Seconds (wall-clock) that issued kv_transfer_params stay valid.
+    #[arg(long, default_value_t = 120.0)]
+    pub kv_transfer_ttl_s: f64,
+
+    /// Engine id reported in kv_transfer_params (default: derived from host, port and seed).
+    #[arg(long)]
+    pub engine_id: Option<String>,
+
+    /// Dimension of /v1/embeddings vectors when the request does not set `dimensions`.
+    #[arg(long, default_value_t = 32)]
+    pub embedding_dim: usize,
+
+    /// Start in a loading phase: /health and /v1/* answer 503 for this many seconds (wall-clock).
+    #[arg(long, default_value_t = 0.0)]
+    pub startup_delay_s: f64,
+
+    /// Fault: fraction of generation requests answered with --fault-error-status.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_error_rate: f64,
+
+    /// Fault: status of injected errors (5xx).
+    #[arg(long, default_value_t = 500)]
+    pub fault_error_status: u16,
+
+    /// Fault: fraction of generation requests answered 429.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_429_rate: f64,
+
+    /// Fault: fraction of generation requests that hang before the first byte.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_hang_rate: f64,
+
+    /// Fault: delay before the first byte of every generation request, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub fault_first_byte_delay_ms: u64,
+
+    /// Fault: drop the connection after this many output tokens.
+    #[arg(long)]
+    pub fault_disconnect_after_tokens: Option<u32>,
+
+    /// Fault: /health answers 503.
+    #[arg(long, default_value_t = false)]
+    pub fault_health_fail: bool,
+}
+
+/// Why the configuration is unusable.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConfigError {
+    /// A value outside its range.
+    Invalid(String),
+    /// Fault flags outside their range.
+    Fault(FaultError),
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigError::Invalid(msg) => f.write_str(msg),
+            ConfigError::Fault(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl Config {
+    /// Checks ranges that clap cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |msg: &str| Err(ConfigError::Invalid(msg.to_string()));
+        if self.models.iter().any(|m| m.is_empty()) {
+            return invalid("--model must not be empty");
+        }
+        if self.max_num_seqs == 0 {
+            return invalid("--max-num-seqs must be at least 1");
+        }
+        if self.max_num_batched_tokens == 0 {
+            return invalid("--max-num-batched-tokens must be at least 1");
+        }
+        if self.kv_blocks == 0 || self.kv_blocks == u32::MAX {
+            return invalid("--kv-blocks must be between 1 and 2^32-2");
+        }
+        if self.block_size == 0 {
+            return invalid("--block-size must be at least 1");
+        }
+        if self.max_model_len < 2 {
+            return invalid("--max-model-len must be at least 2");
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return invalid("--time-scale must be a positive number");
+        }
+        for (flag, v) in [
+            ("--prefill-us-per-token", self.prefill_us_per_token),
+            ("--decode-ms-per-step", self.decode_ms_per_step),
+            ("--decode-ms-per-seq", self.decode_ms_per_seq),
+            ("--kv-transfer-ttl-s", self.kv_transfer_ttl_s),
+            ("--startup-delay-s", self.startup_delay_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::Invalid(format!("{flag} must be a non-negative number")));
+            }
+        }
+        if self.embedding_dim == 0 || self.embedding_dim > 65536 {
+            return invalid("--embedding-dim must be between 1 and 65536");
+        }
+        self.initial_faults().validate().map_err(ConfigError::Fault)
+    }
+
+    /// The scheduler's limits and timing.
+    pub fn scheduler(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            num_blocks: self.kv_blocks,
+            block_size: self.block_size,
+            max_model_len: self.max_model_len,
+            timing: self.step_timing(),
+        }
+    }
+
+    /// The step duration model, in simulated microseconds.
+    pub fn step_timing(&self) -> StepTiming {
+        StepTiming {
+            base_us: self.decode_ms_per_step * 1000.0,
+            per_decode_seq_us: self.decode_ms_per_seq * 1000.0,
+            per_prefill_token_us: self.prefill_us_per_token,
+        }
+    }
+
+    /// Fault settings from the `--fault-*` flags.
+    pub fn initial_faults(&self) -> FaultSettings {
+        FaultSettings {
+            error_rate: self.fault_error_rate,
+            error_status: self.fault_error_status,
+            rate_limit_rate: self.fault_429_rate,
+            hang_rate: self.fault_hang_rate,
+            first_byte_delay_ms: self.fault_first_byte_delay_ms,
+            disconnect_after_tokens: self.fault_disconnect_after_tokens,
+            health_fail: self.fault_health_fail,
+        }
+    }
+
+    /// The host advertised in kv_transfer_params (a wildcard listen address becomes loopback).
+    pub fn advertised_host(&self) -> String {
+        match self.host.as_str() {
+            "0.0.0.0" | "::" | "[::]" => "127.0.0.1".to_string(),
+            h => h.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Config {
+        Config::try_parse_from(std::iter::once("vllm-sim").chain(args.iter().copied())).expect("parses")
+    }
+
+    #[test]
+    fn defaults_are_valid_and_documented_values() {
+        let c = parse(&[]);
+        assert!(c.validate().is_ok());
+        assert_eq!(c.port, 8101);
+        assert_eq!(c.models, vec!["sim-model".to_string()]);
+        assert_eq!((c.max_num_seqs, c.kv_blocks, c.block_size, c.max_model_len), (64, 4096, 16, 32768));
+        assert_eq!(c.role, Role::Mixed);
+        assert_eq!(c.step_timing().step_us(0, 1000), 10_000.0 + 100_000.0);
+    }
+
+    #[test]
+    fn repeated_models_replace_the_default() {
+        let c = parse(&["--model", "a", "--model", "b", "--role", "decode"]);
+        assert_eq!(c.models, vec!["a".to_string(), "b".to_string()]);
+        assert_eq!(c.role, Role::Decode);
+    }
+
+    #[test]
+    fn rejects_nonsense() {
+        assert!(parse(&["--time-scale", "0"]).validate().is_err());
+        assert!(parse(&["--kv-blocks", "0"]).validate().is_err());
+        assert!(parse(&["--fault-error-rate", "2"]).validate().is_err());
+        assert!(parse(&["--fault-error-status", "200"]).validate().is_err());
+        assert!(Config::try_parse_from(["vllm-sim", "--role", "both"]).is_err());
+    }
+}

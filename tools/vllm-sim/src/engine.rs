@@ -1,0 +1,289 @@
+//! The engine task: drives the [`Scheduler`] in real time and connects it to request handlers.
+//!
+//! Handlers [`EngineHandle::submit`] a sequence and get a channel of [`SeqEvent`]s. One task owns the
+//! scheduler and loops: take new submissions, plan a step, sleep the step's simulated duration divided
+//! by `--time-scale`, apply the step and send each sequence its events. A client that goes away drops
+//! its receiver; the engine notices when a send fails (or in a periodic sweep for sequences that get no
+//! events, such as queued or non-streamed ones) and aborts the sequence, freeing its blocks.
+//!
+//! Steps shorter than the timer's 1 ms resolution are paced against a running deadline
+//! ([`next_deadline`]): the engine sleeps only when it is ahead of schedule, so the average rate is
+//! exact even when single steps last microseconds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use crate::metrics::MetricsState;
+use crate::scheduler::{Finish, Scheduler, SchedulerConfig, SeqId, SequenceSpec};
+
+/// How far behind schedule the engine may fall before it stops catching up.
+const MAX_LAG: Duration = Duration::from_millis(5);
+/// Steps ending sooner than this after now are not slept for.
+const MIN_SLEEP: Duration = Duration::from_micros(100);
+/// How often sequences without events are checked for departed clients.
+const SWEEP_EVERY: Duration = Duration::from_millis(20);
+
+/// What the engine tells a request handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// New text (streaming only) and the output token count so far.
+    Token {
+        /// Text to append (may be empty while a possible stop string is held back).
+        delta: String,
+        /// Output tokens so far.
+        output_tokens: u32,
+    },
+    /// The sequence finished.
+    Finished(Finish),
+}
+
+/// The engine has stopped (the process is shutting down).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineGone;
+
+struct Submission {
+    spec: SequenceSpec,
+    events: mpsc::UnboundedSender<SeqEvent>,
+    arrival: Instant,
+}
+
+/// A cloneable handle for submitting sequences to the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    submissions: mpsc::UnboundedSender<Submission>,
+}
+
+impl EngineHandle {
+    /// Queues a sequence that arrived at `arrival`; its events come on the returned channel.
+    pub fn submit(
+        &self,
+        spec: SequenceSpec,
+        arrival: Instant,
+    ) -> Result<mpsc::UnboundedReceiver<SeqEvent>, EngineGone> {
+        let (events, receiver) = mpsc::unbounded_channel();
+        self.submissions
+            .send(Submission { spec, events, arrival })
+            .map_err(|_| EngineGone)?;
+        Ok(receiver)
+    }
+}
+
+/// When the step that starts now and lasts `step` should end, given the previous step's deadline:
+/// back to back with it unless the engine fell more than [`MAX_LAG`] behind.
+pub fn next_deadline(previous: Option<Instant>, now: Instant, step: Duration) -> Instant {
+    let start = match previous {
+        Some(p) if p + MAX_LAG >= now => p,
+        _ => now,
+    };
+    start + step
+}
+
+struct Client {
+    events: mpsc::UnboundedSender<SeqEvent>,
+    arrival: Instant,
+}
+
+/// Starts the engine task; `metrics` is updated after every step.
+pub fn spawn(config: SchedulerConfig, time_scale: f64, metrics: Arc<Mutex<MetricsState>>) -> EngineHandle {
+    let (submissions, receiver) = mpsc::unbounded_channel();
+    let engine = Engine {
+        scheduler: Scheduler::new(config),
+        clients: HashMap::new(),
+        next_id: 0,
+        time_scale,
+        metrics,
+    };
+    tokio::spawn(engine.run(receiver));
+    EngineHandle { submissions }
+}
+
+struct Engine {
+    scheduler: Scheduler,
+    clients: HashMap<SeqId, Client>,
+    next_id: SeqId,
+    time_scale: f64,
+    metrics: Arc<Mutex<MetricsState>>,
+}
+
+impl Engine {
+    async fn run(mut self, mut submissions: mpsc::UnboundedReceiver<Submission>) {
+        let mut deadline: Option<Instant> = None;
+        let mut last_sweep = Instant::now();
+        loop {
+            if self.scheduler.is_idle() {
+                self.publish(&[], &[]);
+                match submissions.recv().await {
+                    Some(s) => self.add(s),
+                    None => return,
+                }
+                deadline = None;
+            }
+            while let Ok(s) = submissions.try_recv() {
+                self.add(s);
+            }
+            if last_sweep.elapsed() >= SWEEP_EVERY {
+                self.sweep();
+                last_sweep = Instant::now();
+            }
+
+            let plan = self.scheduler.schedule();
+            if plan.is_empty() && self.scheduler.num_running() == 0 && self.scheduler.num_waiting() > 0 {
+                // Nothing can run (cannot happen with a consistent scheduler); avoid spinning.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let step = Duration::from_secs_f64(plan.duration_us / 1e6 / self.time_scale);
+            let now = Instant::now();
+            let end = next_deadline(deadline, now, step);
+            if end > now + MIN_SLEEP {
+                tokio::time::sleep_until(end.into()).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+            deadline = Some(end);
+
+            let outputs = self.scheduler.complete(plan);
+            let now = Instant::now();
+            let mut ttfts = Vec::new();
+            let mut e2es = Vec::new();
+            for output in outputs {
+                let Some(client) = self.clients.get(&output.id) else {
+                    continue;
+                };
+                if output.first_token {
+                    ttfts.push(now.duration_since(client.arrival).as_secs_f64());
+                }
+                let mut delivered = true;
+                if let Some(delta) = output.delta {
+                    delivered = client
+                        .events
+                        .send(SeqEvent::Token { delta, output_tokens: output.output_tokens })
+                        .is_ok();
+                }
+                if let Some(finish) = output.finish {
+                    e2es.push(now.duration_since(client.arrival).as_secs_f64());
+                    let _ = client.events.send(SeqEvent::Finished(finish));
+                    self.clients.remove(&output.id);
+                } else if !delivered {
+                    self.clients.remove(&output.id);
+                    self.scheduler.abort(output.id);
+                }
+            }
+            self.publish(&ttfts, &e2es);
+        }
+    }
+
+    fn add(&mut self, submission: Submission) {
+        if submission.events.is_closed() {
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.scheduler.add(id, submission.spec);
+        self.clients.insert(id, Client { events: submission.events, arrival: submission.arrival });
+    }
+
+    /// Aborts sequences whose clients went away.
+    fn sweep(&mut self) {
+        let gone: Vec<SeqId> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.clients.remove(&id);
+            self.scheduler.abort(id);
+        }
+    }
+
+    fn publish(&self, ttfts: &[f64], e2es: &[f64]) {
+        let pool = self.scheduler.pool();
+        let Ok(mut m) = self.metrics.lock() else {
+            return;
+        };
+        m.running = self.scheduler.num_running();
+        m.waiting = self.scheduler.num_waiting();
+        m.kv_usage = pool.usage();
+        m.cached_blocks = pool.num_cached();
+        m.evictions = pool.evictions();
+        m.stats = self.scheduler.stats().clone();
+        for &t in ttfts {
+            m.ttft.observe(t);
+        }
+        for &t in e2es {
+            m.e2e.observe(t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_run_back_to_back_so_short_steps_keep_their_average_rate() {
+        let t0 = Instant::now();
+        let step = Duration::from_micros(100);
+        let mut deadline = None;
+        let mut now = t0;
+        for i in 0..10 {
+            let end = next_deadline(deadline, now, step);
+            assert_eq!(end, t0 + step * (i + 1));
+            deadline = Some(end);
+            // The timer wakes late by up to 1 ms; the next deadline still follows the previous one.
+            now = t0 + Duration::from_millis(1);
+        }
+    }
+
+    #[test]
+    fn a_lagging_engine_restarts_from_now() {
+        let t0 = Instant::now();
+        let late = t0 + Duration::from_millis(50);
+        let end = next_deadline(Some(t0), late, Duration::from_millis(2));
+        assert_eq!(end, late + Duration::from_millis(2));
+        assert_eq!(next_deadline(None, t0, Duration::ZERO), t0);
+    }
+
+    #[tokio::test]
+    async fn streams_tokens_and_finishes_through_channels() {
+        let metrics = Arc::new(Mutex::new(MetricsState::default()));
+        let config = SchedulerConfig {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 512,
+            num_blocks: 64,
+            block_size: 4,
+            max_model_len: 1024,
+            timing: crate::scheduler::StepTiming {
+                base_us: 100.0,
+                per_decode_seq_us: 0.0,
+                per_prefill_token_us: 1.0,
+            },
+        };
+        let engine = spawn(config, 1.0, metrics.clone());
+        let spec = SequenceSpec {
+            prompt: b"hello world".to_vec(),
+            max_output_tokens: 3,
+            stream: true,
+            ..SequenceSpec::default()
+        };
+        let mut rx = engine.submit(spec, Instant::now()).unwrap();
+        let mut tokens = 0;
+        let finish = loop {
+            match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
+                Ok(Some(SeqEvent::Token { .. })) => tokens += 1,
+                Ok(Some(SeqEvent::Finished(f))) => break f,
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        assert_eq!(tokens, 2);
+        assert_eq!(finish.output_tokens, 3);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let m = metrics.lock().unwrap();
+        assert_eq!(m.stats.generation_tokens, 3);
+        assert_eq!(m.ttft.count(), 1);
+        assert_eq!(m.running, 0);
+    }
+}

@@ -1,0 +1,240 @@
+//! Fault injection: the ways a real vLLM server misbehaves, switchable from flags and at run time.
+//!
+//! `GET /sim/faults` returns the current [`FaultSettings`]; `POST /sim/faults` with a JSON
+//! [`FaultUpdate`] *replaces* them (omitted fields take their no-fault defaults, so `{}` or
+//! `{"reset": true}` clears everything), may start a loading phase (`loading_s`) and may crash the
+//! process (`crash`). Faults apply to the generation endpoints (`/v1/chat/completions`,
+//! `/v1/completions`, `/v1/embeddings`); `health_fail` and loading apply to `/health` (loading to all
+//! of `/v1` too). Fault timings are wall-clock and **not** divided by `--time-scale`: they model the
+//! network and the process, not the GPU.
+//!
+//! Each request draws exactly three numbers from one generator seeded by `--seed` (hang, 429, error, in
+//! that order), whatever the rates, so a run is reproducible; rates 0.0 and 1.0 are exact.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::SplitMix64;
+
+/// Current fault settings.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaultSettings {
+    /// Fraction of requests answered with `error_status` instead of being served.
+    pub error_rate: f64,
+    /// Status of injected errors (500 to 599; 500 and 503 are the usual ones).
+    pub error_status: u16,
+    /// Fraction of requests answered `429 Too Many Requests`.
+    pub rate_limit_rate: f64,
+    /// Fraction of requests that hang before the first byte (no headers, ever, until the client
+    /// gives up; the server drops them after an hour).
+    pub hang_rate: f64,
+    /// Delay before the first byte (the response headers) of every request, in milliseconds.
+    pub first_byte_delay_ms: u64,
+    /// Drop the connection after this many output tokens: mid-stream for streams, instead of the
+    /// response for non-streamed requests.
+    pub disconnect_after_tokens: Option<u32>,
+    /// `/health` answers 503.
+    pub health_fail: bool,
+}
+
+impl Default for FaultSettings {
+    fn default() -> Self {
+        FaultSettings {
+            error_rate: 0.0,
+            error_status: 500,
+            rate_limit_rate: 0.0,
+            hang_rate: 0.0,
+            first_byte_delay_ms: 0,
+            disconnect_after_tokens: None,
+            health_fail: false,
+        }
+    }
+}
+
+/// The body of `POST /sim/faults`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultUpdate {
+    /// See [`FaultSettings::error_rate`].
+    pub error_rate: Option<f64>,
+    /// See [`FaultSettings::error_status`].
+    pub error_status: Option<u16>,
+    /// See [`FaultSettings::rate_limit_rate`].
+    pub rate_limit_rate: Option<f64>,
+    /// See [`FaultSettings::hang_rate`].
+    pub hang_rate: Option<f64>,
+    /// See [`FaultSettings::first_byte_delay_ms`].
+    pub first_byte_delay_ms: Option<u64>,
+    /// See [`FaultSettings::disconnect_after_tokens`].
+    pub disconnect_after_tokens: Option<u32>,
+    /// See [`FaultSettings::health_fail`].
+    pub health_fail: Option<bool>,
+    /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
+    pub loading_s: Option<f64>,
+    /// Exit the process right after answering.
+    pub crash: bool,
+    /// Clear every fault (the same as sending `{}`).
+    pub reset: bool,
+}
+
+/// Why fault settings were refused.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FaultError {
+    /// A rate outside `[0, 1]`.
+    Rate(&'static str, f64),
+    /// An error status outside 500..=599.
+    Status(u16),
+    /// A negative or non-finite loading time.
+    Loading(f64),
+}
+
+impl std::fmt::Display for FaultError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FaultError::Rate(name, v) => write!(f, "{name} must be between 0 and 1, got {v}"),
+            FaultError::Status(s) => write!(f, "error_status must be a 5xx status, got {s}"),
+            FaultError::Loading(s) => write!(f, "loading_s must be a non-negative number, got {s}"),
+        }
+    }
+}
+
+impl FaultUpdate {
+    /// The settings this update asks for (everything omitted is off).
+    pub fn settings(&self) -> Result<FaultSettings, FaultError> {
+        if self.reset {
+            return Ok(FaultSettings::default());
+        }
+        let defaults = FaultSettings::default();
+        let settings = FaultSettings {
+            error_rate: self.error_rate.unwrap_or(defaults.error_rate),
+            error_status: self.error_status.unwrap_or(defaults.error_status),
+            rate_limit_rate: self.rate_limit_rate.unwrap_or(defaults.rate_limit_rate),
+            hang_rate: self.hang_rate.unwrap_or(defaults.hang_rate),
+            first_byte_delay_ms: self.first_byte_delay_ms.unwrap_or(0),
+            disconnect_after_tokens: self.disconnect_after_tokens,
+            health_fail: self.health_fail.unwrap_or(false),
+        };
+        settings.validate()?;
+        if let Some(s) = self.loading_s {
+            if !s.is_finite() || s < 0.0 {
+                return Err(FaultError::Loading(s));
+            }
+        }
+        Ok(settings)
+    }
+}
+
+impl FaultSettings {
+    /// Checks rates and the error status.
+    pub fn validate(&self) -> Result<(), FaultError> {
+        for (name, rate) in [
+            ("error_rate", self.error_rate),
+            ("rate_limit_rate", self.rate_limit_rate),
+            ("hang_rate", self.hang_rate),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(FaultError::Rate(name, rate));
+            }
+        }
+        if !(500..=599).contains(&self.error_status) {
+            return Err(FaultError::Status(self.error_status));
+        }
+        Ok(())
+    }
+
+    /// What happens to one generation request, drawing three numbers from `rng`.
+    pub fn decide(&self, rng: &mut SplitMix64) -> FaultDecision {
+        let hang = rng.next_unit() < self.hang_rate;
+        let rate_limited = rng.next_unit() < self.rate_limit_rate;
+        let error = rng.next_unit() < self.error_rate;
+        let reject = if hang {
+            None
+        } else if rate_limited {
+            Some(429)
+        } else if error {
+            Some(self.error_status)
+        } else {
+            None
+        };
+        FaultDecision {
+            hang,
+            reject,
+            first_byte_delay: Duration::from_millis(self.first_byte_delay_ms),
+            disconnect_after_tokens: self.disconnect_after_tokens,
+        }
+    }
+}
+
+/// The faults applied to one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaultDecision {
+    /// Never answer.
+    pub hang: bool,
+    /// Answer with this status instead of serving.
+    pub reject: Option<u16>,
+    /// Wait this long before the first byte.
+    pub first_byte_delay: Duration,
+    /// Drop the connection after this many output tokens.
+    pub disconnect_after_tokens: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn update(json: &str) -> Result<FaultSettings, FaultError> {
+        serde_json::from_str::<FaultUpdate>(json).expect("parses").settings()
+    }
+
+    #[test]
+    fn empty_and_reset_updates_clear_everything() {
+        assert_eq!(update("{}").unwrap(), FaultSettings::default());
+        assert_eq!(update(r#"{"reset":true,"error_rate":1}"#).unwrap(), FaultSettings::default());
+    }
+
+    #[test]
+    fn rejects_out_of_range_values_and_unknown_fields() {
+        assert_eq!(update(r#"{"error_rate":1.5}"#), Err(FaultError::Rate("error_rate", 1.5)));
+        assert_eq!(update(r#"{"error_status":404}"#), Err(FaultError::Status(404)));
+        assert_eq!(update(r#"{"loading_s":-1}"#), Err(FaultError::Loading(-1.0)));
+        assert!(serde_json::from_str::<FaultUpdate>(r#"{"eror_rate":1}"#).is_err());
+    }
+
+    #[test]
+    fn rates_one_and_zero_are_exact() {
+        let mut rng = SplitMix64::new(1);
+        let always = update(r#"{"error_rate":1,"error_status":503}"#).unwrap();
+        let never = FaultSettings::default();
+        for _ in 0..1000 {
+            assert_eq!(always.decide(&mut rng).reject, Some(503));
+            assert_eq!(never.decide(&mut rng).reject, None);
+        }
+        let limited = update(r#"{"rate_limit_rate":1,"error_rate":1}"#).unwrap();
+        assert_eq!(limited.decide(&mut rng).reject, Some(429));
+        let hang = update(r#"{"hang_rate":1,"error_rate":1}"#).unwrap().decide(&mut rng);
+        assert!(hang.hang);
+        assert_eq!(hang.reject, None);
+    }
+
+    #[test]
+    fn fractional_rates_are_reproducible_from_the_seed() {
+        let half = update(r#"{"error_rate":0.5}"#).unwrap();
+        let draws = |seed| {
+            let mut rng = SplitMix64::new(seed);
+            (0..200).map(|_| half.decide(&mut rng).reject.is_some()).collect::<Vec<_>>()
+        };
+        assert_eq!(draws(9), draws(9));
+        let errors = draws(9).iter().filter(|e| **e).count();
+        assert!((70..130).contains(&errors), "{errors}");
+    }
+
+    #[test]
+    fn passes_delays_and_disconnects_through() {
+        let s = update(r#"{"first_byte_delay_ms":250,"disconnect_after_tokens":3}"#).unwrap();
+        let d = s.decide(&mut SplitMix64::new(0));
+        assert_eq!(d.first_byte_delay, Duration::from_millis(250));
+        assert_eq!(d.disconnect_after_tokens, Some(3));
+        assert!(!d.hang);
+    }
+}

@@ -1,0 +1,350 @@
+//! `/metrics`: the engine's state rendered in Prometheus text format under vLLM's metric names.
+//!
+//! Names, types, help strings and histogram buckets follow vLLM V1 (`vllm/v1/metrics/loggers.py`) as
+//! `prometheus_client` exposes them: counters end in `_total` (so the older `vllm:gpu_prefix_cache_queries`
+//! counter appears as `vllm:gpu_prefix_cache_queries_total`), every series has the labels
+//! `model_name` (the first `--model`) and `engine="0"`. Prefix-cache queries and hits count tokens.
+//! Latency histograms are in wall-clock seconds, as a scraper or the gateway would measure them (with
+//! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). Two sim-only series use the `vllm_sim:`
+//! prefix: cached blocks and evictions. The engine task updates one [`MetricsState`] after every step;
+//! [`render`] is pure.
+
+use std::fmt::Write;
+
+use crate::scheduler::SchedulerStats;
+
+/// vLLM's buckets for `vllm:time_to_first_token_seconds`.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// vLLM's buckets for `vllm:e2e_request_latency_seconds`.
+pub const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A Prometheus histogram with fixed bucket bounds.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Observations per bucket (not cumulative); the last entry is `+Inf`.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// An empty histogram over `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, value: f64) {
+        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
+        self.counts[i] += 1;
+        self.sum += value;
+        self.count += 1;
+    }
+
+    /// Observations so far.
+    #[cfg(test)]
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+}
+
+/// Fixed facts about the server, rendered as labels.
+#[derive(Debug, Clone)]
+pub struct MetricsInfo {
+    /// The `model_name` label: the first served model name, as vLLM does.
+    pub model_name: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Blocks in the KV cache.
+    pub num_gpu_blocks: u32,
+}
+
+/// Everything `/metrics` shows, updated by the engine after each step.
+#[derive(Debug, Clone)]
+pub struct MetricsState {
+    /// Sequences running.
+    pub running: usize,
+    /// Sequences waiting.
+    pub waiting: usize,
+    /// Fraction of KV blocks held by running sequences.
+    pub kv_usage: f64,
+    /// Blocks cached under a hash.
+    pub cached_blocks: usize,
+    /// Cached blocks evicted.
+    pub evictions: u64,
+    /// The scheduler's counters.
+    pub stats: SchedulerStats,
+    /// Prompt tokens of embedding requests (served outside the scheduler).
+    pub embedding_prompt_tokens: u64,
+    /// Time to first token, seconds.
+    pub ttft: Histogram,
+    /// Request latency from arrival to the last token, seconds.
+    pub e2e: Histogram,
+}
+
+impl Default for MetricsState {
+    fn default() -> Self {
+        MetricsState {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            cached_blocks: 0,
+            evictions: 0,
+            stats: SchedulerStats::default(),
+            embedding_prompt_tokens: 0,
+            ttft: Histogram::new(TTFT_BUCKETS),
+            e2e: Histogram::new(E2E_BUCKETS),
+        }
+    }
+}
+
+/// Escapes a label value for the text format.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// A float the way Prometheus parsers read it (`1.0`, `0.25`, `+Inf`).
+fn number(value: f64) -> String {
+    if value.is_infinite() {
+        if value > 0.0 { "+Inf".into() } else { "-Inf".into() }
+    } else {
+        format!("{value:?}")
+    }
+}
+
+struct Writer {
+    out: String,
+    labels: String,
+}
+
+impl Writer {
+    fn header(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, extra_labels: &str, value: f64) {
+        let sep = if extra_labels.is_empty() { "" } else { "," };
+        let _ = writeln!(self.out, "{name}{{{}{sep}{extra_labels}}} {}", self.labels, number(value));
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: f64) {
+        self.header(name, "gauge", help);
+        self.sample(name, "", value);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: u64) {
+        self.header(name, "counter", help);
+        self.sample(name, "", value as f64);
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, "histogram", help);
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (i, count) in h.counts.iter().enumerate() {
+            cumulative += count;
+            let le = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
+            self.sample(&bucket, &format!("le=\"{}\"", number(le)), cumulative as f64);
+        }
+        self.sample(&format!("{name}_count"), "", h.count as f64);
+        self.sample(&format!("{name}_sum"), "", h.sum);
+    }
+}
+
+/// The `/metrics` body.
+pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
+    let mut w = Writer {
+        out: String::with_capacity(8192),
+        labels: format!("model_name=\"{}\",engine=\"0\"", escape(&info.model_name)),
+    };
+    let s = &state.stats;
+    w.gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        state.running as f64,
+    );
+    w.gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        state.waiting as f64,
+    );
+    w.gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        state.kv_usage,
+    );
+    w.gauge(
+        "vllm:gpu_cache_usage_perc",
+        "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        state.kv_usage,
+    );
+    w.counter(
+        "vllm:prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        s.prefix_queries,
+    );
+    w.counter(
+        "vllm:prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        s.prefix_hits,
+    );
+    w.counter(
+        "vllm:gpu_prefix_cache_queries_total",
+        "GPU prefix cache queries, in terms of number of queried tokens. DEPRECATED: Use vllm:prefix_cache_queries instead.",
+        s.prefix_queries,
+    );
+    w.counter(
+        "vllm:gpu_prefix_cache_hits_total",
+        "GPU prefix cache hits, in terms of number of cached tokens. DEPRECATED: Use vllm:prefix_cache_hits instead.",
+        s.prefix_hits,
+    );
+    w.counter(
+        "vllm:prompt_tokens_total",
+        "Number of prefill tokens processed.",
+        s.prompt_tokens + state.embedding_prompt_tokens,
+    );
+    w.counter(
+        "vllm:generation_tokens_total",
+        "Number of generation tokens processed.",
+        s.generation_tokens,
+    );
+    w.counter(
+        "vllm:num_preemptions_total",
+        "Cumulative number of preemption from the engine.",
+        s.preemptions,
+    );
+    w.header(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+    );
+    for (reason, count) in [
+        ("stop", s.finished_stop),
+        ("length", s.finished_length),
+        ("abort", s.finished_abort),
+    ] {
+        w.sample(
+            "vllm:request_success_total",
+            &format!("finished_reason=\"{reason}\""),
+            count as f64,
+        );
+    }
+    w.histogram(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &state.ttft,
+    );
+    w.histogram(
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        &state.e2e,
+    );
+    w.header(
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+    );
+    let cache_labels = format!(
+        "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",num_gpu_blocks_override=\"None\"",
+        info.block_size, info.num_gpu_blocks
+    );
+    w.sample("vllm:cache_config_info", &cache_labels, 1.0);
+    w.gauge(
+        "vllm_sim:cached_blocks",
+        "KV blocks currently cached under a prefix hash (vllm-sim only).",
+        state.cached_blocks as f64,
+    );
+    w.counter(
+        "vllm_sim:prefix_cache_evictions_total",
+        "Cached KV blocks evicted to make room (vllm-sim only).",
+        state.evictions,
+    );
+    w.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> MetricsInfo {
+        MetricsInfo { model_name: "m\"x".into(), block_size: 16, num_gpu_blocks: 4096 }
+    }
+
+    #[test]
+    fn renders_vllm_names_with_model_label() {
+        let mut state = MetricsState { running: 3, kv_usage: 0.25, ..Default::default() };
+        state.stats.prefix_hits = 32;
+        let text = render(&info(), &state);
+        assert!(text.contains("# TYPE vllm:num_requests_running gauge\n"));
+        assert!(text.contains("vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 3.0\n"));
+        assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n"));
+        assert!(text.contains("vllm:gpu_cache_usage_perc{"));
+        assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
+        assert!(text.contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
+        assert!(text.contains("vllm:gpu_prefix_cache_hits_total{"));
+        assert!(text.contains("num_gpu_blocks=\"4096\""));
+        assert!(text.contains("block_size=\"16\""));
+        for name in [
+            "vllm:num_requests_waiting",
+            "vllm:prefix_cache_queries_total",
+            "vllm:gpu_prefix_cache_queries_total",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:e2e_request_latency_seconds_sum",
+        ] {
+            assert!(text.contains(name), "{name} missing");
+        }
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_end_at_inf() {
+        let mut state = MetricsState::default();
+        state.ttft.observe(0.003);
+        state.ttft.observe(0.05);
+        state.ttft.observe(9999.0);
+        let text = render(&info(), &state);
+        let line = |le: &str| {
+            let prefix = format!(
+                "vllm:time_to_first_token_seconds_bucket{{model_name=\"m\\\"x\",engine=\"0\",le=\"{le}\"}} "
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_string))
+                .unwrap_or_else(|| panic!("no bucket {le}"))
+        };
+        assert_eq!(line("0.001"), "0.0");
+        assert_eq!(line("0.005"), "1.0");
+        assert_eq!(line("0.06"), "2.0");
+        assert_eq!(line("2560.0"), "2.0");
+        assert_eq!(line("+Inf"), "3.0");
+        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"));
+        assert_eq!(state.ttft.count(), 3);
+    }
+
+    #[test]
+    fn every_sample_line_has_a_type_header() {
+        let text = render(&info(), &MetricsState::default());
+        let typed: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split('{').next().unwrap_or_default();
+            assert!(
+                typed.iter().any(|t| name == *t
+                    || name.strip_prefix(*t).is_some_and(|s| ["_bucket", "_count", "_sum"].contains(&s))),
+                "{line}"
+            );
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The HTTP server: accepts connections, routes requests, and applies what sits in front of the
+//! OpenAI handlers — the loading phase, the API key, injected faults — plus the endpoints that are not
+//! OpenAI's: `/health`, `/metrics`, `/version` and the sim's own `/sim/faults` and `/sim/info`.
+//!
+//! As in vLLM, only `/v1/*` paths require the API key. Generation requests read their body, then wait
+//! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpListener;
+use xxhash_rust::xxh3::xxh3_128;
+
+use crate::api::{self, ApiError};
+use crate::body::{self, SimBody};
+use crate::config::Config;
+use crate::disagg::TransferAuthority;
+use crate::engine::EngineHandle;
+use crate::faults::{FaultDecision, FaultSettings, FaultUpdate};
+use crate::metrics::{render, MetricsInfo, MetricsState};
+use crate::sampler::SplitMix64;
+
+/// Largest request body accepted.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// How long a hanging request waits before its connection is dropped.
+const HANG_FOR: Duration = Duration::from_secs(3600);
+
+/// Fault settings and the state they need at run time.
+#[derive(Debug)]
+pub struct FaultState {
+    /// Current settings.
+    pub settings: FaultSettings,
+    /// Draws for rate-based faults, seeded by `--seed`.
+    pub rng: SplitMix64,
+    /// End of the current loading phase, if any.
+    pub loading_until: Option<Instant>,
+}
+
+/// What every request handler shares.
+pub struct AppState {
+    /// The command line.
+    pub config: Config,
+    /// Submits sequences to the engine.
+    pub engine: EngineHandle,
+    /// What `/metrics` shows.
+    pub metrics: Arc<Mutex<MetricsState>>,
+    /// Labels of `/metrics`.
+    pub metrics_info: MetricsInfo,
+    /// Injected faults.
+    pub faults: Mutex<FaultState>,
+    /// Issues and verifies kv_transfer_params.
+    pub transfer: Arc<TransferAuthority>,
+    /// Unix seconds at start (the `created` of `/v1/models`).
+    pub started_unix: u64,
+    ids: AtomicU64,
+}
+
+impl AppState {
+    /// Shared state for a server configured by `config`.
+    pub fn new(
+        config: Config,
+        engine: EngineHandle,
+        metrics: Arc<Mutex<MetricsState>>,
+        transfer: TransferAuthority,
+    ) -> Self {
+        let loading_until = (config.startup_delay_s > 0.0)
+            .then(|| Instant::now() + Duration::from_secs_f64(config.startup_delay_s));
+        let metrics_info = MetricsInfo {
+            model_name: config.models[0].clone(),
+            block_size: config.block_size,
+            num_gpu_blocks: config.kv_blocks,
+        };
+        let faults = FaultState {
+            settings: config.initial_faults(),
+            rng: SplitMix64::new(config.seed ^ 0xFA_u64),
+            loading_until,
+        };
+        AppState {
+            metrics_info,
+            faults: Mutex::new(faults),
+            transfer: Arc::new(transfer),
+            started_unix: crate::sse::unix_ms() / 1000,
+            ids: AtomicU64::new(0),
+            config,
+            engine,
+            metrics,
+        }
+    }
+
+    /// 32 hex digits unique to this process and distinct across servers and runs.
+    pub fn fresh_id(&self) -> String {
+        let n = self.ids.fetch_add(1, Ordering::Relaxed);
+        let mut key = Vec::with_capacity(32);
+        key.extend_from_slice(&n.to_le_bytes());
+        key.extend_from_slice(&self.config.seed.to_le_bytes());
+        key.extend_from_slice(&self.config.port.to_le_bytes());
+        key.extend_from_slice(&crate::sse::unix_ms().to_le_bytes());
+        format!("{:032x}", xxh3_128(&key))
+    }
+
+    fn is_loading(&self) -> bool {
+        let Ok(mut faults) = self.faults.lock() else {
+            return false;
+        };
+        match faults.loading_until {
+            Some(until) if Instant::now() < until => true,
+            Some(_) => {
+                faults.loading_until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn fault_decision(&self) -> FaultDecision {
+        match self.faults.lock() {
+            Ok(mut f) => {
+                let FaultState { settings, rng, .. } = &mut *f;
+                settings.decide(rng)
+            }
+            Err(_) => FaultSettings::default().decide(&mut SplitMix64::new(0)),
+        }
+    }
+}
+
+/// Hyper's error type for a connection we drop on purpose.
+#[derive(Debug)]
+pub struct Dropped;
+
+impl std::fmt::Display for Dropped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection dropped (simulated)")
+    }
+}
+
+impl std::error::Error for Dropped {}
+
+/// Accepts connections forever, one task per connection (HTTP/1.1 with keep-alive).
+pub async fn serve(listener: TcpListener, state: Arc<AppState>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Usually EMFILE under extreme load: back off instead of spinning.
+                eprintln!("vllm-sim: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let state = state.clone();
+                async move { handle(state, request).await }
+            });
+            let _ = http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// Answers one request; `Err` drops the connection.
+pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<Response<SimBody>, Dropped> {
+    let path = request.uri().path().to_string();
+    let method = request.method().clone();
+    let response = match (path.as_str(), &method) {
+        ("/health", &Method::GET) => health(&state),
+        ("/metrics", &Method::GET) => metrics(&state),
+        ("/version", &Method::GET) => {
+            body::json(StatusCode::OK, &json!({"version": concat!(env!("CARGO_PKG_VERSION"), "+vllm-sim")}))
+        }
+        ("/sim/faults", &Method::GET) => faults(&state),
+        ("/sim/faults", &Method::POST) => match read_body(request).await {
+            Ok(bytes) => update_faults(&state, &bytes),
+            Err(e) => e.into_response(),
+        },
+        ("/sim/info", &Method::GET) => info(&state),
+        ("/health" | "/metrics" | "/version" | "/sim/faults" | "/sim/info", _) => {
+            ApiError::MethodNotAllowed.into_response()
+        }
+        (p, _) if p.starts_with("/v1/") => match v1(&state, request, &path, &method).await {
+            Ok(response) => response,
+            Err(ApiError::Disconnect) => return Err(Dropped),
+            Err(e) => e.into_response(),
+        },
+        _ => ApiError::RouteNotFound.into_response(),
+    };
+    Ok(response)
+}
+
+/// The OpenAI routes, behind loading, the API key and faults.
+async fn v1(
+    state: &AppState,
+    request: Request<Incoming>,
+    path: &str,
+    method: &Method,
+) -> Result<Response<SimBody>, ApiError> {
+    if state.is_loading() {
+        return Err(ApiError::Loading);
+    }
+    if let Some(key) = &state.config.api_key {
+        let authorized = request
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str()));
+        if !authorized {
+            return Err(ApiError::Unauthorized);
+        }
+    }
+    let generation = matches!(path, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings");
+    match (path, method) {
+        ("/v1/models", &Method::GET) => return Ok(api::models(state)),
+        ("/v1/models", _) => return Err(ApiError::MethodNotAllowed),
+        (_, &Method::POST) if generation => {}
+        _ if generation => return Err(ApiError::MethodNotAllowed),
+        _ => return Err(ApiError::RouteNotFound),
+    }
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let bytes = read_body(request).await?;
+
+    let decision = state.fault_decision();
+    if !decision.first_byte_delay.is_zero() {
+        tokio::time::sleep(decision.first_byte_delay).await;
+    }
+    if decision.hang {
+        tokio::time::sleep(HANG_FOR).await;
+        return Err(ApiError::Disconnect);
+    }
+    match decision.reject {
+        Some(429) => return Err(ApiError::RateLimited),
+        Some(status) => return Err(ApiError::Injected(status)),
+        None => {}
+    }
+    match path {
+        "/v1/chat/completions" => api::chat_completions(state, &bytes, request_id.as_deref(), &decision).await,
+        "/v1/completions" => api::completions(state, &bytes, request_id.as_deref(), &decision).await,
+        _ => api::embeddings(state, &bytes).await,
+    }
+}
+
+async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
+    match Limited::new(request.into_body(), MAX_BODY_BYTES).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) => Err(ApiError::BadRequest(format!("could not read the request body: {e}"))),
+    }
+}
+
+/// `GET /health`: 200 with an empty body, 503 while loading or when failing on purpose.
+fn health(state: &AppState) -> Response<SimBody> {
+    let failing = state.faults.lock().map(|f| f.settings.health_fail).unwrap_or(false);
+    if state.is_loading() || failing {
+        body::empty(StatusCode::SERVICE_UNAVAILABLE)
+    } else {
+        body::empty(StatusCode::OK)
+    }
+}
+
+fn metrics(state: &AppState) -> Response<SimBody> {
+    let text = match state.metrics.lock() {
+        Ok(m) => render(&state.metrics_info, &m),
+        Err(_) => String::new(),
+    };
+    body::full(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text)
+}
+
+fn faults(state: &AppState) -> Response<SimBody> {
+    let Ok(f) = state.faults.lock() else {
+        return ApiError::EngineGone.into_response();
+    };
+    let loading_remaining_s = f
+        .loading_until
+        .map(|until| until.saturating_duration_since(Instant::now()).as_secs_f64())
+        .unwrap_or(0.0);
+    body::json(
+        StatusCode::OK,
+        &json!({"settings": f.settings, "loading_remaining_s": loading_remaining_s}),
+    )
+}
+
+fn update_faults(state: &AppState, bytes: &[u8]) -> Response<SimBody> {
+    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) { &b"{}"[..] } else { bytes };
+    let update: FaultUpdate = match serde_json::from_slice(bytes) {
+        Ok(u) => u,
+        Err(e) => return ApiError::BadRequest(format!("invalid fault settings: {e}")).into_response(),
+    };
+    let settings = match update.settings() {
+        Ok(s) => s,
+        Err(e) => return ApiError::BadRequest(e.to_string()).into_response(),
+    };
+    if let Ok(mut f) = state.faults.lock() {
+        f.settings = settings;
+        if let Some(s) = update.loading_s {
+            f.loading_until = Some(Instant::now() + Duration::from_secs_f64(s));
+        }
+    }
+    if update.crash {
+        eprintln!("vllm-sim: crashing on request (POST /sim/faults {{\"crash\": true}})");
+        tokio::spawn(async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            std::process::exit(1);
+        });
+        return body::json(StatusCode::OK, &json!({"crashing": true}));
+    }
+    faults(state)
+}
+
+fn info(state: &AppState) -> Response<SimBody> {
+    let c = &state.config;
+    body::json(
+        StatusCode::OK,
+        &json!({
+            "models": c.models,
+            "role": c.role.as_str(),
+            "engine_id": state.transfer.engine_id,
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "kv_blocks": c.kv_blocks,
+            "block_size": c.block_size,
+            "max_model_len": c.max_model_len,
+            "prefill_us_per_token": c.prefill_us_per_token,
+            "decode_ms_per_step": c.decode_ms_per_step,
+            "decode_ms_per_seq": c.decode_ms_per_seq,
+            "time_scale": c.time_scale,
+            "seed": c.seed,
+            "version": env!("CARGO_PKG_VERSION"),
+        }),
+    )
+}

@@ -1,0 +1,410 @@
+//! Streaming responses: engine events turned into OpenAI server-sent events, as vLLM sends them.
+//!
+//! A chat stream opens with a chunk whose delta is `{"role": "assistant", "content": ""}` (sent with
+//! the first token, after prefill), then one chunk per token with `{"content": ...}`, a last chunk
+//! carrying `finish_reason` and `stop_reason`, a usage chunk with `"choices": []` when
+//! `stream_options.include_usage` is set, and `data: [DONE]`. Completion streams are the same with
+//! `text` choices. Events that arrive together are written in one frame. When the fault
+//! `disconnect_after_tokens` applies, the stream ends with an error after that many tokens, which makes
+//! hyper drop the connection without the terminating chunk, as a crashed server would.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio::time::Sleep;
+
+use crate::disagg::{KvTransferParams, TransferAuthority};
+use crate::engine::SeqEvent;
+use crate::openai::{ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage};
+use crate::scheduler::Finish;
+
+/// How long a stream that is about to be cut waits so its last chunks reach the client first.
+const DISCONNECT_GRACE: Duration = Duration::from_millis(30);
+/// Largest frame written at once when events pile up.
+const MAX_FRAME: usize = 64 * 1024;
+
+/// Which OpenAI endpoint a generation serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+/// A prefill server's promise to describe its blocks when the sequence finishes.
+#[derive(Debug, Clone)]
+pub struct HandOff {
+    /// Issues the params.
+    pub authority: Arc<TransferAuthority>,
+    /// Digest of the prompt the params are for.
+    pub prompt_digest: u64,
+}
+
+impl HandOff {
+    /// The `kv_transfer_params` for a finished prefill.
+    pub fn params(&self, finish: &Finish) -> KvTransferParams {
+        self.authority.issue(finish.block_ids.clone(), self.prompt_digest, unix_ms())
+    }
+}
+
+/// Wall-clock milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Writes the chunks of one response.
+#[derive(Debug)]
+pub struct ChunkEncoder {
+    /// Chat or completion.
+    pub endpoint: Endpoint,
+    /// Response id (`chatcmpl-...` / `cmpl-...`).
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name as requested.
+    pub model: String,
+    /// Send a usage chunk at the end.
+    pub include_usage: bool,
+    /// Put usage in every chunk.
+    pub continuous_usage: bool,
+    /// Prompt tokens, for usage.
+    pub prompt_tokens: u32,
+    /// Set for a prefill hand-off.
+    pub handoff: Option<HandOff>,
+    role_sent: bool,
+}
+
+impl ChunkEncoder {
+    /// An encoder for one response.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        endpoint: Endpoint,
+        id: String,
+        created: u64,
+        model: String,
+        include_usage: bool,
+        continuous_usage: bool,
+        prompt_tokens: u32,
+        handoff: Option<HandOff>,
+    ) -> Self {
+        ChunkEncoder {
+            endpoint,
+            id,
+            created,
+            model,
+            include_usage,
+            continuous_usage,
+            prompt_tokens,
+            handoff,
+            role_sent: false,
+        }
+    }
+
+    fn usage(&self, output_tokens: u32) -> Option<Usage> {
+        self.continuous_usage.then(|| Usage::new(self.prompt_tokens, output_tokens, None))
+    }
+
+    fn write_role(&mut self, out: &mut Vec<u8>, output_tokens: u32) {
+        if self.endpoint != Endpoint::Chat || self.role_sent {
+            return;
+        }
+        self.role_sent = true;
+        let chunk = ChatChunk {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: &self.model,
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta { role: Some("assistant"), content: "" },
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+            }],
+            usage: self.usage(output_tokens.saturating_sub(1)),
+            kv_transfer_params: None,
+        };
+        write_event(out, &chunk);
+    }
+
+    /// Writes the chunk(s) for new text.
+    pub fn token(&mut self, out: &mut Vec<u8>, delta: &str, output_tokens: u32) {
+        self.write_role(out, output_tokens);
+        if delta.is_empty() {
+            return;
+        }
+        self.write_choice(out, delta, None, output_tokens, None);
+    }
+
+    /// Writes the last chunk, the usage chunk if asked for, and `[DONE]`.
+    pub fn finish(&mut self, out: &mut Vec<u8>, finish: &Finish) {
+        self.write_role(out, finish.output_tokens);
+        let params = self.handoff.as_ref().map(|h| h.params(finish));
+        self.write_choice(
+            out,
+            &finish.text,
+            Some((finish.reason.as_str(), finish.stop_reason.as_deref())),
+            finish.output_tokens,
+            params.as_ref(),
+        );
+        if self.include_usage {
+            let usage = Some(Usage::new(finish.prompt_tokens, finish.output_tokens, Some(finish.cached_tokens)));
+            match self.endpoint {
+                Endpoint::Chat => write_event(
+                    out,
+                    &ChatChunk {
+                        id: &self.id,
+                        object: "chat.completion.chunk",
+                        created: self.created,
+                        model: &self.model,
+                        choices: Vec::new(),
+                        usage,
+                        kv_transfer_params: None,
+                    },
+                ),
+                Endpoint::Completion => write_event(
+                    out,
+                    &CompletionChunk {
+                        id: &self.id,
+                        object: "text_completion",
+                        created: self.created,
+                        model: &self.model,
+                        choices: Vec::new(),
+                        usage,
+                        kv_transfer_params: None,
+                    },
+                ),
+            }
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+    }
+
+    fn write_choice(
+        &self,
+        out: &mut Vec<u8>,
+        text: &str,
+        finish: Option<(&str, Option<&str>)>,
+        output_tokens: u32,
+        params: Option<&KvTransferParams>,
+    ) {
+        let usage = self.usage(output_tokens);
+        match self.endpoint {
+            Endpoint::Chat => write_event(
+                out,
+                &ChatChunk {
+                    id: &self.id,
+                    object: "chat.completion.chunk",
+                    created: self.created,
+                    model: &self.model,
+                    choices: vec![ChatChunkChoice {
+                        index: 0,
+                        delta: ChatDelta { role: None, content: text },
+                        logprobs: None,
+                        finish_reason: finish.map(|f| f.0),
+                        stop_reason: finish.map(|f| f.1),
+                    }],
+                    usage,
+                    kv_transfer_params: params,
+                },
+            ),
+            Endpoint::Completion => write_event(
+                out,
+                &CompletionChunk {
+                    id: &self.id,
+                    object: "text_completion",
+                    created: self.created,
+                    model: &self.model,
+                    choices: vec![CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: None,
+                        finish_reason: finish.map(|f| f.0),
+                        stop_reason: finish.and_then(|f| f.1),
+                    }],
+                    usage,
+                    kv_transfer_params: params,
+                },
+            ),
+        }
+    }
+}
+
+/// Appends `data: <json>\n\n`.
+fn write_event(out: &mut Vec<u8>, value: &impl Serialize) {
+    out.extend_from_slice(b"data: ");
+    // Serializing these plain structs cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// The stream was cut on purpose (fault injection) or the engine went away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamCut;
+
+impl std::fmt::Display for StreamCut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stream cut (simulated disconnect)")
+    }
+}
+
+impl std::error::Error for StreamCut {}
+
+enum State {
+    Open,
+    Closing(Pin<Box<Sleep>>),
+    Done,
+}
+
+/// A streaming response body fed by one sequence's engine events.
+pub struct SseStream {
+    events: mpsc::UnboundedReceiver<SeqEvent>,
+    encoder: ChunkEncoder,
+    disconnect_after: Option<u32>,
+    state: State,
+}
+
+impl SseStream {
+    /// A stream of `events`, cut after `disconnect_after` tokens when set.
+    pub fn new(
+        events: mpsc::UnboundedReceiver<SeqEvent>,
+        encoder: ChunkEncoder,
+        disconnect_after: Option<u32>,
+    ) -> Self {
+        let state = match disconnect_after {
+            Some(0) => State::Closing(Box::pin(tokio::time::sleep(DISCONNECT_GRACE))),
+            _ => State::Open,
+        };
+        SseStream { events, encoder, disconnect_after, state }
+    }
+
+    /// The next frame: `Ok(bytes)`, `Err` to cut the connection, or `None` at the end.
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, StreamCut>>> {
+        loop {
+            match &mut self.state {
+                State::Done => return Poll::Ready(None),
+                State::Closing(grace) => {
+                    if grace.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.state = State::Done;
+                    return Poll::Ready(Some(Err(StreamCut)));
+                }
+                State::Open => {}
+            }
+            let mut out = Vec::new();
+            while out.len() < MAX_FRAME {
+                match self.events.poll_recv(cx) {
+                    Poll::Ready(Some(SeqEvent::Token { delta, output_tokens })) => {
+                        self.encoder.token(&mut out, &delta, output_tokens);
+                        if self.disconnect_after.is_some_and(|n| output_tokens >= n) {
+                            self.state = State::Closing(Box::pin(tokio::time::sleep(DISCONNECT_GRACE)));
+                            break;
+                        }
+                    }
+                    Poll::Ready(Some(SeqEvent::Finished(finish))) => {
+                        self.encoder.finish(&mut out, &finish);
+                        self.state = State::Done;
+                        break;
+                    }
+                    Poll::Ready(None) => {
+                        // The engine dropped the sequence without finishing it.
+                        self.state = State::Closing(Box::pin(tokio::time::sleep(Duration::ZERO)));
+                        break;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Bytes::from(out))));
+            }
+            if matches!(self.state, State::Open) {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::FinishReason;
+
+    fn finish(text: &str) -> Finish {
+        Finish {
+            reason: FinishReason::Length,
+            stop_reason: None,
+            text: text.into(),
+            prompt_tokens: 5,
+            output_tokens: 2,
+            cached_tokens: 0,
+            block_ids: vec![],
+        }
+    }
+
+    fn events(out: &[u8]) -> Vec<serde_json::Value> {
+        let text = std::str::from_utf8(out).unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        text.split("\n\n")
+            .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn chat_streams_role_then_content_then_finish_then_usage() {
+        let mut enc = ChunkEncoder::new(Endpoint::Chat, "chatcmpl-1".into(), 7, "m".into(), true, false, 5, None);
+        let mut out = Vec::new();
+        enc.token(&mut out, " the", 1);
+        enc.finish(&mut out, &finish(" cat"));
+        let ev = events(&out);
+        assert_eq!(ev.len(), 4);
+        assert_eq!(ev[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(ev[1]["choices"][0]["delta"]["content"], " the");
+        assert_eq!(ev[1]["object"], "chat.completion.chunk");
+        assert_eq!(ev[2]["choices"][0]["finish_reason"], "length");
+        assert_eq!(ev[2]["choices"][0]["delta"]["content"], " cat");
+        assert_eq!(ev[3]["choices"].as_array().unwrap().len(), 0);
+        assert_eq!(ev[3]["usage"]["total_tokens"], 7);
+        assert!(ev[1].get("usage").is_none());
+    }
+
+    #[test]
+    fn completion_streams_text_and_continuous_usage() {
+        let mut enc = ChunkEncoder::new(Endpoint::Completion, "cmpl-1".into(), 7, "m".into(), false, true, 5, None);
+        let mut out = Vec::new();
+        enc.token(&mut out, " the", 1);
+        enc.token(&mut out, "", 2); // held back: no chunk
+        enc.finish(&mut out, &finish(" cat"));
+        let ev = events(&out);
+        assert_eq!(ev.len(), 2);
+        assert_eq!(ev[0]["choices"][0]["text"], " the");
+        assert_eq!(ev[0]["usage"]["completion_tokens"], 1);
+        assert_eq!(ev[1]["choices"][0]["finish_reason"], "length");
+        assert_eq!(ev[1]["object"], "text_completion");
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_cut_after_n_tokens() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let enc = ChunkEncoder::new(Endpoint::Completion, "c".into(), 0, "m".into(), false, false, 1, None);
+        let mut stream = SseStream::new(rx, enc, Some(2));
+        for n in 1..=3 {
+            tx.send(SeqEvent::Token { delta: " the".into(), output_tokens: n }).unwrap();
+        }
+        let first = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap().unwrap();
+        assert_eq!(std::str::from_utf8(&first).unwrap().matches("data: ").count(), 2);
+        let second = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap();
+        assert_eq!(second, Err(StreamCut));
+        assert!(std::future::poll_fn(|cx| stream.poll_next(cx)).await.is_none());
+    }
+}
