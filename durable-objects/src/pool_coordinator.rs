@@ -111,7 +111,7 @@ struct AdminBackend<'a> {
 
 /// Body of `PATCH /backends/{id}`: spec changes plus drain / undrain.
 #[derive(Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 struct AdminPatch {
     #[serde(flatten)]
     patch: BackendPatch,

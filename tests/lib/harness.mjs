@@ -124,7 +124,7 @@ export async function startSim(args = [], { waitHealthy = true } = {}) {
   const url = `http://127.0.0.1:${port}`;
   const sim = {
     url, port, child,
-    close: () => new Promise((r) => { if (child.exitCode !== null) return r(); child.once("exit", r); child.kill("SIGKILL"); }),
+    close: () => new Promise((r) => { if (child.exitCode !== null || child.signalCode !== null) return r(); child.once("exit", r); child.kill("SIGKILL"); }),
   };
   if (waitHealthy) {
     await waitFor(async () => {
