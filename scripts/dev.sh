@@ -18,9 +18,9 @@ stop_all() {
   trap - EXIT INT TERM
   echo
   echo "dev: stopping ${#PIDS[@]} processes"
+  # Each child leads its own process group (setsid), so the group takes wrangler's workerd too.
   for pid in "${PIDS[@]}"; do
-    pkill -TERM -P "$pid" 2>/dev/null || true
-    kill -TERM "$pid" 2>/dev/null || true
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   done
   wait 2>/dev/null || true
 }
@@ -38,11 +38,11 @@ for port in "${SIM_PORTS[@]}"; do
     echo "dev: port $port is already serving; reusing it"
     continue
   fi
-  "$VLLM_SIM_BIN" --port "$port" --model "$MODEL" --time-scale 1 --seed "$port" >".wrangler/sim-$port.log" 2>&1 &
+  setsid "$VLLM_SIM_BIN" --port "$port" --model "$MODEL" --time-scale 1 --seed "$port" >".wrangler/sim-$port.log" 2>&1 &
   PIDS+=($!)
 done
 
-npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled \
+setsid npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled \
   >.wrangler/dev.log 2>&1 &
 PIDS+=($!)
 echo "dev: starting wrangler dev (build + workerd); log in .wrangler/dev.log"
