@@ -60,7 +60,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             validate_pool_name(&pool)?;
             let resp = relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
             if !list_pools(env).await?.iter().any(|p| p.name == pool) {
-                remember_pool(env, &PoolEntry { name: pool, region: reg.region.unwrap_or_default() }).await?;
+                remember_pool(env, &PoolEntry { name: pool, region: reg.region.unwrap_or_default(), location_hint: None }).await?;
             }
             Ok(resp)
         }
@@ -103,7 +103,12 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let settings: PoolSettings =
                 serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
             let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
-            remember_pool(env, &PoolEntry { name: pool.to_string(), region: settings.routing.region.clone() }).await?;
+            let entry = PoolEntry {
+                name: pool.to_string(),
+                region: settings.routing.region.clone(),
+                location_hint: settings.location_hint.clone(),
+            };
+            remember_pool(env, &entry).await?;
             json_ok(&applied)
         }
         (Method::Post, ["pools", pool, "probe"]) => {

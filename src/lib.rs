@@ -245,10 +245,14 @@ async fn completion(
     let stream = features.stream;
     let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
-    for pool in pools {
-        match pools::pool_json::<Grant>(env, &pool.name, Method::Post, "/acquire", Some(&features)).await {
+    let count = pools.len();
+    for (i, pool) in pools.into_iter().enumerate() {
+        // A saturated pool refuses work only when a further pool could take it.
+        let path = if i + 1 < count { "/acquire?spill_ok=true" } else { "/acquire" };
+        match pools::pool_json::<Grant>(env, &pool.name, Method::Post, path, Some(&features)).await {
             Ok(grant) => {
-                return proxy::Forward {
+                let disaggregated = !grant.decode_candidates.is_empty();
+                let forward = proxy::Forward {
                     client: &req,
                     env,
                     ctx,
@@ -259,9 +263,9 @@ async fn completion(
                     stream,
                     request_id,
                     settings: proxy::ProxySettings::from_env(env),
-                }
-                .run()
-                .await
+                    prefill_backend: None,
+                };
+                return if disaggregated { forward.run_disaggregated().await } else { forward.run().await };
             }
             // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,

@@ -20,6 +20,20 @@ fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
     env.durable_object(binding).and_then(|ns| ns.id_from_name(name)?.get_stub()).map_err(ApiError::from_worker)
 }
 
+/// A pool's stub, placed by its location hint when this isolate knows one.
+fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
+    let hint = POOLS.with(|p| {
+        p.borrow().as_ref().and_then(|(_, list)| list.iter().find(|e| e.name == pool).and_then(|e| e.location_hint.clone()))
+    });
+    match hint {
+        Some(h) => env
+            .durable_object(POOL_BINDING)
+            .and_then(|ns| ns.id_from_name(pool)?.get_stub_with_location_hint(&h))
+            .map_err(ApiError::from_worker),
+        None => stub(env, POOL_BINDING, pool),
+    }
+}
+
 async fn send(stub: &Stub, pool: Option<&str>, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
     let headers = Headers::new();
     if let Some(pool) = pool {
@@ -49,7 +63,7 @@ fn encode(body: Option<&impl Serialize>) -> Result<Option<String>, ApiError> {
 
 /// Calls the named pool's coordinator and returns its raw response.
 pub async fn pool_call(env: &Env, pool: &str, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
-    send(&stub(env, POOL_BINDING, pool)?, Some(pool), method, path, body).await
+    send(&pool_stub(env, pool)?, Some(pool), method, path, body).await
 }
 
 /// Calls the named pool's coordinator with a JSON body and decodes its JSON answer; a non-2xx

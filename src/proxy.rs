@@ -15,7 +15,7 @@ use gateway_durable_objects::protocol::{ReassignRequest, ReleaseRequest};
 use gateway_durable_objects::timed_fetch::{fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -90,6 +90,8 @@ pub struct Forward<'a> {
     pub request_id: &'a str,
     /// Timeouts and retries.
     pub settings: ProxySettings,
+    /// The prefill backend of a disaggregated request, for the response headers.
+    pub prefill_backend: Option<String>,
 }
 
 /// A retryable failure of one attempt, before anything reached the client.
@@ -194,6 +196,10 @@ impl Forward<'_> {
     }
 
     fn upstream_request(&self, c: &CandidateView) -> worker::Result<Request> {
+        self.upstream_request_with(c, &self.body)
+    }
+
+    fn upstream_request_with(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
         let headers = Headers::new();
         for (name, value) in self.client.headers().entries() {
             let lower = name.to_ascii_lowercase();
@@ -210,7 +216,7 @@ impl Forward<'_> {
         let mut init = RequestInit::new();
         init.with_method(Method::Post)
             .with_headers(headers)
-            .with_body(Some(js_sys::Uint8Array::from(self.body.as_slice()).into()));
+            .with_body(Some(js_sys::Uint8Array::from(body).into()));
         Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
     }
 
@@ -226,6 +232,9 @@ impl Forward<'_> {
         set("x-gateway-pool", &self.pool)?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.to_string())?;
+        if let Some(p) = &self.prefill_backend {
+            set("x-gateway-prefill-backend", p)?;
+        }
         if let Some(d) = self.grant.decision {
             if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
                 set("x-gateway-decision", &s)?;
@@ -278,6 +287,67 @@ impl Forward<'_> {
             release(env, pool, lease_id, outcome).await;
         });
         Ok(Response::builder().with_status(status).with_headers(out).stream(ts.readable().unchecked_into()))
+    }
+
+    /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
+    /// the prompt's KV cache and generates one token, answering with `kv_transfer_params`; the
+    /// decode server receives the original request with those params, pulls the blocks instead of
+    /// prefilling, and streams the answer. The lease covers both backends. The decode stage is not
+    /// retried on another decode server (the lease's decode share cannot move); a failed prefill
+    /// ends the request with 502/504.
+    pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
+        let original: Value = serde_json::from_slice(&self.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let prefill = self.grant.candidates.first().cloned().ok_or_else(|| ApiError::internal("grant without a prefill candidate"))?;
+        let mut prefill_body = original.clone();
+        if let Some(obj) = prefill_body.as_object_mut() {
+            obj.insert("kv_transfer_params".into(), json!({
+                "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                "remote_block_ids": null, "remote_host": null, "remote_port": null,
+            }));
+            obj.insert("max_tokens".into(), json!(1));
+            obj.insert("stream".into(), json!(false));
+            obj.remove("max_completion_tokens");
+            obj.remove("stream_options");
+        }
+        let bytes = serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        let client_signal: AbortSignal = self.client.inner().signal().into();
+        let fail = |kind: OutcomeKind, reason: String| AttemptFailure { outcome: Outcome::of_kind(kind), reason };
+        let params = async {
+            let req = self.upstream_request_with(&prefill, &bytes).map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
+            let (mut resp, _abort) = fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+                .await
+                .map_err(|f| match f {
+                    FetchFailure::Timeout => fail(OutcomeKind::Timeout, format!("prefill backend {} timed out", prefill.id.0)),
+                    FetchFailure::Transport(e) => fail(OutcomeKind::Transport, format!("prefill backend {} unreachable: {e}", prefill.id.0)),
+                })?;
+            let status = resp.status_code();
+            if !(200..300).contains(&status) {
+                return Err(AttemptFailure { outcome: Outcome::from_status(status), reason: format!("prefill backend {} answered {status}", prefill.id.0) });
+            }
+            let answer: Value = resp.json().await.map_err(|e| fail(OutcomeKind::Transport, format!("prefill answer unreadable: {e}")))?;
+            answer
+                .get("kv_transfer_params")
+                .filter(|p| p.is_object())
+                .cloned()
+                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))
+        }
+        .await;
+        let params = match params {
+            Ok(p) => p,
+            Err(failure) => {
+                self.release(failure.outcome.clone()).await;
+                return Err(final_error(&failure, 1, " (prefill stage)"));
+            }
+        };
+        let mut decode_body = original;
+        if let Some(obj) = decode_body.as_object_mut() {
+            obj.insert("kv_transfer_params".into(), params);
+        }
+        self.body = serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.grant.candidates = std::mem::take(&mut self.grant.decode_candidates);
+        self.settings.max_retries = 0;
+        self.prefill_backend = Some(prefill.id.0);
+        self.run().await
     }
 
     async fn reassign(&self, to: &CandidateView, failure: &Outcome) -> Result<CandidateView, ApiError> {

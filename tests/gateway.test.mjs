@@ -34,16 +34,17 @@ afterEach(async () => {
 });
 
 /** A fresh pool of `n` sims with the given policy; returns { name, backends: [{id, sim}] }. */
-async function freshPool(n, policy, { args = [], settings = {} } = {}) {
+async function freshPool(n, policy, { args = [], settings = {}, roles = [] } = {}) {
   pool += 1;
   const name = `p${pool}`;
   const r = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { policy, ...settings } });
   assert.equal(r.status, 200, await r.text());
   const backends = [];
   for (let i = 0; i < n; i++) {
-    const sim = await startSim([...simArgs(pool * 10 + i), ...args]);
+    const role = roles[i] ?? "mixed";
+    const sim = await startSim([...simArgs(pool * 10 + i), ...args, "--role", role]);
     sims.push(sim);
-    const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: name, models: [MODEL], id: `${name}-b${i}` } });
+    const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: name, models: [MODEL], id: `${name}-b${i}`, role } });
     assert.equal(reg.status, 201, await reg.text());
     backends.push({ id: `${name}-b${i}`, sim });
   }
@@ -203,4 +204,18 @@ test("draining a backend takes it out of rotation; DELETE waits for the drain un
   const gone = await gw.admin(`/admin/backends/${a.id}`);
   assert.equal(gone.status, 404);
   await errorBody(gone);
+});
+
+test("disaggregated: a prefill server computes the prompt, a decode server streams the answer", async () => {
+  const p = await freshPool(2, "disaggregated", { roles: ["prefill", "decode"] });
+  await only(p.name);
+  const [prefill, decode] = p.backends;
+  for (const stream of [true, false]) {
+    const r = await chat([{ role: "user", content: "explain disaggregated serving " + "in detail ".repeat(30) }], { stream, max_tokens: 6 });
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.headers.get("x-gateway-prefill-backend"), prefill.id);
+    assert.equal(r.backend, decode.id);
+    // The decode server only accepts kv_transfer_params its peer issued for this very prompt.
+    if (!stream) assert.equal(JSON.parse(r.text).usage.completion_tokens, 6);
+  }
 });

@@ -40,11 +40,11 @@ impl DurableObject for PoolDirectory {
         let sql = state.storage().sql();
         for ddl in [
             "CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, region TEXT NOT NULL DEFAULT '')",
+            "ALTER TABLE pools ADD COLUMN location_hint TEXT",
             "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL UNIQUE, created_ms INTEGER NOT NULL)",
         ] {
-            if let Err(e) = sql.exec(ddl, None) {
-                console_error!("directory: schema: {e}");
-            }
+            // The ALTER fails harmlessly once the column exists.
+            let _ = sql.exec(ddl, None);
         }
         PoolDirectory { state }
     }
@@ -105,7 +105,7 @@ impl PoolDirectory {
             .state
             .storage()
             .sql()
-            .exec("SELECT name, region FROM pools ORDER BY name", None)
+            .exec("SELECT name, region, location_hint FROM pools ORDER BY name", None)
             .map_err(ApiError::from_worker)?;
         cursor.to_array::<PoolEntry>().map_err(ApiError::from_worker)
     }
@@ -115,8 +115,13 @@ impl PoolDirectory {
             .storage()
             .sql()
             .exec(
-                "INSERT INTO pools (name, region) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET region = excluded.region",
-                vec![entry.name.clone().into(), entry.region.clone().into()],
+                "INSERT INTO pools (name, region, location_hint) VALUES (?, ?, ?) \
+                 ON CONFLICT(name) DO UPDATE SET region = excluded.region, location_hint = excluded.location_hint",
+                vec![
+                    entry.name.clone().into(),
+                    entry.region.clone().into(),
+                    entry.location_hint.clone().map_or(SqlStorageValue::Null, SqlStorageValue::from),
+                ],
             )
             .map(|_| ())
             .map_err(ApiError::from_worker)

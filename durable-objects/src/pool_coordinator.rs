@@ -50,6 +50,14 @@ pub struct PoolSettings {
     pub probe_interval_ms: u64,
     /// Timeout of each probe request, ms.
     pub probe_timeout_ms: u64,
+    /// The pool counts as saturated, and new work spills to the next pool when there is one, when
+    /// its backends' scraped waiting queues average more than this per ready backend (0: never).
+    pub saturation_waiting_per_backend: f64,
+    /// Autoscaling signal: the waiting requests one replica should carry (HPA/KEDA target).
+    pub autoscale_target_waiting: f64,
+    /// Durable Object location hint for this pool (for example `enam`, `weur`); used when the
+    /// Worker first addresses the pool.
+    pub location_hint: Option<String>,
 }
 
 impl Default for PoolSettings {
@@ -59,6 +67,9 @@ impl Default for PoolSettings {
             retry_budget: RetryBudgetConfig::default(),
             probe_interval_ms: 0,
             probe_timeout_ms: DEFAULT_PROBE_TIMEOUT_MS,
+            saturation_waiting_per_backend: 16.0,
+            autoscale_target_waiting: 4.0,
+            location_hint: None,
         }
     }
 }
@@ -69,6 +80,17 @@ impl PoolSettings {
         self.retry_budget.validate().map_err(ApiError::bad_request)?;
         if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
             return Err(ApiError::bad_request("probe_interval_ms must be 0 (default) or 500-3,600,000").with_param("probe_interval_ms"));
+        }
+        if !(self.saturation_waiting_per_backend.is_finite() && self.saturation_waiting_per_backend >= 0.0) {
+            return Err(ApiError::bad_request("saturation_waiting_per_backend must be a number >= 0").with_param("saturation_waiting_per_backend"));
+        }
+        if !(self.autoscale_target_waiting.is_finite() && self.autoscale_target_waiting > 0.0) {
+            return Err(ApiError::bad_request("autoscale_target_waiting must be a number > 0").with_param("autoscale_target_waiting"));
+        }
+        if let Some(hint) = &self.location_hint {
+            if !["wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me"].contains(&hint.as_str()) {
+                return Err(ApiError::bad_request("location_hint must be one of wnam, enam, sam, weur, eeur, apac, oc, afr, me").with_param("location_hint"));
+            }
         }
         if !(100..=60_000).contains(&self.probe_timeout_ms) {
             return Err(ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000").with_param("probe_timeout_ms"));
@@ -98,6 +120,57 @@ struct Live {
     pending_delete: HashSet<BackendId>,
     probe_rounds: u64,
     last_probe_ms: Option<u64>,
+    /// Leases moved to another backend after a failure (retries).
+    retries: u64,
+    /// Acquires refused because the pool was saturated and another pool could take the work.
+    spills: u64,
+    /// Probe outcomes: (successes, failures).
+    probe_results: (u64, u64),
+}
+
+/// The pool's load in aggregate: what autoscalers and spillover look at.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PoolLoad {
+    /// Backends ready and healthy.
+    pub ready: usize,
+    /// Sum of the backends' scraped waiting queues.
+    pub waiting: f64,
+    /// Sum of the backends' scraped running batches.
+    pub running: f64,
+    /// Replicas an autoscaler should aim for (see [`desired_replicas`]).
+    pub desired_replicas: u64,
+    /// Whether new work should go to another pool if there is one.
+    pub saturated: bool,
+}
+
+/// Desired replicas for a target of `target` waiting requests per replica: grows by one replica
+/// per `target` requests waiting beyond what the ready replicas should carry; holds while anything
+/// runs; lets an idle pool shrink to one.
+pub fn desired_replicas(ready: usize, waiting: f64, running: f64, target: f64) -> u64 {
+    let ready = ready as f64;
+    let desired = if waiting > target * ready {
+        ready + ((waiting - target * ready) / target).ceil()
+    } else if running > 0.0 || waiting > 0.0 {
+        ready
+    } else {
+        1.0
+    };
+    desired.max(1.0) as u64
+}
+
+fn pool_load(l: &Live) -> PoolLoad {
+    let mut load = PoolLoad { ready: 0, waiting: 0.0, running: 0.0, desired_replicas: 1, saturated: false };
+    for v in l.pool.backends() {
+        if v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy {
+            load.ready += 1;
+        }
+        load.waiting += v.scraped.waiting.unwrap_or(0.0);
+        load.running += v.scraped.running.unwrap_or(0.0);
+    }
+    load.desired_replicas = desired_replicas(load.ready, load.waiting, load.running, l.settings.autoscale_target_waiting);
+    let threshold = l.settings.saturation_waiting_per_backend;
+    load.saturated = threshold > 0.0 && load.ready > 0 && load.waiting / load.ready as f64 > threshold;
+    load
 }
 
 /// A backend as the admin API shows it: the core's view plus the last probe report.
@@ -156,7 +229,8 @@ impl DurableObject for PoolCoordinator {
         let segments: Vec<String> = path.trim_matches('/').split('/').map(str::to_string).collect();
         let segs: Vec<&str> = segments.iter().map(String::as_str).collect();
         let method = req.method();
-        let force = req.url().map(|u| u.query_pairs().any(|(k, v)| k == "force" && v == "true")).unwrap_or(false);
+        let flag = |name: &str| req.url().map(|u| u.query_pairs().any(|(k, v)| k == name && v == "true")).unwrap_or(false);
+        let (force, spill_ok) = (flag("force"), flag("spill_ok"));
         let body = match method {
             Method::Post | Method::Put | Method::Patch => match req.text().await {
                 Ok(t) => t,
@@ -165,7 +239,7 @@ impl DurableObject for PoolCoordinator {
             _ => String::new(),
         };
         let result = match (method, segs.as_slice()) {
-            (Method::Post, ["acquire"]) => self.acquire(&body),
+            (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok),
             (Method::Post, ["reassign"]) => self.reassign(&body),
             (Method::Post, ["release"]) => self.release(&body),
             (Method::Post, ["backends"]) => self.register(&body).await,
@@ -247,6 +321,9 @@ impl PoolCoordinator {
             pending_delete,
             probe_rounds: 0,
             last_probe_ms: None,
+            retries: 0,
+            spills: 0,
+            probe_results: (0, 0),
         });
         Ok(())
     }
@@ -269,10 +346,14 @@ impl PoolCoordinator {
             .unwrap_or(DEFAULT_PROBE_INTERVAL_MS)
     }
 
-    fn acquire(&self, body: &str) -> ApiResult {
+    fn acquire(&self, body: &str, spill_ok: bool) -> ApiResult {
         let features: RequestFeatures = parse(body, "acquire request")?;
         self.with(|l| {
             let now = now_ms();
+            if spill_ok && pool_load(l).saturated {
+                l.spills += 1;
+                return Err(ApiError::unavailable("This pool is saturated; try the next pool.", 1).with_code("pool_saturated"));
+            }
             let Live { pool, rng, budget, settings, .. } = l;
             match pool.acquire(&features, now, rng) {
                 Ok(grant) => {
@@ -300,6 +381,9 @@ impl PoolCoordinator {
                     .with_code("retry_budget_exhausted"));
             }
             let result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            if result.is_ok() {
+                l.retries += 1;
+            }
             persist_snapshots(l);
             match result {
                 Ok(candidate) => json_response(200, &candidate),
@@ -446,22 +530,26 @@ impl PoolCoordinator {
 
     fn summary(&self) -> ApiResult {
         self.with(|l| {
-            let views: Vec<BackendView> = l.pool.backends().collect();
-            let ready = views.iter().filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy).count();
-            let waiting: f64 = views.iter().filter_map(|v| v.scraped.waiting).sum();
-            let running: f64 = views.iter().filter_map(|v| v.scraped.running).sum();
+            let load = pool_load(l);
             json_response(
                 200,
                 &json!({
                     "pool": l.name,
                     "region": l.settings.routing.region,
                     "policy": l.settings.routing.policy,
-                    "backends": views.len(),
-                    "ready_backends": ready,
+                    "backends": l.pool.backend_count(),
+                    "ready_backends": load.ready,
                     "in_flight": l.pool.live_leases(),
                     "in_flight_tokens": l.pool.in_flight_total(),
-                    "waiting": waiting,
-                    "running": running,
+                    "waiting": load.waiting,
+                    "running": load.running,
+                    "saturated": load.saturated,
+                    "autoscaling": {
+                        "target_waiting_per_replica": l.settings.autoscale_target_waiting,
+                        "desired_replicas": load.desired_replicas,
+                    },
+                    "retries": l.retries,
+                    "spills": l.spills,
                     "last_probe_ms": l.last_probe_ms,
                     "probe_rounds": l.probe_rounds,
                     "retry_budget_exhausted": l.budget.exhausted_total(),
@@ -474,13 +562,7 @@ impl PoolCoordinator {
         let text = self.with(|l| {
             let mut out = String::new();
             l.pool.render_metrics(&mut out);
-            let pool = &l.name;
-            let _ = writeln!(out, "# HELP llm_gateway_retry_budget_exhausted_total Retries refused by the pool's retry budget.");
-            let _ = writeln!(out, "# TYPE llm_gateway_retry_budget_exhausted_total counter");
-            let _ = writeln!(out, "llm_gateway_retry_budget_exhausted_total{{pool=\"{pool}\"}} {}", l.budget.exhausted_total());
-            let _ = writeln!(out, "# HELP llm_gateway_probe_rounds_total Probe rounds run by the pool's alarm.");
-            let _ = writeln!(out, "# TYPE llm_gateway_probe_rounds_total counter");
-            let _ = writeln!(out, "llm_gateway_probe_rounds_total{{pool=\"{pool}\"}} {}", l.probe_rounds);
+            render_pool_metrics(l, &mut out);
             out
         });
         let mut resp = Response::ok(text).map_err(ApiError::from_worker)?;
@@ -520,6 +602,11 @@ impl PoolCoordinator {
                 for (id, report) in reports {
                     // The backend may have been removed while the probe ran.
                     if l.pool.record_probe(&id, &report.result, now).is_ok() {
+                        if report.result.ok {
+                            l.probe_results.0 += 1;
+                        } else {
+                            l.probe_results.1 += 1;
+                        }
                         l.probes.insert(id, report);
                     }
                 }
@@ -533,6 +620,43 @@ impl PoolCoordinator {
             persist_snapshots(l);
         });
     }
+}
+
+/// The coordinator's own metric families, beside the routing core's.
+fn render_pool_metrics(l: &Live, out: &mut String) {
+    let pool = &l.name;
+    let load = pool_load(l);
+    let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "{name}{{pool=\"{pool}\"{labels}}} {value}");
+        }
+    };
+    let one = |v: f64| vec![(String::new(), v)];
+    family("llm_gateway_retries_total", "counter", "Leases moved to the next candidate after a failure before the first byte.", &one(l.retries as f64));
+    family("llm_gateway_retry_budget_exhausted_total", "counter", "Retries refused by the pool's retry budget.", &one(l.budget.exhausted_total() as f64));
+    family("llm_gateway_pool_spills_total", "counter", "Requests refused because the pool was saturated and a further pool could take them.", &one(l.spills as f64));
+    family("llm_gateway_pool_ready_backends", "gauge", "Backends ready and healthy.", &one(load.ready as f64));
+    family("llm_gateway_pool_waiting", "gauge", "Requests waiting in the backends' queues (scraped), summed.", &one(load.waiting));
+    family("llm_gateway_pool_running", "gauge", "Requests running on the backends (scraped), summed.", &one(load.running));
+    family("llm_gateway_pool_desired_replicas", "gauge", "Replicas an autoscaler should aim for at the configured waiting-per-replica target.", &one(load.desired_replicas as f64));
+    family("llm_gateway_pool_autoscale_target_waiting", "gauge", "The waiting-per-replica target of the autoscaling signal.", &one(l.settings.autoscale_target_waiting));
+    family("llm_gateway_probe_rounds_total", "counter", "Probe rounds run by the pool's alarm.", &one(l.probe_rounds as f64));
+    family(
+        "llm_gateway_probes_total",
+        "counter",
+        "Backend probes by result.",
+        &[(",result=\"ok\"".to_string(), l.probe_results.0 as f64), (",result=\"failed\"".to_string(), l.probe_results.1 as f64)],
+    );
+    let mut ids: Vec<&BackendId> = l.probes.keys().collect();
+    ids.sort();
+    let per_backend = |f: &dyn Fn(&ProbeReport) -> f64| -> Vec<(String, f64)> {
+        ids.iter().map(|id| (format!(",backend=\"{}\"", id.0), f(&l.probes[*id]))).collect()
+    };
+    family("llm_gateway_probe_success", "gauge", "Whether the backend's last probe succeeded.", &per_backend(&|r| if r.result.ok { 1.0 } else { 0.0 }));
+    family("llm_gateway_probe_duration_seconds", "gauge", "Duration of the backend's last probe.", &per_backend(&|r| r.duration_ms as f64 / 1000.0));
+    family("llm_gateway_probe_timestamp_seconds", "gauge", "When the backend's last probe ran (Unix time).", &per_backend(&|r| r.at_ms as f64 / 1000.0));
 }
 
 /// Removes drained backends whose `DELETE` was waiting for the drain.

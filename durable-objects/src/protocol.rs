@@ -58,6 +58,9 @@ pub struct PoolEntry {
     /// Region, such as `us-east`; empty when unknown.
     #[serde(default)]
     pub region: String,
+    /// Durable Object location hint (for example `enam`), used when the pool is first addressed.
+    #[serde(default)]
+    pub location_hint: Option<String>,
 }
 
 /// Header carrying the pool's name on every call to a pool coordinator (a Durable Object does not

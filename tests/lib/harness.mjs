@@ -115,9 +115,9 @@ export async function errorBody(resp) {
 }
 
 /** Starts a vllm-sim process on a free port and waits until /health answers. */
-export async function startSim(args = [], { waitHealthy = true } = {}) {
+export async function startSim(args = [], { waitHealthy = true, port: fixedPort } = {}) {
   const bin = process.env.VLLM_SIM_BIN ?? path.join(ROOT, "target/release/vllm-sim");
-  const port = await freePort();
+  const port = fixedPort ?? (await freePort());
   const child = spawn(bin, ["--port", String(port), ...args], { stdio: ["ignore", "ignore", "pipe"] });
   let stderr = "";
   child.stderr.on("data", (d) => (stderr += d));
