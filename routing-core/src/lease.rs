@@ -1,0 +1,186 @@
+//! Leases: the pool's record of requests in flight.
+//!
+//! A lease is taken when a request is routed and ends when the Worker releases it with the
+//! outcome, or when its deadline passes (the isolate died and nobody will release it). The
+//! backend's in-flight counters are exactly the sum of its live leases: the pool adds a lease's
+//! share when it is granted and subtracts the same share exactly once, whichever of release,
+//! expiry or backend removal comes first. Leases live in memory only; they do not survive a
+//! Durable Object restart, and neither do the requests they describe.
+
+use crate::backend::BackendKey;
+use std::collections::{BTreeSet, HashMap};
+
+/// A lease's identity. Random below 2^53, so it survives a round trip through JavaScript numbers
+/// and an id from before a restart is unlikely to name a new lease.
+pub type LeaseId = u64;
+
+/// Largest lease id handed out (2^53 - 1).
+pub const MAX_LEASE_ID: u64 = (1 << 53) - 1;
+
+/// One backend's share of a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseShare {
+    /// The backend carrying it.
+    pub backend: BackendKey,
+    /// Uncached prompt tokens counted on it.
+    pub prompt_tokens: u64,
+    /// Expected output tokens counted on it.
+    pub output_tokens: u64,
+    /// Whether the request was admitted as a half-open breaker trial there.
+    pub trial: bool,
+}
+
+/// A request in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The lease's id.
+    pub id: LeaseId,
+    /// The gateway's request id, for logs.
+    pub request_id: String,
+    /// Estimated prompt tokens of the request.
+    pub prompt_tokens: u32,
+    /// Expected output tokens of the request.
+    pub max_tokens: u32,
+    /// The backend serving the request (the prefill backend for a disaggregated pair).
+    pub primary: LeaseShare,
+    /// The decode backend of a disaggregated pair.
+    pub decode: Option<LeaseShare>,
+    /// When the lease was granted.
+    pub acquired_ms: u64,
+    /// When it expires unless released.
+    pub deadline_ms: u64,
+}
+
+/// The live leases of a pool, indexed by id and by deadline.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseTable {
+    leases: HashMap<LeaseId, Lease>,
+    deadlines: BTreeSet<(u64, LeaseId)>,
+}
+
+impl LeaseTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        LeaseTable::default()
+    }
+
+    /// Live leases.
+    pub fn len(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Whether no lease is live.
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty()
+    }
+
+    /// Whether `id` names a live lease.
+    pub fn contains(&self, id: LeaseId) -> bool {
+        self.leases.contains_key(&id)
+    }
+
+    /// The live lease `id`.
+    pub fn get(&self, id: LeaseId) -> Option<&Lease> {
+        self.leases.get(&id)
+    }
+
+    /// Mutable access to a live lease; its id and deadline must not change.
+    pub fn get_mut(&mut self, id: LeaseId) -> Option<&mut Lease> {
+        self.leases.get_mut(&id)
+    }
+
+    /// Adds a lease; returns it back if its id is taken.
+    pub fn insert(&mut self, lease: Lease) -> Result<(), Lease> {
+        if self.leases.contains_key(&lease.id) {
+            return Err(lease);
+        }
+        self.deadlines.insert((lease.deadline_ms, lease.id));
+        self.leases.insert(lease.id, lease);
+        Ok(())
+    }
+
+    /// Removes and returns lease `id`.
+    pub fn remove(&mut self, id: LeaseId) -> Option<Lease> {
+        let lease = self.leases.remove(&id)?;
+        self.deadlines.remove(&(lease.deadline_ms, id));
+        Some(lease)
+    }
+
+    /// Removes and returns every lease whose deadline is at or before `now_ms`.
+    pub fn take_expired(&mut self, now_ms: u64) -> Vec<Lease> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            if deadline > now_ms {
+                break;
+            }
+            self.deadlines.pop_first();
+            if let Some(lease) = self.leases.remove(&id) {
+                out.push(lease);
+            }
+        }
+        out
+    }
+
+    /// The earliest deadline of a live lease.
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.deadlines.first().map(|&(d, _)| d)
+    }
+
+    /// Iterates over live leases in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = &Lease> {
+        self.leases.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(id: LeaseId, deadline_ms: u64) -> Lease {
+        Lease {
+            id,
+            request_id: format!("r{id}"),
+            prompt_tokens: 1,
+            max_tokens: 1,
+            primary: LeaseShare {
+                backend: BackendKey {
+                    slot: 0,
+                    generation: 0,
+                },
+                prompt_tokens: 1,
+                output_tokens: 1,
+                trial: false,
+            },
+            decode: None,
+            acquired_ms: 0,
+            deadline_ms,
+        }
+    }
+
+    #[test]
+    fn insert_remove_and_duplicate_ids() {
+        let mut t = LeaseTable::new();
+        t.insert(lease(1, 100)).unwrap();
+        assert!(t.insert(lease(1, 200)).is_err());
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.remove(1).unwrap().deadline_ms, 100);
+        assert!(t.remove(1).is_none(), "second removal is a no-op");
+        assert!(t.is_empty());
+        assert_eq!(t.next_deadline(), None);
+    }
+
+    #[test]
+    fn expiry_takes_exactly_the_past_deadlines() {
+        let mut t = LeaseTable::new();
+        for (id, d) in [(1, 300), (2, 100), (3, 200), (4, 200)] {
+            t.insert(lease(id, d)).unwrap();
+        }
+        assert_eq!(t.next_deadline(), Some(100));
+        let mut gone: Vec<_> = t.take_expired(200).into_iter().map(|l| l.id).collect();
+        gone.sort();
+        assert_eq!(gone, vec![2, 3, 4]);
+        assert_eq!(t.next_deadline(), Some(300));
+        assert!(t.take_expired(299).is_empty());
+        assert_eq!(t.len(), 1);
+    }
+}

@@ -1,0 +1,45 @@
+//! The routing core of the LLM gateway: every decision about which vLLM server serves a request,
+//! as plain Rust with no I/O.
+//!
+//! The gateway's Worker parses a request into [`prompt::RequestFeatures`] (model, token estimates,
+//! routing key, chained prefix-block hashes); the pool's Durable Object holds one [`pool::Pool`] and
+//! asks it for a [`pool::Grant`] (a lease plus ranked candidates), then releases the lease with the
+//! outcome. Everything a decision depends on lives here: the backend registry ([`backend`]), probe
+//! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
+//! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
+//! policies ([`policy`]) and Prometheus rendering ([`metrics`]); the probe's reading of vLLM's
+//! `/metrics` page ([`scrape`]) and the pool-wide retry budget ([`retry_budget`]) too.
+//!
+//! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
+//! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
+//! `worker` dependency and builds for `wasm32-unknown-unknown`, so the same decisions run in the
+//! Durable Object, in native tests and in benchmarks.
+
+pub mod affinity;
+pub mod backend;
+pub mod breaker;
+pub mod cost;
+pub mod health;
+pub mod lease;
+pub mod metrics;
+pub mod outcome;
+pub mod policy;
+pub mod pool;
+pub mod prompt;
+pub mod random;
+pub mod retry_budget;
+pub mod ring;
+pub mod routing_key;
+pub mod scrape;
+
+pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
+pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
+pub use health::{HealthConfig, HealthState};
+pub use outcome::{Outcome, OutcomeKind};
+pub use policy::{DecisionKind, PolicyKind};
+pub use pool::{
+    AcquireError, BackendSnapshot, BackendView, CandidateView, ConfigError, Grant, Pool,
+    PoolConfig, PoolError, ProbeResult,
+};
+pub use prompt::{FeatureConfig, PromptError, RequestFeatures, RequestKind};
+pub use random::{RandomSource, SplitMix64};

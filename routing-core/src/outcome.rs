@@ -1,0 +1,161 @@
+//! How a request ended, as the Worker reports it when it releases a lease.
+//!
+//! The [`OutcomeKind`] decides who is to blame: only server errors, timeouts and transport errors
+//! count against a backend's circuit breaker. A 4xx is the client's fault, a client disconnect is
+//! nobody's, and a 429 means "busy", which marks the backend saturated for a moment instead.
+
+use serde::{Deserialize, Serialize};
+
+/// The class of a request's ending.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeKind {
+    /// 2xx/3xx: the backend answered.
+    #[default]
+    Success,
+    /// 4xx other than 429: the client's fault; never counts against the backend.
+    ClientError,
+    /// 5xx: counts against the backend.
+    ServerError,
+    /// No first byte (or no completion) in time: counts against the backend.
+    Timeout,
+    /// Connection refused, reset, TLS or DNS failure: counts against the backend.
+    Transport,
+    /// 429: the backend is saturated; it is avoided for a short while, the breaker is untouched.
+    RateLimited,
+    /// The client went away; nobody's fault.
+    Cancelled,
+}
+
+impl OutcomeKind {
+    /// Every kind, in a stable order (for metrics).
+    pub const ALL: [OutcomeKind; 7] = [
+        OutcomeKind::Success,
+        OutcomeKind::ClientError,
+        OutcomeKind::ServerError,
+        OutcomeKind::Timeout,
+        OutcomeKind::Transport,
+        OutcomeKind::RateLimited,
+        OutcomeKind::Cancelled,
+    ];
+
+    /// The kind's name as used in JSON and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeKind::Success => "success",
+            OutcomeKind::ClientError => "client_error",
+            OutcomeKind::ServerError => "server_error",
+            OutcomeKind::Timeout => "timeout",
+            OutcomeKind::Transport => "transport",
+            OutcomeKind::RateLimited => "rate_limited",
+            OutcomeKind::Cancelled => "cancelled",
+        }
+    }
+
+    /// Position in [`OutcomeKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether the backend answered successfully.
+    pub fn is_success(self) -> bool {
+        self == OutcomeKind::Success
+    }
+
+    /// Whether this outcome is the backend's fault (opens breakers).
+    pub fn is_backend_failure(self) -> bool {
+        matches!(
+            self,
+            OutcomeKind::ServerError | OutcomeKind::Timeout | OutcomeKind::Transport
+        )
+    }
+
+    /// Classifies an HTTP status from the backend.
+    pub fn from_status(status: u16) -> OutcomeKind {
+        match status {
+            429 => OutcomeKind::RateLimited,
+            // 408 from a server means it timed out waiting for us; 499 is nginx's client-closed.
+            499 => OutcomeKind::Cancelled,
+            400..=499 => OutcomeKind::ClientError,
+            500..=599 => OutcomeKind::ServerError,
+            100..=399 => OutcomeKind::Success,
+            _ => OutcomeKind::ServerError,
+        }
+    }
+}
+
+/// What the Worker knows about a finished request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Outcome {
+    /// The backend's HTTP status, when it answered.
+    pub status: Option<u16>,
+    /// The class of ending; see [`Outcome::from_status`] to derive it from a status.
+    pub kind: OutcomeKind,
+    /// Time to first byte of the response body, in milliseconds.
+    pub ttfb_ms: Option<u64>,
+    /// Prompt tokens the backend reported (`usage.prompt_tokens`).
+    pub prompt_tokens: Option<u32>,
+    /// Completion tokens the backend reported or the Worker counted.
+    pub completion_tokens: Option<u32>,
+}
+
+impl Outcome {
+    /// An outcome classified from an HTTP status, with no timing or token figures.
+    pub fn from_status(status: u16) -> Outcome {
+        Outcome {
+            status: Some(status),
+            kind: OutcomeKind::from_status(status),
+            ..Outcome::default()
+        }
+    }
+
+    /// An outcome of the given kind with no status, timing or token figures.
+    pub fn of_kind(kind: OutcomeKind) -> Outcome {
+        Outcome {
+            kind,
+            ..Outcome::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_classified() {
+        assert_eq!(OutcomeKind::from_status(200), OutcomeKind::Success);
+        assert_eq!(OutcomeKind::from_status(404), OutcomeKind::ClientError);
+        assert_eq!(OutcomeKind::from_status(429), OutcomeKind::RateLimited);
+        assert_eq!(OutcomeKind::from_status(503), OutcomeKind::ServerError);
+        assert_eq!(OutcomeKind::from_status(499), OutcomeKind::Cancelled);
+        assert_eq!(OutcomeKind::from_status(0), OutcomeKind::ServerError);
+    }
+
+    #[test]
+    fn only_server_side_failures_blame_the_backend() {
+        let blamed: Vec<_> = OutcomeKind::ALL
+            .iter()
+            .filter(|k| k.is_backend_failure())
+            .collect();
+        assert_eq!(
+            blamed,
+            [
+                &OutcomeKind::ServerError,
+                &OutcomeKind::Timeout,
+                &OutcomeKind::Transport
+            ]
+        );
+        for (i, k) in OutcomeKind::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i);
+        }
+    }
+
+    #[test]
+    fn outcome_json_is_snake_case_and_partial() {
+        let o: Outcome = serde_json::from_str(r#"{"kind":"rate_limited"}"#).unwrap();
+        assert_eq!(o.kind, OutcomeKind::RateLimited);
+        assert_eq!(o.status, None);
+    }
+}

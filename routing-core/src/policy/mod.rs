@@ -1,0 +1,383 @@
+//! Routing policies: given the eligible backends for a request, rank them in preference order.
+//!
+//! Every policy implements [`RoutingPolicy`], whose `rank` writes candidate indices best first,
+//! as pingora-load-balancing's `BackendIter` does: the first is the choice, the rest are the
+//! fallbacks the Worker walks on a retry, so failover needs no second decision. The pool filters
+//! first (served model, role, lifecycle, health, breaker, saturation) and fills in each
+//! [`Candidate`]'s load and cache figures from the cost model and the affinity table; policies
+//! only rank. [`build`] makes a policy from its [`PolicyKind`] and the pool's knobs.
+
+mod cache_aware;
+mod consistent_hash;
+mod disaggregated;
+mod least_load;
+mod power_of_two;
+mod random;
+mod round_robin;
+mod weighted;
+
+pub use cache_aware::{CacheAware, CacheAwareConfig};
+pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
+pub use disaggregated::Disaggregated;
+pub use least_load::LeastLoad;
+pub use power_of_two::PowerOfTwo;
+pub use random::Random;
+pub use round_robin::RoundRobin;
+pub use weighted::Weighted;
+
+use crate::random::RandomSource;
+use crate::ring::RingMember;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Which policy a pool uses.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Each eligible backend in turn.
+    RoundRobin,
+    /// Smooth weighted round robin (nginx's), by backend weight.
+    Weighted,
+    /// A random backend, weight-proportional.
+    Random,
+    /// The backend with the lowest load after placing the request.
+    LeastLoad,
+    /// The lower-cost of two random backends.
+    PowerOfTwo,
+    /// The routing key's owner on the hash ring, with bounded loads.
+    ConsistentHash,
+    /// Prefix affinity weighed against load (the default).
+    #[default]
+    CacheAware,
+    /// A prefill backend (cache-aware) and a decode backend (least load).
+    Disaggregated,
+}
+
+impl PolicyKind {
+    /// Every policy, in order.
+    pub const ALL: [PolicyKind; 8] = [
+        PolicyKind::RoundRobin,
+        PolicyKind::Weighted,
+        PolicyKind::Random,
+        PolicyKind::LeastLoad,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::ConsistentHash,
+        PolicyKind::CacheAware,
+        PolicyKind::Disaggregated,
+    ];
+
+    /// The policy's name as used in configuration and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::Weighted => "weighted",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::ConsistentHash => "consistent_hash",
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::Disaggregated => "disaggregated",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| format!("unknown policy `{s}`"))
+    }
+}
+
+/// Why a policy ranked the way it did (reported in the grant and counted in metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionKind {
+    /// Round robin's turn.
+    RoundRobin,
+    /// Smooth weighted round robin's turn.
+    Weighted,
+    /// A random draw.
+    Random,
+    /// The least-loaded backend.
+    LeastLoad,
+    /// The lower-cost of two random backends.
+    PowerOfTwo,
+    /// The routing key's ring owner.
+    Sticky,
+    /// The key's owner was at its bounded-load cap; the next backend on the ring took it.
+    StickyOverflow,
+    /// A sticky policy found no routing key and fell back to least load.
+    NoKey,
+    /// The chosen backend holds part of the prompt's prefix.
+    CacheHit,
+    /// No backend holds any of the prefix; chosen by load.
+    CacheMiss,
+    /// The backend holding the prefix was too far ahead in load; the least-loaded one took it.
+    Spill,
+}
+
+impl DecisionKind {
+    /// Every decision kind, in order.
+    pub const ALL: [DecisionKind; 11] = [
+        DecisionKind::RoundRobin,
+        DecisionKind::Weighted,
+        DecisionKind::Random,
+        DecisionKind::LeastLoad,
+        DecisionKind::PowerOfTwo,
+        DecisionKind::Sticky,
+        DecisionKind::StickyOverflow,
+        DecisionKind::NoKey,
+        DecisionKind::CacheHit,
+        DecisionKind::CacheMiss,
+        DecisionKind::Spill,
+    ];
+
+    /// The kind's name as used in JSON and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionKind::RoundRobin => "round_robin",
+            DecisionKind::Weighted => "weighted",
+            DecisionKind::Random => "random",
+            DecisionKind::LeastLoad => "least_load",
+            DecisionKind::PowerOfTwo => "power_of_two",
+            DecisionKind::Sticky => "sticky",
+            DecisionKind::StickyOverflow => "sticky_overflow",
+            DecisionKind::NoKey => "no_key",
+            DecisionKind::CacheHit => "cache_hit",
+            DecisionKind::CacheMiss => "cache_miss",
+            DecisionKind::Spill => "spill",
+        }
+    }
+}
+
+/// Marks a slot with no candidate in [`DecisionInput::slot_index`].
+pub const NO_CANDIDATE: u32 = u32::MAX;
+
+/// One eligible backend, as the policies see it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Candidate {
+    /// The backend's slot in the pool (its node number on the ring).
+    pub slot: u32,
+    /// Its weight.
+    pub weight: u32,
+    /// Its live leases.
+    pub leases: u32,
+    /// Its current load, a fraction of capacity ([`crate::cost::backend_load`]).
+    pub load: f64,
+    /// The load this request would add there if nothing were cached:
+    /// `(prompt + output tokens) / capacity`.
+    pub request_load: f64,
+    /// The prefill this request would skip there, a fraction of capacity
+    /// ([`crate::cost::cache_benefit`]).
+    pub benefit: f64,
+    /// Leading prompt blocks it probably holds.
+    pub cached_blocks: u32,
+}
+
+impl Candidate {
+    /// Load after placing the request here: `load + request_load - benefit`.
+    pub fn cost(&self) -> f64 {
+        not_nan(self.load + self.request_load - self.benefit)
+    }
+}
+
+/// What a policy ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct DecisionInput<'a> {
+    /// The eligible backends (non-empty when a policy is called).
+    pub candidates: &'a [Candidate],
+    /// For each pool slot, its index in `candidates`, or [`NO_CANDIDATE`].
+    pub slot_index: &'a [u32],
+    /// Hash of the request's routing key ([`crate::ring::key_hash`]), if it has one.
+    pub key_hash: Option<u64>,
+    /// How many candidates to rank (at least 1).
+    pub limit: usize,
+}
+
+impl DecisionInput<'_> {
+    /// The candidate index of `slot`, if it is eligible.
+    pub fn candidate_of(&self, slot: u32) -> Option<usize> {
+        match self.slot_index.get(slot as usize) {
+            Some(&i) if i != NO_CANDIDATE => Some(i as usize),
+            _ => None,
+        }
+    }
+}
+
+/// A routing policy.
+pub trait RoutingPolicy: Send {
+    /// Which policy this is.
+    fn kind(&self) -> PolicyKind;
+
+    /// Writes up to `input.limit` distinct candidate indices into `order`, best first, and says
+    /// why the first was chosen. `input.candidates` is never empty.
+    fn rank(
+        &mut self,
+        input: &DecisionInput<'_>,
+        rng: &mut dyn RandomSource,
+        order: &mut Vec<usize>,
+    ) -> DecisionKind;
+
+    /// Ranks decode backends for a disaggregated pair; `false` if the policy does not pair.
+    fn rank_decode(
+        &mut self,
+        _input: &DecisionInput<'_>,
+        _rng: &mut dyn RandomSource,
+        _order: &mut Vec<usize>,
+    ) -> bool {
+        false
+    }
+
+    /// Called when the pool's backends or their weights change.
+    fn members_changed(&mut self, _members: &[RingMember<'_>]) {}
+}
+
+/// Builds the policy `kind` with the pool's knobs.
+pub fn build(
+    kind: PolicyKind,
+    consistent_hash: &ConsistentHashConfig,
+    cache_aware: &CacheAwareConfig,
+) -> Box<dyn RoutingPolicy> {
+    match kind {
+        PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyKind::Weighted => Box::new(Weighted::default()),
+        PolicyKind::Random => Box::new(Random),
+        PolicyKind::LeastLoad => Box::new(LeastLoad),
+        PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
+        PolicyKind::ConsistentHash => Box::new(ConsistentHash::new(*consistent_hash)),
+        PolicyKind::CacheAware => Box::new(CacheAware::new(*cache_aware)),
+        PolicyKind::Disaggregated => Box::new(Disaggregated::new(*cache_aware)),
+    }
+}
+
+/// NaN sorts last.
+pub(crate) fn not_nan(x: f64) -> f64 {
+    if x.is_nan() {
+        f64::INFINITY
+    } else {
+        x
+    }
+}
+
+/// Writes into `order` the indices in `0..n` with the `limit` smallest keys, ascending. Ties go
+/// to the index met first when scanning from `start` (wrapping), which lets callers break ties
+/// at random. Runs in `O(n * limit)`, cheaper than sorting for the small limits used here.
+pub(crate) fn smallest_by(
+    n: usize,
+    limit: usize,
+    start: usize,
+    skip: &[usize],
+    key: impl Fn(usize) -> f64,
+    order: &mut Vec<usize>,
+) {
+    let mut keys: Vec<f64> = Vec::with_capacity(limit);
+    let base = order.len();
+    if n == 0 || limit == 0 {
+        return;
+    }
+    for step in 0..n {
+        let i = (start + step) % n;
+        if skip.contains(&i) {
+            continue;
+        }
+        let k = not_nan(key(i));
+        let held = order.len() - base;
+        if held == limit && k >= keys[held - 1] {
+            continue;
+        }
+        let mut pos = held;
+        while pos > 0 && k < keys[pos - 1] {
+            pos -= 1;
+        }
+        if held == limit {
+            keys.pop();
+            order.pop();
+        }
+        keys.insert(pos, k);
+        order.insert(base + pos, i);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// Candidates at slots `0..loads.len()` with the given loads and weight 1.
+    pub fn candidates(loads: &[f64]) -> Vec<Candidate> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &load)| Candidate {
+                slot: i as u32,
+                weight: 1,
+                leases: (load * 10.0) as u32,
+                load,
+                ..Candidate::default()
+            })
+            .collect()
+    }
+
+    /// The identity slot index for `n` candidates.
+    pub fn identity(n: usize) -> Vec<u32> {
+        (0..n as u32).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_round_trip() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.as_str().parse::<PolicyKind>().unwrap(), kind);
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.as_str()));
+            assert_eq!(
+                build(kind, &Default::default(), &Default::default()).kind(),
+                kind
+            );
+        }
+        assert!("fastest".parse::<PolicyKind>().is_err());
+        for kind in DecisionKind::ALL {
+            assert_eq!(
+                serde_json::to_string(&kind).unwrap(),
+                format!("\"{}\"", kind.as_str())
+            );
+        }
+    }
+
+    #[test]
+    fn smallest_by_picks_the_lowest_in_order() {
+        let keys = [5.0, 1.0, 3.0, 1.0, f64::NAN, 0.5];
+        let mut order = Vec::new();
+        smallest_by(keys.len(), 3, 0, &[], |i| keys[i], &mut order);
+        assert_eq!(order, vec![5, 1, 3]);
+        order.clear();
+        smallest_by(keys.len(), 3, 2, &[], |i| keys[i], &mut order);
+        assert_eq!(
+            order,
+            vec![5, 3, 1],
+            "ties go to the first met from `start`"
+        );
+        order.clear();
+        smallest_by(keys.len(), 10, 0, &[5], |i| keys[i], &mut order);
+        assert_eq!(order, vec![1, 3, 2, 0, 4]);
+        let mut prefilled = vec![9];
+        smallest_by(2, 1, 0, &[], |i| keys[i], &mut prefilled);
+        assert_eq!(prefilled, vec![9, 1]);
+    }
+}

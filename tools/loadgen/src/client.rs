@@ -1,0 +1,202 @@
+//! The HTTP side: one keep-alive HTTP/1.1 client, a streamed chat completion timed token by token,
+//! and the small JSON calls the harness makes (admin API, `/metrics`).
+//!
+//! Time to first token is measured to the first server-sent event that carries output text (the
+//! opening `{"role": "assistant", "content": ""}` delta does not count), so it includes queueing and
+//! prefill but not an early empty chunk.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// A shared keep-alive client.
+#[derive(Clone)]
+pub struct Http {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// What one streamed completion did.
+#[derive(Debug, Clone, Default)]
+pub struct StreamResult {
+    /// HTTP status (0: no response).
+    pub status: u16,
+    /// Transport or protocol error, or the error body of a non-200 answer.
+    pub error: Option<String>,
+    /// Send to first output text.
+    pub ttft: Option<Duration>,
+    /// Send to the end of the stream.
+    pub e2e: Duration,
+    /// Output tokens (`usage.completion_tokens`, else text events).
+    pub output_tokens: u32,
+    /// `usage.prompt_tokens`, when the stream carried usage.
+    pub prompt_tokens: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when present.
+    pub cached_tokens: Option<u32>,
+    /// The answer text (needed to send the next turn of a conversation).
+    pub text: String,
+    /// `x-gateway-backend` response header.
+    pub backend: Option<String>,
+    /// `x-gateway-decision` response header.
+    pub decision: Option<String>,
+}
+
+impl StreamResult {
+    /// A 200 stream that ended with output.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none() && self.ttft.is_some()
+    }
+}
+
+/// Pulls the text, usage and end marker out of one SSE event's data.
+fn read_event(data: &str, out: &mut StreamResult, text_events: &mut u32, usage_tokens: &mut Option<u32>) -> bool {
+    let Ok(v) = serde_json::from_str::<Value>(data) else {
+        return false;
+    };
+    if let Some(err) = v.get("error") {
+        out.error = Some(format!("stream error: {err}"));
+        return false;
+    }
+    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+        out.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64).map(|x| x as u32);
+        *usage_tokens = u.get("completion_tokens").and_then(Value::as_u64).map(|x| x as u32);
+        out.cached_tokens = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).map(|x| x as u32);
+    }
+    let mut got_text = false;
+    if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
+        let piece = choice.pointer("/delta/content").or_else(|| choice.get("text")).and_then(Value::as_str).unwrap_or("");
+        if !piece.is_empty() {
+            out.text.push_str(piece);
+            *text_events += 1;
+            got_text = true;
+        }
+    }
+    got_text
+}
+
+impl Http {
+    /// A client with a large keep-alive pool (one connection per concurrent stream).
+    pub fn new() -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(4096)
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        Http { inner }
+    }
+
+    /// Sends `body` to `url` and reads the SSE stream to its end (or `timeout`).
+    pub async fn stream(&self, url: &str, body: Bytes, headers: &[(String, String)], timeout: Duration) -> StreamResult {
+        let start = Instant::now();
+        let mut out = StreamResult::default();
+        match tokio::time::timeout(timeout, self.stream_inner(url, body, headers, start, &mut out)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => out.error = Some(e),
+            Err(_) => out.error = Some(format!("timed out after {:.0} s", timeout.as_secs_f64())),
+        }
+        out.e2e = start.elapsed();
+        out
+    }
+
+    async fn stream_inner(
+        &self,
+        url: &str,
+        body: Bytes,
+        headers: &[(String, String)],
+        start: Instant,
+        out: &mut StreamResult,
+    ) -> Result<(), String> {
+        let mut req = Request::builder().method(Method::POST).uri(url).header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
+        let resp = self.inner.request(req).await.map_err(|e| format!("request failed: {e}"))?;
+        out.status = resp.status().as_u16();
+        let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        out.backend = header("x-gateway-backend");
+        out.decision = header("x-gateway-decision");
+        let mut body = resp.into_body();
+        if out.status != 200 {
+            let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            return Err(format!("HTTP {}: {}", out.status, String::from_utf8_lossy(&bytes[..bytes.len().min(300)])));
+        }
+        let mut buf: Vec<u8> = Vec::new();
+        let mut text_events = 0u32;
+        let mut usage_tokens = None;
+        let mut done = false;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("stream broken: {e}"))?;
+            let Ok(data) = frame.into_data() else { continue };
+            buf.extend_from_slice(&data);
+            while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..pos + 2).collect();
+                let event = String::from_utf8_lossy(&event);
+                for line in event.lines() {
+                    let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+                    if data == "[DONE]" {
+                        done = true;
+                    } else if read_event(data, out, &mut text_events, &mut usage_tokens) && out.ttft.is_none() {
+                        out.ttft = Some(start.elapsed());
+                    }
+                }
+            }
+        }
+        out.output_tokens = usage_tokens.unwrap_or(text_events);
+        if let Some(e) = &out.error {
+            return Err(e.clone());
+        }
+        if !done {
+            return Err("stream ended without [DONE]".into());
+        }
+        Ok(())
+    }
+
+    /// A plain request; returns the status and body text.
+    pub async fn call(&self, method: Method, url: &str, bearer: Option<&str>, body: Option<String>) -> Result<(u16, String), String> {
+        let mut req = Request::builder().method(method).uri(url);
+        if let Some(token) = bearer {
+            req = req.header("authorization", format!("Bearer {token}"));
+        }
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).map_err(|e| e.to_string())?;
+        let fut = async {
+            let resp = self.inner.request(req).await.map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status().as_u16();
+            let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+            Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        tokio::time::timeout(Duration::from_secs(15), fut).await.map_err(|_| format!("{url}: timed out"))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_yield_text_usage_and_errors() {
+        let mut out = StreamResult::default();
+        let (mut n, mut usage) = (0, None);
+        assert!(!read_event(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#, &mut out, &mut n, &mut usage));
+        assert!(read_event(r#"{"choices":[{"delta":{"content":" the"}}]}"#, &mut out, &mut n, &mut usage));
+        assert!(read_event(r#"{"choices":[{"text":" cat"}]}"#, &mut out, &mut n, &mut usage));
+        assert!(!read_event(
+            r#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#,
+            &mut out,
+            &mut n,
+            &mut usage
+        ));
+        assert_eq!(out.text, " the cat");
+        assert_eq!((n, usage, out.prompt_tokens, out.cached_tokens), (2, Some(2), Some(40), Some(32)));
+        read_event(r#"{"error":{"message":"boom"}}"#, &mut out, &mut n, &mut usage);
+        assert!(out.error.is_some());
+    }
+}

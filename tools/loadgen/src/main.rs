@@ -1,0 +1,275 @@
+//! `loadgen`: the load generator and benchmark harness of the gateway.
+//!
+//! - `loadgen run`: one workload against any OpenAI-compatible endpoint (the gateway, or backends
+//!   directly), streamed, open or closed loop; prints a JSON report.
+//! - `loadgen oracle`: the prefix-cache hit rate an oracle router would reach on a workload.
+//! - `loadgen overhead`: the gateway's added latency over direct calls.
+//! - `loadgen bench`: everything, on a fleet of vllm-sim processes it manages (`make bench`).
+//!
+//! Modules: [`workload`] generates the four workloads from a seed, [`driver`] sends them,
+//! [`client`] times each stream, [`metrics`] reads the backends' counters, [`oracle`] computes the
+//! upper bound, [`report`] summarises and draws, [`bench`] orchestrates.
+
+mod bench;
+mod client;
+mod driver;
+mod metrics;
+mod oracle;
+mod report;
+mod rng;
+mod stats;
+mod workload;
+
+use clap::{Args, Parser, Subcommand};
+use driver::{Limits, Load, Target};
+use std::path::PathBuf;
+use std::time::Duration;
+use workload::Workload;
+
+#[derive(Parser)]
+#[command(name = "loadgen", about = "Load generator and benchmark harness for OpenAI-compatible endpoints")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+/// Which workload: a named one from a bench config, or a JSON spec.
+#[derive(Args, Clone)]
+struct WorkloadArgs {
+    /// Bench config to take the workload (and fleet, seed) from.
+    #[arg(long, default_value = "bench/config/full.json")]
+    config: PathBuf,
+    /// Workload kind in the config: shared-prefix, multi-turn, long-short, no-sharing.
+    #[arg(long)]
+    workload: Option<String>,
+    /// A workload as JSON instead, e.g. '{"kind":"no-sharing","requests":100,"prompt_tokens":64,"output_tokens":16}'.
+    #[arg(long)]
+    spec: Option<String>,
+    /// Seed (default: the config's).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl WorkloadArgs {
+    fn resolve(&self) -> Result<(Workload, Option<bench::WorkloadRun>, bench::BenchConfig, u64), String> {
+        let cfg = bench::BenchConfig::load(&self.config)?;
+        let seed = self.seed.unwrap_or(cfg.seed);
+        if let Some(spec) = &self.spec {
+            let w: Workload = serde_json::from_str(spec).map_err(|e| format!("--spec: {e}"))?;
+            return Ok((w, None, cfg, seed));
+        }
+        let name = self.workload.as_deref().ok_or("give --workload NAME or --spec JSON")?;
+        let run = cfg
+            .workloads
+            .iter()
+            .find(|w| w.workload.kind() == name)
+            .cloned()
+            .ok_or_else(|| format!("no workload `{name}` in {}", self.config.display()))?;
+        Ok((run.workload.clone(), Some(run), cfg, seed))
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one workload against an endpoint and print a JSON report.
+    Run {
+        #[command(flatten)]
+        w: WorkloadArgs,
+        /// Base URL(s); several are used in turn (e.g. backends directly).
+        #[arg(long, required = true)]
+        url: Vec<String>,
+        /// Model name (default: the config's).
+        #[arg(long)]
+        model: Option<String>,
+        /// Open loop: Poisson arrivals per second.
+        #[arg(long, conflicts_with = "concurrency")]
+        rate: Option<f64>,
+        /// Closed loop: concurrent clients.
+        #[arg(long)]
+        concurrency: Option<usize>,
+        /// Wall-clock limit, seconds.
+        #[arg(long, default_value_t = 60.0)]
+        max_duration: f64,
+        /// Backend base URLs whose /metrics to read before and after (for the hit rate).
+        #[arg(long)]
+        metrics: Vec<String>,
+        /// The backends' --time-scale (to report model-time TTFT).
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+        /// Label for the policy column.
+        #[arg(long, default_value = "unknown")]
+        policy: String,
+        /// Also write the per-request records (JSON lines) here.
+        #[arg(long)]
+        records: Option<PathBuf>,
+    },
+    /// Print the oracle's hit-rate bound for a workload on a fleet.
+    Oracle {
+        #[command(flatten)]
+        w: WorkloadArgs,
+        /// Backends in the fleet (default: the config's).
+        #[arg(long)]
+        backends: Option<usize>,
+        /// KV blocks per backend (default: the config's).
+        #[arg(long)]
+        kv_blocks: Option<usize>,
+    },
+    /// Measure the gateway's added latency over direct calls (the gateway must already route to
+    /// the given backends).
+    Overhead {
+        /// Gateway base URL.
+        #[arg(long)]
+        gateway: String,
+        /// Backend base URLs (called in turn for the direct phase).
+        #[arg(long, required = true)]
+        direct: Vec<String>,
+        /// Model name.
+        #[arg(long)]
+        model: String,
+        /// Concurrencies.
+        #[arg(long, value_delimiter = ',', default_value = "1,50,200")]
+        concurrency: Vec<usize>,
+        /// Requests per phase.
+        #[arg(long, default_value_t = 500)]
+        requests: usize,
+        #[arg(long, default_value_t = 64)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 16)]
+        output_tokens: u32,
+    },
+    /// Run the whole benchmark on a managed vllm-sim fleet behind a running gateway.
+    Bench {
+        /// Bench config.
+        #[arg(long)]
+        config: PathBuf,
+        /// Gateway base URL.
+        #[arg(long, default_value = "http://127.0.0.1:8799")]
+        gateway: String,
+        /// Admin token (or ADMIN_TOKEN in the environment).
+        #[arg(long, env = "ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+        /// The vllm-sim binary.
+        #[arg(long, default_value = "target/release/vllm-sim")]
+        sim_bin: PathBuf,
+        /// Results directory.
+        #[arg(long, default_value = "bench/results")]
+        out_dir: PathBuf,
+        /// Logs directory.
+        #[arg(long, default_value = "bench/tmp")]
+        tmp_dir: PathBuf,
+        /// Only these workloads (`overhead` for the overhead benchmark); default all.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Only these policies; default all in the config.
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+    },
+}
+
+fn load_of(rate: Option<f64>, concurrency: Option<usize>, default: Option<Load>) -> Result<Load, String> {
+    match (rate, concurrency, default) {
+        (Some(r), _, _) => Ok(Load::Rate(r)),
+        (_, Some(c), _) => Ok(Load::Concurrency(c)),
+        (_, _, Some(d)) => Ok(d),
+        _ => Err("give --rate or --concurrency".into()),
+    }
+}
+
+async fn main_inner(cli: Cli) -> Result<(), String> {
+    let http = client::Http::new();
+    match cli.command {
+        Cmd::Run { w, url, model, rate, concurrency, max_duration, metrics: metric_urls, time_scale, policy, records: records_path } => {
+            let (workload, run, cfg, seed) = w.resolve()?;
+            let load = load_of(rate, concurrency, run.as_ref().map(|r| r.load))?;
+            let plan = workload.generate(seed);
+            let fetch = |urls: Vec<String>| {
+                let http = http.clone();
+                async move {
+                    let mut out = Vec::new();
+                    for u in urls {
+                        let text = match http.call(hyper::Method::GET, &format!("{u}/metrics"), None, None).await {
+                            Ok((200, t)) => t,
+                            _ => String::new(),
+                        };
+                        out.push((u, metrics::Counters::from_text(&text)));
+                    }
+                    out
+                }
+            };
+            let before = fetch(metric_urls.clone()).await;
+            let target = Target {
+                urls: url.iter().map(|u| format!("{}/v1/chat/completions", u.trim_end_matches('/'))).collect(),
+                model: model.unwrap_or(cfg.model.clone()),
+                headers: vec![],
+            };
+            let limits = Limits { max_duration: Duration::from_secs_f64(max_duration), request_timeout: Duration::from_secs_f64(cfg.request_timeout_s) };
+            let (records, elapsed) = driver::drive(http.clone(), target, plan.clone(), load, seed, limits).await;
+            let after = fetch(metric_urls).await;
+            let deltas: Vec<(String, metrics::Counters)> = after.iter().zip(&before).map(|((u, a), (_, b))| (u.clone(), a.since(b))).collect();
+            let fleet_blocks = cfg.fleet.backends * cfg.fleet.kv_blocks;
+            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 16, fleet_blocks);
+            let report = report::summarize(workload.kind(), &policy, load, time_scale, &records, elapsed, &deltas, Some(bound));
+            if let Some(p) = records_path {
+                let lines: Vec<String> = records.iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
+                std::fs::write(&p, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", p.display()))?;
+            }
+            println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+        }
+        Cmd::Oracle { w, backends, kv_blocks } => {
+            let (workload, _, cfg, seed) = w.resolve()?;
+            let plan = workload.generate(seed);
+            let fleet_blocks = backends.unwrap_or(cfg.fleet.backends) * kv_blocks.unwrap_or(cfg.fleet.kv_blocks);
+            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 16, fleet_blocks);
+            let out = serde_json::json!({"workload": workload, "seed": seed, "requests": plan.requests(), "bound": bound});
+            println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
+        }
+        Cmd::Overhead { gateway, direct, model, concurrency, requests, prompt_tokens, output_tokens } => {
+            let oc = bench::OverheadConfig { requests: vec![requests; concurrency.len()], concurrency, prompt_tokens, output_tokens, max_duration_s: 120.0 };
+            let mut points = Vec::new();
+            for (i, &c) in oc.concurrency.iter().enumerate() {
+                let w = Workload::NoSharing { requests: oc.requests[i], prompt_tokens, output_tokens };
+                let limits = Limits { max_duration: Duration::from_secs_f64(oc.max_duration_s), request_timeout: Duration::from_secs(60) };
+                let d = Target { urls: direct.iter().map(|u| format!("{u}/v1/chat/completions")).collect(), model: model.clone(), headers: vec![] };
+                let g = Target { urls: vec![format!("{gateway}/v1/chat/completions")], model: model.clone(), headers: vec![] };
+                let (dr, ds) = driver::drive(http.clone(), d, w.generate(10 + i as u64), Load::Concurrency(c), 10, limits).await;
+                let (gr, gs) = driver::drive(http.clone(), g, w.generate(20 + i as u64), Load::Concurrency(c), 20, limits).await;
+                let s = |v: &[driver::Record], f: &dyn Fn(&driver::Record) -> Option<f64>| stats::Summary::of(v.iter().filter(|r| r.error.is_none()).filter_map(f));
+                let (dt, gt) = (s(&dr, &|r| r.ttft_ms), s(&gr, &|r| r.ttft_ms));
+                let (de, ge) = (s(&dr, &|r| Some(r.e2e_ms)), s(&gr, &|r| Some(r.e2e_ms)));
+                points.push(report::OverheadPoint {
+                    concurrency: c,
+                    requests: oc.requests[i],
+                    direct_ttft_p50: dt.p50,
+                    direct_ttft_p99: dt.p99,
+                    gateway_ttft_p50: gt.p50,
+                    gateway_ttft_p99: gt.p99,
+                    direct_e2e_p50: de.p50,
+                    direct_e2e_p99: de.p99,
+                    gateway_e2e_p50: ge.p50,
+                    gateway_e2e_p99: ge.p99,
+                    direct_rps: dt.count as f64 / ds,
+                    gateway_rps: gt.count as f64 / gs,
+                    direct_errors: dr.len() - dt.count,
+                    gateway_errors: gr.len() - gt.count,
+                });
+            }
+            println!("{}", serde_json::to_string_pretty(&points).map_err(|e| e.to_string())?);
+        }
+        Cmd::Bench { config, gateway, admin_token, sim_bin, out_dir, tmp_dir, only, policies } => {
+            let cfg = bench::BenchConfig::load(&config)?;
+            let opts = bench::BenchOptions { gateway, admin_token, sim_bin, out_dir, tmp_dir, only_workloads: only, only_policies: policies };
+            let path = bench::bench(cfg, opts).await?;
+            println!("{}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("a tokio runtime");
+    if let Err(e) = rt.block_on(main_inner(cli)) {
+        eprintln!("loadgen: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,289 @@
+//! The four benchmark workloads, generated from a seed into a [`Plan`] of sessions.
+//!
+//! A session is a conversation: an optional system prompt and one or more user turns, each sent
+//! after the previous answer arrived (with the whole history, as chat clients do). Single-shot
+//! workloads are sessions of one turn, so one driver and one oracle serve every workload.
+//!
+//! | workload | modelled on | what it exposes |
+//! |---|---|---|
+//! | `shared-prefix` | SGLang's `generated-shared-prefix` benchmark: G groups x P prompts, a long system prompt per group, a short question | prefix-cache affinity |
+//! | `multi-turn` | vLLM production-stack's multi-round QA: U users x R rounds, one shared system prompt, the history resent each turn, `x-user-id` | session affinity as the history grows |
+//! | `long-short` | a few very long prompts among many short ones | load imbalance (head-of-line prefill) |
+//! | `no-sharing` | unique prompts | pure load balance |
+//!
+//! Text is made of four-byte words (`" abc"`), so a content of N tokens is exactly N x 4 bytes under
+//! the 4-bytes-per-token approximation the gateway and vllm-sim share.
+
+use crate::rng::{Rng, Zipf};
+use serde::{Deserialize, Serialize};
+
+/// A workload and its parameters (JSON: `{"kind": "shared-prefix", ...}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Workload {
+    /// G groups x P prompts sharing a long per-group system prompt.
+    SharedPrefix {
+        /// Number of groups (distinct system prompts).
+        groups: usize,
+        /// Distinct questions per group.
+        prompts_per_group: usize,
+        /// Tokens of each group's system prompt.
+        system_tokens: usize,
+        /// Tokens of each question.
+        question_tokens: usize,
+        /// Output tokens per request.
+        output_tokens: u32,
+        /// Requests to send (drawn with replacement).
+        requests: usize,
+        /// Zipf exponent of group popularity (0: uniform).
+        #[serde(default)]
+        zipf: f64,
+    },
+    /// U users x R rounds of chat over one shared system prompt.
+    MultiTurn {
+        /// Users (conversations).
+        users: usize,
+        /// Rounds (turns) per user.
+        rounds: usize,
+        /// Tokens of the shared system prompt.
+        system_tokens: usize,
+        /// Tokens of each user message.
+        question_tokens: usize,
+        /// Output tokens per turn.
+        output_tokens: u32,
+    },
+    /// Short prompts with a few long ones among them.
+    LongShort {
+        /// Requests to send.
+        requests: usize,
+        /// Fraction of long requests.
+        long_fraction: f64,
+        /// Tokens of a long prompt.
+        long_tokens: usize,
+        /// Tokens of a short prompt.
+        short_tokens: usize,
+        /// Output tokens per request.
+        output_tokens: u32,
+    },
+    /// Unique prompts, nothing shared.
+    NoSharing {
+        /// Requests to send.
+        requests: usize,
+        /// Tokens per prompt.
+        prompt_tokens: usize,
+        /// Output tokens per request.
+        output_tokens: u32,
+    },
+}
+
+/// One user message and the answer length asked for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    /// The user message.
+    pub user: String,
+    /// `max_tokens` (sent with `ignore_eos`, so the answer has exactly this many tokens).
+    pub output_tokens: u32,
+}
+
+/// A conversation: sent turn after turn, each with the full history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Session {
+    /// Sent as `x-user-id` when set.
+    pub user_id: Option<String>,
+    /// The system prompt, if any.
+    pub system: Option<String>,
+    /// The user turns in order.
+    pub turns: Vec<Turn>,
+}
+
+/// A generated workload: its sessions in dispatch order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The sessions, in the order they start.
+    pub sessions: Vec<Session>,
+}
+
+impl Plan {
+    /// Requests in the plan (turns of every session).
+    pub fn requests(&self) -> usize {
+        self.sessions.iter().map(|s| s.turns.len()).sum()
+    }
+}
+
+/// `tokens` tokens of random four-byte words.
+pub fn words(rng: &mut Rng, tokens: usize) -> String {
+    const LETTERS: &[u8] = b"abcdefghijklmnopqrstuvwxyz";
+    let mut s = String::with_capacity(tokens * 4);
+    for _ in 0..tokens {
+        s.push(' ');
+        for _ in 0..3 {
+            s.push(LETTERS[rng.below(26) as usize] as char);
+        }
+    }
+    s
+}
+
+impl Workload {
+    /// The workload's short name (`shared-prefix`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Workload::SharedPrefix { .. } => "shared-prefix",
+            Workload::MultiTurn { .. } => "multi-turn",
+            Workload::LongShort { .. } => "long-short",
+            Workload::NoSharing { .. } => "no-sharing",
+        }
+    }
+
+    /// Generates the plan; the same workload and seed always give the same plan.
+    pub fn generate(&self, seed: u64) -> Plan {
+        let mut rng = Rng::new(seed, 0x776f_726b);
+        let sessions = match *self {
+            Workload::SharedPrefix { groups, prompts_per_group, system_tokens, question_tokens, output_tokens, requests, zipf } => {
+                let groups = groups.max(1);
+                let per_group = prompts_per_group.max(1);
+                let systems: Vec<String> = (0..groups).map(|g| format!("Group {g:04}.{}", words(&mut rng, system_tokens.saturating_sub(3)))).collect();
+                let questions: Vec<Vec<String>> =
+                    (0..groups).map(|_| (0..per_group).map(|_| words(&mut rng, question_tokens)).collect()).collect();
+                let popularity = Zipf::new(groups, zipf);
+                // Group ranks are shuffled so that the popular groups are not always the first ones
+                // generated (which a hash ring would place arbitrarily anyway).
+                let mut rank_to_group: Vec<usize> = (0..groups).collect();
+                rng.shuffle(&mut rank_to_group);
+                (0..requests)
+                    .map(|_| {
+                        let g = rank_to_group[popularity.sample(&mut rng)];
+                        let q = rng.below(per_group as u64) as usize;
+                        Session {
+                            user_id: None,
+                            system: Some(systems[g].clone()),
+                            turns: vec![Turn { user: questions[g][q].clone(), output_tokens }],
+                        }
+                    })
+                    .collect()
+            }
+            Workload::MultiTurn { users, rounds, system_tokens, question_tokens, output_tokens } => {
+                let system = format!("Shared system.{}", words(&mut rng, system_tokens.saturating_sub(4)));
+                (0..users)
+                    .map(|u| Session {
+                        user_id: Some(format!("user-{u:05}")),
+                        system: Some(system.clone()),
+                        turns: (0..rounds).map(|_| Turn { user: words(&mut rng, question_tokens), output_tokens }).collect(),
+                    })
+                    .collect()
+            }
+            Workload::LongShort { requests, long_fraction, long_tokens, short_tokens, output_tokens } => (0..requests)
+                .map(|_| {
+                    let tokens = if rng.next_f64() < long_fraction { long_tokens } else { short_tokens };
+                    Session { user_id: None, system: None, turns: vec![Turn { user: words(&mut rng, tokens), output_tokens }] }
+                })
+                .collect(),
+            Workload::NoSharing { requests, prompt_tokens, output_tokens } => (0..requests)
+                .map(|_| Session {
+                    user_id: None,
+                    system: None,
+                    turns: vec![Turn { user: words(&mut rng, prompt_tokens), output_tokens }],
+                })
+                .collect(),
+        };
+        Plan { sessions }
+    }
+}
+
+/// A chat message as sent on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: &'static str,
+    /// The text.
+    pub content: String,
+}
+
+/// The messages of turn `turn` of `session`, given the answers to the earlier turns.
+pub fn messages(session: &Session, turn: usize, answers: &[String]) -> Vec<Message> {
+    let mut out = Vec::with_capacity(2 * turn + 2);
+    if let Some(system) = &session.system {
+        out.push(Message { role: "system", content: system.clone() });
+    }
+    for (i, t) in session.turns.iter().take(turn + 1).enumerate() {
+        out.push(Message { role: "user", content: t.user.clone() });
+        if i < turn {
+            out.push(Message { role: "assistant", content: answers.get(i).cloned().unwrap_or_default() });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(zipf: f64) -> Workload {
+        Workload::SharedPrefix {
+            groups: 4,
+            prompts_per_group: 3,
+            system_tokens: 100,
+            question_tokens: 10,
+            output_tokens: 8,
+            requests: 200,
+            zipf,
+        }
+    }
+
+    #[test]
+    fn generation_is_deterministic_per_seed() {
+        for w in [
+            shared(0.0),
+            shared(1.2),
+            Workload::MultiTurn { users: 3, rounds: 4, system_tokens: 50, question_tokens: 5, output_tokens: 4 },
+            Workload::LongShort { requests: 50, long_fraction: 0.1, long_tokens: 400, short_tokens: 20, output_tokens: 4 },
+            Workload::NoSharing { requests: 20, prompt_tokens: 30, output_tokens: 4 },
+        ] {
+            assert_eq!(w.generate(42), w.generate(42), "{}", w.kind());
+            assert_ne!(w.generate(42), w.generate(43), "{}", w.kind());
+        }
+    }
+
+    #[test]
+    fn shared_prefix_uses_g_system_prompts_of_the_right_length() {
+        let plan = shared(0.0).generate(1);
+        assert_eq!(plan.requests(), 200);
+        let mut systems: Vec<&String> = plan.sessions.iter().map(|s| s.system.as_ref().unwrap()).collect();
+        systems.sort();
+        systems.dedup();
+        assert_eq!(systems.len(), 4);
+        assert!(systems.iter().all(|s| s.len().div_ceil(4) == 100), "{}", systems[0].len());
+        assert!(plan.sessions.iter().all(|s| s.turns[0].user.len() == 40));
+    }
+
+    #[test]
+    fn zipf_concentrates_on_few_groups() {
+        let count_top = |plan: &Plan| {
+            let mut counts = std::collections::HashMap::new();
+            for s in &plan.sessions {
+                *counts.entry(s.system.clone()).or_insert(0) += 1;
+            }
+            *counts.values().max().unwrap()
+        };
+        assert!(count_top(&shared(1.5).generate(5)) > count_top(&shared(0.0).generate(5)));
+    }
+
+    #[test]
+    fn multi_turn_resends_the_history() {
+        let plan = Workload::MultiTurn { users: 2, rounds: 3, system_tokens: 20, question_tokens: 5, output_tokens: 4 }.generate(3);
+        assert_eq!(plan.sessions.len(), 2);
+        assert_eq!(plan.sessions[0].system, plan.sessions[1].system);
+        let s = &plan.sessions[1];
+        let m = messages(s, 2, &["a1".into(), "a2".into()]);
+        let roles: Vec<&str> = m.iter().map(|m| m.role).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user", "assistant", "user"]);
+        assert_eq!(m[2].content, "a1");
+        assert_eq!(m[5].content, s.turns[2].user);
+    }
+
+    #[test]
+    fn long_short_mixes_in_the_requested_fraction() {
+        let plan = Workload::LongShort { requests: 2000, long_fraction: 0.05, long_tokens: 100, short_tokens: 10, output_tokens: 4 }.generate(8);
+        let long = plan.sessions.iter().filter(|s| s.turns[0].user.len() == 400).count();
+        assert!((60..=140).contains(&long), "{long}");
+    }
+}
