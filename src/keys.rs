@@ -9,6 +9,7 @@
 use crate::auth::{bearer, constant_time_eq, secret};
 use crate::ApiError;
 use gateway_durable_objects::directory::StoredKey;
+use routing_core::rate_limit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
 use worker::{Date, Env, Request};
@@ -41,14 +42,15 @@ async fn minted_hashes(env: &Env) -> Result<Vec<String>, ApiError> {
     Ok(hashes)
 }
 
-/// Checks the client's bearer key when keys are configured.
-pub async fn require_client(req: &Request, env: &Env) -> Result<(), ApiError> {
+/// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
+/// identity for rate limiting), or `None` when the surface is open.
+pub async fn require_client(req: &Request, env: &Env) -> Result<Option<String>, ApiError> {
     let mut hashes: Vec<String> = secret(env, "CLIENT_API_KEYS")
         .map(|s| s.split(',').map(str::trim).filter(|k| !k.is_empty()).map(hash_key).collect())
         .unwrap_or_default();
     hashes.extend(minted_hashes(env).await?);
     if hashes.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let Some(given) = bearer(req) else {
         return Err(ApiError::unauthorized("Missing API key: send Authorization: Bearer <key>."));
@@ -59,8 +61,19 @@ pub async fn require_client(req: &Request, env: &Env) -> Result<(), ApiError> {
         ok |= constant_time_eq(given.as_bytes(), h.as_bytes());
     }
     if ok {
-        Ok(())
+        Ok(Some(given))
     } else {
         Err(ApiError::unauthorized("Invalid API key."))
     }
+}
+
+/// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
+/// means unlimited). `client` is the key hash from [`require_client`].
+pub async fn charge(env: &Env, client: &str, tokens: u64) -> Result<(), ApiError> {
+    let var = |name: &str| env.var(name).ok().and_then(|v| v.to_string().parse::<u64>().ok()).unwrap_or(0);
+    let limits = RateLimits { requests_per_minute: var("RATE_LIMIT_RPM"), tokens_per_minute: var("RATE_LIMIT_TPM") };
+    if limits == RateLimits::default() {
+        return Ok(());
+    }
+    crate::pools::rate_limit(env, client, &serde_json::json!({ "limits": limits, "tokens": tokens })).await
 }

@@ -16,6 +16,7 @@ pub use gateway_durable_objects::api_error::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
 pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
+pub use gateway_durable_objects::rate_limiter::RateLimiter;
 
 use routing_core::pool::Grant;
 use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
@@ -211,7 +212,7 @@ async fn completion(
     if req.method() != Method::Post {
         return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
     }
-    keys::require_client(&req, env).await?;
+    let client = keys::require_client(&req, env).await?;
     let body = read_body(&mut req, env).await?;
     let parsed: Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
@@ -242,6 +243,9 @@ async fn completion(
         }
     };
     features.request_id = request_id.to_string();
+    if let Some(client) = &client {
+        keys::charge(env, client, u64::from(features.prompt_tokens) + u64::from(features.max_tokens)).await?;
+    }
     let stream = features.stream;
     let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
     let mut last_err = ApiError::model_not_found(&features.model);

@@ -13,6 +13,8 @@ use worker::{Date, Env, Headers, Method, Request, RequestInit, Response, Stub};
 
 /// Binding name of the pool coordinator namespace (wrangler.toml).
 pub const POOL_BINDING: &str = "POOL";
+/// Binding name of the client rate limiter namespace (wrangler.toml).
+pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
 pub const DIRECTORY_BINDING: &str = "DIRECTORY";
 
@@ -127,4 +129,14 @@ pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError>
     let _: PoolEntry = directory_json(env, Method::Put, &format!("/pools/{}", entry.name), Some(entry)).await?;
     POOLS.with(|p| *p.borrow_mut() = None);
     Ok(())
+}
+
+/// Charges a request to the client's rate limiter; a refusal comes back as its 429 error.
+pub async fn rate_limit(env: &Env, client: &str, body: &serde_json::Value) -> Result<(), ApiError> {
+    let resp = send(&stub(env, RATE_LIMITER_BINDING, client)?, None, Method::Post, "/take", encode(Some(body))?).await?;
+    if resp.status_code() == 200 {
+        return Ok(());
+    }
+    let mut resp = resp;
+    Err(error_from_response(&mut resp).await)
 }

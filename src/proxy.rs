@@ -261,6 +261,8 @@ impl Forward<'_> {
         let lease_id = self.grant.lease_id;
         let streaming = self.stream;
         let backend = c.id.0.clone();
+        let request_id = self.request_id.to_string();
+        let started = Date::now().as_millis().saturating_sub(answer.ttfb_ms);
         self.ctx.wait_until(async move {
             if let Some(w) = first_write {
                 let _ = JsFuture::from(w).await;
@@ -284,6 +286,7 @@ impl Forward<'_> {
                     Outcome { kind: OutcomeKind::Transport, ..outcome }
                 }
             };
+            access_log(&request_id, &pool, &backend, attempts, &outcome, Date::now().as_millis().saturating_sub(started));
             release(env, pool, lease_id, outcome).await;
         });
         Ok(Response::builder().with_status(status).with_headers(out).stream(ts.readable().unchecked_into()))
@@ -412,6 +415,22 @@ fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiErro
         OutcomeKind::RateLimited => ApiError::rate_limited(message, 1),
         _ => ApiError::bad_gateway(message),
     }
+}
+
+/// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
+fn access_log(request_id: &str, pool: &str, backend: &str, attempts: u32, outcome: &Outcome, duration_ms: u64) {
+    let line = json!({
+        "event": "request",
+        "request_id": request_id,
+        "pool": pool,
+        "backend": backend,
+        "attempts": attempts,
+        "status": outcome.status,
+        "outcome": outcome.kind,
+        "ttfb_ms": outcome.ttfb_ms,
+        "duration_ms": duration_ms,
+    });
+    worker::console_log!("{line}");
 }
 
 /// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.

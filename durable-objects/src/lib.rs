@@ -11,5 +11,6 @@ pub mod directory;
 pub mod pool_coordinator;
 pub mod probe;
 pub mod protocol;
+pub mod rate_limiter;
 pub mod registry;
 pub mod timed_fetch;

@@ -27,6 +27,7 @@ pub mod policy;
 pub mod pool;
 pub mod prompt;
 pub mod random;
+pub mod rate_limit;
 pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;

@@ -13,7 +13,7 @@ export const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "
 export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
 
 /** Starts the Worker under Miniflare. `persistDir` keeps Durable Object state across restarts. */
-export async function startGateway({ bindings = {}, persistDir } = {}) {
+export async function startGateway({ bindings = {}, persistDir, options = {} } = {}) {
   const mf = new Miniflare({
     scriptPath: path.join(ROOT, "build/index.js"),
     modules: true,
@@ -23,9 +23,11 @@ export async function startGateway({ bindings = {}, persistDir } = {}) {
     durableObjects: {
       POOL: { className: "PoolCoordinator", useSQLite: true },
       DIRECTORY: { className: "PoolDirectory", useSQLite: true },
+      RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
     },
     durableObjectsPersist: persistDir ?? false,
     bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ...bindings },
+    ...options,
   });
   await mf.ready;
   const base = "http://gateway.test";

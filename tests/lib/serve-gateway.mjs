@@ -20,6 +20,7 @@ const mf = new Miniflare({
   durableObjects: {
     POOL: { className: "PoolCoordinator", useSQLite: true },
     DIRECTORY: { className: "PoolDirectory", useSQLite: true },
+    RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
   },
   durableObjectsPersist: false,
   host: "127.0.0.1",
