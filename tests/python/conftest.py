@@ -87,19 +87,24 @@ def start_vllm_sim(*args: str, wait_healthy: bool = True, timeout: float = 10.0)
         time.sleep(0.02)
 
 
+def started_by(start_one):
+    """A fixture body: yields a factory that calls `start_one` and stops everything it started."""
+    started = []
+
+    def start(*args, **kwargs):
+        thing = start_one(*args, **kwargs)
+        started.append(thing)
+        return thing
+
+    yield start
+    for thing in started:
+        thing.stop()
+
+
 @pytest.fixture
 def vllm_sim():
     """Factory: `vllm_sim(*args, wait_healthy=True)` -> SimServer; all are stopped at teardown."""
-    servers: list[SimServer] = []
-
-    def start(*args: str, **kwargs) -> SimServer:
-        server = start_vllm_sim(*args, **kwargs)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+    yield from started_by(start_vllm_sim)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,43 +232,16 @@ def start_gateway(extra_bindings: dict | None = None, timeout: float = 30.0) -> 
 @pytest.fixture
 def gateway():
     """Factory: `gateway(extra_bindings=None)` -> Gateway; all are stopped at teardown."""
-    gateways: list[Gateway] = []
-
-    def start(extra_bindings: dict | None = None) -> Gateway:
-        gw = start_gateway(extra_bindings)
-        gateways.append(gw)
-        return gw
-
-    yield start
-    for gw in gateways:
-        gw.stop()
+    yield from started_by(start_gateway)
 
 
 @pytest.fixture(scope="module")
 def module_gateway():
     """Like `gateway`, shared by the tests of a module."""
-    gateways: list[Gateway] = []
-
-    def start(extra_bindings: dict | None = None) -> Gateway:
-        gw = start_gateway(extra_bindings)
-        gateways.append(gw)
-        return gw
-
-    yield start
-    for gw in gateways:
-        gw.stop()
+    yield from started_by(start_gateway)
 
 
 @pytest.fixture(scope="module")
 def module_vllm_sim():
     """Like `vllm_sim`, shared by the tests of a module."""
-    servers: list[SimServer] = []
-
-    def start(*args: str, **kwargs) -> SimServer:
-        server = start_vllm_sim(*args, **kwargs)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+    yield from started_by(start_vllm_sim)
