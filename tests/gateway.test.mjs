@@ -244,3 +244,28 @@ test("a client that hangs up cancels the upstream request and releases the lease
   await waitFor(async () => (await running()) === 0, { timeoutMs: 5000, what: "the backend to see the cancellation" });
   await waitFor(async () => (await (await gw.admin(`/admin/backends/${b.id}`)).json()).leases_in_flight === 0, { what: "the lease released" });
 });
+
+test("cache_aware: a new backend starts cold and is neither flooded nor starved", async () => {
+  const p = await freshPool(3, "cache_aware");
+  await only(p.name);
+  const system = { role: "system", content: "Shared instructions for every user. ".repeat(30) };
+  const old = [0, 1, 2, 3, 4, 5].map((c) => [system, { role: "user", content: `existing user ${c} ${"history ".repeat(40)}` }]);
+  const homes = old.map(() => null);
+  for (let c = 0; c < old.length; c++) homes[c] = (await chat(old[c])).backend;
+  // A fourth backend joins.
+  const sim = await startSim(simArgs(999));
+  sims.push(sim);
+  const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: p.name, models: [MODEL], id: `${p.name}-new` } });
+  assert.equal(reg.status, 201);
+  await waitReady(gw, `${p.name}-new`);
+  let toNew = 0;
+  for (let i = 0; i < 16; i++) {
+    const fresh = await chat([{ role: "user", content: `brand new user ${i} ${"unique ".repeat(40)} ${i}` }]);
+    if (fresh.backend === `${p.name}-new`) toNew += 1;
+    // Existing conversations keep their homes: the newcomer does not steal cached prefixes.
+    const c = i % old.length;
+    assert.equal((await chat(old[c])).backend, homes[c], `existing conversation ${c} moved`);
+  }
+  assert.ok(toNew >= 1, "the new backend was starved");
+  assert.ok(toNew <= 12, `the new backend was flooded (${toNew}/16)`);
+});
