@@ -31,8 +31,14 @@ fn json_ok(value: &Value) -> AdminResult {
     Response::from_json(value).map_err(ApiError::from_worker)
 }
 
+/// Largest admin request body: registrations and settings are small.
+const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
+
+/// Reads an admin body: at most 64 KiB (413 beyond) of strict UTF-8 (400 otherwise; workerd's
+/// `text()` would silently replace bad bytes).
 async fn body_text(req: &mut Request) -> Result<String, ApiError> {
-    req.text().await.map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))
+    let bytes = crate::read_body_limited(req, MAX_ADMIN_BODY_BYTES).await?;
+    String::from_utf8(bytes).map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))
 }
 
 /// Relays a pool's answer, turning its error answers into `ApiError`s.

@@ -30,10 +30,16 @@ const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 #[event(fetch)]
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
     let request_id = request_id(&req);
+    let path = req.path();
     let result = route(req, &env, &ctx, &request_id).await;
     let resp = match result {
         Ok(resp) => resp,
-        Err(e) => e.to_response()?,
+        Err(e) => {
+            // Proxied requests log when their stream ends; refusals log here, one line each.
+            let line = json!({ "event": "request", "request_id": request_id, "path": path, "status": e.status, "error": e.code });
+            console_log!("{line}");
+            e.to_response()?
+        }
     };
     // Responses relayed from a Durable Object have immutable headers: copy them.
     let headers = Headers::new();
@@ -160,18 +166,38 @@ fn feature_config(env: &Env) -> FeatureConfig {
     }
 }
 
-/// Reads the body, refusing it (413) past the limit.
+/// Reads the body, refusing it (413) past `MAX_BODY_BYTES`.
 async fn read_body(req: &mut Request, env: &Env) -> std::result::Result<Vec<u8>, ApiError> {
-    let limit = var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES);
+    read_body_limited(req, var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)).await
+}
+
+/// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
+/// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
+/// before the 413, so the client, still sending, reads the answer instead of a reset connection.
+pub(crate) async fn read_body_limited(req: &mut Request, limit: usize) -> std::result::Result<Vec<u8>, ApiError> {
+    use futures_util::StreamExt;
     let declared: Option<usize> = req.headers().get("content-length").ok().flatten().and_then(|v| v.parse().ok());
     if declared.is_some_and(|n| n > limit) {
+        discard_body(req).await;
         return Err(ApiError::payload_too_large(limit));
     }
-    let body = req.bytes().await.map_err(|_| ApiError::bad_request("unreadable request body"))?;
-    if body.len() > limit {
-        return Err(ApiError::payload_too_large(limit));
+    let mut body = Vec::with_capacity(declared.unwrap_or(0).min(limit));
+    let Ok(mut stream) = req.stream() else { return Ok(body) };
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|_| ApiError::bad_request("unreadable request body"))?;
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::payload_too_large(limit));
+        }
+        body.extend_from_slice(&chunk);
     }
     Ok(body)
+}
+
+/// Reads and drops the request body in JS (no wasm copies), for at most 5 seconds.
+async fn discard_body(req: &Request) {
+    let (Some(body), Ok(sink)) = (req.inner().body(), web_sys::WritableStream::new()) else { return };
+    let drained = wasm_bindgen_futures::JsFuture::from(body.pipe_to(&sink));
+    let _ = gateway_durable_objects::timed_fetch::with_timeout(drained, std::time::Duration::from_secs(5)).await;
 }
 
 /// Routing features of an embeddings request: model, input size, no prefix reuse.
@@ -268,6 +294,7 @@ async fn completion(
                     request_id,
                     settings: proxy::ProxySettings::from_env(env),
                     prefill_backend: None,
+                    routing_header: feature_config(env).routing_header,
                 };
                 return if disaggregated { forward.run_disaggregated().await } else { forward.run().await };
             }

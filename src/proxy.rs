@@ -21,24 +21,15 @@ use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::{AbortSignal, Context, Date, Env, Headers, Method, Request, RequestInit, Response, ResponseBody};
 
-/// Request headers never forwarded upstream: hop-by-hop headers (RFC 9110 section 7.6.1), the
-/// client's credentials, and headers the platform or the gateway sets itself.
-const DROPPED_REQUEST_HEADERS: [&str; 14] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-    "authorization",
-    "cookie",
-    "x-request-id",
-    "accept-encoding",
-];
+/// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
+/// cookies and platform headers never pass, and neither does an unbounded header set). The
+/// gateway sets `content-type`, `x-request-id` and the backend's own `authorization` itself; the
+/// configured routing-key header is forwarded too.
+const FORWARDED_REQUEST_HEADERS: [&str; 8] =
+    ["accept", "user-agent", "traceparent", "tracestate", "baggage", "x-session-id", "x-user-id", "x-tenant-id"];
+
+/// Longest client header value forwarded.
+const MAX_FORWARDED_HEADER_BYTES: usize = 1024;
 
 /// Upstream response headers passed to the client.
 const PASSED_RESPONSE_HEADERS: [&str; 3] = ["content-type", "cache-control", "openai-processing-ms"];
@@ -92,6 +83,8 @@ pub struct Forward<'a> {
     pub settings: ProxySettings,
     /// The prefill backend of a disaggregated request, for the response headers.
     pub prefill_backend: Option<String>,
+    /// The configured routing-key header (`ROUTING_KEY_HEADER`), forwarded with the standard ones.
+    pub routing_header: Option<String>,
 }
 
 /// A retryable failure of one attempt, before anything reached the client.
@@ -106,8 +99,32 @@ struct Answer {
     headers: Headers,
     first_chunk: Option<JsValue>,
     body: Option<web_sys::ReadableStream>,
+    /// A body the gateway rewrote (an upstream client error), sent instead of `body`.
+    fixed_body: Option<Vec<u8>>,
     ttfb_ms: u64,
     _abort: LinkedAbort,
+}
+
+impl Answer {
+    /// A backend's 4xx, rewritten into an OpenAI error body whatever shape vLLM gave it
+    /// (`{"error": {...}}`, the older `{"object": "error", "message": ...}`, or plain text).
+    fn client_error(status: u16, text: &str, abort: LinkedAbort, ttfb_ms: u64) -> Answer {
+        let parsed: Option<Value> = serde_json::from_str(text).ok();
+        let inner = parsed.as_ref().map(|v| v.get("error").filter(|e| e.is_object()).unwrap_or(v));
+        let message = inner
+            .and_then(|e| e.get("message"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .or_else(|| inner.and_then(|e| e.get("error")).and_then(Value::as_str).map(str::to_string))
+            .unwrap_or_else(|| format!("The backend answered {status}."));
+        let mut err = ApiError::bad_request(message);
+        err.status = status;
+        err.param = inner.and_then(|e| e.get("param")).and_then(Value::as_str).map(str::to_string);
+        let body = serde_json::to_vec(&err.body()).unwrap_or_default();
+        let headers = Headers::new();
+        let _ = headers.set("content-type", "application/json");
+        Answer { status, headers, first_chunk: None, body: None, fixed_body: Some(body), ttfb_ms, _abort: abort }
+    }
 }
 
 impl Forward<'_> {
@@ -172,11 +189,24 @@ impl Forward<'_> {
         })?;
         let status = resp.status_code();
         let kind = OutcomeKind::from_status(status);
-        if matches!(kind, OutcomeKind::ServerError | OutcomeKind::RateLimited) {
+        // 401/403 from a backend means it rejects the gateway's own key (the client's is never
+        // sent): the backend's misconfiguration, so it counts against it and is retried elsewhere.
+        let rejects_gateway = matches!(status, 401 | 403);
+        if matches!(kind, OutcomeKind::ServerError | OutcomeKind::RateLimited) || rejects_gateway {
             let mut outcome = Outcome::from_status(status);
+            if rejects_gateway {
+                outcome.kind = OutcomeKind::ServerError;
+            }
             outcome.ttfb_ms = Some(Date::now().as_millis().saturating_sub(started));
             abort.abort();
-            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}", c.id.0) });
+            let why = if rejects_gateway { " (it rejects the gateway's API key for it)" } else { "" };
+            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}{why}", c.id.0) });
+        }
+        if !(200..300).contains(&status) {
+            // A client error the backend reported: pass it on in the OpenAI shape.
+            let mut resp = resp;
+            let text = with_timeout(resp.text(), timeout).await.and_then(Result::ok).unwrap_or_default();
+            return Ok(Answer::client_error(status, &text, abort, Date::now().as_millis().saturating_sub(started)));
         }
         let headers = resp.headers().clone();
         let (_, body) = resp.into_parts();
@@ -184,7 +214,7 @@ impl Forward<'_> {
             ResponseBody::Stream(s) => Some(s),
             _ => None,
         };
-        let mut answer = Answer { status, headers, first_chunk: None, body, ttfb_ms: 0, _abort: abort };
+        let mut answer = Answer { status, headers, first_chunk: None, body, fixed_body: None, ttfb_ms: 0, _abort: abort };
         if self.stream && (200..300).contains(&status) {
             if let Some(stream) = &answer.body {
                 let remaining = timeout.saturating_sub(Duration::from_millis(Date::now().as_millis().saturating_sub(started)));
@@ -201,12 +231,11 @@ impl Forward<'_> {
 
     fn upstream_request_with(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
         let headers = Headers::new();
-        for (name, value) in self.client.headers().entries() {
-            let lower = name.to_ascii_lowercase();
-            if DROPPED_REQUEST_HEADERS.contains(&lower.as_str()) || lower.starts_with("cf-") || lower.starts_with("x-gateway-") {
-                continue;
+        let routing_header = self.routing_header.as_deref();
+        for name in FORWARDED_REQUEST_HEADERS.iter().copied().chain(routing_header) {
+            if let Some(value) = self.client.headers().get(name)?.filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES) {
+                headers.set(name, &value)?;
             }
-            headers.append(&name, &value)?;
         }
         headers.set("content-type", "application/json")?;
         headers.set("x-request-id", self.request_id)?;
@@ -247,8 +276,12 @@ impl Forward<'_> {
             let env = self.env.clone();
             let pool = self.pool.clone();
             let lease_id = self.grant.lease_id;
+            access_log(self.request_id, &pool, &c.id.0, attempts, &outcome, answer.ttfb_ms);
             self.ctx.wait_until(async move { release(env, pool, lease_id, outcome).await });
-            return Ok(Response::builder().with_status(status).with_headers(out).empty());
+            return Ok(match answer.fixed_body {
+                Some(bytes) => Response::builder().with_status(status).with_headers(out).fixed(bytes),
+                None => Response::builder().with_status(status).with_headers(out).empty(),
+            });
         };
         let ts = web_sys::TransformStream::new().map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let writable = ts.writable();
@@ -274,15 +307,16 @@ impl Forward<'_> {
             let piped = JsFuture::from(body.pipe_to_with_options(&writable, &options)).await;
             let outcome = match piped {
                 _ if client_signal.aborted() => Outcome { kind: OutcomeKind::Cancelled, ..outcome },
-                Ok(_) => {
-                    close_writable(&writable, None).await;
-                    outcome
+                // The pipe can settle normally after the client hung up; the close then fails.
+                Ok(_) if !close_writable(&writable, None).await || client_signal.aborted() => {
+                    Outcome { kind: OutcomeKind::Cancelled, ..outcome }
                 }
+                Ok(_) => outcome,
                 Err(e) => {
                     let reason = e.as_string().unwrap_or_else(|| "the backend's stream failed".to_string());
                     worker::console_error!("stream from backend {backend} failed mid-way: {reason}");
                     let event = streaming.then(|| mid_stream_error_event(&backend));
-                    close_writable(&writable, event.as_deref()).await;
+                    let _ = close_writable(&writable, event.as_deref()).await;
                     Outcome { kind: OutcomeKind::Transport, ..outcome }
                 }
             };
@@ -387,13 +421,14 @@ async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, b
 }
 
 /// Writes an optional final event, then closes the client's side of the stream.
-async fn close_writable(writable: &web_sys::WritableStream, final_event: Option<&str>) {
-    let Ok(writer) = writable.get_writer() else { return };
+/// Returns `false` when the client's side was already gone.
+async fn close_writable(writable: &web_sys::WritableStream, final_event: Option<&str>) -> bool {
+    let Ok(writer) = writable.get_writer() else { return false };
     if let Some(event) = final_event {
         let bytes = js_sys::Uint8Array::from(event.as_bytes());
         let _ = JsFuture::from(writer.write_with_chunk(&bytes)).await;
     }
-    let _ = JsFuture::from(writer.close()).await;
+    JsFuture::from(writer.close()).await.is_ok()
 }
 
 /// The SSE event that ends a stream whose backend failed after the first byte.

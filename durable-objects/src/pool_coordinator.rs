@@ -14,7 +14,7 @@
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
 use crate::protocol::{BackendRegistration, ReassignRequest, ReleaseRequest, POOL_HEADER};
-use crate::registry::{validate_name, validate_registration, validate_url, Registry};
+use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::outcome::OutcomeKind;
@@ -80,6 +80,9 @@ impl PoolSettings {
         self.retry_budget.validate().map_err(ApiError::bad_request)?;
         if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
             return Err(ApiError::bad_request("probe_interval_ms must be 0 (default) or 500-3,600,000").with_param("probe_interval_ms"));
+        }
+        if !self.routing.region.is_empty() {
+            validate_name("region", &self.routing.region)?;
         }
         if !(self.saturation_waiting_per_backend.is_finite() && self.saturation_waiting_per_backend >= 0.0) {
             return Err(ApiError::bad_request("saturation_waiting_per_backend must be a number >= 0").with_param("saturation_waiting_per_backend"));
@@ -454,6 +457,12 @@ impl PoolCoordinator {
         self.with(|l| {
             let now = now_ms();
             let mut patch = req.patch;
+            if let Some(models) = &patch.models {
+                validate_models(models)?;
+            }
+            if let Some(region) = patch.region.as_ref().filter(|r| !r.is_empty()) {
+                validate_name("region", region)?;
+            }
             if let Some(url) = &patch.url {
                 let url = validate_url(url)?;
                 if l.registry.url_taken(&url, &id.0)? {
@@ -599,7 +608,14 @@ impl PoolCoordinator {
             let reports = futures_util::future::join_all(probes).await;
             self.with(|l| {
                 let now = now_ms();
-                for (id, report) in reports {
+                for (id, mut report) in reports {
+                    // 503 means "loading" only for a backend that has not served yet; once it has,
+                    // a 503 is a failed probe, subject to the health thresholds like any other.
+                    let started = l.pool.backend(&id).is_some_and(|v| v.lifecycle != Lifecycle::Pending);
+                    if report.result.loading && started {
+                        report.result.loading = false;
+                        report.error = Some("/health answered 503".to_string());
+                    }
                     // The backend may have been removed while the probe ran.
                     if l.pool.record_probe(&id, &report.result, now).is_ok() {
                         if report.result.ok {

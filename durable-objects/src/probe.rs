@@ -80,12 +80,20 @@ pub async fn probe_backend(base_url: &str, api_key: Option<&str>, timeout: Durat
     }
     if report.result.ok {
         report.health_status = Some(200);
-        if let Ok((200, body)) = get_text(&format!("{base_url}/v1/models"), api_key, timeout).await {
-            if let Ok(list) = serde_json::from_str::<ModelList>(&body) {
-                let models: Vec<String> = list.data.into_iter().map(|m| m.id).collect();
-                report.result.models = Some(models.clone());
-                report.models = Some(models);
+        match get_text(&format!("{base_url}/v1/models"), api_key, timeout).await {
+            Ok((200, body)) => {
+                if let Ok(list) = serde_json::from_str::<ModelList>(&body) {
+                    let models: Vec<String> = list.data.into_iter().map(|m| m.id).collect();
+                    report.result.models = Some(models.clone());
+                    report.models = Some(models);
+                }
             }
+            // The server is up but refuses the gateway's key: it cannot serve our traffic.
+            Ok((status @ (401 | 403), _)) => {
+                report.result.ok = false;
+                report.error = Some(format!("/v1/models answered {status}: the backend rejects the configured api_key"));
+            }
+            _ => {}
         }
         if let Ok((200, body)) = get_text(&format!("{base_url}/metrics"), api_key, timeout).await {
             report.metrics = parse_vllm_metrics(&body);

@@ -53,6 +53,15 @@ pub fn validate_url(raw: &str) -> Result<String, ApiError> {
     Ok(url.as_str().trim_end_matches('/').to_string())
 }
 
+/// Checks model names: 1-256 characters, no control characters, at most 64 of them.
+pub fn validate_models(models: &[String]) -> Result<(), ApiError> {
+    let bad = models.len() > 64 || models.iter().any(|m| m.is_empty() || m.len() > 256 || m.chars().any(char::is_control));
+    if bad {
+        return Err(ApiError::bad_request("`models` must hold at most 64 names of 1-256 printable characters").with_param("models"));
+    }
+    Ok(())
+}
+
 /// Validates a registration and turns it into a backend spec.
 pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, ApiError> {
     let url = validate_url(&reg.url)?;
@@ -72,6 +81,7 @@ pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, Ap
         }
         None => format!("b-{:012x}", xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & 0xffff_ffff_ffff),
     };
+    validate_models(&reg.models)?;
     let region = reg.region.unwrap_or_default();
     if !region.is_empty() {
         validate_name("region", &region)?;

@@ -144,3 +144,132 @@ export function freePort() {
     s.on("error", reject);
   });
 }
+
+// ---- Additions for the fault, bad-input and soak tests (issue 8) ----
+
+/**
+ * Starts the Worker under Miniflare listening on a real 127.0.0.1 port (for raw-socket tests and
+ * for clients outside `dispatchFetch`). Returns the same shape as `startGateway` plus `url`;
+ * `fetch`/`admin` go over the network. `onLog(line, stream)`, if given, receives the runtime's
+ * output (the Worker's console) line by line instead of this process's stdout/stderr.
+ */
+export async function startGatewayServer({ bindings = {}, persistDir, onLog } = {}) {
+  const stdio = onLog && {
+    handleRuntimeStdio: (stdout, stderr) => {
+      for (const [stream, name] of [[stdout, "stdout"], [stderr, "stderr"]]) {
+        let rest = "";
+        stream.on("data", (d) => {
+          const lines = (rest + d).split("\n");
+          rest = lines.pop();
+          for (const line of lines) onLog(line, name);
+        });
+      }
+    },
+  };
+  const gw = await startGateway({ bindings, persistDir, options: { host: "127.0.0.1", port: 0, ...stdio } });
+  const url = new URL(await gw.mf.ready).origin;
+  return {
+    ...gw,
+    url,
+    fetch: (p, init = {}) => fetch(url + p, init),
+    admin: (p, opts = {}) => adminFetch(url, p, opts),
+  };
+}
+
+/** An admin API call against a gateway at `base` (a URL), with the bearer token. */
+export function adminFetch(base, p, { method = "GET", body, token = ADMIN_TOKEN } = {}) {
+  return fetch(base + p, {
+    method,
+    headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
+    body: body === undefined ? undefined : typeof body === "string" ? body : JSON.stringify(body),
+  });
+}
+
+/**
+ * Sends raw bytes to host:port and reads one HTTP/1.1 response: until its body is complete
+ * (content-length or chunked), the server closes the connection, or `timeoutMs` passes. Returns
+ * { status, head, headers (lower-case names), body, error, timedOut }.
+ */
+export async function rawHttp(port, bytes, { timeoutMs = 5000, host = "127.0.0.1" } = {}) {
+  const net = await import("node:net");
+  return new Promise((resolve) => {
+    const socket = net.connect(port, host);
+    let buf = Buffer.alloc(0);
+    let error = null;
+    let timedOut = false;
+    let done = false;
+    const parse = () => {
+      const text = buf.toString("latin1");
+      const split = text.indexOf("\r\n\r\n");
+      const head = split >= 0 ? text.slice(0, split) : text;
+      let body = split >= 0 ? text.slice(split + 4) : "";
+      const lines = head.split("\r\n");
+      const m = /^HTTP\/1\.[01] (\d{3})/.exec(lines[0] ?? "");
+      const headers = {};
+      for (const l of lines.slice(1)) {
+        const i = l.indexOf(":");
+        if (i > 0) headers[l.slice(0, i).trim().toLowerCase()] = l.slice(i + 1).trim();
+      }
+      let complete = false;
+      if (split >= 0) {
+        if (headers["content-length"] !== undefined) complete = body.length >= Number(headers["content-length"]);
+        else if (/chunked/i.test(headers["transfer-encoding"] ?? "")) {
+          complete = /(^|\r\n)0\r\n\r\n$/.test(body);
+          if (complete) {
+            let out = "", rest = body;
+            for (;;) {
+              const nl = rest.indexOf("\r\n");
+              const n = parseInt(rest.slice(0, nl), 16);
+              if (!n) break;
+              out += rest.slice(nl + 2, nl + 2 + n);
+              rest = rest.slice(nl + 2 + n + 2);
+            }
+            body = out;
+          }
+        }
+      }
+      return { status: m ? Number(m[1]) : null, head, headers, body, complete };
+    };
+    const finish = () => {
+      if (done) return;
+      done = true;
+      clearTimeout(timer);
+      const { complete, ...r } = parse();
+      socket.destroy();
+      resolve({ ...r, error, timedOut });
+    };
+    const timer = setTimeout(() => { timedOut = true; finish(); }, timeoutMs);
+    socket.on("data", (d) => { buf = Buffer.concat([buf, d]); if (parse().complete) finish(); });
+    socket.on("error", (e) => { error = e.code ?? e.message; });
+    socket.on("close", finish);
+    socket.write(bytes);
+  });
+}
+
+/** POSTs a fault setting to a vllm-sim (`{}` clears every fault). */
+export async function setFaults(sim, faults = {}) {
+  const url = typeof sim === "string" ? sim : sim.url;
+  const r = await fetch(`${url}/sim/faults`, { method: "POST", body: JSON.stringify(faults) });
+  if (r.status !== 200) throw new Error(`POST /sim/faults ${JSON.stringify(faults)}: ${r.status} ${await r.text()}`);
+  return r.json();
+}
+
+/** Parses Prometheus text into [{ name, labels, value }] (enough for the gateway's own families). */
+export function parseMetrics(text) {
+  const out = [];
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const m = /^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$/.exec(line);
+    if (!m) continue;
+    const labels = {};
+    for (const lm of (m[3] ?? "").matchAll(/([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) labels[lm[1]] = lm[2];
+    out.push({ name: m[1], labels, value: Number(m[4]) });
+  }
+  return out;
+}
+
+/** The value of the first sample of `name` whose labels include `labels`, or undefined. */
+export function metricValue(samples, name, labels = {}) {
+  const s = samples.find((x) => x.name === name && Object.entries(labels).every(([k, v]) => x.labels[k] === v));
+  return s?.value;
+}
