@@ -43,3 +43,16 @@ test-python:
 
 clean:
 	rm -rf build target/wasm32-unknown-unknown
+
+.PHONY: bench bench-quick
+
+# The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
+# every policy on every workload; writes bench/results/<date>.{json,md} and charts (~16 minutes).
+bench: setup
+	@cargo build --release -q -p loadgen -p vllm-sim
+	@scripts/bench.sh full
+
+# The same, smaller (4 policies, shorter runs): under 5 minutes.
+bench-quick: setup
+	@cargo build --release -q -p loadgen -p vllm-sim
+	@scripts/bench.sh quick

@@ -7,7 +7,7 @@
 
 use crate::client::Http;
 use crate::driver::{drive, Limits, Load, Target};
-use crate::metrics::Counters;
+use crate::metrics::{Counters, Histogram};
 use crate::oracle;
 use crate::report::{self, BenchResult, OverheadPoint, RunReport};
 use crate::stats::Summary;
@@ -20,6 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokio::process::{Child, Command};
+
+/// vLLM's time-to-first-token histogram (seconds, measured by the backend).
+const TTFT_HISTOGRAM: &str = "vllm:time_to_first_token_seconds";
 
 /// The fleet of simulated backends.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,6 +67,10 @@ pub struct OverheadConfig {
     pub output_tokens: u32,
     /// Wall-clock limit of one phase, seconds.
     pub max_duration_s: f64,
+    /// Open-loop rates (requests per second) measured too, `requests` of the last concurrency each
+    /// (a load the local gateway is not saturated by, unlike 50 or 200 closed-loop streams).
+    #[serde(default)]
+    pub rates: Vec<f64>,
 }
 
 /// A benchmark configuration (`bench/config/*.json`).
@@ -99,8 +106,7 @@ impl BenchConfig {
 
     /// The oracle's bound for one workload on this fleet.
     pub fn oracle(&self, w: &Workload) -> oracle::OracleBound {
-        let plan = w.generate(self.seed);
-        oracle::bound(&oracle::requests_of(&plan, self.seed), 16, self.fleet.backends * self.fleet.kv_blocks)
+        oracle::workload_bound(w, self.seed, 16, self.fleet.backends * self.fleet.kv_blocks)
     }
 }
 
@@ -116,14 +122,32 @@ pub struct Fleet {
 
 impl Fleet {
     /// A fleet (not started yet).
-    pub fn new(config: FleetConfig, model: String, bin: PathBuf, log_dir: PathBuf, http: Http) -> Self {
-        Fleet { config, model, bin, log_dir, children: Vec::new(), http }
+    pub fn new(
+        config: FleetConfig,
+        model: String,
+        bin: PathBuf,
+        log_dir: PathBuf,
+        http: Http,
+    ) -> Self {
+        Fleet {
+            config,
+            model,
+            bin,
+            log_dir,
+            children: Vec::new(),
+            http,
+        }
     }
 
     /// Backend ids (`sim-1`, ...) and base URLs.
     pub fn members(&self) -> Vec<(String, String)> {
         (0..self.config.backends)
-            .map(|i| (format!("sim-{}", i + 1), format!("http://127.0.0.1:{}", self.config.base_port as usize + i)))
+            .map(|i| {
+                (
+                    format!("sim-{}", i + 1),
+                    format!("http://127.0.0.1:{}", self.config.base_port as usize + i),
+                )
+            })
             .collect()
     }
 
@@ -151,7 +175,12 @@ impl Fleet {
                 .map_err(|e| e.to_string())?;
             let child = Command::new(&self.bin)
                 .args(["--port", &port.to_string(), "--model", &self.model])
-                .args(["--kv-blocks", &self.config.kv_blocks.to_string(), "--time-scale", &self.config.time_scale.to_string()])
+                .args([
+                    "--kv-blocks",
+                    &self.config.kv_blocks.to_string(),
+                    "--time-scale",
+                    &self.config.time_scale.to_string(),
+                ])
                 .args(["--seed", &port.to_string()])
                 .args(&self.config.extra_args)
                 .stdout(Stdio::null())
@@ -162,7 +191,11 @@ impl Fleet {
             self.children.push(child);
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
-                if let Ok((200, _)) = self.http.call(Method::GET, &format!("{url}/health"), None, None).await {
+                if let Ok((200, _)) = self
+                    .http
+                    .call(Method::GET, &format!("{url}/health"), None, None)
+                    .await
+                {
                     break;
                 }
                 if Instant::now() > deadline {
@@ -174,15 +207,22 @@ impl Fleet {
         Ok(())
     }
 
-    /// Every backend's counters, in `members()` order.
-    pub async fn counters(&self) -> Vec<Counters> {
+    /// Every backend's counters and time-to-first-token histogram, in `members()` order.
+    pub async fn scrape(&self) -> Vec<(Counters, Histogram)> {
         let mut out = Vec::new();
         for (_, url) in self.members() {
-            let text = match self.http.call(Method::GET, &format!("{url}/metrics"), None, None).await {
+            let text = match self
+                .http
+                .call(Method::GET, &format!("{url}/metrics"), None, None)
+                .await
+            {
                 Ok((200, t)) => t,
                 _ => String::new(),
             };
-            out.push(Counters::from_text(&text));
+            out.push((
+                Counters::from_text(&text),
+                Histogram::from_text(&text, TTFT_HISTOGRAM),
+            ));
         }
         out
     }
@@ -202,11 +242,28 @@ pub struct Gateway {
 impl Gateway {
     /// A handle on the gateway at `url`.
     pub fn new(url: String, token: String, pool: String, http: Http) -> Self {
-        Gateway { url, token, pool, http }
+        Gateway {
+            url,
+            token,
+            pool,
+            http,
+        }
     }
 
-    async fn admin(&self, method: Method, path: &str, body: Option<serde_json::Value>) -> Result<(u16, String), String> {
-        self.http.call(method, &format!("{}/admin{path}", self.url), Some(&self.token), body.map(|b| b.to_string())).await
+    async fn admin(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<(u16, String), String> {
+        self.http
+            .call(
+                method,
+                &format!("{}/admin{path}", self.url),
+                Some(&self.token),
+                body.map(|b| b.to_string()),
+            )
+            .await
     }
 
     /// Checks the token works.
@@ -217,10 +274,26 @@ impl Gateway {
         }
     }
 
-    /// Removes the fleet's backends (purging their affinity) and registers them again.
+    /// Removes every backend of the pool (purging their affinity) and registers the fleet again.
     pub async fn register(&self, members: &[(String, String)], model: &str) -> Result<(), String> {
-        for (id, _) in members {
-            self.admin(Method::DELETE, &format!("/backends/{id}?force=true&pool={}", self.pool), None).await?;
+        let (_, listing) = self.admin(Method::GET, "/backends", None).await?;
+        let listing: serde_json::Value = serde_json::from_str(&listing).unwrap_or_default();
+        let urls: Vec<&str> = members.iter().map(|(_, u)| u.as_str()).collect();
+        for b in listing
+            .get("data")
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let field = |k: &str| b.get(k).and_then(serde_json::Value::as_str).unwrap_or("");
+            if field("pool") == self.pool || urls.contains(&field("url")) {
+                let path = format!(
+                    "/backends/{}?force=true&pool={}",
+                    field("id"),
+                    field("pool")
+                );
+                self.admin(Method::DELETE, &path, None).await?;
+            }
         }
         for (id, url) in members {
             let body = json!({"id": id, "url": url, "pool": self.pool, "models": [model]});
@@ -235,18 +308,43 @@ impl Gateway {
     /// Sets the pool's policy (probing every second so scraped load stays fresh).
     pub async fn set_policy(&self, policy: &str) -> Result<(), String> {
         let body = json!({"policy": policy, "probe_interval_ms": 1000});
-        match self.admin(Method::PUT, &format!("/pools/{}", self.pool), Some(body)).await? {
+        match self
+            .admin(Method::PUT, &format!("/pools/{}", self.pool), Some(body))
+            .await?
+        {
             (200, _) => Ok(()),
             (s, b) => Err(format!("setting policy {policy}: HTTP {s}: {b}")),
         }
+    }
+
+    /// Writes the pool's state and backends (for diagnosis) to `path`; failures are ignored.
+    pub async fn dump_state(&self, path: &Path) {
+        let pool = self
+            .admin(Method::GET, &format!("/pools/{}", self.pool), None)
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default();
+        let backends = self
+            .admin(Method::GET, "/backends", None)
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default();
+        let parse = |t: &str| {
+            serde_json::from_str::<serde_json::Value>(t).unwrap_or(serde_json::Value::Null)
+        };
+        let doc = json!({"pool": parse(&pool), "backends": parse(&backends)});
+        let _ = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default());
     }
 
     /// Forces probe rounds until `n` backends are ready.
     pub async fn wait_ready(&self, n: usize) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            self.admin(Method::POST, &format!("/pools/{}/probe", self.pool), None).await?;
-            let (_, body) = self.admin(Method::GET, &format!("/pools/{}", self.pool), None).await?;
+            self.admin(Method::POST, &format!("/pools/{}/probe", self.pool), None)
+                .await?;
+            let (_, body) = self
+                .admin(Method::GET, &format!("/pools/{}", self.pool), None)
+                .await?;
             let ready = serde_json::from_str::<serde_json::Value>(&body)
                 .ok()
                 .and_then(|v| v.get("ready_backends").and_then(serde_json::Value::as_u64))
@@ -265,13 +363,25 @@ impl Gateway {
 /// Machine facts for the report.
 pub fn machine() -> BTreeMap<String, String> {
     let mut m = BTreeMap::new();
-    m.insert("nproc".into(), std::thread::available_parallelism().map_or("?".into(), |n| n.to_string()));
+    m.insert(
+        "nproc".into(),
+        std::thread::available_parallelism().map_or("?".into(), |n| n.to_string()),
+    );
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    if let Some(model) = cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)) {
+    if let Some(model) = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+    {
         m.insert("cpu".into(), model.trim().to_string());
     }
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    if let Some(kb) = meminfo.lines().find(|l| l.starts_with("MemTotal")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()) {
+    if let Some(kb) = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+    {
         m.insert("memory".into(), format!("{:.0} GiB", kb / 1024.0 / 1024.0));
     }
     m
@@ -279,9 +389,14 @@ pub fn machine() -> BTreeMap<String, String> {
 
 /// `(YYYY-MM-DD, HH:MM:SS)` in UTC, from the system clock.
 pub fn utc_now() -> (String, String) {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let (date, tod) = ((secs / 86_400) as i64, secs % 86_400);
-    (civil_date(date), format!("{:02}:{:02}:{:02}", tod / 3600, tod / 60 % 60, tod % 60))
+    (
+        civil_date(date),
+        format!("{:02}:{:02}:{:02}", tod / 3600, tod / 60 % 60, tod % 60),
+    )
 }
 
 /// The proleptic Gregorian date of a day number since 1970-01-01 (Howard Hinnant's algorithm).
@@ -316,61 +431,188 @@ pub struct BenchOptions {
 }
 
 /// Runs one workload under one policy on a freshly restarted fleet.
-async fn run_one(cfg: &BenchConfig, fleet: &mut Fleet, gw: &Gateway, http: &Http, w: &WorkloadRun, policy: &str) -> Result<RunReport, String> {
+async fn run_one(
+    cfg: &BenchConfig,
+    fleet: &mut Fleet,
+    gw: &Gateway,
+    http: &Http,
+    w: &WorkloadRun,
+    policy: &str,
+    tmp_dir: &Path,
+) -> Result<RunReport, String> {
     fleet.restart().await?;
     let members = fleet.members();
     gw.register(&members, &cfg.model).await?;
     gw.set_policy(policy).await?;
     gw.wait_ready(members.len()).await?;
-    let before = fleet.counters().await;
+    let target = Target {
+        urls: vec![format!("{}/v1/chat/completions", gw.url)],
+        model: cfg.model.clone(),
+        headers: vec![],
+    };
+    let limits = Limits {
+        max_duration: Duration::from_secs_f64(w.max_duration_s),
+        request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+    };
+    if let Some(warmup) = w.workload.warmup(cfg.seed) {
+        // As many at once as there are backends, so that a load-aware policy spreads new prefixes.
+        let (records, _) = drive(
+            http.clone(),
+            target.clone(),
+            warmup,
+            Load::Concurrency(members.len()),
+            cfg.seed,
+            limits,
+        )
+        .await;
+        let failed = records.iter().filter(|r| r.error.is_some()).count();
+        if failed > 0 {
+            eprintln!("    warm-up: {failed} of {} requests failed", records.len());
+        }
+    }
+    let before = fleet.scrape().await;
     let plan = w.workload.generate(cfg.seed);
-    let target = Target { urls: vec![format!("{}/v1/chat/completions", gw.url)], model: cfg.model.clone(), headers: vec![] };
-    let limits = Limits { max_duration: Duration::from_secs_f64(w.max_duration_s), request_timeout: Duration::from_secs_f64(cfg.request_timeout_s) };
-    let (records, elapsed) = drive(http.clone(), target, plan, w.load, cfg.seed, limits).await;
+    let (records, elapsed) =
+        drive(http.clone(), target, plan.clone(), w.load, cfg.seed, limits).await;
     // Let the last streams' metrics settle (the sim counts a request when it finishes).
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let after = fleet.counters().await;
-    let deltas: Vec<(String, Counters)> =
-        members.iter().zip(after.iter().zip(before.iter())).map(|((id, _), (a, b))| (id.clone(), a.since(b))).collect();
-    Ok(report::summarize(w.workload.kind(), policy, w.load, cfg.fleet.time_scale, &records, elapsed, &deltas, Some(cfg.oracle(&w.workload))))
+    let after = fleet.scrape().await;
+    let deltas: Vec<(String, Counters)> = members
+        .iter()
+        .zip(after.iter().zip(before.iter()))
+        .map(|((id, _), (a, b))| (id.clone(), a.0.since(&b.0)))
+        .collect();
+    let backend_ttft = after
+        .iter()
+        .zip(before.iter())
+        .fold(Histogram::default(), |acc, (a, b)| {
+            acc.add(&a.1.since(&b.1))
+        });
+    gw.dump_state(&tmp_dir.join(format!("state-{}-{policy}.json", w.workload.kind())))
+        .await;
+    let mut report = report::summarize(
+        report::RunLabel {
+            workload: w.workload.kind(),
+            policy,
+            load: w.load,
+            time_scale: cfg.fleet.time_scale,
+        },
+        &records,
+        elapsed,
+        &deltas,
+        Some(cfg.oracle(&w.workload)),
+    );
+    report.backend_ttft_ms = Some(report::Quantiles {
+        p50: backend_ttft.quantile(0.5) * 1e3,
+        p90: backend_ttft.quantile(0.9) * 1e3,
+        p99: backend_ttft.quantile(0.99) * 1e3,
+    });
+    if let Workload::LongShort { long_tokens, .. } = w.workload {
+        let short: Vec<&crate::driver::Record> = records
+            .iter()
+            .filter(|r| {
+                r.error.is_none() && plan.sessions[r.session].turns[0].user.len() < long_tokens * 4
+            })
+            .collect();
+        report.ttft_short_ms = Some(Summary::of(short.iter().filter_map(|r| r.ttft_ms)));
+        report.e2e_short_ms = Some(Summary::of(short.iter().map(|r| r.e2e_ms)));
+    }
+    Ok(report)
 }
 
 /// Measures the gateway's added latency: for each concurrency, the same closed-loop workload sent
 /// straight to the backends (client-side round robin) and then through the gateway (round_robin
 /// policy), on the same fleet, one after the other.
-pub async fn overhead(cfg: &BenchConfig, oc: &OverheadConfig, fleet: &mut Fleet, gw: &Gateway, http: &Http) -> Result<Vec<OverheadPoint>, String> {
+pub async fn overhead(
+    cfg: &BenchConfig,
+    oc: &OverheadConfig,
+    fleet: &mut Fleet,
+    gw: &Gateway,
+    http: &Http,
+) -> Result<Vec<OverheadPoint>, String> {
     fleet.restart().await?;
     let members = fleet.members();
     gw.register(&members, &cfg.model).await?;
     gw.set_policy("round_robin").await?;
     gw.wait_ready(members.len()).await?;
     let mut out = Vec::new();
-    for (i, &c) in oc.concurrency.iter().enumerate() {
-        let n = oc.requests.get(i).copied().unwrap_or(oc.requests[oc.requests.len() - 1]);
-        let workload = Workload::NoSharing { requests: n, prompt_tokens: oc.prompt_tokens, output_tokens: oc.output_tokens };
-        let limits = Limits { max_duration: Duration::from_secs_f64(oc.max_duration_s), request_timeout: Duration::from_secs_f64(cfg.request_timeout_s) };
+    let loads: Vec<Load> = oc
+        .concurrency
+        .iter()
+        .map(|&c| Load::Concurrency(c))
+        .chain(oc.rates.iter().map(|&r| Load::Rate(r)))
+        .collect();
+    for (i, &load) in loads.iter().enumerate() {
+        let c = match load {
+            Load::Concurrency(c) => c,
+            Load::Rate(_) => 0,
+        };
+        let n = oc
+            .requests
+            .get(i)
+            .copied()
+            .unwrap_or(oc.requests[oc.requests.len() - 1]);
+        let workload = Workload::NoSharing {
+            requests: n,
+            prompt_tokens: oc.prompt_tokens,
+            output_tokens: oc.output_tokens,
+        };
+        let limits = Limits {
+            max_duration: Duration::from_secs_f64(oc.max_duration_s),
+            request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+        };
         let direct = Target {
-            urls: members.iter().map(|(_, u)| format!("{u}/v1/chat/completions")).collect(),
+            urls: members
+                .iter()
+                .map(|(_, u)| format!("{u}/v1/chat/completions"))
+                .collect(),
             model: cfg.model.clone(),
             headers: vec![],
         };
-        let via = Target { urls: vec![format!("{}/v1/chat/completions", gw.url)], model: cfg.model.clone(), headers: vec![] };
+        let via = Target {
+            urls: vec![format!("{}/v1/chat/completions", gw.url)],
+            model: cfg.model.clone(),
+            headers: vec![],
+        };
         let phase = |t: Target, seed: u64| {
             let plan = workload.generate(seed);
             let http = http.clone();
-            async move { drive(http, t, plan, Load::Concurrency(c), seed, limits).await }
+            async move { drive(http, t, plan, load, seed, limits).await }
         };
         // A short warm-up through both paths opens the connections.
-        let warm = Workload::NoSharing { requests: c.min(50), prompt_tokens: 8, output_tokens: 2 };
-        let _ = drive(http.clone(), via.clone(), warm.generate(1), Load::Concurrency(c), 1, limits).await;
-        let _ = drive(http.clone(), direct.clone(), warm.generate(2), Load::Concurrency(c), 2, limits).await;
+        let warm = Workload::NoSharing {
+            requests: c.clamp(8, 50),
+            prompt_tokens: 8,
+            output_tokens: 2,
+        };
+        let _ = drive(
+            http.clone(),
+            via.clone(),
+            warm.generate(1),
+            Load::Concurrency(c.max(8)),
+            1,
+            limits,
+        )
+        .await;
+        let _ = drive(
+            http.clone(),
+            direct.clone(),
+            warm.generate(2),
+            Load::Concurrency(c.max(8)),
+            2,
+            limits,
+        )
+        .await;
         let (d, d_s) = phase(direct, cfg.seed + 10 + i as u64).await;
         let (g, g_s) = phase(via, cfg.seed + 20 + i as u64).await;
         let ok = |r: &&crate::driver::Record| r.error.is_none() && r.ttft_ms.is_some();
-        let ttft = |v: &[crate::driver::Record]| Summary::of(v.iter().filter(ok).filter_map(|r| r.ttft_ms));
+        let ttft = |v: &[crate::driver::Record]| {
+            Summary::of(v.iter().filter(ok).filter_map(|r| r.ttft_ms))
+        };
         let e2e = |v: &[crate::driver::Record]| Summary::of(v.iter().filter(ok).map(|r| r.e2e_ms));
         let (dt, gt, de, ge) = (ttft(&d), ttft(&g), e2e(&d), e2e(&g));
         let point = OverheadPoint {
+            load,
             concurrency: c,
             requests: n,
             direct_ttft_p50: dt.p50,
@@ -387,7 +629,7 @@ pub async fn overhead(cfg: &BenchConfig, oc: &OverheadConfig, fleet: &mut Fleet,
             gateway_errors: g.len() - gt.count,
         };
         eprintln!(
-            "overhead: {c} streams: direct TTFT p50 {:.1} p99 {:.1} ms; gateway p50 {:.1} p99 {:.1} ms ({} / {} errors)",
+            "overhead: {load:?}: direct TTFT p50 {:.1} p99 {:.1} ms; gateway p50 {:.1} p99 {:.1} ms ({} / {} errors)",
             dt.p50, dt.p99, gt.p50, gt.p99, point.direct_errors, point.gateway_errors
         );
         out.push(point);
@@ -400,20 +642,33 @@ pub async fn overhead(cfg: &BenchConfig, oc: &OverheadConfig, fleet: &mut Fleet,
 pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, String> {
     let http = Http::new();
     let (date, time) = utc_now();
-    let gw = Gateway::new(opts.gateway.clone(), opts.admin_token.clone(), cfg.pool.clone(), http.clone());
+    let gw = Gateway::new(
+        opts.gateway.clone(),
+        opts.admin_token.clone(),
+        cfg.pool.clone(),
+        http.clone(),
+    );
     gw.check().await?;
-    let mut fleet = Fleet::new(cfg.fleet.clone(), cfg.model.clone(), opts.sim_bin.clone(), opts.tmp_dir.clone(), http.clone());
+    let mut fleet = Fleet::new(
+        cfg.fleet.clone(),
+        cfg.model.clone(),
+        opts.sim_bin.clone(),
+        opts.tmp_dir.clone(),
+        http.clone(),
+    );
     let mut runs = Vec::new();
     let started = Instant::now();
     for w in &cfg.workloads {
-        if !opts.only_workloads.is_empty() && !opts.only_workloads.iter().any(|o| o == w.workload.kind()) {
+        if !opts.only_workloads.is_empty()
+            && !opts.only_workloads.iter().any(|o| o == w.workload.kind())
+        {
             continue;
         }
         for policy in &cfg.policies {
             if !opts.only_policies.is_empty() && !opts.only_policies.contains(policy) {
                 continue;
             }
-            let r = run_one(&cfg, &mut fleet, &gw, &http, w, policy).await?;
+            let r = run_one(&cfg, &mut fleet, &gw, &http, w, policy, &opts.tmp_dir).await?;
             eprintln!(
                 "[{:>5.0}s] {:<13} {:<15} hit {:>5.1}% (oracle {:>5.1}%)  TTFT p50 {:>7.1} p99 {:>7.1} ms  E2E p99 {:>7.0} ms  busiest/mean {:.2}  {:.1} req/s  {}/{} ok",
                 started.elapsed().as_secs_f64(),
@@ -436,7 +691,10 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         }
     }
     let overhead = match &cfg.overhead {
-        Some(oc) if opts.only_workloads.is_empty() || opts.only_workloads.iter().any(|w| w == "overhead") => {
+        Some(oc)
+            if opts.only_workloads.is_empty()
+                || opts.only_workloads.iter().any(|w| w == "overhead") =>
+        {
             overhead(&cfg, oc, &mut fleet, &gw, &http).await?
         }
         _ => Vec::new(),
@@ -452,14 +710,39 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         overhead,
     };
     std::fs::create_dir_all(&opts.out_dir).map_err(|e| e.to_string())?;
-    let stem = if cfg.name == "full" { date } else { format!("{date}-{}", cfg.name) };
+    let stem = if cfg.name == "full" {
+        date
+    } else {
+        format!("{date}-{}", cfg.name)
+    };
     let json_path = opts.out_dir.join(format!("{stem}.json"));
-    std::fs::write(&json_path, serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
     report::charts(&result, &opts.out_dir, &format!("{stem}-"))?;
-    std::fs::write(opts.out_dir.join(format!("{stem}.md")), report::markdown(&result, &format!("{stem}-"))).map_err(|e| e.to_string())?;
-    eprintln!("bench: {} runs in {:.0} s", result.runs.len(), started.elapsed().as_secs_f64());
+    std::fs::write(
+        opts.out_dir.join(format!("{stem}.md")),
+        report::markdown(&result, &format!("{stem}-")),
+    )
+    .map_err(|e| e.to_string())?;
+    eprintln!(
+        "bench: {} runs in {:.0} s",
+        result.runs.len(),
+        started.elapsed().as_secs_f64()
+    );
     for v in &result.targets {
-        eprintln!("  [{}] {} -- {}", match v.met { Some(true) => "met", Some(false) => "MISSED", None => "n/a" }, v.target, v.measured);
+        eprintln!(
+            "  [{}] {} -- {}",
+            match v.met {
+                Some(true) => "met",
+                Some(false) => "MISSED",
+                None => "n/a",
+            },
+            v.target,
+            v.measured
+        );
     }
     Ok(json_path)
 }

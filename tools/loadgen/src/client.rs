@@ -52,7 +52,12 @@ impl StreamResult {
 }
 
 /// Pulls the text, usage and end marker out of one SSE event's data.
-fn read_event(data: &str, out: &mut StreamResult, text_events: &mut u32, usage_tokens: &mut Option<u32>) -> bool {
+fn read_event(
+    data: &str,
+    out: &mut StreamResult,
+    text_events: &mut u32,
+    usage_tokens: &mut Option<u32>,
+) -> bool {
     let Ok(v) = serde_json::from_str::<Value>(data) else {
         return false;
     };
@@ -61,13 +66,26 @@ fn read_event(data: &str, out: &mut StreamResult, text_events: &mut u32, usage_t
         return false;
     }
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-        out.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64).map(|x| x as u32);
-        *usage_tokens = u.get("completion_tokens").and_then(Value::as_u64).map(|x| x as u32);
-        out.cached_tokens = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).map(|x| x as u32);
+        out.prompt_tokens = u
+            .get("prompt_tokens")
+            .and_then(Value::as_u64)
+            .map(|x| x as u32);
+        *usage_tokens = u
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .map(|x| x as u32);
+        out.cached_tokens = u
+            .pointer("/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .map(|x| x as u32);
     }
     let mut got_text = false;
     if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
-        let piece = choice.pointer("/delta/content").or_else(|| choice.get("text")).and_then(Value::as_str).unwrap_or("");
+        let piece = choice
+            .pointer("/delta/content")
+            .or_else(|| choice.get("text"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
         if !piece.is_empty() {
             out.text.push_str(piece);
             *text_events += 1;
@@ -91,10 +109,21 @@ impl Http {
     }
 
     /// Sends `body` to `url` and reads the SSE stream to its end (or `timeout`).
-    pub async fn stream(&self, url: &str, body: Bytes, headers: &[(String, String)], timeout: Duration) -> StreamResult {
+    pub async fn stream(
+        &self,
+        url: &str,
+        body: Bytes,
+        headers: &[(String, String)],
+        timeout: Duration,
+    ) -> StreamResult {
         let start = Instant::now();
         let mut out = StreamResult::default();
-        match tokio::time::timeout(timeout, self.stream_inner(url, body, headers, start, &mut out)).await {
+        match tokio::time::timeout(
+            timeout,
+            self.stream_inner(url, body, headers, start, &mut out),
+        )
+        .await
+        {
             Ok(Ok(())) => {}
             Ok(Err(e)) => out.error = Some(e),
             Err(_) => out.error = Some(format!("timed out after {:.0} s", timeout.as_secs_f64())),
@@ -111,20 +140,40 @@ impl Http {
         start: Instant,
         out: &mut StreamResult,
     ) -> Result<(), String> {
-        let mut req = Request::builder().method(Method::POST).uri(url).header("content-type", "application/json");
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(url)
+            .header("content-type", "application/json");
         for (k, v) in headers {
             req = req.header(k.as_str(), v.as_str());
         }
         let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
-        let resp = self.inner.request(req).await.map_err(|e| format!("request failed: {e}"))?;
+        let resp = self
+            .inner
+            .request(req)
+            .await
+            .map_err(|e| format!("request failed: {e}"))?;
         out.status = resp.status().as_u16();
-        let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
         out.backend = header("x-gateway-backend");
         out.decision = header("x-gateway-decision");
         let mut body = resp.into_body();
         if out.status != 200 {
-            let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            return Err(format!("HTTP {}: {}", out.status, String::from_utf8_lossy(&bytes[..bytes.len().min(300)])));
+            let bytes = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            return Err(format!(
+                "HTTP {}: {}",
+                out.status,
+                String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+            ));
         }
         let mut buf: Vec<u8> = Vec::new();
         let mut text_events = 0u32;
@@ -132,16 +181,22 @@ impl Http {
         let mut done = false;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("stream broken: {e}"))?;
-            let Ok(data) = frame.into_data() else { continue };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
             buf.extend_from_slice(&data);
             while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
                 let event: Vec<u8> = buf.drain(..pos + 2).collect();
                 let event = String::from_utf8_lossy(&event);
                 for line in event.lines() {
-                    let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+                    let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                        continue;
+                    };
                     if data == "[DONE]" {
                         done = true;
-                    } else if read_event(data, out, &mut text_events, &mut usage_tokens) && out.ttft.is_none() {
+                    } else if read_event(data, out, &mut text_events, &mut usage_tokens)
+                        && out.ttft.is_none()
+                    {
                         out.ttft = Some(start.elapsed());
                     }
                 }
@@ -158,7 +213,13 @@ impl Http {
     }
 
     /// A plain request; returns the status and body text.
-    pub async fn call(&self, method: Method, url: &str, bearer: Option<&str>, body: Option<String>) -> Result<(u16, String), String> {
+    pub async fn call(
+        &self,
+        method: Method,
+        url: &str,
+        bearer: Option<&str>,
+        body: Option<String>,
+    ) -> Result<(u16, String), String> {
         let mut req = Request::builder().method(method).uri(url);
         if let Some(token) = bearer {
             req = req.header("authorization", format!("Bearer {token}"));
@@ -166,14 +227,27 @@ impl Http {
         if body.is_some() {
             req = req.header("content-type", "application/json");
         }
-        let req = req.body(Full::new(Bytes::from(body.unwrap_or_default()))).map_err(|e| e.to_string())?;
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| e.to_string())?;
         let fut = async {
-            let resp = self.inner.request(req).await.map_err(|e| format!("{url}: {e}"))?;
+            let resp = self
+                .inner
+                .request(req)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
             let status = resp.status().as_u16();
-            let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
             Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
         };
-        tokio::time::timeout(Duration::from_secs(15), fut).await.map_err(|_| format!("{url}: timed out"))?
+        tokio::time::timeout(Duration::from_secs(15), fut)
+            .await
+            .map_err(|_| format!("{url}: timed out"))?
     }
 }
 
@@ -185,9 +259,24 @@ mod tests {
     fn events_yield_text_usage_and_errors() {
         let mut out = StreamResult::default();
         let (mut n, mut usage) = (0, None);
-        assert!(!read_event(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#, &mut out, &mut n, &mut usage));
-        assert!(read_event(r#"{"choices":[{"delta":{"content":" the"}}]}"#, &mut out, &mut n, &mut usage));
-        assert!(read_event(r#"{"choices":[{"text":" cat"}]}"#, &mut out, &mut n, &mut usage));
+        assert!(!read_event(
+            r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+            &mut out,
+            &mut n,
+            &mut usage
+        ));
+        assert!(read_event(
+            r#"{"choices":[{"delta":{"content":" the"}}]}"#,
+            &mut out,
+            &mut n,
+            &mut usage
+        ));
+        assert!(read_event(
+            r#"{"choices":[{"text":" cat"}]}"#,
+            &mut out,
+            &mut n,
+            &mut usage
+        ));
         assert!(!read_event(
             r#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#,
             &mut out,
@@ -195,8 +284,16 @@ mod tests {
             &mut usage
         ));
         assert_eq!(out.text, " the cat");
-        assert_eq!((n, usage, out.prompt_tokens, out.cached_tokens), (2, Some(2), Some(40), Some(32)));
-        read_event(r#"{"error":{"message":"boom"}}"#, &mut out, &mut n, &mut usage);
+        assert_eq!(
+            (n, usage, out.prompt_tokens, out.cached_tokens),
+            (2, Some(2), Some(40), Some(32))
+        );
+        read_event(
+            r#"{"error":{"message":"boom"}}"#,
+            &mut out,
+            &mut n,
+            &mut usage,
+        );
         assert!(out.error.is_some());
     }
 }

@@ -83,12 +83,19 @@ impl Record {
     /// Time per output token after the first, ms.
     pub fn tpot_ms(&self) -> Option<f64> {
         let ttft = self.ttft_ms?;
-        (self.output_tokens > 1 && self.error.is_none()).then(|| (self.e2e_ms - ttft) / f64::from(self.output_tokens - 1))
+        (self.output_tokens > 1 && self.error.is_none())
+            .then(|| (self.e2e_ms - ttft) / f64::from(self.output_tokens - 1))
     }
 }
 
 /// The request body of one turn.
-pub fn request_body(model: &str, plan: &Plan, session: usize, turn: usize, answers: &[String]) -> Bytes {
+pub fn request_body(
+    model: &str,
+    plan: &Plan,
+    session: usize,
+    turn: usize,
+    answers: &[String],
+) -> Bytes {
     let s = &plan.sessions[session];
     let body = json!({
         "model": model,
@@ -137,7 +144,15 @@ impl Shared {
         }
         let body = request_body(&self.target.model, &self.plan, session, turn, answers);
         let sent_s = self.start.elapsed().as_secs_f64();
-        let mut r = self.http.stream(&self.target.urls[i], body, &headers, self.limits.request_timeout).await;
+        let mut r = self
+            .http
+            .stream(
+                &self.target.urls[i],
+                body,
+                &headers,
+                self.limits.request_timeout,
+            )
+            .await;
         if r.backend.is_none() && self.target.urls.len() > 1 && r.status != 0 {
             r.backend = Some(format!("direct-{i}"));
         }
@@ -181,7 +196,14 @@ impl Shared {
 
 /// Runs `plan` against `target`; returns every request's record (sorted by send time) and the
 /// wall-clock duration of the run.
-pub async fn drive(http: Http, target: Target, plan: Plan, load: Load, seed: u64, limits: Limits) -> (Vec<Record>, f64) {
+pub async fn drive(
+    http: Http,
+    target: Target,
+    plan: Plan,
+    load: Load,
+    seed: u64,
+    limits: Limits,
+) -> (Vec<Record>, f64) {
     let shared = Arc::new(Shared {
         http,
         target,
@@ -246,8 +268,14 @@ mod tests {
 
     #[test]
     fn bodies_ask_for_exact_streamed_lengths() {
-        let plan = Workload::NoSharing { requests: 1, prompt_tokens: 3, output_tokens: 7 }.generate(1);
-        let v: serde_json::Value = serde_json::from_slice(&request_body("m", &plan, 0, 0, &[])).unwrap();
+        let plan = Workload::NoSharing {
+            requests: 1,
+            prompt_tokens: 3,
+            output_tokens: 7,
+        }
+        .generate(1);
+        let v: serde_json::Value =
+            serde_json::from_slice(&request_body("m", &plan, 0, 0, &[])).unwrap();
         assert_eq!(v["max_tokens"], 7);
         assert_eq!(v["ignore_eos"], true);
         assert_eq!(v["stream"], true);

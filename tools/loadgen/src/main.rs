@@ -27,7 +27,10 @@ use std::time::Duration;
 use workload::Workload;
 
 #[derive(Parser)]
-#[command(name = "loadgen", about = "Load generator and benchmark harness for OpenAI-compatible endpoints")]
+#[command(
+    name = "loadgen",
+    about = "Load generator and benchmark harness for OpenAI-compatible endpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -51,14 +54,27 @@ struct WorkloadArgs {
 }
 
 impl WorkloadArgs {
-    fn resolve(&self) -> Result<(Workload, Option<bench::WorkloadRun>, bench::BenchConfig, u64), String> {
+    fn resolve(
+        &self,
+    ) -> Result<
+        (
+            Workload,
+            Option<bench::WorkloadRun>,
+            bench::BenchConfig,
+            u64,
+        ),
+        String,
+    > {
         let cfg = bench::BenchConfig::load(&self.config)?;
         let seed = self.seed.unwrap_or(cfg.seed);
         if let Some(spec) = &self.spec {
             let w: Workload = serde_json::from_str(spec).map_err(|e| format!("--spec: {e}"))?;
             return Ok((w, None, cfg, seed));
         }
-        let name = self.workload.as_deref().ok_or("give --workload NAME or --spec JSON")?;
+        let name = self
+            .workload
+            .as_deref()
+            .ok_or("give --workload NAME or --spec JSON")?;
         let run = cfg
             .workloads
             .iter()
@@ -166,7 +182,11 @@ enum Cmd {
     },
 }
 
-fn load_of(rate: Option<f64>, concurrency: Option<usize>, default: Option<Load>) -> Result<Load, String> {
+fn load_of(
+    rate: Option<f64>,
+    concurrency: Option<usize>,
+    default: Option<Load>,
+) -> Result<Load, String> {
     match (rate, concurrency, default) {
         (Some(r), _, _) => Ok(Load::Rate(r)),
         (_, Some(c), _) => Ok(Load::Concurrency(c)),
@@ -178,7 +198,18 @@ fn load_of(rate: Option<f64>, concurrency: Option<usize>, default: Option<Load>)
 async fn main_inner(cli: Cli) -> Result<(), String> {
     let http = client::Http::new();
     match cli.command {
-        Cmd::Run { w, url, model, rate, concurrency, max_duration, metrics: metric_urls, time_scale, policy, records: records_path } => {
+        Cmd::Run {
+            w,
+            url,
+            model,
+            rate,
+            concurrency,
+            max_duration,
+            metrics: metric_urls,
+            time_scale,
+            policy,
+            records: records_path,
+        } => {
             let (workload, run, cfg, seed) = w.resolve()?;
             let load = load_of(rate, concurrency, run.as_ref().map(|r| r.load))?;
             let plan = workload.generate(seed);
@@ -187,7 +218,10 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 async move {
                     let mut out = Vec::new();
                     for u in urls {
-                        let text = match http.call(hyper::Method::GET, &format!("{u}/metrics"), None, None).await {
+                        let text = match http
+                            .call(hyper::Method::GET, &format!("{u}/metrics"), None, None)
+                            .await
+                        {
                             Ok((200, t)) => t,
                             _ => String::new(),
                         };
@@ -198,45 +232,135 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             };
             let before = fetch(metric_urls.clone()).await;
             let target = Target {
-                urls: url.iter().map(|u| format!("{}/v1/chat/completions", u.trim_end_matches('/'))).collect(),
+                urls: url
+                    .iter()
+                    .map(|u| format!("{}/v1/chat/completions", u.trim_end_matches('/')))
+                    .collect(),
                 model: model.unwrap_or(cfg.model.clone()),
                 headers: vec![],
             };
-            let limits = Limits { max_duration: Duration::from_secs_f64(max_duration), request_timeout: Duration::from_secs_f64(cfg.request_timeout_s) };
-            let (records, elapsed) = driver::drive(http.clone(), target, plan.clone(), load, seed, limits).await;
+            let limits = Limits {
+                max_duration: Duration::from_secs_f64(max_duration),
+                request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+            };
+            let (records, elapsed) =
+                driver::drive(http.clone(), target, plan.clone(), load, seed, limits).await;
             let after = fetch(metric_urls).await;
-            let deltas: Vec<(String, metrics::Counters)> = after.iter().zip(&before).map(|((u, a), (_, b))| (u.clone(), a.since(b))).collect();
+            let deltas: Vec<(String, metrics::Counters)> = after
+                .iter()
+                .zip(&before)
+                .map(|((u, a), (_, b))| (u.clone(), a.since(b)))
+                .collect();
+            // `run` sends no warm-up, so the bound counts every request.
             let fleet_blocks = cfg.fleet.backends * cfg.fleet.kv_blocks;
-            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 16, fleet_blocks);
-            let report = report::summarize(workload.kind(), &policy, load, time_scale, &records, elapsed, &deltas, Some(bound));
+            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 0, 16, fleet_blocks);
+            let report = report::summarize(
+                report::RunLabel {
+                    workload: workload.kind(),
+                    policy: &policy,
+                    load,
+                    time_scale,
+                },
+                &records,
+                elapsed,
+                &deltas,
+                Some(bound),
+            );
             if let Some(p) = records_path {
-                let lines: Vec<String> = records.iter().filter_map(|r| serde_json::to_string(r).ok()).collect();
-                std::fs::write(&p, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", p.display()))?;
+                let lines: Vec<String> = records
+                    .iter()
+                    .filter_map(|r| serde_json::to_string(r).ok())
+                    .collect();
+                std::fs::write(&p, lines.join("\n") + "\n")
+                    .map_err(|e| format!("{}: {e}", p.display()))?;
             }
-            println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+            );
         }
-        Cmd::Oracle { w, backends, kv_blocks } => {
+        Cmd::Oracle {
+            w,
+            backends,
+            kv_blocks,
+        } => {
             let (workload, _, cfg, seed) = w.resolve()?;
             let plan = workload.generate(seed);
-            let fleet_blocks = backends.unwrap_or(cfg.fleet.backends) * kv_blocks.unwrap_or(cfg.fleet.kv_blocks);
-            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 16, fleet_blocks);
+            let fleet_blocks =
+                backends.unwrap_or(cfg.fleet.backends) * kv_blocks.unwrap_or(cfg.fleet.kv_blocks);
+            let bound = oracle::workload_bound(&workload, seed, 16, fleet_blocks);
             let out = serde_json::json!({"workload": workload, "seed": seed, "requests": plan.requests(), "bound": bound});
-            println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?
+            );
         }
-        Cmd::Overhead { gateway, direct, model, concurrency, requests, prompt_tokens, output_tokens } => {
-            let oc = bench::OverheadConfig { requests: vec![requests; concurrency.len()], concurrency, prompt_tokens, output_tokens, max_duration_s: 120.0 };
+        Cmd::Overhead {
+            gateway,
+            direct,
+            model,
+            concurrency,
+            requests,
+            prompt_tokens,
+            output_tokens,
+        } => {
+            let oc = bench::OverheadConfig {
+                requests: vec![requests; concurrency.len()],
+                concurrency,
+                prompt_tokens,
+                output_tokens,
+                max_duration_s: 120.0,
+                rates: vec![],
+            };
             let mut points = Vec::new();
             for (i, &c) in oc.concurrency.iter().enumerate() {
-                let w = Workload::NoSharing { requests: oc.requests[i], prompt_tokens, output_tokens };
-                let limits = Limits { max_duration: Duration::from_secs_f64(oc.max_duration_s), request_timeout: Duration::from_secs(60) };
-                let d = Target { urls: direct.iter().map(|u| format!("{u}/v1/chat/completions")).collect(), model: model.clone(), headers: vec![] };
-                let g = Target { urls: vec![format!("{gateway}/v1/chat/completions")], model: model.clone(), headers: vec![] };
-                let (dr, ds) = driver::drive(http.clone(), d, w.generate(10 + i as u64), Load::Concurrency(c), 10, limits).await;
-                let (gr, gs) = driver::drive(http.clone(), g, w.generate(20 + i as u64), Load::Concurrency(c), 20, limits).await;
-                let s = |v: &[driver::Record], f: &dyn Fn(&driver::Record) -> Option<f64>| stats::Summary::of(v.iter().filter(|r| r.error.is_none()).filter_map(f));
+                let w = Workload::NoSharing {
+                    requests: oc.requests[i],
+                    prompt_tokens,
+                    output_tokens,
+                };
+                let limits = Limits {
+                    max_duration: Duration::from_secs_f64(oc.max_duration_s),
+                    request_timeout: Duration::from_secs(60),
+                };
+                let d = Target {
+                    urls: direct
+                        .iter()
+                        .map(|u| format!("{u}/v1/chat/completions"))
+                        .collect(),
+                    model: model.clone(),
+                    headers: vec![],
+                };
+                let g = Target {
+                    urls: vec![format!("{gateway}/v1/chat/completions")],
+                    model: model.clone(),
+                    headers: vec![],
+                };
+                let (dr, ds) = driver::drive(
+                    http.clone(),
+                    d,
+                    w.generate(10 + i as u64),
+                    Load::Concurrency(c),
+                    10,
+                    limits,
+                )
+                .await;
+                let (gr, gs) = driver::drive(
+                    http.clone(),
+                    g,
+                    w.generate(20 + i as u64),
+                    Load::Concurrency(c),
+                    20,
+                    limits,
+                )
+                .await;
+                let s = |v: &[driver::Record], f: &dyn Fn(&driver::Record) -> Option<f64>| {
+                    stats::Summary::of(v.iter().filter(|r| r.error.is_none()).filter_map(f))
+                };
                 let (dt, gt) = (s(&dr, &|r| r.ttft_ms), s(&gr, &|r| r.ttft_ms));
                 let (de, ge) = (s(&dr, &|r| Some(r.e2e_ms)), s(&gr, &|r| Some(r.e2e_ms)));
                 points.push(report::OverheadPoint {
+                    load: Load::Concurrency(c),
                     concurrency: c,
                     requests: oc.requests[i],
                     direct_ttft_p50: dt.p50,
@@ -253,11 +377,31 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                     gateway_errors: gr.len() - gt.count,
                 });
             }
-            println!("{}", serde_json::to_string_pretty(&points).map_err(|e| e.to_string())?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&points).map_err(|e| e.to_string())?
+            );
         }
-        Cmd::Bench { config, gateway, admin_token, sim_bin, out_dir, tmp_dir, only, policies } => {
+        Cmd::Bench {
+            config,
+            gateway,
+            admin_token,
+            sim_bin,
+            out_dir,
+            tmp_dir,
+            only,
+            policies,
+        } => {
             let cfg = bench::BenchConfig::load(&config)?;
-            let opts = bench::BenchOptions { gateway, admin_token, sim_bin, out_dir, tmp_dir, only_workloads: only, only_policies: policies };
+            let opts = bench::BenchOptions {
+                gateway,
+                admin_token,
+                sim_bin,
+                out_dir,
+                tmp_dir,
+                only_workloads: only,
+                only_policies: policies,
+            };
             let path = bench::bench(cfg, opts).await?;
             println!("{}", path.display());
         }
@@ -267,7 +411,11 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
 
 fn main() {
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("a tokio runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
     if let Err(e) = rt.block_on(main_inner(cli)) {
         eprintln!("loadgen: {e}");
         std::process::exit(1);

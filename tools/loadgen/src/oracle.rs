@@ -19,8 +19,8 @@
 //! Concurrency is ignored (requests are replayed one at a time), which can only raise the bound:
 //! in a real run, two requests of a cold prefix that arrive together both miss.
 
-use crate::workload::{messages, words, Message, Plan};
 use crate::rng::Rng;
+use crate::workload::{messages, words, Message, Plan};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use xxhash_rust::xxh3::Xxh3;
@@ -73,7 +73,12 @@ struct BlockCache {
 
 impl BlockCache {
     fn new(capacity: Option<usize>) -> Self {
-        BlockCache { capacity, stamp: 0, last_use: HashMap::new(), by_age: BTreeMap::new() }
+        BlockCache {
+            capacity,
+            stamp: 0,
+            last_use: HashMap::new(),
+            by_age: BTreeMap::new(),
+        }
     }
 
     fn contains(&self, h: u64) -> bool {
@@ -89,7 +94,9 @@ impl BlockCache {
         self.by_age.insert(self.stamp, h);
         if let Some(cap) = self.capacity {
             while self.last_use.len() > cap {
-                let Some((_, victim)) = self.by_age.pop_first() else { break };
+                let Some((_, victim)) = self.by_age.pop_first() else {
+                    break;
+                };
                 self.last_use.remove(&victim);
             }
         }
@@ -117,7 +124,11 @@ pub struct HitCount {
 impl HitCount {
     /// `hits / queries` (0 when nothing was queried).
     pub fn rate(&self) -> f64 {
-        if self.queries == 0 { 0.0 } else { self.hits as f64 / self.queries as f64 }
+        if self.queries == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.queries as f64
+        }
     }
 }
 
@@ -136,12 +147,19 @@ pub struct OracleBound {
     pub hit_rate: f64,
 }
 
-/// Replays `requests` against both cache models.
-pub fn bound(requests: &[OracleRequest], block_tokens: usize, fleet_blocks: usize) -> OracleBound {
+/// Replays `requests` against both cache models; the first `warmup` requests fill the caches but
+/// are not counted (as the benchmark does not measure its warm-up).
+pub fn bound(
+    requests: &[OracleRequest],
+    warmup: usize,
+    block_tokens: usize,
+    fleet_blocks: usize,
+) -> OracleBound {
     let mut unbounded = (BlockCache::new(None), HitCount::default());
     let mut fleet = (BlockCache::new(Some(fleet_blocks)), HitCount::default());
     let mut seen = HashSet::new();
-    for r in requests {
+    for (i, r) in requests.iter().enumerate() {
+        let counted = i >= warmup;
         let prompt_tokens = tokens(r.prompt.len());
         let hashes = block_hashes(&r.prompt, block_tokens);
         let max_hit_blocks = prompt_tokens.saturating_sub(1) / block_tokens;
@@ -149,11 +167,19 @@ pub fn bound(requests: &[OracleRequest], block_tokens: usize, fleet_blocks: usiz
         full.extend_from_slice(&r.answer);
         let total_tokens = tokens(full.len());
         let seq_hashes = block_hashes(&full, block_tokens);
-        let cached_after = seq_hashes.len().min(total_tokens.saturating_sub(1) / block_tokens);
+        let cached_after = seq_hashes
+            .len()
+            .min(total_tokens.saturating_sub(1) / block_tokens);
         for (cache, count) in [&mut unbounded, &mut fleet] {
-            let hit_blocks = hashes.iter().take(max_hit_blocks).take_while(|h| cache.contains(**h)).count();
-            count.queries += prompt_tokens as u64;
-            count.hits += (hit_blocks * block_tokens) as u64;
+            let hit_blocks = hashes
+                .iter()
+                .take(max_hit_blocks)
+                .take_while(|h| cache.contains(**h))
+                .count();
+            if counted {
+                count.queries += prompt_tokens as u64;
+                count.hits += (hit_blocks * block_tokens) as u64;
+            }
             for h in &seq_hashes[..cached_after] {
                 cache.touch(*h);
             }
@@ -169,6 +195,22 @@ pub fn bound(requests: &[OracleRequest], block_tokens: usize, fleet_blocks: usiz
     }
 }
 
+/// The oracle's bound for a workload: its warm-up (not counted) then its plan.
+pub fn workload_bound(
+    w: &crate::workload::Workload,
+    seed: u64,
+    block_tokens: usize,
+    fleet_blocks: usize,
+) -> OracleBound {
+    let mut reqs = w
+        .warmup(seed)
+        .map(|p| requests_of(&p, seed ^ 0x5eed))
+        .unwrap_or_default();
+    let warmup = reqs.len();
+    reqs.extend(requests_of(&w.generate(seed), seed));
+    bound(&reqs, warmup, block_tokens, fleet_blocks)
+}
+
 /// The requests of a plan in the order an oracle replays them: turn by turn across sessions (every
 /// session's first turn, then every second turn, ...), with placeholder answers of the right length.
 pub fn requests_of(plan: &Plan, seed: u64) -> Vec<OracleRequest> {
@@ -176,15 +218,28 @@ pub fn requests_of(plan: &Plan, seed: u64) -> Vec<OracleRequest> {
     let answers: Vec<Vec<String>> = plan
         .sessions
         .iter()
-        .map(|s| s.turns.iter().map(|t| words(&mut rng, t.output_tokens as usize)).collect())
+        .map(|s| {
+            s.turns
+                .iter()
+                .map(|t| words(&mut rng, t.output_tokens as usize))
+                .collect()
+        })
         .collect();
-    let rounds = plan.sessions.iter().map(|s| s.turns.len()).max().unwrap_or(0);
+    let rounds = plan
+        .sessions
+        .iter()
+        .map(|s| s.turns.len())
+        .max()
+        .unwrap_or(0);
     let mut out = Vec::with_capacity(plan.requests());
     for turn in 0..rounds {
         for (s, session) in plan.sessions.iter().enumerate() {
             if turn < session.turns.len() {
                 let prompt = render_chat(&messages(session, turn, &answers[s]));
-                out.push(OracleRequest { prompt, answer: answers[s][turn].clone().into_bytes() });
+                out.push(OracleRequest {
+                    prompt,
+                    answer: answers[s][turn].clone().into_bytes(),
+                });
             }
         }
     }
@@ -197,7 +252,10 @@ mod tests {
     use crate::workload::Workload;
 
     fn req(prompt: &str, answer_tokens: usize) -> OracleRequest {
-        OracleRequest { prompt: prompt.as_bytes().to_vec(), answer: vec![b'x'; answer_tokens * 4] }
+        OracleRequest {
+            prompt: prompt.as_bytes().to_vec(),
+            answer: vec![b'x'; answer_tokens * 4],
+        }
     }
 
     #[test]
@@ -215,19 +273,37 @@ mod tests {
 
     #[test]
     fn template_matches_the_sims() {
-        let m = [Message { role: "system", content: "Be brief.".into() }, Message { role: "user", content: "Hi".into() }];
-        assert_eq!(render_chat(&m), b"<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n");
+        let m = [
+            Message {
+                role: "system",
+                content: "Be brief.".into(),
+            },
+            Message {
+                role: "user",
+                content: "Hi".into(),
+            },
+        ];
+        assert_eq!(
+            render_chat(&m),
+            b"<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+        );
     }
 
     #[test]
     fn repeated_prompt_hits_all_but_the_last_token() {
         // 160 bytes = 40 tokens = 2 full blocks + 8 tokens; an exact repeat hits both blocks.
         let p = "y".repeat(160);
-        let b = bound(&[req(&p, 1), req(&p, 1)], 16, 1000);
-        assert_eq!(b.unbounded, HitCount { queries: 80, hits: 32 });
+        let b = bound(&[req(&p, 1), req(&p, 1)], 0, 16, 1000);
+        assert_eq!(
+            b.unbounded,
+            HitCount {
+                queries: 80,
+                hits: 32
+            }
+        );
         // A 128-byte prompt (32 tokens) hits only its first block: the last token is recomputed.
         let p = "z".repeat(128);
-        let b = bound(&[req(&p, 1), req(&p, 1)], 16, 1000);
+        let b = bound(&[req(&p, 1), req(&p, 1)], 0, 16, 1000);
         assert_eq!(b.unbounded.hits, 16);
     }
 
@@ -241,8 +317,11 @@ mod tests {
         let mut p2 = p1.clone().into_bytes();
         p2.extend_from_slice(&r1.answer);
         p2.extend_from_slice(&[b'c'; 100]);
-        let r2 = OracleRequest { prompt: p2, answer: vec![] };
-        let b = bound(&[r1, r2], 16, 1000);
+        let r2 = OracleRequest {
+            prompt: p2,
+            answer: vec![],
+        };
+        let b = bound(&[r1, r2], 0, 16, 1000);
         assert_eq!(b.unbounded.hits, 32);
     }
 
@@ -251,11 +330,16 @@ mod tests {
         let a = "a".repeat(64 * 10);
         let c = "c".repeat(64 * 10);
         let reqs = [req(&a, 1), req(&c, 1), req(&a, 1), req(&c, 1)];
-        let big = bound(&reqs, 16, 100);
-        let small = bound(&reqs, 16, 12);
+        let big = bound(&reqs, 0, 16, 100);
+        let small = bound(&reqs, 0, 16, 12);
         assert_eq!(big.fleet, big.unbounded);
         assert_eq!(big.working_set_blocks, 20);
-        assert!(small.fleet.hits < big.fleet.hits, "{:?} {:?}", small.fleet, big.fleet);
+        assert!(
+            small.fleet.hits < big.fleet.hits,
+            "{:?} {:?}",
+            small.fleet,
+            big.fleet
+        );
         assert_eq!(small.unbounded, big.unbounded);
     }
 
@@ -263,21 +347,53 @@ mod tests {
     fn shared_prefix_bound_is_close_to_the_prefix_share() {
         // 2 groups, 400-token system prompts, 8-token questions: every request after the first of
         // its group hits the system prompt's full blocks.
-        let w = Workload::SharedPrefix { groups: 2, prompts_per_group: 50, system_tokens: 400, question_tokens: 8, output_tokens: 4, requests: 100, zipf: 0.0 };
+        let w = Workload::SharedPrefix {
+            groups: 2,
+            prompts_per_group: 50,
+            system_tokens: 400,
+            question_tokens: 8,
+            output_tokens: 4,
+            requests: 100,
+            zipf: 0.0,
+            warmup_per_group: 0,
+        };
         let plan = w.generate(1);
-        let b = bound(&requests_of(&plan, 1), 16, 10_000);
+        let b = bound(&requests_of(&plan, 1), 0, 16, 10_000);
         assert!(b.hit_rate > 0.9 && b.hit_rate < 0.99, "{}", b.hit_rate);
-        let no = Workload::NoSharing { requests: 50, prompt_tokens: 100, output_tokens: 4 }.generate(1);
-        assert_eq!(bound(&requests_of(&no, 1), 16, 10_000).unbounded.hits, 0);
+        let no = Workload::NoSharing {
+            requests: 50,
+            prompt_tokens: 100,
+            output_tokens: 4,
+        }
+        .generate(1);
+        assert_eq!(bound(&requests_of(&no, 1), 0, 16, 10_000).unbounded.hits, 0);
+    }
+
+    #[test]
+    fn warmup_requests_fill_the_cache_but_do_not_count() {
+        let p = "w".repeat(64 * 4);
+        let cold = bound(&[req(&p, 1)], 0, 16, 1000);
+        let warm = bound(&[req(&p, 1), req(&p, 1)], 1, 16, 1000);
+        assert_eq!(cold.fleet.queries, warm.fleet.queries);
+        assert_eq!((cold.fleet.hits, warm.fleet.hits), (0, 48));
     }
 
     #[test]
     fn multi_turn_replays_round_by_round_and_hits_history() {
-        let plan = Workload::MultiTurn { users: 3, rounds: 4, system_tokens: 64, question_tokens: 16, output_tokens: 16 }.generate(2);
+        let plan = Workload::MultiTurn {
+            users: 3,
+            rounds: 4,
+            system_tokens: 64,
+            question_tokens: 16,
+            output_tokens: 16,
+            user_context_tokens: 0,
+            warmup_requests: 0,
+        }
+        .generate(2);
         let reqs = requests_of(&plan, 2);
         assert_eq!(reqs.len(), 12);
         // Round 2 of user 0 starts with round 1's prompt followed by its answer.
         assert!(reqs[3].prompt.starts_with(&reqs[0].prompt));
-        assert!(bound(&reqs, 16, 10_000).hit_rate > 0.5);
+        assert!(bound(&reqs, 0, 16, 10_000).hit_rate > 0.5);
     }
 }

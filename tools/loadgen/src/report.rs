@@ -53,6 +53,14 @@ pub struct RunReport {
     pub e2e_ms: Summary,
     /// Time to first token in model ms (wall x time scale): what the modelled GPU would show.
     pub ttft_model_ms: Summary,
+    /// `long-short` only: time to first token of the short requests, the ones a router can save
+    /// from waiting behind a long prefill (a long prompt's own prefill no routing can shorten).
+    pub ttft_short_ms: Option<Summary>,
+    /// `long-short` only: end-to-end latency of the short requests.
+    pub e2e_short_ms: Option<Summary>,
+    /// Time to first token as the backends measured it (vLLM's histogram, interpolated inside its
+    /// coarse buckets), ms: the client's figure minus this is the gateway's and the network's share.
+    pub backend_ttft_ms: Option<Quantiles>,
     /// Per backend.
     pub backends: BTreeMap<String, BackendShare>,
     /// Busiest backend's requests over the mean.
@@ -71,19 +79,49 @@ pub struct RunReport {
     pub fraction_of_oracle: Option<f64>,
 }
 
+/// What a run was: workload, policy, load and the backends' time scale.
+#[derive(Debug, Clone, Copy)]
+pub struct RunLabel<'a> {
+    /// Workload name.
+    pub workload: &'a str,
+    /// Routing policy.
+    pub policy: &'a str,
+    /// How load was offered.
+    pub load: Load,
+    /// vllm-sim's `--time-scale`.
+    pub time_scale: f64,
+}
+
+/// Three percentiles, ms.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Quantiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
 /// Builds a run's report. `backends` lists every backend of the fleet (id and counter deltas),
 /// so idle backends count in the balance.
 pub fn summarize(
-    workload: &str,
-    policy: &str,
-    load: Load,
-    time_scale: f64,
+    label: RunLabel<'_>,
     records: &[Record],
     duration_s: f64,
     backends: &[(String, Counters)],
     oracle: Option<OracleBound>,
 ) -> RunReport {
-    let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none() && r.ttft_ms.is_some()).collect();
+    let RunLabel {
+        workload,
+        policy,
+        load,
+        time_scale,
+    } = label;
+    let ok: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.error.is_none() && r.ttft_ms.is_some())
+        .collect();
     let mut samples: Vec<String> = Vec::new();
     for r in records.iter().filter_map(|r| r.error.as_ref()) {
         let short: String = r.chars().take(200).collect();
@@ -92,21 +130,45 @@ pub fn summarize(
         }
     }
     let ttft = Summary::of(ok.iter().filter_map(|r| r.ttft_ms));
-    let mut shares: BTreeMap<String, BackendShare> =
-        backends.iter().map(|(id, c)| (id.clone(), BackendShare { requests: 0, counters: *c })).collect();
+    let mut shares: BTreeMap<String, BackendShare> = backends
+        .iter()
+        .map(|(id, c)| {
+            (
+                id.clone(),
+                BackendShare {
+                    requests: 0,
+                    counters: *c,
+                },
+            )
+        })
+        .collect();
     for r in records {
         if let Some(b) = &r.backend {
-            shares.entry(b.clone()).or_insert(BackendShare { requests: 0, counters: Counters::default() }).requests += 1;
+            shares
+                .entry(b.clone())
+                .or_insert(BackendShare {
+                    requests: 0,
+                    counters: Counters::default(),
+                })
+                .requests += 1;
         }
     }
-    let fleet = backends.iter().fold(Counters::default(), |acc, (_, c)| acc.add(c));
+    let fleet = backends
+        .iter()
+        .fold(Counters::default(), |acc, (_, c)| acc.add(c));
     let reqs: Vec<f64> = shares.values().map(|s| s.requests as f64).collect();
     let work: Vec<f64> = shares.values().map(|s| s.counters.work_tokens()).collect();
     let (prompt, cached) = ok.iter().fold((0u64, 0u64), |(p, c), r| {
-        (p + u64::from(r.prompt_tokens.unwrap_or(0)), c + u64::from(r.cached_tokens.unwrap_or(0)))
+        (
+            p + u64::from(r.prompt_tokens.unwrap_or(0)),
+            c + u64::from(r.cached_tokens.unwrap_or(0)),
+        )
     });
     let hit_rate = fleet.hit_rate();
-    let fraction_of_oracle = oracle.as_ref().filter(|o| o.hit_rate > 0.01).map(|o| hit_rate / o.hit_rate);
+    let fraction_of_oracle = oracle
+        .as_ref()
+        .filter(|o| o.hit_rate > 0.01)
+        .map(|o| hit_rate / o.hit_rate);
     RunReport {
         workload: workload.to_string(),
         policy: policy.to_string(),
@@ -118,17 +180,25 @@ pub fn summarize(
         errors: records.len() - ok.len(),
         error_samples: samples,
         requests_per_s: ok.len() as f64 / duration_s.max(1e-9),
-        output_tokens_per_s: ok.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / duration_s.max(1e-9),
+        output_tokens_per_s: ok.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>()
+            / duration_s.max(1e-9),
         ttft_ms: ttft,
         tpot_ms: Summary::of(ok.iter().filter_map(|r| r.tpot_ms())),
         e2e_ms: Summary::of(ok.iter().map(|r| r.e2e_ms)),
         ttft_model_ms: ttft.scaled(time_scale),
+        ttft_short_ms: None,
+        e2e_short_ms: None,
+        backend_ttft_ms: None,
         backends: shares,
         request_imbalance: imbalance(&reqs, backends.len()),
         work_imbalance: imbalance(&work, backends.len()),
         fleet,
         hit_rate,
-        usage_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+        usage_hit_rate: if prompt > 0 {
+            cached as f64 / prompt as f64
+        } else {
+            0.0
+        },
         oracle,
         fraction_of_oracle,
     }
@@ -137,7 +207,9 @@ pub fn summarize(
 /// The gateway's added latency at one concurrency, measured against direct calls in the same run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OverheadPoint {
-    /// Concurrent streams.
+    /// How load was offered.
+    pub load: Load,
+    /// Concurrent streams (0 for an open-loop rate).
     pub concurrency: usize,
     /// Requests per phase.
     pub requests: usize,
@@ -163,7 +235,10 @@ pub struct OverheadPoint {
 impl OverheadPoint {
     /// Added TTFT at p50 and p99, ms.
     pub fn added_ttft(&self) -> (f64, f64) {
-        (self.gateway_ttft_p50 - self.direct_ttft_p50, self.gateway_ttft_p99 - self.direct_ttft_p99)
+        (
+            self.gateway_ttft_p50 - self.direct_ttft_p50,
+            self.gateway_ttft_p99 - self.direct_ttft_p99,
+        )
     }
 }
 
@@ -198,7 +273,8 @@ pub struct Verdict {
 }
 
 fn find<'a>(runs: &'a [RunReport], workload: &str, policy: &str) -> Option<&'a RunReport> {
-    runs.iter().find(|r| r.workload == workload && r.policy == policy)
+    runs.iter()
+        .find(|r| r.workload == workload && r.policy == policy)
 }
 
 /// Checks the target figures against the runs.
@@ -206,60 +282,98 @@ pub fn verdicts(runs: &[RunReport]) -> Vec<Verdict> {
     let mut out = Vec::new();
     for w in ["shared-prefix", "multi-turn"] {
         let ca = find(runs, w, "cache_aware");
-        out.push(match ca.and_then(|r| r.fraction_of_oracle.map(|f| (r, f))) {
-            Some((r, f)) => Verdict {
-                target: format!("{w}: cache_aware hit rate >= 90% of the oracle's"),
-                measured: format!(
-                    "{:.1}% of {:.1}% = {:.0}% of the bound ({:+.0} points vs the 90% target)",
-                    r.hit_rate * 100.0,
-                    r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
-                    f * 100.0,
-                    (f - 0.9) * 100.0
-                ),
-                met: Some(f >= 0.9),
+        out.push(
+            match ca.and_then(|r| r.fraction_of_oracle.map(|f| (r, f))) {
+                Some((r, f)) => Verdict {
+                    target: format!("{w}: cache_aware hit rate >= 90% of the oracle's"),
+                    measured: format!(
+                        "{:.1}% of {:.1}% = {:.0}% of the bound ({:+.0} points vs the 90% target)",
+                        r.hit_rate * 100.0,
+                        r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
+                        f * 100.0,
+                        (f - 0.9) * 100.0
+                    ),
+                    met: Some(f >= 0.9),
+                },
+                None => Verdict {
+                    target: format!("{w}: cache_aware hit rate >= 90% of the oracle's"),
+                    measured: "not run".into(),
+                    met: None,
+                },
             },
-            None => Verdict { target: format!("{w}: cache_aware hit rate >= 90% of the oracle's"), measured: "not run".into(), met: None },
-        });
+        );
         out.push(match ca {
             Some(r) => Verdict {
                 target: format!("{w}: cache_aware busiest backend <= 1.3x mean load"),
-                measured: format!("requests {:.2}x, computed tokens {:.2}x", r.request_imbalance, r.work_imbalance),
+                measured: format!(
+                    "requests {:.2}x, computed tokens {:.2}x",
+                    r.request_imbalance, r.work_imbalance
+                ),
                 met: Some(r.request_imbalance <= 1.3),
             },
-            None => Verdict { target: format!("{w}: cache_aware busiest backend <= 1.3x mean load"), measured: "not run".into(), met: None },
+            None => Verdict {
+                target: format!("{w}: cache_aware busiest backend <= 1.3x mean load"),
+                measured: "not run".into(),
+                met: None,
+            },
         });
     }
     let target = "shared-prefix: cache_aware p99 TTFT <= 0.5x round_robin's".to_string();
-    out.push(match (find(runs, "shared-prefix", "cache_aware"), find(runs, "shared-prefix", "round_robin")) {
-        (Some(ca), Some(rr)) => {
-            let ratio = ca.ttft_ms.p99 / rr.ttft_ms.p99.max(1e-9);
-            Verdict {
-                target,
-                measured: format!("{:.1} ms vs {:.1} ms = {:.2}x", ca.ttft_ms.p99, rr.ttft_ms.p99, ratio),
-                met: Some(ratio <= 0.5),
+    out.push(
+        match (
+            find(runs, "shared-prefix", "cache_aware"),
+            find(runs, "shared-prefix", "round_robin"),
+        ) {
+            (Some(ca), Some(rr)) => {
+                let ratio = ca.ttft_ms.p99 / rr.ttft_ms.p99.max(1e-9);
+                Verdict {
+                    target,
+                    measured: format!(
+                        "{:.1} ms vs {:.1} ms = {:.2}x",
+                        ca.ttft_ms.p99, rr.ttft_ms.p99, ratio
+                    ),
+                    met: Some(ratio <= 0.5),
+                }
             }
-        }
-        _ => Verdict { target, measured: "not run".into(), met: None },
-    });
-    for p in ["power_of_two", "least_load"] {
-        let target = format!("long-short: {p} p99 TTFT < round_robin's");
-        out.push(match (find(runs, "long-short", p), find(runs, "long-short", "round_robin")) {
-            (Some(a), Some(rr)) => Verdict {
+            _ => Verdict {
                 target,
-                measured: format!(
-                    "TTFT p99 {:.1} ms vs {:.1} ms ({:.2}x); e2e p99 {:.0} vs {:.0} ms",
-                    a.ttft_ms.p99,
-                    rr.ttft_ms.p99,
-                    a.ttft_ms.p99 / rr.ttft_ms.p99.max(1e-9),
-                    a.e2e_ms.p99,
-                    rr.e2e_ms.p99
-                ),
-                met: Some(a.ttft_ms.p99 < rr.ttft_ms.p99),
+                measured: "not run".into(),
+                met: None,
             },
+        },
+    );
+    for p in ["power_of_two", "least_load"] {
+        let target = format!("long-short: {p} p99 TTFT of short requests < round_robin's");
+        out.push(match (find(runs, "long-short", p), find(runs, "long-short", "round_robin")) {
+            (Some(a), Some(rr)) => {
+                let short = |r: &RunReport| r.ttft_short_ms.unwrap_or(r.ttft_ms).p99;
+                let short_e2e = |r: &RunReport| r.e2e_short_ms.unwrap_or(r.e2e_ms).p99;
+                Verdict {
+                    target,
+                    measured: format!(
+                        "short TTFT p99 {:.1} vs {:.1} ms ({:.2}x); short E2E p99 {:.0} vs {:.0} ms; all-request TTFT p99 {:.1} vs {:.1} ms",
+                        short(a),
+                        short(rr),
+                        short(a) / short(rr).max(1e-9),
+                        short_e2e(a),
+                        short_e2e(rr),
+                        a.ttft_ms.p99,
+                        rr.ttft_ms.p99
+                    ),
+                    met: Some(short(a) < short(rr)),
+                }
+            }
             _ => Verdict { target, measured: "not run".into(), met: None },
         });
     }
     out
+}
+
+fn load_label(l: Load) -> String {
+    match l {
+        Load::Concurrency(c) => format!("{c} concurrent streams"),
+        Load::Rate(r) => format!("open loop {r} req/s"),
+    }
 }
 
 fn pct(x: f64) -> String {
@@ -269,9 +383,25 @@ fn pct(x: f64) -> String {
 /// The markdown tables of a result (one per workload, the overhead, the verdicts).
 pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "# Benchmark results: `{}` run of {}\n", result.name, result.started);
-    let _ = writeln!(s, "Machine: {}\n", result.machine.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join("; "));
-    let _ = writeln!(s, "## Target figures\n\n| target | measured | verdict |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "# Benchmark results: `{}` run of {}\n",
+        result.name, result.started
+    );
+    let _ = writeln!(
+        s,
+        "Machine: {}\n",
+        result
+            .machine
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let _ = writeln!(
+        s,
+        "## Target figures\n\n| target | measured | verdict |\n|---|---|---|"
+    );
     for v in &result.targets {
         let verdict = match v.met {
             Some(true) => "met",
@@ -304,15 +434,32 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
                 o.fleet_blocks
             );
         }
+        if runs.iter().any(|r| r.ttft_short_ms.is_some()) {
+            let _ = writeln!(s, "Short requests only (the ones a router can spare from waiting behind a long prefill):\n");
+            let _ = writeln!(s, "| policy | short TTFT p50 | short TTFT p90 | short TTFT p99 | short TTFT p99.9 | short E2E p99 |\n|---|---|---|---|---|---|");
+            for r in &runs {
+                if let (Some(t), Some(e)) = (r.ttft_short_ms, r.e2e_short_ms) {
+                    let _ = writeln!(
+                        s,
+                        "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                        r.policy, t.p50, t.p90, t.p99, t.p999, e.p99
+                    );
+                }
+            }
+            let _ = writeln!(s, "\nAll requests:\n");
+        }
         let _ = writeln!(
             s,
-            "| policy | hit rate | of oracle | TTFT p50 | TTFT p90 | TTFT p99 | TTFT p99.9 | TPOT p50 | E2E p50 | E2E p99 | req/s | out tok/s | busiest/mean req | busiest/mean work | ok / sent |"
+            "| policy | hit rate | of oracle | TTFT p50 | TTFT p90 | TTFT p99 | TTFT p99.9 | backend TTFT p50 / p99 | TPOT p50 | E2E p50 | E2E p99 | req/s | out tok/s | busiest/mean req | busiest/mean work | ok / sent |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(
+            s,
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        );
         for r in runs {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.1} | {:.0} | {:.2} | {:.2} | {} / {} |",
+                "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.0} | {:.2} | {:.2} | {} / {} |",
                 r.policy,
                 pct(r.hit_rate),
                 r.fraction_of_oracle.map_or("-".into(), pct),
@@ -320,6 +467,8 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
                 r.ttft_ms.p90,
                 r.ttft_ms.p99,
                 r.ttft_ms.p999,
+                r.backend_ttft_ms
+                    .map_or("-".into(), |b| format!("{:.1} / {:.1}", b.p50, b.p99)),
                 r.tpot_ms.p50,
                 r.e2e_ms.p50,
                 r.e2e_ms.p99,
@@ -333,15 +482,18 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
         }
     }
     if !result.overhead.is_empty() {
-        let _ = writeln!(s, "\n## Gateway overhead (same run, same backends, direct vs through the gateway)\n");
-        let _ = writeln!(s, "| concurrent streams | direct TTFT p50 / p99 | gateway TTFT p50 / p99 | added p50 / p99 | ratio p50 / p99 | direct E2E p50 / p99 | gateway E2E p50 / p99 | direct / gateway req/s | errors |");
+        let _ = writeln!(
+            s,
+            "\n## Gateway overhead (same run, same backends, direct vs through the gateway)\n"
+        );
+        let _ = writeln!(s, "| load | direct TTFT p50 / p99 | gateway TTFT p50 / p99 | added p50 / p99 | ratio p50 / p99 | direct E2E p50 / p99 | gateway E2E p50 / p99 | direct / gateway req/s | errors |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
         for o in &result.overhead {
             let (a50, a99) = o.added_ttft();
             let _ = writeln!(
                 s,
                 "| {} | {:.1} / {:.1} ms | {:.1} / {:.1} ms | **+{:.1} / +{:.1} ms** | {:.2}x / {:.2}x | {:.1} / {:.1} ms | {:.1} / {:.1} ms | {:.0} / {:.0} | {} / {} |",
-                o.concurrency,
+                load_label(o.load),
                 o.direct_ttft_p50,
                 o.direct_ttft_p99,
                 o.gateway_ttft_p50,
@@ -370,7 +522,10 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
 
 /// Chart files (suffixes) and captions.
 pub const CHARTS: [(&str, &str); 4] = [
-    ("hit-rate.svg", "prefix-cache hit rate per policy against the oracle"),
+    (
+        "hit-rate.svg",
+        "prefix-cache hit rate per policy against the oracle",
+    ),
     ("ttft-p99.svg", "p99 time to first token per policy"),
     ("balance.svg", "busiest backend over mean, requests"),
     ("overhead.svg", "gateway added latency"),
@@ -424,7 +579,11 @@ pub fn grouped_bars(
         .x_labels(groups.len() * 2 + 1)
         .x_label_formatter(&move |x| {
             let i = (x - 0.5).round();
-            if (x - 0.5 - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() { labels[i as usize].clone() } else { String::new() }
+            if (x - 0.5 - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
+                labels[i as usize].clone()
+            } else {
+                String::new()
+            }
         })
         .y_desc(y_label)
         .draw()
@@ -445,7 +604,10 @@ pub fn grouped_bars(
     if let Some((name, values)) = marks {
         chart
             .draw_series(values.iter().enumerate().map(|(g, &v)| {
-                PathElement::new(vec![(g as f64 + 0.05, v), (g as f64 + 0.95, v)], BLACK.stroke_width(3))
+                PathElement::new(
+                    vec![(g as f64 + 0.05, v), (g as f64 + 0.95, v)],
+                    BLACK.stroke_width(3),
+                )
             }))
             .map_err(|e| err(&e))?
             .label(name)
@@ -453,7 +615,10 @@ pub fn grouped_bars(
     }
     if let Some(y) = line {
         chart
-            .draw_series(std::iter::once(PathElement::new(vec![(0.0, y), (n, y)], RED.stroke_width(1))))
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(0.0, y), (n, y)],
+                RED.stroke_width(1),
+            )))
             .map_err(|e| err(&e))?
             .label(format!("{y}"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], RED.stroke_width(1)));
@@ -481,14 +646,29 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
             policies.push(r.policy.clone());
         }
     }
-    let value = |w: &str, p: &str, f: &dyn Fn(&RunReport) -> f64| find(&result.runs, w, p).map_or(0.0, f);
+    let value =
+        |w: &str, p: &str, f: &dyn Fn(&RunReport) -> f64| find(&result.runs, w, p).map_or(0.0, f);
     let by_policy = |ws: &[String], f: &dyn Fn(&RunReport) -> f64| -> Vec<(String, Vec<f64>)> {
-        policies.iter().map(|p| (p.clone(), ws.iter().map(|w| value(w, p, f)).collect())).collect()
+        policies
+            .iter()
+            .map(|p| (p.clone(), ws.iter().map(|w| value(w, p, f)).collect()))
+            .collect()
     };
-    let cache_ws: Vec<String> = workloads.iter().filter(|w| *w == "shared-prefix" || *w == "multi-turn").cloned().collect();
+    let cache_ws: Vec<String> = workloads
+        .iter()
+        .filter(|w| *w == "shared-prefix" || *w == "multi-turn")
+        .cloned()
+        .collect();
     let oracle: Vec<f64> = cache_ws
         .iter()
-        .map(|w| result.runs.iter().find(|r| &r.workload == w).and_then(|r| r.oracle.as_ref()).map_or(0.0, |o| o.hit_rate * 100.0))
+        .map(|w| {
+            result
+                .runs
+                .iter()
+                .find(|r| &r.workload == w)
+                .and_then(|r| r.oracle.as_ref())
+                .map_or(0.0, |o| o.hit_rate * 100.0)
+        })
         .collect();
     grouped_bars(
         &dir.join(format!("{prefix}hit-rate.svg")),
@@ -501,10 +681,10 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
     )?;
     grouped_bars(
         &dir.join(format!("{prefix}ttft-p99.svg")),
-        "p99 time to first token",
+        "p99 time to first token (long-short: short requests)",
         "ms (wall clock)",
         &workloads,
-        &by_policy(&workloads, &|r| r.ttft_ms.p99),
+        &by_policy(&workloads, &|r| r.ttft_short_ms.unwrap_or(r.ttft_ms).p99),
         None,
         None,
     )?;
@@ -517,17 +697,29 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
         None,
         Some(1.3),
     )?;
-    let conc: Vec<String> = result.overhead.iter().map(|o| format!("{} streams", o.concurrency)).collect();
+    let conc: Vec<String> = result.overhead.iter().map(|o| load_label(o.load)).collect();
     grouped_bars(
         &dir.join(format!("{prefix}overhead.svg")),
         "TTFT direct vs through the gateway",
         "ms",
         &conc,
         &[
-            ("direct p50".into(), result.overhead.iter().map(|o| o.direct_ttft_p50).collect()),
-            ("gateway p50".into(), result.overhead.iter().map(|o| o.gateway_ttft_p50).collect()),
-            ("direct p99".into(), result.overhead.iter().map(|o| o.direct_ttft_p99).collect()),
-            ("gateway p99".into(), result.overhead.iter().map(|o| o.gateway_ttft_p99).collect()),
+            (
+                "direct p50".into(),
+                result.overhead.iter().map(|o| o.direct_ttft_p50).collect(),
+            ),
+            (
+                "gateway p50".into(),
+                result.overhead.iter().map(|o| o.gateway_ttft_p50).collect(),
+            ),
+            (
+                "direct p99".into(),
+                result.overhead.iter().map(|o| o.direct_ttft_p99).collect(),
+            ),
+            (
+                "gateway p99".into(),
+                result.overhead.iter().map(|o| o.gateway_ttft_p99).collect(),
+            ),
         ],
         None,
         None,
@@ -559,10 +751,33 @@ mod tests {
     #[test]
     fn summarize_counts_balance_hits_and_errors() {
         let mut records = vec![rec("a", 1.0), rec("a", 2.0), rec("b", 3.0)];
-        records.push(Record { error: Some("HTTP 503".into()), ttft_ms: None, ..rec("b", 0.0) });
-        let c = Counters { prefix_queries: 100.0, prefix_hits: 25.0, ..Counters::default() };
-        let backends = vec![("a".to_string(), c), ("b".to_string(), c), ("c".to_string(), Counters::default())];
-        let r = summarize("w", "p", Load::Rate(1.0), 4.0, &records, 2.0, &backends, None);
+        records.push(Record {
+            error: Some("HTTP 503".into()),
+            ttft_ms: None,
+            ..rec("b", 0.0)
+        });
+        let c = Counters {
+            prefix_queries: 100.0,
+            prefix_hits: 25.0,
+            ..Counters::default()
+        };
+        let backends = vec![
+            ("a".to_string(), c),
+            ("b".to_string(), c),
+            ("c".to_string(), Counters::default()),
+        ];
+        let r = summarize(
+            RunLabel {
+                workload: "w",
+                policy: "p",
+                load: Load::Rate(1.0),
+                time_scale: 4.0,
+            },
+            &records,
+            2.0,
+            &backends,
+            None,
+        );
         assert_eq!((r.sent, r.ok, r.errors), (4, 3, 1));
         assert_eq!(r.backends["a"].requests, 2);
         assert_eq!(r.request_imbalance, 2.0 / (4.0 / 3.0));
@@ -576,11 +791,27 @@ mod tests {
     #[test]
     fn verdicts_compare_against_round_robin() {
         let mk = |w: &str, p: &str, p99: f64| {
-            let mut r = summarize(w, p, Load::Rate(1.0), 1.0, &[rec("a", p99)], 1.0, &[("a".into(), Counters::default())], None);
+            let mut r = summarize(
+                RunLabel {
+                    workload: w,
+                    policy: p,
+                    load: Load::Rate(1.0),
+                    time_scale: 1.0,
+                },
+                &[rec("a", p99)],
+                1.0,
+                &[("a".into(), Counters::default())],
+                None,
+            );
             r.ttft_ms.p99 = p99;
             r
         };
-        let runs = vec![mk("shared-prefix", "round_robin", 100.0), mk("shared-prefix", "cache_aware", 40.0), mk("long-short", "round_robin", 50.0), mk("long-short", "least_load", 60.0)];
+        let runs = vec![
+            mk("shared-prefix", "round_robin", 100.0),
+            mk("shared-prefix", "cache_aware", 40.0),
+            mk("long-short", "round_robin", 50.0),
+            mk("long-short", "least_load", 60.0),
+        ];
         let v = verdicts(&runs);
         let get = |t: &str| v.iter().find(|x| x.target.contains(t)).unwrap().met;
         assert_eq!(get("0.5x"), Some(true));

@@ -13,7 +13,9 @@ pub struct Rng {
 impl Rng {
     /// A generator for `seed`; `stream` separates independent sequences drawn from one seed.
     pub fn new(seed: u64, stream: u64) -> Self {
-        let mut rng = Rng { state: seed ^ stream.wrapping_mul(0xA076_1D64_78BD_642F) };
+        let mut rng = Rng {
+            state: seed ^ stream.wrapping_mul(0xA076_1D64_78BD_642F),
+        };
         rng.next_u64();
         rng
     }
@@ -76,7 +78,9 @@ impl Zipf {
     /// Draws an item.
     pub fn sample(&self, rng: &mut Rng) -> usize {
         let u = rng.next_f64();
-        self.cdf.partition_point(|&c| c <= u).min(self.cdf.len().saturating_sub(1))
+        self.cdf
+            .partition_point(|&c| c <= u)
+            .min(self.cdf.len().saturating_sub(1))
     }
 
     /// The probability of item `k`.
@@ -93,9 +97,18 @@ mod tests {
 
     #[test]
     fn same_seed_same_sequence_and_streams_differ() {
-        let a: Vec<u64> = { let mut r = Rng::new(7, 1); (0..5).map(|_| r.next_u64()).collect() };
-        let b: Vec<u64> = { let mut r = Rng::new(7, 1); (0..5).map(|_| r.next_u64()).collect() };
-        let c: Vec<u64> = { let mut r = Rng::new(7, 2); (0..5).map(|_| r.next_u64()).collect() };
+        let a: Vec<u64> = {
+            let mut r = Rng::new(7, 1);
+            (0..5).map(|_| r.next_u64()).collect()
+        };
+        let b: Vec<u64> = {
+            let mut r = Rng::new(7, 1);
+            (0..5).map(|_| r.next_u64()).collect()
+        };
+        let c: Vec<u64> = {
+            let mut r = Rng::new(7, 2);
+            (0..5).map(|_| r.next_u64()).collect()
+        };
         assert_eq!(a, b);
         assert_ne!(a, c);
     }

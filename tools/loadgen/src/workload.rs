@@ -38,6 +38,9 @@ pub enum Workload {
         /// Zipf exponent of group popularity (0: uniform).
         #[serde(default)]
         zipf: f64,
+        /// Unmeasured requests per group sent first (see [`Workload::warmup`]).
+        #[serde(default)]
+        warmup_per_group: usize,
     },
     /// U users x R rounds of chat over one shared system prompt.
     MultiTurn {
@@ -51,6 +54,14 @@ pub enum Workload {
         question_tokens: usize,
         /// Output tokens per turn.
         output_tokens: u32,
+        /// Tokens of a per-user document opening the first message (as the per-user context of
+        /// production-stack's benchmark), so each conversation has a sizeable prefix of its own.
+        #[serde(default)]
+        user_context_tokens: usize,
+        /// Unmeasured single-turn requests over the shared system prompt sent first (see
+        /// [`Workload::warmup`]).
+        #[serde(default)]
+        warmup_requests: usize,
     },
     /// Short prompts with a few long ones among them.
     LongShort {
@@ -123,6 +134,30 @@ pub fn words(rng: &mut Rng, tokens: usize) -> String {
     s
 }
 
+/// The random stream plans are drawn from.
+const PLAN_STREAM: u64 = 0x776f_726b;
+
+/// The system prompts of `groups` groups (`system_tokens` tokens each, numbered so they differ from
+/// the first block on).
+fn group_systems(rng: &mut Rng, groups: usize, system_tokens: usize) -> Vec<String> {
+    (0..groups)
+        .map(|g| {
+            format!(
+                "Group {g:04}.{}",
+                words(rng, system_tokens.saturating_sub(3))
+            )
+        })
+        .collect()
+}
+
+/// The shared system prompt of `multi-turn` (drawn first from the plan's stream).
+fn shared_system(rng: &mut Rng, system_tokens: usize) -> String {
+    format!(
+        "Shared system.{}",
+        words(rng, system_tokens.saturating_sub(4))
+    )
+}
+
 impl Workload {
     /// The workload's short name (`shared-prefix`, ...).
     pub fn kind(&self) -> &'static str {
@@ -134,16 +169,104 @@ impl Workload {
         }
     }
 
+    /// The unmeasured warm-up sent before the plan, if the workload has one: for `shared-prefix`,
+    /// `warmup_per_group` requests of every group with questions of their own, so that the measured
+    /// requests see the steady state (caches holding the system prompts) rather than the one-off
+    /// compulsory misses, which would otherwise set the tail of a short run.
+    ///
+    /// For `multi-turn`, `warmup_requests` single questions over the shared system prompt: in a
+    /// service that has been up for a while every backend holds that prompt, so new conversations
+    /// are not drawn to the few backends that happened to compute it first.
+    pub fn warmup(&self, seed: u64) -> Option<Plan> {
+        if let Workload::MultiTurn {
+            system_tokens,
+            question_tokens,
+            output_tokens,
+            warmup_requests,
+            ..
+        } = *self
+        {
+            if warmup_requests == 0 {
+                return None;
+            }
+            let system = shared_system(&mut Rng::new(seed, PLAN_STREAM), system_tokens);
+            let mut rng = Rng::new(seed, 0x7761_726d);
+            let sessions = (0..warmup_requests)
+                .map(|_| Session {
+                    user_id: None,
+                    system: Some(system.clone()),
+                    turns: vec![Turn {
+                        user: words(&mut rng, question_tokens),
+                        output_tokens,
+                    }],
+                })
+                .collect();
+            return Some(Plan { sessions });
+        }
+        let Workload::SharedPrefix {
+            groups,
+            system_tokens,
+            question_tokens,
+            output_tokens,
+            warmup_per_group,
+            ..
+        } = *self
+        else {
+            return None;
+        };
+        if warmup_per_group == 0 {
+            return None;
+        }
+        // The system prompts are the plan's own (the plan draws them first from the same stream);
+        // questions come from a separate stream so that the warm-up never changes the plan.
+        let systems = group_systems(
+            &mut Rng::new(seed, PLAN_STREAM),
+            groups.max(1),
+            system_tokens,
+        );
+        let mut rng = Rng::new(seed, 0x7761_726d);
+        let mut sessions = Vec::new();
+        for _ in 0..warmup_per_group {
+            let mut order: Vec<usize> = (0..systems.len()).collect();
+            rng.shuffle(&mut order);
+            for g in order {
+                sessions.push(Session {
+                    user_id: None,
+                    system: Some(systems[g].clone()),
+                    turns: vec![Turn {
+                        user: words(&mut rng, question_tokens),
+                        output_tokens,
+                    }],
+                });
+            }
+        }
+        Some(Plan { sessions })
+    }
+
     /// Generates the plan; the same workload and seed always give the same plan.
     pub fn generate(&self, seed: u64) -> Plan {
-        let mut rng = Rng::new(seed, 0x776f_726b);
+        let mut rng = Rng::new(seed, PLAN_STREAM);
         let sessions = match *self {
-            Workload::SharedPrefix { groups, prompts_per_group, system_tokens, question_tokens, output_tokens, requests, zipf } => {
+            Workload::SharedPrefix {
+                groups,
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                output_tokens,
+                requests,
+                zipf,
+                ..
+            } => {
                 let groups = groups.max(1);
                 let per_group = prompts_per_group.max(1);
-                let systems: Vec<String> = (0..groups).map(|g| format!("Group {g:04}.{}", words(&mut rng, system_tokens.saturating_sub(3)))).collect();
-                let questions: Vec<Vec<String>> =
-                    (0..groups).map(|_| (0..per_group).map(|_| words(&mut rng, question_tokens)).collect()).collect();
+                let systems = group_systems(&mut rng, groups, system_tokens);
+                let questions: Vec<Vec<String>> = (0..groups)
+                    .map(|_| {
+                        (0..per_group)
+                            .map(|_| words(&mut rng, question_tokens))
+                            .collect()
+                    })
+                    .collect();
                 let popularity = Zipf::new(groups, zipf);
                 // Group ranks are shuffled so that the popular groups are not always the first ones
                 // generated (which a hash ring would place arbitrarily anyway).
@@ -156,32 +279,78 @@ impl Workload {
                         Session {
                             user_id: None,
                             system: Some(systems[g].clone()),
-                            turns: vec![Turn { user: questions[g][q].clone(), output_tokens }],
+                            turns: vec![Turn {
+                                user: questions[g][q].clone(),
+                                output_tokens,
+                            }],
                         }
                     })
                     .collect()
             }
-            Workload::MultiTurn { users, rounds, system_tokens, question_tokens, output_tokens } => {
-                let system = format!("Shared system.{}", words(&mut rng, system_tokens.saturating_sub(4)));
+            Workload::MultiTurn {
+                users,
+                rounds,
+                system_tokens,
+                question_tokens,
+                output_tokens,
+                user_context_tokens,
+                ..
+            } => {
+                let system = shared_system(&mut rng, system_tokens);
                 (0..users)
-                    .map(|u| Session {
-                        user_id: Some(format!("user-{u:05}")),
-                        system: Some(system.clone()),
-                        turns: (0..rounds).map(|_| Turn { user: words(&mut rng, question_tokens), output_tokens }).collect(),
+                    .map(|u| {
+                        let context = words(&mut rng, user_context_tokens);
+                        Session {
+                            user_id: Some(format!("user-{u:05}")),
+                            system: Some(system.clone()),
+                            turns: (0..rounds)
+                                .map(|r| {
+                                    let q = words(&mut rng, question_tokens);
+                                    Turn {
+                                        user: if r == 0 { context.clone() + &q } else { q },
+                                        output_tokens,
+                                    }
+                                })
+                                .collect(),
+                        }
                     })
                     .collect()
             }
-            Workload::LongShort { requests, long_fraction, long_tokens, short_tokens, output_tokens } => (0..requests)
+            Workload::LongShort {
+                requests,
+                long_fraction,
+                long_tokens,
+                short_tokens,
+                output_tokens,
+            } => (0..requests)
                 .map(|_| {
-                    let tokens = if rng.next_f64() < long_fraction { long_tokens } else { short_tokens };
-                    Session { user_id: None, system: None, turns: vec![Turn { user: words(&mut rng, tokens), output_tokens }] }
+                    let tokens = if rng.next_f64() < long_fraction {
+                        long_tokens
+                    } else {
+                        short_tokens
+                    };
+                    Session {
+                        user_id: None,
+                        system: None,
+                        turns: vec![Turn {
+                            user: words(&mut rng, tokens),
+                            output_tokens,
+                        }],
+                    }
                 })
                 .collect(),
-            Workload::NoSharing { requests, prompt_tokens, output_tokens } => (0..requests)
+            Workload::NoSharing {
+                requests,
+                prompt_tokens,
+                output_tokens,
+            } => (0..requests)
                 .map(|_| Session {
                     user_id: None,
                     system: None,
-                    turns: vec![Turn { user: words(&mut rng, prompt_tokens), output_tokens }],
+                    turns: vec![Turn {
+                        user: words(&mut rng, prompt_tokens),
+                        output_tokens,
+                    }],
                 })
                 .collect(),
         };
@@ -202,12 +371,21 @@ pub struct Message {
 pub fn messages(session: &Session, turn: usize, answers: &[String]) -> Vec<Message> {
     let mut out = Vec::with_capacity(2 * turn + 2);
     if let Some(system) = &session.system {
-        out.push(Message { role: "system", content: system.clone() });
+        out.push(Message {
+            role: "system",
+            content: system.clone(),
+        });
     }
     for (i, t) in session.turns.iter().take(turn + 1).enumerate() {
-        out.push(Message { role: "user", content: t.user.clone() });
+        out.push(Message {
+            role: "user",
+            content: t.user.clone(),
+        });
         if i < turn {
-            out.push(Message { role: "assistant", content: answers.get(i).cloned().unwrap_or_default() });
+            out.push(Message {
+                role: "assistant",
+                content: answers.get(i).cloned().unwrap_or_default(),
+            });
         }
     }
     out
@@ -226,6 +404,7 @@ mod tests {
             output_tokens: 8,
             requests: 200,
             zipf,
+            warmup_per_group: 1,
         }
     }
 
@@ -234,9 +413,27 @@ mod tests {
         for w in [
             shared(0.0),
             shared(1.2),
-            Workload::MultiTurn { users: 3, rounds: 4, system_tokens: 50, question_tokens: 5, output_tokens: 4 },
-            Workload::LongShort { requests: 50, long_fraction: 0.1, long_tokens: 400, short_tokens: 20, output_tokens: 4 },
-            Workload::NoSharing { requests: 20, prompt_tokens: 30, output_tokens: 4 },
+            Workload::MultiTurn {
+                users: 3,
+                rounds: 4,
+                system_tokens: 50,
+                question_tokens: 5,
+                output_tokens: 4,
+                user_context_tokens: 20,
+                warmup_requests: 2,
+            },
+            Workload::LongShort {
+                requests: 50,
+                long_fraction: 0.1,
+                long_tokens: 400,
+                short_tokens: 20,
+                output_tokens: 4,
+            },
+            Workload::NoSharing {
+                requests: 20,
+                prompt_tokens: 30,
+                output_tokens: 4,
+            },
         ] {
             assert_eq!(w.generate(42), w.generate(42), "{}", w.kind());
             assert_ne!(w.generate(42), w.generate(43), "{}", w.kind());
@@ -247,12 +444,47 @@ mod tests {
     fn shared_prefix_uses_g_system_prompts_of_the_right_length() {
         let plan = shared(0.0).generate(1);
         assert_eq!(plan.requests(), 200);
-        let mut systems: Vec<&String> = plan.sessions.iter().map(|s| s.system.as_ref().unwrap()).collect();
+        let mut systems: Vec<&String> = plan
+            .sessions
+            .iter()
+            .map(|s| s.system.as_ref().unwrap())
+            .collect();
         systems.sort();
         systems.dedup();
         assert_eq!(systems.len(), 4);
-        assert!(systems.iter().all(|s| s.len().div_ceil(4) == 100), "{}", systems[0].len());
+        assert!(
+            systems.iter().all(|s| s.len().div_ceil(4) == 100),
+            "{}",
+            systems[0].len()
+        );
         assert!(plan.sessions.iter().all(|s| s.turns[0].user.len() == 40));
+    }
+
+    #[test]
+    fn warmup_covers_every_group_once_with_fresh_questions() {
+        let w = shared(0.0);
+        let warm = w.warmup(1).unwrap();
+        let main = w.generate(1);
+        assert_eq!(warm.sessions.len(), 4);
+        let systems = |p: &Plan| {
+            let mut v: Vec<String> = p.sessions.iter().filter_map(|s| s.system.clone()).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        assert_eq!(systems(&warm), systems(&main));
+        assert!(warm.sessions.iter().all(|s| main
+            .sessions
+            .iter()
+            .all(|m| m.turns[0].user != s.turns[0].user)));
+        assert_eq!(w.warmup(1), w.warmup(1));
+        assert!(Workload::NoSharing {
+            requests: 1,
+            prompt_tokens: 1,
+            output_tokens: 1
+        }
+        .warmup(1)
+        .is_none());
     }
 
     #[test]
@@ -269,21 +501,53 @@ mod tests {
 
     #[test]
     fn multi_turn_resends_the_history() {
-        let plan = Workload::MultiTurn { users: 2, rounds: 3, system_tokens: 20, question_tokens: 5, output_tokens: 4 }.generate(3);
+        let w = Workload::MultiTurn {
+            users: 2,
+            rounds: 3,
+            system_tokens: 20,
+            question_tokens: 5,
+            output_tokens: 4,
+            user_context_tokens: 10,
+            warmup_requests: 3,
+        };
+        let plan = w.generate(3);
+        let warm = w.warmup(3).unwrap();
+        assert_eq!(warm.sessions.len(), 3);
+        assert_eq!(warm.sessions[0].system, plan.sessions[0].system);
+        assert_eq!(
+            plan.sessions[0].turns[0].user.len(),
+            4 * 15,
+            "context + question"
+        );
+        assert_eq!(plan.sessions[0].turns[1].user.len(), 4 * 5);
         assert_eq!(plan.sessions.len(), 2);
         assert_eq!(plan.sessions[0].system, plan.sessions[1].system);
         let s = &plan.sessions[1];
         let m = messages(s, 2, &["a1".into(), "a2".into()]);
         let roles: Vec<&str> = m.iter().map(|m| m.role).collect();
-        assert_eq!(roles, ["system", "user", "assistant", "user", "assistant", "user"]);
+        assert_eq!(
+            roles,
+            ["system", "user", "assistant", "user", "assistant", "user"]
+        );
         assert_eq!(m[2].content, "a1");
         assert_eq!(m[5].content, s.turns[2].user);
     }
 
     #[test]
     fn long_short_mixes_in_the_requested_fraction() {
-        let plan = Workload::LongShort { requests: 2000, long_fraction: 0.05, long_tokens: 100, short_tokens: 10, output_tokens: 4 }.generate(8);
-        let long = plan.sessions.iter().filter(|s| s.turns[0].user.len() == 400).count();
+        let plan = Workload::LongShort {
+            requests: 2000,
+            long_fraction: 0.05,
+            long_tokens: 100,
+            short_tokens: 10,
+            output_tokens: 4,
+        }
+        .generate(8);
+        let long = plan
+            .sessions
+            .iter()
+            .filter(|s| s.turns[0].user.len() == 400)
+            .count();
         assert!((60..=140).contains(&long), "{long}");
     }
 }
