@@ -10,6 +10,8 @@ help:
 	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
+	@echo "make bench  - the routing benchmark (~16 min); make bench-quick: under 5 min"
+	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 
 setup:
 	@scripts/setup.sh
@@ -56,3 +58,9 @@ bench: setup
 bench-quick: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh quick
+
+.PHONY: soak
+# Soak: 5,000 requests, 200 at a time, 4 vllm-sim backends with random faults, bounded to 240 s.
+# Against the Worker under Miniflare, or against a running gateway with SOAK_URL and SOAK_TOKEN.
+soak: setup sim build
+	@source scripts/env.sh && node tests/soak.mjs --requests 5000 --concurrency 200 --sims 4 --seconds-limit 240 $(if $(SOAK_URL),--url $(SOAK_URL) --admin-token $(SOAK_TOKEN))
