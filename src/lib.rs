@@ -273,6 +273,7 @@ async fn completion(
         keys::charge(env, client, u64::from(features.prompt_tokens) + u64::from(features.max_tokens)).await?;
     }
     let stream = features.stream;
+    let started = Date::now().as_millis();
     let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
@@ -282,6 +283,7 @@ async fn completion(
         match pools::pool_json::<Grant>(env, &pool.name, Method::Post, path, Some(&features)).await {
             Ok(grant) => {
                 let disaggregated = !grant.decode_candidates.is_empty();
+                let route_ms = Date::now().as_millis().saturating_sub(started);
                 let forward = proxy::Forward {
                     client: &req,
                     env,
@@ -295,6 +297,7 @@ async fn completion(
                     settings: proxy::ProxySettings::from_env(env),
                     prefill_backend: None,
                     routing_header: feature_config(env).routing_header,
+                    route_ms,
                 };
                 return if disaggregated { forward.run_disaggregated().await } else { forward.run().await };
             }

@@ -85,6 +85,8 @@ pub struct Forward<'a> {
     pub prefill_backend: Option<String>,
     /// The configured routing-key header (`ROUTING_KEY_HEADER`), forwarded with the standard ones.
     pub routing_header: Option<String>,
+    /// Time spent choosing a backend (pool lookup and lease), for `Server-Timing`.
+    pub route_ms: u64,
 }
 
 /// A retryable failure of one attempt, before anything reached the client.
@@ -261,6 +263,8 @@ impl Forward<'_> {
         set("x-gateway-pool", &self.pool)?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.to_string())?;
+        // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
+        set("server-timing", &format!("route;dur={}, upstream;dur={}", self.route_ms, answer.ttfb_ms))?;
         if let Some(p) = &self.prefill_backend {
             set("x-gateway-prefill-backend", p)?;
         }
