@@ -15,10 +15,9 @@ wasm_std_present() {
   compgen -G "$libdir/libstd-*.rlib" >/dev/null
 }
 
+# The rustc on PATH when it has a wasm32 std, else Debian's (whose std setup.sh builds).
 if command -v rustc >/dev/null 2>&1 && wasm_std_present "$(command -v rustc)"; then
   WASM_PATH="$PATH"
-elif [ -x /usr/bin/rustc ] && wasm_std_present /usr/bin/rustc; then
-  WASM_PATH="/usr/bin:$PATH"
 else
   WASM_PATH="/usr/bin:$PATH"
 fi

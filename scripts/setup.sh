@@ -21,6 +21,12 @@ mkdir -p "$STAMP_DIR"
 LOG="$STAMP_DIR/setup.log"
 : >"$LOG"
 
+# wasm_std_present, shared with the build environment (whose PATH changes setup does not want:
+# npm ci must not run under the Node it is about to reinstall).
+saved_path="$PATH"
+source "$ROOT_DIR/scripts/env.sh"
+export PATH="$saved_path"
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
 
@@ -49,12 +55,6 @@ apt_step() {
   $SUDO apt-get update -qq >>"$LOG" 2>&1
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >>"$LOG" 2>&1
   echo "installed ${missing[*]}"
-}
-
-wasm_std_present() {
-  local libdir
-  libdir=$("$1" --target wasm32-unknown-unknown --print target-libdir 2>/dev/null) || return 1
-  compgen -G "$libdir/libstd-*.rlib" >/dev/null
 }
 
 wasm_std_step() {

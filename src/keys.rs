@@ -70,7 +70,7 @@ pub async fn require_client(req: &Request, env: &Env) -> Result<Option<String>, 
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
 /// means unlimited). `client` is the key hash from [`require_client`].
 pub async fn charge(env: &Env, client: &str, tokens: u64) -> Result<(), ApiError> {
-    let var = |name: &str| env.var(name).ok().and_then(|v| v.to_string().parse::<u64>().ok()).unwrap_or(0);
+    let var = |name: &str| crate::var_or(env, name, 0u64);
     let limits = RateLimits { requests_per_minute: var("RATE_LIMIT_RPM"), tokens_per_minute: var("RATE_LIMIT_TPM") };
     if limits == RateLimits::default() {
         return Ok(());

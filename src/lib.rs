@@ -152,7 +152,8 @@ impl Endpoint {
     }
 }
 
-fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
+/// A `wrangler.toml` var parsed as `T`, or `default` when unset or unparsable.
+pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
     env.var(name).ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(default)
 }
 

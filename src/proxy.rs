@@ -48,9 +48,7 @@ pub struct ProxySettings {
 impl ProxySettings {
     /// Reads the knobs from the environment, with defaults.
     pub fn from_env(env: &Env) -> Self {
-        let var = |name: &str, default: u64| -> u64 {
-            env.var(name).ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(default)
-        };
+        let var = |name: &str, default: u64| crate::var_or(env, name, default);
         ProxySettings {
             max_retries: var("MAX_RETRIES", 2).min(10) as u32,
             first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
