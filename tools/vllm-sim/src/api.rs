@@ -20,7 +20,7 @@ use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
     CompletionRequest, EmbeddingRequest, ErrorBody, ErrorDetail, SamplingRequest, Usage,
 };
-use crate::prompt::render_chat;
+use crate::prompt::{render_chat, ChatEnding};
 use crate::sampler::{eos_after, text_seed};
 use crate::scheduler::{blocks_for, SequenceSpec};
 use crate::server::AppState;
@@ -170,7 +170,13 @@ pub async fn chat_completions(
     faults: &FaultDecision,
 ) -> Result<Response<SimBody>, ApiError> {
     let request: ChatCompletionRequest = parse(body)?;
-    let prompt = render_chat(&request.messages).map_err(bad_request)?;
+    let ending = ChatEnding::from_request(
+        &request.messages,
+        request.add_generation_prompt,
+        request.continue_final_message,
+    )
+    .map_err(bad_request)?;
+    let prompt = render_chat(&request.messages, ending).map_err(bad_request)?;
     let id = request_id(state, "chatcmpl", request_id_header);
     let generation = prepare(state, Endpoint::Chat, id, request.model, prompt, request.sampling)?;
     generate(state, generation, faults).await
@@ -278,6 +284,7 @@ fn prepare(
         remote_prefill: intent == KvIntent::RemotePrefill,
         report_blocks: handoff.is_some(),
         stream,
+        stall_after: None,
         prompt,
     };
     Ok(Generation {
@@ -300,11 +307,13 @@ async fn generate(
     generation: Generation,
     faults: &FaultDecision,
 ) -> Result<Response<SimBody>, ApiError> {
-    let Generation { endpoint, id, created, model, stream, include_usage, continuous_usage, prompt_tokens, handoff, spec } =
+    let Generation { endpoint, id, created, model, stream, include_usage, continuous_usage, prompt_tokens, handoff, mut spec } =
         generation;
+    spec.stall_after = faults.stall_after_tokens;
+    let details = state.config.enable_prompt_tokens_details;
     let mut events = state.engine.submit(spec, Instant::now()).map_err(|_| ApiError::EngineGone)?;
     if stream {
-        let encoder = ChunkEncoder::new(
+        let mut encoder = ChunkEncoder::new(
             endpoint,
             id,
             created,
@@ -314,7 +323,8 @@ async fn generate(
             prompt_tokens,
             handoff,
         );
-        return Ok(body::event_stream(SseStream::new(events, encoder, faults.disconnect_after_tokens)));
+        encoder.prompt_tokens_details = details;
+        return Ok(body::event_stream(SseStream::new(events, encoder, faults.stream_cut())));
     }
     let finish = loop {
         match events.recv().await {
@@ -327,7 +337,7 @@ async fn generate(
         return Err(ApiError::Disconnect);
     }
     let params = handoff.as_ref().map(|h| h.params(&finish));
-    let usage = Usage::new(finish.prompt_tokens, finish.output_tokens, Some(finish.cached_tokens));
+    let usage = Usage::new(finish.prompt_tokens, finish.output_tokens, details.then_some(finish.cached_tokens));
     let finish_reason = finish.reason.as_str();
     let stop_reason = finish.stop_reason.as_deref();
     Ok(match endpoint {

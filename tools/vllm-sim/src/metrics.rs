@@ -5,7 +5,10 @@
 //! counter appears as `vllm:gpu_prefix_cache_queries_total`), every series has the labels
 //! `model_name` (the first `--model`) and `engine="0"`. Prefix-cache queries and hits count tokens.
 //! Latency histograms are in wall-clock seconds, as a scraper or the gateway would measure them (with
-//! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). Two sim-only series use the `vllm_sim:`
+//! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). The per-request phase histograms
+//! (queue, prefill, decode, inference) are observed when a request finishes after producing a
+//! token; inter-token latency once per output token after the first, under both its names
+//! (`vllm:time_per_output_token_seconds`, older, and `vllm:inter_token_latency_seconds`). Two sim-only series use the `vllm_sim:`
 //! prefix: cached blocks and evictions. The engine task updates one [`MetricsState`] after every step;
 //! [`render`] is pure.
 
@@ -19,7 +22,14 @@ pub const TTFT_BUCKETS: &[f64] = &[
     40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// vLLM's buckets for `vllm:e2e_request_latency_seconds`.
+/// vLLM's buckets for `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds`.
+pub const INTER_TOKEN_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+/// vLLM's buckets for `vllm:e2e_request_latency_seconds` and the other per-request phase
+/// histograms (queue, prefill, decode, inference).
 pub const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -74,6 +84,8 @@ pub struct MetricsState {
     pub running: usize,
     /// Sequences waiting.
     pub waiting: usize,
+    /// Running sequences held by the stall fault (counted in `running` too).
+    pub stalled: usize,
     /// Fraction of KV blocks held by running sequences.
     pub kv_usage: f64,
     /// Blocks cached under a hash.
@@ -88,6 +100,55 @@ pub struct MetricsState {
     pub ttft: Histogram,
     /// Request latency from arrival to the last token, seconds.
     pub e2e: Histogram,
+    /// Arrival to the first step that computes the request (the WAITING phase), seconds.
+    pub queue: Histogram,
+    /// First scheduled step to the first token (the PREFILL phase), seconds.
+    pub prefill: Histogram,
+    /// First token to last token (the DECODE phase), seconds.
+    pub decode: Histogram,
+    /// First scheduled step to the last token (the RUNNING phase), seconds.
+    pub inference: Histogram,
+    /// Time between consecutive output tokens of a request, one observation per token after the
+    /// first, seconds.
+    pub inter_token: Histogram,
+}
+
+/// Latencies observed in one engine step, in seconds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observations {
+    /// Arrival to first token, per request that got its first token.
+    pub ttft: Vec<f64>,
+    /// Since the previous token, per token after a request's first.
+    pub inter_token: Vec<f64>,
+    /// Arrival to finish, per finished request.
+    pub e2e: Vec<f64>,
+    /// Per finished request that produced a token: time waiting before its first step.
+    pub queue: Vec<f64>,
+    /// See `queue`: first step to first token.
+    pub prefill: Vec<f64>,
+    /// See `queue`: first token to last token.
+    pub decode: Vec<f64>,
+    /// See `queue`: first step to last token.
+    pub inference: Vec<f64>,
+}
+
+impl MetricsState {
+    /// Adds a step's observations to the histograms.
+    pub fn record(&mut self, observed: &Observations) {
+        for (histogram, values) in [
+            (&mut self.ttft, &observed.ttft),
+            (&mut self.inter_token, &observed.inter_token),
+            (&mut self.e2e, &observed.e2e),
+            (&mut self.queue, &observed.queue),
+            (&mut self.prefill, &observed.prefill),
+            (&mut self.decode, &observed.decode),
+            (&mut self.inference, &observed.inference),
+        ] {
+            for &v in values {
+                histogram.observe(v);
+            }
+        }
+    }
 }
 
 impl Default for MetricsState {
@@ -95,6 +156,7 @@ impl Default for MetricsState {
         MetricsState {
             running: 0,
             waiting: 0,
+            stalled: 0,
             kv_usage: 0.0,
             cached_blocks: 0,
             evictions: 0,
@@ -102,6 +164,11 @@ impl Default for MetricsState {
             embedding_prompt_tokens: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
+            queue: Histogram::new(E2E_BUCKETS),
+            prefill: Histogram::new(E2E_BUCKETS),
+            decode: Histogram::new(E2E_BUCKETS),
+            inference: Histogram::new(E2E_BUCKETS),
+            inter_token: Histogram::new(INTER_TOKEN_BUCKETS),
         }
     }
 }
@@ -244,9 +311,39 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         &state.ttft,
     );
     w.histogram(
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds.",
+        &state.inter_token,
+    );
+    w.histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &state.inter_token,
+    );
+    w.histogram(
         "vllm:e2e_request_latency_seconds",
         "Histogram of e2e request latency in seconds.",
         &state.e2e,
+    );
+    w.histogram(
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &state.queue,
+    );
+    w.histogram(
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        &state.inference,
+    );
+    w.histogram(
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &state.prefill,
+    );
+    w.histogram(
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        &state.decode,
     );
     w.header(
         "vllm:cache_config_info",
@@ -262,6 +359,11 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         "vllm_sim:cached_blocks",
         "KV blocks currently cached under a prefix hash (vllm-sim only).",
         state.cached_blocks as f64,
+    );
+    w.gauge(
+        "vllm_sim:num_requests_stalled",
+        "Running requests held by the stall_after_tokens fault (vllm-sim only).",
+        state.stalled as f64,
     );
     w.counter(
         "vllm_sim:prefix_cache_evictions_total",
@@ -301,6 +403,12 @@ mod tests {
             "vllm:generation_tokens_total",
             "vllm:time_to_first_token_seconds_bucket",
             "vllm:e2e_request_latency_seconds_sum",
+            "vllm:time_per_output_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:request_queue_time_seconds_bucket",
+            "vllm:request_inference_time_seconds_sum",
+            "vllm:request_prefill_time_seconds_count",
+            "vllm:request_decode_time_seconds_sum",
         ] {
             assert!(text.contains(name), "{name} missing");
         }
@@ -328,6 +436,42 @@ mod tests {
         assert_eq!(line("+Inf"), "3.0");
         assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"));
         assert_eq!(state.ttft.count(), 3);
+    }
+
+    #[test]
+    fn observations_land_in_their_histograms_with_vllm_buckets() {
+        let mut state = MetricsState::default();
+        state.record(&Observations {
+            ttft: vec![0.02],
+            inter_token: vec![0.01, 0.02, 0.3],
+            e2e: vec![1.2],
+            queue: vec![0.4],
+            prefill: vec![0.2],
+            decode: vec![0.6],
+            inference: vec![0.9],
+        });
+        let text = render(&info(), &state);
+        let value = |series: &str| {
+            let prefix = format!("{series}{{model_name=\"m\\\"x\",engine=\"0\"");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .and_then(|rest| rest.rsplit(' ').next())
+                .unwrap_or_else(|| panic!("no {series}"))
+                .to_string()
+        };
+        assert_eq!(value("vllm:time_per_output_token_seconds_count"), "3.0");
+        assert_eq!(value("vllm:inter_token_latency_seconds_count"), "3.0");
+        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.025\"} 2.0"));
+        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"80.0\"} 3.0"));
+        assert_eq!(value("vllm:request_queue_time_seconds_sum"), "0.4");
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.3\"} 0.0"));
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.5\"} 1.0"));
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"7680.0\"} 1.0"));
+        assert_eq!(value("vllm:request_prefill_time_seconds_sum"), "0.2");
+        assert_eq!(value("vllm:request_decode_time_seconds_sum"), "0.6");
+        assert_eq!(value("vllm:request_inference_time_seconds_sum"), "0.9");
+        assert_eq!(value("vllm:e2e_request_latency_seconds_count"), "1.0");
+        assert_eq!(value("vllm:time_to_first_token_seconds_count"), "1.0");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! OpenAI's: `/health`, `/metrics`, `/version` and the sim's own `/sim/faults` and `/sim/info`.
 //!
 //! As in vLLM, only `/v1/*` paths require the API key. Generation requests read their body, then wait
-//! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served.
+//! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served; a served
+//! non-streamed answer may then be cut in half (`truncate_body`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -248,11 +249,15 @@ async fn v1(
         Some(status) => return Err(ApiError::Injected(status)),
         None => {}
     }
-    match path {
+    let response = match path {
         "/v1/chat/completions" => api::chat_completions(state, &bytes, request_id.as_deref(), &decision).await,
         "/v1/completions" => api::completions(state, &bytes, request_id.as_deref(), &decision).await,
         _ => api::embeddings(state, &bytes).await,
+    }?;
+    if decision.truncate_body && response.status() == StatusCode::OK {
+        return Ok(body::truncate(response));
     }
+    Ok(response)
 }
 
 async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
