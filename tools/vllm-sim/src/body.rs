@@ -47,7 +47,9 @@ impl Body for SimBody {
     ) -> Poll<Option<Result<Frame<Bytes>, StreamCut>>> {
         match self.get_mut() {
             SimBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            SimBody::Events(stream) => stream.poll_next(cx).map(|next| next.map(|r| r.map(Frame::data))),
+            SimBody::Events(stream) => stream
+                .poll_next(cx)
+                .map(|next| next.map(|r| r.map(Frame::data))),
             SimBody::Truncated(cut) => {
                 if let Some(head) = cut.head.take() {
                     return Poll::Ready(Some(Ok(Frame::data(head))));
@@ -72,10 +74,16 @@ impl Body for SimBody {
 }
 
 /// A response with a complete body.
-pub fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<SimBody> {
+pub fn full(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<SimBody> {
     let mut response = Response::new(SimBody::Full(Some(body.into())));
     *response.status_mut() = status;
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 
@@ -114,6 +122,9 @@ pub fn truncate(response: Response<SimBody>) -> Response<SimBody> {
 /// A streaming `text/event-stream` response.
 pub fn event_stream(stream: SseStream) -> Response<SimBody> {
     let mut response = Response::new(SimBody::Events(Box::new(stream)));
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
     response
 }

@@ -218,7 +218,9 @@ impl Config {
             ("--startup-delay-s", self.startup_delay_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(ConfigError::Invalid(format!("{flag} must be a non-negative number")));
+                return Err(ConfigError::Invalid(format!(
+                    "{flag} must be a non-negative number"
+                )));
             }
         }
         if self.embedding_dim == 0 || self.embedding_dim > 65536 {
@@ -278,7 +280,8 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Config {
-        Config::try_parse_from(std::iter::once("vllm-sim").chain(args.iter().copied())).expect("parses")
+        Config::try_parse_from(std::iter::once("vllm-sim").chain(args.iter().copied()))
+            .expect("parses")
     }
 
     #[test]
@@ -287,7 +290,10 @@ mod tests {
         assert!(c.validate().is_ok());
         assert_eq!(c.port, 8101);
         assert_eq!(c.models, vec!["sim-model".to_string()]);
-        assert_eq!((c.max_num_seqs, c.kv_blocks, c.block_size, c.max_model_len), (64, 4096, 16, 32768));
+        assert_eq!(
+            (c.max_num_seqs, c.kv_blocks, c.block_size, c.max_model_len),
+            (64, 4096, 16, 32768)
+        );
         assert_eq!(c.role, Role::Mixed);
         assert_eq!(c.step_timing().step_us(0, 1000), 10_000.0 + 100_000.0);
     }
@@ -310,7 +316,11 @@ mod tests {
         ]);
         let f = c.initial_faults();
         assert_eq!(
-            (f.stall_after_tokens, f.truncate_body, f.disconnect_mid_event_after_tokens),
+            (
+                f.stall_after_tokens,
+                f.truncate_body,
+                f.disconnect_mid_event_after_tokens
+            ),
             (Some(3), true, Some(2))
         );
         assert!(parse(&[]).enable_prompt_tokens_details);

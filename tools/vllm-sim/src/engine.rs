@@ -70,7 +70,11 @@ impl EngineHandle {
     ) -> Result<mpsc::UnboundedReceiver<SeqEvent>, EngineGone> {
         let (events, receiver) = mpsc::unbounded_channel();
         self.submissions
-            .send(Submission { spec, events, arrival })
+            .send(Submission {
+                spec,
+                events,
+                arrival,
+            })
             .map_err(|_| EngineGone)?;
         Ok(receiver)
     }
@@ -99,7 +103,11 @@ struct Client {
 }
 
 /// Starts the engine task; `metrics` is updated after every step.
-pub fn spawn(config: SchedulerConfig, time_scale: f64, metrics: Arc<Mutex<MetricsState>>) -> EngineHandle {
+pub fn spawn(
+    config: SchedulerConfig,
+    time_scale: f64,
+    metrics: Arc<Mutex<MetricsState>>,
+) -> EngineHandle {
     let (submissions, receiver) = mpsc::unbounded_channel();
     let engine = Engine {
         scheduler: Scheduler::new(config),
@@ -186,7 +194,8 @@ impl Engine {
             let Some(client) = self.clients.get_mut(&output.id) else {
                 continue;
             };
-            let secs = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
+            let secs =
+                |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
             if output.output_tokens > client.tokens {
                 // A token was sampled in this step.
                 if output.first_token {
@@ -202,7 +211,10 @@ impl Engine {
             if let Some(delta) = output.delta {
                 delivered = client
                     .events
-                    .send(SeqEvent::Token { delta, output_tokens: output.output_tokens })
+                    .send(SeqEvent::Token {
+                        delta,
+                        output_tokens: output.output_tokens,
+                    })
                     .is_ok();
             }
             if let Some(finish) = output.finish {

@@ -215,8 +215,16 @@ impl FaultDecision {
     /// Where a stream is cut, if it is: the earlier of the two disconnect faults (the mid-event one
     /// when both name the same token).
     pub fn stream_cut(&self) -> Option<StreamCutAt> {
-        let clean = self.disconnect_after_tokens.map(|after| StreamCutAt { after, mid_event: false });
-        let partial = self.disconnect_mid_event_after_tokens.map(|after| StreamCutAt { after, mid_event: true });
+        let clean = self.disconnect_after_tokens.map(|after| StreamCutAt {
+            after,
+            mid_event: false,
+        });
+        let partial = self
+            .disconnect_mid_event_after_tokens
+            .map(|after| StreamCutAt {
+                after,
+                mid_event: true,
+            });
         match (clean, partial) {
             (Some(c), Some(p)) => Some(if p.after <= c.after { p } else { c }),
             (c, p) => p.or(c),
@@ -238,20 +246,34 @@ mod tests {
     use super::*;
 
     fn update(json: &str) -> Result<FaultSettings, FaultError> {
-        serde_json::from_str::<FaultUpdate>(json).expect("parses").settings()
+        serde_json::from_str::<FaultUpdate>(json)
+            .expect("parses")
+            .settings()
     }
 
     #[test]
     fn empty_and_reset_updates_clear_everything() {
         assert_eq!(update("{}").unwrap(), FaultSettings::default());
-        assert_eq!(update(r#"{"reset":true,"error_rate":1}"#).unwrap(), FaultSettings::default());
+        assert_eq!(
+            update(r#"{"reset":true,"error_rate":1}"#).unwrap(),
+            FaultSettings::default()
+        );
     }
 
     #[test]
     fn rejects_out_of_range_values_and_unknown_fields() {
-        assert_eq!(update(r#"{"error_rate":1.5}"#), Err(FaultError::Rate("error_rate", 1.5)));
-        assert_eq!(update(r#"{"error_status":404}"#), Err(FaultError::Status(404)));
-        assert_eq!(update(r#"{"loading_s":-1}"#), Err(FaultError::Loading(-1.0)));
+        assert_eq!(
+            update(r#"{"error_rate":1.5}"#),
+            Err(FaultError::Rate("error_rate", 1.5))
+        );
+        assert_eq!(
+            update(r#"{"error_status":404}"#),
+            Err(FaultError::Status(404))
+        );
+        assert_eq!(
+            update(r#"{"loading_s":-1}"#),
+            Err(FaultError::Loading(-1.0))
+        );
         assert!(serde_json::from_str::<FaultUpdate>(r#"{"eror_rate":1}"#).is_err());
     }
 
@@ -266,7 +288,9 @@ mod tests {
         }
         let limited = update(r#"{"rate_limit_rate":1,"error_rate":1}"#).unwrap();
         assert_eq!(limited.decide(&mut rng).reject, Some(429));
-        let hang = update(r#"{"hang_rate":1,"error_rate":1}"#).unwrap().decide(&mut rng);
+        let hang = update(r#"{"hang_rate":1,"error_rate":1}"#)
+            .unwrap()
+            .decide(&mut rng);
         assert!(hang.hang);
         assert_eq!(hang.reject, None);
     }
@@ -276,7 +300,9 @@ mod tests {
         let half = update(r#"{"error_rate":0.5}"#).unwrap();
         let draws = |seed| {
             let mut rng = SplitMix64::new(seed);
-            (0..200).map(|_| half.decide(&mut rng).reject.is_some()).collect::<Vec<_>>()
+            (0..200)
+                .map(|_| half.decide(&mut rng).reject.is_some())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draws(9), draws(9));
         let errors = draws(9).iter().filter(|e| **e).count();
@@ -303,21 +329,50 @@ mod tests {
         let d = s.decide(&mut SplitMix64::new(0));
         assert_eq!(d.stall_after_tokens, Some(4));
         assert!(d.truncate_body);
-        assert_eq!(d.stream_cut(), Some(StreamCutAt { after: 2, mid_event: true }));
-        assert_eq!(update("{}").unwrap().decide(&mut SplitMix64::new(0)).stream_cut(), None);
+        assert_eq!(
+            d.stream_cut(),
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: true
+            })
+        );
+        assert_eq!(
+            update("{}")
+                .unwrap()
+                .decide(&mut SplitMix64::new(0))
+                .stream_cut(),
+            None
+        );
     }
 
     #[test]
     fn the_earlier_stream_cut_wins() {
-        let cut = |json: &str| update(json).unwrap().decide(&mut SplitMix64::new(0)).stream_cut();
+        let cut = |json: &str| {
+            update(json)
+                .unwrap()
+                .decide(&mut SplitMix64::new(0))
+                .stream_cut()
+        };
         assert_eq!(
             cut(r#"{"disconnect_after_tokens":1,"disconnect_mid_event_after_tokens":2}"#),
-            Some(StreamCutAt { after: 1, mid_event: false })
+            Some(StreamCutAt {
+                after: 1,
+                mid_event: false
+            })
         );
         assert_eq!(
             cut(r#"{"disconnect_after_tokens":2,"disconnect_mid_event_after_tokens":2}"#),
-            Some(StreamCutAt { after: 2, mid_event: true })
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: true
+            })
         );
-        assert_eq!(cut(r#"{"disconnect_after_tokens":0}"#), Some(StreamCutAt { after: 0, mid_event: false }));
+        assert_eq!(
+            cut(r#"{"disconnect_after_tokens":0}"#),
+            Some(StreamCutAt {
+                after: 0,
+                mid_event: false
+            })
+        );
     }
 }

@@ -18,8 +18,8 @@ use crate::scheduler::SchedulerStats;
 
 /// vLLM's buckets for `vllm:time_to_first_token_seconds`.
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
 /// vLLM's buckets for `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds`.
@@ -48,12 +48,21 @@ pub struct Histogram {
 impl Histogram {
     /// An empty histogram over `bounds` (ascending).
     pub fn new(bounds: &'static [f64]) -> Self {
-        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
     }
 
     /// Records one observation.
     pub fn observe(&mut self, value: f64) {
-        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| value <= b)
+            .unwrap_or(self.bounds.len());
         self.counts[i] += 1;
         self.sum += value;
         self.count += 1;
@@ -175,13 +184,20 @@ impl Default for MetricsState {
 
 /// Escapes a label value for the text format.
 fn escape(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// A float the way Prometheus parsers read it (`1.0`, `0.25`, `+Inf`).
 fn number(value: f64) -> String {
     if value.is_infinite() {
-        if value > 0.0 { "+Inf".into() } else { "-Inf".into() }
+        if value > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
     } else {
         format!("{value:?}")
     }
@@ -200,7 +216,12 @@ impl Writer {
 
     fn sample(&mut self, name: &str, extra_labels: &str, value: f64) {
         let sep = if extra_labels.is_empty() { "" } else { "," };
-        let _ = writeln!(self.out, "{name}{{{}{sep}{extra_labels}}} {}", self.labels, number(value));
+        let _ = writeln!(
+            self.out,
+            "{name}{{{}{sep}{extra_labels}}} {}",
+            self.labels,
+            number(value)
+        );
     }
 
     fn gauge(&mut self, name: &str, help: &str, value: f64) {
@@ -220,7 +241,11 @@ impl Writer {
         for (i, count) in h.counts.iter().enumerate() {
             cumulative += count;
             let le = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            self.sample(&bucket, &format!("le=\"{}\"", number(le)), cumulative as f64);
+            self.sample(
+                &bucket,
+                &format!("le=\"{}\"", number(le)),
+                cumulative as f64,
+            );
         }
         self.sample(&format!("{name}_count"), "", h.count as f64);
         self.sample(&format!("{name}_sum"), "", h.sum);
@@ -378,20 +403,33 @@ mod tests {
     use super::*;
 
     fn info() -> MetricsInfo {
-        MetricsInfo { model_name: "m\"x".into(), block_size: 16, num_gpu_blocks: 4096 }
+        MetricsInfo {
+            model_name: "m\"x".into(),
+            block_size: 16,
+            num_gpu_blocks: 4096,
+        }
     }
 
     #[test]
     fn renders_vllm_names_with_model_label() {
-        let mut state = MetricsState { running: 3, kv_usage: 0.25, ..Default::default() };
+        let mut state = MetricsState {
+            running: 3,
+            kv_usage: 0.25,
+            ..Default::default()
+        };
         state.stats.prefix_hits = 32;
         let text = render(&info(), &state);
         assert!(text.contains("# TYPE vllm:num_requests_running gauge\n"));
-        assert!(text.contains("vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 3.0\n"));
-        assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n"));
+        assert!(
+            text.contains("vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 3.0\n")
+        );
+        assert!(
+            text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n")
+        );
         assert!(text.contains("vllm:gpu_cache_usage_perc{"));
         assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
-        assert!(text.contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
+        assert!(text
+            .contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
         assert!(text.contains("vllm:gpu_prefix_cache_hits_total{"));
         assert!(text.contains("num_gpu_blocks=\"4096\""));
         assert!(text.contains("block_size=\"16\""));
@@ -434,7 +472,9 @@ mod tests {
         assert_eq!(line("0.06"), "2.0");
         assert_eq!(line("2560.0"), "2.0");
         assert_eq!(line("+Inf"), "3.0");
-        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"));
+        assert!(text.contains(
+            "vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"
+        ));
         assert_eq!(state.ttft.count(), 3);
     }
 
@@ -486,7 +526,9 @@ mod tests {
             let name = line.split('{').next().unwrap_or_default();
             assert!(
                 typed.iter().any(|t| name == *t
-                    || name.strip_prefix(*t).is_some_and(|s| ["_bucket", "_count", "_sum"].contains(&s))),
+                    || name
+                        .strip_prefix(*t)
+                        .is_some_and(|s| ["_bucket", "_count", "_sum"].contains(&s))),
                 "{line}"
             );
         }

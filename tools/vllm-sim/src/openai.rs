@@ -134,7 +134,8 @@ impl Usage {
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
-            prompt_tokens_details: cached_tokens.map(|cached_tokens| PromptTokensDetails { cached_tokens }),
+            prompt_tokens_details: cached_tokens
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
         }
     }
 }

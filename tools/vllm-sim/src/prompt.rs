@@ -114,7 +114,11 @@ impl ChatEnding {
     ) -> Result<Self, PromptError> {
         let add = add_generation_prompt.unwrap_or(true);
         if !continue_final_message.unwrap_or(false) {
-            return Ok(if add { ChatEnding::GenerationPrompt } else { ChatEnding::Closed });
+            return Ok(if add {
+                ChatEnding::GenerationPrompt
+            } else {
+                ChatEnding::Closed
+            });
         }
         if add {
             return Err(PromptError::GenerationPromptConflict);
@@ -180,7 +184,9 @@ impl PromptInput {
             PromptInput::Text(text) => vec![text.into_bytes()],
             PromptInput::Texts(texts) => texts.into_iter().map(String::into_bytes).collect(),
             PromptInput::Tokens(ids) => vec![token_ids_to_bytes(&ids)],
-            PromptInput::TokenLists(lists) => lists.iter().map(|ids| token_ids_to_bytes(ids)).collect(),
+            PromptInput::TokenLists(lists) => {
+                lists.iter().map(|ids| token_ids_to_bytes(ids)).collect()
+            }
         }
     }
 
@@ -250,9 +256,11 @@ mod tests {
         let history = r#"{"role":"system","content":"Be brief."},{"role":"user","content":"Q1"}"#;
         let original = render_chat_default(&messages(&format!("[{history}]"))).unwrap();
         let partial = " the cat sat";
-        let continued_messages =
-            messages(&format!(r#"[{history},{{"role":"assistant","content":"{partial}"}}]"#));
-        let ending = ChatEnding::from_request(&continued_messages, Some(false), Some(true)).unwrap();
+        let continued_messages = messages(&format!(
+            r#"[{history},{{"role":"assistant","content":"{partial}"}}]"#
+        ));
+        let ending =
+            ChatEnding::from_request(&continued_messages, Some(false), Some(true)).unwrap();
         assert_eq!(ending, ChatEnding::ContinueFinal);
         let continued = render_chat(&continued_messages, ending).unwrap();
         let mut expected = original.clone();
@@ -266,15 +274,22 @@ mod tests {
         let ending = ChatEnding::from_request(&m, Some(false), None).unwrap();
         assert_eq!(ending, ChatEnding::Closed);
         assert_eq!(render_chat(&m, ending).unwrap(), b"<|user|>\nHi\n");
-        assert_eq!(ChatEnding::from_request(&m, None, Some(false)), Ok(ChatEnding::GenerationPrompt));
+        assert_eq!(
+            ChatEnding::from_request(&m, None, Some(false)),
+            Ok(ChatEnding::GenerationPrompt)
+        );
     }
 
     #[test]
     fn continuing_needs_add_generation_prompt_false_and_an_assistant_message() {
-        let m = messages(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]"#);
+        let m =
+            messages(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]"#);
         let conflict = Err(PromptError::GenerationPromptConflict);
         assert_eq!(ChatEnding::from_request(&m, None, Some(true)), conflict);
-        assert_eq!(ChatEnding::from_request(&m, Some(true), Some(true)), conflict);
+        assert_eq!(
+            ChatEnding::from_request(&m, Some(true), Some(true)),
+            conflict
+        );
         assert_eq!(
             PromptError::GenerationPromptConflict.to_string(),
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True."

@@ -216,7 +216,9 @@ impl Sequence {
 
     /// Whether the stall fault holds the sequence: it computes and samples nothing more.
     fn stalled(&self) -> bool {
-        self.spec.stall_after.is_some_and(|n| self.output_tokens >= n)
+        self.spec
+            .stall_after
+            .is_some_and(|n| self.output_tokens >= n)
     }
 }
 
@@ -284,7 +286,10 @@ impl Scheduler {
 
     /// Running sequences held by the stall fault.
     pub fn num_stalled(&self) -> usize {
-        self.running.iter().filter(|id| self.seqs.get(id).is_some_and(Sequence::stalled)).count()
+        self.running
+            .iter()
+            .filter(|id| self.seqs.get(id).is_some_and(Sequence::stalled))
+            .count()
     }
 
     /// Whether nothing is running or waiting.
@@ -384,8 +389,7 @@ impl Scheduler {
                 continue;
             };
             let total = seq.total_tokens();
-            let max_hit_blocks =
-                (total.saturating_sub(1) / block_size.max(1)) as usize;
+            let max_hit_blocks = (total.saturating_sub(1) / block_size.max(1)) as usize;
             let hashes = &seq.hashes[..seq.hashes.len().min(max_hit_blocks)];
             let hits = self.pool.cached_prefix(hashes);
             let hit_tokens = hits.len() as u32 * block_size;
@@ -433,7 +437,9 @@ impl Scheduler {
         plan.duration_us = if plan.is_empty() {
             0.0
         } else {
-            self.config.timing.step_us(plan.decode_seqs, plan.prefill_tokens)
+            self.config
+                .timing
+                .step_us(plan.decode_seqs, plan.prefill_tokens)
         };
         plan
     }
@@ -454,7 +460,8 @@ impl Scheduler {
                 && seq.registered < seq.blocks.len()
                 && (seq.registered as u32 + 1) * block_size <= seq.computed
             {
-                self.pool.register(seq.blocks[seq.registered], seq.hashes[seq.registered]);
+                self.pool
+                    .register(seq.blocks[seq.registered], seq.hashes[seq.registered]);
                 seq.registered += 1;
             }
             if seq.computed < seq.total_tokens() || seq.stalled() {
@@ -495,7 +502,11 @@ impl Scheduler {
                     prompt_tokens: seq.prompt_tokens,
                     output_tokens: seq.output_tokens,
                     cached_tokens: seq.cached_tokens,
-                    block_ids: if seq.spec.report_blocks { seq.blocks.clone() } else { Vec::new() },
+                    block_ids: if seq.spec.report_blocks {
+                        seq.blocks.clone()
+                    } else {
+                        Vec::new()
+                    },
                 }
             });
             outputs.push(SeqOutput {
@@ -578,7 +589,11 @@ mod tests {
             num_blocks: 64,
             block_size: 4,
             max_model_len: 4096,
-            timing: StepTiming { base_us: 1000.0, per_decode_seq_us: 100.0, per_prefill_token_us: 10.0 },
+            timing: StepTiming {
+                base_us: 1000.0,
+                per_decode_seq_us: 100.0,
+                per_prefill_token_us: 10.0,
+            },
         }
     }
 
@@ -700,11 +715,18 @@ mod tests {
             s.add(id, spec(&[b'a' + id as u8; 8], 5));
         }
         let plan = s.schedule();
-        assert_eq!(plan.work.iter().map(|w| w.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert_eq!(
+            plan.work.iter().map(|w| w.0).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
         assert_eq!((s.num_running(), s.num_waiting()), (4, 2));
         s.complete(plan);
         let (outputs, _) = run(&mut s);
-        let order: Vec<SeqId> = outputs.iter().filter(|o| o.first_token).map(|o| o.id).collect();
+        let order: Vec<SeqId> = outputs
+            .iter()
+            .filter(|o| o.first_token)
+            .map(|o| o.id)
+            .collect();
         assert_eq!(order, vec![4, 5]);
     }
 
@@ -825,12 +847,19 @@ mod tests {
         let mut tokens = 0;
         for _ in 0..50 {
             let plan = s.schedule();
-            tokens += s.complete(plan).iter().filter(|o| o.delta.is_some()).count();
+            tokens += s
+                .complete(plan)
+                .iter()
+                .filter(|o| o.delta.is_some())
+                .count();
         }
         assert_eq!(tokens, 3);
         assert_eq!(s.stats().generation_tokens, 3);
         assert_eq!((s.num_running(), s.num_stalled()), (1, 1));
-        assert!(s.schedule().is_empty(), "a stalled sequence computes nothing");
+        assert!(
+            s.schedule().is_empty(),
+            "a stalled sequence computes nothing"
+        );
         assert!(!s.is_idle());
         assert!(s.pool().num_free() < 64);
         s.abort(1);
@@ -855,6 +884,10 @@ mod tests {
         assert!(outputs.iter().all(|o| o.id == 2));
         assert_eq!(finish_of(&outputs, 2).output_tokens, 2);
         assert_eq!((s.num_running(), s.num_stalled()), (1, 1));
-        assert_eq!(s.stats().prompt_tokens, 2, "only the short request produced a first token");
+        assert_eq!(
+            s.stats().prompt_tokens,
+            2,
+            "only the short request produced a first token"
+        );
     }
 }

@@ -24,7 +24,9 @@ use tokio::time::Sleep;
 use crate::disagg::{KvTransferParams, TransferAuthority};
 use crate::engine::SeqEvent;
 use crate::faults::StreamCutAt;
-use crate::openai::{ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage};
+use crate::openai::{
+    ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage,
+};
 use crate::scheduler::Finish;
 
 /// How long a stream that is about to be cut waits so its last chunks reach the client first.
@@ -53,7 +55,8 @@ pub struct HandOff {
 impl HandOff {
     /// The `kv_transfer_params` for a finished prefill.
     pub fn params(&self, finish: &Finish) -> KvTransferParams {
-        self.authority.issue(finish.block_ids.clone(), self.prompt_digest, unix_ms())
+        self.authority
+            .issue(finish.block_ids.clone(), self.prompt_digest, unix_ms())
     }
 }
 
@@ -118,7 +121,8 @@ impl ChunkEncoder {
     }
 
     fn usage(&self, output_tokens: u32) -> Option<Usage> {
-        self.continuous_usage.then(|| Usage::new(self.prompt_tokens, output_tokens, None))
+        self.continuous_usage
+            .then(|| Usage::new(self.prompt_tokens, output_tokens, None))
     }
 
     fn write_role(&mut self, out: &mut Vec<u8>, output_tokens: u32) {
@@ -133,7 +137,10 @@ impl ChunkEncoder {
             model: &self.model,
             choices: vec![ChatChunkChoice {
                 index: 0,
-                delta: ChatDelta { role: Some("assistant"), content: "" },
+                delta: ChatDelta {
+                    role: Some("assistant"),
+                    content: "",
+                },
                 logprobs: None,
                 finish_reason: None,
                 stop_reason: None,
@@ -166,7 +173,11 @@ impl ChunkEncoder {
         );
         if self.include_usage {
             let cached = self.prompt_tokens_details.then_some(finish.cached_tokens);
-            let usage = Some(Usage::new(finish.prompt_tokens, finish.output_tokens, cached));
+            let usage = Some(Usage::new(
+                finish.prompt_tokens,
+                finish.output_tokens,
+                cached,
+            ));
             match self.endpoint {
                 Endpoint::Chat => write_event(
                     out,
@@ -224,7 +235,10 @@ impl ChunkEncoder {
                     model: &self.model,
                     choices: vec![ChatChunkChoice {
                         index: 0,
-                        delta: ChatDelta { role: None, content: text },
+                        delta: ChatDelta {
+                            role: None,
+                            content: text,
+                        },
                         logprobs: None,
                         finish_reason: finish.map(|f| f.0),
                         stop_reason: finish.map(|f| f.1),
@@ -296,7 +310,12 @@ impl SseStream {
         encoder: ChunkEncoder,
         cut: Option<StreamCutAt>,
     ) -> Self {
-        SseStream { events, encoder, cut, state: State::Open }
+        SseStream {
+            events,
+            encoder,
+            cut,
+            state: State::Open,
+        }
     }
 
     fn closing(grace: Duration) -> State {
@@ -333,7 +352,10 @@ impl SseStream {
             if !self.cut_if_due(&mut out, 0) {
                 while out.len() < MAX_FRAME {
                     match self.events.poll_recv(cx) {
-                        Poll::Ready(Some(SeqEvent::Token { delta, output_tokens })) => {
+                        Poll::Ready(Some(SeqEvent::Token {
+                            delta,
+                            output_tokens,
+                        })) => {
                             self.encoder.token(&mut out, &delta, output_tokens);
                             if self.cut_if_due(&mut out, output_tokens) {
                                 break;
@@ -391,7 +413,16 @@ mod tests {
 
     #[test]
     fn chat_streams_role_then_content_then_finish_then_usage() {
-        let mut enc = ChunkEncoder::new(Endpoint::Chat, "chatcmpl-1".into(), 7, "m".into(), true, false, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "chatcmpl-1".into(),
+            7,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
         let mut out = Vec::new();
         enc.token(&mut out, " the", 1);
         enc.finish(&mut out, &finish(" cat"));
@@ -409,7 +440,16 @@ mod tests {
 
     #[test]
     fn completion_streams_text_and_continuous_usage() {
-        let mut enc = ChunkEncoder::new(Endpoint::Completion, "cmpl-1".into(), 7, "m".into(), false, true, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "cmpl-1".into(),
+            7,
+            "m".into(),
+            false,
+            true,
+            5,
+            None,
+        );
         let mut out = Vec::new();
         enc.token(&mut out, " the", 1);
         enc.token(&mut out, "", 2); // held back: no chunk
@@ -425,57 +465,164 @@ mod tests {
     #[tokio::test]
     async fn a_stream_is_cut_after_n_tokens() {
         let (tx, rx) = mpsc::unbounded_channel();
-        let enc = ChunkEncoder::new(Endpoint::Completion, "c".into(), 0, "m".into(), false, false, 1, None);
-        let mut stream = SseStream::new(rx, enc, Some(StreamCutAt { after: 2, mid_event: false }));
+        let enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "c".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: false,
+            }),
+        );
         for n in 1..=3 {
-            tx.send(SeqEvent::Token { delta: " the".into(), output_tokens: n }).unwrap();
+            tx.send(SeqEvent::Token {
+                delta: " the".into(),
+                output_tokens: n,
+            })
+            .unwrap();
         }
-        let first = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap().unwrap();
-        assert_eq!(std::str::from_utf8(&first).unwrap().matches("data: ").count(), 2);
-        let second = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap();
+        let first = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&first)
+                .unwrap()
+                .matches("data: ")
+                .count(),
+            2
+        );
+        let second = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap();
         assert_eq!(second, Err(StreamCut));
-        assert!(std::future::poll_fn(|cx| stream.poll_next(cx)).await.is_none());
+        assert!(std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .is_none());
     }
 
     #[tokio::test]
     async fn a_mid_event_cut_ends_with_half_an_event() {
         let (tx, rx) = mpsc::unbounded_channel();
-        let enc = ChunkEncoder::new(Endpoint::Chat, "chatcmpl-x".into(), 0, "m".into(), false, false, 1, None);
-        let mut stream = SseStream::new(rx, enc, Some(StreamCutAt { after: 1, mid_event: true }));
+        let enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "chatcmpl-x".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 1,
+                mid_event: true,
+            }),
+        );
         for n in 1..=2 {
-            tx.send(SeqEvent::Token { delta: " the".into(), output_tokens: n }).unwrap();
+            tx.send(SeqEvent::Token {
+                delta: " the".into(),
+                output_tokens: n,
+            })
+            .unwrap();
         }
-        let frame = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap().unwrap();
+        let frame = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
         let text = std::str::from_utf8(&frame).unwrap();
         let (complete, partial) = text.rsplit_once("\n\n").unwrap();
-        assert_eq!(complete.matches("data: ").count(), 2, "role chunk and the first token");
-        assert!(partial.starts_with("data: {\"id\":\"chatcmpl-x\""), "{partial}");
+        assert_eq!(
+            complete.matches("data: ").count(),
+            2,
+            "role chunk and the first token"
+        );
+        assert!(
+            partial.starts_with("data: {\"id\":\"chatcmpl-x\""),
+            "{partial}"
+        );
         assert!(serde_json::from_str::<serde_json::Value>(&partial["data: ".len()..]).is_err());
-        let next = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap();
+        let next = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap();
         assert_eq!(next, Err(StreamCut));
     }
 
     #[tokio::test]
     async fn a_cut_at_zero_tokens_sends_only_the_partial_event() {
         let (_tx, rx) = mpsc::unbounded_channel();
-        let enc = ChunkEncoder::new(Endpoint::Completion, "cmpl-z".into(), 0, "m".into(), false, false, 1, None);
-        let mut stream = SseStream::new(rx, enc, Some(StreamCutAt { after: 0, mid_event: true }));
-        let frame = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap().unwrap();
+        let enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "cmpl-z".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 0,
+                mid_event: true,
+            }),
+        );
+        let frame = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(frame.starts_with(b"data: {\"id\":\"cmpl-z\""));
         assert!(!frame.ends_with(b"\n\n"));
-        assert_eq!(std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap(), Err(StreamCut));
+        assert_eq!(
+            std::future::poll_fn(|cx| stream.poll_next(cx))
+                .await
+                .unwrap(),
+            Err(StreamCut)
+        );
     }
 
     #[test]
     fn usage_chunk_reports_cached_tokens_unless_details_are_off() {
         let mut f = finish(" cat");
         f.cached_tokens = 3;
-        let mut enc = ChunkEncoder::new(Endpoint::Chat, "c".into(), 0, "m".into(), true, false, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
         let usage = events(&out).pop().unwrap()["usage"].clone();
         assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 3);
-        let mut enc = ChunkEncoder::new(Endpoint::Chat, "c".into(), 0, "m".into(), true, false, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
         enc.prompt_tokens_details = false;
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
