@@ -8,6 +8,7 @@
 //! Durable Object restart, and neither do the requests they describe.
 
 use crate::backend::BackendKey;
+use crate::time_model::SharePrediction;
 use std::collections::{BTreeSet, HashMap};
 
 /// A lease's identity. Random below 2^53, so it survives a round trip through JavaScript numbers
@@ -28,6 +29,8 @@ pub struct LeaseShare {
     pub output_tokens: u64,
     /// Whether the request was admitted as a half-open breaker trial there.
     pub trial: bool,
+    /// What the time model predicted for it there, for learning at release.
+    pub predicted: SharePrediction,
 }
 
 /// A request in flight.
@@ -41,6 +44,8 @@ pub struct Lease {
     pub prompt_tokens: u32,
     /// Expected output tokens of the request.
     pub max_tokens: u32,
+    /// Whether the client asked for a stream (its first byte is its first token).
+    pub stream: bool,
     /// The backend serving the request (the prefill backend for a disaggregated pair).
     pub primary: LeaseShare,
     /// The decode backend of a disaggregated pair.
@@ -90,9 +95,9 @@ impl LeaseTable {
     }
 
     /// Adds a lease; returns it back if its id is taken.
-    pub fn insert(&mut self, lease: Lease) -> Result<(), Lease> {
+    pub fn insert(&mut self, lease: Lease) -> Result<(), Box<Lease>> {
         if self.leases.contains_key(&lease.id) {
-            return Err(lease);
+            return Err(Box::new(lease));
         }
         self.deadlines.insert((lease.deadline_ms, lease.id));
         self.leases.insert(lease.id, lease);
@@ -142,6 +147,7 @@ mod tests {
             request_id: format!("r{id}"),
             prompt_tokens: 1,
             max_tokens: 1,
+            stream: false,
             primary: LeaseShare {
                 backend: BackendKey {
                     slot: 0,
@@ -150,6 +156,7 @@ mod tests {
                 prompt_tokens: 1,
                 output_tokens: 1,
                 trial: false,
+                predicted: SharePrediction::default(),
             },
             decode: None,
             acquired_ms: 0,

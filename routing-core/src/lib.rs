@@ -32,6 +32,7 @@ pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;
+pub mod time_model;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};

@@ -668,7 +668,7 @@ mod tests {
         assert!(out.contains(
             r#"llm_gateway_ttfb_seconds_bucket{pool="eu\"1",backend="gpu\\a",le="0.25"} 1"#
         ));
-        assert!(out.contains(r#"llm_gateway_decisions_total{pool="eu\"1",policy="cache_aware",decision="cache_miss"} 1"#));
+        assert!(out.contains(r#"llm_gateway_decisions_total{pool="eu\"1",policy="predicted_latency",decision="cache_miss"} 1"#));
         assert!(out.contains(
             r#"llm_gateway_breaker_state{pool="eu\"1",backend="gpu\\a",state="closed"} 1"#
         ));

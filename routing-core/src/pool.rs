@@ -23,11 +23,12 @@ use crate::metrics::{BackendStats, PoolStats};
 use crate::outcome::{Outcome, OutcomeKind};
 use crate::policy::{
     self, CacheAwareConfig, Candidate, ConsistentHashConfig, DecisionInput, DecisionKind,
-    PolicyKind, RoutingPolicy, NO_CANDIDATE,
+    PolicyKind, PredictedLatencyConfig, RoutingPolicy, NO_CANDIDATE,
 };
 use crate::prompt::{RequestFeatures, DEFAULT_BLOCK_TOKENS};
 use crate::random::RandomSource;
 use crate::ring::{key_hash, RingMember};
+use crate::time_model::{BackendTiming, Observation, OutputRatio, TimeModelConfig, TimingView};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -58,6 +59,10 @@ pub struct PoolConfig {
     pub consistent_hash: ConsistentHashConfig,
     /// cache_aware (and disaggregated prefill) knobs.
     pub cache_aware: CacheAwareConfig,
+    /// predicted_latency knobs.
+    pub predicted_latency: PredictedLatencyConfig,
+    /// The time model's starting rates and learning ([`crate::time_model`]).
+    pub time_model: TimeModelConfig,
     /// Circuit-breaker thresholds and timings.
     pub breaker: BreakerConfig,
     /// Health-probe thresholds.
@@ -79,6 +84,8 @@ impl Default for PoolConfig {
             affinity_max_entries: 1_000_000,
             consistent_hash: ConsistentHashConfig::default(),
             cache_aware: CacheAwareConfig::default(),
+            predicted_latency: PredictedLatencyConfig::default(),
+            time_model: TimeModelConfig::default(),
             breaker: BreakerConfig::default(),
             health: HealthConfig::default(),
         }
@@ -106,6 +113,8 @@ impl PoolConfig {
         }
         self.consistent_hash.validate().map_err(ConfigError)?;
         self.cache_aware.validate().map_err(ConfigError)?;
+        self.predicted_latency.validate().map_err(ConfigError)?;
+        self.time_model.validate().map_err(ConfigError)?;
         self.breaker.validate().map_err(ConfigError)?;
         if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
             return fail("health thresholds must be at least 1");
@@ -376,6 +385,8 @@ pub struct BackendView {
     pub last_probe_ms: Option<u64>,
     /// Scraped gauges.
     pub scraped: ScrapedGauges,
+    /// The backend's time model: learned rates and its prefill backlog.
+    pub timing: TimingView,
 }
 
 /// What the Durable Object persists of a backend's state besides its spec, so that a restart
@@ -406,6 +417,12 @@ pub(crate) struct BackendEntry {
     pub(crate) scraped: ScrapedGauges,
     pub(crate) added_ms: u64,
     pub(crate) stats: BackendStats,
+    /// Learned rates and the virtual prefill queue.
+    pub(crate) timing: BackendTiming,
+    /// Sequences the last scrape found running, and waiting, beyond the gateway's own leases
+    /// (other clients of the same server).
+    pub(crate) external_running: f64,
+    pub(crate) external_waiting: f64,
 }
 
 impl BackendEntry {
@@ -436,6 +453,11 @@ impl BackendEntry {
             c.max_num_seqs,
             queue_weight,
         )
+    }
+
+    /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
+    fn running(&self) -> f64 {
+        f64::from(self.in_flight.leases) + self.external_running
     }
 
     fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {
@@ -495,6 +517,12 @@ pub struct Pool {
     affinity: PrefixAffinity,
     pub(crate) stats: PoolStats,
     scratch: Scratch,
+    /// Real over requested output length, learned from usage.
+    output_ratio: OutputRatio,
+    /// Mean uncached prompt tokens per granted request (prices scraped waiting requests).
+    mean_uncached_tokens: f64,
+    /// The latest time the pool was told (views show the prefill backlog as of then).
+    now_hint_ms: u64,
 }
 
 impl fmt::Debug for Pool {
@@ -514,7 +542,12 @@ impl Pool {
     /// [`PoolConfig::validate`] first ([`Pool::set_config`] does). Out-of-range values never make
     /// the pool panic; they are clamped where they would.
     pub fn new(name: &str, config: PoolConfig) -> Pool {
-        let policy = policy::build(config.policy, &config.consistent_hash, &config.cache_aware);
+        let policy = policy::build(
+            config.policy,
+            &config.consistent_hash,
+            &config.cache_aware,
+            &config.predicted_latency,
+        );
         let affinity = PrefixAffinity::new(config.affinity_max_entries);
         Pool {
             name: name.to_string(),
@@ -527,6 +560,9 @@ impl Pool {
             affinity,
             stats: PoolStats::default(),
             scratch: Scratch::default(),
+            output_ratio: OutputRatio::default(),
+            mean_uncached_tokens: 0.0,
+            now_hint_ms: 0,
         }
     }
 
@@ -550,6 +586,7 @@ impl Pool {
             self.config.policy,
             &self.config.consistent_hash,
             &self.config.cache_aware,
+            &self.config.predicted_latency,
         );
         self.members_changed();
         self.affinity
@@ -592,6 +629,9 @@ impl Pool {
             scraped: ScrapedGauges::default(),
             added_ms: now_ms,
             stats: BackendStats::default(),
+            timing: BackendTiming::default(),
+            external_running: 0.0,
+            external_waiting: 0.0,
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -713,6 +753,16 @@ impl Pool {
         scraped.waiting = finite(probe.waiting).or(scraped.waiting);
         scraped.running = finite(probe.running).or(scraped.running);
         scraped.kv_usage = finite(probe.kv_usage).or(scraped.kv_usage);
+        // What the server runs beyond the gateway's own leases is someone else's traffic.
+        if probe.running.is_some() || probe.waiting.is_some() {
+            let (running, waiting) = (
+                scraped.running.unwrap_or(0.0),
+                scraped.waiting.unwrap_or(0.0),
+            );
+            let external = (running + waiting - f64::from(entry.in_flight.leases)).max(0.0);
+            entry.external_waiting = external.min(waiting);
+            entry.external_running = external - entry.external_waiting;
+        }
         let before = (scraped.kv_blocks, scraped.block_size);
         scraped.kv_blocks = probe.kv_blocks.filter(|&b| b > 0).or(scraped.kv_blocks);
         scraped.block_size = probe.block_size.filter(|&b| b > 0).or(scraped.block_size);
@@ -732,6 +782,7 @@ impl Pool {
         now_ms: u64,
         rng: &mut dyn RandomSource,
     ) -> Result<Grant, AcquireError> {
+        self.now_hint_ms = self.now_hint_ms.max(now_ms);
         self.expire_leases(now_ms);
         let block_tokens = if features.block_tokens > 0 {
             features.block_tokens as usize
@@ -743,6 +794,9 @@ impl Pool {
         let output_tokens = features.max_tokens;
         let queue_weight = self.config.queue_weight;
         let breaker_config = self.config.breaker;
+        let time_model = self.config.time_model;
+        let expected_output = self.output_ratio.expected(output_tokens);
+        let mean_uncached = self.mean_uncached_tokens;
 
         let scratch = &mut self.scratch;
         self.affinity
@@ -752,6 +806,11 @@ impl Pool {
         scratch.mixed.clear();
         let mut model_known = false;
         let mut retry_ms: Option<u64> = None;
+        // The backend with the longest match most likely served this conversation's previous
+        // turn, so it also holds that turn's answer, which the gateway never sees: credit it with
+        // an answer's worth of cached tokens.
+        let longest = scratch.lengths.iter().copied().max().unwrap_or(0);
+        let answer_credit = expected_output as u64;
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(entry) = &s.entry else { continue };
             if !entry.serves(&features.model) {
@@ -775,6 +834,22 @@ impl Pool {
             let cached_blocks = scratch.lengths.get(slot).copied().unwrap_or(0);
             let cached_tokens = (u64::from(cached_blocks) * block_tokens as u64)
                 .min(u64::from(features.prompt_tokens));
+            let mut uncached = u64::from(features.prompt_tokens) - cached_tokens;
+            if cached_blocks > 0 && cached_blocks == longest {
+                uncached = uncached.saturating_sub(answer_credit).max(1);
+            }
+            let external_queue_ms = entry.external_waiting
+                * mean_uncached
+                * entry.timing.view(&time_model, now_ms).prefill_us_per_token
+                / 1000.0;
+            let predicted = entry.timing.predict(
+                &time_model,
+                if role == Role::Decode { 0 } else { uncached },
+                expected_output,
+                entry.running(),
+                external_queue_ms,
+                now_ms,
+            );
             let candidate = Candidate {
                 slot: slot as u32,
                 weight: entry.spec.weight,
@@ -784,6 +859,9 @@ impl Pool {
                     / capacity.max(1) as f64,
                 benefit: cache_benefit(cached_tokens, capacity),
                 cached_blocks,
+                ttft_ms: predicted.ttft_ms,
+                decode_ms: predicted.decode_ms,
+                harm_ms: predicted.harm_ms,
             };
             let list = match (pair_policy, role) {
                 (true, Role::Prefill) => &mut scratch.primary,
@@ -855,6 +933,7 @@ impl Pool {
         let cached_tokens = (u64::from(chosen.cached_blocks) * block_tokens as u64)
             .min(u64::from(features.prompt_tokens));
         let uncached = u64::from(features.prompt_tokens) - cached_tokens;
+        self.mean_uncached_tokens += (uncached as f64 - self.mean_uncached_tokens) * 0.05;
         let primary_output = if paired { 1 } else { u64::from(output_tokens) };
         let decode_slot = paired.then(|| scratch.decode[scratch.decode_order[0]].slot);
         let no_backend = AcquireError::NoBackendAvailable {
@@ -889,6 +968,7 @@ impl Pool {
             request_id: features.request_id.clone(),
             prompt_tokens: features.prompt_tokens,
             max_tokens: features.max_tokens,
+            stream: features.stream,
             primary,
             decode,
             acquired_ms: now_ms,
@@ -934,8 +1014,18 @@ impl Pool {
         now_ms: u64,
     ) -> Option<LeaseShare> {
         let breaker_config = self.config.breaker;
+        let time_model = self.config.time_model;
         let entry = self.entry_mut(slot)?;
         let trial = entry.breaker.admit(now_ms, &breaker_config)? == Admission::Trial;
+        // A decode server pulls the prompt's KV cache instead of computing it.
+        let prefill = if entry.spec.role == Role::Decode {
+            0
+        } else {
+            prompt_tokens
+        };
+        let predicted = entry
+            .timing
+            .admit(&time_model, prefill, entry.running(), now_ms);
         entry.in_flight.add(prompt_tokens, output_tokens);
         entry.stats.requests += 1;
         Some(LeaseShare {
@@ -943,6 +1033,7 @@ impl Pool {
             prompt_tokens,
             output_tokens,
             trial,
+            predicted,
         })
     }
 
@@ -1012,6 +1103,9 @@ impl Pool {
             self.stats.unknown_releases += 1;
             return false;
         };
+        if outcome.kind.is_success() && lease.decode.is_none() {
+            self.learn(&lease, outcome, now_ms);
+        }
         self.settle(&lease.primary, outcome, lease_id, lease.acquired_ms, now_ms);
         if let Some(decode) = &lease.decode {
             self.settle(decode, outcome, lease_id, lease.acquired_ms, now_ms);
@@ -1019,9 +1113,30 @@ impl Pool {
         true
     }
 
+    /// Teaches the time model what a successful request measured: its backend's rates, and the
+    /// pool's ratio of real to requested output.
+    fn learn(&mut self, lease: &Lease, outcome: &Outcome, now_ms: u64) {
+        let seen = Observation {
+            ttfb_ms: outcome.ttfb_ms,
+            duration_ms: now_ms.saturating_sub(lease.acquired_ms),
+            completion_tokens: outcome.completion_tokens,
+            streamed: lease.stream,
+        };
+        if let Some(tokens) = outcome.completion_tokens {
+            self.output_ratio.observe(tokens, lease.max_tokens);
+        }
+        let time_model = self.config.time_model;
+        if let Some(entry) = self.entry_for_key_mut(lease.primary.backend) {
+            entry
+                .timing
+                .learn(&time_model, &lease.primary.predicted, &seen);
+        }
+    }
+
     /// Ends every lease past its deadline, as if cancelled (nobody is blamed), and moves open
     /// breakers whose cooldown has passed to half-open. Returns how many leases expired.
     pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.now_hint_ms = self.now_hint_ms.max(now_ms);
         for s in &mut self.slots {
             if let Some(e) = &mut s.entry {
                 e.breaker.refresh(now_ms);
@@ -1210,6 +1325,7 @@ impl Pool {
         entry
             .in_flight
             .remove(share.prompt_tokens, share.output_tokens);
+        entry.timing.leave(&share.predicted, now_ms);
         let jitter = (xxh3_64(&(lease_id ^ now_ms.rotate_left(32)).to_le_bytes()) >> 11) as f64
             / (1u64 << 53) as f64;
         entry
@@ -1293,6 +1409,7 @@ impl Pool {
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,
             scraped: e.scraped,
+            timing: e.timing.view(&self.config.time_model, self.now_hint_ms),
         })
     }
 }
