@@ -69,6 +69,9 @@ pub struct PoolConfig {
     pub health: HealthConfig,
 }
 
+/// Fewest output tokens between two scrapes for their time per token to teach the time model.
+const MIN_SCRAPED_TOKENS: f64 = 50.0;
+
 /// Most candidates a grant can carry.
 pub const MAX_CANDIDATES: usize = 16;
 
@@ -317,6 +320,10 @@ pub struct ProbeResult {
     pub kv_blocks: Option<u64>,
     /// `block_size` from `vllm:cache_config_info`.
     pub block_size: Option<u32>,
+    /// Cumulative sum of `vllm:time_per_output_token_seconds`.
+    pub tpot_seconds_sum: Option<f64>,
+    /// Cumulative count of `vllm:time_per_output_token_seconds`.
+    pub tpot_count: Option<f64>,
 }
 
 /// Gauges scraped from a backend's `/metrics`.
@@ -423,6 +430,8 @@ pub(crate) struct BackendEntry {
     /// (other clients of the same server).
     pub(crate) external_running: f64,
     pub(crate) external_waiting: f64,
+    /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
+    pub(crate) tpot_scraped: Option<(f64, f64)>,
 }
 
 impl BackendEntry {
@@ -632,6 +641,7 @@ impl Pool {
             timing: BackendTiming::default(),
             external_running: 0.0,
             external_waiting: 0.0,
+            tpot_scraped: None,
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -729,6 +739,7 @@ impl Pool {
     ) -> Result<Option<HealthTransition>, PoolError> {
         let slot = self.slot_of(id)?;
         let health_config = self.config.health;
+        let time_model = self.config.time_model;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
         let verdict = if probe.loading {
             ProbeVerdict::Loading
@@ -762,6 +773,18 @@ impl Pool {
             let external = (running + waiting - f64::from(entry.in_flight.leases)).max(0.0);
             entry.external_waiting = external.min(waiting);
             entry.external_running = external - entry.external_waiting;
+        }
+        // vLLM's own measure of its decode speed since the last scrape, at its current batch.
+        if let (Some(sum), Some(count)) = (probe.tpot_seconds_sum, probe.tpot_count) {
+            if let Some((last_sum, last_count)) = entry.tpot_scraped {
+                let tokens = count - last_count;
+                if tokens >= MIN_SCRAPED_TOKENS && sum >= last_sum {
+                    let tpot_ms = (sum - last_sum) / tokens * 1000.0;
+                    let running = scraped.running.unwrap_or(1.0);
+                    entry.timing.learn_tpot(&time_model, tpot_ms, running);
+                }
+            }
+            entry.tpot_scraped = Some((sum, count));
         }
         let before = (scraped.kv_blocks, scraped.block_size);
         scraped.kv_blocks = probe.kv_blocks.filter(|&b| b > 0).or(scraped.kv_blocks);
@@ -1831,6 +1854,37 @@ mod tests {
         other.add_backend(spec("b0"), 0).unwrap();
         other.restore_breaker(&id, b).unwrap();
         assert_eq!(other.backend(&id).unwrap().breaker, BreakerState::Open);
+    }
+
+    #[test]
+    fn scraped_time_per_token_teaches_the_decode_rate() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+        let id = BackendId::from("b0");
+        let scrape = |sum: f64, count: f64| ProbeResult {
+            ok: true,
+            running: Some(4.0),
+            tpot_seconds_sum: Some(sum),
+            tpot_count: Some(count),
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &scrape(0.0, 0.0), 1).unwrap();
+        // 30 ms a token at a batch of 4, where the configured model says 10.6 ms.
+        let mut sum = 0.0;
+        for round in 1..=40u64 {
+            sum += 200.0 * 0.030;
+            pool.record_probe(&id, &scrape(sum, 200.0 * round as f64), round * 1000)
+                .unwrap();
+        }
+        let t = pool.backend(&id).unwrap().timing;
+        assert!(
+            (t.decode_ms_per_step - 10.0 * 30.0 / 10.6).abs() < 1.0,
+            "{t:?}"
+        );
+        // Too few tokens between scrapes teach nothing.
+        let before = t.observations;
+        pool.record_probe(&id, &scrape(sum + 0.3, 8_010.0), 50_000)
+            .unwrap();
+        assert_eq!(pool.backend(&id).unwrap().timing.observations, before);
     }
 
     #[test]
