@@ -226,7 +226,8 @@ struct MultiTurn {
     system: String,
     histories: Vec<Vec<serde_json::Value>>,
     turns_left: Vec<u32>,
-    output: u32,
+    max_tokens: u32,
+    last_output: Vec<u32>,
 }
 
 impl MultiTurn {
@@ -235,7 +236,8 @@ impl MultiTurn {
             system: text(rng, 1_000),
             histories: vec![Vec::new(); users],
             turns_left: vec![turns; users],
-            output: 96,
+            max_tokens: 128,
+            last_output: vec![0; users],
         }
     }
 }
@@ -253,12 +255,14 @@ impl Workload for MultiTurn {
         self.histories[c].push(json!({"role": "user", "content": text(rng, 80)}));
         let mut messages = vec![json!({"role": "system", "content": self.system})];
         messages.extend(self.histories[c].iter().cloned());
-        let body = json!({"model": "m", "max_tokens": self.output, "messages": messages});
-        Some((features(body, format!("user-{c}")), self.output))
+        let body = json!({"model": "m", "max_tokens": self.max_tokens, "messages": messages});
+        // Answers end at EOS before max_tokens: 32 to 128 tokens.
+        self.last_output[c] = 32 + rng.below(97) as u32;
+        Some((features(body, format!("user-{c}")), self.last_output[c]))
     }
 
     fn answered(&mut self, c: usize, rng: &mut SplitMix64) {
-        let answer = text(rng, self.output as usize);
+        let answer = text(rng, self.last_output[c] as usize);
         self.histories[c].push(json!({"role": "assistant", "content": answer}));
     }
 }
@@ -301,7 +305,10 @@ impl Workload for Groups {
             {"role": "system", "content": self.prompts[g]},
             {"role": "user", "content": text(rng, 40)},
         ]});
-        Some((features(body, format!("group-{g}")), 64))
+        Some((
+            features(body, format!("group-{g}")),
+            16 + rng.below(49) as u32,
+        ))
     }
 }
 
@@ -430,7 +437,8 @@ fn simulate(
                     };
                     assert!(pool.release(s.lease, &outcome, now as u64));
                     workload.answered(s.client, &mut wrng);
-                    pending.push((now + 50.0, s.client));
+                    // Think time: 20 to 220 ms.
+                    pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));
                     debug_assert!(s.started);
                 }
                 engines[b].plan(now, &mut hit_tokens);
@@ -570,9 +578,9 @@ fn multi_turn_chat_on_time() {
             let mut rng = SplitMix64::new(1 + seed);
             Box::new(MultiTurn::new(32, 10, &mut rng))
         });
-        // Measured: 1.03x consistent hashing's p99 with large caches, 1.08x least load's with
-        // small ones (where cache_aware is 1.45x and consistent hashing 2.3x).
-        check("multi-turn", &r, 1.15);
+        // Measured: 0.92x the best baseline's p99 (least load) with either cache size; the floor
+        // is a cold system-prompt prefill, which no policy avoids on a user's first turn.
+        check("multi-turn", &r, 1.0);
     }
 }
 
@@ -583,8 +591,19 @@ fn shared_prefix_groups_on_time() {
             let mut rng = SplitMix64::new(2 + 10 * seed);
             Box::new(Groups::new(96, 32, 1_500, &mut rng))
         });
-        // Measured: 0.68x the best baseline's p99 (least load), 0.60x round robin's.
-        check("shared-prefix", &r, 0.8);
+        // Measured: 0.95x the best baseline's p99 (least load), 0.58x round robin's; 6% of the
+        // requests open a new group, whose cold prefill (about 130 ms) floors every policy's p99.
+        check("shared-prefix", &r, 1.0);
+        let (ours, rr) = (
+            &r[&PolicyKind::PredictedLatency],
+            &r[&PolicyKind::RoundRobin],
+        );
+        assert!(
+            ours.ttft_p99 <= 0.65 * rr.ttft_p99,
+            "shared-prefix: TTFT p99 {:.1} vs round robin's {:.1}",
+            ours.ttft_p99,
+            rr.ttft_p99
+        );
     }
 }
 
