@@ -9,7 +9,7 @@ use crate::client::Http;
 use crate::driver::{drive, Limits, Load, Target};
 use crate::metrics::{Counters, Histogram};
 use crate::oracle;
-use crate::report::{self, BenchResult, OverheadPoint, RunReport};
+use crate::report::{self, BenchResult, OverheadPoint, RunReport, Skipped};
 use crate::stats::Summary;
 use crate::workload::Workload;
 use hyper::Method;
@@ -41,16 +41,131 @@ pub struct FleetConfig {
     pub extra_args: Vec<String>,
 }
 
-/// One workload of the benchmark.
+/// One workload of the benchmark and the loads it runs under. Each load is a *mode*; every policy
+/// runs every mode on a fresh fleet.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkloadRun {
+    /// Name in reports and in `--only` (default: the workload's kind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// The workload and its parameters.
     pub workload: Workload,
-    /// How load is offered.
-    pub load: Load,
+    /// One fixed load (open-loop rate or closed-loop concurrency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+    /// Closed-loop modes: the number of concurrent clients of each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub closed_loop: Vec<usize>,
+    /// Open-loop modes: seeded Poisson arrivals at fractions of the workload's capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open_loop: Option<OpenLoopSweep>,
+    /// Closed loop: a client's think time between a conversation's turns, ms.
+    #[serde(default)]
+    pub think_ms: f64,
     /// Wall-clock limit of one run, seconds.
     pub max_duration_s: f64,
+}
+
+/// Open-loop load levels of a workload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenLoopSweep {
+    /// Offered load as fractions of the capacity, e.g. `[0.5, 0.7, 0.9]`.
+    pub levels: Vec<f64>,
+    /// The capacity, requests per second. Absent: measured in the same bench, as the best
+    /// completed requests per second of this workload's closed-loop runs at their highest
+    /// concurrency (what the fleet, gateway included, serves to that many busy clients).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_rps: Option<f64>,
+}
+
+impl WorkloadRun {
+    /// The workload's name in reports.
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or(self.workload.kind())
+    }
+
+    /// The modes that need no capacity: closed loops first, then the fixed load.
+    pub fn fixed_modes(&self) -> Vec<Mode> {
+        let mut out: Vec<Mode> = self
+            .closed_loop
+            .iter()
+            .map(|&c| Mode::of(Load::Concurrency(c), None))
+            .collect();
+        out.extend(self.load.map(|l| Mode::of(l, None)));
+        out
+    }
+
+    /// The open-loop modes at `capacity` requests per second.
+    pub fn open_modes(&self, capacity: f64, levels: &[f64]) -> Vec<Mode> {
+        levels
+            .iter()
+            .map(|&f| Mode::of(Load::Rate(round2(f * capacity)), Some(f)))
+            .collect()
+    }
+}
+
+/// `x` rounded to two decimals (offered rates in reports and configs stay readable).
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// One way of offering a workload: its label in reports, its load, and its fraction of the
+/// capacity (open-loop sweeps).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mode {
+    /// `closed-32`, `open-0.9`, `open-20rps`.
+    pub label: String,
+    /// The load.
+    pub load: Load,
+    /// Fraction of the capacity, for the sweep's modes.
+    pub level: Option<f64>,
+}
+
+impl Mode {
+    /// The mode of `load` (at `level` of the capacity, for a sweep).
+    pub fn of(load: Load, level: Option<f64>) -> Mode {
+        let label = match (load, level) {
+            (Load::Concurrency(c), _) => format!("closed-{c}"),
+            (Load::Rate(_), Some(f)) => format!("open-{f}"),
+            (Load::Rate(r), None) => format!("open-{r}rps"),
+        };
+        Mode { label, load, level }
+    }
+}
+
+/// Parses `--capacity-rps` values: `NAME=RPS` for one workload, a bare `RPS` for all (`*`).
+pub fn parse_capacities(args: &[String]) -> Result<BTreeMap<String, f64>, String> {
+    let mut out = BTreeMap::new();
+    for a in args {
+        let (name, value) = a.split_once('=').unwrap_or(("*", a.as_str()));
+        let rps: f64 = value
+            .trim()
+            .parse()
+            .ok()
+            .filter(|v: &f64| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| format!("--capacity-rps {a}: expected NAME=REQ_PER_S or REQ_PER_S"))?;
+        out.insert(name.trim().to_string(), rps);
+    }
+    Ok(out)
+}
+
+/// The capacity open-loop levels are fractions of: an explicit figure, or the best throughput of
+/// the workload's closed-loop runs at their highest concurrency among `runs`.
+pub fn capacity(explicit: Option<f64>, workload: &str, runs: &[RunReport]) -> Option<f64> {
+    if let Some(c) = explicit.filter(|c| *c > 0.0) {
+        return Some(c);
+    }
+    let closed = |r: &RunReport| match r.load {
+        Load::Concurrency(c) if r.workload == workload && r.ok > 0 => Some(c),
+        _ => None,
+    };
+    let top = runs.iter().filter_map(closed).max()?;
+    runs.iter()
+        .filter(|r| closed(r) == Some(top))
+        .map(|r| r.requests_per_s)
+        .reduce(f64::max)
 }
 
 /// The overhead benchmark.
@@ -89,12 +204,28 @@ pub struct BenchConfig {
     pub fleet: FleetConfig,
     /// Policies, in the order they run.
     pub policies: Vec<String>,
+    /// The policy the target figures are about (the gateway's default).
+    #[serde(default = "default_policy")]
+    pub default_policy: String,
+    /// The policies it is compared with: the best of them is the reference.
+    #[serde(default = "default_baselines")]
+    pub baselines: Vec<String>,
     /// Workloads, in the order they run.
     pub workloads: Vec<WorkloadRun>,
     /// The overhead benchmark, if any.
     pub overhead: Option<OverheadConfig>,
     /// Per-request timeout, seconds.
     pub request_timeout_s: f64,
+}
+
+fn default_policy() -> String {
+    "predicted_latency".into()
+}
+
+fn default_baselines() -> Vec<String> {
+    ["round_robin", "least_load", "consistent_hash"]
+        .map(String::from)
+        .to_vec()
 }
 
 impl BenchConfig {
@@ -305,14 +436,16 @@ impl Gateway {
         Ok(())
     }
 
-    /// Sets the pool's policy (probing every second so scraped load stays fresh).
-    pub async fn set_policy(&self, policy: &str) -> Result<(), String> {
+    /// Sets the pool's policy (probing every second so scraped load stays fresh). `Ok(Err(..))`:
+    /// the gateway refused the policy (400, e.g. a name this build does not know).
+    pub async fn set_policy(&self, policy: &str) -> Result<Result<(), String>, String> {
         let body = json!({"policy": policy, "probe_interval_ms": 1000});
         match self
             .admin(Method::PUT, &format!("/pools/{}", self.pool), Some(body))
             .await?
         {
-            (200, _) => Ok(()),
+            (200, _) => Ok(Ok(())),
+            (400 | 422, b) => Ok(Err(format!("HTTP 400: {b}"))),
             (s, b) => Err(format!("setting policy {policy}: HTTP {s}: {b}")),
         }
     }
@@ -425,25 +558,39 @@ pub struct BenchOptions {
     pub out_dir: PathBuf,
     /// Where logs go (`bench/tmp`).
     pub tmp_dir: PathBuf,
-    /// Only these workloads / policies (empty: all).
+    /// Only these workloads (names; empty: all).
     pub only_workloads: Vec<String>,
-    pub only_policies: Vec<String>,
+    /// These policies instead of the config's (empty: the config's).
+    pub policies: Vec<String>,
+    /// Capacities (requests per second) by workload name; `*` for every workload.
+    pub capacity_rps: BTreeMap<String, f64>,
+    /// Open-loop levels instead of the config's (empty: the config's).
+    pub levels: Vec<f64>,
+    /// Closed-loop concurrencies instead of the config's (empty: the config's).
+    pub closed_loop: Vec<usize>,
+    /// The policy the targets are about, instead of the config's.
+    pub default_policy: Option<String>,
 }
 
-/// Runs one workload under one policy on a freshly restarted fleet.
+/// Runs one workload in one mode under one policy on a freshly restarted fleet; `Ok(Err(..))` if
+/// the gateway refused the policy.
+#[allow(clippy::too_many_arguments)]
 async fn run_one(
     cfg: &BenchConfig,
     fleet: &mut Fleet,
     gw: &Gateway,
     http: &Http,
     w: &WorkloadRun,
+    mode: &Mode,
     policy: &str,
     tmp_dir: &Path,
-) -> Result<RunReport, String> {
+) -> Result<Result<RunReport, String>, String> {
     fleet.restart().await?;
     let members = fleet.members();
     gw.register(&members, &cfg.model).await?;
-    gw.set_policy(policy).await?;
+    if let Err(refused) = gw.set_policy(policy).await? {
+        return Ok(Err(refused));
+    }
     gw.wait_ready(members.len()).await?;
     let target = Target {
         urls: vec![format!("{}/v1/chat/completions", gw.url)],
@@ -453,6 +600,7 @@ async fn run_one(
     let limits = Limits {
         max_duration: Duration::from_secs_f64(w.max_duration_s),
         request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+        think: Duration::from_secs_f64(w.think_ms.max(0.0) / 1e3),
     };
     if let Some(warmup) = w.workload.warmup(cfg.seed) {
         // As many at once as there are backends, so that a load-aware policy spreads new prefixes.
@@ -462,7 +610,10 @@ async fn run_one(
             warmup,
             Load::Concurrency(members.len()),
             cfg.seed,
-            limits,
+            Limits {
+                think: Duration::ZERO,
+                ..limits
+            },
         )
         .await;
         let failed = records.iter().filter(|r| r.error.is_some()).count();
@@ -472,8 +623,15 @@ async fn run_one(
     }
     let before = fleet.scrape().await;
     let plan = w.workload.generate(cfg.seed);
-    let (records, elapsed) =
-        drive(http.clone(), target, plan.clone(), w.load, cfg.seed, limits).await;
+    let (records, elapsed) = drive(
+        http.clone(),
+        target,
+        plan.clone(),
+        mode.load,
+        cfg.seed,
+        limits,
+    )
+    .await;
     // Let the last streams' metrics settle (the sim counts a request when it finishes).
     tokio::time::sleep(Duration::from_millis(200)).await;
     let after = fleet.scrape().await;
@@ -488,13 +646,16 @@ async fn run_one(
         .fold(Histogram::default(), |acc, (a, b)| {
             acc.add(&a.1.since(&b.1))
         });
-    gw.dump_state(&tmp_dir.join(format!("state-{}-{policy}.json", w.workload.kind())))
+    gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
         .await;
     let mut report = report::summarize(
         report::RunLabel {
-            workload: w.workload.kind(),
+            workload: w.name(),
+            kind: w.workload.kind(),
+            mode: &mode.label,
             policy,
-            load: w.load,
+            load: mode.load,
+            level: mode.level,
             time_scale: cfg.fleet.time_scale,
         },
         &records,
@@ -517,7 +678,7 @@ async fn run_one(
         report.ttft_short_ms = Some(Summary::of(short.iter().filter_map(|r| r.ttft_ms)));
         report.e2e_short_ms = Some(Summary::of(short.iter().map(|r| r.e2e_ms)));
     }
-    Ok(report)
+    Ok(Ok(report))
 }
 
 /// Measures the gateway's added latency: for each concurrency, the same closed-loop workload sent
@@ -533,7 +694,7 @@ pub async fn overhead(
     fleet.restart().await?;
     let members = fleet.members();
     gw.register(&members, &cfg.model).await?;
-    gw.set_policy("round_robin").await?;
+    gw.set_policy("round_robin").await??;
     gw.wait_ready(members.len()).await?;
     let mut out = Vec::new();
     let loads: Vec<Load> = oc
@@ -560,6 +721,7 @@ pub async fn overhead(
         let limits = Limits {
             max_duration: Duration::from_secs_f64(oc.max_duration_s),
             request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+            think: Duration::ZERO,
         };
         let direct = Target {
             urls: members
@@ -656,38 +818,97 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         opts.tmp_dir.clone(),
         http.clone(),
     );
-    let mut runs = Vec::new();
+    let policies = if opts.policies.is_empty() {
+        cfg.policies.clone()
+    } else {
+        opts.policies.clone()
+    };
+    let mut runs: Vec<RunReport> = Vec::new();
+    let mut skipped: Vec<Skipped> = Vec::new();
+    let mut capacities: BTreeMap<String, f64> = BTreeMap::new();
     let started = Instant::now();
     for w in &cfg.workloads {
-        if !opts.only_workloads.is_empty()
-            && !opts.only_workloads.iter().any(|o| o == w.workload.kind())
+        if !opts.only_workloads.is_empty() && !opts.only_workloads.iter().any(|o| o == w.name())
         {
             continue;
         }
-        for policy in &cfg.policies {
-            if !opts.only_policies.is_empty() && !opts.only_policies.contains(policy) {
+        let mut w = w.clone();
+        if !opts.closed_loop.is_empty() && !w.closed_loop.is_empty() {
+            w.closed_loop = opts.closed_loop.clone();
+        }
+        let mut modes = w.fixed_modes();
+        let mut sweep_pending = w.open_loop.is_some();
+        let mut i = 0;
+        while i < modes.len() || sweep_pending {
+            if i == modes.len() {
+                // Every fixed mode ran: the sweep's rates can be set.
+                sweep_pending = false;
+                let sweep = w.open_loop.as_ref().expect("a pending sweep exists");
+                let explicit = opts
+                    .capacity_rps
+                    .get(w.name())
+                    .or_else(|| opts.capacity_rps.get("*"))
+                    .copied()
+                    .or(sweep.capacity_rps);
+                let Some(cap) = capacity(explicit, w.name(), &runs) else {
+                    return Err(format!(
+                        "{}: no capacity for the open-loop levels: run a closed-loop mode or give --capacity-rps {}=REQ_PER_S",
+                        w.name(),
+                        w.name()
+                    ));
+                };
+                eprintln!("{}: capacity {cap:.1} req/s for the open-loop levels", w.name());
+                capacities.insert(w.name().to_string(), cap);
+                let levels = if opts.levels.is_empty() {
+                    sweep.levels.clone()
+                } else {
+                    opts.levels.clone()
+                };
+                modes.extend(w.open_modes(cap, &levels));
                 continue;
             }
-            let r = run_one(&cfg, &mut fleet, &gw, &http, w, policy, &opts.tmp_dir).await?;
-            eprintln!(
-                "[{:>5.0}s] {:<13} {:<15} hit {:>5.1}% (oracle {:>5.1}%)  TTFT p50 {:>7.1} p99 {:>7.1} ms  E2E p99 {:>7.0} ms  busiest/mean {:.2}  {:.1} req/s  {}/{} ok",
-                started.elapsed().as_secs_f64(),
-                r.workload,
-                r.policy,
-                r.hit_rate * 100.0,
-                r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
-                r.ttft_ms.p50,
-                r.ttft_ms.p99,
-                r.e2e_ms.p99,
-                r.request_imbalance,
-                r.requests_per_s,
-                r.ok,
-                r.sent
-            );
-            for e in &r.error_samples {
-                eprintln!("    error: {e}");
+            let mode = modes[i].clone();
+            i += 1;
+            for policy in &policies {
+                if skipped.iter().any(|s| &s.policy == policy) {
+                    continue;
+                }
+                let r = match run_one(&cfg, &mut fleet, &gw, &http, &w, &mode, policy, &opts.tmp_dir)
+                    .await?
+                {
+                    Ok(r) => r,
+                    Err(refused) => {
+                        eprintln!("bench: the gateway refused policy {policy}, skipping it: {refused}");
+                        skipped.push(Skipped {
+                            policy: policy.clone(),
+                            reason: refused,
+                        });
+                        continue;
+                    }
+                };
+                eprintln!(
+                    "[{:>5.0}s] {:<13} {:<11} {:<17} TTFT p50 {:>7.1} p99 {:>7.1}  E2E p50 {:>6.0} p99 {:>6.0} ms  {:>5.1} req/s {:>5.0} tok/s  hit {:>5.1}% (oracle {:>5.1}%)  busiest/mean prefill {:.2}  {}/{} ok",
+                    started.elapsed().as_secs_f64(),
+                    r.workload,
+                    r.mode,
+                    r.policy,
+                    r.ttft_ms.p50,
+                    r.ttft_ms.p99,
+                    r.e2e_ms.p50,
+                    r.e2e_ms.p99,
+                    r.requests_per_s,
+                    r.output_tokens_per_s,
+                    r.hit_rate * 100.0,
+                    r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
+                    r.prefill_imbalance,
+                    r.ok,
+                    r.sent
+                );
+                for e in &r.error_samples {
+                    eprintln!("    error: {e}");
+                }
+                runs.push(r);
             }
-            runs.push(r);
         }
     }
     let overhead = match &cfg.overhead {
@@ -700,12 +921,21 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         _ => Vec::new(),
     };
     fleet.stop().await;
+    let default_policy = opts
+        .default_policy
+        .clone()
+        .unwrap_or_else(|| cfg.default_policy.clone());
     let result = BenchResult {
         name: cfg.name.clone(),
         started: format!("{date} {time} UTC"),
         machine: machine(),
         config: serde_json::to_value(&cfg).unwrap_or_default(),
         targets: report::verdicts(&runs),
+        tail_targets: report::tail_targets(&runs, &default_policy, &cfg.baselines),
+        default_policy,
+        baselines: cfg.baselines.clone(),
+        capacity_rps: capacities,
+        skipped,
         runs,
         overhead,
     };
@@ -732,16 +962,28 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         result.runs.len(),
         started.elapsed().as_secs_f64()
     );
-    for v in &result.targets {
+    for v in result.targets.iter().filter(|v| v.met.is_some()) {
         eprintln!(
             "  [{}] {} -- {}",
-            match v.met {
+            if v.met == Some(true) { "met" } else { "MISSED" },
+            v.target,
+            v.measured
+        );
+    }
+    for t in &result.tail_targets {
+        eprintln!(
+            "  [{}] {} {}: {} {} -- {}",
+            match t.met {
                 Some(true) => "met",
                 Some(false) => "MISSED",
                 None => "n/a",
             },
-            v.target,
-            v.measured
+            t.workload,
+            t.mode,
+            t.target,
+            t.bound,
+            t.value
+                .map_or(t.measured.clone(), |v| format!("{v:.2}x: {}", t.measured))
         );
     }
     Ok(json_path)

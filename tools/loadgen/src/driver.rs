@@ -6,7 +6,8 @@
 //!   previous one was sent (or as soon as the answer arrives, if later), so the offered load stays
 //!   near `rate` as in vLLM production-stack's multi-round QA benchmark.
 //! - **Closed loop** (`concurrency`): that many clients each take the next session and send its
-//!   turns back to back.
+//!   turns one after the other, each as soon as the previous answer arrived (after an optional think
+//!   time), then take the next session.
 //!
 //! The arrival times come from the seed, so two runs offer the same load at the same moments.
 
@@ -48,6 +49,8 @@ pub struct Limits {
     pub max_duration: Duration,
     /// A request still running after this long counts as an error.
     pub request_timeout: Duration,
+    /// Closed loop: a client's pause between an answer and the conversation's next turn.
+    pub think: Duration,
 }
 
 /// One request's outcome.
@@ -173,8 +176,9 @@ impl Shared {
         r
     }
 
-    /// Sends a session's turns; `gap` is the open-loop spacing of its turns (zero: back to back).
-    async fn session(&self, session: usize, gap: Duration) {
+    /// Sends a session's turns; `gap` is the open-loop spacing of its turns (zero: back to back),
+    /// `think` the pause after each answer.
+    async fn session(&self, session: usize, gap: Duration, think: Duration) {
         let turns = self.plan.sessions[session].turns.len();
         let mut answers: Vec<String> = Vec::with_capacity(turns);
         for turn in 0..turns {
@@ -189,6 +193,9 @@ impl Shared {
             answers.push(r.text);
             if turn + 1 < turns {
                 tokio::time::sleep_until(due.into()).await;
+                if !think.is_zero() {
+                    tokio::time::sleep(think).await;
+                }
             }
         }
     }
@@ -222,7 +229,7 @@ pub async fn drive(
                 let s = shared.clone();
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until((s.start + Duration::from_secs_f64(at)).into()).await;
-                    s.session(i, gap).await;
+                    s.session(i, gap, Duration::ZERO).await;
                 }));
             }
         }
@@ -236,7 +243,7 @@ pub async fn drive(
                         if i >= n || s.expired() {
                             break;
                         }
-                        s.session(i, Duration::ZERO).await;
+                        s.session(i, Duration::ZERO, s.limits.think).await;
                     }
                 }));
             }
