@@ -828,8 +828,7 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
     let mut capacities: BTreeMap<String, f64> = BTreeMap::new();
     let started = Instant::now();
     for w in &cfg.workloads {
-        if !opts.only_workloads.is_empty() && !opts.only_workloads.iter().any(|o| o == w.name())
-        {
+        if !opts.only_workloads.is_empty() && !opts.only_workloads.iter().any(|o| o == w.name()) {
             continue;
         }
         let mut w = w.clone();
@@ -857,7 +856,10 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
                         w.name()
                     ));
                 };
-                eprintln!("{}: capacity {cap:.1} req/s for the open-loop levels", w.name());
+                eprintln!(
+                    "{}: capacity {cap:.1} req/s for the open-loop levels",
+                    w.name()
+                );
                 capacities.insert(w.name().to_string(), cap);
                 let levels = if opts.levels.is_empty() {
                     sweep.levels.clone()
@@ -873,12 +875,23 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
                 if skipped.iter().any(|s| &s.policy == policy) {
                     continue;
                 }
-                let r = match run_one(&cfg, &mut fleet, &gw, &http, &w, &mode, policy, &opts.tmp_dir)
-                    .await?
+                let r = match run_one(
+                    &cfg,
+                    &mut fleet,
+                    &gw,
+                    &http,
+                    &w,
+                    &mode,
+                    policy,
+                    &opts.tmp_dir,
+                )
+                .await?
                 {
                     Ok(r) => r,
                     Err(refused) => {
-                        eprintln!("bench: the gateway refused policy {policy}, skipping it: {refused}");
+                        eprintln!(
+                            "bench: the gateway refused policy {policy}, skipping it: {refused}"
+                        );
                         skipped.push(Skipped {
                             policy: policy.clone(),
                             reason: refused,
@@ -1003,10 +1016,122 @@ mod tests {
     #[test]
     fn the_shipped_configs_parse() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/config");
-        for name in ["full.json", "quick.json"] {
+        for name in ["full.json", "quick.json", "classic.json"] {
             let cfg = BenchConfig::load(&dir.join(name)).unwrap();
             assert_eq!(cfg.fleet.backends, 8, "{name}");
+            assert_eq!(cfg.fleet.time_scale, 1.0, "{name}");
             assert!(!cfg.policies.is_empty() && !cfg.workloads.is_empty());
+            assert!(cfg
+                .workloads
+                .iter()
+                .all(|w| !w.fixed_modes().is_empty() || w.open_loop.is_some()));
         }
+    }
+
+    #[test]
+    fn the_full_and_quick_benches_are_the_tail_latency_ones() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/config");
+        let full = BenchConfig::load(&dir.join("full.json")).unwrap();
+        let quick = BenchConfig::load(&dir.join("quick.json")).unwrap();
+        let has =
+            |c: &BenchConfig, ps: &[&str]| ps.iter().all(|p| c.policies.iter().any(|q| q == p));
+        let five = [
+            "predicted_latency",
+            "cache_aware",
+            "round_robin",
+            "least_load",
+            "consistent_hash",
+        ];
+        assert!(has(&full, &five) && has(&full, &["power_of_two"]));
+        assert!(has(&quick, &five));
+        assert_eq!(full.default_policy, "predicted_latency");
+        for cfg in [&full, &quick] {
+            let find = |n: &str| cfg.workloads.iter().find(|w| w.name() == n).unwrap();
+            let chat = find("chat");
+            match chat.workload {
+                Workload::MultiTurn {
+                    users,
+                    rounds,
+                    system_tokens,
+                    ..
+                } => {
+                    assert!(users >= 32 && rounds >= 3 && system_tokens >= 1000);
+                    // Closed loop at the highest concurrency keeps every client busy.
+                    assert!(users >= *chat.closed_loop.iter().max().unwrap());
+                }
+                ref w => panic!("chat is {w:?}"),
+            }
+            let groups = find("prefix-groups");
+            match groups.workload {
+                Workload::PrefixGroups {
+                    groups: g,
+                    initial_groups,
+                    system_tokens,
+                    ..
+                } => {
+                    assert!(g >= 32 && initial_groups < g / 2 && system_tokens >= 1200);
+                }
+                ref w => panic!("prefix-groups is {w:?}"),
+            }
+            for w in [chat, groups] {
+                assert!(w.closed_loop.contains(&64));
+                let levels = &w.open_loop.as_ref().unwrap().levels;
+                assert!(levels.iter().any(|l| (0.8..=0.9).contains(l)), "{levels:?}");
+            }
+        }
+        assert!(full.workloads.iter().all(|w| w.closed_loop == [32, 64]));
+    }
+
+    #[test]
+    fn modes_and_the_measured_capacity() {
+        let w: WorkloadRun = serde_json::from_value(json!({
+            "name": "g",
+            "workload": {"kind": "no-sharing", "requests": 1, "prompt_tokens": 1, "output_tokens": 1},
+            "closed_loop": [32, 64],
+            "open_loop": {"levels": [0.5, 0.9]},
+            "max_duration_s": 1
+        }))
+        .unwrap();
+        let labels = |m: Vec<Mode>| m.into_iter().map(|m| m.label).collect::<Vec<_>>();
+        assert_eq!(labels(w.fixed_modes()), ["closed-32", "closed-64"]);
+        let open = w.open_modes(41.0, &[0.5, 0.9]);
+        assert_eq!(labels(open.clone()), ["open-0.5", "open-0.9"]);
+        assert_eq!(open[1].load, Load::Rate(36.9));
+        assert_eq!(Mode::of(Load::Rate(20.0), None).label, "open-20rps");
+        let report = |workload: &str, load: Load, rps: f64| {
+            let mut r = report::summarize(
+                report::RunLabel {
+                    workload,
+                    kind: "no-sharing",
+                    mode: "m",
+                    policy: "p",
+                    load,
+                    level: None,
+                    time_scale: 1.0,
+                },
+                &[],
+                1.0,
+                &[],
+                None,
+            );
+            r.ok = 1;
+            r.requests_per_s = rps;
+            r
+        };
+        let runs = vec![
+            report("g", Load::Concurrency(64), 30.0),
+            report("g", Load::Concurrency(64), 35.0),
+            report("g", Load::Concurrency(32), 50.0),
+            report("other", Load::Concurrency(128), 90.0),
+        ];
+        // The best run at the highest concurrency of this workload, not a faster lower one.
+        assert_eq!(capacity(None, "g", &runs), Some(35.0));
+        assert_eq!(capacity(Some(12.0), "g", &runs), Some(12.0));
+        assert_eq!(capacity(None, "none", &runs), None);
+        let caps = parse_capacities(&["chat=20.5".into(), "30".into()]).unwrap();
+        assert_eq!(caps["chat"], 20.5);
+        assert_eq!(caps["*"], 30.0);
+        assert!(parse_capacities(&["chat=fast".into()]).is_err());
+        assert!(parse_capacities(&["-3".into()]).is_err());
     }
 }

@@ -472,7 +472,11 @@ pub fn tail_targets(runs: &[RunReport], default: &str, baselines: &[String]) -> 
                 .find(|r| r.workload == d.workload && r.mode == d.mode && r.policy == p)
         };
         let base: Vec<&RunReport> = baselines.iter().filter_map(|p| same(p)).collect();
-        let mut push = |target: &'static str, bound: String, value: Option<f64>, measured: String, ok: &dyn Fn(f64) -> bool| {
+        let mut push = |target: &'static str,
+                        bound: String,
+                        value: Option<f64>,
+                        measured: String,
+                        ok: &dyn Fn(f64) -> bool| {
             out.push(TailTarget {
                 workload: d.workload.clone(),
                 mode: d.mode.clone(),
@@ -485,12 +489,16 @@ pub fn tail_targets(runs: &[RunReport], default: &str, baselines: &[String]) -> 
         };
         // The best baseline by a figure (lowest for latencies, highest for throughput).
         let best = |f: &dyn Fn(&RunReport) -> f64, lowest: bool| {
-            base.iter()
-                .copied()
-                .filter(|r| r.ok > 0)
-                .reduce(|a, b| if (f(b) < f(a)) == lowest { b } else { a })
+            base.iter().copied().filter(|r| r.ok > 0).reduce(|a, b| {
+                if (f(b) < f(a)) == lowest {
+                    b
+                } else {
+                    a
+                }
+            })
         };
-        let ratio = |f: &dyn Fn(&RunReport) -> f64, lowest: bool, unit: &str| match best(f, lowest) {
+        let ratio = |f: &dyn Fn(&RunReport) -> f64, lowest: bool, unit: &str| match best(f, lowest)
+        {
             Some(b) if f(b) > 0.0 && d.ok > 0 => (
                 Some(f(d) / f(b)),
                 format!("{:.1} vs {:.1} {unit} ({})", f(d), f(b), b.policy),
@@ -626,7 +634,11 @@ fn tail_targets_markdown(result: &BenchResult, s: &mut String) {
             s,
             "Not computed: `{}` did not run{}.\n",
             result.default_policy,
-            if result.skipped.iter().any(|k| k.policy == result.default_policy) {
+            if result
+                .skipped
+                .iter()
+                .any(|k| k.policy == result.default_policy)
+            {
                 " (the gateway refused it)"
             } else {
                 ""
@@ -681,16 +693,16 @@ fn tail_targets_markdown(result: &BenchResult, s: &mut String) {
         for m in modes {
             let cells: Vec<String> = columns
                 .iter()
-                .map(|(k, _)| {
-                    match rows.iter().find(|t| t.mode == m && t.target == *k) {
+                .map(
+                    |(k, _)| match rows.iter().find(|t| t.mode == m && t.target == *k) {
                         Some(t) => match (t.value, t.met) {
                             (Some(v), Some(true)) => format!("{v:.2}x met ({})", t.measured),
                             (Some(v), _) => format!("**{v:.2}x missed** ({})", t.measured),
                             _ => format!("- ({})", t.measured),
                         },
                         None => "-".into(),
-                    }
-                })
+                    },
+                )
                 .collect();
             let _ = writeln!(s, "| {m} | {} |", cells.join(" | "));
         }
@@ -797,7 +809,10 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
                 s,
                 "| policy | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | out tok/s | hit rate | of oracle | busiest/mean prefill | busiest/mean req | TTFT p90 | TTFT p99.9 | backend TTFT p50 / p99 | TPOT p50 | preempted | ok / sent |"
             );
-            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(
+                s,
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            );
             for r in runs {
                 let _ = writeln!(
                     s,
@@ -1008,7 +1023,11 @@ pub fn grouped_bars(
 }
 
 /// A line chart of TTFT p99 against offered load: one line per policy, a point per level.
-pub fn ttft_vs_load(path: &Path, title: &str, lines: &[(String, Vec<(f64, f64)>)]) -> Result<(), String> {
+pub fn ttft_vs_load(
+    path: &Path,
+    title: &str,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| e.to_string();
     let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -1036,7 +1055,9 @@ pub fn ttft_vs_load(path: &Path, title: &str, lines: &[(String, Vec<(f64, f64)>)
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| err(&e))?
             .label(name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
+            });
         chart
             .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
             .map_err(|e| err(&e))?;
@@ -1072,12 +1093,18 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
             .iter()
             .find(|r| &r.workload == w && &r.mode == m && r.policy == p)
     };
-    let by_policy = |gs: &[(String, String)], f: &dyn Fn(&RunReport) -> f64| -> Vec<(String, Vec<f64>)> {
-        policies
-            .iter()
-            .map(|p| (p.clone(), gs.iter().map(|g| run(g, p).map_or(0.0, f)).collect()))
-            .collect()
-    };
+    let by_policy =
+        |gs: &[(String, String)], f: &dyn Fn(&RunReport) -> f64| -> Vec<(String, Vec<f64>)> {
+            policies
+                .iter()
+                .map(|p| {
+                    (
+                        p.clone(),
+                        gs.iter().map(|g| run(g, p).map_or(0.0, f)).collect(),
+                    )
+                })
+                .collect()
+        };
     let oracle_of = |g: &(String, String)| {
         result
             .runs
@@ -1223,8 +1250,11 @@ mod tests {
         let r = summarize(
             RunLabel {
                 workload: "w",
+                kind: "no-sharing",
+                mode: "open-1rps",
                 policy: "p",
                 load: Load::Rate(1.0),
+                level: None,
                 time_scale: 4.0,
             },
             &records,
@@ -1248,8 +1278,11 @@ mod tests {
             let mut r = summarize(
                 RunLabel {
                     workload: w,
+                    kind: w,
+                    mode: "open-1rps",
                     policy: p,
                     load: Load::Rate(1.0),
+                    level: None,
                     time_scale: 1.0,
                 },
                 &[rec("a", p99)],
@@ -1271,5 +1304,213 @@ mod tests {
         assert_eq!(get("0.5x"), Some(true));
         assert_eq!(get("least_load"), Some(false));
         assert_eq!(get("power_of_two"), None);
+    }
+
+    /// A run of `policy` in `mode` with the given figures.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        workload: &str,
+        kind: &str,
+        mode: &str,
+        policy: &str,
+        ttft_p99: f64,
+        e2e_p50: f64,
+        rps: f64,
+        prefill: [f64; 2],
+    ) -> RunReport {
+        let backends = [
+            (
+                "a".to_string(),
+                Counters {
+                    prefix_queries: 1000.0,
+                    prefix_hits: 1000.0 - prefill[0],
+                    ..Counters::default()
+                },
+            ),
+            (
+                "b".to_string(),
+                Counters {
+                    prefix_queries: 1000.0,
+                    prefix_hits: 1000.0 - prefill[1],
+                    ..Counters::default()
+                },
+            ),
+        ];
+        let oracle = OracleBound {
+            fleet_blocks: 10,
+            working_set_blocks: 5,
+            unbounded: crate::oracle::HitCount::default(),
+            fleet: crate::oracle::HitCount::default(),
+            hit_rate: 0.9,
+        };
+        let mut r = summarize(
+            RunLabel {
+                workload,
+                kind,
+                mode,
+                policy,
+                load: Load::Rate(rps),
+                level: Some(0.9),
+                time_scale: 1.0,
+            },
+            &[rec("a", 1.0)],
+            1.0,
+            &backends,
+            Some(oracle),
+        );
+        r.ttft_ms.p99 = ttft_p99;
+        r.e2e_ms.p50 = e2e_p50;
+        r.requests_per_s = rps;
+        r
+    }
+
+    #[test]
+    fn tail_targets_compare_the_default_with_the_best_baseline() {
+        let baselines: Vec<String> = ["round_robin", "least_load", "consistent_hash"]
+            .map(String::from)
+            .to_vec();
+        let g = |p: &str, ttft: f64, e2e: f64, rps: f64, prefill: [f64; 2]| {
+            run(
+                "groups",
+                "prefix-groups",
+                "open-0.9",
+                p,
+                ttft,
+                e2e,
+                rps,
+                prefill,
+            )
+        };
+        let runs = vec![
+            g("round_robin", 500.0, 900.0, 40.0, [500.0, 500.0]),
+            g("least_load", 200.0, 600.0, 41.0, [100.0, 100.0]),
+            g("consistent_hash", 300.0, 500.0, 39.0, [100.0, 100.0]),
+            // predicted: 150 ms p99 (0.75x least_load's, 0.30x round robin's), e2e p50 520 vs
+            // the best 500 (1.04x), 40 vs the best 41 req/s (0.976x), prefill 120 vs 80 tokens
+            // on its two backends (1.2x the mean), hit rate 100 - 10% = 90% = the oracle's.
+            g("predicted_latency", 150.0, 520.0, 40.0, [120.0, 80.0]),
+            run(
+                "chat",
+                "multi-turn",
+                "closed-64",
+                "predicted_latency",
+                100.0,
+                500.0,
+                30.0,
+                [200.0, 100.0],
+            ),
+            run(
+                "chat",
+                "multi-turn",
+                "closed-64",
+                "least_load",
+                110.0,
+                400.0,
+                30.0,
+                [100.0, 100.0],
+            ),
+        ];
+        let t = tail_targets(&runs, "predicted_latency", &baselines);
+        let get = |w: &str, k: &str| {
+            t.iter()
+                .find(|x| x.workload == w && x.target == k)
+                .unwrap_or_else(|| panic!("{w} {k}: {t:?}"))
+        };
+        let close = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-9;
+        let x = get("groups", "ttft_p99_vs_best");
+        assert!(close(x.value, 0.75) && x.met == Some(true), "{x:?}");
+        assert!(x.measured.contains("least_load"), "{}", x.measured);
+        let x = get("groups", "ttft_p99_vs_round_robin");
+        assert!(close(x.value, 0.3) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "e2e_p50_vs_best");
+        assert!(
+            close(x.value, 520.0 / 500.0) && x.met == Some(true),
+            "{x:?}"
+        );
+        assert!(x.measured.contains("consistent_hash"));
+        let x = get("groups", "throughput_vs_best");
+        assert!(close(x.value, 40.0 / 41.0) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "hit_rate_of_oracle");
+        assert!(close(x.value, 0.9 / 0.9) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "prefill_imbalance");
+        assert!(close(x.value, 1.2) && x.met == Some(true), "{x:?}");
+        // Chat: only least_load ran as a baseline; no round_robin target on a chat workload.
+        let x = get("chat", "ttft_p99_vs_best");
+        assert!(
+            close(x.value, 100.0 / 110.0) && x.met == Some(false),
+            "{x:?}"
+        );
+        assert!(get("chat", "e2e_p50_vs_best").met == Some(false));
+        assert!(get("chat", "prefill_imbalance").met == Some(false));
+        assert!(!t
+            .iter()
+            .any(|x| x.workload == "chat" && x.target == "ttft_p99_vs_round_robin"));
+        // Without the default policy there is nothing to compute.
+        assert!(tail_targets(&runs[..3], "predicted_latency", &baselines).is_empty());
+    }
+
+    #[test]
+    fn markdown_and_charts_cover_every_mode_and_the_sweep() {
+        let mut runs = Vec::new();
+        for (mode, rate, level) in [("open-0.5", 20.0, 0.5), ("open-0.9", 36.0, 0.9)] {
+            for (p, ttft) in [("round_robin", 300.0), ("predicted_latency", 100.0)] {
+                let mut r = run(
+                    "groups",
+                    "prefix-groups",
+                    mode,
+                    p,
+                    ttft * level,
+                    400.0,
+                    rate,
+                    [10.0, 10.0],
+                );
+                r.load = Load::Rate(rate);
+                r.level = Some(level);
+                runs.push(r);
+            }
+        }
+        let result = BenchResult {
+            name: "test".into(),
+            started: "now".into(),
+            machine: BTreeMap::new(),
+            config: serde_json::Value::Null,
+            targets: verdicts(&runs),
+            default_policy: "predicted_latency".into(),
+            baselines: vec!["round_robin".into()],
+            tail_targets: tail_targets(&runs, "predicted_latency", &["round_robin".into()]),
+            capacity_rps: BTreeMap::from([("groups".to_string(), 40.0)]),
+            skipped: vec![Skipped {
+                policy: "power_of_two".into(),
+                reason: "HTTP 400".into(),
+            }],
+            runs,
+            overhead: vec![],
+        };
+        let md = markdown(&result, "x-");
+        assert!(md.contains("## Targets: predicted_latency against the best of round_robin"));
+        assert!(
+            md.contains("| open-0.5 | 0.33x met (50.0 vs 150.0 ms (round_robin))"),
+            "{md}"
+        );
+        assert!(md.contains(
+            "### groups, open-0.9 (open loop, Poisson 36 req/s = 0.9 x 40.0 req/s capacity"
+        ));
+        assert!(md.contains("Not run: `power_of_two`"));
+        assert!(
+            !md.contains("issue 7"),
+            "no classic verdicts without their runs"
+        );
+        assert!(md.contains("x-groups-ttft-p99-vs-load.svg"));
+        let dir = std::env::temp_dir().join(format!("loadgen-charts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        charts(&result, &dir, "x-").unwrap();
+        for (file, _) in chart_files(&result) {
+            let svg = std::fs::read_to_string(dir.join(format!("x-{file}"))).unwrap();
+            assert!(svg.starts_with("<svg"), "{file}");
+        }
+        let sweep = std::fs::read_to_string(dir.join("x-groups-ttft-p99-vs-load.svg")).unwrap();
+        assert!(sweep.contains("predicted_latency") && sweep.contains("<circle"));
+        assert!(!dir.join("x-overhead.svg").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

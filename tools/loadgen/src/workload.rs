@@ -353,9 +353,8 @@ impl Workload {
                 let groups = groups.max(1);
                 let initial = initial_groups.clamp(1, groups);
                 let systems = group_systems(&mut rng, groups, system_tokens);
-                let by_recency: Vec<Zipf> = (1..=groups)
-                    .map(|n| Zipf::new(n, recency_zipf))
-                    .collect();
+                let by_recency: Vec<Zipf> =
+                    (1..=groups).map(|n| Zipf::new(n, recency_zipf)).collect();
                 (0..requests)
                     .map(|i| {
                         let active = active_groups(i, requests, initial, groups);
