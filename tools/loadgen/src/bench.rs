@@ -63,6 +63,10 @@ pub struct WorkloadRun {
     /// Closed loop: a client's think time between a conversation's turns, ms.
     #[serde(default)]
     pub think_ms: f64,
+    /// Open loop: jittered spacing of a conversation's turns (see the driver) instead of a fixed
+    /// one.
+    #[serde(default)]
+    pub random_turn_gaps: bool,
     /// Wall-clock limit of one run, seconds.
     pub max_duration_s: f64,
 }
@@ -601,6 +605,7 @@ async fn run_one(
         max_duration: Duration::from_secs_f64(w.max_duration_s),
         request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
         think: Duration::from_secs_f64(w.think_ms.max(0.0) / 1e3),
+        random_turn_gaps: w.random_turn_gaps,
     };
     if let Some(warmup) = w.workload.warmup(cfg.seed) {
         // As many at once as there are backends, so that a load-aware policy spreads new prefixes.
@@ -612,6 +617,7 @@ async fn run_one(
             cfg.seed,
             Limits {
                 think: Duration::ZERO,
+                random_turn_gaps: false,
                 ..limits
             },
         )
@@ -722,6 +728,7 @@ pub async fn overhead(
             max_duration: Duration::from_secs_f64(oc.max_duration_s),
             request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
             think: Duration::ZERO,
+            random_turn_gaps: false,
         };
         let direct = Target {
             urls: members

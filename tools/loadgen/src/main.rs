@@ -269,6 +269,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 max_duration: Duration::from_secs_f64(max_duration),
                 request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
                 think: Duration::from_secs_f64(think.max(0.0) / 1e3),
+                random_turn_gaps: run.as_ref().is_some_and(|r| r.random_turn_gaps),
             };
             let (records, elapsed) =
                 driver::drive(http.clone(), target, plan.clone(), load, seed, limits).await;
@@ -353,6 +354,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                     max_duration: Duration::from_secs_f64(oc.max_duration_s),
                     request_timeout: Duration::from_secs(60),
                     think: Duration::ZERO,
+                    random_turn_gaps: false,
                 };
                 let d = Target {
                     urls: direct
