@@ -949,7 +949,19 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         name: cfg.name.clone(),
         started: format!("{date} {time} UTC"),
         machine: machine(),
-        config: serde_json::to_value(&cfg).unwrap_or_default(),
+        config: {
+            let mut c = serde_json::to_value(&cfg).unwrap_or_default();
+            // What the command line changed, so the document says what actually ran.
+            c["command_line"] = json!({
+                "only": opts.only_workloads,
+                "policies": policies,
+                "levels": opts.levels,
+                "closed_loop": opts.closed_loop,
+                "capacity_rps": opts.capacity_rps,
+                "default_policy": opts.default_policy,
+            });
+            c
+        },
         targets: report::verdicts(&runs),
         tail_targets: report::tail_targets(&runs, &default_policy, &cfg.baselines),
         default_policy,
