@@ -696,9 +696,9 @@ fn tail_targets_markdown(result: &BenchResult, s: &mut String) {
                 .map(
                     |(k, _)| match rows.iter().find(|t| t.mode == m && t.target == *k) {
                         Some(t) => match (t.value, t.met) {
-                            (Some(v), Some(true)) => format!("{v:.2}x met ({})", t.measured),
-                            (Some(v), _) => format!("**{v:.2}x missed** ({})", t.measured),
-                            _ => format!("- ({})", t.measured),
+                            (Some(v), Some(true)) => format!("{v:.2}x met: {}", t.measured),
+                            (Some(v), _) => format!("**{v:.2}x missed**: {}", t.measured),
+                            _ => format!("-: {}", t.measured),
                         },
                         None => "-".into(),
                     },
