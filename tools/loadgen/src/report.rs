@@ -1489,7 +1489,7 @@ mod tests {
         let md = markdown(&result, "x-");
         assert!(md.contains("## Targets: predicted_latency against the best of round_robin"));
         assert!(
-            md.contains("| open-0.5 | 0.33x met (50.0 vs 150.0 ms (round_robin))"),
+            md.contains("| open-0.5 | 0.33x met: 50.0 vs 150.0 ms (round_robin) |"),
             "{md}"
         );
         assert!(md.contains(
