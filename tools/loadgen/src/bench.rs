@@ -1,9 +1,11 @@
 //! `loadgen bench`: the whole benchmark against a running gateway. It owns a fleet of vllm-sim
-//! processes, and for every workload and policy: restarts the fleet (cold caches), re-registers it
-//! in the pool (which also purges the pool's prefix-affinity table), sets the policy, waits until a
-//! probe has made every backend ready, reads every backend's `/metrics`, runs the workload, reads
-//! `/metrics` again. Then it measures the gateway's overhead against direct calls, and writes the
-//! JSON result, the markdown tables and the charts.
+//! processes, and for every workload, mode (closed loop at N clients, open loop at a fraction of the
+//! capacity the closed-loop runs measured, or a fixed load) and policy: restarts the fleet (cold
+//! caches), re-registers it in the pool (which also purges the pool's prefix-affinity table), sets
+//! the policy (skipping one the gateway refuses), waits until a probe has made every backend ready,
+//! reads every backend's `/metrics`, runs the workload, reads `/metrics` again. Then it measures the
+//! gateway's overhead against direct calls (if configured), and writes the JSON result, the
+//! markdown tables and the charts.
 
 use crate::client::Http;
 use crate::driver::{drive, Limits, Load, Target};

@@ -6,7 +6,7 @@
 //! - `loadgen overhead`: the gateway's added latency over direct calls.
 //! - `loadgen bench`: everything, on a fleet of vllm-sim processes it manages (`make bench`).
 //!
-//! Modules: [`workload`] generates the four workloads from a seed, [`driver`] sends them,
+//! Modules: [`workload`] generates the workloads from a seed, [`driver`] sends them,
 //! [`client`] times each stream, [`metrics`] reads the backends' counters, [`oracle`] computes the
 //! upper bound, [`report`] summarises and draws, [`bench`] orchestrates.
 
