@@ -10,7 +10,7 @@ help:
 	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
-	@echo "make bench  - the routing benchmark (~16 min); make bench-quick: under 5 min"
+	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 
 setup:
@@ -49,12 +49,12 @@ clean:
 .PHONY: bench bench-quick
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
-# every policy on every workload; writes bench/results/<date>.{json,md} and charts (~16 minutes).
+# every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
 bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
 
-# The same, smaller (4 policies, shorter runs): under 5 minutes.
+# The same, smaller (5 policies, 3 modes, fewer requests): under 8 minutes.
 bench-quick: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh quick
