@@ -174,6 +174,10 @@ impl History {
         let start = now_ms - now_ms % MINUTE_MS;
         let newest = self.minutes.back().map(|m| m.start_ms);
         if newest.is_none_or(|n| start > n) {
+            // The previous minute is complete: give back its spare capacity.
+            if let Some(done) = self.minutes.back_mut() {
+                done.backend_requests.shrink_to_fit();
+            }
             self.minutes.push_back(Minute {
                 start_ms: start,
                 ..Minute::default()
@@ -239,8 +243,8 @@ impl History {
     }
 
     /// Heap and inline bytes held, estimated from sizes and capacities (the dashboard shows it;
-    /// the README quotes it). About 200 bytes per minute plus about 40 per backend and minute
-    /// with traffic, plus the baseline's ~250 per backend.
+    /// the README quotes it): about 150 bytes per minute, plus 32 and the id's length per backend
+    /// with traffic in that minute, plus the baseline's ~250 bytes per backend.
     pub fn memory_bytes(&self) -> usize {
         let id_bytes = |id: &BackendId| std::mem::size_of::<BackendId>() + id.0.capacity();
         let minutes: usize = self
