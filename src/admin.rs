@@ -119,13 +119,17 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let text = body_text(&mut req).await?;
             let settings: PoolSettings =
                 serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
-            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
+            settings.validate()?;
             let entry = PoolEntry {
                 name: pool.to_string(),
                 region: settings.routing.region.clone(),
                 location_hint: settings.location_hint.clone(),
             };
+            // A Durable Object stays where it was created, near the first call or at the location
+            // hint that call carries: record the hint first, so a new pool's first call has it.
             remember_pool(env, &entry).await?;
+            list_pools(env).await?;
+            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
             json_ok(&applied)
         }
         (Method::Post, ["pools", pool, "probe"]) => {

@@ -77,7 +77,8 @@ impl Default for PoolSettings {
 }
 
 impl PoolSettings {
-    fn validate(&self) -> std::result::Result<(), ApiError> {
+    /// Checks every knob (the Worker checks too, before a new pool's first call carries its location hint).
+    pub fn validate(&self) -> std::result::Result<(), ApiError> {
         self.routing.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
         self.retry_budget.validate().map_err(ApiError::bad_request)?;
         if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
