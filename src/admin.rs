@@ -171,8 +171,8 @@ fn require_reachable_url(env: &Env, url: &str) -> Result<(), ApiError> {
     }
     Err(ApiError::bad_request(
         "invalid backend url: its host is an IP address, and a deployed Cloudflare Worker cannot fetch bare IP \
-         addresses. Give the backend a DNS name (for a private GPU network, publish it through Cloudflare Tunnel or \
-         Workers VPC), or set the ALLOW_IP_BACKENDS var to \"true\" for local development.",
+         addresses. Give the backend a DNS name (for a private GPU network, publish it through a Cloudflare Tunnel), \
+         or set the ALLOW_IP_BACKENDS var to \"true\" for local development.",
     )
     .with_param("url")
     .with_code("ip_backend_not_allowed"))

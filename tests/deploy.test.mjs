@@ -31,7 +31,7 @@ test("registration refuses IP-addressed backends unless ALLOW_IP_BACKENDS is tru
       assert.equal(e.param, "url");
       assert.match(e.message, /IP address/);
       assert.match(e.message, /ALLOW_IP_BACKENDS/);
-      assert.match(e.message, /Cloudflare Tunnel or\s+Workers VPC/);
+      assert.match(e.message, /DNS name .*Cloudflare Tunnel/);
     }
     // A hostname is fine (localhost is one, and reaches the same simulated server).
     const byName = sim.url.replace("127.0.0.1", "localhost");
