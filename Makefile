@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
 
-.PHONY: help setup build sim dev test test-native test-worker test-python clean
+.PHONY: help setup build sim dev test test-native test-worker test-python deploy-check check-bundle clean
 
 help:
 	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
@@ -12,6 +12,7 @@ help:
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
+	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
 
 setup:
 	@scripts/setup.sh
@@ -29,7 +30,7 @@ dev: setup sim
 test: setup
 	@$(MAKE) --no-print-directory test-native
 	@$(MAKE) --no-print-directory sim build
-	@$(MAKE) --no-print-directory test-worker test-python
+	@$(MAKE) --no-print-directory check-bundle test-worker test-python
 
 test-native:
 	@echo "== native crates: cargo test"
@@ -42,6 +43,14 @@ test-worker:
 test-python:
 	@echo "== OpenAI client: pytest"
 	@source scripts/env.sh && .venv/bin/pytest -q tests/python
+
+# What `wrangler deploy` would upload, built offline (no login), and its size against the limit.
+deploy-check: setup
+	@$(MAKE) --no-print-directory check-bundle
+
+check-bundle:
+	@echo "== deploy: wrangler deploy --dry-run"
+	@scripts/deploy-check.sh
 
 clean:
 	rm -rf build target/wasm32-unknown-unknown

@@ -51,7 +51,7 @@ TOKEN="bench-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 
 setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
   --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
-  --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 >"$TMP/wrangler.log" 2>&1 &
+  --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &
 WRANGLER_PID=$!
 echo "bench: starting the gateway under wrangler dev on $GATEWAY (log: $TMP/wrangler.log)"
 for _ in $(seq 1 240); do
