@@ -8,7 +8,8 @@
 //! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]) and Prometheus rendering ([`metrics`]); the probe's reading of vLLM's
-//! `/metrics` page ([`scrape`]) and the pool-wide retry budget ([`retry_budget`]) too.
+//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]) and the reading of
+//! backends' token usage ([`usage`]) too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -32,6 +33,7 @@ pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;
+pub mod usage;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
