@@ -13,7 +13,7 @@
 
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
-use crate::protocol::{BackendRegistration, ReassignRequest, ReleaseRequest, POOL_HEADER};
+use crate::protocol::{BackendRegistration, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER};
 use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
@@ -243,8 +243,9 @@ impl DurableObject for PoolCoordinator {
         };
         let result = match (method, segs.as_slice()) {
             (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok),
-            (Method::Post, ["reassign"]) => self.reassign(&body),
+            (Method::Post, ["reassign"]) => self.reassign(&body).await,
             (Method::Post, ["release"]) => self.release(&body),
+            (Method::Post, ["renew"]) => self.renew(&body),
             (Method::Post, ["backends"]) => self.register(&body).await,
             (Method::Get, ["backends"]) => self.list(),
             (Method::Get, ["backends", id]) => self.show(id),
@@ -372,8 +373,14 @@ impl PoolCoordinator {
         })
     }
 
-    fn reassign(&self, body: &str) -> ApiResult {
+    async fn reassign(&self, body: &str) -> ApiResult {
         let req: ReassignRequest = parse(body, "reassign request")?;
+        if req.missing_model.is_some() {
+            // Its served models changed: probe now rather than at the next round.
+            if let Err(e) = self.state.storage().set_alarm(0i64).await {
+                console_error!("pool: cannot schedule a probe: {e}");
+            }
+        }
         self.with(|l| {
             let now = now_ms();
             if !l.budget.try_retry(now, &l.settings.retry_budget) {
@@ -383,15 +390,42 @@ impl PoolCoordinator {
                 return Err(ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                     .with_code("retry_budget_exhausted"));
             }
-            let result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            let mut result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &req.terms) {
+                // The pool lost the lease (expired while the attempt hung, or this object
+                // restarted): count it again where it was, then move it as asked.
+                if l.pool.readmit(req.lease_id, terms, now).is_ok() {
+                    result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+                }
+            }
+            if let (Some(model), Some(terms)) = (&req.missing_model, &req.terms) {
+                if l.pool.forget_model(&terms.backend, model).unwrap_or(false) {
+                    console_log!("pool {}: backend {} no longer serves {model}", l.name, terms.backend.0);
+                }
+            }
             if result.is_ok() {
                 l.retries += 1;
+                if !req.block_hashes.is_empty() {
+                    let _ = l.pool.record_prefix(&req.to, &req.block_hashes);
+                }
             }
             persist_snapshots(l);
             match result {
                 Ok(candidate) => json_response(200, &candidate),
                 Err(e) => Err(pool_error(e)),
             }
+        })
+    }
+
+    fn renew(&self, body: &str) -> ApiResult {
+        let req: RenewRequest = parse(body, "renew request")?;
+        self.with(|l| {
+            let now = now_ms();
+            let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
+                Ok(d) => (d, false),
+                Err(_) => (l.pool.readmit(req.lease_id, &req.terms, now).map_err(pool_error)?, true),
+            };
+            json_response(200, &RenewAnswer { deadline_ms, reestablished })
         })
     }
 
