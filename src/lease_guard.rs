@@ -4,7 +4,8 @@
 //! Every exit of a proxied request goes through it: the proxy calls [`LeaseGuard::finish`] with the
 //! outcome (success, an error, a timeout, a client hang-up), and a guard dropped without that (an
 //! early return, a panic-free bail-out) ends the lease as cancelled. The task also listens for the
-//! client hanging up (on the edge, the request's own work may never run again after a disconnect)
+//! client hanging up (on the edge, the request's own work may never run again after a disconnect),
+//! reports the prefill stage of a disaggregated request as soon as it ends,
 //! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
 //! exactly as long as its request. When the request ends it releases the lease with the outcome,
 //! writes the access log line, and settles the client's token reservation with the backend's
@@ -14,7 +15,7 @@ use crate::keys::{self, Reservation};
 use crate::pools::pool_json;
 use crate::ApiError;
 use futures_util::future::{select, Either};
-use gateway_durable_objects::protocol::{ReleaseRequest, RenewAnswer, RenewRequest};
+use gateway_durable_objects::protocol::{PrefillDone, ReleaseRequest, RenewAnswer, RenewRequest};
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
@@ -37,6 +38,8 @@ struct Record {
     terms: LeaseTerms,
     attempts: u32,
     ending: Option<Ending>,
+    /// The prefill stage's outcome of a disaggregated request, until reported.
+    prefill: Option<Outcome>,
 }
 
 impl Record {
@@ -54,6 +57,8 @@ impl Record {
 struct Shared {
     record: Rc<RefCell<Record>>,
     resolve: js_sys::Function,
+    /// Wakes the task to report the prefill stage.
+    stage: js_sys::Function,
 }
 
 impl Drop for Shared {
@@ -94,14 +99,14 @@ pub struct GuardSetup<'a> {
 impl LeaseGuard {
     /// Starts guarding a lease just granted.
     pub fn start(setup: GuardSetup<'_>) -> LeaseGuard {
-        let mut resolve = None;
-        let finished = js_sys::Promise::new(&mut |res, _| resolve = Some(res));
-        let resolve = resolve.unwrap_or_else(|| js_sys::Function::new_no_args(""));
+        let (finished, resolve) = signal_promise();
+        let (stage_done, stage) = signal_promise();
         let record = Rc::new(RefCell::new(Record {
             lease_id: setup.lease_id,
             terms: setup.terms,
             attempts: 1,
             ending: None,
+            prefill: None,
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -112,9 +117,15 @@ impl LeaseGuard {
             started_ms: Date::now().as_millis(),
         };
         let hung_up = hang_up(setup.client_signal);
-        setup.ctx.wait_until(task.run(finished, hung_up));
+        setup
+            .ctx
+            .wait_until(task.run(finished, hung_up, stage_done));
         LeaseGuard {
-            shared: Rc::new(Shared { record, resolve }),
+            shared: Rc::new(Shared {
+                record,
+                resolve,
+                stage,
+            }),
         }
     }
 
@@ -135,6 +146,21 @@ impl LeaseGuard {
         r.attempts += 1;
     }
 
+    /// The prefill stage of a disaggregated request ended with `outcome`; the request goes on on
+    /// `decode_backend`. The task tells the pool at once, so the prefill share ends now and only
+    /// the prefill's own failures count against the prefill backend.
+    pub fn finish_prefill(&self, outcome: Outcome, decode_backend: &str) {
+        {
+            let mut r = self.shared.record.borrow_mut();
+            if r.ending.is_some() || r.prefill.is_some() {
+                return;
+            }
+            r.prefill = Some(outcome);
+            r.terms.backend = decode_backend.into();
+        }
+        let _ = self.shared.stage.call0(&JsValue::UNDEFINED);
+    }
+
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
     pub fn finish(&self, outcome: Outcome) {
         self.end(outcome, false);
@@ -150,6 +176,16 @@ impl LeaseGuard {
             let _ = self.shared.resolve.call0(&JsValue::UNDEFINED);
         }
     }
+}
+
+/// A promise and the function that resolves it.
+fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
+    let mut resolve = None;
+    let promise = js_sys::Promise::new(&mut |res, _| resolve = Some(res));
+    (
+        promise,
+        resolve.unwrap_or_else(|| js_sys::Function::new_no_args("")),
+    )
 }
 
 /// A promise that resolves when the client hangs up.
@@ -176,12 +212,23 @@ struct Task {
 }
 
 impl Task {
-    async fn run(self, finished: js_sys::Promise, hung_up: js_sys::Promise) {
+    async fn run(
+        self,
+        finished: js_sys::Promise,
+        hung_up: js_sys::Promise,
+        stage_done: js_sys::Promise,
+    ) {
         let mut finished = JsFuture::from(finished);
         let mut hung_up = JsFuture::from(hung_up);
+        let mut stage_done = JsFuture::from(stage_done);
         loop {
             let tick = Delay::from(self.renew_every);
-            match select(select(&mut finished, &mut hung_up), tick).await {
+            match select(
+                select(&mut finished, &mut hung_up),
+                select(&mut stage_done, tick),
+            )
+            .await
+            {
                 Either::Left((Either::Left(_), _)) => break,
                 Either::Left((Either::Right(_), _)) => {
                     // The upstream fetch shares the client's signal, so it is aborted already.
@@ -190,9 +237,16 @@ impl Task {
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
                 }
-                Either::Right(_) => self.renew().await,
+                Either::Right((Either::Left(_), _)) => {
+                    self.report_prefill().await;
+                    // Reported once; from now on this never wakes the loop again.
+                    stage_done = JsFuture::from(js_sys::Promise::new(&mut |_, _| {}));
+                }
+                Either::Right((Either::Right(_), _)) => self.renew().await,
             }
         }
+        // A prefill stage that ended in the same turn as the request is reported first.
+        self.report_prefill().await;
         let (lease_id, backend, attempts, ending) = {
             let mut r = self.record.borrow_mut();
             let ending = r.ending.take().unwrap_or(Ending {
@@ -217,6 +271,32 @@ impl Task {
             if let Some(actual) = used_tokens(&ending.outcome) {
                 keys::settle(&self.env, reservation, actual).await;
             }
+        }
+    }
+
+    /// Tells the pool the prefill stage ended (once).
+    async fn report_prefill(&self) {
+        let Some(outcome) = self.record.borrow_mut().prefill.take() else {
+            return;
+        };
+        let req = PrefillDone {
+            lease_id: self.record.borrow().lease_id,
+            outcome,
+        };
+        let result: Result<serde_json::Value, ApiError> = pool_json(
+            &self.env,
+            &self.pool,
+            Method::Post,
+            "/prefill_done",
+            Some(&req),
+        )
+        .await;
+        if let Err(e) = result {
+            worker::console_error!(
+                "reporting the prefill of lease {} in pool {} failed: {e}",
+                req.lease_id,
+                self.pool
+            );
         }
     }
 

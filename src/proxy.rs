@@ -370,7 +370,8 @@ impl Forward<'_> {
     /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
     /// the prompt's KV cache and generates one token, answering with `kv_transfer_params`; the
     /// decode server receives the original request with those params, pulls the blocks instead of
-    /// prefilling, and streams the answer. The lease covers both backends. The decode stage is not
+    /// prefilling, and streams the answer. The lease covers both backends; each stage reports its
+    /// own outcome, and the prefill share ends as soon as the prefill does. The decode stage is not
     /// retried on another decode server (the lease's decode share cannot move); a failed prefill
     /// ends the request with 502/504.
     pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
@@ -414,17 +415,27 @@ impl Forward<'_> {
             };
             let answer: Value = serde_json::from_slice(&bytes)
                 .map_err(|e| fail(OutcomeKind::Transport, format!("prefill backend {}: answer unreadable: {e}", prefill.id.0)))?;
-            answer
+            let params = answer
                 .get("kv_transfer_params")
                 .filter(|p| p.is_object())
                 .cloned()
-                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))
+                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))?;
+            let mut outcome = Outcome::from_status(status);
+            with_usage(&mut outcome, body_usage(&bytes).ok().flatten());
+            Ok((params, outcome))
         }
         .await;
+        // Each stage reports its own outcome: the prefill share ends here, whatever comes next.
+        let decode = self.grant.decode_candidates.first().map(|c| c.id.0.clone()).unwrap_or_default();
         let params = match params {
-            Ok(p) => p,
+            Ok((params, outcome)) => {
+                self.guard.finish_prefill(outcome, &decode);
+                params
+            }
             Err(failure) => {
-                self.guard.finish(failure.outcome.clone());
+                self.guard.finish_prefill(failure.outcome.clone(), &decode);
+                // The decode stage never ran: nobody to blame there.
+                self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
                 return Err(final_error(&failure, 1, " (prefill stage)"));
             }
         };

@@ -54,13 +54,13 @@ function next() {
 }
 
 /** Pool `name` serving `model` on `backends` (`{ url }`: sims or fake servers), all ready. */
-async function freshPool({ name, model }, backends, { policy = "round_robin", settings = {} } = {}) {
+async function freshPool({ name, model }, backends, { policy = "round_robin", settings = {}, roles = [] } = {}) {
   const put = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { policy, ...ROOMY_BUDGET, ...settings } });
   assert.equal(put.status, 200, await put.text());
   const ids = [];
   for (const [i, b] of backends.entries()) {
     const id = `${name}-b${i}`;
-    const r = await gw.admin("/admin/backends", { method: "POST", body: { url: b.url, pool: name, models: [model], id } });
+    const r = await gw.admin("/admin/backends", { method: "POST", body: { url: b.url, pool: name, models: [model], id, role: roles[i] } });
     assert.equal(r.status, 201, await r.text());
     ids.push(id);
   }
@@ -68,8 +68,8 @@ async function freshPool({ name, model }, backends, { policy = "round_robin", se
   return { name, model, ids };
 }
 
-async function sim(model, args) {
-  const s = await startSim(["--model", model, ...args]);
+async function sim(model, args, opts) {
+  const s = await startSim(["--model", model, ...args], opts);
   closers.push(s.close);
   return s;
 }
@@ -387,6 +387,92 @@ test("leases live as long as their requests: renewed past lease_ttl_ms while str
   const m = await metrics();
   assert.equal(metricValue(m, "llm_gateway_leases_expired_by_backend_total", { backend: p.ids[0] }), 0);
   assert.equal(outcomes(m, p.ids[0], "success"), 1);
+});
+
+test("disaggregated: each stage reports its own outcome and the prefill share ends with the prefill", async () => {
+  const n = next();
+  const prefill = await sim(n.model, ["--role", "prefill", "--time-scale", "100", "--seed", "5"]);
+  const decode = await sim(n.model, ["--role", "decode", "--time-scale", "1", "--decode-ms-per-step", "100", "--seed", "6"]);
+  const p = await freshPool(n, [prefill, decode], { policy: "disaggregated", roles: ["prefill", "decode"], settings: STRICT_BREAKER });
+  const [pf, dc] = p.ids;
+  // While the decode server streams (slowly), only its share is counted.
+  const streaming = chat(p.model, { stream: true, max_tokens: 15, extra: { ignore_eos: true }, content: "disaggregate me ".repeat(30) });
+  await waitFor(async () => (await backendView(dc)).leases_in_flight === 1 && (await backendView(pf)).leases_in_flight === 0, { what: "the prefill share to end while decode streams" });
+  const r = await streaming;
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.headers.get("x-gateway-prefill-backend"), pf);
+  assert.equal(sseEvents(r.text).at(-1), "[DONE]");
+  await waitFor(async () => (await backendView(dc)).leases_in_flight === 0, { what: "the decode share released" });
+  let m = await metrics();
+  assert.equal(outcomes(m, pf, "success"), 1);
+  assert.equal(outcomes(m, dc, "success"), 1);
+  // Each backend's tokens are its own: the prefill counted the prompt and its one token.
+  assert.equal(metricValue(m, "llm_gateway_tokens_total", { backend: pf, kind: "completion" }), await simCounter(prefill, "vllm:generation_tokens_total"));
+  assert.equal(metricValue(m, "llm_gateway_tokens_total", { backend: dc, kind: "completion" }), await simCounter(decode, "vllm:generation_tokens_total"));
+  // A failing prefill blames the prefill server only.
+  await setFaults(prefill, { error_rate: 1.0 });
+  const failed = await chat(p.model, { max_tokens: 4 });
+  assert.equal(failed.status, 502, failed.text);
+  await waitFor(async () => (await backendView(dc)).leases_in_flight === 0, { what: "the lease released" });
+  m = await metrics();
+  assert.equal(outcomes(m, pf, "server_error"), 1);
+  assert.equal(outcomes(m, dc, "cancelled"), 1, "the decode stage never ran");
+  assert.equal((await backendView(pf)).breaker, "open");
+  assert.equal((await backendView(dc)).breaker, "closed", "the decode server is not blamed for the prefill's failure");
+});
+
+test("retries learn: the prefix is recorded on the backend that served, not the one that failed", async () => {
+  const n = next();
+  const sims = [await sim(n.model, ["--time-scale", "200", "--seed", "7"]), await sim(n.model, ["--time-scale", "200", "--seed", "8"])];
+  const p = await freshPool(n, sims, { policy: "cache_aware", settings: { breaker: { failure_threshold: 100 } } });
+  const system = "A long shared system prompt for this conversation. ".repeat(20);
+  // Kill one backend (still in rotation) and start conversations until one is retried off it.
+  await sims[0].close();
+  let retried = null;
+  for (let i = 0; i < 8 && !retried; i++) {
+    // Each conversation's prefix is its own (nothing shared that another request could have cached).
+    const messages = [{ role: "system", content: `Conversation ${i}. ${system}` }, { role: "user", content: "first turn" }];
+    const r = await gw.fetch("/v1/chat/completions", { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: p.model, messages, max_tokens: 4 }) });
+    const text = await r.text();
+    assert.equal(r.status, 200, text);
+    if (Number(r.headers.get("x-gateway-attempts")) === 2) retried = { messages, answer: JSON.parse(text).choices[0].message.content, backend: r.headers.get("x-gateway-backend") };
+  }
+  assert.ok(retried, "no conversation was first routed to the dead backend");
+  assert.equal(retried.backend, p.ids[1]);
+  // Take the dead backend out; the next turn finds its prefix where it was really served.
+  const drain = await gw.admin(`/admin/backends/${p.ids[0]}`, { method: "PATCH", body: { drain: true } });
+  assert.equal(drain.status, 200);
+  const messages = [...retried.messages, { role: "assistant", content: retried.answer }, { role: "user", content: "second turn" }];
+  const r = await gw.fetch("/v1/chat/completions", { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: p.model, messages, max_tokens: 4 }) });
+  const text = await r.text();
+  assert.equal(r.status, 200, text);
+  assert.equal(r.headers.get("x-gateway-backend"), p.ids[1]);
+  assert.equal(r.headers.get("x-gateway-decision"), "cache_hit", "the serving backend's prefix was not recorded");
+});
+
+test("a backend that answers 404 for a model it no longer serves: retried elsewhere, nobody blamed, its models refreshed", async () => {
+  const n = next();
+  const moving = await sim(n.model, ["--time-scale", "200", "--seed", "9"]);
+  const steady = await sim(n.model, ["--time-scale", "200", "--seed", "10"]);
+  const p = await freshPool(n, [moving, steady], { settings: { probe_interval_ms: 3600000, ...STRICT_BREAKER } });
+  // The first backend now serves another model (restarted on the same port), unknown to probes.
+  await moving.close();
+  await sim(`${n.model}-other`, ["--time-scale", "200"], { port: moving.port });
+  const results = [];
+  for (let i = 0; i < 4; i++) results.push(await chat(p.model, { stream: i % 2 === 1, content: `q${i}` }));
+  for (const r of results) {
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.backend, p.ids[1]);
+  }
+  assert.ok(results.some((r) => r.attempts === 2), "no request reached the backend that lost the model");
+  const m = await metrics();
+  assert.ok(outcomes(m, p.ids[0], "client_error") >= 1);
+  assert.equal(outcomes(m, p.ids[0], "server_error") + outcomes(m, p.ids[0], "transport"), 0);
+  assert.equal((await backendView(p.ids[0])).breaker, "closed", "a missing model is not a backend failure");
+  // The 404 made the pool probe at once: its served models now say what it really serves.
+  await waitFor(async () => !(await backendView(p.ids[0])).served_models.includes(p.model), { what: "the backend's models refreshed" });
+  const after = await chat(p.model, { content: "after the refresh" });
+  assert.equal(after.attempts, 1);
 });
 
 test("per-key token limits charge an estimate and settle with the tokens really used", async () => {

@@ -13,12 +13,12 @@
 
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
-use crate::protocol::{BackendRegistration, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER};
+use crate::protocol::{BackendRegistration, PrefillDone, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER};
 use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::outcome::OutcomeKind;
-use routing_core::pool::{AcquireError, BackendView, Pool, PoolConfig, PoolError};
+use routing_core::pool::{AcquireError, BackendSnapshot, BackendView, Pool, PoolConfig, PoolError};
 use routing_core::prompt::RequestFeatures;
 use routing_core::random::SplitMix64;
 use routing_core::retry_budget::{RetryBudget, RetryBudgetConfig};
@@ -108,6 +108,9 @@ pub struct PoolCoordinator {
     state: State,
     env: Env,
     live: RefCell<Option<Live>>,
+    /// A probe round is running (rounds never overlap: a second one would double-count the
+    /// health hysteresis).
+    probing: std::cell::Cell<bool>,
 }
 
 /// What the coordinator keeps in memory (rebuilt from the registry after a restart).
@@ -129,10 +132,15 @@ struct Live {
     spills: u64,
     /// Probe outcomes: (successes, failures).
     probe_results: (u64, u64),
+    /// The pool's load summary as of the last probe round or registry change (what spillover
+    /// reads on every acquire, so that no acquire walks the whole fleet for it).
+    load: PoolLoad,
+    /// Each backend's state as last written to SQLite (only changes are written).
+    persisted: HashMap<BackendId, BackendSnapshot>,
 }
 
 /// The pool's load in aggregate: what autoscalers and spillover look at.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct PoolLoad {
     /// Backends ready and healthy.
     pub ready: usize,
@@ -220,7 +228,7 @@ fn pool_error(e: PoolError) -> ApiError {
 
 impl DurableObject for PoolCoordinator {
     fn new(state: State, env: Env) -> Self {
-        PoolCoordinator { state, env, live: RefCell::new(None) }
+        PoolCoordinator { state, env, live: RefCell::new(None), probing: std::cell::Cell::new(false) }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
@@ -246,10 +254,18 @@ impl DurableObject for PoolCoordinator {
             (Method::Post, ["reassign"]) => self.reassign(&body).await,
             (Method::Post, ["release"]) => self.release(&body),
             (Method::Post, ["renew"]) => self.renew(&body),
+            (Method::Post, ["prefill_done"]) => self.prefill_done(&body),
             (Method::Post, ["backends"]) => self.register(&body).await,
             (Method::Get, ["backends"]) => self.list(),
             (Method::Get, ["backends", id]) => self.show(id),
-            (Method::Patch, ["backends", id]) => self.patch(id, &body),
+            (Method::Patch, ["backends", id]) => {
+                let result = self.patch(id, &body);
+                if result.is_ok() && body.contains("\"drain\"") {
+                    // Re-enabled (or drained): probe now rather than at the next round.
+                    self.probe_soon().await;
+                }
+                result
+            }
             (Method::Delete, ["backends", id]) => self.delete(id, force),
             (Method::Get, ["models"]) => self.models(),
             (Method::Get, ["config"]) => self.with(|l| json_response(200, &l.settings)),
@@ -258,6 +274,10 @@ impl DurableObject for PoolCoordinator {
             (Method::Get, ["metrics"]) => self.metrics(),
             (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
             (Method::Post, ["probe", "now"]) => {
+                // Asked for explicitly: wait out a round in progress, then run a fresh one.
+                while self.probing.get() {
+                    Delay::from(Duration::from_millis(20)).await;
+                }
                 self.probe_all().await;
                 self.summary()
             }
@@ -328,6 +348,12 @@ impl PoolCoordinator {
             retries: 0,
             spills: 0,
             probe_results: (0, 0),
+            load: PoolLoad::default(),
+            persisted: HashMap::new(),
+        });
+        self.with(|l| {
+            l.load = pool_load(l);
+            l.persisted = l.pool.snapshots().into_iter().map(|s| (s.id.clone(), s)).collect();
         });
         Ok(())
     }
@@ -354,7 +380,7 @@ impl PoolCoordinator {
         let features: RequestFeatures = parse(body, "acquire request")?;
         self.with(|l| {
             let now = now_ms();
-            if spill_ok && pool_load(l).saturated {
+            if spill_ok && l.load.saturated {
                 l.spills += 1;
                 return Err(ApiError::unavailable("This pool is saturated; try the next pool.", 1).with_code("pool_saturated"));
             }
@@ -377,9 +403,7 @@ impl PoolCoordinator {
         let req: ReassignRequest = parse(body, "reassign request")?;
         if req.missing_model.is_some() {
             // Its served models changed: probe now rather than at the next round.
-            if let Err(e) = self.state.storage().set_alarm(0i64).await {
-                console_error!("pool: cannot schedule a probe: {e}");
-            }
+            self.probe_soon().await;
         }
         self.with(|l| {
             let now = now_ms();
@@ -429,6 +453,17 @@ impl PoolCoordinator {
         })
     }
 
+    fn prefill_done(&self, body: &str) -> ApiResult {
+        let req: PrefillDone = parse(body, "prefill report")?;
+        self.with(|l| {
+            let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
+            if ended && req.outcome.kind != OutcomeKind::Success {
+                persist_snapshots(l);
+            }
+            json_response(200, &json!({ "ended": ended }))
+        })
+    }
+
     fn release(&self, body: &str) -> ApiResult {
         let req: ReleaseRequest = parse(body, "release request")?;
         self.with(|l| {
@@ -456,8 +491,8 @@ impl PoolCoordinator {
             persist_snapshots(l);
             l.pool.backend(&spec.id).ok_or_else(|| ApiError::internal("backend vanished"))
         })?;
-        // A new backend serves nothing until probed: probe soon rather than at the next round.
-        self.ensure_alarm().await?;
+        // A new backend serves nothing until probed: probe now rather than at the next round.
+        self.probe_soon().await;
         json_response(201, &view)
     }
 
@@ -567,6 +602,7 @@ impl PoolCoordinator {
             l.pool.set_config(settings.routing.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
             l.registry.set_meta("config", &settings)?;
             l.settings = settings;
+            l.load = pool_load(l);
             json_response(200, &l.settings)
         })
     }
@@ -613,6 +649,13 @@ impl PoolCoordinator {
         Ok(resp)
     }
 
+    /// Runs a probe round as soon as possible (the alarm fires now; it re-arms itself after).
+    async fn probe_soon(&self) {
+        if let Err(e) = self.state.storage().set_alarm(0i64).await {
+            console_error!("pool: cannot schedule a probe round: {e}");
+        }
+    }
+
     async fn ensure_alarm(&self) -> ApiResult {
         let storage = self.state.storage();
         let armed = storage.get_alarm().await.map_err(ApiError::from_worker)?;
@@ -623,7 +666,16 @@ impl PoolCoordinator {
     }
 
     /// Probes every backend, `PROBE_CONCURRENCY` at a time, and feeds the results to the pool.
+    /// A round asked for while one runs is skipped: that round's results are as fresh.
     async fn probe_all(&self) {
+        if self.probing.replace(true) {
+            return;
+        }
+        self.probe_round().await;
+        self.probing.set(false);
+    }
+
+    async fn probe_round(&self) {
         let (targets, timeout) = self.with(|l| {
             let targets: Vec<(BackendId, String, Option<String>)> = l
                 .pool
@@ -734,19 +786,29 @@ fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiEr
     let _ = l.pool.remove_backend(id, now_ms());
     l.registry.delete(&id.0)?;
     l.probes.remove(id);
+    l.persisted.remove(id);
+    l.load = pool_load(l);
     if l.pending_delete.remove(id) {
         l.registry.set_meta("pending_delete", &l.pending_delete)?;
     }
     Ok(())
 }
 
-/// Writes every backend's lifecycle, health and breaker state (a handful of rows).
-fn persist_snapshots(l: &Live) {
+/// Writes the lifecycle, health and breaker state of every backend whose state changed since it
+/// was last written (usually none or one), and refreshes the load summary spillover reads.
+fn persist_snapshots(l: &mut Live) {
     for snapshot in l.pool.snapshots() {
-        if let Err(e) = l.registry.put_snapshot(&snapshot) {
-            console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0);
+        if l.persisted.get(&snapshot.id) == Some(&snapshot) {
+            continue;
+        }
+        match l.registry.put_snapshot(&snapshot) {
+            Ok(()) => {
+                l.persisted.insert(snapshot.id.clone(), snapshot);
+            }
+            Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
         }
     }
+    l.load = pool_load(l);
 }
 
 /// Validates a pool name (used by the Worker before addressing a pool).

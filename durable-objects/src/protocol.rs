@@ -88,6 +88,16 @@ pub struct ReassignRequest {
     pub missing_model: Option<String>,
 }
 
+/// `POST /prefill_done`: the prefill stage of a disaggregated request ended with `outcome`; the
+/// prefill share ends now and the lease goes on with its decode share.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillDone {
+    /// The lease.
+    pub lease_id: routing_core::lease::LeaseId,
+    /// How the prefill stage ended (fed to the prefill backend's breaker and statistics).
+    pub outcome: routing_core::outcome::Outcome,
+}
+
 /// `POST /renew`: the request is still running; push the lease's deadline out. A pool that lost
 /// the lease (it expired, or the Durable Object restarted) counts it again from `terms`.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -1021,6 +1021,27 @@ impl Pool {
         true
     }
 
+    /// Ends the prefill stage of a disaggregated lease: the prefill share is settled with the
+    /// prefill's own `outcome` (so only its failures count against the prefill backend) and taken
+    /// off the counters at once; the lease goes on with its decode share alone, which the final
+    /// release settles. Returns `false` (and changes nothing) if the lease is not live or has no
+    /// decode share.
+    pub fn finish_prefill(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
+        let Some(lease) = self.leases.get(lease_id) else {
+            return false;
+        };
+        let Some(decode) = lease.decode else {
+            return false;
+        };
+        let (prefill, acquired_ms) = (lease.primary, lease.acquired_ms);
+        self.settle(&prefill, outcome, lease_id, acquired_ms, now_ms);
+        if let Some(lease) = self.leases.get_mut(lease_id) {
+            lease.primary = decode;
+            lease.decode = None;
+        }
+        true
+    }
+
     /// Extends a live lease's deadline to `lease_ttl_ms` from now (the Worker's heartbeat while
     /// its request runs). Returns the new deadline, or [`PoolError::UnknownLease`].
     pub fn renew(&mut self, lease_id: LeaseId, now_ms: u64) -> Result<u64, PoolError> {

@@ -209,3 +209,82 @@ fn a_backend_that_no_longer_serves_a_model_stops_getting_it() {
         .served_models
         .contains(&"m".to_string()));
 }
+
+/// A disaggregated pool with one prefill and one decode backend whose breakers open at once.
+fn disaggregated_pool() -> Pool {
+    use routing_core::{BackendSpec as Spec, Role};
+    let mut p = Pool::new(
+        "p",
+        PoolConfig {
+            policy: PolicyKind::Disaggregated,
+            breaker: routing_core::BreakerConfig {
+                failure_threshold: 1,
+                ..Default::default()
+            },
+            ..PoolConfig::default()
+        },
+    );
+    for (id, role) in [("pf", Role::Prefill), ("dc", Role::Decode)] {
+        let spec = Spec {
+            id: id.into(),
+            url: format!("http://{id}:8000"),
+            models: vec!["m".into()],
+            role,
+            ..Spec::default()
+        };
+        let id = p.add_backend(spec, 0).unwrap();
+        let up = ProbeResult {
+            ok: true,
+            ..ProbeResult::default()
+        };
+        p.record_probe(&id, &up, 0).unwrap();
+    }
+    p
+}
+
+#[test]
+fn each_stage_of_a_disaggregated_request_reports_its_own_outcome() {
+    let mut p = disaggregated_pool();
+    let (pf, dc): (BackendId, BackendId) = ("pf".into(), "dc".into());
+    // Prefill succeeds: its share ends at once; the decode share stays until the stream ends.
+    let g = p.acquire(&features(), 0, &mut SplitMix64::new(1)).unwrap();
+    assert_eq!(g.backend, pf);
+    assert!(p.finish_prefill(g.lease_id, &Outcome::from_status(200), 5));
+    assert_eq!(p.in_flight(&pf).unwrap().leases, 0);
+    assert_eq!(p.in_flight(&dc).unwrap().leases, 1);
+    p.check_counters().unwrap();
+    assert!(
+        !p.finish_prefill(g.lease_id, &Outcome::from_status(200), 6),
+        "one prefill stage per lease"
+    );
+    // The decode stage fails: only the decode backend is blamed.
+    assert!(p.release(g.lease_id, &Outcome::of_kind(OutcomeKind::Transport), 10));
+    assert_eq!(
+        p.backend(&dc).unwrap().breaker,
+        routing_core::BreakerState::Open
+    );
+    assert_eq!(
+        p.backend(&pf).unwrap().breaker,
+        routing_core::BreakerState::Closed
+    );
+    assert_eq!(p.in_flight_total(), 0);
+}
+
+#[test]
+fn a_failed_prefill_blames_the_prefill_backend_only() {
+    let mut p = disaggregated_pool();
+    let g = p.acquire(&features(), 0, &mut SplitMix64::new(1)).unwrap();
+    assert!(p.finish_prefill(g.lease_id, &Outcome::from_status(500), 5));
+    // The decode stage never ran: the request ends as cancelled there.
+    assert!(p.release(g.lease_id, &Outcome::of_kind(OutcomeKind::Cancelled), 6));
+    assert_eq!(
+        p.backend(&"pf".into()).unwrap().breaker,
+        routing_core::BreakerState::Open
+    );
+    assert_eq!(
+        p.backend(&"dc".into()).unwrap().breaker,
+        routing_core::BreakerState::Closed
+    );
+    assert_eq!(p.in_flight_total(), 0);
+    p.check_counters().unwrap();
+}
