@@ -16,6 +16,7 @@ use crate::pools::pool_json;
 use crate::ApiError;
 use futures_util::future::{select, Either};
 use gateway_durable_objects::protocol::{PrefillDone, ReleaseRequest, RenewAnswer, RenewRequest};
+use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
@@ -38,8 +39,8 @@ struct Record {
     terms: LeaseTerms,
     attempts: u32,
     ending: Option<Ending>,
-    /// The prefill stage's outcome of a disaggregated request, until reported.
-    prefill: Option<Outcome>,
+    /// The prefill stage's outcome and backend of a disaggregated request, until reported.
+    prefill: Option<(Outcome, BackendId)>,
 }
 
 impl Record {
@@ -155,8 +156,8 @@ impl LeaseGuard {
             if r.ending.is_some() || r.prefill.is_some() {
                 return;
             }
-            r.prefill = Some(outcome);
-            r.terms.backend = decode_backend.into();
+            let prefill_backend = std::mem::replace(&mut r.terms.backend, decode_backend.into());
+            r.prefill = Some((outcome, prefill_backend));
         }
         let _ = self.shared.stage.call0(&JsValue::UNDEFINED);
     }
@@ -265,7 +266,7 @@ impl Task {
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
         if !ending.released {
-            release(&self.env, &self.pool, lease_id, &ending.outcome).await;
+            release(&self.env, &self.pool, lease_id, &backend, &ending.outcome).await;
         }
         if let Some(reservation) = &self.reservation {
             if let Some(actual) = used_tokens(&ending.outcome) {
@@ -276,12 +277,13 @@ impl Task {
 
     /// Tells the pool the prefill stage ended (once).
     async fn report_prefill(&self) {
-        let Some(outcome) = self.record.borrow_mut().prefill.take() else {
+        let Some((outcome, backend)) = self.record.borrow_mut().prefill.take() else {
             return;
         };
         let req = PrefillDone {
             lease_id: self.record.borrow().lease_id,
             outcome,
+            backend: Some(backend),
         };
         let result: Result<serde_json::Value, ApiError> = pool_json(
             &self.env,
@@ -338,10 +340,11 @@ fn used_tokens(outcome: &Outcome) -> Option<u64> {
 }
 
 /// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.
-async fn release(env: &Env, pool: &str, lease_id: LeaseId, outcome: &Outcome) {
+async fn release(env: &Env, pool: &str, lease_id: LeaseId, backend: &str, outcome: &Outcome) {
     let req = ReleaseRequest {
         lease_id,
         outcome: outcome.clone(),
+        backend: Some(backend.into()),
     };
     let result: Result<serde_json::Value, ApiError> =
         pool_json(env, pool, Method::Post, "/release", Some(&req)).await;

@@ -9,7 +9,7 @@ import assert from "node:assert/strict";
 import http from "node:http";
 import OpenAI from "openai";
 import {
-  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, setFaults,
+  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, setFaults, tempDir,
 } from "./lib/harness.mjs";
 
 const FIRST_BYTE_TIMEOUT_MS = 3000;
@@ -518,4 +518,37 @@ test("per-key token limits charge an estimate and settle with the tokens really 
     const pools = (await (await limited.admin("/admin/pools")).json()).data;
     return pools.every((p) => p.in_flight === 0 && p.in_flight_tokens === 0);
   }, { what: "leases back to zero" });
+});
+
+test("a breaker opened by a request's ending is persisted (only that backend's state is written) and survives a restart", async () => {
+  const dir = tempDir();
+  const model = "life-persist";
+  const failing = await sim(model, ["--time-scale", "200", "--fault-error-rate", "1.0"]);
+  const fine = await sim(model, ["--time-scale", "200"]);
+  let g = null;
+  try {
+    const bindings = { PROBE_INTERVAL_MS: "60000" };
+    g = await startGateway({ bindings, persistDir: dir.dir });
+    const put = await g.admin("/admin/pools/persisted", { method: "PUT", body: { policy: "round_robin", ...STRICT_BREAKER, ...ROOMY_BUDGET } });
+    assert.equal(put.status, 200);
+    for (const [id, s] of [["persist-bad", failing], ["persist-ok", fine]]) {
+      const r = await g.admin("/admin/backends", { method: "POST", body: { url: s.url, pool: "persisted", models: [model], id } });
+      assert.equal(r.status, 201);
+      await waitReady(g, id);
+    }
+    for (let i = 0; i < 4; i++) {
+      const r = await g.fetch("/v1/chat/completions", { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model, messages: [{ role: "user", content: `q${i}` }], max_tokens: 2 }) });
+      assert.equal(r.status, 200, await r.text());
+    }
+    assert.equal((await (await g.admin("/admin/backends/persist-bad")).json()).breaker, "open");
+    await waitFor(async () => (await (await g.admin("/admin/pools/persisted")).json()).in_flight === 0, { what: "leases back to zero" });
+    await g.close();
+    g = await startGateway({ bindings, persistDir: dir.dir });
+    const bad = await (await g.admin("/admin/backends/persist-bad")).json();
+    assert.equal(bad.breaker, "open", "the open breaker was not persisted");
+    assert.equal((await (await g.admin("/admin/backends/persist-ok")).json()).breaker, "closed");
+  } finally {
+    await g?.close();
+    dir.cleanup();
+  }
 });

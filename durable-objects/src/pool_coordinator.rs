@@ -17,7 +17,6 @@ use crate::protocol::{BackendRegistration, PrefillDone, ReassignRequest, Release
 use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
-use routing_core::outcome::OutcomeKind;
 use routing_core::pool::{AcquireError, BackendSnapshot, BackendView, Pool, PoolConfig, PoolError};
 use routing_core::prompt::RequestFeatures;
 use routing_core::random::SplitMix64;
@@ -410,7 +409,7 @@ impl PoolCoordinator {
             if !l.budget.try_retry(now, &l.settings.retry_budget) {
                 // The failure still counts against the failed backend; the lease ends with it.
                 l.pool.release(req.lease_id, &req.failure, now);
-                persist_snapshots(l);
+                persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend)]);
                 return Err(ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                     .with_code("retry_budget_exhausted"));
             }
@@ -433,7 +432,7 @@ impl PoolCoordinator {
                     let _ = l.pool.record_prefix(&req.to, &req.block_hashes);
                 }
             }
-            persist_snapshots(l);
+            persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend), Some(&req.to)]);
             match result {
                 Ok(candidate) => json_response(200, &candidate),
                 Err(e) => Err(pool_error(e)),
@@ -457,8 +456,8 @@ impl PoolCoordinator {
         let req: PrefillDone = parse(body, "prefill report")?;
         self.with(|l| {
             let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
-            if ended && req.outcome.kind != OutcomeKind::Success {
-                persist_snapshots(l);
+            if ended {
+                persist_backends(l, &[req.backend.as_ref()]);
             }
             json_response(200, &json!({ "ended": ended }))
         })
@@ -468,8 +467,8 @@ impl PoolCoordinator {
         let req: ReleaseRequest = parse(body, "release request")?;
         self.with(|l| {
             let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
-            if released && req.outcome.kind != OutcomeKind::Success {
-                persist_snapshots(l);
+            if released {
+                persist_backends(l, &[req.backend.as_ref()]);
             }
             finish_drains(l);
             json_response(200, &json!({ "released": released }))
@@ -795,20 +794,34 @@ fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiEr
 }
 
 /// Writes the lifecycle, health and breaker state of every backend whose state changed since it
-/// was last written (usually none or one), and refreshes the load summary spillover reads.
+/// was last written, and refreshes the load summary spillover reads (probe rounds, admin changes).
 fn persist_snapshots(l: &mut Live) {
     for snapshot in l.pool.snapshots() {
-        if l.persisted.get(&snapshot.id) == Some(&snapshot) {
-            continue;
-        }
-        match l.registry.put_snapshot(&snapshot) {
-            Ok(()) => {
-                l.persisted.insert(snapshot.id.clone(), snapshot);
-            }
-            Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
-        }
+        persist_if_changed(l, snapshot);
     }
     l.load = pool_load(l);
+}
+
+/// The same for the backends a request touched: no work proportional to the fleet per request.
+/// (A request's ending changes breakers and drains, never what the load summary counts.)
+fn persist_backends(l: &mut Live, ids: &[Option<&BackendId>]) {
+    for id in ids.iter().flatten() {
+        if let Some(snapshot) = l.pool.snapshot(id) {
+            persist_if_changed(l, snapshot);
+        }
+    }
+}
+
+fn persist_if_changed(l: &mut Live, snapshot: BackendSnapshot) {
+    if l.persisted.get(&snapshot.id) == Some(&snapshot) {
+        return;
+    }
+    match l.registry.put_snapshot(&snapshot) {
+        Ok(()) => {
+            l.persisted.insert(snapshot.id.clone(), snapshot);
+        }
+        Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
+    }
 }
 
 /// Validates a pool name (used by the Worker before addressing a pool).

@@ -96,6 +96,9 @@ pub struct PrefillDone {
     pub lease_id: routing_core::lease::LeaseId,
     /// How the prefill stage ended (fed to the prefill backend's breaker and statistics).
     pub outcome: routing_core::outcome::Outcome,
+    /// The prefill backend.
+    #[serde(default)]
+    pub backend: Option<routing_core::backend::BackendId>,
 }
 
 /// `POST /renew`: the request is still running; push the lease's deadline out. A pool that lost
@@ -124,4 +127,7 @@ pub struct ReleaseRequest {
     pub lease_id: routing_core::lease::LeaseId,
     /// How it ended.
     pub outcome: routing_core::outcome::Outcome,
+    /// The backend that served it last (only its persisted state can have changed).
+    #[serde(default)]
+    pub backend: Option<routing_core::backend::BackendId>,
 }

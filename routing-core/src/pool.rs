@@ -1236,6 +1236,17 @@ impl Pool {
         self.index.len()
     }
 
+    /// One backend's persistent state (what a request's ending may have changed).
+    pub fn snapshot(&self, id: &BackendId) -> Option<BackendSnapshot> {
+        let e = self.entry(*self.index.get(id)?)?;
+        Some(BackendSnapshot {
+            id: e.spec.id.clone(),
+            lifecycle: e.lifecycle,
+            health: e.health.state,
+            breaker: e.breaker.snapshot(),
+        })
+    }
+
     /// Every backend's persistent state.
     pub fn snapshots(&self) -> Vec<BackendSnapshot> {
         self.entries()
