@@ -20,6 +20,7 @@ const BINDINGS = {
   FIRST_BYTE_TIMEOUT_MS: String(FIRST_BYTE_TIMEOUT_MS),
   RESPONSE_TIMEOUT_MS: String(RESPONSE_TIMEOUT_MS),
   STREAM_IDLE_TIMEOUT_MS: String(STREAM_IDLE_TIMEOUT_MS),
+  ALLOW_REGION_HEADER: "true",
 };
 // Enough retry budget that no test's retries are refused by it.
 const ROOMY_BUDGET = { retry_budget: { ratio: 1.0, min_per_window: 1000, window_ms: 10000 } };
@@ -551,4 +552,36 @@ test("a breaker opened by a request's ending is persisted (only that backend's s
     await g?.close();
     dir.cleanup();
   }
+});
+
+test("spillover cannot make things worse: a saturated nearest pool still serves when no later pool can", async () => {
+  const model = "life-spill";
+  // One sequence at a time, 5 tokens a second: a few direct requests leave some waiting.
+  const near = await sim(model, ["--max-num-seqs", "1", "--decode-ms-per-step", "200"]);
+  const far = await sim(model, ["--time-scale", "200"]);
+  for (const [pool, region] of [["spill-near", "us-east"], ["spill-far", "eu-west"]]) {
+    const r = await gw.admin(`/admin/pools/${pool}`, { method: "PUT", body: { region, policy: "least_load", saturation_waiting_per_backend: 0.5 } });
+    assert.equal(r.status, 200, await r.text());
+  }
+  for (const [pool, region, s, id] of [["spill-near", "us-east", near, "spill-near-0"], ["spill-far", "eu-west", far, "spill-far-0"]]) {
+    const r = await gw.admin("/admin/backends", { method: "POST", body: { url: s.url, pool, region, models: [model], id } });
+    assert.equal(r.status, 201, await r.text());
+    await waitReady(gw, id);
+  }
+  // The farther pool has nothing ready; the nearer one is saturated.
+  assert.equal((await gw.admin("/admin/backends/spill-far-0", { method: "PATCH", body: { drain: true } })).status, 200);
+  const busy = [0, 1, 2, 3].map((i) => fetch(`${near.url}/v1/chat/completions`, {
+    method: "POST",
+    body: JSON.stringify({ model, max_tokens: 4, ignore_eos: true, messages: [{ role: "user", content: `busy ${i}` }] }),
+  }).then((r) => r.text()).catch(() => null));
+  await waitFor(async () => (await (await gw.admin("/admin/pools/spill-near")).json()).saturated, { what: "spill-near saturated" });
+  const r = await gw.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json", "x-gateway-region": "us-east" },
+    body: JSON.stringify({ model, max_tokens: 1, messages: [{ role: "user", content: "anyone?" }] }),
+  });
+  const text = await r.text();
+  assert.equal(r.status, 200, `a saturated pool refused although no other pool could serve: ${text}`);
+  assert.equal(r.headers.get("x-gateway-pool"), "spill-near");
+  await Promise.all(busy);
 });
