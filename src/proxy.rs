@@ -263,34 +263,53 @@ impl Forward<'_> {
         };
         let mut answer =
             Answer { status, headers, whole: None, usage: None, first_chunk: None, body: None, ttfb_ms: 0, abort };
-        if self.stream {
-            let Some(stream) = body else {
-                return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {} sent no stream", c.id.0)));
-            };
-            answer.first_chunk = Some(read_first_chunk(&stream, remaining(), &c.id.0).await?);
-            answer.body = Some(stream);
-        } else {
-            let bytes = match body {
-                Some(stream) => match with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, &c.id.0), remaining()).await {
-                    Some(r) => r,
-                    None => {
-                        let _ = stream.cancel();
-                        Err(AttemptFailure::new(
-                            OutcomeKind::Timeout,
-                            format!("backend {} did not finish its answer within {} ms", c.id.0, timeout.as_millis()),
-                        ))
-                    }
-                },
-                None => Ok(Vec::new()),
-            }?;
-            // Never a 200 with broken JSON: a body that is not whole is the backend's failure.
-            answer.usage = body_usage(&bytes).map_err(|e| {
-                AttemptFailure::new(OutcomeKind::Transport, format!("backend {} sent an incomplete or invalid JSON answer ({e})", c.id.0))
-            })?;
-            answer.whole = Some(bytes);
+        // Whatever fails from here on, the upstream request is closed, not left to the collector.
+        let read = self.read_answer(&mut answer, body, remaining(), timeout, &c.id.0).await;
+        if let Err(failure) = read {
+            answer.abort.abort();
+            return Err(failure);
         }
         answer.ttfb_ms = elapsed();
         Ok(answer)
+    }
+
+    /// Reads what the client gets of a 2xx answer before its headers: a stream's first chunk, or
+    /// a whole non-streamed body, checked to be one JSON document.
+    async fn read_answer(
+        &self,
+        answer: &mut Answer,
+        body: Option<web_sys::ReadableStream>,
+        remaining: Duration,
+        timeout: Duration,
+        backend: &str,
+    ) -> Result<(), AttemptFailure> {
+        if self.stream {
+            let Some(stream) = body else {
+                return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent no stream")));
+            };
+            answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
+            answer.body = Some(stream);
+            return Ok(());
+        }
+        let bytes = match body {
+            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining).await.unwrap_or_else(|| {
+                Err(AttemptFailure::new(
+                    OutcomeKind::Timeout,
+                    format!("backend {backend} did not finish its answer within {} ms", timeout.as_millis()),
+                ))
+            })?,
+            None => Vec::new(),
+        };
+        // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
+        // is not one whole document is the backend's failure. Other content types pass as sent.
+        let content_type = answer.headers.get("content-type").ok().flatten().unwrap_or_default();
+        if content_type.is_empty() || content_type.contains("json") {
+            answer.usage = body_usage(&bytes).map_err(|e| {
+                AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"))
+            })?;
+        }
+        answer.whole = Some(bytes);
+        Ok(())
     }
 
     fn upstream_request(&self, c: &CandidateView) -> worker::Result<Request> {

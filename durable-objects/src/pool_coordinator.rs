@@ -110,6 +110,8 @@ pub struct PoolCoordinator {
     /// A probe round is running (rounds never overlap: a second one would double-count the
     /// health hysteresis).
     probing: std::cell::Cell<bool>,
+    /// A round was asked for while one ran: run one more after it (its targets may be new).
+    probe_again: std::cell::Cell<bool>,
 }
 
 /// What the coordinator keeps in memory (rebuilt from the registry after a restart).
@@ -227,7 +229,13 @@ fn pool_error(e: PoolError) -> ApiError {
 
 impl DurableObject for PoolCoordinator {
     fn new(state: State, env: Env) -> Self {
-        PoolCoordinator { state, env, live: RefCell::new(None), probing: std::cell::Cell::new(false) }
+        PoolCoordinator {
+            state,
+            env,
+            live: RefCell::new(None),
+            probing: std::cell::Cell::new(false),
+            probe_again: std::cell::Cell::new(false),
+        }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
@@ -648,8 +656,13 @@ impl PoolCoordinator {
         Ok(resp)
     }
 
-    /// Runs a probe round as soon as possible (the alarm fires now; it re-arms itself after).
+    /// Runs a probe round as soon as possible: one more after the round in progress, or else the
+    /// alarm fires now (and re-arms itself after).
     async fn probe_soon(&self) {
+        if self.probing.get() {
+            self.probe_again.set(true);
+            return;
+        }
         if let Err(e) = self.state.storage().set_alarm(0i64).await {
             console_error!("pool: cannot schedule a probe round: {e}");
         }
@@ -665,12 +678,20 @@ impl PoolCoordinator {
     }
 
     /// Probes every backend, `PROBE_CONCURRENCY` at a time, and feeds the results to the pool.
-    /// A round asked for while one runs is skipped: that round's results are as fresh.
+    /// Rounds never overlap: one asked for while another runs becomes a single further round
+    /// after it (so a backend registered meanwhile is probed without waiting for the interval).
     async fn probe_all(&self) {
         if self.probing.replace(true) {
+            self.probe_again.set(true);
             return;
         }
-        self.probe_round().await;
+        loop {
+            self.probe_again.set(false);
+            self.probe_round().await;
+            if !self.probe_again.get() {
+                break;
+            }
+        }
         self.probing.set(false);
     }
 
