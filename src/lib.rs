@@ -6,6 +6,7 @@
 
 mod admin;
 mod auth;
+mod dashboard;
 mod keys;
 mod lease_guard;
 mod metrics;
@@ -121,6 +122,7 @@ async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std:
             auth::require_metrics(&req, env)?;
             metrics::handle(env).await
         }
+        ["dashboard", rest @ ..] => dashboard::serve(&method, &path, rest),
         ["admin", rest @ ..] => {
             auth::require_admin(&req, env)?;
             admin::handle(req, env, rest).await
@@ -318,6 +320,7 @@ async fn completion(
                         backend: grant.backend.clone(),
                         prompt_tokens: features.prompt_tokens,
                         max_tokens: features.max_tokens,
+                        stream,
                         request_id: request_id.to_string(),
                     },
                     client_signal: &client_signal,

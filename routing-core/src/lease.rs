@@ -11,6 +11,7 @@
 //! lease's [`LeaseTerms`] so the pool can count the request again.
 
 use crate::backend::{BackendId, BackendKey};
+use crate::time_model::SharePrediction;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 
@@ -32,6 +33,8 @@ pub struct LeaseShare {
     pub output_tokens: u64,
     /// Whether the request was admitted as a half-open breaker trial there.
     pub trial: bool,
+    /// What the time model predicted for it there, for learning at release.
+    pub predicted: SharePrediction,
 }
 
 /// A request in flight.
@@ -45,6 +48,8 @@ pub struct Lease {
     pub prompt_tokens: u32,
     /// Expected output tokens of the request.
     pub max_tokens: u32,
+    /// Whether the client asked for a stream (its first byte is its first token).
+    pub stream: bool,
     /// The backend serving the request (the prefill backend for a disaggregated pair).
     pub primary: LeaseShare,
     /// The decode backend of a disaggregated pair.
@@ -65,6 +70,8 @@ pub struct LeaseTerms {
     pub prompt_tokens: u32,
     /// Expected output tokens of the request.
     pub max_tokens: u32,
+    /// Whether the request streams.
+    pub stream: bool,
     /// The gateway's request id.
     pub request_id: String,
 }
@@ -108,9 +115,9 @@ impl LeaseTable {
     }
 
     /// Adds a lease; returns it back if its id is taken.
-    pub fn insert(&mut self, lease: Lease) -> Result<(), Lease> {
+    pub fn insert(&mut self, lease: Lease) -> Result<(), Box<Lease>> {
         if self.leases.contains_key(&lease.id) {
-            return Err(lease);
+            return Err(Box::new(lease));
         }
         self.deadlines.insert((lease.deadline_ms, lease.id));
         self.leases.insert(lease.id, lease);
@@ -171,6 +178,7 @@ mod tests {
             request_id: format!("r{id}"),
             prompt_tokens: 1,
             max_tokens: 1,
+            stream: false,
             primary: LeaseShare {
                 backend: BackendKey {
                     slot: 0,
@@ -179,6 +187,7 @@ mod tests {
                 prompt_tokens: 1,
                 output_tokens: 1,
                 trial: false,
+                predicted: SharePrediction::default(),
             },
             decode: None,
             acquired_ms: 0,

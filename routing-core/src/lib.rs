@@ -8,8 +8,9 @@
 //! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]) and Prometheus rendering ([`metrics`]); the probe's reading of vLLM's
-//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]) and the reading of
-//! backends' token usage ([`usage`]) too.
+//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]), the per-minute
+//! history the dashboard draws ([`history`]) and the reading of backends' token usage ([`usage`])
+//! too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -21,6 +22,7 @@ pub mod backend;
 pub mod breaker;
 pub mod cost;
 pub mod health;
+pub mod history;
 pub mod lease;
 pub mod metrics;
 pub mod outcome;
@@ -33,6 +35,7 @@ pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;
+pub mod time_model;
 pub mod usage;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};

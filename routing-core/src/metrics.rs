@@ -41,6 +41,12 @@ impl Histogram {
     pub fn count(&self) -> u64 {
         self.count
     }
+
+    /// Observations per bucket of [`LATENCY_BUCKETS_MS`] (not cumulative; slower ones are in
+    /// `count` only).
+    pub fn buckets(&self) -> &[u64; LATENCY_BUCKETS_MS.len()] {
+        &self.buckets
+    }
 }
 
 /// Per-backend counters.
@@ -687,7 +693,7 @@ mod tests {
         assert!(out.contains(
             r#"llm_gateway_ttfb_seconds_bucket{pool="eu\"1",backend="gpu\\a",le="0.25"} 1"#
         ));
-        assert!(out.contains(r#"llm_gateway_decisions_total{pool="eu\"1",policy="cache_aware",decision="cache_miss"} 1"#));
+        assert!(out.contains(r#"llm_gateway_decisions_total{pool="eu\"1",policy="predicted_latency",decision="cache_miss"} 1"#));
         assert!(out.contains(
             r#"llm_gateway_breaker_state{pool="eu\"1",backend="gpu\\a",state="closed"} 1"#
         ));

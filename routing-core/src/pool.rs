@@ -23,11 +23,15 @@ use crate::metrics::{BackendStats, PoolStats};
 use crate::outcome::{Outcome, OutcomeKind};
 use crate::policy::{
     self, CacheAwareConfig, Candidate, ConsistentHashConfig, DecisionInput, DecisionKind,
-    PolicyKind, RoutingPolicy, NO_CANDIDATE,
+    PolicyKind, PredictedLatencyConfig, RoutingPolicy, NO_CANDIDATE,
 };
 use crate::prompt::{RequestFeatures, DEFAULT_BLOCK_TOKENS};
 use crate::random::RandomSource;
 use crate::ring::{key_hash, RingMember};
+use crate::time_model::{
+    room_wait_ms, BackendTiming, Observation, OutputRatio, SharePrediction, TimeModelConfig,
+    TimingView,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -60,11 +64,18 @@ pub struct PoolConfig {
     pub consistent_hash: ConsistentHashConfig,
     /// cache_aware (and disaggregated prefill) knobs.
     pub cache_aware: CacheAwareConfig,
+    /// predicted_latency knobs.
+    pub predicted_latency: PredictedLatencyConfig,
+    /// The time model's starting rates and learning ([`crate::time_model`]).
+    pub time_model: TimeModelConfig,
     /// Circuit-breaker thresholds and timings.
     pub breaker: BreakerConfig,
     /// Health-probe thresholds.
     pub health: HealthConfig,
 }
+
+/// Fewest output tokens between two scrapes for their time per token to teach the time model.
+const MIN_SCRAPED_TOKENS: f64 = 50.0;
 
 /// Most candidates a grant can carry.
 pub const MAX_CANDIDATES: usize = 16;
@@ -81,6 +92,8 @@ impl Default for PoolConfig {
             affinity_max_entries: 1_000_000,
             consistent_hash: ConsistentHashConfig::default(),
             cache_aware: CacheAwareConfig::default(),
+            predicted_latency: PredictedLatencyConfig::default(),
+            time_model: TimeModelConfig::default(),
             breaker: BreakerConfig::default(),
             health: HealthConfig::default(),
         }
@@ -108,6 +121,8 @@ impl PoolConfig {
         }
         self.consistent_hash.validate().map_err(ConfigError)?;
         self.cache_aware.validate().map_err(ConfigError)?;
+        self.predicted_latency.validate().map_err(ConfigError)?;
+        self.time_model.validate().map_err(ConfigError)?;
         self.breaker.validate().map_err(ConfigError)?;
         if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
             return fail("health thresholds must be at least 1");
@@ -310,6 +325,10 @@ pub struct ProbeResult {
     pub kv_blocks: Option<u64>,
     /// `block_size` from `vllm:cache_config_info`.
     pub block_size: Option<u32>,
+    /// Cumulative sum of `vllm:time_per_output_token_seconds`.
+    pub tpot_seconds_sum: Option<f64>,
+    /// Cumulative count of `vllm:time_per_output_token_seconds`.
+    pub tpot_count: Option<f64>,
 }
 
 /// Gauges scraped from a backend's `/metrics`.
@@ -378,6 +397,8 @@ pub struct BackendView {
     pub last_probe_ms: Option<u64>,
     /// Scraped gauges.
     pub scraped: ScrapedGauges,
+    /// The backend's time model: learned rates and its prefill backlog.
+    pub timing: TimingView,
 }
 
 /// What the Durable Object persists of a backend's state besides its spec, so that a restart
@@ -408,6 +429,14 @@ pub(crate) struct BackendEntry {
     pub(crate) scraped: ScrapedGauges,
     pub(crate) added_ms: u64,
     pub(crate) stats: BackendStats,
+    /// Learned rates and the virtual prefill queue.
+    pub(crate) timing: BackendTiming,
+    /// Sequences the last scrape found running, and waiting, beyond the gateway's own leases
+    /// (other clients of the same server).
+    pub(crate) external_running: f64,
+    pub(crate) external_waiting: f64,
+    /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
+    pub(crate) tpot_scraped: Option<(f64, f64)>,
 }
 
 impl BackendEntry {
@@ -438,6 +467,11 @@ impl BackendEntry {
             c.max_num_seqs,
             queue_weight,
         )
+    }
+
+    /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
+    fn running(&self) -> f64 {
+        f64::from(self.in_flight.leases) + self.external_running
     }
 
     fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {
@@ -497,6 +531,12 @@ pub struct Pool {
     affinity: PrefixAffinity,
     pub(crate) stats: PoolStats,
     scratch: Scratch,
+    /// Real over requested output length, learned from usage.
+    output_ratio: OutputRatio,
+    /// Mean uncached prompt tokens per granted request (prices scraped waiting requests).
+    mean_uncached_tokens: f64,
+    /// The latest time the pool was told (views show the prefill backlog as of then).
+    now_hint_ms: u64,
 }
 
 impl fmt::Debug for Pool {
@@ -516,7 +556,12 @@ impl Pool {
     /// [`PoolConfig::validate`] first ([`Pool::set_config`] does). Out-of-range values never make
     /// the pool panic; they are clamped where they would.
     pub fn new(name: &str, config: PoolConfig) -> Pool {
-        let policy = policy::build(config.policy, &config.consistent_hash, &config.cache_aware);
+        let policy = policy::build(
+            config.policy,
+            &config.consistent_hash,
+            &config.cache_aware,
+            &config.predicted_latency,
+        );
         let affinity = PrefixAffinity::new(config.affinity_max_entries);
         Pool {
             name: name.to_string(),
@@ -529,6 +574,9 @@ impl Pool {
             affinity,
             stats: PoolStats::default(),
             scratch: Scratch::default(),
+            output_ratio: OutputRatio::default(),
+            mean_uncached_tokens: 0.0,
+            now_hint_ms: 0,
         }
     }
 
@@ -552,6 +600,7 @@ impl Pool {
             self.config.policy,
             &self.config.consistent_hash,
             &self.config.cache_aware,
+            &self.config.predicted_latency,
         );
         self.members_changed();
         self.affinity
@@ -594,6 +643,10 @@ impl Pool {
             scraped: ScrapedGauges::default(),
             added_ms: now_ms,
             stats: BackendStats::default(),
+            timing: BackendTiming::default(),
+            external_running: 0.0,
+            external_waiting: 0.0,
+            tpot_scraped: None,
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -691,6 +744,7 @@ impl Pool {
     ) -> Result<Option<HealthTransition>, PoolError> {
         let slot = self.slot_of(id)?;
         let health_config = self.config.health;
+        let time_model = self.config.time_model;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
         let verdict = if probe.loading {
             ProbeVerdict::Loading
@@ -715,6 +769,28 @@ impl Pool {
         scraped.waiting = finite(probe.waiting).or(scraped.waiting);
         scraped.running = finite(probe.running).or(scraped.running);
         scraped.kv_usage = finite(probe.kv_usage).or(scraped.kv_usage);
+        // What the server runs beyond the gateway's own leases is someone else's traffic.
+        if probe.running.is_some() || probe.waiting.is_some() {
+            let (running, waiting) = (
+                scraped.running.unwrap_or(0.0),
+                scraped.waiting.unwrap_or(0.0),
+            );
+            let external = (running + waiting - f64::from(entry.in_flight.leases)).max(0.0);
+            entry.external_waiting = external.min(waiting);
+            entry.external_running = external - entry.external_waiting;
+        }
+        // vLLM's own measure of its decode speed since the last scrape, at its current batch.
+        if let (Some(sum), Some(count)) = (probe.tpot_seconds_sum, probe.tpot_count) {
+            if let Some((last_sum, last_count)) = entry.tpot_scraped {
+                let tokens = count - last_count;
+                if tokens >= MIN_SCRAPED_TOKENS && sum >= last_sum {
+                    let tpot_ms = (sum - last_sum) / tokens * 1000.0;
+                    let running = scraped.running.unwrap_or(1.0);
+                    entry.timing.learn_tpot(&time_model, tpot_ms, running);
+                }
+            }
+            entry.tpot_scraped = Some((sum, count));
+        }
         let before = (scraped.kv_blocks, scraped.block_size);
         scraped.kv_blocks = probe.kv_blocks.filter(|&b| b > 0).or(scraped.kv_blocks);
         scraped.block_size = probe.block_size.filter(|&b| b > 0).or(scraped.block_size);
@@ -734,6 +810,7 @@ impl Pool {
         now_ms: u64,
         rng: &mut dyn RandomSource,
     ) -> Result<Grant, AcquireError> {
+        self.now_hint_ms = self.now_hint_ms.max(now_ms);
         self.expire_leases(now_ms);
         let block_tokens = if features.block_tokens > 0 {
             features.block_tokens as usize
@@ -745,6 +822,9 @@ impl Pool {
         let output_tokens = features.max_tokens;
         let queue_weight = self.config.queue_weight;
         let breaker_config = self.config.breaker;
+        let time_model = self.config.time_model;
+        let expected_output = self.output_ratio.expected(output_tokens);
+        let mean_uncached = self.mean_uncached_tokens;
 
         let scratch = &mut self.scratch;
         self.affinity
@@ -754,6 +834,11 @@ impl Pool {
         scratch.mixed.clear();
         let mut model_known = false;
         let mut retry_ms: Option<u64> = None;
+        // The backend with the longest match most likely served this conversation's previous
+        // turn, so it also holds that turn's answer, which the gateway never sees: credit it with
+        // an answer's worth of cached tokens.
+        let longest = scratch.lengths.iter().copied().max().unwrap_or(0);
+        let answer_credit = expected_output as u64;
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(entry) = &s.entry else { continue };
             if !entry.serves(&features.model) {
@@ -777,6 +862,33 @@ impl Pool {
             let cached_blocks = scratch.lengths.get(slot).copied().unwrap_or(0);
             let cached_tokens = (u64::from(cached_blocks) * block_tokens as u64)
                 .min(u64::from(features.prompt_tokens));
+            let mut uncached = u64::from(features.prompt_tokens) - cached_tokens;
+            if cached_blocks > 0 && cached_blocks == longest {
+                uncached = uncached.saturating_sub(answer_credit).max(1);
+            }
+            let external_queue_ms = entry.external_waiting
+                * mean_uncached
+                * entry.timing.view(&time_model, now_ms).prefill_us_per_token
+                / 1000.0;
+            let mut predicted = entry.timing.predict(
+                &time_model,
+                if role == Role::Decode { 0 } else { uncached },
+                expected_output,
+                entry.running(),
+                external_queue_ms,
+                now_ms,
+            );
+            let in_flight = &entry.in_flight;
+            let room_wait = room_wait_ms(
+                in_flight.prompt_tokens
+                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64,
+                uncached + expected_output as u64,
+                capacity,
+                in_flight.leases,
+                entry.capacity().max_num_seqs,
+                predicted.decode_ms,
+            );
+            predicted.ttft_ms += room_wait;
             let candidate = Candidate {
                 slot: slot as u32,
                 weight: entry.spec.weight,
@@ -786,6 +898,10 @@ impl Pool {
                     / capacity.max(1) as f64,
                 benefit: cache_benefit(cached_tokens, capacity),
                 cached_blocks,
+                ttft_ms: predicted.ttft_ms,
+                decode_ms: predicted.decode_ms,
+                harm_ms: predicted.harm_ms,
+                wait_ms: room_wait + external_queue_ms,
             };
             let list = match (pair_policy, role) {
                 (true, Role::Prefill) => &mut scratch.primary,
@@ -857,14 +973,16 @@ impl Pool {
         let cached_tokens = (u64::from(chosen.cached_blocks) * block_tokens as u64)
             .min(u64::from(features.prompt_tokens));
         let uncached = u64::from(features.prompt_tokens) - cached_tokens;
+        self.mean_uncached_tokens += (uncached as f64 - self.mean_uncached_tokens) * 0.05;
         let primary_output = if paired { 1 } else { u64::from(output_tokens) };
         let decode_slot = paired.then(|| scratch.decode[scratch.decode_order[0]].slot);
         let no_backend = AcquireError::NoBackendAvailable {
             retry_after_s: DEFAULT_RETRY_AFTER_S,
         };
-        let Some(primary) = self.admit(chosen.slot, uncached, primary_output, now_ms) else {
+        let Some(mut primary) = self.admit(chosen.slot, uncached, primary_output, now_ms) else {
             return Err(no_backend);
         };
+        primary.predicted.add_wait(chosen.wait_ms);
         let decode = match decode_slot {
             Some(slot) => {
                 let prompt = u64::from(features.prompt_tokens);
@@ -891,6 +1009,7 @@ impl Pool {
             request_id: features.request_id.clone(),
             prompt_tokens: features.prompt_tokens,
             max_tokens: features.max_tokens,
+            stream: features.stream,
             primary,
             decode,
             acquired_ms: now_ms,
@@ -936,8 +1055,18 @@ impl Pool {
         now_ms: u64,
     ) -> Option<LeaseShare> {
         let breaker_config = self.config.breaker;
+        let time_model = self.config.time_model;
         let entry = self.entry_mut(slot)?;
         let trial = entry.breaker.admit(now_ms, &breaker_config)? == Admission::Trial;
+        // A decode server pulls the prompt's KV cache instead of computing it.
+        let prefill = if entry.spec.role == Role::Decode {
+            0
+        } else {
+            prompt_tokens
+        };
+        let predicted = entry
+            .timing
+            .admit(&time_model, prefill, entry.running(), now_ms);
         entry.in_flight.add(prompt_tokens, output_tokens);
         entry.stats.requests += 1;
         Some(LeaseShare {
@@ -945,6 +1074,7 @@ impl Pool {
             prompt_tokens,
             output_tokens,
             trial,
+            predicted,
         })
     }
 
@@ -1014,6 +1144,9 @@ impl Pool {
             self.stats.unknown_releases += 1;
             return false;
         };
+        if outcome.kind.is_success() && lease.decode.is_none() {
+            self.learn(&lease, outcome, now_ms);
+        }
         self.settle(&lease.primary, outcome, lease_id, lease.acquired_ms, now_ms);
         if let Some(decode) = &lease.decode {
             self.settle(decode, outcome, lease_id, lease.acquired_ms, now_ms);
@@ -1081,6 +1214,8 @@ impl Pool {
             prompt_tokens,
             output_tokens,
             trial: false,
+            // Nothing was predicted for it: it teaches the time model nothing.
+            predicted: SharePrediction::default(),
         };
         let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
         let lease = Lease {
@@ -1088,6 +1223,7 @@ impl Pool {
             request_id: terms.request_id.clone(),
             prompt_tokens: terms.prompt_tokens,
             max_tokens: terms.max_tokens,
+            stream: terms.stream,
             primary,
             decode: None,
             acquired_ms: now_ms,
@@ -1126,9 +1262,30 @@ impl Pool {
         Ok(true)
     }
 
+    /// Teaches the time model what a successful request measured: its backend's rates, and the
+    /// pool's ratio of real to requested output.
+    fn learn(&mut self, lease: &Lease, outcome: &Outcome, now_ms: u64) {
+        let seen = Observation {
+            ttfb_ms: outcome.ttfb_ms,
+            duration_ms: now_ms.saturating_sub(lease.acquired_ms),
+            completion_tokens: outcome.completion_tokens,
+            streamed: lease.stream,
+        };
+        if let Some(tokens) = outcome.completion_tokens {
+            self.output_ratio.observe(tokens, lease.max_tokens);
+        }
+        let time_model = self.config.time_model;
+        if let Some(entry) = self.entry_for_key_mut(lease.primary.backend) {
+            entry
+                .timing
+                .learn(&time_model, &lease.primary.predicted, &seen);
+        }
+    }
+
     /// Ends every lease past its deadline, as if cancelled (nobody is blamed), and moves open
     /// breakers whose cooldown has passed to half-open. Returns how many leases expired.
     pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.now_hint_ms = self.now_hint_ms.max(now_ms);
         for s in &mut self.slots {
             if let Some(e) = &mut s.entry {
                 e.breaker.refresh(now_ms);
@@ -1328,6 +1485,7 @@ impl Pool {
         entry
             .in_flight
             .remove(share.prompt_tokens, share.output_tokens);
+        entry.timing.leave(&share.predicted, now_ms);
         let jitter = (xxh3_64(&(lease_id ^ now_ms.rotate_left(32)).to_le_bytes()) >> 11) as f64
             / (1u64 << 53) as f64;
         entry
@@ -1411,6 +1569,7 @@ impl Pool {
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,
             scraped: e.scraped,
+            timing: e.timing.view(&self.config.time_model, self.now_hint_ms),
         })
     }
 }
@@ -1832,6 +1991,37 @@ mod tests {
         other.add_backend(spec("b0"), 0).unwrap();
         other.restore_breaker(&id, b).unwrap();
         assert_eq!(other.backend(&id).unwrap().breaker, BreakerState::Open);
+    }
+
+    #[test]
+    fn scraped_time_per_token_teaches_the_decode_rate() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+        let id = BackendId::from("b0");
+        let scrape = |sum: f64, count: f64| ProbeResult {
+            ok: true,
+            running: Some(4.0),
+            tpot_seconds_sum: Some(sum),
+            tpot_count: Some(count),
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &scrape(0.0, 0.0), 1).unwrap();
+        // 30 ms a token at a batch of 4, where the configured model says 10.6 ms.
+        let mut sum = 0.0;
+        for round in 1..=40u64 {
+            sum += 200.0 * 0.030;
+            pool.record_probe(&id, &scrape(sum, 200.0 * round as f64), round * 1000)
+                .unwrap();
+        }
+        let t = pool.backend(&id).unwrap().timing;
+        assert!(
+            (t.decode_ms_per_step - 10.0 * 30.0 / 10.6).abs() < 1.0,
+            "{t:?}"
+        );
+        // Too few tokens between scrapes teach nothing.
+        let before = t.observations;
+        pool.record_probe(&id, &scrape(sum + 0.3, 8_010.0), 50_000)
+            .unwrap();
+        assert_eq!(pool.backend(&id).unwrap().timing.observations, before);
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub struct VllmMetrics {
     pub kv_blocks: Option<u64>,
     /// `block_size` label of `vllm:cache_config_info`.
     pub block_size: Option<u32>,
+    /// Sum and count of `vllm:time_per_output_token_seconds` (or the newer
+    /// `vllm:inter_token_latency_seconds`): the decode rate the time model learns from.
+    pub tpot_seconds_sum: Option<f64>,
+    pub tpot_count: Option<f64>,
 }
 
 impl VllmMetrics {
@@ -39,6 +43,8 @@ impl VllmMetrics {
         probe.kv_usage = self.kv_usage;
         probe.kv_blocks = self.kv_blocks;
         probe.block_size = self.block_size;
+        probe.tpot_seconds_sum = self.tpot_seconds_sum;
+        probe.tpot_count = self.tpot_count;
     }
 }
 
@@ -73,6 +79,8 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
         Acc::default(),
         Acc::default(),
     );
+    let (mut tpot_sum_old, mut tpot_count_old) = (Acc::default(), Acc::default());
+    let (mut tpot_sum_new, mut tpot_count_new) = (Acc::default(), Acc::default());
     let mut out = VllmMetrics::default();
     for line in text.lines() {
         let line = line.trim();
@@ -93,6 +101,10 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
                 q_old.add(value)
             }
             "vllm:gpu_prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits" => h_old.add(value),
+            "vllm:time_per_output_token_seconds_sum" => tpot_sum_old.add(value),
+            "vllm:time_per_output_token_seconds_count" => tpot_count_old.add(value),
+            "vllm:inter_token_latency_seconds_sum" => tpot_sum_new.add(value),
+            "vllm:inter_token_latency_seconds_count" => tpot_count_new.add(value),
             "vllm:cache_config_info" => {
                 if let Some(v) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
                     out.kv_blocks = Some(v);
@@ -112,6 +124,10 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
         .map(|u| u.clamp(0.0, 1.0));
     out.prefix_cache_queries = q_new.sum().or_else(|| q_old.sum());
     out.prefix_cache_hits = h_new.sum().or_else(|| h_old.sum());
+    (out.tpot_seconds_sum, out.tpot_count) = match (tpot_sum_new.sum(), tpot_count_new.sum()) {
+        (Some(s), Some(c)) => (Some(s), Some(c)),
+        _ => (tpot_sum_old.sum(), tpot_count_old.sum()),
+    };
     out
 }
 
@@ -207,6 +223,22 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
         assert_eq!(m.prefix_cache_queries, Some(10.0));
         assert_eq!(m.prefix_cache_hits, Some(4.0));
         assert_eq!(m.waiting, None);
+    }
+
+    #[test]
+    fn reads_time_per_output_token_under_either_name() {
+        let old = "vllm:time_per_output_token_seconds_sum{model_name=\"m\"} 1.5\n\
+                   vllm:time_per_output_token_seconds_count{model_name=\"m\"} 100\n";
+        let m = parse_vllm_metrics(old);
+        assert_eq!((m.tpot_seconds_sum, m.tpot_count), (Some(1.5), Some(100.0)));
+        let both = format!(
+            "{old}vllm:inter_token_latency_seconds_sum 3\nvllm:inter_token_latency_seconds_count 300\n"
+        );
+        let m = parse_vllm_metrics(&both);
+        assert_eq!((m.tpot_seconds_sum, m.tpot_count), (Some(3.0), Some(300.0)));
+        let mut p = ProbeResult::default();
+        m.apply_to(&mut p);
+        assert_eq!(p.tpot_count, Some(300.0));
     }
 
     #[test]

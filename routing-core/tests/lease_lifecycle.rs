@@ -51,6 +51,7 @@ fn terms(backend: &BackendId) -> LeaseTerms {
         backend: backend.clone(),
         prompt_tokens: 100,
         max_tokens: 50,
+        stream: true,
         request_id: "r1".into(),
     }
 }

@@ -677,3 +677,105 @@ def test_fault_crash_exits_the_process(vllm_sim):
     assert server.process.wait(timeout=5) != 0
     with pytest.raises(openai.APIConnectionError):
         chat(client(server, timeout=1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Faults on the wire, usage details and continued answers, as the openai client sees them
+
+
+def wait_for(condition, what: str, patience: float = 20.0) -> None:
+    """Polls `condition` until it holds; fails after `patience` seconds (a bound, not a measurement)."""
+    deadline = time.monotonic() + patience
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_fault_stall_keeps_the_stream_open_until_the_client_gives_up(vllm_sim):
+    server = vllm_sim(*FAST)
+    set_faults(server, stall_after_tokens=2)
+    received = ""
+    with pytest.raises(openai.APITimeoutError):
+        for chunk in client(server, timeout=1.0).chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            if chunk.choices:
+                received += chunk.choices[0].delta.content or ""
+    assert len(received) == 2 * 4
+    # The client's timeout closed the connection: the hung sequence is aborted and its slot freed.
+    wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0, "the abort")
+    m = metrics(server)
+    assert m["vllm:request_success_total{finished_reason=abort}"] == 1
+    assert m["vllm:generation_tokens_total"] == 2
+
+
+def test_fault_truncated_body_is_a_connection_error(vllm_sim):
+    server = vllm_sim("--fault-truncate-body", *FAST)
+    cl = client(server)
+    with pytest.raises(openai.APIConnectionError):
+        cl.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    # Streams are unaffected.
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in cl.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    )
+    assert len(text) == 3 * 4
+
+
+def test_fault_disconnect_mid_event_breaks_the_stream_after_n_tokens(vllm_sim):
+    server = vllm_sim(*FAST)
+    set_faults(server, disconnect_mid_event_after_tokens=3)
+    received = ""
+    with pytest.raises(Exception) as e:
+        for chunk in client(server).chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            if chunk.choices:
+                received += chunk.choices[0].delta.content or ""
+    assert not isinstance(e.value, AssertionError)
+    assert len(received) == 3 * 4
+
+
+def test_cached_tokens_and_continuing_a_partial_answer(vllm_sim):
+    server = vllm_sim(*FAST)
+    cl = client(server)
+    question = [{"role": "user", "content": filler("q", 616)}]  # renders to 640 bytes, 160 tokens
+    first = cl.chat.completions.create(
+        model="sim-model", messages=question, max_tokens=40, extra_body={"ignore_eos": True}
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    partial = first.choices[0].message.content
+    hits = metrics(server)["vllm:prefix_cache_hits_total"]
+    continued = cl.chat.completions.create(
+        model="sim-model",
+        messages=question + [{"role": "assistant", "content": partial}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    # History plus the 40-token partial answer; every full block of it computed by the first request.
+    assert continued.usage.prompt_tokens == 200
+    assert continued.usage.prompt_tokens_details.cached_tokens == 192
+    assert metrics(server)["vllm:prefix_cache_hits_total"] - hits == 192
+    with pytest.raises(openai.BadRequestError) as e:
+        cl.chat.completions.create(
+            model="sim-model",
+            messages=question + [{"role": "assistant", "content": partial}],
+            max_tokens=8,
+            extra_body={"continue_final_message": True},
+        )
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True." in str(e.value)

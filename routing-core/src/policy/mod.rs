@@ -12,6 +12,7 @@ mod consistent_hash;
 mod disaggregated;
 mod least_load;
 mod power_of_two;
+mod predicted_latency;
 mod random;
 mod round_robin;
 mod weighted;
@@ -21,6 +22,7 @@ pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use disaggregated::Disaggregated;
 pub use least_load::LeastLoad;
 pub use power_of_two::PowerOfTwo;
+pub use predicted_latency::{PredictedLatency, PredictedLatencyConfig};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use weighted::Weighted;
@@ -49,16 +51,19 @@ pub enum PolicyKind {
     PowerOfTwo,
     /// The routing key's owner on the hash ring, with bounded loads.
     ConsistentHash,
-    /// Prefix affinity weighed against load (the default).
-    #[default]
+    /// Prefix affinity weighed against load (the default before `predicted_latency`).
     CacheAware,
+    /// The least predicted time: prefill backlog, uncached prefill and decode interference (the
+    /// default).
+    #[default]
+    PredictedLatency,
     /// A prefill backend (cache-aware) and a decode backend (least load).
     Disaggregated,
 }
 
 impl PolicyKind {
     /// Every policy, in order.
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::RoundRobin,
         PolicyKind::Weighted,
         PolicyKind::Random,
@@ -66,6 +71,7 @@ impl PolicyKind {
         PolicyKind::PowerOfTwo,
         PolicyKind::ConsistentHash,
         PolicyKind::CacheAware,
+        PolicyKind::PredictedLatency,
         PolicyKind::Disaggregated,
     ];
 
@@ -79,6 +85,7 @@ impl PolicyKind {
             PolicyKind::PowerOfTwo => "power_of_two",
             PolicyKind::ConsistentHash => "consistent_hash",
             PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::PredictedLatency => "predicted_latency",
             PolicyKind::Disaggregated => "disaggregated",
         }
     }
@@ -185,6 +192,15 @@ pub struct Candidate {
     pub benefit: f64,
     /// Leading prompt blocks it probably holds.
     pub cached_blocks: u32,
+    /// Predicted time to first token there, in ms ([`crate::time_model`]).
+    pub ttft_ms: f64,
+    /// Predicted decode time of the request there, in ms.
+    pub decode_ms: f64,
+    /// Predicted time the request would cost the sequences running there, in ms.
+    pub harm_ms: f64,
+    /// Of `ttft_ms`, the wait for KV space or a sequence slot and for other clients' queued
+    /// requests, in ms (the rest is the prefill queue, the prefill and a step).
+    pub wait_ms: f64,
 }
 
 impl Candidate {
@@ -250,6 +266,7 @@ pub fn build(
     kind: PolicyKind,
     consistent_hash: &ConsistentHashConfig,
     cache_aware: &CacheAwareConfig,
+    predicted_latency: &PredictedLatencyConfig,
 ) -> Box<dyn RoutingPolicy> {
     match kind {
         PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
@@ -259,6 +276,7 @@ pub fn build(
         PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
         PolicyKind::ConsistentHash => Box::new(ConsistentHash::new(*consistent_hash)),
         PolicyKind::CacheAware => Box::new(CacheAware::new(*cache_aware)),
+        PolicyKind::PredictedLatency => Box::new(PredictedLatency::new(*predicted_latency)),
         PolicyKind::Disaggregated => Box::new(Disaggregated::new(*cache_aware)),
     }
 }
@@ -347,7 +365,13 @@ mod tests {
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{}\"", kind.as_str()));
             assert_eq!(
-                build(kind, &Default::default(), &Default::default()).kind(),
+                build(
+                    kind,
+                    &Default::default(),
+                    &Default::default(),
+                    &Default::default()
+                )
+                .kind(),
                 kind
             );
         }

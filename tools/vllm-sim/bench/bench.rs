@@ -93,11 +93,16 @@ async fn post(
 }
 
 async fn get_text(addr: &str, path: &str) -> String {
-    let Ok(mut sender) = connect(addr).await else { return String::new() };
+    let Ok(mut sender) = connect(addr).await else {
+        return String::new();
+    };
     if sender.ready().await.is_err() {
         return String::new();
     }
-    let Ok(request) = Request::get(path).header("host", "vllm-sim").body(Full::new(Bytes::new())) else {
+    let Ok(request) = Request::get(path)
+        .header("host", "vllm-sim")
+        .body(Full::new(Bytes::new()))
+    else {
         return String::new();
     };
     match sender.send_request(request).await {
@@ -248,8 +253,11 @@ async fn streams(args: &Args) {
     for s in 0..args.streams {
         let addr = args.addr.clone();
         let (headers, started, chunks) = (headers.clone(), started.clone(), chunks.clone());
-        let (failed_connect, failed_request, ended_early) =
-            (failed_connect.clone(), failed_request.clone(), ended_early.clone());
+        let (failed_connect, failed_request, ended_early) = (
+            failed_connect.clone(),
+            failed_request.clone(),
+            ended_early.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let Ok(mut sender) = connect(&addr).await else {
                 failed_connect.fetch_add(1, Ordering::Relaxed);
@@ -348,14 +356,17 @@ async fn fill(args: &Args) {
             let addr = args.addr.clone();
             let prompt_bytes = args.prompt_bytes;
             tasks.push(tokio::spawn(async move {
-                let Ok(mut sender) = connect(&addr).await else { return 0u64 };
+                let Ok(mut sender) = connect(&addr).await else {
+                    return 0u64;
+                };
                 let mut ok = 0;
                 for i in 0..per_task {
                     if Instant::now() > deadline {
                         break;
                     }
                     let prompt = filler(&format!("round{round}-task{t}-req{i}"), prompt_bytes);
-                    let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","max_tokens":1}}"#);
+                    let body =
+                        format!(r#"{{"model":"sim-model","prompt":"{prompt}","max_tokens":1}}"#);
                     if let Ok(r) = post(&mut sender, "/v1/completions", body).await {
                         if r.status().is_success() && r.into_body().collect().await.is_ok() {
                             ok += 1;

@@ -17,10 +17,11 @@ use crate::disagg::{prompt_digest, KvIntent};
 use crate::engine::SeqEvent;
 use crate::faults::FaultDecision;
 use crate::openai::{
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, Completion, CompletionChoice,
-    CompletionRequest, EmbeddingRequest, ErrorBody, ErrorDetail, SamplingRequest, Usage,
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, Completion,
+    CompletionChoice, CompletionRequest, EmbeddingRequest, ErrorBody, ErrorDetail, SamplingRequest,
+    Usage,
 };
-use crate::prompt::render_chat;
+use crate::prompt::{render_chat, ChatEnding};
 use crate::sampler::{eos_after, text_seed};
 use crate::scheduler::{blocks_for, SequenceSpec};
 use crate::server::AppState;
@@ -62,7 +63,14 @@ impl ApiError {
         let detail = |status: StatusCode, kind: &str, message: &str, param: Option<&str>| {
             body::json(
                 status,
-                &ErrorBody { error: ErrorDetail { message, kind, param, code: status.as_u16() } },
+                &ErrorBody {
+                    error: ErrorDetail {
+                        message,
+                        kind,
+                        param,
+                        code: status.as_u16(),
+                    },
+                },
             )
         };
         match self {
@@ -86,17 +94,25 @@ impl ApiError {
                     "Too many requests (simulated)",
                     None,
                 );
-                response.headers_mut().insert("retry-after", hyper::header::HeaderValue::from_static("1"));
+                response
+                    .headers_mut()
+                    .insert("retry-after", hyper::header::HeaderValue::from_static("1"));
                 response
             }
             ApiError::Injected(status) => {
-                let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                let status =
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
                 let kind = if status == StatusCode::SERVICE_UNAVAILABLE {
                     "ServiceUnavailableError"
                 } else {
                     "InternalServerError"
                 };
-                detail(status, kind, "Simulated server error (fault injection)", None)
+                detail(
+                    status,
+                    kind,
+                    "Simulated server error (fault injection)",
+                    None,
+                )
             }
             ApiError::Loading => detail(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -104,10 +120,13 @@ impl ApiError {
                 "The model is loading",
                 None,
             ),
-            ApiError::RouteNotFound => body::json(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"})),
-            ApiError::MethodNotAllowed => {
-                body::json(StatusCode::METHOD_NOT_ALLOWED, &json!({"detail": "Method Not Allowed"}))
+            ApiError::RouteNotFound => {
+                body::json(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"}))
             }
+            ApiError::MethodNotAllowed => body::json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                &json!({"detail": "Method Not Allowed"}),
+            ),
             ApiError::EngineGone | ApiError::Disconnect => detail(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalServerError",
@@ -170,9 +189,22 @@ pub async fn chat_completions(
     faults: &FaultDecision,
 ) -> Result<Response<SimBody>, ApiError> {
     let request: ChatCompletionRequest = parse(body)?;
-    let prompt = render_chat(&request.messages).map_err(bad_request)?;
+    let ending = ChatEnding::from_request(
+        &request.messages,
+        request.add_generation_prompt,
+        request.continue_final_message,
+    )
+    .map_err(bad_request)?;
+    let prompt = render_chat(&request.messages, ending).map_err(bad_request)?;
     let id = request_id(state, "chatcmpl", request_id_header);
-    let generation = prepare(state, Endpoint::Chat, id, request.model, prompt, request.sampling)?;
+    let generation = prepare(
+        state,
+        Endpoint::Chat,
+        id,
+        request.model,
+        prompt,
+        request.sampling,
+    )?;
     generate(state, generation, faults).await
 }
 
@@ -186,7 +218,14 @@ pub async fn completions(
     let request: CompletionRequest = parse(body)?;
     let prompt = request.prompt.into_single_prompt().map_err(bad_request)?;
     let id = request_id(state, "cmpl", request_id_header);
-    let generation = prepare(state, Endpoint::Completion, id, request.model, prompt, request.sampling)?;
+    let generation = prepare(
+        state,
+        Endpoint::Completion,
+        id,
+        request.model,
+        prompt,
+        request.sampling,
+    )?;
     generate(state, generation, faults).await
 }
 
@@ -202,15 +241,21 @@ fn prepare(
     let config = &state.config;
     let model = resolve_model(state, model)?;
     if sampling.n.is_some_and(|n| n != 1) {
-        return Err(bad_request("vllm-sim generates one choice per request: n must be 1"));
+        return Err(bad_request(
+            "vllm-sim generates one choice per request: n must be 1",
+        ));
     }
     let stream = sampling.stream.unwrap_or(false);
     if sampling.stream_options.is_some() && !stream {
-        return Err(bad_request("Stream options can only be defined when `stream=True`."));
+        return Err(bad_request(
+            "Stream options can only be defined when `stream=True`.",
+        ));
     }
     let temperature = sampling.temperature.unwrap_or(1.0);
     if !(temperature.is_finite() && temperature >= 0.0) {
-        return Err(bad_request(format!("temperature must be non-negative, got {temperature}.")));
+        return Err(bad_request(format!(
+            "temperature must be non-negative, got {temperature}."
+        )));
     }
 
     let prompt_tokens = count_tokens(prompt.len());
@@ -262,7 +307,10 @@ fn prepare(
     let (max_tokens, handoff) = match intent {
         KvIntent::HandOff => (
             1,
-            Some(HandOff { authority: state.transfer.clone(), prompt_digest: digest }),
+            Some(HandOff {
+                authority: state.transfer.clone(),
+                prompt_digest: digest,
+            }),
         ),
         KvIntent::Local | KvIntent::RemotePrefill => (max_tokens, None),
     };
@@ -272,12 +320,18 @@ fn prepare(
     let spec = SequenceSpec {
         max_output_tokens: max_tokens,
         min_tokens,
-        eos_after: eos_after(seed, config.mean_output_tokens, min_tokens, sampling.ignore_eos.unwrap_or(false)),
+        eos_after: eos_after(
+            seed,
+            config.mean_output_tokens,
+            min_tokens,
+            sampling.ignore_eos.unwrap_or(false),
+        ),
         stops: sampling.stop.map(|s| s.into_vec()).unwrap_or_default(),
         text_seed: seed,
         remote_prefill: intent == KvIntent::RemotePrefill,
         report_blocks: handoff.is_some(),
         stream,
+        stall_after: None,
         prompt,
     };
     Ok(Generation {
@@ -300,11 +354,26 @@ async fn generate(
     generation: Generation,
     faults: &FaultDecision,
 ) -> Result<Response<SimBody>, ApiError> {
-    let Generation { endpoint, id, created, model, stream, include_usage, continuous_usage, prompt_tokens, handoff, spec } =
-        generation;
-    let mut events = state.engine.submit(spec, Instant::now()).map_err(|_| ApiError::EngineGone)?;
+    let Generation {
+        endpoint,
+        id,
+        created,
+        model,
+        stream,
+        include_usage,
+        continuous_usage,
+        prompt_tokens,
+        handoff,
+        mut spec,
+    } = generation;
+    spec.stall_after = faults.stall_after_tokens;
+    let details = state.config.enable_prompt_tokens_details;
+    let mut events = state
+        .engine
+        .submit(spec, Instant::now())
+        .map_err(|_| ApiError::EngineGone)?;
     if stream {
-        let encoder = ChunkEncoder::new(
+        let mut encoder = ChunkEncoder::new(
             endpoint,
             id,
             created,
@@ -314,7 +383,12 @@ async fn generate(
             prompt_tokens,
             handoff,
         );
-        return Ok(body::event_stream(SseStream::new(events, encoder, faults.disconnect_after_tokens)));
+        encoder.prompt_tokens_details = details;
+        return Ok(body::event_stream(SseStream::new(
+            events,
+            encoder,
+            faults.stream_cut(),
+        )));
     }
     let finish = loop {
         match events.recv().await {
@@ -323,11 +397,18 @@ async fn generate(
             None => return Err(ApiError::EngineGone),
         }
     };
-    if faults.disconnect_after_tokens.is_some_and(|n| finish.output_tokens >= n) {
+    if faults
+        .disconnect_after_tokens
+        .is_some_and(|n| finish.output_tokens >= n)
+    {
         return Err(ApiError::Disconnect);
     }
     let params = handoff.as_ref().map(|h| h.params(&finish));
-    let usage = Usage::new(finish.prompt_tokens, finish.output_tokens, Some(finish.cached_tokens));
+    let usage = Usage::new(
+        finish.prompt_tokens,
+        finish.output_tokens,
+        details.then_some(finish.cached_tokens),
+    );
     let finish_reason = finish.reason.as_str();
     let stop_reason = finish.stop_reason.as_deref();
     Ok(match endpoint {
@@ -387,13 +468,17 @@ pub async fn embeddings(state: &AppState, body: &[u8]) -> Result<Response<SimBod
     }
     let dims = request.dimensions.unwrap_or(config.embedding_dim);
     if dims == 0 || dims > 65536 {
-        return Err(bad_request(format!("dimensions must be between 1 and 65536, got {dims}")));
+        return Err(bad_request(format!(
+            "dimensions must be between 1 and 65536, got {dims}"
+        )));
     }
     let as_base64 = match request.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(bad_request(format!("encoding_format must be 'float' or 'base64', got '{other}'")))
+            return Err(bad_request(format!(
+                "encoding_format must be 'float' or 'base64', got '{other}'"
+            )))
         }
     };
     let mut total_tokens: u32 = 0;
@@ -486,7 +571,12 @@ pub fn embedding(input: &[u8], dims: usize, seed: u64) -> Vec<f32> {
             (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
         })
         .collect();
-    let norm = raw.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+    let norm = raw
+        .iter()
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::MIN_POSITIVE);
     raw.iter().map(|x| (x / norm) as f32).collect()
 }
 
@@ -496,7 +586,11 @@ pub fn base64_f32(values: &[f32]) -> String {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -535,8 +629,17 @@ mod tests {
     fn errors_render_like_vllm() {
         let response = ApiError::ModelNotFound("x".into()).into_response();
         assert_eq!(response.status(), StatusCode::NOT_FOUND);
-        assert_eq!(ApiError::Unauthorized.into_response().status(), StatusCode::UNAUTHORIZED);
-        assert_eq!(ApiError::Injected(503).into_response().status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(ApiError::RateLimited.into_response().status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            ApiError::Unauthorized.into_response().status(),
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(
+            ApiError::Injected(503).into_response().status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            ApiError::RateLimited.into_response().status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
     }
 }

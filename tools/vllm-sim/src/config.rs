@@ -116,6 +116,11 @@ pub struct Config {
     #[arg(long, default_value_t = 32)]
     pub embedding_dim: usize,
 
+    /// Report `usage.prompt_tokens_details.cached_tokens` (prefix-cache hits), as vLLM does with
+    /// --enable-prompt-tokens-details. On by default in the sim; `=false` turns it off.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub enable_prompt_tokens_details: bool,
+
     /// Start in a loading phase: /health and /v1/* answer 503 for this many seconds (wall-clock).
     #[arg(long, default_value_t = 0.0)]
     pub startup_delay_s: f64,
@@ -143,6 +148,19 @@ pub struct Config {
     /// Fault: drop the connection after this many output tokens.
     #[arg(long)]
     pub fault_disconnect_after_tokens: Option<u32>,
+
+    /// Fault: stop generating after this many output tokens and keep the connection open, silent
+    /// (an engine hang); the sequence keeps its slot until the client disconnects.
+    #[arg(long)]
+    pub fault_stall_after_tokens: Option<u32>,
+
+    /// Fault: non-streamed answers send their headers and half of the body, then close.
+    #[arg(long, default_value_t = false)]
+    pub fault_truncate_body: bool,
+
+    /// Fault: streams send half of the event after this many output tokens, then close.
+    #[arg(long)]
+    pub fault_disconnect_mid_event_after_tokens: Option<u32>,
 
     /// Fault: /health answers 503.
     #[arg(long, default_value_t = false)]
@@ -200,7 +218,9 @@ impl Config {
             ("--startup-delay-s", self.startup_delay_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(ConfigError::Invalid(format!("{flag} must be a non-negative number")));
+                return Err(ConfigError::Invalid(format!(
+                    "{flag} must be a non-negative number"
+                )));
             }
         }
         if self.embedding_dim == 0 || self.embedding_dim > 65536 {
@@ -239,6 +259,9 @@ impl Config {
             hang_rate: self.fault_hang_rate,
             first_byte_delay_ms: self.fault_first_byte_delay_ms,
             disconnect_after_tokens: self.fault_disconnect_after_tokens,
+            stall_after_tokens: self.fault_stall_after_tokens,
+            truncate_body: self.fault_truncate_body,
+            disconnect_mid_event_after_tokens: self.fault_disconnect_mid_event_after_tokens,
             health_fail: self.fault_health_fail,
         }
     }
@@ -257,7 +280,8 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Config {
-        Config::try_parse_from(std::iter::once("vllm-sim").chain(args.iter().copied())).expect("parses")
+        Config::try_parse_from(std::iter::once("vllm-sim").chain(args.iter().copied()))
+            .expect("parses")
     }
 
     #[test]
@@ -266,7 +290,10 @@ mod tests {
         assert!(c.validate().is_ok());
         assert_eq!(c.port, 8101);
         assert_eq!(c.models, vec!["sim-model".to_string()]);
-        assert_eq!((c.max_num_seqs, c.kv_blocks, c.block_size, c.max_model_len), (64, 4096, 16, 32768));
+        assert_eq!(
+            (c.max_num_seqs, c.kv_blocks, c.block_size, c.max_model_len),
+            (64, 4096, 16, 32768)
+        );
         assert_eq!(c.role, Role::Mixed);
         assert_eq!(c.step_timing().step_us(0, 1000), 10_000.0 + 100_000.0);
     }
@@ -276,6 +303,29 @@ mod tests {
         let c = parse(&["--model", "a", "--model", "b", "--role", "decode"]);
         assert_eq!(c.models, vec!["a".to_string(), "b".to_string()]);
         assert_eq!(c.role, Role::Decode);
+    }
+
+    #[test]
+    fn reads_the_new_fault_flags_and_prompt_tokens_details() {
+        let c = parse(&[
+            "--fault-stall-after-tokens",
+            "3",
+            "--fault-truncate-body",
+            "--fault-disconnect-mid-event-after-tokens",
+            "2",
+        ]);
+        let f = c.initial_faults();
+        assert_eq!(
+            (
+                f.stall_after_tokens,
+                f.truncate_body,
+                f.disconnect_mid_event_after_tokens
+            ),
+            (Some(3), true, Some(2))
+        );
+        assert!(parse(&[]).enable_prompt_tokens_details);
+        assert!(parse(&["--enable-prompt-tokens-details"]).enable_prompt_tokens_details);
+        assert!(!parse(&["--enable-prompt-tokens-details=false"]).enable_prompt_tokens_details);
     }
 
     #[test]

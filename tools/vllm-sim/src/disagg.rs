@@ -148,9 +148,22 @@ impl TransferAuthority {
     }
 
     /// The params a prefill server returns for `block_ids` of a prompt with `prompt_digest`.
-    pub fn issue(&self, block_ids: Vec<BlockId>, prompt_digest: u64, now_ms: u64) -> KvTransferParams {
+    pub fn issue(
+        &self,
+        block_ids: Vec<BlockId>,
+        prompt_digest: u64,
+        now_ms: u64,
+    ) -> KvTransferParams {
         let expires = now_ms.saturating_add(self.ttl_ms);
-        let tag = tag(&self.secret, &self.engine_id, &self.host, self.port, expires, prompt_digest, &block_ids);
+        let tag = tag(
+            &self.secret,
+            &self.engine_id,
+            &self.host,
+            self.port,
+            expires,
+            prompt_digest,
+            &block_ids,
+        );
         KvTransferParams {
             do_remote_decode: false,
             do_remote_prefill: true,
@@ -164,14 +177,36 @@ impl TransferAuthority {
         }
     }
 
-    fn verify(&self, p: &KvTransferParams, prompt_digest: u64, now_ms: u64) -> Result<(), TransferError> {
-        let engine = p.remote_engine_id.as_deref().ok_or(TransferError::Missing("remote_engine_id"))?;
-        let blocks = p.remote_block_ids.as_deref().ok_or(TransferError::Missing("remote_block_ids"))?;
-        let host = p.remote_host.as_deref().ok_or(TransferError::Missing("remote_host"))?;
+    fn verify(
+        &self,
+        p: &KvTransferParams,
+        prompt_digest: u64,
+        now_ms: u64,
+    ) -> Result<(), TransferError> {
+        let engine = p
+            .remote_engine_id
+            .as_deref()
+            .ok_or(TransferError::Missing("remote_engine_id"))?;
+        let blocks = p
+            .remote_block_ids
+            .as_deref()
+            .ok_or(TransferError::Missing("remote_block_ids"))?;
+        let host = p
+            .remote_host
+            .as_deref()
+            .ok_or(TransferError::Missing("remote_host"))?;
         let port = p.remote_port.ok_or(TransferError::Missing("remote_port"))?;
         let expires = p.sim_expires_at_ms.ok_or(TransferError::NotIssued)?;
         let given = p.sim_tag.as_deref().ok_or(TransferError::NotIssued)?;
-        let expected = tag(&self.secret, engine, host, port, expires, prompt_digest, blocks);
+        let expected = tag(
+            &self.secret,
+            engine,
+            host,
+            port,
+            expires,
+            prompt_digest,
+            blocks,
+        );
         if given != expected {
             return Err(TransferError::NotIssued);
         }
@@ -223,21 +258,33 @@ mod tests {
     }
 
     fn remote_decode() -> KvTransferParams {
-        KvTransferParams { do_remote_decode: true, ..Default::default() }
+        KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn issued_params_verify_on_a_decode_server_with_the_same_secret() {
         let prefill = authority(Role::Prefill, "s");
         let decode = authority(Role::Decode, "s");
-        assert_eq!(prefill.classify(Some(&remote_decode()), 1, 0), Ok(KvIntent::HandOff));
+        assert_eq!(
+            prefill.classify(Some(&remote_decode()), 1, 0),
+            Ok(KvIntent::HandOff)
+        );
         let params = prefill.issue(vec![3, 4, 5], 42, 10_000);
         assert!(params.do_remote_prefill);
-        assert_eq!(decode.classify(Some(&params), 42, 10_500), Ok(KvIntent::RemotePrefill));
+        assert_eq!(
+            decode.classify(Some(&params), 42, 10_500),
+            Ok(KvIntent::RemotePrefill)
+        );
         // Round-trips through JSON the way a proxy forwards them.
         let forwarded: KvTransferParams =
             serde_json::from_str(&serde_json::to_string(&params).unwrap()).unwrap();
-        assert_eq!(decode.classify(Some(&forwarded), 42, 10_500), Ok(KvIntent::RemotePrefill));
+        assert_eq!(
+            decode.classify(Some(&forwarded), 42, 10_500),
+            Ok(KvIntent::RemotePrefill)
+        );
     }
 
     #[test]
@@ -245,16 +292,31 @@ mod tests {
         let prefill = authority(Role::Mixed, "s");
         let decode = authority(Role::Decode, "s");
         let params = prefill.issue(vec![1, 2], 42, 10_000);
-        assert_eq!(decode.classify(Some(&params), 43, 10_001), Err(TransferError::NotIssued));
-        assert_eq!(decode.classify(Some(&params), 42, 11_001), Err(TransferError::Expired));
+        assert_eq!(
+            decode.classify(Some(&params), 43, 10_001),
+            Err(TransferError::NotIssued)
+        );
+        assert_eq!(
+            decode.classify(Some(&params), 42, 11_001),
+            Err(TransferError::Expired)
+        );
         let mut forged = params.clone();
         forged.remote_block_ids = Some(vec![1, 3]);
-        assert_eq!(decode.classify(Some(&forged), 42, 10_001), Err(TransferError::NotIssued));
+        assert_eq!(
+            decode.classify(Some(&forged), 42, 10_001),
+            Err(TransferError::NotIssued)
+        );
         let mut extended = params.clone();
         extended.sim_expires_at_ms = Some(99_999);
-        assert_eq!(decode.classify(Some(&extended), 42, 10_001), Err(TransferError::NotIssued));
+        assert_eq!(
+            decode.classify(Some(&extended), 42, 10_001),
+            Err(TransferError::NotIssued)
+        );
         let other_secret = authority(Role::Decode, "t");
-        assert_eq!(other_secret.classify(Some(&params), 42, 10_001), Err(TransferError::NotIssued));
+        assert_eq!(
+            other_secret.classify(Some(&params), 42, 10_001),
+            Err(TransferError::NotIssued)
+        );
         let vllm_shaped = KvTransferParams {
             do_remote_prefill: true,
             remote_engine_id: Some("x".into()),
@@ -263,8 +325,14 @@ mod tests {
             remote_port: Some(1),
             ..Default::default()
         };
-        assert_eq!(decode.classify(Some(&vllm_shaped), 42, 0), Err(TransferError::NotIssued));
-        let incomplete = KvTransferParams { do_remote_prefill: true, ..Default::default() };
+        assert_eq!(
+            decode.classify(Some(&vllm_shaped), 42, 0),
+            Err(TransferError::NotIssued)
+        );
+        let incomplete = KvTransferParams {
+            do_remote_prefill: true,
+            ..Default::default()
+        };
         assert_eq!(
             decode.classify(Some(&incomplete), 42, 0),
             Err(TransferError::Missing("remote_engine_id"))
@@ -282,8 +350,18 @@ mod tests {
             authority(Role::Decode, "s").classify(Some(&remote_decode()), 7, 0),
             Err(TransferError::WrongRole(_))
         ));
-        let both = KvTransferParams { do_remote_decode: true, do_remote_prefill: true, ..Default::default() };
-        assert_eq!(authority(Role::Mixed, "s").classify(Some(&both), 7, 0), Err(TransferError::Contradictory));
-        assert_eq!(authority(Role::Decode, "s").classify(None, 7, 0), Ok(KvIntent::Local));
+        let both = KvTransferParams {
+            do_remote_decode: true,
+            do_remote_prefill: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            authority(Role::Mixed, "s").classify(Some(&both), 7, 0),
+            Err(TransferError::Contradictory)
+        );
+        assert_eq!(
+            authority(Role::Decode, "s").classify(None, 7, 0),
+            Ok(KvIntent::Local)
+        );
     }
 }

@@ -6,6 +6,11 @@
 //! its receiver; the engine notices when a send fails (or in a periodic sweep for sequences that get no
 //! events, such as queued or non-streamed ones) and aborts the sequence, freeing its blocks.
 //!
+//! The engine also times each sequence (arrival, first scheduled step, first and last token) for the
+//! latency histograms, in wall-clock seconds, like the scraper-visible latencies of a real server.
+//! When no sequence can compute (only stalled ones, see the `stall_after_tokens` fault), the engine
+//! waits for a submission or the next sweep instead of spinning.
+//!
 //! Steps shorter than the timer's 1 ms resolution are paced against a running deadline
 //! ([`next_deadline`]): the engine sleeps only when it is ahead of schedule, so the average rate is
 //! exact even when single steps last microseconds.
@@ -16,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::metrics::MetricsState;
-use crate::scheduler::{Finish, Scheduler, SchedulerConfig, SeqId, SequenceSpec};
+use crate::metrics::{MetricsState, Observations};
+use crate::scheduler::{Finish, Scheduler, SchedulerConfig, SeqId, SeqOutput, SequenceSpec};
 
 /// How far behind schedule the engine may fall before it stops catching up.
 const MAX_LAG: Duration = Duration::from_millis(5);
@@ -65,7 +70,11 @@ impl EngineHandle {
     ) -> Result<mpsc::UnboundedReceiver<SeqEvent>, EngineGone> {
         let (events, receiver) = mpsc::unbounded_channel();
         self.submissions
-            .send(Submission { spec, events, arrival })
+            .send(Submission {
+                spec,
+                events,
+                arrival,
+            })
             .map_err(|_| EngineGone)?;
         Ok(receiver)
     }
@@ -81,13 +90,24 @@ pub fn next_deadline(previous: Option<Instant>, now: Instant, step: Duration) ->
     start + step
 }
 
+/// A submitted sequence's channel and the times its latency metrics are made of.
 struct Client {
     events: mpsc::UnboundedSender<SeqEvent>,
     arrival: Instant,
+    /// Start of the first step that computed it.
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Output tokens seen so far.
+    tokens: u32,
 }
 
 /// Starts the engine task; `metrics` is updated after every step.
-pub fn spawn(config: SchedulerConfig, time_scale: f64, metrics: Arc<Mutex<MetricsState>>) -> EngineHandle {
+pub fn spawn(
+    config: SchedulerConfig,
+    time_scale: f64,
+    metrics: Arc<Mutex<MetricsState>>,
+) -> EngineHandle {
     let (submissions, receiver) = mpsc::unbounded_channel();
     let engine = Engine {
         scheduler: Scheduler::new(config),
@@ -114,7 +134,7 @@ impl Engine {
         let mut last_sweep = Instant::now();
         loop {
             if self.scheduler.is_idle() {
-                self.publish(&[], &[]);
+                self.publish(&Observations::default());
                 match submissions.recv().await {
                     Some(s) => self.add(s),
                     None => return,
@@ -130,12 +150,29 @@ impl Engine {
             }
 
             let plan = self.scheduler.schedule();
-            if plan.is_empty() && self.scheduler.num_running() == 0 && self.scheduler.num_waiting() > 0 {
-                // Nothing can run (cannot happen with a consistent scheduler); avoid spinning.
-                tokio::time::sleep(Duration::from_millis(1)).await;
+            let now = Instant::now();
+            if plan.is_empty() {
+                // Nothing can compute (only stalled sequences, or none that fit): hand out what
+                // finished outside a step, then wait for new work or the next sweep, not spin.
+                let outputs = self.scheduler.complete(plan);
+                let observed = self.deliver(outputs, now);
+                self.publish(&observed);
+                if !self.scheduler.is_idle() {
+                    match tokio::time::timeout(SWEEP_EVERY, submissions.recv()).await {
+                        Ok(Some(s)) => self.add(s),
+                        Ok(None) => return,
+                        Err(_) => {}
+                    }
+                }
+                deadline = None;
+                continue;
+            }
+            for &(id, _) in &plan.work {
+                if let Some(client) = self.clients.get_mut(&id) {
+                    client.scheduled.get_or_insert(now);
+                }
             }
             let step = Duration::from_secs_f64(plan.duration_us / 1e6 / self.time_scale);
-            let now = Instant::now();
             let end = next_deadline(deadline, now, step);
             if end > now + MIN_SLEEP {
                 tokio::time::sleep_until(end.into()).await;
@@ -145,34 +182,59 @@ impl Engine {
             deadline = Some(end);
 
             let outputs = self.scheduler.complete(plan);
-            let now = Instant::now();
-            let mut ttfts = Vec::new();
-            let mut e2es = Vec::new();
-            for output in outputs {
-                let Some(client) = self.clients.get(&output.id) else {
-                    continue;
-                };
-                if output.first_token {
-                    ttfts.push(now.duration_since(client.arrival).as_secs_f64());
-                }
-                let mut delivered = true;
-                if let Some(delta) = output.delta {
-                    delivered = client
-                        .events
-                        .send(SeqEvent::Token { delta, output_tokens: output.output_tokens })
-                        .is_ok();
-                }
-                if let Some(finish) = output.finish {
-                    e2es.push(now.duration_since(client.arrival).as_secs_f64());
-                    let _ = client.events.send(SeqEvent::Finished(finish));
-                    self.clients.remove(&output.id);
-                } else if !delivered {
-                    self.clients.remove(&output.id);
-                    self.scheduler.abort(output.id);
-                }
-            }
-            self.publish(&ttfts, &e2es);
+            let observed = self.deliver(outputs, Instant::now());
+            self.publish(&observed);
         }
+    }
+
+    /// Sends each sequence its events, aborts those whose clients are gone, and times the tokens.
+    fn deliver(&mut self, outputs: Vec<SeqOutput>, now: Instant) -> Observations {
+        let mut observed = Observations::default();
+        for output in outputs {
+            let Some(client) = self.clients.get_mut(&output.id) else {
+                continue;
+            };
+            let secs =
+                |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
+            if output.output_tokens > client.tokens {
+                // A token was sampled in this step.
+                if output.first_token {
+                    observed.ttft.push(secs(client.arrival, now));
+                    client.first_token = Some(now);
+                } else if let Some(last) = client.last_token {
+                    observed.inter_token.push(secs(last, now));
+                }
+                client.last_token = Some(now);
+                client.tokens = output.output_tokens;
+            }
+            let mut delivered = true;
+            if let Some(delta) = output.delta {
+                delivered = client
+                    .events
+                    .send(SeqEvent::Token {
+                        delta,
+                        output_tokens: output.output_tokens,
+                    })
+                    .is_ok();
+            }
+            if let Some(finish) = output.finish {
+                observed.e2e.push(secs(client.arrival, now));
+                if let (Some(scheduled), Some(first), Some(last)) =
+                    (client.scheduled, client.first_token, client.last_token)
+                {
+                    observed.queue.push(secs(client.arrival, scheduled));
+                    observed.prefill.push(secs(scheduled, first));
+                    observed.decode.push(secs(first, last));
+                    observed.inference.push(secs(scheduled, last));
+                }
+                let _ = client.events.send(SeqEvent::Finished(finish));
+                self.clients.remove(&output.id);
+            } else if !delivered {
+                self.clients.remove(&output.id);
+                self.scheduler.abort(output.id);
+            }
+        }
+        observed
     }
 
     fn add(&mut self, submission: Submission) {
@@ -182,7 +244,17 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         self.scheduler.add(id, submission.spec);
-        self.clients.insert(id, Client { events: submission.events, arrival: submission.arrival });
+        self.clients.insert(
+            id,
+            Client {
+                events: submission.events,
+                arrival: submission.arrival,
+                scheduled: None,
+                first_token: None,
+                last_token: None,
+                tokens: 0,
+            },
+        );
     }
 
     /// Aborts sequences whose clients went away.
@@ -199,23 +271,19 @@ impl Engine {
         }
     }
 
-    fn publish(&self, ttfts: &[f64], e2es: &[f64]) {
+    fn publish(&self, observed: &Observations) {
         let pool = self.scheduler.pool();
         let Ok(mut m) = self.metrics.lock() else {
             return;
         };
         m.running = self.scheduler.num_running();
         m.waiting = self.scheduler.num_waiting();
+        m.stalled = self.scheduler.num_stalled();
         m.kv_usage = pool.usage();
         m.cached_blocks = pool.num_cached();
         m.evictions = pool.evictions();
         m.stats = self.scheduler.stats().clone();
-        for &t in ttfts {
-            m.ttft.observe(t);
-        }
-        for &t in e2es {
-            m.e2e.observe(t);
-        }
+        m.record(observed);
     }
 }
 

@@ -34,6 +34,17 @@ pub struct FaultSettings {
     /// Drop the connection after this many output tokens: mid-stream for streams, instead of the
     /// response for non-streamed requests.
     pub disconnect_after_tokens: Option<u32>,
+    /// Stop generating after this many output tokens and go silent with the connection open (an
+    /// engine hang): streams have sent that many tokens, non-streamed requests never answer. The
+    /// sequence keeps its slot and its KV blocks until the client goes away. Requests that finish
+    /// within that many tokens are unaffected.
+    pub stall_after_tokens: Option<u32>,
+    /// Non-streamed generation answers send their 200 headers (with the full `content-length`) and
+    /// about half of the body, then the connection closes.
+    pub truncate_body: bool,
+    /// Streams only: after this many output tokens, send the first half of the next event (no
+    /// terminating blank line) and close the connection.
+    pub disconnect_mid_event_after_tokens: Option<u32>,
     /// `/health` answers 503.
     pub health_fail: bool,
 }
@@ -47,6 +58,9 @@ impl Default for FaultSettings {
             hang_rate: 0.0,
             first_byte_delay_ms: 0,
             disconnect_after_tokens: None,
+            stall_after_tokens: None,
+            truncate_body: false,
+            disconnect_mid_event_after_tokens: None,
             health_fail: false,
         }
     }
@@ -68,6 +82,12 @@ pub struct FaultUpdate {
     pub first_byte_delay_ms: Option<u64>,
     /// See [`FaultSettings::disconnect_after_tokens`].
     pub disconnect_after_tokens: Option<u32>,
+    /// See [`FaultSettings::stall_after_tokens`].
+    pub stall_after_tokens: Option<u32>,
+    /// See [`FaultSettings::truncate_body`].
+    pub truncate_body: Option<bool>,
+    /// See [`FaultSettings::disconnect_mid_event_after_tokens`].
+    pub disconnect_mid_event_after_tokens: Option<u32>,
     /// See [`FaultSettings::health_fail`].
     pub health_fail: Option<bool>,
     /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
@@ -113,6 +133,9 @@ impl FaultUpdate {
             hang_rate: self.hang_rate.unwrap_or(defaults.hang_rate),
             first_byte_delay_ms: self.first_byte_delay_ms.unwrap_or(0),
             disconnect_after_tokens: self.disconnect_after_tokens,
+            stall_after_tokens: self.stall_after_tokens,
+            truncate_body: self.truncate_body.unwrap_or(false),
+            disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
             health_fail: self.health_fail.unwrap_or(false),
         };
         settings.validate()?;
@@ -162,6 +185,9 @@ impl FaultSettings {
             reject,
             first_byte_delay: Duration::from_millis(self.first_byte_delay_ms),
             disconnect_after_tokens: self.disconnect_after_tokens,
+            stall_after_tokens: self.stall_after_tokens,
+            truncate_body: self.truncate_body,
+            disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
         }
     }
 }
@@ -177,6 +203,42 @@ pub struct FaultDecision {
     pub first_byte_delay: Duration,
     /// Drop the connection after this many output tokens.
     pub disconnect_after_tokens: Option<u32>,
+    /// Stop generating after this many output tokens, keeping the connection and the slot.
+    pub stall_after_tokens: Option<u32>,
+    /// Cut a non-streamed 200 answer's body in half.
+    pub truncate_body: bool,
+    /// Cut a stream in the middle of the event after this many output tokens.
+    pub disconnect_mid_event_after_tokens: Option<u32>,
+}
+
+impl FaultDecision {
+    /// Where a stream is cut, if it is: the earlier of the two disconnect faults (the mid-event one
+    /// when both name the same token).
+    pub fn stream_cut(&self) -> Option<StreamCutAt> {
+        let clean = self.disconnect_after_tokens.map(|after| StreamCutAt {
+            after,
+            mid_event: false,
+        });
+        let partial = self
+            .disconnect_mid_event_after_tokens
+            .map(|after| StreamCutAt {
+                after,
+                mid_event: true,
+            });
+        match (clean, partial) {
+            (Some(c), Some(p)) => Some(if p.after <= c.after { p } else { c }),
+            (c, p) => p.or(c),
+        }
+    }
+}
+
+/// Where and how a stream is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamCutAt {
+    /// After this many output tokens.
+    pub after: u32,
+    /// Whether half of one more event is written before the cut.
+    pub mid_event: bool,
 }
 
 #[cfg(test)]
@@ -184,20 +246,34 @@ mod tests {
     use super::*;
 
     fn update(json: &str) -> Result<FaultSettings, FaultError> {
-        serde_json::from_str::<FaultUpdate>(json).expect("parses").settings()
+        serde_json::from_str::<FaultUpdate>(json)
+            .expect("parses")
+            .settings()
     }
 
     #[test]
     fn empty_and_reset_updates_clear_everything() {
         assert_eq!(update("{}").unwrap(), FaultSettings::default());
-        assert_eq!(update(r#"{"reset":true,"error_rate":1}"#).unwrap(), FaultSettings::default());
+        assert_eq!(
+            update(r#"{"reset":true,"error_rate":1}"#).unwrap(),
+            FaultSettings::default()
+        );
     }
 
     #[test]
     fn rejects_out_of_range_values_and_unknown_fields() {
-        assert_eq!(update(r#"{"error_rate":1.5}"#), Err(FaultError::Rate("error_rate", 1.5)));
-        assert_eq!(update(r#"{"error_status":404}"#), Err(FaultError::Status(404)));
-        assert_eq!(update(r#"{"loading_s":-1}"#), Err(FaultError::Loading(-1.0)));
+        assert_eq!(
+            update(r#"{"error_rate":1.5}"#),
+            Err(FaultError::Rate("error_rate", 1.5))
+        );
+        assert_eq!(
+            update(r#"{"error_status":404}"#),
+            Err(FaultError::Status(404))
+        );
+        assert_eq!(
+            update(r#"{"loading_s":-1}"#),
+            Err(FaultError::Loading(-1.0))
+        );
         assert!(serde_json::from_str::<FaultUpdate>(r#"{"eror_rate":1}"#).is_err());
     }
 
@@ -212,7 +288,9 @@ mod tests {
         }
         let limited = update(r#"{"rate_limit_rate":1,"error_rate":1}"#).unwrap();
         assert_eq!(limited.decide(&mut rng).reject, Some(429));
-        let hang = update(r#"{"hang_rate":1,"error_rate":1}"#).unwrap().decide(&mut rng);
+        let hang = update(r#"{"hang_rate":1,"error_rate":1}"#)
+            .unwrap()
+            .decide(&mut rng);
         assert!(hang.hang);
         assert_eq!(hang.reject, None);
     }
@@ -222,7 +300,9 @@ mod tests {
         let half = update(r#"{"error_rate":0.5}"#).unwrap();
         let draws = |seed| {
             let mut rng = SplitMix64::new(seed);
-            (0..200).map(|_| half.decide(&mut rng).reject.is_some()).collect::<Vec<_>>()
+            (0..200)
+                .map(|_| half.decide(&mut rng).reject.is_some())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draws(9), draws(9));
         let errors = draws(9).iter().filter(|e| **e).count();
@@ -236,5 +316,63 @@ mod tests {
         assert_eq!(d.first_byte_delay, Duration::from_millis(250));
         assert_eq!(d.disconnect_after_tokens, Some(3));
         assert!(!d.hang);
+        assert_eq!(d.stall_after_tokens, None);
+        assert!(!d.truncate_body);
+    }
+
+    #[test]
+    fn passes_stalls_truncation_and_mid_event_cuts_through() {
+        let s = update(
+            r#"{"stall_after_tokens":4,"truncate_body":true,"disconnect_mid_event_after_tokens":2}"#,
+        )
+        .unwrap();
+        let d = s.decide(&mut SplitMix64::new(0));
+        assert_eq!(d.stall_after_tokens, Some(4));
+        assert!(d.truncate_body);
+        assert_eq!(
+            d.stream_cut(),
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: true
+            })
+        );
+        assert_eq!(
+            update("{}")
+                .unwrap()
+                .decide(&mut SplitMix64::new(0))
+                .stream_cut(),
+            None
+        );
+    }
+
+    #[test]
+    fn the_earlier_stream_cut_wins() {
+        let cut = |json: &str| {
+            update(json)
+                .unwrap()
+                .decide(&mut SplitMix64::new(0))
+                .stream_cut()
+        };
+        assert_eq!(
+            cut(r#"{"disconnect_after_tokens":1,"disconnect_mid_event_after_tokens":2}"#),
+            Some(StreamCutAt {
+                after: 1,
+                mid_event: false
+            })
+        );
+        assert_eq!(
+            cut(r#"{"disconnect_after_tokens":2,"disconnect_mid_event_after_tokens":2}"#),
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: true
+            })
+        );
+        assert_eq!(
+            cut(r#"{"disconnect_after_tokens":0}"#),
+            Some(StreamCutAt {
+                after: 0,
+                mid_event: false
+            })
+        );
     }
 }

@@ -48,7 +48,10 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, bytes: &[u8], block_size
     while hashes.len() < full_blocks {
         let i = hashes.len();
         let prev = hashes.last().copied().unwrap_or(ROOT_HASH);
-        hashes.push(chain_hash(prev, &bytes[i * block_bytes..(i + 1) * block_bytes]));
+        hashes.push(chain_hash(
+            prev,
+            &bytes[i * block_bytes..(i + 1) * block_bytes],
+        ));
     }
 }
 
@@ -90,7 +93,13 @@ impl BlockPool {
     pub fn new(num_blocks: u32) -> Self {
         let mut pool = BlockPool {
             blocks: vec![
-                Block { hash: None, ref_count: 0, prev: NIL, next: NIL, queued: false };
+                Block {
+                    hash: None,
+                    ref_count: 0,
+                    prev: NIL,
+                    next: NIL,
+                    queued: false
+                };
                 num_blocks as usize
             ],
             cached: HashMap::new(),
@@ -130,7 +139,10 @@ impl BlockPool {
 
     /// The blocks caching the longest run of leading `hashes` (stops at the first miss).
     pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
-        hashes.iter().map_while(|h| self.cached.get(h).copied()).collect()
+        hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect()
     }
 
     /// Whether `new_blocks` fresh blocks can be allocated after taking the `hits` out of the free queue.

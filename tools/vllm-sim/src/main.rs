@@ -50,7 +50,10 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     raise_open_file_limit();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("vllm-sim: cannot start the runtime: {e}");
@@ -64,7 +67,10 @@ async fn run(config: Config) -> ExitCode {
     let listener = match bind(&config.host, config.port).await {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("vllm-sim: cannot listen on {}:{}: {e}", config.host, config.port);
+            eprintln!(
+                "vllm-sim: cannot listen on {}:{}: {e}",
+                config.host, config.port
+            );
             return ExitCode::from(1);
         }
     };
@@ -82,7 +88,10 @@ async fn run(config: Config) -> ExitCode {
     let engine = engine::spawn(config.scheduler(), config.time_scale, metrics.clone());
     let transfer = TransferAuthority {
         secret: config.kv_transfer_secret.clone(),
-        engine_id: config.engine_id.clone().unwrap_or_else(|| default_engine_id(&config)),
+        engine_id: config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| default_engine_id(&config)),
         host: config.advertised_host(),
         port: config.port,
         ttl_ms: (config.kv_transfer_ttl_s * 1000.0) as u64,
@@ -111,7 +120,11 @@ async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
         .await?
         .next()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "host did not resolve"))?;
-    let socket = if address.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    let socket = if address.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
     socket.set_reuseaddr(true)?;
     socket.bind(address)?;
     socket.listen(LISTEN_BACKLOG)
@@ -119,17 +132,36 @@ async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
 
 /// A UUID-shaped engine id derived from the address and seed, stable across restarts.
 fn default_engine_id(config: &Config) -> String {
-    let h = xxh3_128(format!("{}:{}:{}", config.advertised_host(), config.port, config.seed).as_bytes());
+    let h = xxh3_128(
+        format!(
+            "{}:{}:{}",
+            config.advertised_host(),
+            config.port,
+            config.seed
+        )
+        .as_bytes(),
+    );
     let hex = format!("{h:032x}");
-    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
 }
 
 /// Raises the soft limit on open files to the hard limit: every stream is a socket.
 fn raise_open_file_limit() {
     // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
     unsafe {
-        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
             limit.rlim_cur = limit.rlim_max;
             let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }

@@ -5,7 +5,10 @@
 //! counter appears as `vllm:gpu_prefix_cache_queries_total`), every series has the labels
 //! `model_name` (the first `--model`) and `engine="0"`. Prefix-cache queries and hits count tokens.
 //! Latency histograms are in wall-clock seconds, as a scraper or the gateway would measure them (with
-//! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). Two sim-only series use the `vllm_sim:`
+//! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). The per-request phase histograms
+//! (queue, prefill, decode, inference) are observed when a request finishes after producing a
+//! token; inter-token latency once per output token after the first, under both its names
+//! (`vllm:time_per_output_token_seconds`, older, and `vllm:inter_token_latency_seconds`). Two sim-only series use the `vllm_sim:`
 //! prefix: cached blocks and evictions. The engine task updates one [`MetricsState`] after every step;
 //! [`render`] is pure.
 
@@ -15,11 +18,18 @@ use crate::scheduler::SchedulerStats;
 
 /// vLLM's buckets for `vllm:time_to_first_token_seconds`.
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// vLLM's buckets for `vllm:e2e_request_latency_seconds`.
+/// vLLM's buckets for `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds`.
+pub const INTER_TOKEN_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+/// vLLM's buckets for `vllm:e2e_request_latency_seconds` and the other per-request phase
+/// histograms (queue, prefill, decode, inference).
 pub const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -38,12 +48,21 @@ pub struct Histogram {
 impl Histogram {
     /// An empty histogram over `bounds` (ascending).
     pub fn new(bounds: &'static [f64]) -> Self {
-        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
     }
 
     /// Records one observation.
     pub fn observe(&mut self, value: f64) {
-        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| value <= b)
+            .unwrap_or(self.bounds.len());
         self.counts[i] += 1;
         self.sum += value;
         self.count += 1;
@@ -74,6 +93,8 @@ pub struct MetricsState {
     pub running: usize,
     /// Sequences waiting.
     pub waiting: usize,
+    /// Running sequences held by the stall fault (counted in `running` too).
+    pub stalled: usize,
     /// Fraction of KV blocks held by running sequences.
     pub kv_usage: f64,
     /// Blocks cached under a hash.
@@ -88,6 +109,55 @@ pub struct MetricsState {
     pub ttft: Histogram,
     /// Request latency from arrival to the last token, seconds.
     pub e2e: Histogram,
+    /// Arrival to the first step that computes the request (the WAITING phase), seconds.
+    pub queue: Histogram,
+    /// First scheduled step to the first token (the PREFILL phase), seconds.
+    pub prefill: Histogram,
+    /// First token to last token (the DECODE phase), seconds.
+    pub decode: Histogram,
+    /// First scheduled step to the last token (the RUNNING phase), seconds.
+    pub inference: Histogram,
+    /// Time between consecutive output tokens of a request, one observation per token after the
+    /// first, seconds.
+    pub inter_token: Histogram,
+}
+
+/// Latencies observed in one engine step, in seconds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observations {
+    /// Arrival to first token, per request that got its first token.
+    pub ttft: Vec<f64>,
+    /// Since the previous token, per token after a request's first.
+    pub inter_token: Vec<f64>,
+    /// Arrival to finish, per finished request.
+    pub e2e: Vec<f64>,
+    /// Per finished request that produced a token: time waiting before its first step.
+    pub queue: Vec<f64>,
+    /// See `queue`: first step to first token.
+    pub prefill: Vec<f64>,
+    /// See `queue`: first token to last token.
+    pub decode: Vec<f64>,
+    /// See `queue`: first step to last token.
+    pub inference: Vec<f64>,
+}
+
+impl MetricsState {
+    /// Adds a step's observations to the histograms.
+    pub fn record(&mut self, observed: &Observations) {
+        for (histogram, values) in [
+            (&mut self.ttft, &observed.ttft),
+            (&mut self.inter_token, &observed.inter_token),
+            (&mut self.e2e, &observed.e2e),
+            (&mut self.queue, &observed.queue),
+            (&mut self.prefill, &observed.prefill),
+            (&mut self.decode, &observed.decode),
+            (&mut self.inference, &observed.inference),
+        ] {
+            for &v in values {
+                histogram.observe(v);
+            }
+        }
+    }
 }
 
 impl Default for MetricsState {
@@ -95,6 +165,7 @@ impl Default for MetricsState {
         MetricsState {
             running: 0,
             waiting: 0,
+            stalled: 0,
             kv_usage: 0.0,
             cached_blocks: 0,
             evictions: 0,
@@ -102,19 +173,31 @@ impl Default for MetricsState {
             embedding_prompt_tokens: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
+            queue: Histogram::new(E2E_BUCKETS),
+            prefill: Histogram::new(E2E_BUCKETS),
+            decode: Histogram::new(E2E_BUCKETS),
+            inference: Histogram::new(E2E_BUCKETS),
+            inter_token: Histogram::new(INTER_TOKEN_BUCKETS),
         }
     }
 }
 
 /// Escapes a label value for the text format.
 fn escape(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// A float the way Prometheus parsers read it (`1.0`, `0.25`, `+Inf`).
 fn number(value: f64) -> String {
     if value.is_infinite() {
-        if value > 0.0 { "+Inf".into() } else { "-Inf".into() }
+        if value > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
     } else {
         format!("{value:?}")
     }
@@ -133,7 +216,12 @@ impl Writer {
 
     fn sample(&mut self, name: &str, extra_labels: &str, value: f64) {
         let sep = if extra_labels.is_empty() { "" } else { "," };
-        let _ = writeln!(self.out, "{name}{{{}{sep}{extra_labels}}} {}", self.labels, number(value));
+        let _ = writeln!(
+            self.out,
+            "{name}{{{}{sep}{extra_labels}}} {}",
+            self.labels,
+            number(value)
+        );
     }
 
     fn gauge(&mut self, name: &str, help: &str, value: f64) {
@@ -153,7 +241,11 @@ impl Writer {
         for (i, count) in h.counts.iter().enumerate() {
             cumulative += count;
             let le = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            self.sample(&bucket, &format!("le=\"{}\"", number(le)), cumulative as f64);
+            self.sample(
+                &bucket,
+                &format!("le=\"{}\"", number(le)),
+                cumulative as f64,
+            );
         }
         self.sample(&format!("{name}_count"), "", h.count as f64);
         self.sample(&format!("{name}_sum"), "", h.sum);
@@ -244,9 +336,39 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         &state.ttft,
     );
     w.histogram(
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds.",
+        &state.inter_token,
+    );
+    w.histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &state.inter_token,
+    );
+    w.histogram(
         "vllm:e2e_request_latency_seconds",
         "Histogram of e2e request latency in seconds.",
         &state.e2e,
+    );
+    w.histogram(
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &state.queue,
+    );
+    w.histogram(
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        &state.inference,
+    );
+    w.histogram(
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &state.prefill,
+    );
+    w.histogram(
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        &state.decode,
     );
     w.header(
         "vllm:cache_config_info",
@@ -263,6 +385,11 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         "KV blocks currently cached under a prefix hash (vllm-sim only).",
         state.cached_blocks as f64,
     );
+    w.gauge(
+        "vllm_sim:num_requests_stalled",
+        "Running requests held by the stall_after_tokens fault (vllm-sim only).",
+        state.stalled as f64,
+    );
     w.counter(
         "vllm_sim:prefix_cache_evictions_total",
         "Cached KV blocks evicted to make room (vllm-sim only).",
@@ -276,20 +403,33 @@ mod tests {
     use super::*;
 
     fn info() -> MetricsInfo {
-        MetricsInfo { model_name: "m\"x".into(), block_size: 16, num_gpu_blocks: 4096 }
+        MetricsInfo {
+            model_name: "m\"x".into(),
+            block_size: 16,
+            num_gpu_blocks: 4096,
+        }
     }
 
     #[test]
     fn renders_vllm_names_with_model_label() {
-        let mut state = MetricsState { running: 3, kv_usage: 0.25, ..Default::default() };
+        let mut state = MetricsState {
+            running: 3,
+            kv_usage: 0.25,
+            ..Default::default()
+        };
         state.stats.prefix_hits = 32;
         let text = render(&info(), &state);
         assert!(text.contains("# TYPE vllm:num_requests_running gauge\n"));
-        assert!(text.contains("vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 3.0\n"));
-        assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n"));
+        assert!(
+            text.contains("vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 3.0\n")
+        );
+        assert!(
+            text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n")
+        );
         assert!(text.contains("vllm:gpu_cache_usage_perc{"));
         assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
-        assert!(text.contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
+        assert!(text
+            .contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
         assert!(text.contains("vllm:gpu_prefix_cache_hits_total{"));
         assert!(text.contains("num_gpu_blocks=\"4096\""));
         assert!(text.contains("block_size=\"16\""));
@@ -301,6 +441,12 @@ mod tests {
             "vllm:generation_tokens_total",
             "vllm:time_to_first_token_seconds_bucket",
             "vllm:e2e_request_latency_seconds_sum",
+            "vllm:time_per_output_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:request_queue_time_seconds_bucket",
+            "vllm:request_inference_time_seconds_sum",
+            "vllm:request_prefill_time_seconds_count",
+            "vllm:request_decode_time_seconds_sum",
         ] {
             assert!(text.contains(name), "{name} missing");
         }
@@ -326,8 +472,46 @@ mod tests {
         assert_eq!(line("0.06"), "2.0");
         assert_eq!(line("2560.0"), "2.0");
         assert_eq!(line("+Inf"), "3.0");
-        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"));
+        assert!(text.contains(
+            "vllm:time_to_first_token_seconds_count{model_name=\"m\\\"x\",engine=\"0\"} 3.0"
+        ));
         assert_eq!(state.ttft.count(), 3);
+    }
+
+    #[test]
+    fn observations_land_in_their_histograms_with_vllm_buckets() {
+        let mut state = MetricsState::default();
+        state.record(&Observations {
+            ttft: vec![0.02],
+            inter_token: vec![0.01, 0.02, 0.3],
+            e2e: vec![1.2],
+            queue: vec![0.4],
+            prefill: vec![0.2],
+            decode: vec![0.6],
+            inference: vec![0.9],
+        });
+        let text = render(&info(), &state);
+        let value = |series: &str| {
+            let prefix = format!("{series}{{model_name=\"m\\\"x\",engine=\"0\"");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .and_then(|rest| rest.rsplit(' ').next())
+                .unwrap_or_else(|| panic!("no {series}"))
+                .to_string()
+        };
+        assert_eq!(value("vllm:time_per_output_token_seconds_count"), "3.0");
+        assert_eq!(value("vllm:inter_token_latency_seconds_count"), "3.0");
+        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.025\"} 2.0"));
+        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"80.0\"} 3.0"));
+        assert_eq!(value("vllm:request_queue_time_seconds_sum"), "0.4");
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.3\"} 0.0"));
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.5\"} 1.0"));
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"7680.0\"} 1.0"));
+        assert_eq!(value("vllm:request_prefill_time_seconds_sum"), "0.2");
+        assert_eq!(value("vllm:request_decode_time_seconds_sum"), "0.6");
+        assert_eq!(value("vllm:request_inference_time_seconds_sum"), "0.9");
+        assert_eq!(value("vllm:e2e_request_latency_seconds_count"), "1.0");
+        assert_eq!(value("vllm:time_to_first_token_seconds_count"), "1.0");
     }
 
     #[test]
@@ -342,7 +526,9 @@ mod tests {
             let name = line.split('{').next().unwrap_or_default();
             assert!(
                 typed.iter().any(|t| name == *t
-                    || name.strip_prefix(*t).is_some_and(|s| ["_bucket", "_count", "_sum"].contains(&s))),
+                    || name
+                        .strip_prefix(*t)
+                        .is_some_and(|s| ["_bucket", "_count", "_sum"].contains(&s))),
                 "{line}"
             );
         }

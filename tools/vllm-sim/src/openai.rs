@@ -14,6 +14,12 @@ pub struct ChatCompletionRequest {
     pub model: Option<String>,
     /// The conversation.
     pub messages: Vec<ChatMessage>,
+    /// vLLM extension: end the rendering with the generation prompt (default true).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM extension: leave the final (assistant) message open so the model continues it.
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
     /// Sampling and streaming fields shared with completions.
     #[serde(flatten)]
     pub sampling: SamplingRequest,
@@ -128,7 +134,8 @@ impl Usage {
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
-            prompt_tokens_details: cached_tokens.map(|cached_tokens| PromptTokensDetails { cached_tokens }),
+            prompt_tokens_details: cached_tokens
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
         }
     }
 }

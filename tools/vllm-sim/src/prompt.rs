@@ -10,6 +10,14 @@
 //! cache on every full block of turn N's prompt, and on the reply's blocks too, since the sim caches
 //! generated blocks as vLLM does.
 //!
+//! **Continuing a message.** vLLM's chat extensions choose how the rendering ends
+//! ([`ChatEnding::from_request`]): `add_generation_prompt: false` leaves the generation prompt out, and
+//! `continue_final_message: true` (which needs `add_generation_prompt: false` and a final assistant
+//! message) leaves that final message open: no newline after it, no generation prompt. The rendering
+//! of [history + partial answer] is then exactly the original request's prompt (which ended with the
+//! generation prompt) followed by the partial answer's text, so a continued request extends its
+//! original prompt and hits the prefix cache on it.
+//!
 //! `/v1/completions` takes a string, a list of one string, a list of token ids or a list of one list
 //! of token ids (see [`crate::tokenizer::token_ids_to_bytes`]). `/v1/embeddings` takes the same shapes
 //! but any number of inputs.
@@ -28,6 +36,10 @@ pub enum PromptError {
     Empty,
     /// More than one prompt in one `/v1/completions` request (vLLM batches them; the sim does not).
     Batched,
+    /// `continue_final_message` with `add_generation_prompt` true (explicitly or by default).
+    GenerationPromptConflict,
+    /// `continue_final_message` while the last message is not the assistant's.
+    NothingToContinue,
 }
 
 impl std::fmt::Display for PromptError {
@@ -37,6 +49,13 @@ impl std::fmt::Display for PromptError {
             PromptError::Batched => {
                 f.write_str("vllm-sim accepts one prompt per /v1/completions request")
             }
+            // vLLM's own message (its request validator).
+            PromptError::GenerationPromptConflict => f.write_str(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            ),
+            PromptError::NothingToContinue => f.write_str(
+                "continue_final_message is set but the final message is not an assistant message",
+            ),
         }
     }
 }
@@ -72,13 +91,52 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// Renders chat messages with the sim's template (see the module docs), generation prompt included.
-pub fn render_chat(messages: &[ChatMessage]) -> Result<Vec<u8>, PromptError> {
+/// How a rendered chat ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatEnding {
+    /// After the last message, the generation prompt (vLLM's default, `add_generation_prompt: true`).
+    GenerationPrompt,
+    /// After the last message, nothing (`add_generation_prompt: false`).
+    Closed,
+    /// The last (assistant) message left open: no newline, no generation prompt
+    /// (`continue_final_message: true`).
+    ContinueFinal,
+}
+
+impl ChatEnding {
+    /// The ending a request asks for, validated as vLLM does: `add_generation_prompt` defaults to
+    /// true, so `continue_final_message` needs it explicitly false. The sim also requires a final
+    /// assistant message to continue.
+    pub fn from_request(
+        messages: &[ChatMessage],
+        add_generation_prompt: Option<bool>,
+        continue_final_message: Option<bool>,
+    ) -> Result<Self, PromptError> {
+        let add = add_generation_prompt.unwrap_or(true);
+        if !continue_final_message.unwrap_or(false) {
+            return Ok(if add {
+                ChatEnding::GenerationPrompt
+            } else {
+                ChatEnding::Closed
+            });
+        }
+        if add {
+            return Err(PromptError::GenerationPromptConflict);
+        }
+        match messages.last() {
+            Some(m) if m.role == "assistant" => Ok(ChatEnding::ContinueFinal),
+            _ => Err(PromptError::NothingToContinue),
+        }
+    }
+}
+
+/// Renders chat messages with the sim's template (see the module docs), ending as `ending` says.
+pub fn render_chat(messages: &[ChatMessage], ending: ChatEnding) -> Result<Vec<u8>, PromptError> {
     if messages.is_empty() {
         return Err(PromptError::Empty);
     }
     let mut out = String::new();
-    for message in messages {
+    for (i, message) in messages.iter().enumerate() {
         out.push_str("<|");
         out.push_str(&message.role);
         out.push_str("|>\n");
@@ -94,9 +152,14 @@ pub fn render_chat(messages: &[ChatMessage]) -> Result<Vec<u8>, PromptError> {
             }
             None => {}
         }
-        out.push('\n');
+        let open = ending == ChatEnding::ContinueFinal && i + 1 == messages.len();
+        if !open {
+            out.push('\n');
+        }
     }
-    out.push_str(GENERATION_PROMPT);
+    if ending == ChatEnding::GenerationPrompt {
+        out.push_str(GENERATION_PROMPT);
+    }
     Ok(out.into_bytes())
 }
 
@@ -121,7 +184,9 @@ impl PromptInput {
             PromptInput::Text(text) => vec![text.into_bytes()],
             PromptInput::Texts(texts) => texts.into_iter().map(String::into_bytes).collect(),
             PromptInput::Tokens(ids) => vec![token_ids_to_bytes(&ids)],
-            PromptInput::TokenLists(lists) => lists.iter().map(|ids| token_ids_to_bytes(ids)).collect(),
+            PromptInput::TokenLists(lists) => {
+                lists.iter().map(|ids| token_ids_to_bytes(ids)).collect()
+            }
         }
     }
 
@@ -144,9 +209,13 @@ mod tests {
         serde_json::from_str(json).expect("valid messages")
     }
 
+    fn render_chat_default(messages: &[ChatMessage]) -> Result<Vec<u8>, PromptError> {
+        render_chat(messages, ChatEnding::GenerationPrompt)
+    }
+
     #[test]
     fn renders_roles_contents_and_the_generation_prompt() {
-        let rendered = render_chat(&messages(
+        let rendered = render_chat_default(&messages(
             r#"[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]"#,
         ))
         .unwrap();
@@ -158,7 +227,7 @@ mod tests {
 
     #[test]
     fn concatenates_text_parts_and_skips_other_parts_and_null_content() {
-        let rendered = render_chat(&messages(
+        let rendered = render_chat_default(&messages(
             r#"[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]},
                 {"role":"assistant","content":null,"tool_calls":[]}]"#,
         ))
@@ -171,9 +240,9 @@ mod tests {
 
     #[test]
     fn the_next_turn_extends_the_previous_prompt_and_reply() {
-        let turn1 = render_chat(&messages(r#"[{"role":"user","content":"Q1"}]"#)).unwrap();
+        let turn1 = render_chat_default(&messages(r#"[{"role":"user","content":"Q1"}]"#)).unwrap();
         let reply = " the cat";
-        let turn2 = render_chat(&messages(&format!(
+        let turn2 = render_chat_default(&messages(&format!(
             r#"[{{"role":"user","content":"Q1"}},{{"role":"assistant","content":"{reply}"}},{{"role":"user","content":"Q2"}}]"#
         )))
         .unwrap();
@@ -183,8 +252,58 @@ mod tests {
     }
 
     #[test]
+    fn a_continued_final_message_extends_the_original_prompt_by_the_partial_answer() {
+        let history = r#"{"role":"system","content":"Be brief."},{"role":"user","content":"Q1"}"#;
+        let original = render_chat_default(&messages(&format!("[{history}]"))).unwrap();
+        let partial = " the cat sat";
+        let continued_messages = messages(&format!(
+            r#"[{history},{{"role":"assistant","content":"{partial}"}}]"#
+        ));
+        let ending =
+            ChatEnding::from_request(&continued_messages, Some(false), Some(true)).unwrap();
+        assert_eq!(ending, ChatEnding::ContinueFinal);
+        let continued = render_chat(&continued_messages, ending).unwrap();
+        let mut expected = original.clone();
+        expected.extend_from_slice(partial.as_bytes());
+        assert_eq!(continued, expected);
+    }
+
+    #[test]
+    fn add_generation_prompt_false_closes_the_last_message_only() {
+        let m = messages(r#"[{"role":"user","content":"Hi"}]"#);
+        let ending = ChatEnding::from_request(&m, Some(false), None).unwrap();
+        assert_eq!(ending, ChatEnding::Closed);
+        assert_eq!(render_chat(&m, ending).unwrap(), b"<|user|>\nHi\n");
+        assert_eq!(
+            ChatEnding::from_request(&m, None, Some(false)),
+            Ok(ChatEnding::GenerationPrompt)
+        );
+    }
+
+    #[test]
+    fn continuing_needs_add_generation_prompt_false_and_an_assistant_message() {
+        let m =
+            messages(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]"#);
+        let conflict = Err(PromptError::GenerationPromptConflict);
+        assert_eq!(ChatEnding::from_request(&m, None, Some(true)), conflict);
+        assert_eq!(
+            ChatEnding::from_request(&m, Some(true), Some(true)),
+            conflict
+        );
+        assert_eq!(
+            PromptError::GenerationPromptConflict.to_string(),
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        );
+        let user_last = messages(r#"[{"role":"user","content":"Hi"}]"#);
+        assert_eq!(
+            ChatEnding::from_request(&user_last, Some(false), Some(true)),
+            Err(PromptError::NothingToContinue)
+        );
+    }
+
+    #[test]
     fn rejects_empty_messages_and_batched_prompts() {
-        assert_eq!(render_chat(&[]), Err(PromptError::Empty));
+        assert_eq!(render_chat_default(&[]), Err(PromptError::Empty));
         let batched: PromptInput = serde_json::from_str(r#"["a","b"]"#).unwrap();
         assert_eq!(batched.into_single_prompt(), Err(PromptError::Batched));
         let empty: PromptInput = serde_json::from_str("[]").unwrap();

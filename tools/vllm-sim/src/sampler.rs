@@ -35,7 +35,12 @@ impl SplitMix64 {
 }
 
 /// The seed of a sequence's text: a hash of the prompt keyed by the server and request seeds.
-pub fn text_seed(server_seed: u64, request_seed: Option<i64>, temperature: f64, prompt: &[u8]) -> u64 {
+pub fn text_seed(
+    server_seed: u64,
+    request_seed: Option<i64>,
+    temperature: f64,
+    prompt: &[u8],
+) -> u64 {
     let request_part = match request_seed {
         Some(seed) if temperature > 0.0 => (seed as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 1,
         _ => 0,
@@ -44,7 +49,12 @@ pub fn text_seed(server_seed: u64, request_seed: Option<i64>, temperature: f64, 
 }
 
 /// After how many output tokens a sequence emits EOS, or `None` when `ignore_eos` is set.
-pub fn eos_after(text_seed: u64, mean_output_tokens: u32, min_tokens: u32, ignore_eos: bool) -> Option<u32> {
+pub fn eos_after(
+    text_seed: u64,
+    mean_output_tokens: u32,
+    min_tokens: u32,
+    ignore_eos: bool,
+) -> Option<u32> {
     if ignore_eos {
         return None;
     }
@@ -69,8 +79,14 @@ mod tests {
 
     #[test]
     fn greedy_ignores_the_request_seed() {
-        assert_eq!(text_seed(1, Some(5), 0.0, b"p"), text_seed(1, Some(6), 0.0, b"p"));
-        assert_eq!(text_seed(1, Some(5), 0.0, b"p"), text_seed(1, None, 0.7, b"p"));
+        assert_eq!(
+            text_seed(1, Some(5), 0.0, b"p"),
+            text_seed(1, Some(6), 0.0, b"p")
+        );
+        assert_eq!(
+            text_seed(1, Some(5), 0.0, b"p"),
+            text_seed(1, None, 0.7, b"p")
+        );
     }
 
     #[test]
@@ -89,6 +105,8 @@ mod tests {
     #[test]
     fn unit_draws_stay_in_range() {
         let mut rng = SplitMix64::new(42);
-        assert!((0..10_000).map(|_| rng.next_unit()).all(|u| (0.0..1.0).contains(&u)));
+        assert!((0..10_000)
+            .map(|_| rng.next_unit())
+            .all(|u| (0.0..1.0).contains(&u)));
     }
 }

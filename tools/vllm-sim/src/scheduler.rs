@@ -87,6 +87,9 @@ pub struct SequenceSpec {
     pub report_blocks: bool,
     /// Emit text as it is generated (streaming) rather than only at the end.
     pub stream: bool,
+    /// Fault: after this many output tokens the sequence stops computing and sampling but keeps its
+    /// slot and blocks (a hung engine), until it is aborted.
+    pub stall_after: Option<u32>,
 }
 
 /// Why a sequence finished, as `finish_reason`.
@@ -132,7 +135,7 @@ pub struct Finish {
 pub struct SeqOutput {
     /// Which sequence.
     pub id: SeqId,
-    /// Whether this step produced its first token.
+    /// Whether this step produced its first token (every step that samples a token reports it).
     pub first_token: bool,
     /// New text to stream (streaming sequences only; may be empty while text is held back).
     pub delta: Option<String>,
@@ -210,6 +213,13 @@ impl Sequence {
     fn total_tokens(&self) -> u32 {
         self.prompt_tokens + self.output_tokens
     }
+
+    /// Whether the stall fault holds the sequence: it computes and samples nothing more.
+    fn stalled(&self) -> bool {
+        self.spec
+            .stall_after
+            .is_some_and(|n| self.output_tokens >= n)
+    }
 }
 
 /// Running and waiting sequences over one block pool.
@@ -274,6 +284,14 @@ impl Scheduler {
         self.stats.finished_abort += 1;
     }
 
+    /// Running sequences held by the stall fault.
+    pub fn num_stalled(&self) -> usize {
+        self.running
+            .iter()
+            .filter(|id| self.seqs.get(id).is_some_and(Sequence::stalled))
+            .count()
+    }
+
     /// Whether nothing is running or waiting.
     pub fn is_idle(&self) -> bool {
         self.seqs.is_empty() && self.pending.is_empty()
@@ -313,6 +331,10 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
+            if seq.stalled() {
+                i += 1;
+                continue;
+            }
             let n = (seq.total_tokens() - seq.computed).min(budget);
             let is_decode = seq.output_tokens > 0 && n == 1;
             let needed = blocks_for(seq.computed + n, block_size).saturating_sub(seq.blocks.len());
@@ -367,8 +389,7 @@ impl Scheduler {
                 continue;
             };
             let total = seq.total_tokens();
-            let max_hit_blocks =
-                (total.saturating_sub(1) / block_size.max(1)) as usize;
+            let max_hit_blocks = (total.saturating_sub(1) / block_size.max(1)) as usize;
             let hashes = &seq.hashes[..seq.hashes.len().min(max_hit_blocks)];
             let hits = self.pool.cached_prefix(hashes);
             let hit_tokens = hits.len() as u32 * block_size;
@@ -416,7 +437,9 @@ impl Scheduler {
         plan.duration_us = if plan.is_empty() {
             0.0
         } else {
-            self.config.timing.step_us(plan.decode_seqs, plan.prefill_tokens)
+            self.config
+                .timing
+                .step_us(plan.decode_seqs, plan.prefill_tokens)
         };
         plan
     }
@@ -437,11 +460,12 @@ impl Scheduler {
                 && seq.registered < seq.blocks.len()
                 && (seq.registered as u32 + 1) * block_size <= seq.computed
             {
-                self.pool.register(seq.blocks[seq.registered], seq.hashes[seq.registered]);
+                self.pool
+                    .register(seq.blocks[seq.registered], seq.hashes[seq.registered]);
                 seq.registered += 1;
             }
-            if seq.computed < seq.total_tokens() {
-                continue; // a chunked prefill goes on next step
+            if seq.computed < seq.total_tokens() || seq.stalled() {
+                continue; // a chunked prefill goes on next step; a stalled sequence never does
             }
             let first_token = seq.output_tokens == 0;
             if first_token {
@@ -469,9 +493,6 @@ impl Scheduler {
                 (None, true) => Some(seq.text.take_delta()),
                 _ => None,
             };
-            if finish.is_none() && delta.is_none() && !first_token {
-                continue;
-            }
             let finish = finish.map(|(reason, stop_reason)| {
                 finished.push(id);
                 Finish {
@@ -481,7 +502,11 @@ impl Scheduler {
                     prompt_tokens: seq.prompt_tokens,
                     output_tokens: seq.output_tokens,
                     cached_tokens: seq.cached_tokens,
-                    block_ids: if seq.spec.report_blocks { seq.blocks.clone() } else { Vec::new() },
+                    block_ids: if seq.spec.report_blocks {
+                        seq.blocks.clone()
+                    } else {
+                        Vec::new()
+                    },
                 }
             });
             outputs.push(SeqOutput {
@@ -564,7 +589,11 @@ mod tests {
             num_blocks: 64,
             block_size: 4,
             max_model_len: 4096,
-            timing: StepTiming { base_us: 1000.0, per_decode_seq_us: 100.0, per_prefill_token_us: 10.0 },
+            timing: StepTiming {
+                base_us: 1000.0,
+                per_decode_seq_us: 100.0,
+                per_prefill_token_us: 10.0,
+            },
         }
     }
 
@@ -686,11 +715,18 @@ mod tests {
             s.add(id, spec(&[b'a' + id as u8; 8], 5));
         }
         let plan = s.schedule();
-        assert_eq!(plan.work.iter().map(|w| w.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert_eq!(
+            plan.work.iter().map(|w| w.0).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
         assert_eq!((s.num_running(), s.num_waiting()), (4, 2));
         s.complete(plan);
         let (outputs, _) = run(&mut s);
-        let order: Vec<SeqId> = outputs.iter().filter(|o| o.first_token).map(|o| o.id).collect();
+        let order: Vec<SeqId> = outputs
+            .iter()
+            .filter(|o| o.first_token)
+            .map(|o| o.id)
+            .collect();
         assert_eq!(order, vec![4, 5]);
     }
 
@@ -800,5 +836,58 @@ mod tests {
         s.add(2, sp);
         let (outputs, _) = run(&mut s);
         assert_eq!(finish_of(&outputs, 2).block_ids.len(), 5); // the 20 computed prompt tokens
+    }
+
+    #[test]
+    fn a_stalled_sequence_keeps_its_slot_and_blocks_until_aborted() {
+        let mut s = Scheduler::new(config());
+        let mut sp = spec(&[b's'; 4 * 10], 100);
+        sp.stall_after = Some(3);
+        s.add(1, sp);
+        let mut tokens = 0;
+        for _ in 0..50 {
+            let plan = s.schedule();
+            tokens += s
+                .complete(plan)
+                .iter()
+                .filter(|o| o.delta.is_some())
+                .count();
+        }
+        assert_eq!(tokens, 3);
+        assert_eq!(s.stats().generation_tokens, 3);
+        assert_eq!((s.num_running(), s.num_stalled()), (1, 1));
+        assert!(
+            s.schedule().is_empty(),
+            "a stalled sequence computes nothing"
+        );
+        assert!(!s.is_idle());
+        assert!(s.pool().num_free() < 64);
+        s.abort(1);
+        assert_eq!(s.pool().num_free(), 64);
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_stall_at_zero_prefills_but_never_samples_and_short_requests_finish() {
+        let mut s = Scheduler::new(config());
+        let mut hung = spec(&[b'h'; 4 * 10], 5);
+        hung.stall_after = Some(0);
+        s.add(1, hung);
+        let mut short = spec(b"short", 2);
+        short.stall_after = Some(2);
+        s.add(2, short);
+        let mut outputs = Vec::new();
+        for _ in 0..20 {
+            let plan = s.schedule();
+            outputs.extend(s.complete(plan));
+        }
+        assert!(outputs.iter().all(|o| o.id == 2));
+        assert_eq!(finish_of(&outputs, 2).output_tokens, 2);
+        assert_eq!((s.num_running(), s.num_stalled()), (1, 1));
+        assert_eq!(
+            s.stats().prompt_tokens,
+            2,
+            "only the short request produced a first token"
+        );
     }
 }

@@ -3,7 +3,8 @@
 //! OpenAI's: `/health`, `/metrics`, `/version` and the sim's own `/sim/faults` and `/sim/info`.
 //!
 //! As in vLLM, only `/v1/*` paths require the API key. Generation requests read their body, then wait
-//! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served.
+//! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served; a served
+//! non-streamed answer may then be cut in half (`truncate_body`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -172,15 +173,19 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>) {
 }
 
 /// Answers one request; `Err` drops the connection.
-pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Result<Response<SimBody>, Dropped> {
+pub async fn handle(
+    state: Arc<AppState>,
+    request: Request<Incoming>,
+) -> Result<Response<SimBody>, Dropped> {
     let path = request.uri().path().to_string();
     let method = request.method().clone();
     let response = match (path.as_str(), &method) {
         ("/health", &Method::GET) => health(&state),
         ("/metrics", &Method::GET) => metrics(&state),
-        ("/version", &Method::GET) => {
-            body::json(StatusCode::OK, &json!({"version": concat!(env!("CARGO_PKG_VERSION"), "+vllm-sim")}))
-        }
+        ("/version", &Method::GET) => body::json(
+            StatusCode::OK,
+            &json!({"version": concat!(env!("CARGO_PKG_VERSION"), "+vllm-sim")}),
+        ),
         ("/sim/faults", &Method::GET) => faults(&state),
         ("/sim/faults", &Method::POST) => match read_body(request).await {
             Ok(bytes) => update_faults(&state, &bytes),
@@ -220,7 +225,10 @@ async fn v1(
             return Err(ApiError::Unauthorized);
         }
     }
-    let generation = matches!(path, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings");
+    let generation = matches!(
+        path,
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
+    );
     match (path, method) {
         ("/v1/models", &Method::GET) => return Ok(api::models(state)),
         ("/v1/models", _) => return Err(ApiError::MethodNotAllowed),
@@ -248,23 +256,40 @@ async fn v1(
         Some(status) => return Err(ApiError::Injected(status)),
         None => {}
     }
-    match path {
-        "/v1/chat/completions" => api::chat_completions(state, &bytes, request_id.as_deref(), &decision).await,
-        "/v1/completions" => api::completions(state, &bytes, request_id.as_deref(), &decision).await,
+    let response = match path {
+        "/v1/chat/completions" => {
+            api::chat_completions(state, &bytes, request_id.as_deref(), &decision).await
+        }
+        "/v1/completions" => {
+            api::completions(state, &bytes, request_id.as_deref(), &decision).await
+        }
         _ => api::embeddings(state, &bytes).await,
+    }?;
+    if decision.truncate_body && response.status() == StatusCode::OK {
+        return Ok(body::truncate(response));
     }
+    Ok(response)
 }
 
 async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
-    match Limited::new(request.into_body(), MAX_BODY_BYTES).collect().await {
+    match Limited::new(request.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) => Err(ApiError::BadRequest(format!("could not read the request body: {e}"))),
+        Err(e) => Err(ApiError::BadRequest(format!(
+            "could not read the request body: {e}"
+        ))),
     }
 }
 
 /// `GET /health`: 200 with an empty body, 503 while loading or when failing on purpose.
 fn health(state: &AppState) -> Response<SimBody> {
-    let failing = state.faults.lock().map(|f| f.settings.health_fail).unwrap_or(false);
+    let failing = state
+        .faults
+        .lock()
+        .map(|f| f.settings.health_fail)
+        .unwrap_or(false);
     if state.is_loading() || failing {
         body::empty(StatusCode::SERVICE_UNAVAILABLE)
     } else {
@@ -277,7 +302,11 @@ fn metrics(state: &AppState) -> Response<SimBody> {
         Ok(m) => render(&state.metrics_info, &m),
         Err(_) => String::new(),
     };
-    body::full(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text)
+    body::full(
+        StatusCode::OK,
+        "text/plain; version=0.0.4; charset=utf-8",
+        text,
+    )
 }
 
 fn faults(state: &AppState) -> Response<SimBody> {
@@ -286,7 +315,11 @@ fn faults(state: &AppState) -> Response<SimBody> {
     };
     let loading_remaining_s = f
         .loading_until
-        .map(|until| until.saturating_duration_since(Instant::now()).as_secs_f64())
+        .map(|until| {
+            until
+                .saturating_duration_since(Instant::now())
+                .as_secs_f64()
+        })
         .unwrap_or(0.0);
     body::json(
         StatusCode::OK,
@@ -295,10 +328,16 @@ fn faults(state: &AppState) -> Response<SimBody> {
 }
 
 fn update_faults(state: &AppState, bytes: &[u8]) -> Response<SimBody> {
-    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) { &b"{}"[..] } else { bytes };
+    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) {
+        &b"{}"[..]
+    } else {
+        bytes
+    };
     let update: FaultUpdate = match serde_json::from_slice(bytes) {
         Ok(u) => u,
-        Err(e) => return ApiError::BadRequest(format!("invalid fault settings: {e}")).into_response(),
+        Err(e) => {
+            return ApiError::BadRequest(format!("invalid fault settings: {e}")).into_response()
+        }
     };
     let settings = match update.settings() {
         Ok(s) => s,

@@ -6,7 +6,9 @@
 //! `stream_options.include_usage` is set, and `data: [DONE]`. Completion streams are the same with
 //! `text` choices. Events that arrive together are written in one frame. When the fault
 //! `disconnect_after_tokens` applies, the stream ends with an error after that many tokens, which makes
-//! hyper drop the connection without the terminating chunk, as a crashed server would.
+//! hyper drop the connection without the terminating chunk, as a crashed server would. With
+//! `disconnect_mid_event_after_tokens`, the first half of one more event (`data: {"id":...` with no
+//! blank line after it) goes out before the cut, as when a server dies in the middle of a write.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,7 +23,10 @@ use tokio::time::Sleep;
 
 use crate::disagg::{KvTransferParams, TransferAuthority};
 use crate::engine::SeqEvent;
-use crate::openai::{ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage};
+use crate::faults::StreamCutAt;
+use crate::openai::{
+    ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage,
+};
 use crate::scheduler::Finish;
 
 /// How long a stream that is about to be cut waits so its last chunks reach the client first.
@@ -50,7 +55,8 @@ pub struct HandOff {
 impl HandOff {
     /// The `kv_transfer_params` for a finished prefill.
     pub fn params(&self, finish: &Finish) -> KvTransferParams {
-        self.authority.issue(finish.block_ids.clone(), self.prompt_digest, unix_ms())
+        self.authority
+            .issue(finish.block_ids.clone(), self.prompt_digest, unix_ms())
     }
 }
 
@@ -81,6 +87,9 @@ pub struct ChunkEncoder {
     pub prompt_tokens: u32,
     /// Set for a prefill hand-off.
     pub handoff: Option<HandOff>,
+    /// Put `prompt_tokens_details.cached_tokens` in the usage chunk (`--enable-prompt-tokens-details`;
+    /// on unless changed after [`ChunkEncoder::new`]).
+    pub prompt_tokens_details: bool,
     role_sent: bool,
 }
 
@@ -106,12 +115,14 @@ impl ChunkEncoder {
             continuous_usage,
             prompt_tokens,
             handoff,
+            prompt_tokens_details: true,
             role_sent: false,
         }
     }
 
     fn usage(&self, output_tokens: u32) -> Option<Usage> {
-        self.continuous_usage.then(|| Usage::new(self.prompt_tokens, output_tokens, None))
+        self.continuous_usage
+            .then(|| Usage::new(self.prompt_tokens, output_tokens, None))
     }
 
     fn write_role(&mut self, out: &mut Vec<u8>, output_tokens: u32) {
@@ -126,7 +137,10 @@ impl ChunkEncoder {
             model: &self.model,
             choices: vec![ChatChunkChoice {
                 index: 0,
-                delta: ChatDelta { role: Some("assistant"), content: "" },
+                delta: ChatDelta {
+                    role: Some("assistant"),
+                    content: "",
+                },
                 logprobs: None,
                 finish_reason: None,
                 stop_reason: None,
@@ -158,7 +172,12 @@ impl ChunkEncoder {
             params.as_ref(),
         );
         if self.include_usage {
-            let usage = Some(Usage::new(finish.prompt_tokens, finish.output_tokens, Some(finish.cached_tokens)));
+            let cached = self.prompt_tokens_details.then_some(finish.cached_tokens);
+            let usage = Some(Usage::new(
+                finish.prompt_tokens,
+                finish.output_tokens,
+                cached,
+            ));
             match self.endpoint {
                 Endpoint::Chat => write_event(
                     out,
@@ -189,6 +208,14 @@ impl ChunkEncoder {
         out.extend_from_slice(b"data: [DONE]\n\n");
     }
 
+    /// Writes the first half of a content event, without its terminating blank line: what a client
+    /// receives when the server dies in the middle of writing an event.
+    pub fn partial_event(&self, out: &mut Vec<u8>, output_tokens: u32) {
+        let mut event = Vec::new();
+        self.write_choice(&mut event, " ...", None, output_tokens + 1, None);
+        out.extend_from_slice(&event[..event.len() / 2]);
+    }
+
     fn write_choice(
         &self,
         out: &mut Vec<u8>,
@@ -208,7 +235,10 @@ impl ChunkEncoder {
                     model: &self.model,
                     choices: vec![ChatChunkChoice {
                         index: 0,
-                        delta: ChatDelta { role: None, content: text },
+                        delta: ChatDelta {
+                            role: None,
+                            content: text,
+                        },
                         logprobs: None,
                         finish_reason: finish.map(|f| f.0),
                         stop_reason: finish.map(|f| f.1),
@@ -269,22 +299,39 @@ enum State {
 pub struct SseStream {
     events: mpsc::UnboundedReceiver<SeqEvent>,
     encoder: ChunkEncoder,
-    disconnect_after: Option<u32>,
+    cut: Option<StreamCutAt>,
     state: State,
 }
 
 impl SseStream {
-    /// A stream of `events`, cut after `disconnect_after` tokens when set.
+    /// A stream of `events`, cut as `cut` says when set.
     pub fn new(
         events: mpsc::UnboundedReceiver<SeqEvent>,
         encoder: ChunkEncoder,
-        disconnect_after: Option<u32>,
+        cut: Option<StreamCutAt>,
     ) -> Self {
-        let state = match disconnect_after {
-            Some(0) => State::Closing(Box::pin(tokio::time::sleep(DISCONNECT_GRACE))),
-            _ => State::Open,
+        SseStream {
+            events,
+            encoder,
+            cut,
+            state: State::Open,
+        }
+    }
+
+    fn closing(grace: Duration) -> State {
+        State::Closing(Box::pin(tokio::time::sleep(grace)))
+    }
+
+    /// Ends `out` (holding everything up to token `output_tokens`) as the cut says, if it is due.
+    fn cut_if_due(&mut self, out: &mut Vec<u8>, output_tokens: u32) -> bool {
+        let Some(cut) = self.cut.filter(|c| output_tokens >= c.after) else {
+            return false;
         };
-        SseStream { events, encoder, disconnect_after, state }
+        if cut.mid_event {
+            self.encoder.partial_event(out, output_tokens);
+        }
+        self.state = Self::closing(DISCONNECT_GRACE);
+        true
     }
 
     /// The next frame: `Ok(bytes)`, `Err` to cut the connection, or `None` at the end.
@@ -302,26 +349,30 @@ impl SseStream {
                 State::Open => {}
             }
             let mut out = Vec::new();
-            while out.len() < MAX_FRAME {
-                match self.events.poll_recv(cx) {
-                    Poll::Ready(Some(SeqEvent::Token { delta, output_tokens })) => {
-                        self.encoder.token(&mut out, &delta, output_tokens);
-                        if self.disconnect_after.is_some_and(|n| output_tokens >= n) {
-                            self.state = State::Closing(Box::pin(tokio::time::sleep(DISCONNECT_GRACE)));
+            if !self.cut_if_due(&mut out, 0) {
+                while out.len() < MAX_FRAME {
+                    match self.events.poll_recv(cx) {
+                        Poll::Ready(Some(SeqEvent::Token {
+                            delta,
+                            output_tokens,
+                        })) => {
+                            self.encoder.token(&mut out, &delta, output_tokens);
+                            if self.cut_if_due(&mut out, output_tokens) {
+                                break;
+                            }
+                        }
+                        Poll::Ready(Some(SeqEvent::Finished(finish))) => {
+                            self.encoder.finish(&mut out, &finish);
+                            self.state = State::Done;
                             break;
                         }
+                        Poll::Ready(None) => {
+                            // The engine dropped the sequence without finishing it.
+                            self.state = Self::closing(Duration::ZERO);
+                            break;
+                        }
+                        Poll::Pending => break,
                     }
-                    Poll::Ready(Some(SeqEvent::Finished(finish))) => {
-                        self.encoder.finish(&mut out, &finish);
-                        self.state = State::Done;
-                        break;
-                    }
-                    Poll::Ready(None) => {
-                        // The engine dropped the sequence without finishing it.
-                        self.state = State::Closing(Box::pin(tokio::time::sleep(Duration::ZERO)));
-                        break;
-                    }
-                    Poll::Pending => break,
                 }
             }
             if !out.is_empty() {
@@ -362,7 +413,16 @@ mod tests {
 
     #[test]
     fn chat_streams_role_then_content_then_finish_then_usage() {
-        let mut enc = ChunkEncoder::new(Endpoint::Chat, "chatcmpl-1".into(), 7, "m".into(), true, false, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "chatcmpl-1".into(),
+            7,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
         let mut out = Vec::new();
         enc.token(&mut out, " the", 1);
         enc.finish(&mut out, &finish(" cat"));
@@ -380,7 +440,16 @@ mod tests {
 
     #[test]
     fn completion_streams_text_and_continuous_usage() {
-        let mut enc = ChunkEncoder::new(Endpoint::Completion, "cmpl-1".into(), 7, "m".into(), false, true, 5, None);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "cmpl-1".into(),
+            7,
+            "m".into(),
+            false,
+            true,
+            5,
+            None,
+        );
         let mut out = Vec::new();
         enc.token(&mut out, " the", 1);
         enc.token(&mut out, "", 2); // held back: no chunk
@@ -396,15 +465,167 @@ mod tests {
     #[tokio::test]
     async fn a_stream_is_cut_after_n_tokens() {
         let (tx, rx) = mpsc::unbounded_channel();
-        let enc = ChunkEncoder::new(Endpoint::Completion, "c".into(), 0, "m".into(), false, false, 1, None);
-        let mut stream = SseStream::new(rx, enc, Some(2));
+        let enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "c".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 2,
+                mid_event: false,
+            }),
+        );
         for n in 1..=3 {
-            tx.send(SeqEvent::Token { delta: " the".into(), output_tokens: n }).unwrap();
+            tx.send(SeqEvent::Token {
+                delta: " the".into(),
+                output_tokens: n,
+            })
+            .unwrap();
         }
-        let first = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap().unwrap();
-        assert_eq!(std::str::from_utf8(&first).unwrap().matches("data: ").count(), 2);
-        let second = std::future::poll_fn(|cx| stream.poll_next(cx)).await.unwrap();
+        let first = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&first)
+                .unwrap()
+                .matches("data: ")
+                .count(),
+            2
+        );
+        let second = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap();
         assert_eq!(second, Err(StreamCut));
-        assert!(std::future::poll_fn(|cx| stream.poll_next(cx)).await.is_none());
+        assert!(std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn a_mid_event_cut_ends_with_half_an_event() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "chatcmpl-x".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 1,
+                mid_event: true,
+            }),
+        );
+        for n in 1..=2 {
+            tx.send(SeqEvent::Token {
+                delta: " the".into(),
+                output_tokens: n,
+            })
+            .unwrap();
+        }
+        let frame = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        let text = std::str::from_utf8(&frame).unwrap();
+        let (complete, partial) = text.rsplit_once("\n\n").unwrap();
+        assert_eq!(
+            complete.matches("data: ").count(),
+            2,
+            "role chunk and the first token"
+        );
+        assert!(
+            partial.starts_with("data: {\"id\":\"chatcmpl-x\""),
+            "{partial}"
+        );
+        assert!(serde_json::from_str::<serde_json::Value>(&partial["data: ".len()..]).is_err());
+        let next = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap();
+        assert_eq!(next, Err(StreamCut));
+    }
+
+    #[tokio::test]
+    async fn a_cut_at_zero_tokens_sends_only_the_partial_event() {
+        let (_tx, rx) = mpsc::unbounded_channel();
+        let enc = ChunkEncoder::new(
+            Endpoint::Completion,
+            "cmpl-z".into(),
+            0,
+            "m".into(),
+            false,
+            false,
+            1,
+            None,
+        );
+        let mut stream = SseStream::new(
+            rx,
+            enc,
+            Some(StreamCutAt {
+                after: 0,
+                mid_event: true,
+            }),
+        );
+        let frame = std::future::poll_fn(|cx| stream.poll_next(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(frame.starts_with(b"data: {\"id\":\"cmpl-z\""));
+        assert!(!frame.ends_with(b"\n\n"));
+        assert_eq!(
+            std::future::poll_fn(|cx| stream.poll_next(cx))
+                .await
+                .unwrap(),
+            Err(StreamCut)
+        );
+    }
+
+    #[test]
+    fn usage_chunk_reports_cached_tokens_unless_details_are_off() {
+        let mut f = finish(" cat");
+        f.cached_tokens = 3;
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
+        let mut out = Vec::new();
+        enc.finish(&mut out, &f);
+        let usage = events(&out).pop().unwrap()["usage"].clone();
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 3);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
+        enc.prompt_tokens_details = false;
+        let mut out = Vec::new();
+        enc.finish(&mut out, &f);
+        assert!(events(&out).pop().unwrap()["usage"]["prompt_tokens_details"].is_null());
     }
 }

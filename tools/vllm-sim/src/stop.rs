@@ -19,7 +19,12 @@ impl StopChecker {
     pub fn new(stops: Vec<String>) -> Self {
         let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
         let hold_back = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
-        StopChecker { text: String::new(), sent: 0, stops, hold_back }
+        StopChecker {
+            text: String::new(),
+            sent: 0,
+            stops,
+            hold_back,
+        }
     }
 
     /// Appends a piece; when `check_stops` and a stop string now appears in the unsent text, cuts the
@@ -43,7 +48,11 @@ impl StopChecker {
 
     /// The text that can be streamed now: everything unsent except the held-back tail.
     pub fn take_delta(&mut self) -> String {
-        let mut end = self.text.len().saturating_sub(self.hold_back).max(self.sent);
+        let mut end = self
+            .text
+            .len()
+            .saturating_sub(self.hold_back)
+            .max(self.sent);
         while !self.text.is_char_boundary(end) {
             end -= 1;
         }

@@ -1,0 +1,170 @@
+//! Predicted-latency routing (the default): the backend where the request costs the least time.
+//!
+//! The pool fills each candidate's predicted time to first token, its own decode time and the
+//! time it would cost the sequences already running there from the time model
+//! ([`crate::time_model`]); this policy ranks by
+//! `ttft_weight × ttft + decode_weight × (own decode + harm)`, lowest first.
+//!
+//! Cache hits are not weighted separately: a backend that holds the prompt's prefix skips that
+//! prefill, which shows up as a shorter time to first token and less harm to its running
+//! sequences. So a conversation stays where its history is cached unless the queue there costs
+//! more than recomputing the history elsewhere, and a hot prefix gains a replica exactly when its
+//! holder's prefill backlog exceeds a cold prefill on another backend (the pool then records the
+//! prefix on the new holder too).
+//!
+//! Decisions: `cache_hit` when the chosen backend holds part of the prefix, `spill` when another
+//! candidate held more of it but was predicted slower, `cache_miss` otherwise.
+
+use super::{smallest_by, DecisionInput, DecisionKind, PolicyKind, RoutingPolicy};
+use crate::random::RandomSource;
+use serde::{Deserialize, Serialize};
+
+/// Knobs of the predicted_latency policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PredictedLatencyConfig {
+    /// Weight of the predicted time to first token (default 1).
+    pub ttft_weight: f64,
+    /// Weight of the request's own decode time plus the time it costs running sequences
+    /// (default 1).
+    pub decode_weight: f64,
+}
+
+impl Default for PredictedLatencyConfig {
+    fn default() -> Self {
+        PredictedLatencyConfig {
+            ttft_weight: 1.0,
+            decode_weight: 0.6,
+        }
+    }
+}
+
+impl PredictedLatencyConfig {
+    /// Checks the knobs.
+    pub fn validate(&self) -> Result<(), String> {
+        let ok = |x: f64| x.is_finite() && (0.0..=1e6).contains(&x);
+        if !ok(self.ttft_weight) || !ok(self.decode_weight) {
+            return Err("predicted_latency weights must be within [0, 1e6]".into());
+        }
+        if self.ttft_weight == 0.0 && self.decode_weight == 0.0 {
+            return Err("predicted_latency weights must not both be 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// The predicted-latency policy.
+#[derive(Debug, Clone, Copy)]
+pub struct PredictedLatency {
+    config: PredictedLatencyConfig,
+}
+
+impl PredictedLatency {
+    /// A policy with the given knobs.
+    pub fn new(config: PredictedLatencyConfig) -> Self {
+        PredictedLatency { config }
+    }
+}
+
+impl RoutingPolicy for PredictedLatency {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PredictedLatency
+    }
+
+    fn rank(
+        &mut self,
+        input: &DecisionInput<'_>,
+        rng: &mut dyn RandomSource,
+        order: &mut Vec<usize>,
+    ) -> DecisionKind {
+        order.clear();
+        let cands = input.candidates;
+        let n = cands.len();
+        if n == 0 {
+            return DecisionKind::CacheMiss;
+        }
+        let cfg = &self.config;
+        let score = |i: usize| {
+            let c = &cands[i];
+            cfg.ttft_weight * c.ttft_ms + cfg.decode_weight * (c.decode_ms + c.harm_ms)
+        };
+        let start = rng.below(n as u64) as usize;
+        smallest_by(n, input.limit, start, &[], score, order);
+        let best = &cands[order[0]];
+        let most_cached = cands.iter().map(|c| c.cached_blocks).max().unwrap_or(0);
+        if best.cached_blocks > 0 && best.cached_blocks == most_cached {
+            DecisionKind::CacheHit
+        } else if most_cached > best.cached_blocks {
+            DecisionKind::Spill
+        } else {
+            DecisionKind::CacheMiss
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_support::{candidates, identity};
+    use super::super::Candidate;
+    use super::*;
+    use crate::random::SplitMix64;
+
+    fn rank(c: &[Candidate]) -> (DecisionKind, Vec<usize>) {
+        let idx = identity(c.len());
+        let input = DecisionInput {
+            candidates: c,
+            slot_index: &idx,
+            key_hash: None,
+            limit: 3,
+        };
+        let mut order = Vec::new();
+        let mut p = PredictedLatency::new(PredictedLatencyConfig::default());
+        let kind = p.rank(&input, &mut SplitMix64::new(7), &mut order);
+        (kind, order)
+    }
+
+    #[test]
+    fn ranks_by_predicted_time() {
+        let mut c = candidates(&[0.0; 3]);
+        for (i, t) in [300.0, 100.0, 200.0].into_iter().enumerate() {
+            c[i].ttft_ms = t;
+        }
+        assert_eq!(rank(&c), (DecisionKind::CacheMiss, vec![1, 2, 0]));
+    }
+
+    #[test]
+    fn stays_with_the_cache_until_its_queue_costs_more() {
+        let mut c = candidates(&[0.0; 2]);
+        c[0].cached_blocks = 60;
+        c[0].ttft_ms = 20.0;
+        c[1].ttft_ms = 110.0;
+        assert_eq!(rank(&c).0, DecisionKind::CacheHit);
+        assert_eq!(rank(&c).1[0], 0);
+        c[0].ttft_ms = 150.0; // a backlog of 130 ms at the holder
+        assert_eq!(rank(&c), (DecisionKind::Spill, vec![1, 0]));
+    }
+
+    #[test]
+    fn decode_harm_counts() {
+        let mut c = candidates(&[0.0; 2]);
+        c[0].ttft_ms = 50.0;
+        c[0].harm_ms = 500.0;
+        c[1].ttft_ms = 80.0;
+        assert_eq!(rank(&c).1[0], 1);
+    }
+
+    #[test]
+    fn validation() {
+        assert!(PredictedLatencyConfig::default().validate().is_ok());
+        let bad = PredictedLatencyConfig {
+            ttft_weight: 0.0,
+            decode_weight: 0.0,
+        };
+        assert!(bad.validate().is_err());
+        let bad = PredictedLatencyConfig {
+            ttft_weight: f64::INFINITY,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

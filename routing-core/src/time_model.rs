@@ -1,0 +1,671 @@
+//! The time model: how long a request would wait for its first token on each backend, and how much
+//! time it would cost the sequences already running there, learned online per backend.
+//!
+//! A vLLM server runs engine steps. Each step carries every running sequence's next token plus a
+//! budget of prefill tokens from the waiting queue, and lasts roughly
+//! `step(n, p) = decode_ms_per_step + n × decode_ms_per_seq + p × prefill_us_per_token / 1000`
+//! for `n` decoding sequences and `p` prefill tokens. So, for a request with `u` uncached prompt
+//! tokens sent to backend `b` now:
+//!
+//! ```text
+//! backlog(b)   = prefill work queued ahead of it: a virtual FIFO that each admitted lease extends
+//!                by its own prefill time and that drains in real time
+//! ttft(b)      = backlog(b) + u × prefill(b) + step(n_b)                      // its first token
+//! tpot(b)      = decode_ms_per_step(b) + (n_b + 1) × decode_ms_per_seq(b)     // its later tokens
+//! own(b)       = out × tpot(b)                                                // its decode
+//! harm(b)      = n_b × (u × prefill(b) + out × decode_ms_per_seq(b))          // what n_b others lose
+//! ```
+//!
+//! where `n_b` counts the backend's live leases plus the sequences its scrape reports beyond them
+//! (other gateways' traffic), and `out` is the expected output length: `max_tokens` times the
+//! pool's learned ratio of real to requested output. A prefix-cache hit enters only through `u`:
+//! it is the prefill time it saves, here and in everyone else's step times. The `predicted_latency`
+//! policy ranks by `ttft + own + harm` (weights are knobs).
+//!
+//! Learning: every backend has two scales on the configured rates, one for prefill and one for
+//! decode, starting at 1. At release, a successful lease's measured time to first byte is
+//! compared with the prediction made when it was granted (the prefill part only: queue plus
+//! prefill), and its measured time per output token (duration after the first byte over the
+//! completion tokens the backend reported) with the predicted `tpot`. Each comparison moves its
+//! scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]` so one outlier moves
+//! a scale by at most `2^learning_rate` (15% at the default 0.2), and scales stay within
+//! `[1/max_scale, max_scale]`. With the default rate a 3x slower backend is learned within about 10
+//! to 20 requests. Predictions too small to measure (under 5 ms of prefill) teach nothing, so
+//! network time on tiny prompts does not inflate the prefill rate.
+
+use serde::{Deserialize, Serialize};
+
+/// The time model's knobs, per pool (`time_model` in the pool's settings).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TimeModelConfig {
+    /// Prefill cost per uncached prompt token, in microseconds, before learning (default 100: 10,000
+    /// tokens/s, an 8B model on one recent GPU).
+    pub prefill_us_per_token: f64,
+    /// Fixed cost of one engine step, in milliseconds, before learning (default 10).
+    pub decode_ms_per_step: f64,
+    /// Extra step cost per running sequence, in milliseconds, before learning (default 0.15).
+    pub decode_ms_per_seq: f64,
+    /// Weight of each observation in the learned scales, 0 to 1 (default 0.2; 0 turns learning off).
+    pub learning_rate: f64,
+    /// Learned scales stay within `[1/max_scale, max_scale]` of the configured rates (default 10).
+    pub max_scale: f64,
+}
+
+impl Default for TimeModelConfig {
+    fn default() -> Self {
+        TimeModelConfig {
+            prefill_us_per_token: 100.0,
+            decode_ms_per_step: 10.0,
+            decode_ms_per_seq: 0.15,
+            learning_rate: 0.2,
+            max_scale: 10.0,
+        }
+    }
+}
+
+impl TimeModelConfig {
+    /// Checks the knobs.
+    pub fn validate(&self) -> Result<(), String> {
+        let ok = |x: f64, lo: f64, hi: f64| x.is_finite() && x >= lo && x <= hi;
+        if !ok(self.prefill_us_per_token, 0.001, 1e6) {
+            return Err("time_model.prefill_us_per_token must be within [0.001, 1e6]".into());
+        }
+        if !ok(self.decode_ms_per_step, 0.001, 1e5) || !ok(self.decode_ms_per_seq, 0.0, 1e5) {
+            return Err("time_model decode costs must be within [0.001, 1e5] ms".into());
+        }
+        if !ok(self.learning_rate, 0.0, 1.0) {
+            return Err("time_model.learning_rate must be within [0, 1]".into());
+        }
+        if !ok(self.max_scale, 1.0, 1e4) {
+            return Err("time_model.max_scale must be within [1, 1e4]".into());
+        }
+        Ok(())
+    }
+}
+
+/// Predicted prefills (queue plus prefill) under this teach the overhead, not the prefill rate,
+/// when there is too little spread to fit both.
+const MIN_LEARN_PREFILL_MS: f64 = 5.0;
+/// Largest overhead (gateway and network time to the first byte) the model accepts.
+const MAX_OVERHEAD_MS: f64 = 1_000.0;
+/// Fewest (weighted) observations, and least spread of their predictions (ms²), to fit a line.
+const MIN_FIT_WEIGHT: f64 = 8.0;
+const MIN_FIT_VARIANCE: f64 = 25.0;
+
+/// An exponentially weighted least-squares line `y = a + b x`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Fit {
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl Fit {
+    fn observe(&mut self, x: f64, y: f64, rate: f64) {
+        if !(x.is_finite() && y.is_finite()) {
+            return;
+        }
+        let keep = 1.0 - rate.clamp(0.0, 1.0);
+        self.w = self.w * keep + 1.0;
+        self.sx = self.sx * keep + x;
+        self.sy = self.sy * keep + y;
+        self.sxx = self.sxx * keep + x * x;
+        self.sxy = self.sxy * keep + x * y;
+    }
+
+    /// `(a, b)`, once there are enough observations spread widely enough.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.w < MIN_FIT_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (self.sx / self.w, self.sy / self.w);
+        let var = self.sxx / self.w - mx * mx;
+        if var < MIN_FIT_VARIANCE {
+            return None;
+        }
+        let b = (self.sxy / self.w - mx * my) / var;
+        (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
+    }
+}
+/// Largest ratio one observation can apply (and its inverse the smallest).
+const MAX_STEP_RATIO: f64 = 2.0;
+
+/// What the model predicted for one lease share when it was granted, kept in the share so the
+/// release can compare it with what happened (integers, so shares stay `Eq`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharePrediction {
+    /// This share's own prefill time, in microseconds.
+    pub prefill_us: u64,
+    /// When its prefill should end (the virtual queue's end after it), in microseconds of pool time.
+    pub prefill_end_us: u64,
+    /// Predicted queue plus prefill, in microseconds.
+    pub queued_prefill_us: u64,
+    /// The same at the configured rate (unscaled), in microseconds: what learning regresses the
+    /// measured time on.
+    pub queued_prefill_base_us: u64,
+    /// Predicted wait beyond the queue (for room, for other clients' requests), in microseconds.
+    pub extra_wait_us: u64,
+    /// Predicted step time of its first token, in microseconds.
+    pub first_step_us: u64,
+    /// Predicted time per output token, in microseconds.
+    pub tpot_us: u64,
+}
+
+impl SharePrediction {
+    /// Adds a wait predicted beyond the prefill queue (for room, for other clients' requests) to
+    /// what the request's time to first byte will be compared with.
+    pub fn add_wait(&mut self, wait_ms: f64) {
+        self.extra_wait_us = self
+            .extra_wait_us
+            .saturating_add((wait_ms.max(0.0) * 1000.0) as u64);
+    }
+}
+
+/// A candidate's predicted times for one request, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Prediction {
+    /// Time to first token.
+    pub ttft_ms: f64,
+    /// The request's own decode time (`out × tpot`).
+    pub decode_ms: f64,
+    /// Time the request would cost the sequences already running there.
+    pub harm_ms: f64,
+}
+
+/// What a release reports for learning.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Observation {
+    /// Time to first byte measured by the Worker, in milliseconds.
+    pub ttfb_ms: Option<u64>,
+    /// Time from grant to release, in milliseconds.
+    pub duration_ms: u64,
+    /// Completion tokens the backend reported.
+    pub completion_tokens: Option<u32>,
+    /// Whether the answer was streamed (a non-streamed answer's first byte is its last).
+    pub streamed: bool,
+}
+
+/// One backend's learned rates and virtual prefill queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendTiming {
+    prefill_scale: f64,
+    decode_scale: f64,
+    /// End of the virtual prefill queue, in microseconds of pool time.
+    queue_end_us: u64,
+    /// Observations learned from.
+    observations: u64,
+    /// Time to first byte beyond the engine's (gateway, network), learned, in milliseconds.
+    overhead_ms: f64,
+    /// The line fitted through (predicted prefill at the configured rate, measured).
+    fit: Fit,
+}
+
+impl Default for BackendTiming {
+    fn default() -> Self {
+        BackendTiming {
+            prefill_scale: 1.0,
+            decode_scale: 1.0,
+            queue_end_us: 0,
+            observations: 0,
+            overhead_ms: 0.0,
+            fit: Fit::default(),
+        }
+    }
+}
+
+/// A backend's time model as listings show it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TimingView {
+    /// Learned prefill cost per uncached token, in microseconds.
+    pub prefill_us_per_token: f64,
+    /// Learned fixed step cost, in milliseconds.
+    pub decode_ms_per_step: f64,
+    /// Learned step cost per running sequence, in milliseconds.
+    pub decode_ms_per_seq: f64,
+    /// Prefill work queued now, in milliseconds.
+    pub prefill_backlog_ms: f64,
+    /// Learned time to the first byte beyond the engine's (gateway, network), in milliseconds:
+    /// shown, not ranked on (it is about the same for every backend of a pool, and a noisy
+    /// per-backend figure would only scatter new conversations).
+    pub overhead_ms: f64,
+    /// Releases the rates were learned from.
+    pub observations: u64,
+}
+
+impl BackendTiming {
+    fn prefill_us_per_token(&self, c: &TimeModelConfig) -> f64 {
+        c.prefill_us_per_token * self.prefill_scale
+    }
+
+    fn step_ms(&self, c: &TimeModelConfig, running: f64) -> f64 {
+        (c.decode_ms_per_step + running.max(0.0) * c.decode_ms_per_seq) * self.decode_scale
+    }
+
+    fn per_seq_ms(&self, c: &TimeModelConfig) -> f64 {
+        c.decode_ms_per_seq * self.decode_scale
+    }
+
+    /// Prefill work queued ahead of a request arriving now, in milliseconds.
+    pub fn backlog_ms(&self, now_ms: u64) -> f64 {
+        self.queue_end_us
+            .saturating_sub(now_ms.saturating_mul(1000)) as f64
+            / 1000.0
+    }
+
+    /// Predicts a request with `uncached` prompt tokens and `out` expected output tokens on this
+    /// backend, where `running` sequences are decoding and `extra_queue_ms` of work waits that the
+    /// gateway did not send (scraped).
+    pub fn predict(
+        &self,
+        c: &TimeModelConfig,
+        uncached: u64,
+        out: f64,
+        running: f64,
+        extra_queue_ms: f64,
+        now_ms: u64,
+    ) -> Prediction {
+        let prefill_ms = uncached as f64 * self.prefill_us_per_token(c) / 1000.0;
+        let running = running.max(0.0);
+        let ttft_ms = self.backlog_ms(now_ms)
+            + extra_queue_ms.max(0.0)
+            + prefill_ms
+            + self.step_ms(c, running);
+        let decode_ms = out * self.step_ms(c, running + 1.0);
+        let harm_ms = running * (prefill_ms + out * self.per_seq_ms(c));
+        Prediction {
+            ttft_ms,
+            decode_ms,
+            harm_ms,
+        }
+    }
+
+    /// Puts a granted request's prefill at the end of the virtual queue and returns what was
+    /// predicted for it.
+    pub fn admit(
+        &mut self,
+        c: &TimeModelConfig,
+        uncached: u64,
+        running: f64,
+        now_ms: u64,
+    ) -> SharePrediction {
+        let now_us = now_ms.saturating_mul(1000);
+        let prefill_us = (uncached as f64 * self.prefill_us_per_token(c)) as u64;
+        let start = self.queue_end_us.max(now_us);
+        self.queue_end_us = start.saturating_add(prefill_us);
+        SharePrediction {
+            prefill_us,
+            prefill_end_us: self.queue_end_us,
+            queued_prefill_us: self.queue_end_us - now_us,
+            queued_prefill_base_us: ((self.queue_end_us - now_us) as f64 / self.prefill_scale)
+                as u64,
+            extra_wait_us: 0,
+            first_step_us: (self.step_ms(c, running) * 1000.0) as u64,
+            tpot_us: (self.step_ms(c, running + 1.0) * 1000.0) as u64,
+        }
+    }
+
+    /// Takes a share off the backend: a lease that ends before its predicted prefill end leaves
+    /// the virtual queue (vLLM aborts it, or it was faster than predicted).
+    pub fn leave(&mut self, share: &SharePrediction, now_ms: u64) {
+        let now_us = now_ms.saturating_mul(1000);
+        if share.prefill_end_us > now_us {
+            let left = (share.prefill_end_us - now_us).min(share.prefill_us);
+            self.queue_end_us = self.queue_end_us.saturating_sub(left).max(now_us);
+        }
+    }
+
+    /// Teaches the scales what a successful share's request measured.
+    pub fn learn(&mut self, c: &TimeModelConfig, share: &SharePrediction, seen: &Observation) {
+        if c.learning_rate <= 0.0 {
+            return;
+        }
+        let bound = c.max_scale.max(1.0);
+        let mut learned = false;
+        let Some(ttfb_ms) = seen.ttfb_ms else {
+            return;
+        };
+        let predicted_prefill_ms = share.queued_prefill_us as f64 / 1000.0;
+        let first_step_ms = share.first_step_us as f64 / 1000.0;
+        if seen.streamed {
+            // measured = overhead + scale × predicted-at-configured-rate: the overhead (gateway,
+            // network) is fitted with the scale, so it never inflates the prefill rate.
+            let x = share.queued_prefill_base_us as f64 / 1000.0;
+            let y = ttfb_ms as f64 - first_step_ms - share.extra_wait_us as f64 / 1000.0;
+            let rate = c.learning_rate / 4.0;
+            self.fit.observe(x, y, rate);
+            match self.fit.line() {
+                Some((overhead, slope)) => {
+                    self.prefill_scale = slope.clamp(1.0 / bound, bound);
+                    self.overhead_ms = overhead.clamp(0.0, MAX_OVERHEAD_MS);
+                }
+                // Too little spread in the predictions to fit a line: learn the overhead from
+                // requests with nothing to prefill, the scale from the others.
+                None if x < MIN_LEARN_PREFILL_MS => {
+                    self.overhead_ms += (y.clamp(0.0, MAX_OVERHEAD_MS) - self.overhead_ms) * rate;
+                }
+                None => {
+                    let ratio = (y - self.overhead_ms).max(0.0) / x;
+                    self.prefill_scale = nudge(
+                        self.prefill_scale,
+                        ratio / self.prefill_scale,
+                        c.learning_rate,
+                        bound,
+                    );
+                }
+            }
+            learned = x >= MIN_LEARN_PREFILL_MS;
+        }
+        let tokens = seen.completion_tokens.unwrap_or(0);
+        if tokens >= 2 && share.tpot_us > 0 {
+            let predicted_tpot_ms = share.tpot_us as f64 / 1000.0;
+            // A stream's decode is what follows its first byte; a non-streamed answer arrives
+            // whole, so its decode is what the prediction leaves after the first token.
+            let decode_ms = if seen.streamed {
+                seen.duration_ms.saturating_sub(ttfb_ms) as f64
+            } else {
+                ttfb_ms as f64 - predicted_prefill_ms - first_step_ms - self.overhead_ms
+            };
+            if decode_ms > 0.0 {
+                let observed_tpot = decode_ms / f64::from(tokens - 1);
+                self.decode_scale = nudge(
+                    self.decode_scale,
+                    observed_tpot / predicted_tpot_ms,
+                    c.learning_rate,
+                    bound,
+                );
+                learned = true;
+            }
+        }
+        if learned {
+            self.observations += 1;
+        }
+    }
+
+    /// Learns the decode rate from a scrape: vLLM's mean time per output token between two
+    /// probes, measured while `running` sequences ran on average.
+    pub fn learn_tpot(&mut self, c: &TimeModelConfig, tpot_ms: f64, running: f64) {
+        if c.learning_rate <= 0.0 || !(tpot_ms.is_finite() && tpot_ms > 0.0) {
+            return;
+        }
+        let predicted = self.step_ms(c, running.max(1.0));
+        self.decode_scale = nudge(
+            self.decode_scale,
+            tpot_ms / predicted,
+            c.learning_rate,
+            c.max_scale.max(1.0),
+        );
+        self.observations += 1;
+    }
+
+    /// The learned model, for listings.
+    pub fn view(&self, c: &TimeModelConfig, now_ms: u64) -> TimingView {
+        TimingView {
+            prefill_us_per_token: self.prefill_us_per_token(c),
+            decode_ms_per_step: c.decode_ms_per_step * self.decode_scale,
+            decode_ms_per_seq: self.per_seq_ms(c),
+            prefill_backlog_ms: self.backlog_ms(now_ms),
+            overhead_ms: self.overhead_ms,
+            observations: self.observations,
+        }
+    }
+}
+
+/// How long a request waits for room on a backend that is out of KV-cache space or sequence
+/// slots: vLLM admits it only when running sequences finish and free theirs. Running sequences
+/// finish, on average, half a decode (`decode_ms / 2`) from now, freeing their tokens at a
+/// steady rate, so the wait is that time scaled by the shortfall:
+///
+/// ```text
+/// memory wait = decode_ms / 2 × max(tokens + request − capacity, 0) / tokens
+/// slot wait   = decode_ms / 2 × max(sequences + 1 − max_num_seqs, 0) / sequences
+/// ```
+///
+/// and the larger of the two counts. `tokens` are the backend's in-flight tokens (uncached
+/// prompt plus expected output of its leases).
+pub fn room_wait_ms(
+    in_flight_tokens: u64,
+    request_tokens: u64,
+    capacity_tokens: u64,
+    sequences: u32,
+    max_num_seqs: u32,
+    decode_ms: f64,
+) -> f64 {
+    let half = decode_ms.max(0.0) / 2.0;
+    let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
+    let memory = half * short_tokens as f64 / in_flight_tokens.max(1) as f64;
+    let short_seqs = (sequences + 1).saturating_sub(max_num_seqs.max(1));
+    let slots = half * f64::from(short_seqs) / f64::from(sequences.max(1));
+    memory.max(slots)
+}
+
+/// Moves `scale` by `ratio^rate` (ratio clamped to `[1/2, 2]`), keeping it within `[1/bound, bound]`.
+fn nudge(scale: f64, ratio: f64, rate: f64, bound: f64) -> f64 {
+    if !ratio.is_finite() || ratio <= 0.0 {
+        return scale;
+    }
+    let r = ratio.clamp(1.0 / MAX_STEP_RATIO, MAX_STEP_RATIO);
+    (scale * r.powf(rate)).clamp(1.0 / bound, bound)
+}
+
+/// The pool-wide ratio of completion tokens to requested `max_tokens`, learned from usage, which
+/// turns a request's `max_tokens` into its expected output length.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OutputRatio(f64);
+
+impl Default for OutputRatio {
+    fn default() -> Self {
+        OutputRatio(1.0)
+    }
+}
+
+impl OutputRatio {
+    /// Weight of one observation.
+    const RATE: f64 = 0.05;
+
+    /// Expected output tokens for a request allowing `max_tokens`.
+    pub fn expected(&self, max_tokens: u32) -> f64 {
+        f64::from(max_tokens) * self.0
+    }
+
+    /// Learns from a finished request.
+    pub fn observe(&mut self, completion_tokens: u32, max_tokens: u32) {
+        if max_tokens == 0 {
+            return;
+        }
+        let r = (f64::from(completion_tokens) / f64::from(max_tokens)).clamp(0.0, 1.0);
+        self.0 = (self.0 * (1.0 - Self::RATE) + r * Self::RATE).clamp(0.02, 1.0);
+    }
+
+    /// The current ratio.
+    pub fn get(&self) -> f64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> TimeModelConfig {
+        TimeModelConfig::default()
+    }
+
+    #[test]
+    fn prefill_queue_adds_up_and_drains_in_real_time() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        let a = t.admit(&c, 1_200, 0.0, 1_000);
+        assert_eq!(a.prefill_us, 120_000);
+        let b = t.admit(&c, 1_200, 0.0, 1_000);
+        assert_eq!(
+            b.queued_prefill_us, 240_000,
+            "the second waits behind the first"
+        );
+        assert!((t.backlog_ms(1_000) - 240.0).abs() < 1e-9);
+        assert!((t.backlog_ms(1_100) - 140.0).abs() < 1e-9);
+        assert_eq!(t.backlog_ms(2_000), 0.0);
+        let p = t.predict(&c, 1_200, 100.0, 0.0, 0.0, 1_000);
+        assert!((p.ttft_ms - (240.0 + 120.0 + 10.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_cache_hit_saves_its_prefill_here_and_for_the_running_sequences() {
+        let c = cfg();
+        let t = BackendTiming::default();
+        let cold = t.predict(&c, 1_000, 100.0, 8.0, 0.0, 0);
+        let warm = t.predict(&c, 100, 100.0, 8.0, 0.0, 0);
+        assert!((cold.ttft_ms - warm.ttft_ms - 90.0).abs() < 1e-9);
+        assert!((cold.harm_ms - warm.harm_ms - 8.0 * 90.0).abs() < 1e-9);
+        assert_eq!(cold.decode_ms, warm.decode_ms);
+        assert!((warm.decode_ms - 100.0 * (10.0 + 9.0 * 0.15)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_full_backend_makes_requests_wait_for_room() {
+        assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0), 0.0);
+        // 8,000 tokens in flight, 1,192 over with this request: 500 ms x 1,192 / 8,000.
+        let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0);
+        assert!((w - 500.0 * 1_192.0 / 8_000.0).abs() < 1e-9, "{w}");
+        // Every slot taken: 500 ms x 1 / 4.
+        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0) - 125.0).abs() < 1e-9);
+        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0), 25_000.0);
+    }
+
+    #[test]
+    fn a_cancelled_prefill_leaves_the_queue() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        let a = t.admit(&c, 1_000, 0.0, 0);
+        let b = t.admit(&c, 1_000, 0.0, 0);
+        t.leave(&a, 50);
+        assert!(
+            (t.backlog_ms(50) - 100.0).abs() < 1e-9,
+            "{}",
+            t.backlog_ms(50)
+        );
+        t.leave(&b, 60);
+        assert_eq!(t.backlog_ms(60), 0.0);
+    }
+
+    #[test]
+    fn learns_a_slower_backend_within_bounds() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        // The real backend prefills at 300 us/token and steps at 3x the configured cost.
+        for i in 0..40u64 {
+            let now = i * 10_000;
+            let share = t.admit(&c, 1_000, 0.0, now);
+            let ttfb = 300 + 30;
+            let seen = Observation {
+                ttfb_ms: Some(ttfb),
+                duration_ms: ttfb + 99 * 30,
+                completion_tokens: Some(100),
+                streamed: true,
+            };
+            t.leave(&share, now + seen.duration_ms);
+            t.learn(&c, &share, &seen);
+        }
+        let v = t.view(&c, 0);
+        assert!((v.prefill_us_per_token - 300.0).abs() < 30.0, "{v:?}");
+        assert!((v.decode_ms_per_step - 30.0).abs() < 3.0, "{v:?}");
+        assert_eq!(v.observations, 40);
+        let mut wild = BackendTiming::default();
+        for _ in 0..200 {
+            let share = wild.admit(&c, 10_000, 0.0, 0);
+            let seen = Observation {
+                ttfb_ms: Some(10_000_000),
+                duration_ms: 10_000_000,
+                completion_tokens: Some(1),
+                streamed: true,
+            };
+            wild.leave(&share, 0);
+            wild.learn(&c, &share, &seen);
+        }
+        assert!((wild.view(&c, 0).prefill_us_per_token - 1_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn network_overhead_is_learned_apart_from_the_prefill_rate() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        // A backend at exactly the configured rates, 40 ms of gateway and network away: cache
+        // hits (nothing to prefill) and cold prompts of several sizes.
+        for i in 0..200u64 {
+            let now = i * 10_000;
+            let uncached = [0, 200, 1_000, 3_000][(i % 4) as usize];
+            let share = t.admit(&c, uncached, 0.0, now);
+            let ttfb = 40 + uncached / 10 + 10;
+            let seen = Observation {
+                ttfb_ms: Some(ttfb),
+                duration_ms: ttfb,
+                completion_tokens: Some(1),
+                streamed: true,
+            };
+            t.leave(&share, now + ttfb);
+            t.learn(&c, &share, &seen);
+        }
+        let v = t.view(&c, 0);
+        assert!((v.prefill_us_per_token - 100.0).abs() < 5.0, "{v:?}");
+        assert!((v.overhead_ms - 40.0).abs() < 3.0, "{v:?}");
+    }
+
+    #[test]
+    fn tiny_prefills_teach_nothing() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        let share = t.admit(&c, 10, 0.0, 0);
+        let seen = Observation {
+            ttfb_ms: Some(500),
+            duration_ms: 500,
+            completion_tokens: Some(1),
+            streamed: true,
+        };
+        t.learn(&c, &share, &seen);
+        assert_eq!(t.view(&c, 0).observations, 0);
+        assert_eq!(t.view(&c, 0).prefill_us_per_token, 100.0);
+    }
+
+    #[test]
+    fn output_ratio_learns_and_stays_bounded() {
+        let mut r = OutputRatio::default();
+        for _ in 0..200 {
+            r.observe(64, 256);
+        }
+        assert!((r.get() - 0.25).abs() < 0.01);
+        r.observe(10, 0);
+        for _ in 0..500 {
+            r.observe(0, 256);
+        }
+        assert!(r.get() >= 0.02);
+        assert!((r.expected(100) - 100.0 * r.get()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn validation() {
+        assert!(cfg().validate().is_ok());
+        for bad in [
+            TimeModelConfig {
+                prefill_us_per_token: 0.0,
+                ..cfg()
+            },
+            TimeModelConfig {
+                learning_rate: 1.5,
+                ..cfg()
+            },
+            TimeModelConfig {
+                max_scale: 0.5,
+                ..cfg()
+            },
+            TimeModelConfig {
+                decode_ms_per_seq: f64::NAN,
+                ..cfg()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+}

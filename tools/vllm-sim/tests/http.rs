@@ -1,0 +1,593 @@
+//! End-to-end checks of the built `vllm-sim` binary over real HTTP on 127.0.0.1: the faults a
+//! gateway must survive (stall, truncated body, disconnect mid-event), usage reporting, continuing a
+//! final assistant message through the prefix cache, and the latency histograms.
+//!
+//! Each test starts its own sim process (`--port 0`, the address read from stdout) and talks to it
+//! with a deliberately small HTTP/1.1 client over `std::net::TcpStream`, so that cut bodies, missing
+//! terminating chunks and half-written events are seen exactly as they arrive on the wire. Waits poll
+//! `/metrics` for a state with a generous deadline; no test asserts how fast anything happens.
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// How long a test waits for a state before failing.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A running sim process, killed when dropped.
+struct Sim {
+    child: Child,
+    address: String,
+}
+
+impl Sim {
+    fn start(extra: &[&str]) -> Sim {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+            .args([
+                "--port",
+                "0",
+                "--model",
+                "m",
+                "--decode-ms-per-step",
+                "2",
+                "--prefill-us-per-token",
+                "1",
+            ])
+            .args(["--time-scale", "4"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the sim starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the sim prints its address");
+        let address = line
+            .trim()
+            .strip_prefix("vllm-sim listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Sim { child, address }
+    }
+
+    /// Opens a connection and sends one request (`Connection: close`).
+    fn send(&self, method: &str, path: &str, body: &Value) -> TcpStream {
+        let mut stream = TcpStream::connect(&self.address).expect("connects");
+        stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
+        let body = if body.is_null() {
+            String::new()
+        } else {
+            body.to_string()
+        };
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
+            self.address,
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).expect("writes");
+        stream.write_all(body.as_bytes()).expect("writes");
+        stream
+    }
+
+    /// One whole exchange, read until the server closes the connection.
+    fn exchange(&self, method: &str, path: &str, body: &Value) -> Reply {
+        let mut stream = self.send(method, path, body);
+        let mut raw = Vec::new();
+        stream
+            .read_to_end(&mut raw)
+            .expect("reads until the server closes");
+        Reply::parse(&raw)
+    }
+
+    fn post(&self, path: &str, body: Value) -> Reply {
+        self.exchange("POST", path, &body)
+    }
+
+    fn faults(&self, settings: Value) {
+        let reply = self.post("/sim/faults", settings);
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+
+    /// The value of one unlabelled-beyond-defaults series (or one with `extra` labels) in `/metrics`.
+    fn metric(&self, series: &str, extra: &str) -> f64 {
+        let text = self.exchange("GET", "/metrics", &Value::Null).text();
+        let labels = if extra.is_empty() {
+            "model_name=\"m\",engine=\"0\"}".to_string()
+        } else {
+            format!("model_name=\"m\",engine=\"0\",{extra}}}")
+        };
+        let prefix = format!("{series}{{{labels} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {series} {extra} in /metrics"))
+            .parse()
+            .expect("a number")
+    }
+
+    /// Waits until `condition` holds, polling `/metrics`.
+    fn wait_for(&self, what: &str, condition: impl Fn(&Sim) -> bool) {
+        let deadline = Instant::now() + PATIENCE;
+        while !condition(self) {
+            assert!(Instant::now() < deadline, "gave up waiting for {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A response as received: status, headers, the (de-chunked) body, and whether it was complete.
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    complete: bool,
+}
+
+impl Reply {
+    fn parse(raw: &[u8]) -> Reply {
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a complete head");
+        let head = std::str::from_utf8(&raw[..split]).expect("ascii head");
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|s| s.parse().ok())
+            .expect("status");
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let rest = &raw[split + 4..];
+        let mut reply = Reply {
+            status,
+            headers,
+            body: Vec::new(),
+            complete: false,
+        };
+        if reply.header("transfer-encoding") == Some("chunked") {
+            (reply.body, reply.complete) = dechunk(rest);
+        } else {
+            let length: usize = reply
+                .header("content-length")
+                .and_then(|v| v.parse().ok())
+                .expect("a length");
+            reply.body = rest.to_vec();
+            reply.complete = rest.len() == length;
+        }
+        reply
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        assert!(self.complete, "incomplete body: {}", self.text());
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
+    }
+
+    /// The SSE events that arrived whole (`data: ...` followed by a blank line) and what came after
+    /// the last of them.
+    fn events(&self) -> (Vec<String>, String) {
+        let text = self.text();
+        let mut parts: Vec<&str> = text.split("\n\n").collect();
+        let tail = parts.pop().unwrap_or_default().to_string();
+        let events = parts
+            .iter()
+            .map(|e| e.strip_prefix("data: ").expect("a data line").to_string())
+            .collect();
+        (events, tail)
+    }
+}
+
+/// Decodes a chunked body; `true` when the terminating zero-size chunk arrived.
+fn dechunk(mut rest: &[u8]) -> (Vec<u8>, bool) {
+    let mut body = Vec::new();
+    loop {
+        let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+            return (body, false);
+        };
+        let size_text = std::str::from_utf8(&rest[..eol]).expect("ascii size");
+        let size = usize::from_str_radix(size_text.trim(), 16).expect("hex size");
+        rest = &rest[eol + 2..];
+        if size == 0 {
+            return (body, true);
+        }
+        let take = size.min(rest.len());
+        body.extend_from_slice(&rest[..take]);
+        if take < size || rest.len() < size + 2 {
+            return (body, false);
+        }
+        rest = &rest[size + 2..];
+    }
+}
+
+/// A chat request for `max_tokens` tokens that ignores EOS.
+fn chat(messages: Value, max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "m", "messages": messages, "max_tokens": max_tokens, "ignore_eos": true, "stream": stream})
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+/// Reads a stream until `events` whole SSE events have arrived; returns what was read.
+fn read_events(stream: &mut TcpStream, events: usize) -> String {
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        if text.matches("\n\n").count() > events {
+            // The head's blank line is "\r\n\r\n", so every "\n\n" is an event's end.
+            return text;
+        }
+        let n = stream.read(&mut buf).expect("the stream stays readable");
+        assert!(n > 0, "the server closed the stream early: {text}");
+        raw.extend_from_slice(&buf[..n]);
+    }
+}
+
+#[test]
+fn a_stalled_stream_sends_n_tokens_then_holds_its_slot_until_the_client_leaves() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"stall_after_tokens": 3}));
+    let settings = sim.exchange("GET", "/sim/faults", &Value::Null).json();
+    assert_eq!(settings["settings"]["stall_after_tokens"], 3);
+
+    let mut stream = sim.send(
+        "POST",
+        "/v1/chat/completions",
+        &chat(user("hello"), 50, true),
+    );
+    // The role chunk and three content chunks.
+    let text = read_events(&mut stream, 3);
+    sim.wait_for("the stall", |s| {
+        s.metric("vllm_sim:num_requests_stalled", "") == 1.0
+    });
+    assert_eq!(sim.metric("vllm:num_requests_running", ""), 1.0);
+    assert_eq!(sim.metric("vllm:generation_tokens_total", ""), 3.0);
+    assert!(
+        !text.contains("[DONE]") && !text.contains("\"finish_reason\":\"length\""),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("\"content\":\"").count(),
+        4,
+        "role chunk + 3 tokens: {text}"
+    );
+    // The connection is open and silent.
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match stream.read(&mut buf) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("expected silence, got {other:?}"),
+    }
+
+    drop(stream);
+    sim.wait_for("the abort", |s| {
+        s.metric("vllm:num_requests_running", "") == 0.0
+    });
+    assert_eq!(
+        sim.metric("vllm:request_success_total", "finished_reason=\"abort\""),
+        1.0
+    );
+    assert_eq!(sim.metric("vllm_sim:num_requests_stalled", ""), 0.0);
+    assert_eq!(sim.metric("vllm:kv_cache_usage_perc", ""), 0.0);
+
+    // Cleared, the next request runs to the end.
+    sim.faults(json!({}));
+    let reply = sim.post("/v1/chat/completions", chat(user("hello"), 5, true));
+    assert!(reply.complete && reply.text().ends_with("data: [DONE]\n\n"));
+}
+
+#[test]
+fn a_stalled_non_streamed_request_never_answers_and_is_freed_on_disconnect() {
+    let sim = Sim::start(&["--fault-stall-after-tokens", "2", "--max-num-seqs", "1"]);
+    let mut first = sim.send(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": "abcd", "max_tokens": 9, "ignore_eos": true}),
+    );
+    sim.wait_for("the stall", |s| {
+        s.metric("vllm_sim:num_requests_stalled", "") == 1.0
+    });
+    // The hung sequence holds the only slot: the next one waits behind it.
+    let second = sim.send(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": "efgh", "max_tokens": 1}),
+    );
+    sim.wait_for("the queue", |s| {
+        s.metric("vllm:num_requests_waiting", "") == 1.0
+    });
+    assert_eq!(sim.metric("vllm:generation_tokens_total", ""), 2.0);
+    first
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match first.read(&mut buf) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("expected no answer, got {other:?}"),
+    }
+
+    drop(first);
+    // The slot is freed; the waiting request (max_tokens 1, within the stall) finishes.
+    let mut second = second;
+    let mut raw = Vec::new();
+    second.read_to_end(&mut raw).unwrap();
+    let reply = Reply::parse(&raw);
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 1);
+    assert_eq!(
+        sim.metric("vllm:request_success_total", "finished_reason=\"abort\""),
+        1.0
+    );
+}
+
+#[test]
+fn a_truncated_body_announces_its_length_and_stops_half_way() {
+    let sim = Sim::start(&["--fault-truncate-body"]);
+    let reply = sim.post("/v1/chat/completions", chat(user("hello"), 20, false));
+    assert_eq!(reply.status, 200);
+    let announced: usize = reply.header("content-length").unwrap().parse().unwrap();
+    assert!(!reply.complete);
+    assert_eq!(reply.body.len(), announced / 2);
+    assert!(
+        reply.text().starts_with("{\"id\":\"chatcmpl-"),
+        "{}",
+        reply.text()
+    );
+    assert!(serde_json::from_slice::<Value>(&reply.body).is_err());
+
+    // Streams are not affected, and the fault is visible and can be cleared.
+    let stream = sim.post(
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 3, "stream": true}),
+    );
+    assert!(stream.complete && stream.text().ends_with("data: [DONE]\n\n"));
+    let settings = sim.exchange("GET", "/sim/faults", &Value::Null).json();
+    assert_eq!(settings["settings"]["truncate_body"], true);
+    sim.faults(json!({"truncate_body": false}));
+    let whole = sim.post("/v1/completions", json!({"prompt": "x", "max_tokens": 3}));
+    assert_eq!(whole.json()["usage"]["completion_tokens"], 3);
+}
+
+#[test]
+fn a_stream_can_be_cut_in_the_middle_of_an_event() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"disconnect_mid_event_after_tokens": 2}));
+    let reply = sim.post("/v1/chat/completions", chat(user("hello"), 10, true));
+    assert_eq!(reply.status, 200);
+    assert!(!reply.complete, "no terminating chunk");
+    let (events, tail) = reply.events();
+    assert_eq!(events.len(), 3, "role chunk and two tokens: {events:?}");
+    for event in &events {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+    }
+    assert!(tail.starts_with("data: {\"id\":\"chatcmpl-"), "{tail:?}");
+    assert!(serde_json::from_str::<Value>(&tail["data: ".len()..]).is_err());
+    assert!(!reply.text().contains("[DONE]"));
+
+    // The flag does the same; completions streams too; non-streamed requests are served.
+    let sim = Sim::start(&["--fault-disconnect-mid-event-after-tokens", "1"]);
+    let reply = sim.post(
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 5, "stream": true}),
+    );
+    let (events, tail) = reply.events();
+    assert_eq!(events.len(), 1);
+    assert!(tail.starts_with("data: {\"id\":\"cmpl-") && !reply.complete);
+    let whole = sim.post("/v1/completions", json!({"prompt": "x", "max_tokens": 5}));
+    assert_eq!(whole.json()["usage"]["completion_tokens"], 5);
+}
+
+/// A user message of `len` bytes whose rendered prompt is a whole number of tokens.
+fn long_text(len: usize) -> String {
+    "abcdefghijklmnopqrstuvwxyz0123456789"
+        .chars()
+        .cycle()
+        .take(len)
+        .collect()
+}
+
+#[test]
+fn usage_reports_cached_tokens_in_streams_only_when_asked_and_in_every_answer() {
+    let sim = Sim::start(&[]);
+    // "<|user|>\n" + 616 bytes + "\n<|assistant|>\n" = 640 bytes = 160 tokens = 10 blocks.
+    let messages = user(&long_text(616));
+    let first = sim
+        .post("/v1/chat/completions", chat(messages.clone(), 4, false))
+        .json();
+    assert_eq!(first["usage"]["prompt_tokens"], 160);
+    assert_eq!(first["usage"]["completion_tokens"], 4);
+    assert_eq!(first["usage"]["total_tokens"], 164);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // Streamed with include_usage: a last chunk with no choices and the usage, cache hits included.
+    let mut request = chat(messages.clone(), 4, true);
+    request["stream_options"] = json!({"include_usage": true});
+    let reply = sim.post("/v1/chat/completions", request);
+    let (events, tail) = reply.events();
+    assert_eq!(tail, "");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let usage_chunk: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    // The last prompt token is always computed: 9 of the 10 blocks hit.
+    assert_eq!(
+        usage_chunk["usage"],
+        json!({"prompt_tokens": 160, "completion_tokens": 4, "total_tokens": 164,
+               "prompt_tokens_details": {"cached_tokens": 144}})
+    );
+    for event in &events[..events.len() - 2] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        assert!(chunk.get("usage").is_none(), "{event}");
+        assert_eq!(chunk["choices"].as_array().unwrap().len(), 1);
+    }
+    assert_eq!(sim.metric("vllm:prefix_cache_hits_total", ""), 144.0);
+
+    // Without include_usage no chunk carries usage.
+    let plain = sim.post("/v1/chat/completions", chat(messages.clone(), 4, true));
+    assert!(!plain.text().contains("\"usage\""), "{}", plain.text());
+    let mut no_usage = chat(messages.clone(), 4, true);
+    no_usage["stream_options"] = json!({"include_usage": false});
+    assert!(!sim
+        .post("/v1/chat/completions", no_usage)
+        .text()
+        .contains("\"usage\""));
+
+    // Non-streamed completions carry the same details.
+    let completion = sim
+        .post(
+            "/v1/completions",
+            json!({"prompt": long_text(640), "max_tokens": 2, "ignore_eos": true}),
+        )
+        .json();
+    assert_eq!(
+        completion["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    let again = sim
+        .post(
+            "/v1/completions",
+            json!({"prompt": long_text(640), "max_tokens": 2, "ignore_eos": true}),
+        )
+        .json();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        144
+    );
+
+    // --enable-prompt-tokens-details=false leaves the details out, as vLLM without the flag.
+    let plain_sim = Sim::start(&["--enable-prompt-tokens-details=false"]);
+    let answer = plain_sim
+        .post("/v1/chat/completions", chat(messages, 2, false))
+        .json();
+    assert!(answer["usage"]["prompt_tokens_details"].is_null());
+    assert_eq!(answer["usage"]["prompt_tokens"], 160);
+}
+
+#[test]
+fn a_continued_answer_extends_the_original_prompt_and_hits_the_cache() {
+    let sim = Sim::start(&[]);
+    let text = long_text(616); // rendered prompt: 640 bytes, 160 tokens
+    let first = sim
+        .post("/v1/chat/completions", chat(user(&text), 40, false))
+        .json();
+    let answer = first["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(answer.len(), 160, "40 tokens of 4 bytes");
+    let hits_before = sim.metric("vllm:prefix_cache_hits_total", "");
+
+    let mut request = chat(
+        json!([{"role": "user", "content": text}, {"role": "assistant", "content": answer}]),
+        8,
+        false,
+    );
+    request["continue_final_message"] = json!(true);
+    request["add_generation_prompt"] = json!(false);
+    let continued = sim.post("/v1/chat/completions", request.clone()).json();
+    // The prompt is the original 160 tokens plus the 40-token partial answer.
+    assert_eq!(continued["usage"]["prompt_tokens"], 200);
+    // Request 1 computed 160 + 39 tokens (the last sampled token never is): 12 full blocks cached,
+    // and all 12 are usable (the last prompt token is always computed).
+    assert_eq!(
+        continued["usage"]["prompt_tokens_details"]["cached_tokens"],
+        192
+    );
+    assert_eq!(
+        sim.metric("vllm:prefix_cache_hits_total", "") - hits_before,
+        192.0
+    );
+
+    // vLLM's validation: add_generation_prompt defaults to true and conflicts with continuing.
+    request
+        .as_object_mut()
+        .unwrap()
+        .remove("add_generation_prompt");
+    let refused = sim.post("/v1/chat/completions", request.clone());
+    assert_eq!(refused.status, 400);
+    assert_eq!(
+        refused.json()["error"]["message"],
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    );
+    request["add_generation_prompt"] = json!(true);
+    assert_eq!(
+        sim.post("/v1/chat/completions", request.clone()).status,
+        400
+    );
+    // Continuing needs a final assistant message.
+    request["add_generation_prompt"] = json!(false);
+    request["messages"] = user("hi");
+    let refused = sim.post("/v1/chat/completions", request);
+    assert_eq!(refused.status, 400);
+    assert_eq!(refused.json()["error"]["type"], "BadRequestError");
+}
+
+#[test]
+fn latency_histograms_count_requests_and_tokens() {
+    let sim = Sim::start(&[]);
+    let reply = sim.post("/v1/chat/completions", chat(user("hello"), 5, true));
+    assert!(reply.complete);
+    sim.wait_for("the finish", |s| {
+        s.metric("vllm:e2e_request_latency_seconds_count", "") == 1.0
+    });
+    // One observation per token after the first, under both names.
+    assert_eq!(
+        sim.metric("vllm:time_per_output_token_seconds_count", ""),
+        4.0
+    );
+    assert_eq!(
+        sim.metric("vllm:inter_token_latency_seconds_count", ""),
+        4.0
+    );
+    assert_eq!(
+        sim.metric("vllm:time_per_output_token_seconds_bucket", "le=\"+Inf\""),
+        4.0
+    );
+    assert!(sim.metric("vllm:time_per_output_token_seconds_sum", "") > 0.0);
+    for name in [
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+    ] {
+        assert_eq!(sim.metric(&format!("{name}_count"), ""), 1.0, "{name}");
+        assert_eq!(
+            sim.metric(&format!("{name}_bucket"), "le=\"7680.0\""),
+            1.0,
+            "{name}"
+        );
+    }
+    assert!(sim.metric("vllm:request_prefill_time_seconds_sum", "") > 0.0);
+    assert!(sim.metric("vllm:request_decode_time_seconds_sum", "") > 0.0);
+    // Decode and prefill are parts of inference (the RUNNING phase).
+    let inference = sim.metric("vllm:request_inference_time_seconds_sum", "");
+    let parts = sim.metric("vllm:request_prefill_time_seconds_sum", "")
+        + sim.metric("vllm:request_decode_time_seconds_sum", "");
+    assert!((inference - parts).abs() < 1e-9, "{inference} vs {parts}");
+}
