@@ -585,3 +585,47 @@ test("spillover cannot make things worse: a saturated nearest pool still serves 
   assert.equal(r.headers.get("x-gateway-pool"), "spill-near");
   await Promise.all(busy);
 });
+
+// ---- The same faults from real vllm-sim processes (`/sim/faults`: stall, truncated body, mid-event cut).
+
+test("vllm-sim faults: an engine that stalls mid-stream, a truncated body, a mid-event cut; each handled, leases back to zero", async () => {
+  const n = next();
+  const faulty = await sim(n.model, ["--time-scale", "200", "--seed", "11"]);
+  const good = await sim(n.model, ["--time-scale", "200", "--seed", "12"]);
+  const p = await freshPool(n, [faulty, good], { policy: "round_robin", settings: { breaker: { failure_threshold: 100 } } });
+  const [bad, fine] = p.ids;
+  const onFaulty = async (fn) => {
+    // Round robin: ask until a request lands on the faulty backend.
+    for (let i = 0; i < 6; i++) {
+      const r = await fn(i);
+      if (r.backend === bad || r.attempts > 1) return r;
+    }
+    throw new Error("no request reached the faulty backend");
+  };
+  // Engine hang after 3 tokens: the stream ends with the idle-timeout error event.
+  await setFaults(faulty, { stall_after_tokens: 3 });
+  const stalled = await onFaulty((i) => chat(p.model, { stream: true, max_tokens: 10, extra: { ignore_eos: true }, content: `stall ${i}` }));
+  const events = sseEvents(stalled.text);
+  assert.equal(events.at(-1), "[DONE]");
+  assert.equal(events.at(-2).error?.code, "upstream_idle_timeout");
+  assert.equal(events.filter((e) => e !== "[DONE]" && e.choices?.[0]?.delta?.content).length, 3);
+  // The sim saw its stalled request aborted.
+  await waitFor(async () => /vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]/.test(await (await fetch(`${faulty.url}/metrics`)).text()), { what: "the stalled request aborted upstream" });
+  // Truncated non-streamed body: retried on the good backend, never a broken 200.
+  await setFaults(faulty, { truncate_body: true });
+  const cut = await onFaulty((i) => chat(p.model, { max_tokens: 20, extra: { ignore_eos: true }, content: `truncate ${i}` }));
+  assert.equal(cut.status, 200, cut.text);
+  assert.equal(cut.backend, fine);
+  assert.equal(JSON.parse(cut.text).usage.completion_tokens, 20);
+  // Disconnect in the middle of an event: the client sees whole events, then the error event.
+  await setFaults(faulty, { disconnect_mid_event_after_tokens: 2 });
+  const midEvent = await onFaulty((i) => chat(p.model, { stream: true, max_tokens: 10, extra: { ignore_eos: true }, content: `mid ${i}` }));
+  const ev = sseEvents(midEvent.text);
+  assert.equal(ev.at(-1), "[DONE]");
+  assert.equal(ev.at(-2).error?.code, "upstream_stream_error");
+  await setFaults(faulty, {});
+  const m = await metrics();
+  assert.ok(outcomes(m, bad, "timeout") >= 1, "the stall counts as the backend's timeout");
+  assert.ok(outcomes(m, bad, "transport") >= 2, "the truncated body and the cut stream count against it");
+  assert.equal(outcomes(m, fine, "timeout") + outcomes(m, fine, "transport"), 0);
+});

@@ -240,3 +240,44 @@ def test_a_truncated_json_answer_is_a_502_never_a_broken_200(gw, fake_backend):
     assert raised.value.status_code == 502
     assert raised.value.body["type"] == "server_error"
     assert_leases_return(gw)
+
+
+def set_faults(sim, faults: dict) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(sim.url("/sim/faults"), data=json.dumps(faults).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as response:
+        assert response.status == 200
+
+
+def test_vllm_sim_faults_reach_the_client_as_api_errors(gw, vllm_sim):
+    sim = vllm_sim("--model", MODEL, "--time-scale", "200")
+    backend_id = serve(gw, sim.base_url)
+    c = client_for(gw)
+    messages = [{"role": "user", "content": "misbehave"}]
+    full = {"extra_body": {"ignore_eos": True}}
+    # An engine that hangs after 2 tokens: the stream ends with the idle-timeout error.
+    set_faults(sim, {"stall_after_tokens": 2})
+    seen = []
+    with pytest.raises(openai.APIError) as raised:
+        for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True, **full):
+            if ch.choices and ch.choices[0].delta.content:
+                seen.append(ch.choices[0].delta.content)
+    assert raised.value.code == "upstream_idle_timeout"
+    assert len(seen) == 2
+    # Half an event, then the connection drops: an APIError, not a JSON decode error.
+    set_faults(sim, {"disconnect_mid_event_after_tokens": 2})
+    with pytest.raises(openai.APIError) as raised:
+        for _ in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True, **full):
+            pass
+    assert raised.value.code == "upstream_stream_error"
+    # A non-streamed body cut half-way: a 502 error, never a 200 with broken JSON.
+    set_faults(sim, {"truncate_body": True})
+    with pytest.raises(openai.APIStatusError) as raised:
+        c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **full)
+    assert raised.value.status_code == 502
+    set_faults(sim, {})
+    ok = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **full)
+    assert ok.usage.completion_tokens == 8
+    assert_leases_return(gw)
+    assert backend_view(gw, backend_id)["leases_in_flight"] == 0
