@@ -8,8 +8,9 @@
 //! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]) and Prometheus rendering ([`metrics`]); the probe's reading of vLLM's
-//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]) and the per-minute
-//! history the dashboard draws ([`history`]) too.
+//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]), the per-minute
+//! history the dashboard draws ([`history`]) and the reading of backends' token usage ([`usage`])
+//! too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -35,6 +36,7 @@ pub mod ring;
 pub mod routing_key;
 pub mod scrape;
 pub mod time_model;
+pub mod usage;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
