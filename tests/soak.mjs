@@ -16,7 +16,7 @@
 // `runSoak(options)` is the same run as a function (tests/soak.test.mjs runs a reduced one).
 import path from "node:path";
 import { pathToFileURL } from "node:url";
-import { startGatewayServer, startSim, adminFetch, setFaults, ADMIN_TOKEN } from "./lib/harness.mjs";
+import { startGatewayServer, startSim, adminFetch, setFaults, parseMetrics, ADMIN_TOKEN } from "./lib/harness.mjs";
 
 export const SOAK_MODEL = "soak-model";
 export const SOAK_POOL = "soak";
@@ -26,6 +26,7 @@ export const SOAK_BINDINGS = {
   PROBE_INTERVAL_MS: "1000",
   FIRST_BYTE_TIMEOUT_MS: "2000",
   RESPONSE_TIMEOUT_MS: "8000",
+  STREAM_IDLE_TIMEOUT_MS: "2000",
   MAX_RETRIES: "2",
   // The simulated backends listen on 127.0.0.1.
   ALLOW_IP_BACKENDS: "true",
@@ -59,6 +60,9 @@ const FAULTS = [
   ["health_fail", { health_fail: true }],
   ["slow_first_byte", { first_byte_delay_ms: 300 }],
   ["crash", { crash: true }],
+  ["stall", { stall_after_tokens: 2 }],
+  ["truncated_body", { truncate_body: true }],
+  ["disconnect_mid_event", { disconnect_mid_event_after_tokens: 2 }],
 ];
 
 /** A small seeded PRNG (mulberry32), so the request mix and the fault schedule are reproducible. */
@@ -366,6 +370,27 @@ export async function runSoak(options = {}) {
     const backends = (await (await admin("/admin/backends")).json()).data.filter((b) => b.pool === SOAK_POOL);
     if (backends.length !== o.sims) violation("registry", `${backends.length} soak backends listed after the run, expected ${o.sims}`);
 
+    // Usage: what the gateway counted against what the backends say they generated. A crashed
+    // sim's counters restart at zero, so with crashes the backends' figure is a lower bound.
+    const sumOf = (samples, name, labels = {}) =>
+      samples.filter((x) => x.name === name && Object.entries(labels).every(([k, v]) => x.labels[k] === v)).reduce((a, x) => a + x.value, 0);
+    const gatewayMetrics = parseMetrics(await (await admin("/metrics")).text());
+    const simTokens = { prompt: 0, completion: 0 };
+    for (const s of sims) {
+      const m = parseMetrics(await fetch(`${s.sim.url}/metrics`).then((r) => r.text()).catch(() => ""));
+      simTokens.prompt += sumOf(m, "vllm:prompt_tokens_total");
+      simTokens.completion += sumOf(m, "vllm:generation_tokens_total");
+    }
+    const tokens = {
+      counted: {
+        prompt: sumOf(gatewayMetrics, "llm_gateway_tokens_total", { pool: SOAK_POOL, kind: "prompt" }),
+        cached: sumOf(gatewayMetrics, "llm_gateway_tokens_total", { pool: SOAK_POOL, kind: "cached" }),
+        completion: sumOf(gatewayMetrics, "llm_gateway_tokens_total", { pool: SOAK_POOL, kind: "completion" }),
+      },
+      generated_by_backends: simTokens,
+      sims_restarted: faultCounts.crash ?? 0,
+    };
+
     latencies.sort((a, b) => a - b);
     const violationKinds = {};
     for (const v of violations) violationKinds[v.kind] = (violationKinds[v.kind] ?? 0) + 1;
@@ -391,6 +416,7 @@ export async function runSoak(options = {}) {
       },
       faults_applied: faultCounts,
       worker_log: o.url ? "not captured (external gateway)" : workerLog,
+      tokens,
       pool: { retries: soakState.retries, spills: soakState.spills, retry_budget_exhausted: soakState.retry_budget_exhausted },
       leases_after: {
         waited_ms: leaseWaitMs,
