@@ -50,6 +50,9 @@ const DEFAULTS = {
   log: (msg) => process.stderr.write(`soak: ${msg}\n`),
 };
 
+/** The codes of the SSE error event that ends a stream whose backend failed after its first byte. */
+const STREAM_ERROR_CODES = ["upstream_stream_error", "upstream_idle_timeout"];
+
 /** Fault profiles, each applied to one random backend for a while. */
 const FAULTS = [
   ["error_500", { error_rate: 0.5, error_status: 500 }],
@@ -143,7 +146,7 @@ function classify(req, status, headers, text) {
       let json;
       try { json = JSON.parse(data); } catch { return { outcome: "bad_body", violation: `SSE event is not JSON: ${JSON.stringify(data.slice(0, 120))}` }; }
       if (json.error) {
-        if (!isOpenAIError(json) || json.error.code !== "upstream_stream_error" || k !== events.length - 2) {
+        if (!isOpenAIError(json) || !STREAM_ERROR_CODES.includes(json.error.code) || k !== events.length - 2) {
           return { outcome: "bad_body", violation: `malformed SSE error event: ${data.slice(0, 200)}` };
         }
         errorEvent = json;
