@@ -866,10 +866,13 @@ impl Pool {
             if cached_blocks > 0 && cached_blocks == longest {
                 uncached = uncached.saturating_sub(answer_credit).max(1);
             }
-            let external_queue_ms = entry.external_waiting
-                * mean_uncached
-                * entry.timing.view(&time_model, now_ms).prefill_us_per_token
-                / 1000.0;
+            let external_queue_ms = if entry.external_waiting > 0.0 {
+                entry.external_waiting
+                    * mean_uncached
+                    * entry.timing.prefill_ms_per_token(&time_model)
+            } else {
+                0.0
+            };
             let mut predicted = entry.timing.predict(
                 &time_model,
                 if role == Role::Decode { 0 } else { uncached },

@@ -241,6 +241,11 @@ impl BackendTiming {
         c.prefill_us_per_token * self.prefill_scale
     }
 
+    /// Learned prefill cost per uncached token, in milliseconds.
+    pub fn prefill_ms_per_token(&self, c: &TimeModelConfig) -> f64 {
+        self.prefill_us_per_token(c) / 1000.0
+    }
+
     fn step_ms(&self, c: &TimeModelConfig, running: f64) -> f64 {
         (c.decode_ms_per_step + running.max(0.0) * c.decode_ms_per_seq) * self.decode_scale
     }
