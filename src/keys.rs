@@ -4,7 +4,7 @@
 //! keys minted through the admin API, of which only a SHA-256 hash is stored (in the pool
 //! directory). When neither holds a key, the OpenAI surface is open (local development). A
 //! presented key is hashed and compared against every known hash in constant time. The set of
-//! minted-key hashes is cached in the isolate for a few seconds.
+//! minted keys (hashes, ids and admission priorities) is cached in the isolate for a few seconds.
 
 use crate::auth::{bearer, constant_time_eq, secret};
 use crate::ApiError;
@@ -18,7 +18,7 @@ use worker::{Date, Env, Request};
 const CACHE_MS: u64 = 5_000;
 
 thread_local! {
-    static MINTED: RefCell<Option<(u64, Vec<String>)>> = const { RefCell::new(None) };
+    static MINTED: RefCell<Option<(u64, Vec<StoredKey>)>> = const { RefCell::new(None) };
 }
 
 /// Hex SHA-256 of a key.
@@ -31,40 +31,60 @@ pub fn invalidate() {
     MINTED.with(|m| *m.borrow_mut() = None);
 }
 
-async fn minted_hashes(env: &Env) -> Result<Vec<String>, ApiError> {
+async fn minted_keys(env: &Env) -> Result<Vec<StoredKey>, ApiError> {
     let now = Date::now().as_millis();
-    if let Some(hashes) = MINTED.with(|m| m.borrow().as_ref().filter(|(at, _)| now < at + CACHE_MS).map(|(_, h)| h.clone())) {
-        return Ok(hashes);
+    if let Some(keys) = MINTED.with(|m| m.borrow().as_ref().filter(|(at, _)| now < at + CACHE_MS).map(|(_, k)| k.clone())) {
+        return Ok(keys);
     }
     let keys: Vec<StoredKey> = crate::pools::directory_json(env, worker::Method::Get, "/keys", None::<&()>).await?;
-    let hashes: Vec<String> = keys.into_iter().map(|k| k.hash).collect();
-    MINTED.with(|m| *m.borrow_mut() = Some((now, hashes.clone())));
-    Ok(hashes)
+    MINTED.with(|m| *m.borrow_mut() = Some((now, keys.clone())));
+    Ok(keys)
 }
 
-/// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
-/// identity for rate limiting), or `None` when the surface is open.
-pub async fn require_client(req: &Request, env: &Env) -> Result<Option<String>, ApiError> {
-    let mut hashes: Vec<String> = secret(env, "CLIENT_API_KEYS")
+/// A client key that passed the check: who the client is, for rate limits and admission control.
+#[derive(Debug, Clone)]
+pub struct ClientKey {
+    /// Hex SHA-256 of the key (the rate limiter's identity).
+    pub hash: String,
+    /// The tenant: a minted key's id, or `env-` and the start of the hash of a `CLIENT_API_KEYS` key.
+    pub tenant: String,
+    /// The admission priority configured for the key (0 for `CLIENT_API_KEYS` keys).
+    pub priority: i32,
+}
+
+/// Checks the client's bearer key when keys are configured; returns who it is, or `None` when the
+/// surface is open.
+pub async fn identify(req: &Request, env: &Env) -> Result<Option<ClientKey>, ApiError> {
+    let configured: Vec<String> = secret(env, "CLIENT_API_KEYS")
         .map(|s| s.split(',').map(str::trim).filter(|k| !k.is_empty()).map(hash_key).collect())
         .unwrap_or_default();
-    hashes.extend(minted_hashes(env).await?);
-    if hashes.is_empty() {
+    let minted = minted_keys(env).await?;
+    if configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
     let Some(given) = bearer(req) else {
         return Err(ApiError::unauthorized("Missing API key: send Authorization: Bearer <key>."));
     };
     let given = hash_key(&given);
-    let mut ok = false;
-    for h in &hashes {
-        ok |= constant_time_eq(given.as_bytes(), h.as_bytes());
+    // Every hash is compared, so the time taken does not tell which one matched.
+    let mut found = None;
+    for h in &configured {
+        if constant_time_eq(given.as_bytes(), h.as_bytes()) {
+            found = Some(ClientKey { hash: given.clone(), tenant: format!("env-{}", &h[..12]), priority: 0 });
+        }
     }
-    if ok {
-        Ok(Some(given))
-    } else {
-        Err(ApiError::unauthorized("Invalid API key."))
+    for k in &minted {
+        if constant_time_eq(given.as_bytes(), k.hash.as_bytes()) {
+            found = Some(ClientKey { hash: given.clone(), tenant: k.id.clone(), priority: k.priority });
+        }
     }
+    found.map(Some).ok_or_else(|| ApiError::unauthorized("Invalid API key."))
+}
+
+/// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
+/// identity for rate limiting), or `None` when the surface is open.
+pub async fn require_client(req: &Request, env: &Env) -> Result<Option<String>, ApiError> {
+    Ok(identify(req, env).await?.map(|k| k.hash))
 }
 
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset

@@ -5,6 +5,7 @@
 //! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
 mod admin;
+mod admission;
 mod auth;
 mod keys;
 mod metrics;
@@ -18,7 +19,6 @@ pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::RateLimiter;
 
-use routing_core::pool::Grant;
 use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
@@ -239,7 +239,9 @@ async fn completion(
     if req.method() != Method::Post {
         return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
     }
-    let client = keys::require_client(&req, env).await?;
+    let key = keys::identify(&req, env).await?;
+    let client = key.as_ref().map(|k| k.hash.clone());
+    let who = admission::admission_request(&req, key.as_ref())?;
     let body = read_body(&mut req, env).await?;
     let parsed: Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
@@ -278,38 +280,64 @@ async fn completion(
     let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
+    // Nearest first: a pool with room now, else the nearest full one queues the request.
+    let mut granted = None;
+    let mut queue_at: Option<String> = None;
     for (i, pool) in pools.into_iter().enumerate() {
-        // A saturated pool refuses work only when a further pool could take it.
-        let path = if i + 1 < count { "/acquire?spill_ok=true" } else { "/acquire" };
-        match pools::pool_json::<Grant>(env, &pool.name, Method::Post, path, Some(&features)).await {
-            Ok(grant) => {
-                let disaggregated = !grant.decode_candidates.is_empty();
-                let route_ms = Date::now().as_millis().saturating_sub(started);
-                let forward = proxy::Forward {
-                    client: &req,
-                    env,
-                    ctx,
-                    pool: pool.name,
-                    grant,
-                    path: endpoint.path(),
-                    body,
-                    stream,
-                    request_id,
-                    settings: proxy::ProxySettings::from_env(env),
-                    prefill_backend: None,
-                    routing_header: feature_config(env).routing_header,
-                    route_ms,
-                };
-                return if disaggregated { forward.run_disaggregated().await } else { forward.run().await };
+        // A saturated or full pool refuses work only when a further pool could take it.
+        let spill_ok = i + 1 < count || queue_at.is_some();
+        let path = if spill_ok { "/acquire?spill_ok=true" } else { "/acquire" };
+        match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
+            Ok(admitted) => {
+                granted = Some((pool.name, admitted));
+                break;
             }
             // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,
+            // Serves it but every backend is at its admission capacity: queue here if no pool has room.
+            Err(e) if e.code.as_deref() == Some("pool_at_capacity") => {
+                queue_at.get_or_insert(pool.name);
+                last_err = e;
+            }
             // Serves it but has no capacity now: spill to the next pool.
             Err(e) if e.status == 503 => last_err = e,
             Err(e) => return Err(e),
         }
     }
-    Err(last_err)
+    if let (None, Some(pool)) = (&granted, queue_at) {
+        let admitted = admission::acquire(env, ctx, &req, &pool, "/acquire", &features, &who).await?;
+        granted = Some((pool, admitted));
+    }
+    let Some((pool, admitted)) = granted else { return Err(last_err) };
+    let grant = admitted.grant;
+    let disaggregated = !grant.decode_candidates.is_empty();
+    let route_ms = Date::now().as_millis().saturating_sub(started);
+    let forward = proxy::Forward {
+        client: &req,
+        env,
+        ctx,
+        pool,
+        grant,
+        path: endpoint.path(),
+        body,
+        stream,
+        request_id,
+        settings: proxy::ProxySettings::from_env(env),
+        prefill_backend: None,
+        routing_header: feature_config(env).routing_header,
+        route_ms,
+    };
+    let resp = if disaggregated { forward.run_disaggregated().await? } else { forward.run().await? };
+    if admitted.queued_ms == 0 {
+        return Ok(resp);
+    }
+    // Headers of a proxied response may be immutable: copy them.
+    let headers = Headers::new();
+    for (k, v) in resp.headers().entries() {
+        headers.append(&k, &v).map_err(ApiError::from_worker)?;
+    }
+    headers.set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &admitted.queued_ms.to_string()).map_err(ApiError::from_worker)?;
+    Ok(resp.with_headers(headers))
 }
 
 /// `GET /v1/models`: every model some pool has a ready backend for. A pool that cannot answer is
