@@ -11,7 +11,8 @@
 //! share by deficit round robin weighted by estimated tokens (prompt plus `max_tokens`): each turn
 //! gives a tenant `quantum_tokens` of credit, and its oldest request is served once its credit
 //! covers the request's cost, so a tenant sending long requests gets the same tokens as one
-//! sending short ones, not the same number of requests. Within a tenant, arrival order.
+//! sending short ones, not the same number of requests. Within a tenant, arrival order. A round in
+//! which nobody could pay is skipped in one step, so a small quantum costs no time.
 //!
 //! **Look-ahead.** When a lease ends on backend X, the dispatcher looks at the next `lookahead`
 //! requests that order would serve and serves first the one whose prefix X holds longest. The
@@ -54,7 +55,8 @@ pub struct AdmissionConfig {
     /// Requests considered when a freed backend looks for one whose prefix it holds (default 8;
     /// 1 turns the preference off).
     pub lookahead: usize,
-    /// Credit a tenant gets per round of deficit round robin, in estimated tokens (default 2,048).
+    /// Credit a tenant gets per round of deficit round robin, in estimated tokens (default 16, one
+    /// KV block: small, so tenants alternate request by request rather than in bursts).
     pub quantum_tokens: u64,
     /// Longest one acquire call waits in the Durable Object before it answers "still queued" and
     /// the Worker asks again, ms (default 5,000). A waiter whose Worker stops asking leaves the
@@ -71,7 +73,7 @@ impl Default for AdmissionConfig {
             max_wait_ms: 30_000,
             overcommit: 0.0,
             lookahead: 8,
-            quantum_tokens: 2048,
+            quantum_tokens: 16,
             poll_ms: 5_000,
         }
     }
