@@ -17,7 +17,9 @@ use crate::keys::ClientKey;
 use crate::pools::{error_from_response, pool_call};
 use crate::ApiError;
 use futures_util::future::{select, Either};
-use gateway_durable_objects::protocol::{AcquireRequest, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER};
+use gateway_durable_objects::protocol::{
+    AcquireRequest, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+};
 use routing_core::admission::{AdmissionRequest, PRIORITY_RANGE};
 use routing_core::pool::Grant;
 use routing_core::prompt::RequestFeatures;
@@ -38,20 +40,33 @@ pub fn validate_priority(p: i32) -> Result<(), ApiError> {
     if (PRIORITY_RANGE.0..=PRIORITY_RANGE.1).contains(&p) {
         Ok(())
     } else {
-        Err(ApiError::bad_request(format!("priority must be an integer from {} to {}", PRIORITY_RANGE.0, PRIORITY_RANGE.1))
-            .with_code("invalid_priority")
-            .with_param("priority"))
+        Err(ApiError::bad_request(format!(
+            "priority must be an integer from {} to {}",
+            PRIORITY_RANGE.0, PRIORITY_RANGE.1
+        ))
+        .with_code("invalid_priority")
+        .with_param("priority"))
     }
 }
 
 /// The admission part of an acquire: tenant, priority and wait limit of this request.
-pub fn admission_request(req: &Request, key: Option<&ClientKey>) -> Result<AdmissionRequest, ApiError> {
-    let header = |name: &str| req.headers().get(name).ok().flatten().map(|v| v.trim().to_string());
+pub fn admission_request(
+    req: &Request,
+    key: Option<&ClientKey>,
+) -> Result<AdmissionRequest, ApiError> {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .ok()
+            .flatten()
+            .map(|v| v.trim().to_string())
+    };
     let asked = match header("x-gateway-priority") {
         None => None,
         Some(v) => {
             let p: i32 = v.parse().map_err(|_| {
-                ApiError::bad_request("x-gateway-priority must be an integer").with_code("invalid_priority")
+                ApiError::bad_request("x-gateway-priority must be an integer")
+                    .with_code("invalid_priority")
             })?;
             validate_priority(p)?;
             Some(p)
@@ -59,16 +74,38 @@ pub fn admission_request(req: &Request, key: Option<&ClientKey>) -> Result<Admis
     };
     let (tenant, priority) = match key {
         // A header may lower a key's priority, never raise it.
-        Some(k) => (k.tenant.clone(), asked.map_or(k.priority, |p| p.min(k.priority))),
-        None => (header("x-tenant-id").map(|t| tenant_name(&t)).unwrap_or_else(|| "anonymous".to_string()), asked.unwrap_or(0)),
+        Some(k) => (
+            k.tenant.clone(),
+            asked.map_or(k.priority, |p| p.min(k.priority)),
+        ),
+        None => (
+            header("x-tenant-id")
+                .map(|t| tenant_name(&t))
+                .unwrap_or_else(|| "anonymous".to_string()),
+            asked.unwrap_or(0),
+        ),
     };
     let max_wait_ms = match header("x-gateway-max-wait-ms") {
         None => None,
-        Some(v) => Some(v.parse::<u64>().ok().filter(|&ms| ms <= MAX_WAIT_HEADER_MS).ok_or_else(|| {
-            ApiError::bad_request("x-gateway-max-wait-ms must be an integer from 0 to 3600000").with_code("invalid_max_wait")
-        })?),
+        Some(v) => Some(
+            v.parse::<u64>()
+                .ok()
+                .filter(|&ms| ms <= MAX_WAIT_HEADER_MS)
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "x-gateway-max-wait-ms must be an integer from 0 to 3600000",
+                    )
+                    .with_code("invalid_max_wait")
+                })?,
+        ),
     };
-    Ok(AdmissionRequest { tenant, priority, max_wait_ms, ticket: None, waited_ms: 0 })
+    Ok(AdmissionRequest {
+        tenant,
+        priority,
+        max_wait_ms,
+        ticket: None,
+        waited_ms: 0,
+    })
 }
 
 /// `x-tenant-id` as a tenant name: itself when it is 1-128 visible ASCII characters, else a hash
@@ -106,8 +143,11 @@ pub async fn acquire(
     let mut gone = hang_up(&client.inner().signal());
     let _keep_alive = KeepAlive::new(ctx);
     loop {
-        let body = serde_json::to_string(&AcquireRequest { features: features.clone(), admission: Some(who.clone()) })
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let body = serde_json::to_string(&AcquireRequest {
+            features: features.clone(),
+            admission: Some(who.clone()),
+        })
+        .map_err(|e| ApiError::internal(e.to_string()))?;
         let call = Box::pin(pool_call(env, pool, Method::Post, path, Some(body)));
         let limit = Delay::from(CALL_LIMIT);
         let answer = match select(call, select(&mut gone, limit)).await {
@@ -119,7 +159,8 @@ pub async fn acquire(
                     let pool = pool.to_string();
                     ctx.wait_until(async move { dequeue(&env, &pool, ticket).await });
                 }
-                let mut e = ApiError::bad_request("The client closed the request.").with_code("client_closed_request");
+                let mut e = ApiError::bad_request("The client closed the request.")
+                    .with_code("client_closed_request");
                 e.status = 499;
                 return Err(e);
             }
@@ -128,7 +169,13 @@ pub async fn acquire(
         match answer {
             Some(Ok(mut resp)) => match resp.status_code() {
                 200 => {
-                    let queued_ms = resp.headers().get(QUEUE_WAIT_HEADER).ok().flatten().and_then(|v| v.parse().ok()).unwrap_or(0);
+                    let queued_ms = resp
+                        .headers()
+                        .get(QUEUE_WAIT_HEADER)
+                        .ok()
+                        .flatten()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
                     let grant: Grant = resp.json().await.map_err(ApiError::from_worker)?;
                     return Ok(Admitted { grant, queued_ms });
                 }
@@ -150,11 +197,17 @@ pub async fn acquire(
             // its ticket was forgotten); anything else fails as before.
             failed => {
                 if who.ticket.is_none() {
-                    return Err(failed.and_then(|r| r.err()).unwrap_or_else(|| ApiError::gateway_timeout("The pool did not answer in time.")));
+                    return Err(failed.and_then(|r| r.err()).unwrap_or_else(|| {
+                        ApiError::gateway_timeout("The pool did not answer in time.")
+                    }));
                 }
                 failures += 1;
                 if failures >= MAX_CALL_FAILURES {
-                    return Err(ApiError::unavailable("The pool's queue is unavailable; retry later.", 1).with_code("queue_unavailable"));
+                    return Err(ApiError::unavailable(
+                        "The pool's queue is unavailable; retry later.",
+                        1,
+                    )
+                    .with_code("queue_unavailable"));
                 }
             }
         }
@@ -197,7 +250,9 @@ impl KeepAlive {
         ctx.wait_until(async move {
             let _ = JsFuture::from(promise).await;
         });
-        KeepAlive { resolve: resolve.unwrap_or_else(|| js_sys::Function::new_no_args("")) }
+        KeepAlive {
+            resolve: resolve.unwrap_or_else(|| js_sys::Function::new_no_args("")),
+        }
     }
 }
 

@@ -55,8 +55,12 @@ pub enum Verdict {
 impl From<Departure> for Verdict {
     fn from(d: Departure) -> Verdict {
         match d {
-            Departure::Admitted { grant, waited_ms, .. } => Verdict::Granted { grant, waited_ms },
-            Departure::Dropped { reason, waited_ms, .. } => Verdict::Dropped { reason, waited_ms },
+            Departure::Admitted {
+                grant, waited_ms, ..
+            } => Verdict::Granted { grant, waited_ms },
+            Departure::Dropped {
+                reason, waited_ms, ..
+            } => Verdict::Dropped { reason, waited_ms },
         }
     }
 }
@@ -185,7 +189,15 @@ impl WaitingRoom {
                 let waited_ms = now_ms.saturating_sub(evicted.arrived_ms);
                 let ticket = evicted.ticket;
                 let reason = DropReason::Evicted;
-                self.deliver(pool, Departure::Dropped { ticket, reason, waited_ms }, now_ms);
+                self.deliver(
+                    pool,
+                    Departure::Dropped {
+                        ticket,
+                        reason,
+                        waited_ms,
+                    },
+                    now_ms,
+                );
             }
             Ok(None) => {}
         }
@@ -216,8 +228,15 @@ impl WaitingRoom {
         waiter.call_id = call_id;
         waiter.signal = signal;
         let deadline = self.queue.get(ticket).map_or(now_ms, |w| w.deadline_ms);
-        let until_ms = now_ms.saturating_add(config.poll_ms).min(deadline.saturating_add(1));
-        Step::Wait { ticket, call_id, rx, until_ms }
+        let until_ms = now_ms
+            .saturating_add(config.poll_ms)
+            .min(deadline.saturating_add(1));
+        Step::Wait {
+            ticket,
+            call_id,
+            rx,
+            until_ms,
+        }
     }
 
     /// Drops waiters whose client left, then grants leases while backends have room. Call after
@@ -241,7 +260,8 @@ impl WaitingRoom {
         loop {
             let freed = pool.take_freed();
             out.clear();
-            self.queue.dispatch(pool, config, &freed, now_ms, rng, &mut out);
+            self.queue
+                .dispatch(pool, config, &freed, now_ms, rng, &mut out);
             let mut refused = false;
             for departure in out.drain(..) {
                 refused |= !self.deliver(pool, departure, now_ms);
@@ -285,7 +305,11 @@ impl WaitingRoom {
     fn refuse(&mut self, pool: &mut Pool, verdict: Verdict, now_ms: u64) -> bool {
         match verdict {
             Verdict::Granted { grant, .. } => {
-                pool.release(grant.lease_id, &Outcome::of_kind(OutcomeKind::Cancelled), now_ms);
+                pool.release(
+                    grant.lease_id,
+                    &Outcome::of_kind(OutcomeKind::Cancelled),
+                    now_ms,
+                );
                 self.queue.record_drop(DropReason::ClientGone);
                 false
             }
@@ -303,7 +327,9 @@ impl WaitingRoom {
             .map(|(t, _)| *t)
             .collect();
         for ticket in gone {
-            let Some(w) = self.waiters.remove(&ticket) else { continue };
+            let Some(w) = self.waiters.remove(&ticket) else {
+                continue;
+            };
             match w.parked {
                 Some(verdict) => {
                     self.refuse(pool, verdict, now_ms);
