@@ -3,16 +3,17 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
 
-.PHONY: help setup build sim dev test test-native test-worker test-python clean
+.PHONY: help setup build sim dev test test-native test-worker test-python deploy-check check-bundle clean
 
 help:
 	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
 	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
-	@echo "make bench  - the routing benchmark (~16 min); make bench-quick: under 5 min"
+	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
+	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
 
 setup:
 	@scripts/setup.sh
@@ -30,7 +31,7 @@ dev: setup sim
 test: setup
 	@$(MAKE) --no-print-directory test-native
 	@$(MAKE) --no-print-directory sim build
-	@$(MAKE) --no-print-directory test-worker test-python
+	@$(MAKE) --no-print-directory check-bundle test-worker test-python
 
 test-native:
 	@echo "== native crates: cargo test"
@@ -44,19 +45,27 @@ test-python:
 	@echo "== OpenAI client: pytest"
 	@source scripts/env.sh && .venv/bin/pytest -q tests/python
 
+# What `wrangler deploy` would upload, built offline (no login), and its size against the limit.
+deploy-check: setup
+	@$(MAKE) --no-print-directory check-bundle
+
+check-bundle:
+	@echo "== deploy: wrangler deploy --dry-run"
+	@scripts/deploy-check.sh
+
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
 .PHONY: bench bench-quick bench-admission
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
-# every policy on every workload; writes bench/results/<date>.{json,md} and charts (~16 minutes).
+# every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
 bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
 	@$(MAKE) --no-print-directory bench-admission
 
-# The same, smaller (4 policies, shorter runs): under 5 minutes.
+# The same, smaller (5 policies, 3 modes, fewer requests): under 8 minutes.
 bench-quick: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh quick

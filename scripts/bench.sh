@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# `make bench` / `make bench-quick`: the routing benchmark of bench/README.md.
+# `make bench` / `make bench-quick`: the routing benchmark of bench/README.md
+# (`scripts/bench.sh full|quick|classic [loadgen bench flags]`; the mode names bench/config/<mode>.json).
 #
 # Builds the Worker once and runs a snapshot of it under `wrangler dev` (its own config, persist dir
 # and admin token in bench/tmp, so edits to src/ during a run cannot reload it and the user's
 # .dev.vars and .wrangler/state are untouched), then hands over to `loadgen bench`, which manages the
 # fleet of vllm-sim backends, runs every policy on every workload and writes bench/results/.
 # Every process this script starts is stopped on exit. Extra arguments go to `loadgen bench`
-# (e.g. `--only shared-prefix --policies round_robin,cache_aware`); BENCH_OUT changes the output dir.
+# (e.g. `--only chat --policies round_robin,cache_aware --levels 0.9`); BENCH_OUT changes the output
+# dir.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT_DIR"
@@ -19,8 +21,8 @@ PORT="${BENCH_PORT:-8799}"
 GATEWAY="http://127.0.0.1:$PORT"
 TMP="bench/tmp"
 LOADGEN="${LOADGEN_BIN:-target/release/loadgen}"
-# Bounds of the whole run: the quick one must stay under 5 minutes.
-case "$MODE" in quick) LIMIT=420 ;; *) LIMIT=2700 ;; esac
+# Bounds of the whole run (the quick one is meant to take under 8 minutes, the full one under 30).
+case "$MODE" in quick) LIMIT=600 ;; *) LIMIT=2700 ;; esac
 
 if curl -fsS "$GATEWAY/healthz" >/dev/null 2>&1; then
   echo "bench: port $PORT is already serving; set BENCH_PORT to a free port" >&2
@@ -49,7 +51,7 @@ TOKEN="bench-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 
 setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
   --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
-  --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 >"$TMP/wrangler.log" 2>&1 &
+  --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &
 WRANGLER_PID=$!
 echo "bench: starting the gateway under wrangler dev on $GATEWAY (log: $TMP/wrangler.log)"
 for _ in $(seq 1 240); do

@@ -42,7 +42,8 @@ for port in "${SIM_PORTS[@]}"; do
   PIDS+=($!)
 done
 
-setsid npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled \
+# The simulated backends listen on 127.0.0.1: allow IP-addressed backends locally.
+setsid npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled --var ALLOW_IP_BACKENDS:true \
   >.wrangler/dev.log 2>&1 &
 PIDS+=($!)
 echo "dev: starting wrangler dev (build + workerd); log in .wrangler/dev.log"

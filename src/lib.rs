@@ -7,6 +7,7 @@
 mod admin;
 mod admission;
 mod auth;
+mod dashboard;
 mod keys;
 mod metrics;
 mod pools;
@@ -116,6 +117,7 @@ async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std:
             auth::require_metrics(&req, env)?;
             metrics::handle(env).await
         }
+        ["dashboard", rest @ ..] => dashboard::serve(&method, &path, rest),
         ["admin", rest @ ..] => {
             auth::require_admin(&req, env)?;
             admin::handle(req, env, rest).await

@@ -27,6 +27,8 @@ export const SOAK_BINDINGS = {
   FIRST_BYTE_TIMEOUT_MS: "2000",
   RESPONSE_TIMEOUT_MS: "8000",
   MAX_RETRIES: "2",
+  // The simulated backends listen on 127.0.0.1.
+  ALLOW_IP_BACKENDS: "true",
 };
 
 const DEFAULTS = {

@@ -9,7 +9,8 @@
 //! object's alarm, which re-arms itself and which the cron trigger makes sure is armed.
 //!
 //! Persisted in SQLite: backend specs, their lifecycle/health/breaker snapshots, pool settings.
-//! In memory only: leases, affinity, the retry budget, the last probe reports.
+//! In memory only: leases, affinity, the retry budget, the last probe reports, and the last hour's
+//! per-minute history (`routing_core::history`, for the dashboard).
 
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
@@ -22,6 +23,7 @@ use routing_core::admission::DropReason;
 use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
+use routing_core::history::{self, History};
 use routing_core::outcome::OutcomeKind;
 use routing_core::pool::{AcquireError, BackendView, Pool, PoolConfig, PoolError};
 use routing_core::random::SplitMix64;
@@ -79,7 +81,8 @@ impl Default for PoolSettings {
 }
 
 impl PoolSettings {
-    fn validate(&self) -> std::result::Result<(), ApiError> {
+    /// Checks every knob (the Worker checks too, before a new pool's first call carries its location hint).
+    pub fn validate(&self) -> std::result::Result<(), ApiError> {
         self.routing.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
         self.retry_budget.validate().map_err(ApiError::bad_request)?;
         if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
@@ -135,6 +138,8 @@ struct Live {
     probe_results: (u64, u64),
     /// Admission control's queue and the acquires waiting on it.
     room: WaitingRoom,
+    /// Per-minute aggregates of the last hour, for the dashboard.
+    history: History,
 }
 
 /// The pool's load in aggregate: what autoscalers and spillover look at.
@@ -268,6 +273,7 @@ impl DurableObject for PoolCoordinator {
             (Method::Put, ["config"]) => self.put_config(&body),
             (Method::Get, ["state"]) => self.summary(),
             (Method::Get, ["metrics"]) => self.metrics(),
+            (Method::Get, ["history"]) => self.history(),
             (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
             (Method::Post, ["probe", "now"]) => {
                 self.probe_all().await;
@@ -345,6 +351,7 @@ impl PoolCoordinator {
             spills: 0,
             probe_results: (0, 0),
             room: WaitingRoom::default(),
+            history: History::default(),
         });
         Ok(())
     }
@@ -720,9 +727,30 @@ impl PoolCoordinator {
             l.pool.expire(now_ms());
             finish_drains(l);
             persist_snapshots(l);
+            record_history(l);
         });
         self.settle_queue();
     }
+
+    /// The last hour, minute by minute, including the current minute so far.
+    fn history(&self) -> ApiResult {
+        self.with(|l| {
+            record_history(l);
+            let mut report = serde_json::to_value(l.history.report(now_ms())).map_err(|e| ApiError::internal(e.to_string()))?;
+            report["pool"] = json!(l.name);
+            json_response(200, &report)
+        })
+    }
+}
+
+/// Adds what the pool's counters (and the backends' scraped prefix-cache counters) gained since
+/// the last call to the current minute of the history.
+fn record_history(l: &mut Live) {
+    let mut totals = history::totals(&l.pool);
+    for (id, report) in &l.probes {
+        totals.set_cache_counters(id, report.metrics.prefix_cache_queries, report.metrics.prefix_cache_hits);
+    }
+    l.history.record(now_ms(), totals);
 }
 
 /// The coordinator's own metric families, beside the routing core's.

@@ -53,6 +53,16 @@ pub fn validate_url(raw: &str) -> Result<String, ApiError> {
     Ok(url.as_str().trim_end_matches('/').to_string())
 }
 
+/// Whether a backend URL names its host by IP address rather than by a DNS name. A deployed
+/// Worker cannot fetch such a URL (only hostnames), so registration refuses it unless the operator
+/// allows it for local use. The URL parser normalises every IPv4 spelling (`0x7f.1`, `2130706433`)
+/// to dotted form, so those count too.
+pub fn host_is_ip(raw: &str) -> bool {
+    let Ok(url) = Url::parse(raw) else { return false };
+    let host = url.host_str().unwrap_or_default();
+    host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_ok()
+}
+
 /// Checks model names: 1-256 characters, no control characters, at most 64 of them.
 pub fn validate_models(models: &[String]) -> Result<(), ApiError> {
     let bad = models.len() > 64 || models.iter().any(|m| m.is_empty() || m.len() > 256 || m.chars().any(char::is_control));

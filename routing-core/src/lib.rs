@@ -8,8 +8,9 @@
 //! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
-//! rendering ([`metrics`]); the probe's reading of vLLM's
-//! `/metrics` page ([`scrape`]) and the pool-wide retry budget ([`retry_budget`]) too.
+//! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
+//! pool-wide retry budget ([`retry_budget`]) and the per-minute history the dashboard draws
+//! ([`history`]) too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -22,6 +23,7 @@ pub mod backend;
 pub mod breaker;
 pub mod cost;
 pub mod health;
+pub mod history;
 pub mod lease;
 pub mod metrics;
 pub mod outcome;

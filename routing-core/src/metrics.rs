@@ -41,6 +41,12 @@ impl Histogram {
     pub fn count(&self) -> u64 {
         self.count
     }
+
+    /// Observations per bucket of [`LATENCY_BUCKETS_MS`] (not cumulative; slower ones are in
+    /// `count` only).
+    pub fn buckets(&self) -> &[u64; LATENCY_BUCKETS_MS.len()] {
+        &self.buckets
+    }
 }
 
 /// Per-backend counters.

@@ -29,7 +29,9 @@ use crate::policy::{
 use crate::prompt::{RequestFeatures, DEFAULT_BLOCK_TOKENS};
 use crate::random::RandomSource;
 use crate::ring::{key_hash, RingMember};
-use crate::time_model::{BackendTiming, Observation, OutputRatio, TimeModelConfig, TimingView};
+use crate::time_model::{
+    room_wait_ms, BackendTiming, Observation, OutputRatio, TimeModelConfig, TimingView,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -902,7 +904,7 @@ impl Pool {
                 * mean_uncached
                 * entry.timing.view(&time_model, now_ms).prefill_us_per_token
                 / 1000.0;
-            let predicted = entry.timing.predict(
+            let mut predicted = entry.timing.predict(
                 &time_model,
                 if role == Role::Decode { 0 } else { uncached },
                 expected_output,
@@ -910,6 +912,17 @@ impl Pool {
                 external_queue_ms,
                 now_ms,
             );
+            let in_flight = &entry.in_flight;
+            let room_wait = room_wait_ms(
+                in_flight.prompt_tokens
+                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64,
+                uncached + expected_output as u64,
+                capacity,
+                in_flight.leases,
+                entry.capacity().max_num_seqs,
+                predicted.decode_ms,
+            );
+            predicted.ttft_ms += room_wait;
             let candidate = Candidate {
                 slot: slot as u32,
                 weight: entry.spec.weight,
@@ -922,6 +935,7 @@ impl Pool {
                 ttft_ms: predicted.ttft_ms,
                 decode_ms: predicted.decode_ms,
                 harm_ms: predicted.harm_ms,
+                wait_ms: room_wait + external_queue_ms,
             };
             let list = match (pair_policy, role) {
                 (true, Role::Prefill) => &mut scratch.primary,
@@ -1002,9 +1016,10 @@ impl Pool {
         let no_backend = AcquireError::NoBackendAvailable {
             retry_after_s: DEFAULT_RETRY_AFTER_S,
         };
-        let Some(primary) = self.admit(chosen.slot, uncached, primary_output, now_ms) else {
+        let Some(mut primary) = self.admit(chosen.slot, uncached, primary_output, now_ms) else {
             return Err(no_backend);
         };
+        primary.predicted.add_wait(chosen.wait_ms);
         let decode = match decode_slot {
             Some(slot) => {
                 let prompt = u64::from(features.prompt_tokens);

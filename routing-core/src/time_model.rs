@@ -84,8 +84,52 @@ impl TimeModelConfig {
     }
 }
 
-/// Smallest predicted prefill (queue plus prefill) that an observed time to first byte teaches.
+/// Predicted prefills (queue plus prefill) under this teach the overhead, not the prefill rate,
+/// when there is too little spread to fit both.
 const MIN_LEARN_PREFILL_MS: f64 = 5.0;
+/// Largest overhead (gateway and network time to the first byte) the model accepts.
+const MAX_OVERHEAD_MS: f64 = 1_000.0;
+/// Fewest (weighted) observations, and least spread of their predictions (ms²), to fit a line.
+const MIN_FIT_WEIGHT: f64 = 8.0;
+const MIN_FIT_VARIANCE: f64 = 25.0;
+
+/// An exponentially weighted least-squares line `y = a + b x`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Fit {
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl Fit {
+    fn observe(&mut self, x: f64, y: f64, rate: f64) {
+        if !(x.is_finite() && y.is_finite()) {
+            return;
+        }
+        let keep = 1.0 - rate.clamp(0.0, 1.0);
+        self.w = self.w * keep + 1.0;
+        self.sx = self.sx * keep + x;
+        self.sy = self.sy * keep + y;
+        self.sxx = self.sxx * keep + x * x;
+        self.sxy = self.sxy * keep + x * y;
+    }
+
+    /// `(a, b)`, once there are enough observations spread widely enough.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.w < MIN_FIT_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (self.sx / self.w, self.sy / self.w);
+        let var = self.sxx / self.w - mx * mx;
+        if var < MIN_FIT_VARIANCE {
+            return None;
+        }
+        let b = (self.sxy / self.w - mx * my) / var;
+        (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
+    }
+}
 /// Largest ratio one observation can apply (and its inverse the smallest).
 const MAX_STEP_RATIO: f64 = 2.0;
 
@@ -97,12 +141,27 @@ pub struct SharePrediction {
     pub prefill_us: u64,
     /// When its prefill should end (the virtual queue's end after it), in microseconds of pool time.
     pub prefill_end_us: u64,
-    /// Predicted queue plus prefill, in microseconds (the part of TTFT that learning compares).
+    /// Predicted queue plus prefill, in microseconds.
     pub queued_prefill_us: u64,
+    /// The same at the configured rate (unscaled), in microseconds: what learning regresses the
+    /// measured time on.
+    pub queued_prefill_base_us: u64,
+    /// Predicted wait beyond the queue (for room, for other clients' requests), in microseconds.
+    pub extra_wait_us: u64,
     /// Predicted step time of its first token, in microseconds.
     pub first_step_us: u64,
     /// Predicted time per output token, in microseconds.
     pub tpot_us: u64,
+}
+
+impl SharePrediction {
+    /// Adds a wait predicted beyond the prefill queue (for room, for other clients' requests) to
+    /// what the request's time to first byte will be compared with.
+    pub fn add_wait(&mut self, wait_ms: f64) {
+        self.extra_wait_us = self
+            .extra_wait_us
+            .saturating_add((wait_ms.max(0.0) * 1000.0) as u64);
+    }
 }
 
 /// A candidate's predicted times for one request, in milliseconds.
@@ -138,6 +197,10 @@ pub struct BackendTiming {
     queue_end_us: u64,
     /// Observations learned from.
     observations: u64,
+    /// Time to first byte beyond the engine's (gateway, network), learned, in milliseconds.
+    overhead_ms: f64,
+    /// The line fitted through (predicted prefill at the configured rate, measured).
+    fit: Fit,
 }
 
 impl Default for BackendTiming {
@@ -147,6 +210,8 @@ impl Default for BackendTiming {
             decode_scale: 1.0,
             queue_end_us: 0,
             observations: 0,
+            overhead_ms: 0.0,
+            fit: Fit::default(),
         }
     }
 }
@@ -163,6 +228,8 @@ pub struct TimingView {
     pub decode_ms_per_seq: f64,
     /// Prefill work queued now, in milliseconds.
     pub prefill_backlog_ms: f64,
+    /// Learned time to the first byte beyond the engine's (gateway, network), in milliseconds.
+    pub overhead_ms: f64,
     /// Releases the rates were learned from.
     pub observations: u64,
 }
@@ -204,7 +271,8 @@ impl BackendTiming {
         let ttft_ms = self.backlog_ms(now_ms)
             + extra_queue_ms.max(0.0)
             + prefill_ms
-            + self.step_ms(c, running);
+            + self.step_ms(c, running)
+            + self.overhead_ms;
         let decode_ms = out * self.step_ms(c, running + 1.0);
         let harm_ms = running * (prefill_ms + out * self.per_seq_ms(c));
         Prediction {
@@ -231,6 +299,9 @@ impl BackendTiming {
             prefill_us,
             prefill_end_us: self.queue_end_us,
             queued_prefill_us: self.queue_end_us - now_us,
+            queued_prefill_base_us: ((self.queue_end_us - now_us) as f64 / self.prefill_scale)
+                as u64,
+            extra_wait_us: 0,
             first_step_us: (self.step_ms(c, running) * 1000.0) as u64,
             tpot_us: (self.step_ms(c, running + 1.0) * 1000.0) as u64,
         }
@@ -253,21 +324,39 @@ impl BackendTiming {
         }
         let bound = c.max_scale.max(1.0);
         let mut learned = false;
-        let (Some(ttfb_ms), predicted_prefill_ms) =
-            (seen.ttfb_ms, share.queued_prefill_us as f64 / 1000.0)
-        else {
+        let Some(ttfb_ms) = seen.ttfb_ms else {
             return;
         };
+        let predicted_prefill_ms = share.queued_prefill_us as f64 / 1000.0;
         let first_step_ms = share.first_step_us as f64 / 1000.0;
-        if seen.streamed && predicted_prefill_ms >= MIN_LEARN_PREFILL_MS {
-            let observed = (ttfb_ms as f64 - first_step_ms).max(0.0);
-            self.prefill_scale = nudge(
-                self.prefill_scale,
-                observed / predicted_prefill_ms,
-                c.learning_rate,
-                bound,
-            );
-            learned = true;
+        if seen.streamed {
+            // measured = overhead + scale × predicted-at-configured-rate: the overhead (gateway,
+            // network) is fitted with the scale, so it never inflates the prefill rate.
+            let x = share.queued_prefill_base_us as f64 / 1000.0;
+            let y = ttfb_ms as f64 - first_step_ms - share.extra_wait_us as f64 / 1000.0;
+            let rate = c.learning_rate / 4.0;
+            self.fit.observe(x, y, rate);
+            match self.fit.line() {
+                Some((overhead, slope)) => {
+                    self.prefill_scale = slope.clamp(1.0 / bound, bound);
+                    self.overhead_ms = overhead.clamp(0.0, MAX_OVERHEAD_MS);
+                }
+                // Too little spread in the predictions to fit a line: learn the overhead from
+                // requests with nothing to prefill, the scale from the others.
+                None if x < MIN_LEARN_PREFILL_MS => {
+                    self.overhead_ms += (y.clamp(0.0, MAX_OVERHEAD_MS) - self.overhead_ms) * rate;
+                }
+                None => {
+                    let ratio = (y - self.overhead_ms).max(0.0) / x;
+                    self.prefill_scale = nudge(
+                        self.prefill_scale,
+                        ratio / self.prefill_scale,
+                        c.learning_rate,
+                        bound,
+                    );
+                }
+            }
+            learned = x >= MIN_LEARN_PREFILL_MS;
         }
         let tokens = seen.completion_tokens.unwrap_or(0);
         if tokens >= 2 && share.tpot_us > 0 {
@@ -277,7 +366,7 @@ impl BackendTiming {
             let decode_ms = if seen.streamed {
                 seen.duration_ms.saturating_sub(ttfb_ms) as f64
             } else {
-                ttfb_ms as f64 - predicted_prefill_ms - first_step_ms
+                ttfb_ms as f64 - predicted_prefill_ms - first_step_ms - self.overhead_ms
             };
             if decode_ms > 0.0 {
                 let observed_tpot = decode_ms / f64::from(tokens - 1);
@@ -318,9 +407,38 @@ impl BackendTiming {
             decode_ms_per_step: c.decode_ms_per_step * self.decode_scale,
             decode_ms_per_seq: self.per_seq_ms(c),
             prefill_backlog_ms: self.backlog_ms(now_ms),
+            overhead_ms: self.overhead_ms,
             observations: self.observations,
         }
     }
+}
+
+/// How long a request waits for room on a backend that is out of KV-cache space or sequence
+/// slots: vLLM admits it only when running sequences finish and free theirs. Running sequences
+/// finish, on average, half a decode (`decode_ms / 2`) from now, freeing their tokens at a
+/// steady rate, so the wait is that time scaled by the shortfall:
+///
+/// ```text
+/// memory wait = decode_ms / 2 × max(tokens + request − capacity, 0) / tokens
+/// slot wait   = decode_ms / 2 × max(sequences + 1 − max_num_seqs, 0) / sequences
+/// ```
+///
+/// and the larger of the two counts. `tokens` are the backend's in-flight tokens (uncached
+/// prompt plus expected output of its leases).
+pub fn room_wait_ms(
+    in_flight_tokens: u64,
+    request_tokens: u64,
+    capacity_tokens: u64,
+    sequences: u32,
+    max_num_seqs: u32,
+    decode_ms: f64,
+) -> f64 {
+    let half = decode_ms.max(0.0) / 2.0;
+    let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
+    let memory = half * short_tokens as f64 / in_flight_tokens.max(1) as f64;
+    let short_seqs = (sequences + 1).saturating_sub(max_num_seqs.max(1));
+    let slots = half * f64::from(short_seqs) / f64::from(sequences.max(1));
+    memory.max(slots)
 }
 
 /// Moves `scale` by `ratio^rate` (ratio clamped to `[1/2, 2]`), keeping it within `[1/bound, bound]`.
@@ -406,6 +524,17 @@ mod tests {
     }
 
     #[test]
+    fn a_full_backend_makes_requests_wait_for_room() {
+        assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0), 0.0);
+        // 8,000 tokens in flight, 1,192 over with this request: 500 ms x 1,192 / 8,000.
+        let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0);
+        assert!((w - 500.0 * 1_192.0 / 8_000.0).abs() < 1e-9, "{w}");
+        // Every slot taken: 500 ms x 1 / 4.
+        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0) - 125.0).abs() < 1e-9);
+        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0), 25_000.0);
+    }
+
+    #[test]
     fn a_cancelled_prefill_leaves_the_queue() {
         let c = cfg();
         let mut t = BackendTiming::default();
@@ -452,9 +581,35 @@ mod tests {
                 completion_tokens: Some(1),
                 streamed: true,
             };
+            wild.leave(&share, 0);
             wild.learn(&c, &share, &seen);
         }
         assert!((wild.view(&c, 0).prefill_us_per_token - 1_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn network_overhead_is_learned_apart_from_the_prefill_rate() {
+        let c = cfg();
+        let mut t = BackendTiming::default();
+        // A backend at exactly the configured rates, 40 ms of gateway and network away: cache
+        // hits (nothing to prefill) and cold prompts of several sizes.
+        for i in 0..200u64 {
+            let now = i * 10_000;
+            let uncached = [0, 200, 1_000, 3_000][(i % 4) as usize];
+            let share = t.admit(&c, uncached, 0.0, now);
+            let ttfb = 40 + uncached / 10 + 10;
+            let seen = Observation {
+                ttfb_ms: Some(ttfb),
+                duration_ms: ttfb,
+                completion_tokens: Some(1),
+                streamed: true,
+            };
+            t.leave(&share, now + ttfb);
+            t.learn(&c, &share, &seen);
+        }
+        let v = t.view(&c, 0);
+        assert!((v.prefill_us_per_token - 100.0).abs() < 5.0, "{v:?}");
+        assert!((v.overhead_ms - 40.0).abs() < 3.0, "{v:?}");
     }
 
     #[test]

@@ -41,6 +41,8 @@ const SIM_SPEED: Speed = Speed {
     per_seq_ms: 0.15,
 };
 const STEP_TOKEN_BUDGET: u64 = 8_192;
+/// Time between the gateway and an engine, in each direction's first byte (ms).
+const NETWORK_MS: f64 = 20.0;
 const MAX_NUM_SEQS: usize = 64;
 
 struct Lru {
@@ -430,12 +432,13 @@ fn simulate(
                     let e2e = now - s.arrival_ms;
                     ttfts.push(ttft);
                     e2es.push(e2e);
+                    // The gateway measures the first byte a network hop later than the engine.
                     let outcome = Outcome {
-                        ttfb_ms: Some(ttft as u64),
+                        ttfb_ms: Some((ttft + NETWORK_MS) as u64),
                         completion_tokens: Some(s.produced),
                         ..Outcome::from_status(200)
                     };
-                    assert!(pool.release(s.lease, &outcome, now as u64));
+                    assert!(pool.release(s.lease, &outcome, (now + NETWORK_MS) as u64));
                     workload.answered(s.client, &mut wrng);
                     // Think time: 20 to 220 ms.
                     pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));

@@ -26,7 +26,8 @@ export async function startGateway({ bindings = {}, persistDir, options = {} } =
       RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
     },
     durableObjectsPersist: persistDir ?? false,
-    bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ...bindings },
+    // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
+    bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...bindings },
     ...options,
   });
   await mf.ready;

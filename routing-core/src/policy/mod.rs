@@ -198,6 +198,9 @@ pub struct Candidate {
     pub decode_ms: f64,
     /// Predicted time the request would cost the sequences running there, in ms.
     pub harm_ms: f64,
+    /// Of `ttft_ms`, the wait for KV space or a sequence slot and for other clients' queued
+    /// requests, in ms (the rest is the prefill queue, the prefill and a step).
+    pub wait_ms: f64,
 }
 
 impl Candidate {

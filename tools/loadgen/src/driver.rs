@@ -4,9 +4,14 @@
 //! - **Open loop** (`rate`): sessions start at the arrivals of a Poisson process of `rate` per second,
 //!   whatever the server does; a conversation's next turn is due `sessions / rate` seconds after its
 //!   previous one was sent (or as soon as the answer arrives, if later), so the offered load stays
-//!   near `rate` as in vLLM production-stack's multi-round QA benchmark.
+//!   near `rate` as in vLLM production-stack's multi-round QA benchmark. With `random_turn_gaps`
+//!   each spacing is drawn uniformly within +-25% of that mean (seeded per session), so the turns of
+//!   many users do not come round in the same order every round (with a fixed spacing and a user count
+//!   that is a multiple of the fleet size, round robin would send each user to the same backend
+//!   every turn and look cache-aware).
 //! - **Closed loop** (`concurrency`): that many clients each take the next session and send its
-//!   turns back to back.
+//!   turns one after the other, each as soon as the previous answer arrived (after an optional think
+//!   time), then take the next session.
 //!
 //! The arrival times come from the seed, so two runs offer the same load at the same moments.
 
@@ -48,6 +53,12 @@ pub struct Limits {
     pub max_duration: Duration,
     /// A request still running after this long counts as an error.
     pub request_timeout: Duration,
+    /// Closed loop: a client's pause between an answer and the conversation's next turn.
+    pub think: Duration,
+    /// Open loop: draw each conversation's turn spacing uniformly within +-25% of its mean
+    /// (`sessions / rate`) instead of using the mean as a fixed spacing. (Not exponential: its long
+    /// tail would leave a few conversations running alone long after the others.)
+    pub random_turn_gaps: bool,
 }
 
 /// One request's outcome.
@@ -173,14 +184,19 @@ impl Shared {
         r
     }
 
-    /// Sends a session's turns; `gap` is the open-loop spacing of its turns (zero: back to back).
-    async fn session(&self, session: usize, gap: Duration) {
+    /// Sends a session's turns; `gap` is the open-loop spacing of its turns (zero: back to back),
+    /// drawn anew for each turn from `gaps` if given; `think` the pause after each answer.
+    async fn session(&self, session: usize, gap: Duration, mut gaps: Option<Rng>, think: Duration) {
         let turns = self.plan.sessions[session].turns.len();
         let mut answers: Vec<String> = Vec::with_capacity(turns);
         for turn in 0..turns {
             if self.expired() {
                 return;
             }
+            let gap = match gaps.as_mut() {
+                Some(rng) => gap.mul_f64(0.75 + 0.5 * rng.next_f64()),
+                None => gap,
+            };
             let due = Instant::now() + gap;
             let r = self.send(session, turn, &answers).await;
             if !r.ok() {
@@ -189,6 +205,9 @@ impl Shared {
             answers.push(r.text);
             if turn + 1 < turns {
                 tokio::time::sleep_until(due.into()).await;
+                if !think.is_zero() {
+                    tokio::time::sleep(think).await;
+                }
             }
         }
     }
@@ -222,7 +241,11 @@ pub async fn drive(
                 let s = shared.clone();
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until((s.start + Duration::from_secs_f64(at)).into()).await;
-                    s.session(i, gap).await;
+                    let gaps = s
+                        .limits
+                        .random_turn_gaps
+                        .then(|| Rng::new(seed ^ i as u64, 0x6761_7073));
+                    s.session(i, gap, gaps, Duration::ZERO).await;
                 }));
             }
         }
@@ -236,7 +259,7 @@ pub async fn drive(
                         if i >= n || s.expired() {
                             break;
                         }
-                        s.session(i, Duration::ZERO).await;
+                        s.session(i, Duration::ZERO, None, s.limits.think).await;
                     }
                 }));
             }

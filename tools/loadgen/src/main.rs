@@ -6,7 +6,7 @@
 //! - `loadgen overhead`: the gateway's added latency over direct calls.
 //! - `loadgen bench`: everything, on a fleet of vllm-sim processes it manages (`make bench`).
 //!
-//! Modules: [`workload`] generates the four workloads from a seed, [`driver`] sends them,
+//! Modules: [`workload`] generates the workloads from a seed, [`driver`] sends them,
 //! [`client`] times each stream, [`metrics`] reads the backends' counters, [`oracle`] computes the
 //! upper bound, [`report`] summarises and draws, [`bench`] orchestrates.
 
@@ -42,7 +42,7 @@ struct WorkloadArgs {
     /// Bench config to take the workload (and fleet, seed) from.
     #[arg(long, default_value = "bench/config/full.json")]
     config: PathBuf,
-    /// Workload kind in the config: shared-prefix, multi-turn, long-short, no-sharing.
+    /// Workload name in the config (its `name`, or its kind: prefix-groups, multi-turn, ...).
     #[arg(long)]
     workload: Option<String>,
     /// A workload as JSON instead, e.g. '{"kind":"no-sharing","requests":100,"prompt_tokens":64,"output_tokens":16}'.
@@ -78,7 +78,8 @@ impl WorkloadArgs {
         let run = cfg
             .workloads
             .iter()
-            .find(|w| w.workload.kind() == name)
+            .find(|w| w.name() == name)
+            .or_else(|| cfg.workloads.iter().find(|w| w.workload.kind() == name))
             .cloned()
             .ok_or_else(|| format!("no workload `{name}` in {}", self.config.display()))?;
         Ok((run.workload.clone(), Some(run), cfg, seed))
@@ -103,6 +104,9 @@ enum Cmd {
         /// Closed loop: concurrent clients.
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Closed loop: think time between a conversation's turns, ms (default: the config's).
+        #[arg(long)]
+        think_ms: Option<f64>,
         /// Wall-clock limit, seconds.
         #[arg(long, default_value_t = 60.0)]
         max_duration: f64,
@@ -173,12 +177,28 @@ enum Cmd {
         /// Logs directory.
         #[arg(long, default_value = "bench/tmp")]
         tmp_dir: PathBuf,
-        /// Only these workloads (`overhead` for the overhead benchmark); default all.
+        /// Only these workloads, by name (`overhead` for the overhead benchmark); default all.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// Only these policies; default all in the config.
+        /// These policies, in this order, instead of the config's list. A policy the gateway
+        /// refuses (HTTP 400) is skipped and reported as not run.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
+        /// The policy the targets table is about (default: the config's `default_policy`).
+        #[arg(long)]
+        default_policy: Option<String>,
+        /// Capacity of the open-loop levels, requests per second: `NAME=RPS` for one workload or
+        /// a bare `RPS` for all (default: the config's, else the best closed-loop throughput at the
+        /// highest concurrency measured in the same bench).
+        #[arg(long, value_delimiter = ',')]
+        capacity_rps: Vec<String>,
+        /// Open-loop levels as fractions of the capacity, e.g. 0.5,0.7,0.9 (default: the config's).
+        #[arg(long, value_delimiter = ',')]
+        levels: Vec<f64>,
+        /// Closed-loop concurrencies, e.g. 32,64, for workloads that have closed-loop modes
+        /// (default: the config's).
+        #[arg(long, value_delimiter = ',')]
+        closed_loop: Vec<usize>,
     },
 }
 
@@ -204,6 +224,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             model,
             rate,
             concurrency,
+            think_ms,
             max_duration,
             metrics: metric_urls,
             time_scale,
@@ -211,7 +232,12 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             records: records_path,
         } => {
             let (workload, run, cfg, seed) = w.resolve()?;
-            let load = load_of(rate, concurrency, run.as_ref().map(|r| r.load))?;
+            let default_load = run.as_ref().and_then(|r| {
+                r.load
+                    .or(r.closed_loop.first().map(|&c| driver::Load::Concurrency(c)))
+            });
+            let load = load_of(rate, concurrency, default_load)?;
+            let think = think_ms.or(run.as_ref().map(|r| r.think_ms)).unwrap_or(0.0);
             let plan = workload.generate(seed);
             let fetch = |urls: Vec<String>| {
                 let http = http.clone();
@@ -242,6 +268,8 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let limits = Limits {
                 max_duration: Duration::from_secs_f64(max_duration),
                 request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
+                think: Duration::from_secs_f64(think.max(0.0) / 1e3),
+                random_turn_gaps: run.as_ref().is_some_and(|r| r.random_turn_gaps),
             };
             let (records, elapsed) =
                 driver::drive(http.clone(), target, plan.clone(), load, seed, limits).await;
@@ -256,9 +284,12 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let bound = oracle::bound(&oracle::requests_of(&plan, seed), 0, 16, fleet_blocks);
             let report = report::summarize(
                 report::RunLabel {
-                    workload: workload.kind(),
+                    workload: run.as_ref().map_or(workload.kind(), |r| r.name()),
+                    kind: workload.kind(),
+                    mode: &bench::Mode::of(load, None).label,
                     policy: &policy,
                     load,
+                    level: None,
                     time_scale,
                 },
                 &records,
@@ -322,6 +353,8 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 let limits = Limits {
                     max_duration: Duration::from_secs_f64(oc.max_duration_s),
                     request_timeout: Duration::from_secs(60),
+                    think: Duration::ZERO,
+                    random_turn_gaps: false,
                 };
                 let d = Target {
                     urls: direct
@@ -391,6 +424,10 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             tmp_dir,
             only,
             policies,
+            default_policy,
+            capacity_rps,
+            levels,
+            closed_loop,
         } => {
             let cfg = bench::BenchConfig::load(&config)?;
             let opts = bench::BenchOptions {
@@ -400,7 +437,11 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 out_dir,
                 tmp_dir,
                 only_workloads: only,
-                only_policies: policies,
+                policies,
+                capacity_rps: bench::parse_capacities(&capacity_rps)?,
+                levels,
+                closed_loop,
+                default_policy,
             };
             let path = bench::bench(cfg, opts).await?;
             println!("{}", path.display());

@@ -1,5 +1,7 @@
-//! Turning records into results: one [`RunReport`] per (workload, policy) run, the benchmark's
-//! JSON document, its markdown tables, the target-figure verdicts, and SVG charts (plotters).
+//! Turning records into results: one [`RunReport`] per (workload, mode, policy) run, the
+//! benchmark's JSON document, its markdown tables, the target figures (issue 7's hit-rate and
+//! balance verdicts, issue 11's tail-latency targets of the default policy against the best
+//! baseline), and SVG charts (plotters), among them TTFT p99 against offered load.
 
 use crate::driver::{Load, Record};
 use crate::metrics::Counters;
@@ -25,10 +27,16 @@ pub struct BackendShare {
 pub struct RunReport {
     /// Workload name.
     pub workload: String,
+    /// Workload kind (`prefix-groups`, `multi-turn`, ...).
+    pub kind: String,
+    /// Mode: `closed-64`, `open-0.9`, ...
+    pub mode: String,
     /// Routing policy (`direct` when no gateway).
     pub policy: String,
     /// How load was offered.
     pub load: Load,
+    /// Open-loop sweep: the offered rate as a fraction of the workload's capacity.
+    pub level: Option<f64>,
     /// vllm-sim's `--time-scale` (model time = wall time x this).
     pub time_scale: f64,
     /// Wall-clock seconds.
@@ -67,6 +75,9 @@ pub struct RunReport {
     pub request_imbalance: f64,
     /// Busiest backend's computed tokens (uncached prompt + output) over the mean.
     pub work_imbalance: f64,
+    /// Busiest backend's computed prompt tokens (prompt tokens not found in its prefix cache: its
+    /// prefill work) over the mean.
+    pub prefill_imbalance: f64,
     /// Fleet-wide counters' change.
     pub fleet: Counters,
     /// Fleet prefix-cache hit rate (`/metrics`, tokens).
@@ -79,15 +90,21 @@ pub struct RunReport {
     pub fraction_of_oracle: Option<f64>,
 }
 
-/// What a run was: workload, policy, load and the backends' time scale.
+/// What a run was: workload, mode, policy, load and the backends' time scale.
 #[derive(Debug, Clone, Copy)]
 pub struct RunLabel<'a> {
     /// Workload name.
     pub workload: &'a str,
+    /// Workload kind.
+    pub kind: &'a str,
+    /// Mode label.
+    pub mode: &'a str,
     /// Routing policy.
     pub policy: &'a str,
     /// How load was offered.
     pub load: Load,
+    /// Fraction of the capacity (open-loop sweeps).
+    pub level: Option<f64>,
     /// vllm-sim's `--time-scale`.
     pub time_scale: f64,
 }
@@ -114,8 +131,11 @@ pub fn summarize(
 ) -> RunReport {
     let RunLabel {
         workload,
+        kind,
+        mode,
         policy,
         load,
+        level,
         time_scale,
     } = label;
     let ok: Vec<&Record> = records
@@ -158,6 +178,10 @@ pub fn summarize(
         .fold(Counters::default(), |acc, (_, c)| acc.add(c));
     let reqs: Vec<f64> = shares.values().map(|s| s.requests as f64).collect();
     let work: Vec<f64> = shares.values().map(|s| s.counters.work_tokens()).collect();
+    let prefill: Vec<f64> = shares
+        .values()
+        .map(|s| (s.counters.prefix_queries - s.counters.prefix_hits).max(0.0))
+        .collect();
     let (prompt, cached) = ok.iter().fold((0u64, 0u64), |(p, c), r| {
         (
             p + u64::from(r.prompt_tokens.unwrap_or(0)),
@@ -171,8 +195,11 @@ pub fn summarize(
         .map(|o| hit_rate / o.hit_rate);
     RunReport {
         workload: workload.to_string(),
+        kind: kind.to_string(),
+        mode: mode.to_string(),
         policy: policy.to_string(),
         load,
+        level,
         time_scale,
         duration_s,
         sent: records.len(),
@@ -192,6 +219,7 @@ pub fn summarize(
         backends: shares,
         request_imbalance: imbalance(&reqs, backends.len()),
         work_imbalance: imbalance(&work, backends.len()),
+        prefill_imbalance: imbalance(&prefill, backends.len()),
         fleet,
         hit_rate,
         usage_hit_rate: if prompt > 0 {
@@ -257,8 +285,27 @@ pub struct BenchResult {
     pub runs: Vec<RunReport>,
     /// The overhead benchmark.
     pub overhead: Vec<OverheadPoint>,
-    /// Target figures and verdicts.
+    /// Issue 7's target figures and verdicts (hit rate and balance of cache_aware).
     pub targets: Vec<Verdict>,
+    /// The policy the tail-latency targets are about.
+    pub default_policy: String,
+    /// The policies it is compared with.
+    pub baselines: Vec<String>,
+    /// Issue 11's tail-latency targets, per workload and mode.
+    pub tail_targets: Vec<TailTarget>,
+    /// The capacity each open-loop sweep's levels are fractions of, requests per second.
+    pub capacity_rps: BTreeMap<String, f64>,
+    /// Policies the gateway refused (not run).
+    pub skipped: Vec<Skipped>,
+}
+
+/// A policy the gateway refused, so not benchmarked.
+#[derive(Debug, Clone, Serialize)]
+pub struct Skipped {
+    /// The policy.
+    pub policy: String,
+    /// The gateway's answer.
+    pub reason: String,
 }
 
 /// A target figure of issue 7 and how the run did.
@@ -369,6 +416,164 @@ pub fn verdicts(runs: &[RunReport]) -> Vec<Verdict> {
     out
 }
 
+/// Issue 11's targets for the default policy, each against the best of the baselines.
+pub mod bounds {
+    /// TTFT p99 over the best baseline's.
+    pub const TTFT_P99_VS_BEST: f64 = 0.8;
+    /// TTFT p99 over round_robin's, on shared-prefix workloads.
+    pub const TTFT_P99_VS_ROUND_ROBIN: f64 = 0.5;
+    /// E2E p50 over the best baseline's: no worse, within 5% of run-to-run noise.
+    pub const E2E_P50_VS_BEST: f64 = 1.05;
+    /// Completed requests per second over the best baseline's: no worse, within 5%.
+    pub const THROUGHPUT_VS_BEST: f64 = 0.95;
+    /// Hit rate as a fraction of the oracle's: within 5%.
+    pub const HIT_RATE_OF_ORACLE: f64 = 0.95;
+    /// Busiest backend's computed prompt tokens over the mean.
+    pub const PREFILL_IMBALANCE: f64 = 1.3;
+}
+
+/// One of issue 11's targets for one workload and mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct TailTarget {
+    /// Workload name.
+    pub workload: String,
+    /// Mode label.
+    pub mode: String,
+    /// Short key: `ttft_p99_vs_best`, `ttft_p99_vs_round_robin`, `e2e_p50_vs_best`,
+    /// `throughput_vs_best`, `hit_rate_of_oracle`, `prefill_imbalance`.
+    pub target: &'static str,
+    /// The bound, as text (`<= 0.8x`).
+    pub bound: String,
+    /// The measured figure (a ratio), if both sides ran.
+    pub value: Option<f64>,
+    /// How it was computed.
+    pub measured: String,
+    /// Met or not (None: not measured).
+    pub met: Option<bool>,
+}
+
+/// Workload kinds where requests share long prefixes by group (the round_robin target applies).
+fn shared_prefix_kind(kind: &str) -> bool {
+    kind == "shared-prefix" || kind == "prefix-groups"
+}
+
+/// Issue 11's targets, computed from the runs: for every workload and mode in which `default`
+/// ran, its figures against the best of `baselines` in the same workload and mode.
+pub fn tail_targets(runs: &[RunReport], default: &str, baselines: &[String]) -> Vec<TailTarget> {
+    let mut out = Vec::new();
+    let mut seen: Vec<(&str, &str)> = Vec::new();
+    for d in runs.iter().filter(|r| r.policy == default) {
+        if seen.contains(&(d.workload.as_str(), d.mode.as_str())) {
+            continue;
+        }
+        seen.push((&d.workload, &d.mode));
+        let same = |p: &str| {
+            runs.iter()
+                .find(|r| r.workload == d.workload && r.mode == d.mode && r.policy == p)
+        };
+        let base: Vec<&RunReport> = baselines.iter().filter_map(|p| same(p)).collect();
+        let mut push = |target: &'static str,
+                        bound: String,
+                        value: Option<f64>,
+                        measured: String,
+                        ok: &dyn Fn(f64) -> bool| {
+            out.push(TailTarget {
+                workload: d.workload.clone(),
+                mode: d.mode.clone(),
+                target,
+                bound,
+                met: value.map(ok),
+                value,
+                measured,
+            });
+        };
+        // The best baseline by a figure (lowest for latencies, highest for throughput).
+        let best = |f: &dyn Fn(&RunReport) -> f64, lowest: bool| {
+            base.iter().copied().filter(|r| r.ok > 0).reduce(|a, b| {
+                if (f(b) < f(a)) == lowest {
+                    b
+                } else {
+                    a
+                }
+            })
+        };
+        let ratio = |f: &dyn Fn(&RunReport) -> f64, lowest: bool, unit: &str| match best(f, lowest)
+        {
+            Some(b) if f(b) > 0.0 && d.ok > 0 => (
+                Some(f(d) / f(b)),
+                format!("{:.1} vs {:.1} {unit} ({})", f(d), f(b), b.policy),
+            ),
+            _ => (None, "no baseline ran".to_string()),
+        };
+        let (v, m) = ratio(&|r| r.ttft_ms.p99, true, "ms");
+        push(
+            "ttft_p99_vs_best",
+            format!("<= {}x", bounds::TTFT_P99_VS_BEST),
+            v,
+            m,
+            &|x| x <= bounds::TTFT_P99_VS_BEST,
+        );
+        if shared_prefix_kind(&d.kind) {
+            let (v, m) = match same("round_robin") {
+                Some(rr) if rr.ok > 0 && d.ok > 0 => (
+                    Some(d.ttft_ms.p99 / rr.ttft_ms.p99.max(1e-9)),
+                    format!("{:.1} vs {:.1} ms", d.ttft_ms.p99, rr.ttft_ms.p99),
+                ),
+                _ => (None, "round_robin did not run".to_string()),
+            };
+            push(
+                "ttft_p99_vs_round_robin",
+                format!("<= {}x", bounds::TTFT_P99_VS_ROUND_ROBIN),
+                v,
+                m,
+                &|x| x <= bounds::TTFT_P99_VS_ROUND_ROBIN,
+            );
+        }
+        let (v, m) = ratio(&|r| r.e2e_ms.p50, true, "ms");
+        push(
+            "e2e_p50_vs_best",
+            format!("<= {}x", bounds::E2E_P50_VS_BEST),
+            v,
+            m,
+            &|x| x <= bounds::E2E_P50_VS_BEST,
+        );
+        let (v, m) = ratio(&|r| r.requests_per_s, false, "req/s");
+        let m = match best(&|r| r.requests_per_s, false) {
+            Some(b) if v.is_some() => format!(
+                "{m}; {:.0} vs {:.0} output tok/s",
+                d.output_tokens_per_s, b.output_tokens_per_s
+            ),
+            _ => m,
+        };
+        push(
+            "throughput_vs_best",
+            format!(">= {}x", bounds::THROUGHPUT_VS_BEST),
+            v,
+            m,
+            &|x| x >= bounds::THROUGHPUT_VS_BEST,
+        );
+        let m = match &d.oracle {
+            Some(o) => format!("{} of {}", pct(d.hit_rate), pct(o.hit_rate)),
+            None => "no oracle".into(),
+        };
+        push(
+            "hit_rate_of_oracle",
+            format!(">= {}x", bounds::HIT_RATE_OF_ORACLE),
+            d.fraction_of_oracle,
+            m,
+            &|x| x >= bounds::HIT_RATE_OF_ORACLE,
+        );
+        push(
+            "prefill_imbalance",
+            format!("<= {}x", bounds::PREFILL_IMBALANCE),
+            (d.ok > 0).then_some(d.prefill_imbalance),
+            format!("requests {:.2}x", d.request_imbalance),
+            &|x| x <= bounds::PREFILL_IMBALANCE,
+        );
+    }
+    out
+}
+
 fn load_label(l: Load) -> String {
     match l {
         Load::Concurrency(c) => format!("{c} concurrent streams"),
@@ -380,7 +585,132 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
-/// The markdown tables of a result (one per workload, the overhead, the verdicts).
+/// Target labels and the column headings of the targets table.
+const TAIL_COLUMNS: [(&str, &str); 6] = [
+    ("ttft_p99_vs_best", "TTFT p99 / best baseline"),
+    ("ttft_p99_vs_round_robin", "TTFT p99 / round_robin"),
+    ("e2e_p50_vs_best", "E2E p50 / best baseline"),
+    ("throughput_vs_best", "req/s / best baseline"),
+    ("hit_rate_of_oracle", "hit rate / oracle"),
+    ("prefill_imbalance", "busiest/mean prefill"),
+];
+
+/// Workload names and, per workload, mode labels, in run order.
+fn workloads_and_modes(runs: &[RunReport]) -> Vec<(&str, Vec<&str>)> {
+    let mut out: Vec<(&str, Vec<&str>)> = Vec::new();
+    for r in runs {
+        match out.iter_mut().find(|(w, _)| *w == r.workload) {
+            Some((_, modes)) => {
+                if !modes.contains(&r.mode.as_str()) {
+                    modes.push(&r.mode);
+                }
+            }
+            None => out.push((&r.workload, vec![&r.mode])),
+        }
+    }
+    out
+}
+
+fn mode_description(r: &RunReport, capacity: Option<f64>) -> String {
+    match (r.load, r.level, capacity) {
+        (Load::Concurrency(c), _, _) => format!("closed loop, {c} concurrent clients"),
+        (Load::Rate(x), Some(f), Some(cap)) => {
+            format!("open loop, Poisson {x} req/s = {f} x {cap:.1} req/s capacity")
+        }
+        (Load::Rate(x), _, _) => format!("open loop, Poisson {x} req/s"),
+    }
+}
+
+/// The issue-11 targets as one table per workload: a row per mode, a column per target.
+fn tail_targets_markdown(result: &BenchResult, s: &mut String) {
+    let _ = writeln!(
+        s,
+        "## Targets: {} against the best of {}\n",
+        result.default_policy,
+        result.baselines.join(", ")
+    );
+    if result.tail_targets.is_empty() {
+        let _ = writeln!(
+            s,
+            "Not computed: `{}` did not run{}.\n",
+            result.default_policy,
+            if result
+                .skipped
+                .iter()
+                .any(|k| k.policy == result.default_policy)
+            {
+                " (the gateway refused it)"
+            } else {
+                ""
+            }
+        );
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "Each cell: the ratio, met or missed against the bound in the heading, and the figures it is computed from. \
+         *Best baseline*: the best of {} in the same workload and mode (lowest latency, highest throughput).\n",
+        result.baselines.join(", ")
+    );
+    let mut workloads: Vec<&str> = Vec::new();
+    for t in &result.tail_targets {
+        if !workloads.contains(&t.workload.as_str()) {
+            workloads.push(&t.workload);
+        }
+    }
+    for w in workloads {
+        let rows: Vec<&TailTarget> = result
+            .tail_targets
+            .iter()
+            .filter(|t| t.workload == w)
+            .collect();
+        let columns: Vec<(&str, &str)> = TAIL_COLUMNS
+            .iter()
+            .copied()
+            .filter(|(k, _)| rows.iter().any(|t| t.target == *k))
+            .collect();
+        let bound_of = |k: &str| {
+            rows.iter()
+                .find(|t| t.target == k)
+                .map_or(String::new(), |t| t.bound.clone())
+        };
+        let _ = writeln!(
+            s,
+            "**{w}**\n\n| mode | {} |\n|---|{}",
+            columns
+                .iter()
+                .map(|(k, h)| format!("{h} ({})", bound_of(k)))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            "---|".repeat(columns.len())
+        );
+        let mut modes: Vec<&str> = Vec::new();
+        for t in &rows {
+            if !modes.contains(&t.mode.as_str()) {
+                modes.push(&t.mode);
+            }
+        }
+        for m in modes {
+            let cells: Vec<String> = columns
+                .iter()
+                .map(
+                    |(k, _)| match rows.iter().find(|t| t.mode == m && t.target == *k) {
+                        Some(t) => match (t.value, t.met) {
+                            (Some(v), Some(true)) => format!("{v:.2}x met: {}", t.measured),
+                            (Some(v), _) => format!("**{v:.2}x missed**: {}", t.measured),
+                            _ => format!("-: {}", t.measured),
+                        },
+                        None => "-".into(),
+                    },
+                )
+                .collect();
+            let _ = writeln!(s, "| {m} | {} |", cells.join(" | "));
+        }
+        let _ = writeln!(s);
+    }
+}
+
+/// The markdown tables of a result: the targets, one table per workload and mode, the overhead.
 pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -398,87 +728,116 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
             .collect::<Vec<_>>()
             .join("; ")
     );
-    let _ = writeln!(
-        s,
-        "## Target figures\n\n| target | measured | verdict |\n|---|---|---|"
-    );
-    for v in &result.targets {
-        let verdict = match v.met {
-            Some(true) => "met",
-            Some(false) => "**missed**",
-            None => "not run",
-        };
-        let _ = writeln!(s, "| {} | {} | {} |", v.target, v.measured, verdict);
+    for k in &result.skipped {
+        let _ = writeln!(
+            s,
+            "Not run: `{}`, refused by the gateway ({}).\n",
+            k.policy, k.reason
+        );
     }
-    let mut workloads: Vec<&str> = Vec::new();
-    for r in &result.runs {
-        if !workloads.contains(&r.workload.as_str()) {
-            workloads.push(&r.workload);
+    if !result.capacity_rps.is_empty() {
+        let caps: Vec<String> = result
+            .capacity_rps
+            .iter()
+            .map(|(w, c)| format!("{w} {c:.1} req/s"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "Capacity the open-loop levels are fractions of: {}.\n",
+            caps.join(", ")
+        );
+    }
+    tail_targets_markdown(result, &mut s);
+    if result.targets.iter().any(|v| v.met.is_some()) {
+        let _ = writeln!(
+            s,
+            "## Target figures of issue 7\n\n| target | measured | verdict |\n|---|---|---|"
+        );
+        for v in result.targets.iter().filter(|v| v.met.is_some()) {
+            let verdict = if v.met == Some(true) {
+                "met"
+            } else {
+                "**missed**"
+            };
+            let _ = writeln!(s, "| {} | {} | {} |", v.target, v.measured, verdict);
         }
     }
-    for w in workloads {
-        let runs: Vec<&RunReport> = result.runs.iter().filter(|r| r.workload == w).collect();
-        let first = runs[0];
-        let load = match first.load {
-            Load::Rate(r) => format!("open loop, {r} req/s Poisson"),
-            Load::Concurrency(c) => format!("closed loop, {c} concurrent"),
-        };
-        let _ = writeln!(s, "\n## {w} ({load}, time scale {})\n", first.time_scale);
+    for (w, modes) in workloads_and_modes(&result.runs) {
+        let first = result
+            .runs
+            .iter()
+            .find(|r| r.workload == w)
+            .expect("a workload has runs");
+        let _ = writeln!(s, "\n## {w} (`{}`)\n", first.kind);
         if let Some(o) = &first.oracle {
             let _ = writeln!(
                 s,
-                "Oracle bound: **{}** hit rate (unbounded cache: {}); working set {} blocks, fleet holds {} blocks.\n",
+                "Oracle bound: **{}** hit rate (unbounded cache: {}); working set {} blocks, fleet holds {} blocks.",
                 pct(o.hit_rate),
                 pct(o.unbounded.rate()),
                 o.working_set_blocks,
                 o.fleet_blocks
             );
         }
-        if runs.iter().any(|r| r.ttft_short_ms.is_some()) {
-            let _ = writeln!(s, "Short requests only (the ones a router can spare from waiting behind a long prefill):\n");
-            let _ = writeln!(s, "| policy | short TTFT p50 | short TTFT p90 | short TTFT p99 | short TTFT p99.9 | short E2E p99 |\n|---|---|---|---|---|---|");
-            for r in &runs {
-                if let (Some(t), Some(e)) = (r.ttft_short_ms, r.e2e_short_ms) {
-                    let _ = writeln!(
-                        s,
-                        "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
-                        r.policy, t.p50, t.p90, t.p99, t.p999, e.p99
-                    );
-                }
-            }
-            let _ = writeln!(s, "\nAll requests:\n");
-        }
-        let _ = writeln!(
-            s,
-            "| policy | hit rate | of oracle | TTFT p50 | TTFT p90 | TTFT p99 | TTFT p99.9 | backend TTFT p50 / p99 | TPOT p50 | E2E p50 | E2E p99 | req/s | out tok/s | busiest/mean req | busiest/mean work | ok / sent |"
-        );
-        let _ = writeln!(
-            s,
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-        );
-        for r in runs {
+        for m in modes {
+            let runs: Vec<&RunReport> = result
+                .runs
+                .iter()
+                .filter(|r| r.workload == w && r.mode == m)
+                .collect();
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.0} | {:.2} | {:.2} | {} / {} |",
-                r.policy,
-                pct(r.hit_rate),
-                r.fraction_of_oracle.map_or("-".into(), pct),
-                r.ttft_ms.p50,
-                r.ttft_ms.p90,
-                r.ttft_ms.p99,
-                r.ttft_ms.p999,
-                r.backend_ttft_ms
-                    .map_or("-".into(), |b| format!("{:.1} / {:.1}", b.p50, b.p99)),
-                r.tpot_ms.p50,
-                r.e2e_ms.p50,
-                r.e2e_ms.p99,
-                r.requests_per_s,
-                r.output_tokens_per_s,
-                r.request_imbalance,
-                r.work_imbalance,
-                r.ok,
-                r.sent
+                "\n### {w}, {m} ({}, time scale {})\n",
+                mode_description(runs[0], result.capacity_rps.get(w).copied()),
+                runs[0].time_scale
             );
+            if runs.iter().any(|r| r.ttft_short_ms.is_some()) {
+                let _ = writeln!(s, "Short requests only (the ones a router can spare from waiting behind a long prefill):\n");
+                let _ = writeln!(s, "| policy | short TTFT p50 | short TTFT p90 | short TTFT p99 | short TTFT p99.9 | short E2E p99 |\n|---|---|---|---|---|---|");
+                for r in &runs {
+                    if let (Some(t), Some(e)) = (r.ttft_short_ms, r.e2e_short_ms) {
+                        let _ = writeln!(
+                            s,
+                            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                            r.policy, t.p50, t.p90, t.p99, t.p999, e.p99
+                        );
+                    }
+                }
+                let _ = writeln!(s, "\nAll requests:\n");
+            }
+            let _ = writeln!(
+                s,
+                "| policy | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | req/s | out tok/s | hit rate | of oracle | busiest/mean prefill | busiest/mean req | TTFT p90 | TTFT p99.9 | backend TTFT p50 / p99 | TPOT p50 | preempted | ok / sent |"
+            );
+            let _ = writeln!(
+                s,
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            );
+            for r in runs {
+                let _ = writeln!(
+                    s,
+                    "| {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.0} | {} | {} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {} / {} |",
+                    r.policy,
+                    r.ttft_ms.p50,
+                    r.ttft_ms.p99,
+                    r.e2e_ms.p50,
+                    r.e2e_ms.p99,
+                    r.requests_per_s,
+                    r.output_tokens_per_s,
+                    pct(r.hit_rate),
+                    r.fraction_of_oracle.map_or("-".into(), pct),
+                    r.prefill_imbalance,
+                    r.request_imbalance,
+                    r.ttft_ms.p90,
+                    r.ttft_ms.p999,
+                    r.backend_ttft_ms
+                        .map_or("-".into(), |b| format!("{:.1} / {:.1}", b.p50, b.p99)),
+                    r.tpot_ms.p50,
+                    r.fleet.preemptions,
+                    r.ok,
+                    r.sent
+                );
+            }
         }
     }
     if !result.overhead.is_empty() {
@@ -514,22 +873,50 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
         }
     }
     let _ = writeln!(s, "\n## Charts\n");
-    for (file, what) in CHARTS {
-        let _ = writeln!(s, "![{what}]({chart_prefix}{file})");
+    for (file, what) in chart_files(result) {
+        let _ = writeln!(s, "![{what}]({chart_prefix}{file})\n");
     }
     s
 }
 
-/// Chart files (suffixes) and captions.
-pub const CHARTS: [(&str, &str); 4] = [
-    (
-        "hit-rate.svg",
-        "prefix-cache hit rate per policy against the oracle",
-    ),
-    ("ttft-p99.svg", "p99 time to first token per policy"),
-    ("balance.svg", "busiest backend over mean, requests"),
-    ("overhead.svg", "gateway added latency"),
-];
+/// The chart files (suffixes after the prefix) a result has, and their captions.
+pub fn chart_files(result: &BenchResult) -> Vec<(String, String)> {
+    let mut out = vec![
+        (
+            "hit-rate.svg".to_string(),
+            "prefix-cache hit rate per policy against the oracle".to_string(),
+        ),
+        (
+            "ttft-p99.svg".into(),
+            "p99 time to first token per policy".into(),
+        ),
+        (
+            "balance.svg".into(),
+            "busiest backend over mean, computed prompt tokens".into(),
+        ),
+    ];
+    for w in sweep_workloads(&result.runs) {
+        out.push((
+            format!("{w}-ttft-p99-vs-load.svg"),
+            format!("{w}: p99 time to first token against offered load"),
+        ));
+    }
+    if !result.overhead.is_empty() {
+        out.push(("overhead.svg".into(), "gateway added latency".into()));
+    }
+    out
+}
+
+/// Workloads with open-loop sweep runs (levels of a capacity).
+fn sweep_workloads(runs: &[RunReport]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in runs.iter().filter(|r| r.level.is_some()) {
+        if !out.contains(&r.workload) {
+            out.push(r.workload.clone());
+        }
+    }
+    out
+}
 
 const PALETTE: [RGBColor; 8] = [
     RGBColor(0x4e, 0x79, 0xa7),
@@ -554,7 +941,8 @@ pub fn grouped_bars(
     line: Option<f64>,
 ) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| e.to_string();
-    let root = SVGBackend::new(path, (960, 520)).into_drawing_area();
+    let width = (groups.len() * series.len().max(1) * 16 + 240).clamp(960, 2400) as u32;
+    let root = SVGBackend::new(path, (width, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let top = series
         .iter()
@@ -634,96 +1022,189 @@ pub fn grouped_bars(
     Ok(())
 }
 
-/// Writes the four charts as `<prefix>hit-rate.svg`, ... into `dir`.
+/// A line chart of TTFT p99 against offered load: one line per policy, a point per level.
+pub fn ttft_vs_load(
+    path: &Path,
+    title: &str,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let points = || lines.iter().flat_map(|(_, v)| v.iter().copied());
+    let x_max = points().map(|p| p.0).fold(0.0f64, f64::max).max(1e-9) * 1.1;
+    let y_max = points().map(|p| p.1).fold(0.0f64, f64::max).max(1e-9) * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("offered load, requests per second (open loop, Poisson)")
+        .y_desc("TTFT p99, ms (wall clock)")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let mut pts = pts.clone();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// Writes the charts of [`chart_files`] as `<prefix><file>` into `dir`.
 pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), String> {
-    let mut workloads: Vec<String> = Vec::new();
+    let mut groups: Vec<(String, String)> = Vec::new();
     let mut policies: Vec<String> = Vec::new();
     for r in &result.runs {
-        if !workloads.contains(&r.workload) {
-            workloads.push(r.workload.clone());
+        let key = (r.workload.clone(), r.mode.clone());
+        if !groups.contains(&key) {
+            groups.push(key);
         }
         if !policies.contains(&r.policy) {
             policies.push(r.policy.clone());
         }
     }
-    let value =
-        |w: &str, p: &str, f: &dyn Fn(&RunReport) -> f64| find(&result.runs, w, p).map_or(0.0, f);
-    let by_policy = |ws: &[String], f: &dyn Fn(&RunReport) -> f64| -> Vec<(String, Vec<f64>)> {
-        policies
+    let label = |(w, m): &(String, String)| format!("{w} {m}");
+    let run = |(w, m): &(String, String), p: &str| {
+        result
+            .runs
             .iter()
-            .map(|p| (p.clone(), ws.iter().map(|w| value(w, p, f)).collect()))
-            .collect()
+            .find(|r| &r.workload == w && &r.mode == m && r.policy == p)
     };
-    let cache_ws: Vec<String> = workloads
-        .iter()
-        .filter(|w| *w == "shared-prefix" || *w == "multi-turn")
-        .cloned()
-        .collect();
-    let oracle: Vec<f64> = cache_ws
-        .iter()
-        .map(|w| {
-            result
-                .runs
+    let by_policy =
+        |gs: &[(String, String)], f: &dyn Fn(&RunReport) -> f64| -> Vec<(String, Vec<f64>)> {
+            policies
                 .iter()
-                .find(|r| &r.workload == w)
-                .and_then(|r| r.oracle.as_ref())
-                .map_or(0.0, |o| o.hit_rate * 100.0)
-        })
+                .map(|p| {
+                    (
+                        p.clone(),
+                        gs.iter().map(|g| run(g, p).map_or(0.0, f)).collect(),
+                    )
+                })
+                .collect()
+        };
+    let oracle_of = |g: &(String, String)| {
+        result
+            .runs
+            .iter()
+            .find(|r| r.workload == g.0 && r.mode == g.1)
+            .and_then(|r| r.oracle.as_ref())
+            .map_or(0.0, |o| o.hit_rate)
+    };
+    let cache_groups: Vec<(String, String)> = groups
+        .iter()
+        .filter(|g| oracle_of(g) > 0.01)
+        .cloned()
         .collect();
     grouped_bars(
         &dir.join(format!("{prefix}hit-rate.svg")),
         "Prefix-cache hit rate (fleet /metrics) vs oracle",
         "hit rate, % of prompt tokens",
-        &cache_ws,
-        &by_policy(&cache_ws, &|r| r.hit_rate * 100.0),
-        Some(("oracle", oracle)),
+        &cache_groups.iter().map(label).collect::<Vec<_>>(),
+        &by_policy(&cache_groups, &|r| r.hit_rate * 100.0),
+        Some((
+            "oracle",
+            cache_groups.iter().map(|g| oracle_of(g) * 100.0).collect(),
+        )),
         None,
     )?;
+    let labels: Vec<String> = groups.iter().map(label).collect();
     grouped_bars(
         &dir.join(format!("{prefix}ttft-p99.svg")),
         "p99 time to first token (long-short: short requests)",
         "ms (wall clock)",
-        &workloads,
-        &by_policy(&workloads, &|r| r.ttft_short_ms.unwrap_or(r.ttft_ms).p99),
+        &labels,
+        &by_policy(&groups, &|r| r.ttft_short_ms.unwrap_or(r.ttft_ms).p99),
         None,
         None,
     )?;
     grouped_bars(
         &dir.join(format!("{prefix}balance.svg")),
-        "Busiest backend / mean (requests)",
+        "Busiest backend / mean (computed prompt tokens)",
         "ratio",
-        &workloads,
-        &by_policy(&workloads, &|r| r.request_imbalance),
+        &labels,
+        &by_policy(&groups, &|r| r.prefill_imbalance),
         None,
         Some(1.3),
     )?;
-    let conc: Vec<String> = result.overhead.iter().map(|o| load_label(o.load)).collect();
-    grouped_bars(
-        &dir.join(format!("{prefix}overhead.svg")),
-        "TTFT direct vs through the gateway",
-        "ms",
-        &conc,
-        &[
-            (
-                "direct p50".into(),
-                result.overhead.iter().map(|o| o.direct_ttft_p50).collect(),
-            ),
-            (
-                "gateway p50".into(),
-                result.overhead.iter().map(|o| o.gateway_ttft_p50).collect(),
-            ),
-            (
-                "direct p99".into(),
-                result.overhead.iter().map(|o| o.direct_ttft_p99).collect(),
-            ),
-            (
-                "gateway p99".into(),
-                result.overhead.iter().map(|o| o.gateway_ttft_p99).collect(),
-            ),
-        ],
-        None,
-        None,
-    )?;
+    for w in sweep_workloads(&result.runs) {
+        let lines: Vec<(String, Vec<(f64, f64)>)> = policies
+            .iter()
+            .map(|p| {
+                let pts = result
+                    .runs
+                    .iter()
+                    .filter(|r| r.workload == w && &r.policy == p && r.level.is_some() && r.ok > 0)
+                    .filter_map(|r| match r.load {
+                        Load::Rate(x) => Some((x, r.ttft_ms.p99)),
+                        Load::Concurrency(_) => None,
+                    })
+                    .collect();
+                (p.clone(), pts)
+            })
+            .filter(|(_, pts): &(String, Vec<(f64, f64)>)| !pts.is_empty())
+            .collect();
+        let cap = result
+            .capacity_rps
+            .get(&w)
+            .map_or(String::new(), |c| format!(", capacity {c:.1} req/s"));
+        ttft_vs_load(
+            &dir.join(format!("{prefix}{w}-ttft-p99-vs-load.svg")),
+            &format!("{w}: TTFT p99 vs offered load{cap}"),
+            &lines,
+        )?;
+    }
+    if !result.overhead.is_empty() {
+        let conc: Vec<String> = result.overhead.iter().map(|o| load_label(o.load)).collect();
+        grouped_bars(
+            &dir.join(format!("{prefix}overhead.svg")),
+            "TTFT direct vs through the gateway",
+            "ms",
+            &conc,
+            &[
+                (
+                    "direct p50".into(),
+                    result.overhead.iter().map(|o| o.direct_ttft_p50).collect(),
+                ),
+                (
+                    "gateway p50".into(),
+                    result.overhead.iter().map(|o| o.gateway_ttft_p50).collect(),
+                ),
+                (
+                    "direct p99".into(),
+                    result.overhead.iter().map(|o| o.direct_ttft_p99).collect(),
+                ),
+                (
+                    "gateway p99".into(),
+                    result.overhead.iter().map(|o| o.gateway_ttft_p99).collect(),
+                ),
+            ],
+            None,
+            None,
+        )?;
+    }
     Ok(())
 }
 
@@ -769,8 +1250,11 @@ mod tests {
         let r = summarize(
             RunLabel {
                 workload: "w",
+                kind: "no-sharing",
+                mode: "open-1rps",
                 policy: "p",
                 load: Load::Rate(1.0),
+                level: None,
                 time_scale: 4.0,
             },
             &records,
@@ -794,8 +1278,11 @@ mod tests {
             let mut r = summarize(
                 RunLabel {
                     workload: w,
+                    kind: w,
+                    mode: "open-1rps",
                     policy: p,
                     load: Load::Rate(1.0),
+                    level: None,
                     time_scale: 1.0,
                 },
                 &[rec("a", p99)],
@@ -817,5 +1304,213 @@ mod tests {
         assert_eq!(get("0.5x"), Some(true));
         assert_eq!(get("least_load"), Some(false));
         assert_eq!(get("power_of_two"), None);
+    }
+
+    /// A run of `policy` in `mode` with the given figures.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        workload: &str,
+        kind: &str,
+        mode: &str,
+        policy: &str,
+        ttft_p99: f64,
+        e2e_p50: f64,
+        rps: f64,
+        prefill: [f64; 2],
+    ) -> RunReport {
+        let backends = [
+            (
+                "a".to_string(),
+                Counters {
+                    prefix_queries: 1000.0,
+                    prefix_hits: 1000.0 - prefill[0],
+                    ..Counters::default()
+                },
+            ),
+            (
+                "b".to_string(),
+                Counters {
+                    prefix_queries: 1000.0,
+                    prefix_hits: 1000.0 - prefill[1],
+                    ..Counters::default()
+                },
+            ),
+        ];
+        let oracle = OracleBound {
+            fleet_blocks: 10,
+            working_set_blocks: 5,
+            unbounded: crate::oracle::HitCount::default(),
+            fleet: crate::oracle::HitCount::default(),
+            hit_rate: 0.9,
+        };
+        let mut r = summarize(
+            RunLabel {
+                workload,
+                kind,
+                mode,
+                policy,
+                load: Load::Rate(rps),
+                level: Some(0.9),
+                time_scale: 1.0,
+            },
+            &[rec("a", 1.0)],
+            1.0,
+            &backends,
+            Some(oracle),
+        );
+        r.ttft_ms.p99 = ttft_p99;
+        r.e2e_ms.p50 = e2e_p50;
+        r.requests_per_s = rps;
+        r
+    }
+
+    #[test]
+    fn tail_targets_compare_the_default_with_the_best_baseline() {
+        let baselines: Vec<String> = ["round_robin", "least_load", "consistent_hash"]
+            .map(String::from)
+            .to_vec();
+        let g = |p: &str, ttft: f64, e2e: f64, rps: f64, prefill: [f64; 2]| {
+            run(
+                "groups",
+                "prefix-groups",
+                "open-0.9",
+                p,
+                ttft,
+                e2e,
+                rps,
+                prefill,
+            )
+        };
+        let runs = vec![
+            g("round_robin", 500.0, 900.0, 40.0, [500.0, 500.0]),
+            g("least_load", 200.0, 600.0, 41.0, [100.0, 100.0]),
+            g("consistent_hash", 300.0, 500.0, 39.0, [100.0, 100.0]),
+            // predicted: 150 ms p99 (0.75x least_load's, 0.30x round robin's), e2e p50 520 vs
+            // the best 500 (1.04x), 40 vs the best 41 req/s (0.976x), prefill 120 vs 80 tokens
+            // on its two backends (1.2x the mean), hit rate 100 - 10% = 90% = the oracle's.
+            g("predicted_latency", 150.0, 520.0, 40.0, [120.0, 80.0]),
+            run(
+                "chat",
+                "multi-turn",
+                "closed-64",
+                "predicted_latency",
+                100.0,
+                500.0,
+                30.0,
+                [200.0, 100.0],
+            ),
+            run(
+                "chat",
+                "multi-turn",
+                "closed-64",
+                "least_load",
+                110.0,
+                400.0,
+                30.0,
+                [100.0, 100.0],
+            ),
+        ];
+        let t = tail_targets(&runs, "predicted_latency", &baselines);
+        let get = |w: &str, k: &str| {
+            t.iter()
+                .find(|x| x.workload == w && x.target == k)
+                .unwrap_or_else(|| panic!("{w} {k}: {t:?}"))
+        };
+        let close = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-9;
+        let x = get("groups", "ttft_p99_vs_best");
+        assert!(close(x.value, 0.75) && x.met == Some(true), "{x:?}");
+        assert!(x.measured.contains("least_load"), "{}", x.measured);
+        let x = get("groups", "ttft_p99_vs_round_robin");
+        assert!(close(x.value, 0.3) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "e2e_p50_vs_best");
+        assert!(
+            close(x.value, 520.0 / 500.0) && x.met == Some(true),
+            "{x:?}"
+        );
+        assert!(x.measured.contains("consistent_hash"));
+        let x = get("groups", "throughput_vs_best");
+        assert!(close(x.value, 40.0 / 41.0) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "hit_rate_of_oracle");
+        assert!(close(x.value, 0.9 / 0.9) && x.met == Some(true), "{x:?}");
+        let x = get("groups", "prefill_imbalance");
+        assert!(close(x.value, 1.2) && x.met == Some(true), "{x:?}");
+        // Chat: only least_load ran as a baseline; no round_robin target on a chat workload.
+        let x = get("chat", "ttft_p99_vs_best");
+        assert!(
+            close(x.value, 100.0 / 110.0) && x.met == Some(false),
+            "{x:?}"
+        );
+        assert!(get("chat", "e2e_p50_vs_best").met == Some(false));
+        assert!(get("chat", "prefill_imbalance").met == Some(false));
+        assert!(!t
+            .iter()
+            .any(|x| x.workload == "chat" && x.target == "ttft_p99_vs_round_robin"));
+        // Without the default policy there is nothing to compute.
+        assert!(tail_targets(&runs[..3], "predicted_latency", &baselines).is_empty());
+    }
+
+    #[test]
+    fn markdown_and_charts_cover_every_mode_and_the_sweep() {
+        let mut runs = Vec::new();
+        for (mode, rate, level) in [("open-0.5", 20.0, 0.5), ("open-0.9", 36.0, 0.9)] {
+            for (p, ttft) in [("round_robin", 300.0), ("predicted_latency", 100.0)] {
+                let mut r = run(
+                    "groups",
+                    "prefix-groups",
+                    mode,
+                    p,
+                    ttft * level,
+                    400.0,
+                    rate,
+                    [10.0, 10.0],
+                );
+                r.load = Load::Rate(rate);
+                r.level = Some(level);
+                runs.push(r);
+            }
+        }
+        let result = BenchResult {
+            name: "test".into(),
+            started: "now".into(),
+            machine: BTreeMap::new(),
+            config: serde_json::Value::Null,
+            targets: verdicts(&runs),
+            default_policy: "predicted_latency".into(),
+            baselines: vec!["round_robin".into()],
+            tail_targets: tail_targets(&runs, "predicted_latency", &["round_robin".into()]),
+            capacity_rps: BTreeMap::from([("groups".to_string(), 40.0)]),
+            skipped: vec![Skipped {
+                policy: "power_of_two".into(),
+                reason: "HTTP 400".into(),
+            }],
+            runs,
+            overhead: vec![],
+        };
+        let md = markdown(&result, "x-");
+        assert!(md.contains("## Targets: predicted_latency against the best of round_robin"));
+        assert!(
+            md.contains("| open-0.5 | 0.33x met: 50.0 vs 150.0 ms (round_robin) |"),
+            "{md}"
+        );
+        assert!(md.contains(
+            "### groups, open-0.9 (open loop, Poisson 36 req/s = 0.9 x 40.0 req/s capacity"
+        ));
+        assert!(md.contains("Not run: `power_of_two`"));
+        assert!(
+            !md.contains("issue 7"),
+            "no classic verdicts without their runs"
+        );
+        assert!(md.contains("x-groups-ttft-p99-vs-load.svg"));
+        let dir = std::env::temp_dir().join(format!("loadgen-charts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        charts(&result, &dir, "x-").unwrap();
+        for (file, _) in chart_files(&result) {
+            let svg = std::fs::read_to_string(dir.join(format!("x-{file}"))).unwrap();
+            assert!(svg.starts_with("<svg"), "{file}");
+        }
+        let sweep = std::fs::read_to_string(dir.join("x-groups-ttft-p99-vs-load.svg")).unwrap();
+        assert!(sweep.contains("predicted_latency") && sweep.contains("<circle"));
+        assert!(!dir.join("x-overhead.svg").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,4 +1,4 @@
-//! The four benchmark workloads, generated from a seed into a [`Plan`] of sessions.
+//! The benchmark workloads, generated from a seed into a [`Plan`] of sessions.
 //!
 //! A session is a conversation: an optional system prompt and one or more user turns, each sent
 //! after the previous answer arrived (with the whole history, as chat clients do). Single-shot
@@ -7,6 +7,7 @@
 //! | workload | modelled on | what it exposes |
 //! |---|---|---|
 //! | `shared-prefix` | SGLang's `generated-shared-prefix` benchmark: G groups x P prompts, a long system prompt per group, a short question | prefix-cache affinity |
+//! | `prefix-groups` | the same, with new groups arriving all through the run and the newest ones the most asked (a fresh document everyone queries) | hot-spotting: affinity piling a hot group onto one backend |
 //! | `multi-turn` | vLLM production-stack's multi-round QA: U users x R rounds, one shared system prompt, the history resent each turn, `x-user-id` | session affinity as the history grows |
 //! | `long-short` | a few very long prompts among many short ones | load imbalance (head-of-line prefill) |
 //! | `no-sharing` | unique prompts | pure load balance |
@@ -39,6 +40,30 @@ pub enum Workload {
         #[serde(default)]
         zipf: f64,
         /// Unmeasured requests per group sent first (see [`Workload::warmup`]).
+        #[serde(default)]
+        warmup_per_group: usize,
+    },
+    /// Groups with a long prompt each, new groups arriving over the whole run: `initial_groups`
+    /// exist from the start (and are warmed up), the others appear one by one at evenly spaced
+    /// points of the request sequence. Each request asks a fresh question of one active group,
+    /// chosen by recency: the group introduced `k`-th most recently has weight `1 / (k + 1)^s`.
+    PrefixGroups {
+        /// Groups over the whole run.
+        groups: usize,
+        /// Groups active from the first request.
+        initial_groups: usize,
+        /// Tokens of each group's prompt.
+        system_tokens: usize,
+        /// Tokens of each (unique) question.
+        question_tokens: usize,
+        /// Output tokens per request.
+        output_tokens: u32,
+        /// Requests to send.
+        requests: usize,
+        /// Zipf exponent over the active groups by recency (0: uniform over the active groups).
+        #[serde(default)]
+        recency_zipf: f64,
+        /// Unmeasured requests per initial group sent first (later groups arrive cold).
         #[serde(default)]
         warmup_per_group: usize,
     },
@@ -163,6 +188,7 @@ impl Workload {
     pub fn kind(&self) -> &'static str {
         match self {
             Workload::SharedPrefix { .. } => "shared-prefix",
+            Workload::PrefixGroups { .. } => "prefix-groups",
             Workload::MultiTurn { .. } => "multi-turn",
             Workload::LongShort { .. } => "long-short",
             Workload::NoSharing { .. } => "no-sharing",
@@ -173,6 +199,8 @@ impl Workload {
     /// `warmup_per_group` requests of every group with questions of their own, so that the measured
     /// requests see the steady state (caches holding the system prompts) rather than the one-off
     /// compulsory misses, which would otherwise set the tail of a short run.
+    ///
+    /// For `prefix-groups`, the same for the initial groups only: the later ones arrive cold.
     ///
     /// For `multi-turn`, `warmup_requests` single questions over the shared system prompt: in a
     /// service that has been up for a while every backend holds that prompt, so new conversations
@@ -203,27 +231,52 @@ impl Workload {
                 .collect();
             return Some(Plan { sessions });
         }
-        let Workload::SharedPrefix {
-            groups,
-            system_tokens,
-            question_tokens,
-            output_tokens,
-            warmup_per_group,
-            ..
-        } = *self
-        else {
-            return None;
-        };
+        let (groups, system_tokens, question_tokens, output_tokens, warmup_per_group, warm) =
+            match *self {
+                Workload::SharedPrefix {
+                    groups,
+                    system_tokens,
+                    question_tokens,
+                    output_tokens,
+                    warmup_per_group,
+                    ..
+                } => (
+                    groups,
+                    system_tokens,
+                    question_tokens,
+                    output_tokens,
+                    warmup_per_group,
+                    groups,
+                ),
+                Workload::PrefixGroups {
+                    groups,
+                    initial_groups,
+                    system_tokens,
+                    question_tokens,
+                    output_tokens,
+                    warmup_per_group,
+                    ..
+                } => (
+                    groups,
+                    system_tokens,
+                    question_tokens,
+                    output_tokens,
+                    warmup_per_group,
+                    initial_groups,
+                ),
+                _ => return None,
+            };
         if warmup_per_group == 0 {
             return None;
         }
         // The system prompts are the plan's own (the plan draws them first from the same stream);
         // questions come from a separate stream so that the warm-up never changes the plan.
-        let systems = group_systems(
+        let mut systems = group_systems(
             &mut Rng::new(seed, PLAN_STREAM),
             groups.max(1),
             system_tokens,
         );
+        systems.truncate(warm.clamp(1, groups.max(1)));
         let mut rng = Rng::new(seed, 0x7761_726d);
         let mut sessions = Vec::new();
         for _ in 0..warmup_per_group {
@@ -281,6 +334,37 @@ impl Workload {
                             system: Some(systems[g].clone()),
                             turns: vec![Turn {
                                 user: questions[g][q].clone(),
+                                output_tokens,
+                            }],
+                        }
+                    })
+                    .collect()
+            }
+            Workload::PrefixGroups {
+                groups,
+                initial_groups,
+                system_tokens,
+                question_tokens,
+                output_tokens,
+                requests,
+                recency_zipf,
+                ..
+            } => {
+                let groups = groups.max(1);
+                let initial = initial_groups.clamp(1, groups);
+                let systems = group_systems(&mut rng, groups, system_tokens);
+                let by_recency: Vec<Zipf> =
+                    (1..=groups).map(|n| Zipf::new(n, recency_zipf)).collect();
+                (0..requests)
+                    .map(|i| {
+                        let active = active_groups(i, requests, initial, groups);
+                        let newest_first = by_recency[active - 1].sample(&mut rng);
+                        let g = active - 1 - newest_first;
+                        Session {
+                            user_id: None,
+                            system: Some(systems[g].clone()),
+                            turns: vec![Turn {
+                                user: words(&mut rng, question_tokens),
                                 output_tokens,
                             }],
                         }
@@ -356,6 +440,17 @@ impl Workload {
         };
         Plan { sessions }
     }
+}
+
+/// Groups of `prefix-groups` active at request `i` of `requests`: the `initial` ones, then one more
+/// at each of `groups - initial` evenly spaced points, the last one well before the end (so it
+/// gets traffic too).
+pub fn active_groups(i: usize, requests: usize, initial: usize, groups: usize) -> usize {
+    let later = groups.saturating_sub(initial);
+    if later == 0 || requests == 0 {
+        return initial.max(1).min(groups.max(1));
+    }
+    (initial + i * (later + 1) / requests).min(groups)
 }
 
 /// A chat message as sent on the wire.
@@ -485,6 +580,83 @@ mod tests {
         }
         .warmup(1)
         .is_none());
+    }
+
+    fn groups(recency_zipf: f64) -> Workload {
+        Workload::PrefixGroups {
+            groups: 12,
+            initial_groups: 4,
+            system_tokens: 80,
+            question_tokens: 6,
+            output_tokens: 4,
+            requests: 360,
+            recency_zipf,
+            warmup_per_group: 1,
+        }
+    }
+
+    #[test]
+    fn prefix_groups_keep_arriving_over_the_run() {
+        let w = groups(1.0);
+        let plan = w.generate(9);
+        assert_eq!(plan, w.generate(9));
+        assert_ne!(plan, w.generate(10));
+        assert_eq!(plan.requests(), 360);
+        // The request index at which each system prompt is first seen.
+        let mut first: Vec<(String, usize)> = Vec::new();
+        for (i, s) in plan.sessions.iter().enumerate() {
+            let sys = s.system.clone().unwrap();
+            if !first.iter().any(|(f, _)| *f == sys) {
+                first.push((sys, i));
+            }
+        }
+        assert_eq!(first.len(), 12, "every group gets traffic");
+        // Groups are numbered in the order they appear, and the later ones appear late.
+        let order: Vec<usize> = first
+            .iter()
+            .map(|(s, _)| s[6..10].parse().unwrap())
+            .collect();
+        assert_eq!(order[4..].to_vec(), (4..12).collect::<Vec<_>>());
+        let last_start = first.last().unwrap().1;
+        assert!(last_start > 360 * 3 / 4, "{last_start}");
+        // No request goes to a group before its start.
+        for (i, s) in plan.sessions.iter().enumerate() {
+            let g: usize = s.system.as_ref().unwrap()[6..10].parse().unwrap();
+            assert!(g < active_groups(i, 360, 4, 12), "request {i} group {g}");
+        }
+        // Unique questions: a prompt never repeats.
+        let mut users: Vec<&String> = plan.sessions.iter().map(|s| &s.turns[0].user).collect();
+        users.sort();
+        users.dedup();
+        assert_eq!(users.len(), 360);
+    }
+
+    #[test]
+    fn prefix_groups_favour_the_newest_group_and_warm_only_the_initial_ones() {
+        // With a steep recency exponent most requests go to the newest active group.
+        let plan = groups(2.0).generate(4);
+        let newest = plan
+            .sessions
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                let g: usize = s.system.as_ref().unwrap()[6..10].parse().unwrap();
+                g + 1 == active_groups(*i, 360, 4, 12)
+            })
+            .count();
+        assert!(newest > 360 / 2, "{newest}");
+        let warm = groups(0.0).warmup(4).unwrap();
+        assert_eq!(warm.sessions.len(), 4);
+        let mut systems: Vec<String> = warm
+            .sessions
+            .iter()
+            .map(|s| s.system.clone().unwrap()[6..10].to_string())
+            .collect();
+        systems.sort();
+        assert_eq!(systems, ["0000", "0001", "0002", "0003"]);
+        assert_eq!(active_groups(0, 360, 4, 12), 4);
+        assert_eq!(active_groups(359, 360, 4, 12), 12);
+        assert_eq!(active_groups(5, 10, 3, 3), 3);
     }
 
     #[test]
