@@ -4,7 +4,9 @@
 //! keys minted through the admin API, of which only a SHA-256 hash is stored (in the pool
 //! directory). When neither holds a key, the OpenAI surface is open (local development). A
 //! presented key is hashed and compared against every known hash in constant time. The set of
-//! minted keys (hashes, ids and admission priorities) is cached in the isolate for a few seconds.
+//! minted keys (hashes, ids and admission priorities) is cached in the isolate and refreshed in
+//! the background every few seconds. Rate limits charge an estimate when a request is admitted and
+//! settle it with the backend's reported usage when it ends.
 
 use crate::auth::{bearer, constant_time_eq, secret};
 use crate::ApiError;
@@ -12,13 +14,14 @@ use gateway_durable_objects::directory::StoredKey;
 use routing_core::rate_limit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
-use worker::{Date, Env, Request};
+use crate::pools::{stale_while_revalidate, CacheSlot};
+use worker::{Context, Env, Request};
 
 /// How long minted-key hashes are cached in an isolate.
 const CACHE_MS: u64 = 5_000;
 
 thread_local! {
-    static MINTED: RefCell<Option<(u64, Vec<StoredKey>)>> = const { RefCell::new(None) };
+    static MINTED: RefCell<CacheSlot<Vec<StoredKey>>> = const { RefCell::new(CacheSlot::new()) };
 }
 
 /// Hex SHA-256 of a key.
@@ -28,17 +31,16 @@ pub fn hash_key(key: &str) -> String {
 
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).
 pub fn invalidate() {
-    MINTED.with(|m| *m.borrow_mut() = None);
+    MINTED.with(|m| m.borrow_mut().clear());
 }
 
-async fn minted_keys(env: &Env) -> Result<Vec<StoredKey>, ApiError> {
-    let now = Date::now().as_millis();
-    if let Some(keys) = MINTED.with(|m| m.borrow().as_ref().filter(|(at, _)| now < at + CACHE_MS).map(|(_, k)| k.clone())) {
-        return Ok(keys);
-    }
-    let keys: Vec<StoredKey> = crate::pools::directory_json(env, worker::Method::Get, "/keys", None::<&()>).await?;
-    MINTED.with(|m| *m.borrow_mut() = Some((now, keys.clone())));
-    Ok(keys)
+async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
+    crate::pools::directory_json(&env, worker::Method::Get, "/keys", None::<&()>).await
+}
+
+async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
+    let env = env.clone();
+    stale_while_revalidate(&MINTED, CACHE_MS, ctx, move || fetch_minted(env)).await
 }
 
 /// A client key that passed the check: who the client is, for rate limits and admission control.
@@ -54,11 +56,11 @@ pub struct ClientKey {
 
 /// Checks the client's bearer key when keys are configured; returns who it is, or `None` when the
 /// surface is open.
-pub async fn identify(req: &Request, env: &Env) -> Result<Option<ClientKey>, ApiError> {
+pub async fn identify(req: &Request, env: &Env, ctx: &Context) -> Result<Option<ClientKey>, ApiError> {
     let configured: Vec<String> = secret(env, "CLIENT_API_KEYS")
         .map(|s| s.split(',').map(str::trim).filter(|k| !k.is_empty()).map(hash_key).collect())
         .unwrap_or_default();
-    let minted = minted_keys(env).await?;
+    let minted = minted_keys(env, ctx).await?;
     if configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
@@ -83,17 +85,45 @@ pub async fn identify(req: &Request, env: &Env) -> Result<Option<ClientKey>, Api
 
 /// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
 /// identity for rate limiting), or `None` when the surface is open.
-pub async fn require_client(req: &Request, env: &Env) -> Result<Option<String>, ApiError> {
-    Ok(identify(req, env).await?.map(|k| k.hash))
+pub async fn require_client(req: &Request, env: &Env, ctx: &Context) -> Result<Option<String>, ApiError> {
+    Ok(identify(req, env, ctx).await?.map(|k| k.hash))
+}
+
+fn limits(env: &Env) -> RateLimits {
+    let var = |name: &str| crate::var_or(env, name, 0u64);
+    RateLimits { requests_per_minute: var("RATE_LIMIT_RPM"), tokens_per_minute: var("RATE_LIMIT_TPM") }
+}
+
+/// Tokens charged to a client at admission, to settle when the request ends.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    client: String,
+    limits: RateLimits,
+    /// The estimate charged.
+    pub tokens: u64,
 }
 
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
-/// means unlimited). `client` is the key hash from [`require_client`].
-pub async fn charge(env: &Env, client: &str, tokens: u64) -> Result<(), ApiError> {
-    let var = |name: &str| crate::var_or(env, name, 0u64);
-    let limits = RateLimits { requests_per_minute: var("RATE_LIMIT_RPM"), tokens_per_minute: var("RATE_LIMIT_TPM") };
+/// means unlimited) with an estimate of its tokens. `client` is the key hash from
+/// [`require_client`]. Returns the reservation to [`settle`] when a token limit applies.
+pub async fn reserve(env: &Env, client: &str, estimate: u64) -> Result<Option<Reservation>, ApiError> {
+    let limits = limits(env);
     if limits == RateLimits::default() {
-        return Ok(());
+        return Ok(None);
     }
-    crate::pools::rate_limit(env, client, &serde_json::json!({ "limits": limits, "tokens": tokens })).await
+    let body = serde_json::json!({ "limits": limits, "tokens": estimate });
+    crate::pools::rate_limit(env, client, "/take", &body).await?;
+    Ok((limits.tokens_per_minute > 0).then(|| Reservation { client: client.to_string(), limits, tokens: estimate }))
+}
+
+/// Settles a reservation with the tokens the request really used (the backend's usage); failures
+/// are logged: the estimate stands.
+pub async fn settle(env: &Env, reservation: &Reservation, actual: u64) {
+    if actual == reservation.tokens {
+        return;
+    }
+    let body = serde_json::json!({ "limits": reservation.limits, "reserved": reservation.tokens, "actual": actual });
+    if let Err(e) = crate::pools::rate_limit(env, &reservation.client, "/settle", &body).await {
+        worker::console_error!("settling a client's token reservation failed: {e}");
+    }
 }

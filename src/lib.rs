@@ -9,10 +9,12 @@ mod admission;
 mod auth;
 mod dashboard;
 mod keys;
+mod lease_guard;
 mod metrics;
 mod pools;
 mod proxy;
 mod regions;
+mod relay;
 
 pub use gateway_durable_objects::api_error::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
@@ -20,6 +22,9 @@ pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::RateLimiter;
 
+use lease_guard::{GuardSetup, LeaseGuard};
+use routing_core::lease::LeaseTerms;
+use gateway_durable_objects::protocol::PoolEntry;
 use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
@@ -126,7 +131,7 @@ async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std:
             if method != Method::Get {
                 return Err(ApiError::method_not_allowed(&method.to_string(), &path));
             }
-            keys::require_client(&req, env).await?;
+            keys::require_client(&req, env, ctx).await?;
             list_models(env).await
         }
         ["v1", "chat", "completions"] => completion(req, env, ctx, Endpoint::Chat, request_id).await,
@@ -241,7 +246,7 @@ async fn completion(
     if req.method() != Method::Post {
         return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
     }
-    let key = keys::identify(&req, env).await?;
+    let key = keys::identify(&req, env, ctx).await?;
     let client = key.as_ref().map(|k| k.hash.clone());
     let who = admission::admission_request(&req, key.as_ref())?;
     let body = read_body(&mut req, env).await?;
@@ -274,63 +279,121 @@ async fn completion(
         }
     };
     features.request_id = request_id.to_string();
-    if let Some(client) = &client {
-        keys::charge(env, client, u64::from(features.prompt_tokens) + u64::from(features.max_tokens)).await?;
-    }
+    let reservation = match &client {
+        Some(client) => keys::reserve(env, client, u64::from(features.prompt_tokens) + u64::from(features.max_tokens)).await?,
+        None => None,
+    };
     let stream = features.stream;
+    // Streams report usage only when asked: ask, and take the event out again if the client didn't.
+    let (body, strip_usage_event) = match stream && endpoint != Endpoint::Embeddings {
+        true => ask_for_usage(parsed, body)?,
+        false => (body, false),
+    };
+    let client_signal: AbortSignal = req.inner().signal().into();
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(&req, env, pools::list_pools(env).await?);
+    let pools = regions::order_pools(&req, env, pools::list_pools_cached(env, ctx).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
-    // Nearest first: a pool with room now, else the nearest full one queues the request.
-    let mut granted = None;
-    let mut queue_at: Option<String> = None;
-    for (i, pool) in pools.into_iter().enumerate() {
-        // A saturated or full pool refuses work only when a further pool could take it.
-        let spill_ok = i + 1 < count || queue_at.is_some();
+    // The nearest pool that refused only because it was saturated: the fallback when no later
+    // pool can take the request (none serves the model, all refuse, or their objects fail).
+    let mut saturated: Option<PoolEntry> = None;
+    // The nearest pool whose backends were all at their admission capacity: where the request
+    // waits when no pool has room (spillover comes before queueing).
+    let mut queue_at: Option<PoolEntry> = None;
+    let mut order = pools.into_iter().enumerate();
+    loop {
+        let (pool, spill_ok) = match order.next() {
+            // A saturated or full pool refuses work only when a further pool could take it.
+            Some((i, pool)) => (pool, i + 1 < count || queue_at.is_some()),
+            None => match queue_at.take().or_else(|| saturated.take()) {
+                Some(pool) => (pool, false),
+                None => break,
+            },
+        };
         let path = if spill_ok { "/acquire?spill_ok=true" } else { "/acquire" };
         match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
             Ok(admitted) => {
-                granted = Some((pool.name, admitted));
-                break;
+                let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
+                let disaggregated = !grant.decode_candidates.is_empty();
+                let now = Date::now().as_millis();
+                let route_ms = now.saturating_sub(started);
+                let guard = LeaseGuard::start(GuardSetup {
+                    env,
+                    ctx,
+                    pool: pool.name.clone(),
+                    lease_id: grant.lease_id,
+                    terms: LeaseTerms {
+                        backend: grant.backend.clone(),
+                        prompt_tokens: features.prompt_tokens,
+                        max_tokens: features.max_tokens,
+                        stream,
+                        request_id: request_id.to_string(),
+                    },
+                    client_signal: &client_signal,
+                    renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
+                    reservation,
+                });
+                let forward = proxy::Forward {
+                    client: &req,
+                    env,
+                    ctx,
+                    pool: pool.name,
+                    grant,
+                    guard,
+                    path: endpoint.path(),
+                    body,
+                    stream,
+                    model: features.model.clone(),
+                    block_hashes: features.block_hashes.clone(),
+                    strip_usage_event,
+                    request_id,
+                    settings: proxy::ProxySettings::from_env(env),
+                    prefill_backend: None,
+                    routing_header: feature_config(env).routing_header,
+                    route_ms,
+                };
+                let resp = if disaggregated { forward.run_disaggregated().await? } else { forward.run().await? };
+                return with_queue_wait(resp, queued_ms);
             }
             // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,
-            // Serves it but every backend is at its admission capacity: queue here if no pool has room.
+            // Every backend is at its admission capacity: spill, and wait here if no pool has room.
             Err(e) if e.code.as_deref() == Some("pool_at_capacity") => {
-                queue_at.get_or_insert(pool.name);
+                if queue_at.is_none() && spill_ok {
+                    queue_at = Some(pool);
+                }
+                last_err = e;
+            }
+            // The request waited and was dropped, or its client left: that is the answer.
+            Err(e) if e.status == 499 || e.headers.iter().any(|(k, _)| k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER) => {
+                refund(ctx, env, reservation);
+                return Err(e);
+            }
+            // Serves it but is saturated: spill, and remember it in case nothing further can help.
+            Err(e) if e.code.as_deref() == Some("pool_saturated") => {
+                if saturated.is_none() && spill_ok {
+                    saturated = Some(pool);
+                }
                 last_err = e;
             }
             // Serves it but has no capacity now: spill to the next pool.
             Err(e) if e.status == 503 => last_err = e,
-            Err(e) => return Err(e),
+            // The pool's object failed: the next pool may still serve the request.
+            Err(e) => {
+                console_error!("pool {} failed to answer an acquire: {e}", pool.name);
+                if last_err.status == 404 {
+                    last_err = ApiError::unavailable("No pool could take the request now.", 1);
+                }
+            }
         }
     }
-    if let (None, Some(pool)) = (&granted, queue_at) {
-        let admitted = admission::acquire(env, ctx, &req, &pool, "/acquire", &features, &who).await?;
-        granted = Some((pool, admitted));
-    }
-    let Some((pool, admitted)) = granted else { return Err(last_err) };
-    let grant = admitted.grant;
-    let disaggregated = !grant.decode_candidates.is_empty();
-    let route_ms = Date::now().as_millis().saturating_sub(started);
-    let forward = proxy::Forward {
-        client: &req,
-        env,
-        ctx,
-        pool,
-        grant,
-        path: endpoint.path(),
-        body,
-        stream,
-        request_id,
-        settings: proxy::ProxySettings::from_env(env),
-        prefill_backend: None,
-        routing_header: feature_config(env).routing_header,
-        route_ms,
-    };
-    let resp = if disaggregated { forward.run_disaggregated().await? } else { forward.run().await? };
-    if admitted.queued_ms == 0 {
+    refund(ctx, env, reservation);
+    Err(last_err)
+}
+
+/// Adds how long the request waited in a pool's queue, when it did.
+fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Response, ApiError> {
+    if queued_ms == 0 {
         return Ok(resp);
     }
     // Headers of a proxied response may be immutable: copy them.
@@ -338,8 +401,45 @@ async fn completion(
     for (k, v) in resp.headers().entries() {
         headers.append(&k, &v).map_err(ApiError::from_worker)?;
     }
-    headers.set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &admitted.queued_ms.to_string()).map_err(ApiError::from_worker)?;
+    let wait = queued_ms.to_string();
+    headers.set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait).map_err(ApiError::from_worker)?;
     Ok(resp.with_headers(headers))
+}
+
+/// Gives back a token reservation of a request no pool took.
+fn refund(ctx: &Context, env: &Env, reservation: Option<keys::Reservation>) {
+    if let Some(r) = reservation {
+        let env = env.clone();
+        ctx.wait_until(async move { keys::settle(&env, &r, 0).await });
+    }
+}
+
+/// How often a live request renews its lease: three times per lease period, so one lost renewal
+/// never lets it expire.
+fn renew_interval(ttl_ms: u64) -> std::time::Duration {
+    std::time::Duration::from_millis((ttl_ms / 3).clamp(300, 20_000))
+}
+
+/// Makes a streamed request ask for the usage event (`stream_options.include_usage`). Returns the
+/// body to send upstream and whether the event must be taken out again (the client did not ask).
+/// vLLM's `continuous_usage_stats` only applies with `include_usage`, so a client that set it
+/// without asking for usage gets neither, as before.
+fn ask_for_usage(mut parsed: Value, body: Vec<u8>) -> std::result::Result<(Vec<u8>, bool), ApiError> {
+    let asked = parsed.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+    if asked {
+        return Ok((body, false));
+    }
+    let Some(obj) = parsed.as_object_mut() else { return Ok((body, false)) };
+    let options = obj.entry("stream_options").or_insert_with(|| json!({}));
+    if !options.is_object() {
+        *options = json!({});
+    }
+    if let Some(o) = options.as_object_mut() {
+        o.insert("include_usage".into(), Value::Bool(true));
+        o.remove("continuous_usage_stats");
+    }
+    let bytes = serde_json::to_vec(&parsed).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((bytes, true))
 }
 
 /// `GET /v1/models`: every model some pool has a ready backend for. A pool that cannot answer is

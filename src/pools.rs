@@ -1,7 +1,8 @@
 //! The Worker's side of the Durable Object protocol: finding pools and calling their coordinator.
 //!
 //! Every call is a `stub.fetch` to an internal URL (see `gateway_durable_objects::protocol`). Errors a
-//! Durable Object answers with are already OpenAI-shaped and pass through as they are.
+//! Durable Object answers with are already OpenAI-shaped and pass through as they are. What the
+//! directory holds (pools, minted keys) is cached in the isolate and refreshed in the background.
 
 use crate::ApiError;
 use gateway_durable_objects::directory::DIRECTORY_NAME;
@@ -9,7 +10,7 @@ use gateway_durable_objects::protocol::{PoolEntry, INTERNAL_ORIGIN, POOL_HEADER}
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::cell::RefCell;
-use worker::{Date, Env, Headers, Method, Request, RequestInit, Response, Stub};
+use worker::{Context, Date, Env, Headers, Method, Request, RequestInit, Response, Stub};
 
 /// Binding name of the pool coordinator namespace (wrangler.toml).
 pub const POOL_BINDING: &str = "POOL";
@@ -25,7 +26,7 @@ fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
 /// A pool's stub, placed by its location hint when this isolate knows one.
 fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
     let hint = POOLS.with(|p| {
-        p.borrow().as_ref().and_then(|(_, list)| list.iter().find(|e| e.name == pool).and_then(|e| e.location_hint.clone()))
+        p.borrow().value.as_ref().and_then(|(_, list)| list.iter().find(|e| e.name == pool).and_then(|e| e.location_hint.clone()))
     });
     match hint {
         Some(h) => env
@@ -104,36 +105,116 @@ pub async fn directory_json<T: DeserializeOwned>(
     decode(resp).await
 }
 
-thread_local! {
-    static POOLS: RefCell<Option<(u64, Vec<PoolEntry>)>> = const { RefCell::new(None) };
+/// A value an isolate keeps from the directory (the pool list, minted key hashes).
+pub struct CacheSlot<T> {
+    value: Option<(u64, T)>,
+    /// When the background refresh in flight started.
+    refreshing_since: Option<u64>,
 }
 
-/// How long an isolate trusts its copy of the pool list.
+impl<T> CacheSlot<T> {
+    /// An empty slot.
+    pub const fn new() -> Self {
+        CacheSlot { value: None, refreshing_since: None }
+    }
+
+    /// Forgets the value (this isolate just changed it).
+    pub fn clear(&mut self) {
+        self.value = None;
+    }
+}
+
+/// A background refresh that has run this long is presumed lost and may be started again.
+const REFRESH_GIVE_UP_MS: u64 = 10_000;
+
+/// Serves `slot`'s value: fresh for `fresh_ms`; after that the old copy is still served at once
+/// while one refresh runs in the background (`ctx.wait_until`), and a failed refresh keeps it.
+/// The directory is on the request path only while the isolate has no copy at all.
+pub async fn stale_while_revalidate<T, F, Fut>(
+    slot: &'static std::thread::LocalKey<RefCell<CacheSlot<T>>>,
+    fresh_ms: u64,
+    ctx: &Context,
+    fetch: F,
+) -> Result<T, ApiError>
+where
+    T: Clone + 'static,
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ApiError>> + 'static,
+{
+    let now = Date::now().as_millis();
+    let (value, refreshing_since) = slot.with(|s| {
+        let s = s.borrow();
+        (s.value.clone(), s.refreshing_since)
+    });
+    match value {
+        Some((at, v)) if now < at + fresh_ms => Ok(v),
+        Some((_, v)) => {
+            if refreshing_since.is_none_or(|t| now > t + REFRESH_GIVE_UP_MS) {
+                slot.with(|s| s.borrow_mut().refreshing_since = Some(now));
+                let refresh = fetch();
+                ctx.wait_until(async move {
+                    let result = refresh.await;
+                    slot.with(|s| {
+                        let mut s = s.borrow_mut();
+                        s.refreshing_since = None;
+                        match result {
+                            Ok(v) => s.value = Some((Date::now().as_millis(), v)),
+                            Err(e) => worker::console_error!("directory refresh failed; serving the cached copy: {e}"),
+                        }
+                    });
+                });
+            }
+            Ok(v)
+        }
+        None => {
+            let v = fetch().await?;
+            slot.with(|s| s.borrow_mut().value = Some((now, v.clone())));
+            Ok(v)
+        }
+    }
+}
+
+thread_local! {
+    static POOLS: RefCell<CacheSlot<Vec<PoolEntry>>> = const { RefCell::new(CacheSlot::new()) };
+}
+
+/// How long an isolate trusts its copy of the pool list before refreshing it.
 const POOL_CACHE_MS: u64 = 2_000;
 
-/// Every pool the directory knows (cached in the isolate for a moment: it changes only when an
-/// operator adds a pool, and this isolate forgets its copy when it does so itself).
+async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
+    directory_json(&env, Method::Get, "/pools", None::<&()>).await
+}
+
+/// Every pool the directory knows, as fresh as the admin API needs: the isolate's copy while it
+/// is fresh, else read now (an operator adding a pool in this isolate clears the copy).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
     let now = Date::now().as_millis();
-    let cached = POOLS.with(|p| p.borrow().as_ref().filter(|(at, _)| now < at + POOL_CACHE_MS).map(|(_, l)| l.clone()));
+    let cached = POOLS.with(|p| p.borrow().value.clone().filter(|(at, _)| now < at + POOL_CACHE_MS).map(|(_, l)| l));
     if let Some(list) = cached {
         return Ok(list);
     }
-    let list: Vec<PoolEntry> = directory_json(env, Method::Get, "/pools", None::<&()>).await?;
-    POOLS.with(|p| *p.borrow_mut() = Some((now, list.clone())));
+    let list = fetch_pools(env.clone()).await?;
+    POOLS.with(|p| p.borrow_mut().value = Some((now, list.clone())));
     Ok(list)
+}
+
+/// Every pool, for the request path: from the isolate's copy, refreshed in the background, so a
+/// slow or failing directory does not hold up or fail requests a cached copy can route.
+pub async fn list_pools_cached(env: &Env, ctx: &Context) -> Result<Vec<PoolEntry>, ApiError> {
+    let env = env.clone();
+    stale_while_revalidate(&POOLS, POOL_CACHE_MS, ctx, move || fetch_pools(env)).await
 }
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
     let _: PoolEntry = directory_json(env, Method::Put, &format!("/pools/{}", entry.name), Some(entry)).await?;
-    POOLS.with(|p| *p.borrow_mut() = None);
+    POOLS.with(|p| p.borrow_mut().clear());
     Ok(())
 }
 
-/// Charges a request to the client's rate limiter; a refusal comes back as its 429 error.
-pub async fn rate_limit(env: &Env, client: &str, body: &serde_json::Value) -> Result<(), ApiError> {
-    let resp = send(&stub(env, RATE_LIMITER_BINDING, client)?, None, Method::Post, "/take", encode(Some(body))?).await?;
+/// Calls the client's rate limiter (`/take` or `/settle`); a refusal comes back as its 429 error.
+pub async fn rate_limit(env: &Env, client: &str, path: &str, body: &serde_json::Value) -> Result<(), ApiError> {
+    let resp = send(&stub(env, RATE_LIMITER_BINDING, client)?, None, Method::Post, path, encode(Some(body))?).await?;
     if resp.status_code() == 200 {
         return Ok(());
     }

@@ -1,20 +1,24 @@
 //! The streaming proxy: sends an OpenAI request to the backend a pool chose, retries on the next
-//! candidate while nothing has reached the client yet, and passes the answer straight back.
+//! candidate while nothing has reached the client yet, and passes the answer back.
 //!
-//! Bytes stay out of wasm except the first chunk of a stream: it is read here (with the
-//! first-byte timeout), so a backend that accepts the request and then hangs is retried
-//! elsewhere. Everything after it is piped from the upstream body into a `TransformStream` whose
-//! readable side is the client's response. The pipe's promise, awaited in `wait_until`, says when
-//! and how the stream ended: then the lease is released with the outcome. A failure after the
-//! first byte cannot be retried, so the stream is ended with an SSE error event instead of being
-//! silently truncated. A client that hangs up aborts the upstream fetch through its signal.
+//! A non-streamed answer is read whole (bounded) before the client sees anything, so a body that
+//! breaks off mid-way, or is not whole JSON, is retried like any failure before the first byte and
+//! never reaches the client as a broken `200`. A stream's first chunk is read here (with the
+//! first-byte timeout), so a backend that accepts the request and then hangs is retried elsewhere;
+//! after it the answer flows through the relay (`relay.rs`), which reads the backend's usage on
+//! the way and ends a failed stream with an SSE error event. Every exit reports its outcome to the
+//! lease's guard (`lease_guard.rs`), which releases the lease from `wait_until`. A client that
+//! hangs up aborts the upstream fetch through its signal.
 
+use crate::lease_guard::LeaseGuard;
 use crate::pools::pool_json;
+use crate::relay::{relay, Relay, Upstream};
 use crate::ApiError;
-use gateway_durable_objects::protocol::{ReassignRequest, ReleaseRequest};
+use gateway_durable_objects::protocol::ReassignRequest;
 use gateway_durable_objects::timed_fetch::{fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
+use routing_core::usage::{body_usage, Usage};
 use serde_json::{json, Value};
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
@@ -34,6 +38,9 @@ const MAX_FORWARDED_HEADER_BYTES: usize = 1024;
 /// Upstream response headers passed to the client.
 const PASSED_RESPONSE_HEADERS: [&str; 3] = ["content-type", "cache-control", "openai-processing-ms"];
 
+/// Largest non-streamed answer read from a backend (embeddings of large batches included).
+const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+
 /// Proxy timing and retry knobs (wrangler.toml vars).
 #[derive(Debug, Clone, Copy)]
 pub struct ProxySettings {
@@ -41,8 +48,10 @@ pub struct ProxySettings {
     pub max_retries: u32,
     /// A streamed answer must deliver its first chunk within this time (default 30 s).
     pub first_byte_timeout: Duration,
-    /// A non-streamed answer must arrive within this time (default 600 s).
+    /// A non-streamed answer must arrive whole within this time (default 600 s).
     pub response_timeout: Duration,
+    /// After its first chunk, a stream may go this long without one (default 60 s).
+    pub stream_idle_timeout: Duration,
 }
 
 impl ProxySettings {
@@ -53,6 +62,7 @@ impl ProxySettings {
             max_retries: var("MAX_RETRIES", 2).min(10) as u32,
             first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
             response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
+            stream_idle_timeout: Duration::from_millis(var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10)),
         }
     }
 }
@@ -69,12 +79,20 @@ pub struct Forward<'a> {
     pub pool: String,
     /// The lease and its ranked candidates.
     pub grant: Grant,
+    /// The lease's guard: every exit reports to it.
+    pub guard: LeaseGuard,
     /// Upstream path, such as `/v1/chat/completions`.
     pub path: &'a str,
-    /// The request body, forwarded byte for byte.
+    /// The request body as sent upstream.
     pub body: Vec<u8>,
     /// Whether the client asked for a stream.
     pub stream: bool,
+    /// The model asked for.
+    pub model: String,
+    /// The prompt's prefix-block hashes (recorded on the backend that ends up serving).
+    pub block_hashes: Vec<u64>,
+    /// Whether the gateway asked for the stream's usage event and the client did not.
+    pub strip_usage_event: bool,
     /// The request id, forwarded and echoed.
     pub request_id: &'a str,
     /// Timeouts and retries.
@@ -87,22 +105,34 @@ pub struct Forward<'a> {
     pub route_ms: u64,
 }
 
-/// A retryable failure of one attempt, before anything reached the client.
+/// A failure of one attempt, before anything reached the client.
 struct AttemptFailure {
     outcome: Outcome,
     reason: String,
+    /// Whether another candidate may be tried.
+    retryable: bool,
+    /// The backend answered 404: it does not serve the model (any more).
+    missing_model: bool,
 }
 
-/// A successful (or non-retryable) attempt: headers known, first chunk (if streaming) in hand.
+impl AttemptFailure {
+    fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
+        AttemptFailure { outcome: Outcome::of_kind(kind), reason, retryable: true, missing_model: false }
+    }
+}
+
+/// A successful (or non-retryable) attempt: headers known, and either the whole body or, for a
+/// stream, its first chunk and the rest of the body.
 struct Answer {
     status: u16,
     headers: Headers,
+    /// A body read whole (or rewritten: an upstream client error).
+    whole: Option<Vec<u8>>,
+    usage: Option<Usage>,
     first_chunk: Option<JsValue>,
     body: Option<web_sys::ReadableStream>,
-    /// A body the gateway rewrote (an upstream client error), sent instead of `body`.
-    fixed_body: Option<Vec<u8>>,
     ttfb_ms: u64,
-    _abort: LinkedAbort,
+    abort: LinkedAbort,
 }
 
 impl Answer {
@@ -123,7 +153,7 @@ impl Answer {
         let body = serde_json::to_vec(&err.body()).unwrap_or_default();
         let headers = Headers::new();
         let _ = headers.set("content-type", "application/json");
-        Answer { status, headers, first_chunk: None, body: None, fixed_body: Some(body), ttfb_ms, _abort: abort }
+        Answer { status, headers, whole: Some(body), usage: None, first_chunk: None, body: None, ttfb_ms, abort }
     }
 }
 
@@ -141,29 +171,37 @@ impl Forward<'_> {
                 Err(f) => f,
             };
             if client_signal.aborted() {
-                self.release(Outcome::of_kind(OutcomeKind::Cancelled)).await;
+                self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
                 return Err(ApiError::bad_request("The client closed the request.").with_code("client_closed_request"));
             }
             // Walk the ranking: the next candidate the pool will move the lease to.
             let mut moved = None;
-            while attempts <= self.settings.max_retries && next_index < self.grant.candidates.len() {
+            while failure.retryable && attempts <= self.settings.max_retries && next_index < self.grant.candidates.len() {
                 let to = self.grant.candidates[next_index].clone();
                 next_index += 1;
-                match self.reassign(&to, &failure.outcome).await {
+                match self.reassign(&to, &failure).await {
                     Ok(view) => {
                         moved = Some(view);
                         break;
                     }
                     Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
+                        // The pool ended the lease with the failure itself.
+                        self.guard.finish_released(failure.outcome.clone());
                         return Err(final_error(&failure, attempts, " (pool retry budget exhausted)"));
                     }
                     Err(_) => continue, // that candidate became unavailable; try the next
                 }
             }
             match moved {
-                Some(view) => candidate = view,
+                Some(view) => {
+                    self.guard.moved_to(&view.id.0);
+                    candidate = view;
+                }
                 None => {
-                    self.release(failure.outcome.clone()).await;
+                    self.guard.finish(failure.outcome.clone());
+                    if failure.missing_model {
+                        return Err(ApiError::model_not_found(&self.model));
+                    }
                     return Err(final_error(&failure, attempts, ""));
                 }
             }
@@ -172,21 +210,19 @@ impl Forward<'_> {
 
     async fn attempt(&self, c: &CandidateView, client_signal: &AbortSignal) -> Result<Answer, AttemptFailure> {
         let started = Date::now().as_millis();
-        let req = self.upstream_request(c).map_err(|e| AttemptFailure {
-            outcome: Outcome::of_kind(OutcomeKind::Transport),
-            reason: format!("cannot build the request to backend {}: {e}", c.id.0),
-        })?;
+        let elapsed = || Date::now().as_millis().saturating_sub(started);
+        let req = self
+            .upstream_request(c)
+            .map_err(|e| AttemptFailure::new(OutcomeKind::Transport, format!("cannot build the request to backend {}: {e}", c.id.0)))?;
         let timeout = if self.stream { self.settings.first_byte_timeout } else { self.settings.response_timeout };
         let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal)).await.map_err(|f| match f {
-            FetchFailure::Timeout => AttemptFailure {
-                outcome: Outcome::of_kind(OutcomeKind::Timeout),
-                reason: format!("backend {} sent no response within {} ms", c.id.0, timeout.as_millis()),
-            },
-            FetchFailure::Transport(e) => AttemptFailure {
-                outcome: Outcome::of_kind(OutcomeKind::Transport),
-                reason: format!("backend {} unreachable: {e}", c.id.0),
-            },
+            FetchFailure::Timeout => AttemptFailure::new(
+                OutcomeKind::Timeout,
+                format!("backend {} sent no response within {} ms", c.id.0, timeout.as_millis()),
+            ),
+            FetchFailure::Transport(e) => AttemptFailure::new(OutcomeKind::Transport, format!("backend {} unreachable: {e}", c.id.0)),
         })?;
+        let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
         let status = resp.status_code();
         let kind = OutcomeKind::from_status(status);
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
@@ -197,16 +233,27 @@ impl Forward<'_> {
             if rejects_gateway {
                 outcome.kind = OutcomeKind::ServerError;
             }
-            outcome.ttfb_ms = Some(Date::now().as_millis().saturating_sub(started));
+            outcome.ttfb_ms = Some(elapsed());
             abort.abort();
             let why = if rejects_gateway { " (it rejects the gateway's API key for it)" } else { "" };
-            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}{why}", c.id.0) });
+            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}{why}", c.id.0), ..AttemptFailure::new(kind, String::new()) });
+        }
+        if status == 404 {
+            // vLLM answers 404 only for a model it does not serve: unloaded since the last probe.
+            // Not the backend's fault, and another backend may have it.
+            abort.abort();
+            return Err(AttemptFailure {
+                outcome: Outcome { ttfb_ms: Some(elapsed()), ..Outcome::from_status(404) },
+                reason: format!("backend {} does not serve the model", c.id.0),
+                missing_model: true,
+                ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+            });
         }
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape.
             let mut resp = resp;
-            let text = with_timeout(resp.text(), timeout).await.and_then(Result::ok).unwrap_or_default();
-            return Ok(Answer::client_error(status, &text, abort, Date::now().as_millis().saturating_sub(started)));
+            let text = with_timeout(resp.text(), remaining()).await.and_then(Result::ok).unwrap_or_default();
+            return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
         let headers = resp.headers().clone();
         let (_, body) = resp.into_parts();
@@ -214,15 +261,55 @@ impl Forward<'_> {
             ResponseBody::Stream(s) => Some(s),
             _ => None,
         };
-        let mut answer = Answer { status, headers, first_chunk: None, body, fixed_body: None, ttfb_ms: 0, _abort: abort };
-        if self.stream && (200..300).contains(&status) {
-            if let Some(stream) = &answer.body {
-                let remaining = timeout.saturating_sub(Duration::from_millis(Date::now().as_millis().saturating_sub(started)));
-                answer.first_chunk = Some(read_first_chunk(stream, remaining, &c.id.0).await?);
-            }
+        let mut answer =
+            Answer { status, headers, whole: None, usage: None, first_chunk: None, body: None, ttfb_ms: 0, abort };
+        // Whatever fails from here on, the upstream request is closed, not left to the collector.
+        let read = self.read_answer(&mut answer, body, remaining(), timeout, &c.id.0).await;
+        if let Err(failure) = read {
+            answer.abort.abort();
+            return Err(failure);
         }
-        answer.ttfb_ms = Date::now().as_millis().saturating_sub(started);
+        answer.ttfb_ms = elapsed();
         Ok(answer)
+    }
+
+    /// Reads what the client gets of a 2xx answer before its headers: a stream's first chunk, or
+    /// a whole non-streamed body, checked to be one JSON document.
+    async fn read_answer(
+        &self,
+        answer: &mut Answer,
+        body: Option<web_sys::ReadableStream>,
+        remaining: Duration,
+        timeout: Duration,
+        backend: &str,
+    ) -> Result<(), AttemptFailure> {
+        if self.stream {
+            let Some(stream) = body else {
+                return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent no stream")));
+            };
+            answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
+            answer.body = Some(stream);
+            return Ok(());
+        }
+        let bytes = match body {
+            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining).await.unwrap_or_else(|| {
+                Err(AttemptFailure::new(
+                    OutcomeKind::Timeout,
+                    format!("backend {backend} did not finish its answer within {} ms", timeout.as_millis()),
+                ))
+            })?,
+            None => Vec::new(),
+        };
+        // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
+        // is not one whole document is the backend's failure. Other content types pass as sent.
+        let content_type = answer.headers.get("content-type").ok().flatten().unwrap_or_default();
+        if content_type.is_empty() || content_type.contains("json") {
+            answer.usage = body_usage(&bytes).map_err(|e| {
+                AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"))
+            })?;
+        }
+        answer.whole = Some(bytes);
+        Ok(())
     }
 
     fn upstream_request(&self, c: &CandidateView) -> worker::Result<Request> {
@@ -274,64 +361,36 @@ impl Forward<'_> {
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
-        let Some(body) = answer.body else {
-            let env = self.env.clone();
-            let pool = self.pool.clone();
-            let lease_id = self.grant.lease_id;
-            access_log(self.request_id, &pool, &c.id.0, attempts, &outcome, answer.ttfb_ms);
-            self.ctx.wait_until(async move { release(env, pool, lease_id, outcome).await });
-            return Ok(match answer.fixed_body {
-                Some(bytes) => Response::builder().with_status(status).with_headers(out).fixed(bytes),
-                None => Response::builder().with_status(status).with_headers(out).empty(),
-            });
+        let (Some(body), true) = (answer.body, self.stream) else {
+            with_usage(&mut outcome, answer.usage);
+            self.guard.finish(outcome);
+            let bytes = answer.whole.unwrap_or_default();
+            return Ok(Response::builder().with_status(status).with_headers(out).fixed(bytes));
         };
-        let ts = web_sys::TransformStream::new().map_err(|_| ApiError::internal("TransformStream unavailable"))?;
-        let writable = ts.writable();
-        // The first chunk is queued now but piping starts only once it has been taken: the write
-        // completes when the client starts reading, after this function has returned.
-        let writer = writable.get_writer().map_err(|_| ApiError::internal("stream writer unavailable"))?;
-        let first_write = answer.first_chunk.as_ref().map(|chunk| writer.write_with_chunk(chunk));
-        let env = self.env.clone();
-        let pool = self.pool.clone();
-        let lease_id = self.grant.lease_id;
-        let streaming = self.stream;
-        let backend = c.id.0.clone();
-        let request_id = self.request_id.to_string();
-        let started = Date::now().as_millis().saturating_sub(answer.ttfb_ms);
+        let relay_stream = Relay::new(self.strip_usage_event).map_err(|_| ApiError::internal("TransformStream unavailable"))?;
+        let readable = relay_stream.readable();
+        let guard = self.guard;
+        let upstream = Upstream {
+            body,
+            first_chunk: answer.first_chunk,
+            abort: answer.abort,
+            backend: c.id.0.clone(),
+            idle_timeout: self.settings.stream_idle_timeout,
+        };
         self.ctx.wait_until(async move {
-            if let Some(w) = first_write {
-                let _ = JsFuture::from(w).await;
-            }
-            writer.release_lock();
-            let options = web_sys::StreamPipeOptions::new();
-            options.set_prevent_close(true);
-            options.set_prevent_abort(true);
-            let piped = JsFuture::from(body.pipe_to_with_options(&writable, &options)).await;
-            let outcome = match piped {
-                _ if client_signal.aborted() => Outcome { kind: OutcomeKind::Cancelled, ..outcome },
-                // The pipe can settle normally after the client hung up; the close then fails.
-                Ok(_) if !close_writable(&writable, None).await || client_signal.aborted() => {
-                    Outcome { kind: OutcomeKind::Cancelled, ..outcome }
-                }
-                Ok(_) => outcome,
-                Err(e) => {
-                    let reason = e.as_string().unwrap_or_else(|| "the backend's stream failed".to_string());
-                    worker::console_error!("stream from backend {backend} failed mid-way: {reason}");
-                    let event = streaming.then(|| mid_stream_error_event(&backend));
-                    let _ = close_writable(&writable, event.as_deref()).await;
-                    Outcome { kind: OutcomeKind::Transport, ..outcome }
-                }
-            };
-            access_log(&request_id, &pool, &backend, attempts, &outcome, Date::now().as_millis().saturating_sub(started));
-            release(env, pool, lease_id, outcome).await;
+            let end = relay(relay_stream, upstream, &client_signal).await;
+            outcome.kind = end.kind;
+            with_usage(&mut outcome, end.usage);
+            guard.finish(outcome);
         });
-        Ok(Response::builder().with_status(status).with_headers(out).stream(ts.readable().unchecked_into()))
+        Ok(Response::builder().with_status(status).with_headers(out).stream(readable.unchecked_into()))
     }
 
     /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
     /// the prompt's KV cache and generates one token, answering with `kv_transfer_params`; the
     /// decode server receives the original request with those params, pulls the blocks instead of
-    /// prefilling, and streams the answer. The lease covers both backends. The decode stage is not
+    /// prefilling, and streams the answer. The lease covers both backends; each stage reports its
+    /// own outcome, and the prefill share ends as soon as the prefill does. The decode stage is not
     /// retried on another decode server (the lease's decode share cannot move); a failed prefill
     /// ends the request with 502/504.
     pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
@@ -350,10 +409,10 @@ impl Forward<'_> {
         }
         let bytes = serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
         let client_signal: AbortSignal = self.client.inner().signal().into();
-        let fail = |kind: OutcomeKind, reason: String| AttemptFailure { outcome: Outcome::of_kind(kind), reason };
+        let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
             let req = self.upstream_request_with(&prefill, &bytes).map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
-            let (mut resp, _abort) = fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+            let (resp, _abort) = fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
                 .await
                 .map_err(|f| match f {
                     FetchFailure::Timeout => fail(OutcomeKind::Timeout, format!("prefill backend {} timed out", prefill.id.0)),
@@ -361,20 +420,41 @@ impl Forward<'_> {
                 })?;
             let status = resp.status_code();
             if !(200..300).contains(&status) {
-                return Err(AttemptFailure { outcome: Outcome::from_status(status), reason: format!("prefill backend {} answered {status}", prefill.id.0) });
+                return Err(AttemptFailure {
+                    outcome: Outcome::from_status(status),
+                    reason: format!("prefill backend {} answered {status}", prefill.id.0),
+                    retryable: false,
+                    missing_model: false,
+                });
             }
-            let answer: Value = resp.json().await.map_err(|e| fail(OutcomeKind::Transport, format!("prefill answer unreadable: {e}")))?;
-            answer
+            let (_, body) = resp.into_parts();
+            let bytes = match body {
+                ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
+                _ => Vec::new(),
+            };
+            let answer: Value = serde_json::from_slice(&bytes)
+                .map_err(|e| fail(OutcomeKind::Transport, format!("prefill backend {}: answer unreadable: {e}", prefill.id.0)))?;
+            let params = answer
                 .get("kv_transfer_params")
                 .filter(|p| p.is_object())
                 .cloned()
-                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))
+                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))?;
+            let mut outcome = Outcome::from_status(status);
+            with_usage(&mut outcome, body_usage(&bytes).ok().flatten());
+            Ok((params, outcome))
         }
         .await;
+        // Each stage reports its own outcome: the prefill share ends here, whatever comes next.
+        let decode = self.grant.decode_candidates.first().map(|c| c.id.0.clone()).unwrap_or_default();
         let params = match params {
-            Ok(p) => p,
+            Ok((params, outcome)) => {
+                self.guard.finish_prefill(outcome, &decode);
+                params
+            }
             Err(failure) => {
-                self.release(failure.outcome.clone()).await;
+                self.guard.finish_prefill(failure.outcome.clone(), &decode);
+                // The decode stage never ran: nobody to blame there.
+                self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
                 return Err(final_error(&failure, 1, " (prefill stage)"));
             }
         };
@@ -389,13 +469,58 @@ impl Forward<'_> {
         self.run().await
     }
 
-    async fn reassign(&self, to: &CandidateView, failure: &Outcome) -> Result<CandidateView, ApiError> {
-        let req = ReassignRequest { lease_id: self.grant.lease_id, to: to.id.clone(), failure: failure.clone() };
+    async fn reassign(&self, to: &CandidateView, failure: &AttemptFailure) -> Result<CandidateView, ApiError> {
+        let req = ReassignRequest {
+            lease_id: self.guard.lease_id(),
+            to: to.id.clone(),
+            failure: failure.outcome.clone(),
+            terms: Some(self.guard.terms()),
+            block_hashes: self.block_hashes.clone(),
+            missing_model: failure.missing_model.then(|| self.model.clone()),
+        };
         pool_json(self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await
     }
+}
 
-    async fn release(&self, outcome: Outcome) {
-        release(self.env.clone(), self.pool.clone(), self.grant.lease_id, outcome).await;
+/// Copies the backend's reported usage into the outcome.
+fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
+    if let Some(u) = usage {
+        outcome.prompt_tokens = Some(u.prompt_tokens);
+        outcome.cached_tokens = u.cached_tokens;
+        outcome.completion_tokens = Some(u.completion_tokens);
+    }
+}
+
+/// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
+/// over the limit is not retried (another backend would send as much).
+async fn read_whole(stream: &web_sys::ReadableStream, limit: usize, backend: &str) -> Result<Vec<u8>, AttemptFailure> {
+    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
+    let mut out = Vec::new();
+    loop {
+        let chunk = JsFuture::from(reader.read())
+            .await
+            .map_err(|_| AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} broke off its answer")))?;
+        let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|v| v.as_bool()).unwrap_or(true);
+        if done {
+            return Ok(out);
+        }
+        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into()).and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
+        else {
+            return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent an unreadable chunk")));
+        };
+        let n = bytes.length() as usize;
+        if out.len() + n > limit {
+            let _ = reader.cancel();
+            return Err(AttemptFailure {
+                outcome: Outcome::from_status(200),
+                reason: format!("backend {backend} answered more than {limit} bytes"),
+                retryable: false,
+                missing_model: false,
+            });
+        }
+        let at = out.len();
+        out.resize(at + n, 0);
+        bytes.copy_to(&mut out[at..]);
     }
 }
 
@@ -404,7 +529,7 @@ async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, b
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let read = JsFuture::from(reader.read());
     let result = with_timeout(read, timeout).await;
-    let fail = |kind: OutcomeKind, reason: String| AttemptFailure { outcome: Outcome::of_kind(kind), reason };
+    let fail = AttemptFailure::new;
     let chunk = match result {
         None => {
             let _ = reader.cancel();
@@ -422,28 +547,6 @@ async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, b
         .map_err(|_| fail(OutcomeKind::Transport, format!("backend {backend} sent an unreadable chunk")))
 }
 
-/// Writes an optional final event, then closes the client's side of the stream.
-/// Returns `false` when the client's side was already gone.
-async fn close_writable(writable: &web_sys::WritableStream, final_event: Option<&str>) -> bool {
-    let Ok(writer) = writable.get_writer() else { return false };
-    if let Some(event) = final_event {
-        let bytes = js_sys::Uint8Array::from(event.as_bytes());
-        let _ = JsFuture::from(writer.write_with_chunk(&bytes)).await;
-    }
-    JsFuture::from(writer.close()).await.is_ok()
-}
-
-/// The SSE event that ends a stream whose backend failed after the first byte.
-fn mid_stream_error_event(backend: &str) -> String {
-    let body = json!({ "error": {
-        "message": format!("The backend ({backend}) failed while streaming; the response is incomplete."),
-        "type": "server_error",
-        "param": null,
-        "code": "upstream_stream_error",
-    }});
-    format!("data: {body}\n\ndata: [DONE]\n\n")
-}
-
 /// The client's error after every allowed attempt failed.
 fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiError {
     let message = format!("Upstream failed after {attempts} attempt(s): {}{suffix}", failure.reason);
@@ -451,30 +554,5 @@ fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiErro
         OutcomeKind::Timeout => ApiError::gateway_timeout(message),
         OutcomeKind::RateLimited => ApiError::rate_limited(message, 1),
         _ => ApiError::bad_gateway(message),
-    }
-}
-
-/// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
-fn access_log(request_id: &str, pool: &str, backend: &str, attempts: u32, outcome: &Outcome, duration_ms: u64) {
-    let line = json!({
-        "event": "request",
-        "request_id": request_id,
-        "pool": pool,
-        "backend": backend,
-        "attempts": attempts,
-        "status": outcome.status,
-        "outcome": outcome.kind,
-        "ttfb_ms": outcome.ttfb_ms,
-        "duration_ms": duration_ms,
-    });
-    worker::console_log!("{line}");
-}
-
-/// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.
-pub async fn release(env: Env, pool: String, lease_id: u64, outcome: Outcome) {
-    let req = ReleaseRequest { lease_id, outcome };
-    let result: Result<serde_json::Value, ApiError> = pool_json(&env, &pool, Method::Post, "/release", Some(&req)).await;
-    if let Err(e) = result {
-        worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
     }
 }

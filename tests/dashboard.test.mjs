@@ -167,7 +167,7 @@ test("the page asks for the token, refuses a wrong one, then shows regions, pool
   assert.deepEqual(regions, ["eu-west", "us-east"]);
   const east = await page.$eval('#pools tr[data-pool="gpu-east"]', (tr) => [...tr.cells].map((c) => c.textContent));
   assert.equal(east[0], "gpu-east");
-  assert.equal(east[1], "cache_aware");
+  assert.equal(east[1], "predicted_latency");
   assert.equal(east[2], "2 / 2");
   assert.match(east[6], /^\d+$/, "desired replicas");
 });

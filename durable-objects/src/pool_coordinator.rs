@@ -15,7 +15,8 @@
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
 use crate::protocol::{
-    AcquireRequest, BackendRegistration, DequeueRequest, Queued, ReassignRequest, ReleaseRequest, POOL_HEADER, QUEUE_WAIT_HEADER,
+    AcquireRequest, BackendRegistration, DequeueRequest, PrefillDone, Queued, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest,
+    POOL_HEADER, QUEUE_WAIT_HEADER,
 };
 use crate::waiting_room::{Step, Verdict, WaitingRoom};
 use futures_util::future::{select, Either};
@@ -24,8 +25,7 @@ use crate::registry::{validate_models, validate_name, validate_registration, val
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
-use routing_core::outcome::OutcomeKind;
-use routing_core::pool::{AcquireError, BackendView, Pool, PoolConfig, PoolError};
+use routing_core::pool::{AcquireError, BackendSnapshot, BackendView, Pool, PoolConfig, PoolError};
 use routing_core::random::SplitMix64;
 use routing_core::retry_budget::{RetryBudget, RetryBudgetConfig};
 use serde::{Deserialize, Serialize};
@@ -115,6 +115,11 @@ pub struct PoolCoordinator {
     state: State,
     env: Env,
     live: RefCell<Option<Live>>,
+    /// A probe round is running (rounds never overlap: a second one would double-count the
+    /// health hysteresis).
+    probing: std::cell::Cell<bool>,
+    /// A round was asked for while one ran: run one more after it (its targets may be new).
+    probe_again: std::cell::Cell<bool>,
 }
 
 /// What the coordinator keeps in memory (rebuilt from the registry after a restart).
@@ -138,12 +143,17 @@ struct Live {
     probe_results: (u64, u64),
     /// Admission control's queue and the acquires waiting on it.
     room: WaitingRoom,
+    /// The pool's load summary as of the last probe round or registry change (what spillover
+    /// reads on every acquire, so that no acquire walks the whole fleet for it).
+    load: PoolLoad,
+    /// Each backend's state as last written to SQLite (only changes are written).
+    persisted: HashMap<BackendId, BackendSnapshot>,
     /// Per-minute aggregates of the last hour, for the dashboard.
     history: History,
 }
 
 /// The pool's load in aggregate: what autoscalers and spillover look at.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct PoolLoad {
     /// Backends ready and healthy.
     pub ready: usize,
@@ -236,7 +246,13 @@ fn pool_error(e: PoolError) -> ApiError {
 
 impl DurableObject for PoolCoordinator {
     fn new(state: State, env: Env) -> Self {
-        PoolCoordinator { state, env, live: RefCell::new(None) }
+        PoolCoordinator {
+            state,
+            env,
+            live: RefCell::new(None),
+            probing: std::cell::Cell::new(false),
+            probe_again: std::cell::Cell::new(false),
+        }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
@@ -261,12 +277,21 @@ impl DurableObject for PoolCoordinator {
         let result = match (method, segs.as_slice()) {
             (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok, signal).await,
             (Method::Post, ["dequeue"]) => self.dequeue(&body),
-            (Method::Post, ["reassign"]) => self.reassign(&body),
+            (Method::Post, ["reassign"]) => self.reassign(&body).await,
             (Method::Post, ["release"]) => self.release(&body),
+            (Method::Post, ["renew"]) => self.renew(&body),
+            (Method::Post, ["prefill_done"]) => self.prefill_done(&body),
             (Method::Post, ["backends"]) => self.register(&body).await,
             (Method::Get, ["backends"]) => self.list(),
             (Method::Get, ["backends", id]) => self.show(id),
-            (Method::Patch, ["backends", id]) => self.patch(id, &body),
+            (Method::Patch, ["backends", id]) => {
+                let result = self.patch(id, &body);
+                if result.is_ok() && body.contains("\"drain\"") {
+                    // Re-enabled (or drained): probe now rather than at the next round.
+                    self.probe_soon().await;
+                }
+                result
+            }
             (Method::Delete, ["backends", id]) => self.delete(id, force),
             (Method::Get, ["models"]) => self.models(),
             (Method::Get, ["config"]) => self.with(|l| json_response(200, &l.settings)),
@@ -276,6 +301,10 @@ impl DurableObject for PoolCoordinator {
             (Method::Get, ["history"]) => self.history(),
             (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
             (Method::Post, ["probe", "now"]) => {
+                // Asked for explicitly: wait out a round in progress, then run a fresh one.
+                while self.probing.get() {
+                    Delay::from(Duration::from_millis(20)).await;
+                }
                 self.probe_all().await;
                 self.summary()
             }
@@ -352,6 +381,12 @@ impl PoolCoordinator {
             probe_results: (0, 0),
             room: WaitingRoom::default(),
             history: History::default(),
+            load: PoolLoad::default(),
+            persisted: HashMap::new(),
+        });
+        self.with(|l| {
+            l.load = pool_load(l);
+            l.persisted = l.pool.snapshots().into_iter().map(|s| (s.id.clone(), s)).collect();
         });
         Ok(())
     }
@@ -381,7 +416,7 @@ impl PoolCoordinator {
             let admission = l.settings.routing.admission;
             let queueing = admission.enabled || l.room.knows(req.admission.as_ref().and_then(|a| a.ticket));
             let continuing = req.admission.as_ref().is_some_and(|a| a.ticket.is_some());
-            if spill_ok && !continuing && pool_load(l).saturated {
+            if spill_ok && !continuing && l.load.saturated {
                 l.spills += 1;
                 return Err(ApiError::unavailable("This pool is saturated; try the next pool.", 1).with_code("pool_saturated"));
             }
@@ -463,22 +498,41 @@ impl PoolCoordinator {
         });
     }
 
-    fn reassign(&self, body: &str) -> ApiResult {
+    async fn reassign(&self, body: &str) -> ApiResult {
         let req: ReassignRequest = parse(body, "reassign request")?;
+        if req.missing_model.is_some() {
+            // Its served models changed: probe now rather than at the next round.
+            self.probe_soon().await;
+        }
         self.with(|l| {
             let now = now_ms();
             if !l.budget.try_retry(now, &l.settings.retry_budget) {
                 // The failure still counts against the failed backend; the lease ends with it.
                 l.pool.release(req.lease_id, &req.failure, now);
-                persist_snapshots(l);
+                persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend)]);
                 return Err(ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                     .with_code("retry_budget_exhausted"));
             }
-            let result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            let mut result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &req.terms) {
+                // The pool lost the lease (expired while the attempt hung, or this object
+                // restarted): count it again where it was, then move it as asked.
+                if l.pool.readmit(req.lease_id, terms, now).is_ok() {
+                    result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+                }
+            }
+            if let (Some(model), Some(terms)) = (&req.missing_model, &req.terms) {
+                if l.pool.forget_model(&terms.backend, model).unwrap_or(false) {
+                    console_log!("pool {}: backend {} no longer serves {model}", l.name, terms.backend.0);
+                }
+            }
             if result.is_ok() {
                 l.retries += 1;
+                if !req.block_hashes.is_empty() {
+                    let _ = l.pool.record_prefix(&req.to, &req.block_hashes);
+                }
             }
-            persist_snapshots(l);
+            persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend), Some(&req.to)]);
             match result {
                 Ok(candidate) => json_response(200, &candidate),
                 Err(e) => Err(pool_error(e)),
@@ -486,12 +540,35 @@ impl PoolCoordinator {
         })
     }
 
+    fn renew(&self, body: &str) -> ApiResult {
+        let req: RenewRequest = parse(body, "renew request")?;
+        self.with(|l| {
+            let now = now_ms();
+            let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
+                Ok(d) => (d, false),
+                Err(_) => (l.pool.readmit(req.lease_id, &req.terms, now).map_err(pool_error)?, true),
+            };
+            json_response(200, &RenewAnswer { deadline_ms, reestablished })
+        })
+    }
+
+    fn prefill_done(&self, body: &str) -> ApiResult {
+        let req: PrefillDone = parse(body, "prefill report")?;
+        self.with(|l| {
+            let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
+            if ended {
+                persist_backends(l, &[req.backend.as_ref()]);
+            }
+            json_response(200, &json!({ "ended": ended }))
+        })
+    }
+
     fn release(&self, body: &str) -> ApiResult {
         let req: ReleaseRequest = parse(body, "release request")?;
         self.with(|l| {
             let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
-            if released && req.outcome.kind != OutcomeKind::Success {
-                persist_snapshots(l);
+            if released {
+                persist_backends(l, &[req.backend.as_ref()]);
             }
             finish_drains(l);
             json_response(200, &json!({ "released": released }))
@@ -513,8 +590,8 @@ impl PoolCoordinator {
             persist_snapshots(l);
             l.pool.backend(&spec.id).ok_or_else(|| ApiError::internal("backend vanished"))
         })?;
-        // A new backend serves nothing until probed: probe soon rather than at the next round.
-        self.ensure_alarm().await?;
+        // A new backend serves nothing until probed: probe now rather than at the next round.
+        self.probe_soon().await;
         json_response(201, &view)
     }
 
@@ -624,6 +701,7 @@ impl PoolCoordinator {
             l.pool.set_config(settings.routing.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
             l.registry.set_meta("config", &settings)?;
             l.settings = settings;
+            l.load = pool_load(l);
             json_response(200, &l.settings)
         })
     }
@@ -672,6 +750,18 @@ impl PoolCoordinator {
         Ok(resp)
     }
 
+    /// Runs a probe round as soon as possible: one more after the round in progress, or else the
+    /// alarm fires now (and re-arms itself after).
+    async fn probe_soon(&self) {
+        if self.probing.get() {
+            self.probe_again.set(true);
+            return;
+        }
+        if let Err(e) = self.state.storage().set_alarm(0i64).await {
+            console_error!("pool: cannot schedule a probe round: {e}");
+        }
+    }
+
     async fn ensure_alarm(&self) -> ApiResult {
         let storage = self.state.storage();
         let armed = storage.get_alarm().await.map_err(ApiError::from_worker)?;
@@ -682,7 +772,24 @@ impl PoolCoordinator {
     }
 
     /// Probes every backend, `PROBE_CONCURRENCY` at a time, and feeds the results to the pool.
+    /// Rounds never overlap: one asked for while another runs becomes a single further round
+    /// after it (so a backend registered meanwhile is probed without waiting for the interval).
     async fn probe_all(&self) {
+        if self.probing.replace(true) {
+            self.probe_again.set(true);
+            return;
+        }
+        loop {
+            self.probe_again.set(false);
+            self.probe_round().await;
+            if !self.probe_again.get() {
+                break;
+            }
+        }
+        self.probing.set(false);
+    }
+
+    async fn probe_round(&self) {
         let (targets, timeout) = self.with(|l| {
             let targets: Vec<(BackendId, String, Option<String>)> = l
                 .pool
@@ -856,18 +963,42 @@ fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiEr
     let _ = l.pool.remove_backend(id, now_ms());
     l.registry.delete(&id.0)?;
     l.probes.remove(id);
+    l.persisted.remove(id);
+    l.load = pool_load(l);
     if l.pending_delete.remove(id) {
         l.registry.set_meta("pending_delete", &l.pending_delete)?;
     }
     Ok(())
 }
 
-/// Writes every backend's lifecycle, health and breaker state (a handful of rows).
-fn persist_snapshots(l: &Live) {
+/// Writes the lifecycle, health and breaker state of every backend whose state changed since it
+/// was last written, and refreshes the load summary spillover reads (probe rounds, admin changes).
+fn persist_snapshots(l: &mut Live) {
     for snapshot in l.pool.snapshots() {
-        if let Err(e) = l.registry.put_snapshot(&snapshot) {
-            console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0);
+        persist_if_changed(l, snapshot);
+    }
+    l.load = pool_load(l);
+}
+
+/// The same for the backends a request touched: no work proportional to the fleet per request.
+/// (A request's ending changes breakers and drains, never what the load summary counts.)
+fn persist_backends(l: &mut Live, ids: &[Option<&BackendId>]) {
+    for id in ids.iter().flatten() {
+        if let Some(snapshot) = l.pool.snapshot(id) {
+            persist_if_changed(l, snapshot);
         }
+    }
+}
+
+fn persist_if_changed(l: &mut Live, snapshot: BackendSnapshot) {
+    if l.persisted.get(&snapshot.id) == Some(&snapshot) {
+        return;
+    }
+    match l.registry.put_snapshot(&snapshot) {
+        Ok(()) => {
+            l.persisted.insert(snapshot.id.clone(), snapshot);
+        }
+        Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
     }
 }
 

@@ -76,6 +76,48 @@ pub struct ReassignRequest {
     pub to: routing_core::backend::BackendId,
     /// How the failed attempt ended (fed to the failed backend's breaker).
     pub failure: routing_core::outcome::Outcome,
+    /// The lease as the Worker knows it (its `backend` is the one that failed), so a pool that
+    /// lost the lease counts it again and moves it rather than refusing the retry.
+    #[serde(default)]
+    pub terms: Option<routing_core::lease::LeaseTerms>,
+    /// The request's prompt-prefix block hashes, recorded on `to` once it takes the request.
+    #[serde(default)]
+    pub block_hashes: Vec<u64>,
+    /// The failed backend answered 404: it does not serve this model (any more).
+    #[serde(default)]
+    pub missing_model: Option<String>,
+}
+
+/// `POST /prefill_done`: the prefill stage of a disaggregated request ended with `outcome`; the
+/// prefill share ends now and the lease goes on with its decode share.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillDone {
+    /// The lease.
+    pub lease_id: routing_core::lease::LeaseId,
+    /// How the prefill stage ended (fed to the prefill backend's breaker and statistics).
+    pub outcome: routing_core::outcome::Outcome,
+    /// The prefill backend.
+    #[serde(default)]
+    pub backend: Option<routing_core::backend::BackendId>,
+}
+
+/// `POST /renew`: the request is still running; push the lease's deadline out. A pool that lost
+/// the lease (it expired, or the Durable Object restarted) counts it again from `terms`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RenewRequest {
+    /// The lease.
+    pub lease_id: routing_core::lease::LeaseId,
+    /// The lease as the Worker knows it (`backend`: the one serving the request now).
+    pub terms: routing_core::lease::LeaseTerms,
+}
+
+/// The answer to `POST /renew`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RenewAnswer {
+    /// The lease's new deadline.
+    pub deadline_ms: u64,
+    /// Whether the pool had lost the lease and counted it again.
+    pub reestablished: bool,
 }
 
 /// `POST /release`: the request ended.
@@ -85,6 +127,9 @@ pub struct ReleaseRequest {
     pub lease_id: routing_core::lease::LeaseId,
     /// How it ended.
     pub outcome: routing_core::outcome::Outcome,
+    /// The backend that served it last (only its persisted state can have changed).
+    #[serde(default)]
+    pub backend: Option<routing_core::backend::BackendId>,
 }
 
 /// `POST /acquire`: a request's routing features, plus who is asking when admission control may

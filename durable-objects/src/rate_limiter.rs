@@ -1,9 +1,11 @@
 //! The client rate limiter: one Durable Object per client key (addressed by the key's hash), so a
 //! client's budget is shared by every edge location that serves it.
 //!
-//! `POST /take {"limits": {...}, "tokens": N}` answers 200 when the request fits and 429 with
-//! `Retry-After` when it does not (see `routing_core::rate_limit`). The buckets live in memory: an
-//! evicted object starts full again, which errs towards serving.
+//! `POST /take {"limits": {...}, "tokens": N}` answers 200 when the request fits (charging the
+//! estimate `N`) and 429 with `Retry-After` when it does not; `POST /settle {"limits": {...},
+//! "reserved": N, "actual": M}` settles an admitted request with the tokens the backend reported
+//! (see `routing_core::rate_limit`). The buckets live in memory: an evicted object starts full
+//! again, which errs towards serving.
 
 use crate::api_error::ApiError;
 use routing_core::rate_limit::{RateLimiter as Buckets, RateLimits};
@@ -20,6 +22,17 @@ pub struct TakeRequest {
     pub tokens: u64,
 }
 
+/// Body of `POST /settle`.
+#[derive(Debug, Deserialize)]
+pub struct SettleRequest {
+    /// The client's limits.
+    pub limits: RateLimits,
+    /// Tokens charged at admission.
+    pub reserved: u64,
+    /// Tokens the request really used.
+    pub actual: u64,
+}
+
 /// One client's buckets.
 #[durable_object]
 pub struct RateLimiter {
@@ -32,6 +45,15 @@ impl DurableObject for RateLimiter {
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
+        if req.method() == Method::Post && req.path() == "/settle" {
+            return match req.json::<SettleRequest>().await {
+                Ok(s) => {
+                    self.buckets.borrow_mut().settle(&s.limits, s.reserved, s.actual, Date::now().as_millis());
+                    Response::ok("ok")
+                }
+                Err(e) => ApiError::bad_request(format!("invalid settle request: {e}")).to_response(),
+            };
+        }
         if req.method() != Method::Post || req.path() != "/take" {
             return ApiError::not_found("rate limiter has no such route").to_response();
         }

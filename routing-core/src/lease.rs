@@ -1,14 +1,18 @@
 //! Leases: the pool's record of requests in flight.
 //!
 //! A lease is taken when a request is routed and ends when the Worker releases it with the
-//! outcome, or when its deadline passes (the isolate died and nobody will release it). The
+//! outcome, or when its deadline passes (the isolate died and nobody will release it). While the
+//! request lives, the Worker renews the lease well before its deadline, so a deadline bounds how
+//! long a dead Worker's load stays counted, not how long a request may run. The
 //! backend's in-flight counters are exactly the sum of its live leases: the pool adds a lease's
 //! share when it is granted and subtracts the same share exactly once, whichever of release,
-//! expiry or backend removal comes first. Leases live in memory only; they do not survive a
-//! Durable Object restart, and neither do the requests they describe.
+//! expiry or backend removal comes first. Leases live in memory only; when a Durable Object restarts
+//! (or a lease expired while its request still ran), the Worker's next renewal or retry carries the
+//! lease's [`LeaseTerms`] so the pool can count the request again.
 
-use crate::backend::BackendKey;
+use crate::backend::{BackendId, BackendKey};
 use crate::time_model::SharePrediction;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 
 /// A lease's identity. Random below 2^53, so it survives a round trip through JavaScript numbers
@@ -54,6 +58,22 @@ pub struct Lease {
     pub acquired_ms: u64,
     /// When it expires unless released.
     pub deadline_ms: u64,
+}
+
+/// What the Worker knows of its lease: enough for the pool to count it again if it lost it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LeaseTerms {
+    /// The backend serving the request now.
+    pub backend: BackendId,
+    /// Estimated prompt tokens of the request.
+    pub prompt_tokens: u32,
+    /// Expected output tokens of the request.
+    pub max_tokens: u32,
+    /// Whether the request streams.
+    pub stream: bool,
+    /// The gateway's request id.
+    pub request_id: String,
 }
 
 /// The live leases of a pool, indexed by id and by deadline.
@@ -109,6 +129,17 @@ impl LeaseTable {
         let lease = self.leases.remove(&id)?;
         self.deadlines.remove(&(lease.deadline_ms, id));
         Some(lease)
+    }
+
+    /// Moves lease `id`'s deadline to `deadline_ms`; returns `false` if it is not live.
+    pub fn set_deadline(&mut self, id: LeaseId, deadline_ms: u64) -> bool {
+        let Some(lease) = self.leases.get_mut(&id) else {
+            return false;
+        };
+        self.deadlines.remove(&(lease.deadline_ms, id));
+        lease.deadline_ms = deadline_ms;
+        self.deadlines.insert((deadline_ms, id));
+        true
     }
 
     /// Removes and returns every lease whose deadline is at or before `now_ms`.
@@ -189,5 +220,16 @@ mod tests {
         assert_eq!(t.next_deadline(), Some(300));
         assert!(t.take_expired(299).is_empty());
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_moved_deadline_is_the_one_that_expires() {
+        let mut t = LeaseTable::new();
+        t.insert(lease(1, 100)).unwrap();
+        assert!(t.set_deadline(1, 500));
+        assert!(!t.set_deadline(2, 500));
+        assert!(t.take_expired(499).is_empty());
+        assert_eq!(t.next_deadline(), Some(500));
+        assert_eq!(t.take_expired(500).len(), 1);
     }
 }

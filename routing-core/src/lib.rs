@@ -9,8 +9,8 @@
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
 //! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
-//! pool-wide retry budget ([`retry_budget`]) and the per-minute history the dashboard draws
-//! ([`history`]) too.
+//! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
+//! ([`history`]) and the reading of backends' token usage ([`usage`]) too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -37,6 +37,7 @@ pub mod ring;
 pub mod routing_key;
 pub mod scrape;
 pub mod time_model;
+pub mod usage;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};

@@ -64,6 +64,8 @@ pub struct BackendStats {
     pub duration: Histogram,
     /// Prompt tokens reported by releases.
     pub prompt_tokens: u64,
+    /// Of those, prompt tokens the backend served from its prefix cache.
+    pub cached_tokens: u64,
     /// Completion tokens reported by releases.
     pub completion_tokens: u64,
 }
@@ -77,6 +79,7 @@ impl BackendStats {
         }
         self.duration.observe(duration_ms);
         self.prompt_tokens += u64::from(outcome.prompt_tokens.unwrap_or(0));
+        self.cached_tokens += u64::from(outcome.cached_tokens.unwrap_or(0));
         self.completion_tokens += u64::from(outcome.completion_tokens.unwrap_or(0));
     }
 }
@@ -262,7 +265,7 @@ pub fn render(pool: &Pool, out: &mut String) {
         out,
         "llm_gateway_tokens_total",
         "counter",
-        "Tokens reported by released requests.",
+        "Tokens the backend reported in usage, by kind: prompt (cached included), cached, completion.",
         &|out, id, e| {
             sample(
                 out,
@@ -270,6 +273,13 @@ pub fn render(pool: &Pool, out: &mut String) {
                 name,
                 &[("backend", id), ("kind", "prompt")],
                 e.stats.prompt_tokens as f64,
+            );
+            sample(
+                out,
+                "llm_gateway_tokens_total",
+                name,
+                &[("backend", id), ("kind", "cached")],
+                e.stats.cached_tokens as f64,
             );
             sample(
                 out,
@@ -660,6 +670,9 @@ mod tests {
             g.lease_id,
             &Outcome {
                 ttfb_ms: Some(120),
+                prompt_tokens: Some(10),
+                cached_tokens: Some(4),
+                completion_tokens: Some(5),
                 ..Outcome::from_status(200)
             },
             500,
@@ -676,6 +689,12 @@ mod tests {
             );
         }
         assert!(out.contains(r#"llm_gateway_requests_total{pool="eu\"1",backend="gpu\\a"} 1"#));
+        for (kind, n) in [("prompt", 10), ("cached", 4), ("completion", 5)] {
+            let line = format!(
+                r#"llm_gateway_tokens_total{{pool="eu\"1",backend="gpu\\a",kind="{kind}"}} {n}"#
+            );
+            assert!(out.contains(&line), "{line}");
+        }
         assert!(out.contains(r#"llm_gateway_request_outcomes_total{pool="eu\"1",backend="gpu\\a",outcome="success"} 1"#));
         assert!(out.contains(
             r#"llm_gateway_ttfb_seconds_bucket{pool="eu\"1",backend="gpu\\a",le="0.25"} 1"#

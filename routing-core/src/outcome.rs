@@ -94,8 +94,10 @@ pub struct Outcome {
     pub kind: OutcomeKind,
     /// Time to first byte of the response body, in milliseconds.
     pub ttfb_ms: Option<u64>,
-    /// Prompt tokens the backend reported (`usage.prompt_tokens`).
+    /// Prompt tokens the backend reported (`usage.prompt_tokens`, cached ones included).
     pub prompt_tokens: Option<u32>,
+    /// Of those, tokens served from its prefix cache (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u32>,
     /// Completion tokens the backend reported or the Worker counted.
     pub completion_tokens: Option<u32>,
 }

@@ -19,7 +19,7 @@ use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Capacity,
 use crate::breaker::{Admission, BreakerConfig, BreakerSnapshot, BreakerState, CircuitBreaker};
 use crate::cost::{backend_load, cache_benefit, InFlight};
 use crate::health::{Health, HealthConfig, HealthState, HealthTransition, ProbeVerdict};
-use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTable, MAX_LEASE_ID};
+use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTable, LeaseTerms, MAX_LEASE_ID};
 use crate::metrics::{BackendStats, PoolStats};
 use crate::outcome::{Outcome, OutcomeKind};
 use crate::policy::{
@@ -30,7 +30,8 @@ use crate::prompt::{RequestFeatures, DEFAULT_BLOCK_TOKENS};
 use crate::random::RandomSource;
 use crate::ring::{key_hash, RingMember};
 use crate::time_model::{
-    room_wait_ms, BackendTiming, Observation, OutputRatio, TimeModelConfig, TimingView,
+    room_wait_ms, BackendTiming, Observation, OutputRatio, SharePrediction, TimeModelConfig,
+    TimingView,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -51,8 +52,10 @@ pub struct PoolConfig {
     /// Tokens per prefix block; must match the Worker's `FeatureConfig::block_tokens`
     /// (default 16).
     pub block_tokens: usize,
-    /// A lease expires this long after it was granted unless released (default 600,000 ms:
-    /// long enough for a long streamed generation).
+    /// A lease expires this long after it was granted or last renewed, unless released (default
+    /// 60,000 ms). The Worker renews a live request's lease several times per period, so this
+    /// bounds how long the load of a request whose Worker died stays counted, not how long a
+    /// request may run.
     pub lease_ttl_ms: u64,
     /// Weight of the scraped waiting queue in a backend's load (default 1.0).
     pub queue_weight: f64,
@@ -87,7 +90,7 @@ impl Default for PoolConfig {
             region: String::new(),
             max_candidates: 3,
             block_tokens: DEFAULT_BLOCK_TOKENS,
-            lease_ttl_ms: 600_000,
+            lease_ttl_ms: 60_000,
             queue_weight: 1.0,
             affinity_max_entries: 1_000_000,
             consistent_hash: ConsistentHashConfig::default(),
@@ -1191,6 +1194,114 @@ impl Pool {
         true
     }
 
+    /// Ends the prefill stage of a disaggregated lease: the prefill share is settled with the
+    /// prefill's own `outcome` (so only its failures count against the prefill backend) and taken
+    /// off the counters at once; the lease goes on with its decode share alone, which the final
+    /// release settles. Returns `false` (and changes nothing) if the lease is not live or has no
+    /// decode share.
+    pub fn finish_prefill(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
+        let Some(lease) = self.leases.get(lease_id) else {
+            return false;
+        };
+        let Some(decode) = lease.decode else {
+            return false;
+        };
+        let (prefill, acquired_ms) = (lease.primary, lease.acquired_ms);
+        self.settle(&prefill, outcome, lease_id, acquired_ms, now_ms);
+        if let Some(lease) = self.leases.get_mut(lease_id) {
+            lease.primary = decode;
+            lease.decode = None;
+        }
+        true
+    }
+
+    /// Extends a live lease's deadline to `lease_ttl_ms` from now (the Worker's heartbeat while
+    /// its request runs). Returns the new deadline, or [`PoolError::UnknownLease`].
+    pub fn renew(&mut self, lease_id: LeaseId, now_ms: u64) -> Result<u64, PoolError> {
+        let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        if self.leases.set_deadline(lease_id, deadline_ms) {
+            Ok(deadline_ms)
+        } else {
+            Err(PoolError::UnknownLease { lease_id })
+        }
+    }
+
+    /// Counts a request again whose lease the pool lost (it expired while the request still
+    /// ran, or the Durable Object restarted): a lease with the same id on the backend the Worker
+    /// says serves it, counted in full (its cache hits are unknown) and not gated by the breaker
+    /// (the request is already running there). A live lease is just renewed. Returns the deadline.
+    pub fn readmit(
+        &mut self,
+        lease_id: LeaseId,
+        terms: &LeaseTerms,
+        now_ms: u64,
+    ) -> Result<u64, PoolError> {
+        if let Ok(deadline_ms) = self.renew(lease_id, now_ms) {
+            return Ok(deadline_ms);
+        }
+        if lease_id == 0 || lease_id > MAX_LEASE_ID {
+            return Err(PoolError::UnknownLease { lease_id });
+        }
+        let slot = self.slot_of(&terms.backend)?;
+        let entry = self
+            .entry_mut(slot)
+            .ok_or_else(|| unknown(&terms.backend))?;
+        let (prompt_tokens, output_tokens) =
+            (u64::from(terms.prompt_tokens), u64::from(terms.max_tokens));
+        entry.in_flight.add(prompt_tokens, output_tokens);
+        let primary = LeaseShare {
+            backend: entry.key,
+            prompt_tokens,
+            output_tokens,
+            trial: false,
+            // Nothing was predicted for it: it teaches the time model nothing.
+            predicted: SharePrediction::default(),
+        };
+        let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        let lease = Lease {
+            id: lease_id,
+            request_id: terms.request_id.clone(),
+            prompt_tokens: terms.prompt_tokens,
+            max_tokens: terms.max_tokens,
+            stream: terms.stream,
+            primary,
+            decode: None,
+            acquired_ms: now_ms,
+            deadline_ms,
+        };
+        // `renew` failed just above, so the id is free.
+        let _ = self.leases.insert(lease);
+        Ok(deadline_ms)
+    }
+
+    /// Records that backend `id` now holds a request's prompt prefix: after a retry, the backend
+    /// that served the request, not the one first chosen, is where the next turn should go.
+    pub fn record_prefix(&mut self, id: &BackendId, block_hashes: &[u64]) -> Result<(), PoolError> {
+        let slot = self.slot_of(id)?;
+        self.affinity.record(slot, block_hashes);
+        Ok(())
+    }
+
+    /// Backend `id` answered that it does not serve `model` (404: the model was unloaded): stop
+    /// routing the model there until its next probe reports its models again. A backend whose
+    /// only model it was keeps its list (an empty list means "as registered"); the caller should
+    /// probe it soon. Returns whether the model was removed.
+    pub fn forget_model(&mut self, id: &BackendId, model: &str) -> Result<bool, PoolError> {
+        let slot = self.slot_of(id)?;
+        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        let mut served = match &entry.probed_models {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => entry.spec.models.clone(),
+        };
+        let before = served.len();
+        served.retain(|m| m != model);
+        if served.len() == before || served.is_empty() {
+            return Ok(false);
+        }
+        entry.probed_models = Some(served);
+        Ok(true)
+    }
+
     /// Teaches the time model what a successful request measured: its backend's rates, and the
     /// pool's ratio of real to requested output.
     fn learn(&mut self, lease: &Lease, outcome: &Outcome, now_ms: u64) {
@@ -1339,6 +1450,17 @@ impl Pool {
     /// Number of registered backends.
     pub fn backend_count(&self) -> usize {
         self.index.len()
+    }
+
+    /// One backend's persistent state (what a request's ending may have changed).
+    pub fn snapshot(&self, id: &BackendId) -> Option<BackendSnapshot> {
+        let e = self.entry(*self.index.get(id)?)?;
+        Some(BackendSnapshot {
+            id: e.spec.id.clone(),
+            lifecycle: e.lifecycle,
+            health: e.health.state,
+            breaker: e.breaker.snapshot(),
+        })
     }
 
     /// Every backend's persistent state.
@@ -1623,7 +1745,7 @@ mod tests {
         assert_eq!(g.decision, Some(DecisionKind::RoundRobin));
         assert_eq!(pool.in_flight_total(), 1);
         assert_eq!(pool.in_flight(&g.backend).unwrap().leases, 1);
-        assert_eq!(pool.next_deadline(), Some(600_000));
+        assert_eq!(pool.next_deadline(), Some(60_000));
         assert!(pool.release(g.lease_id, &Outcome::from_status(200), 10));
         assert!(
             !pool.release(g.lease_id, &Outcome::from_status(200), 11),
@@ -1749,11 +1871,11 @@ mod tests {
             Ok(Lifecycle::Draining)
         );
         assert!(pool.acquire(&features("x"), 2, &mut rng).is_err());
-        assert_eq!(pool.expire(599_999), 0);
-        assert_eq!(pool.expire(600_000), 1);
+        assert_eq!(pool.expire(59_999), 0);
+        assert_eq!(pool.expire(60_000), 1);
         assert_eq!(pool.in_flight_total(), 0);
         assert_eq!(pool.backend(&id).unwrap().lifecycle, Lifecycle::Drained);
-        assert!(!pool.release(g.lease_id, &Outcome::default(), 600_001));
+        assert!(!pool.release(g.lease_id, &Outcome::default(), 60_001));
         assert_eq!(pool.next_deadline(), None);
         assert_eq!(
             pool.set_lifecycle(&id, Lifecycle::Ready, 3),

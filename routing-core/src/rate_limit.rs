@@ -4,7 +4,9 @@
 //! up to its per-minute limit and then proceeds at the steady rate. A request takes one unit from
 //! the request bucket and its estimated tokens (prompt plus requested output) from the token
 //! bucket, both or neither. When refused, the answer says how long until both would have room,
-//! for `Retry-After`. Time is passed in.
+//! for `Retry-After`. A request is charged an estimate when admitted and settled with the tokens
+//! the backend reported when it ends ([`RateLimiter::settle`]): the difference is refunded or
+//! charged, so the bucket may go below zero and later requests wait for it. Time is passed in.
 
 use serde::{Deserialize, Serialize};
 
@@ -125,6 +127,18 @@ impl RateLimiter {
         }
         Ok(())
     }
+
+    /// Settles a request admitted with `reserved` tokens that used `actual`: refunds the
+    /// difference, or charges the excess (possibly taking the bucket below zero).
+    pub fn settle(&mut self, limits: &RateLimits, reserved: u64, actual: u64, now_ms: u64) {
+        if limits.tokens_per_minute == 0 || reserved == actual {
+            return;
+        }
+        let delta = actual as f64 - reserved as f64;
+        self.tokens.take(limits.tokens_per_minute, delta, now_ms);
+        let capacity = limits.tokens_per_minute as f64;
+        self.tokens.level = self.tokens.level.min(capacity);
+    }
 }
 
 #[cfg(test)]
@@ -170,6 +184,31 @@ mod tests {
             assert!(l.try_take(&limits, 0, 0).is_ok());
         }
         assert!(l.try_take(&limits, 0, 0).is_err());
+    }
+
+    #[test]
+    fn settling_refunds_an_overestimate_and_charges_an_underestimate() {
+        let limits = RateLimits {
+            requests_per_minute: 0,
+            tokens_per_minute: 1000,
+        };
+        let mut l = RateLimiter::new();
+        assert!(l.try_take(&limits, 900, 0).is_ok());
+        assert!(l.try_take(&limits, 500, 0).is_err());
+        // It used 100 of the 900 reserved: 800 come back.
+        l.settle(&limits, 900, 100, 0);
+        assert!(l.try_take(&limits, 500, 0).is_ok());
+        // This one generated 3,000 tokens on a 300 reservation: the bucket goes below zero.
+        let mut l = RateLimiter::new();
+        assert!(l.try_take(&limits, 300, 0).is_ok());
+        l.settle(&limits, 300, 3000, 0);
+        let refusal = l.try_take(&limits, 10, 0).unwrap_err();
+        assert_eq!(refusal.retry_after_ms, Some(120_600));
+        // A refund never fills past capacity.
+        let mut l = RateLimiter::new();
+        l.settle(&limits, 500, 0, 0);
+        assert!(l.try_take(&limits, 1000, 0).is_ok());
+        assert!(l.try_take(&limits, 1, 0).is_err());
     }
 
     #[test]

@@ -228,7 +228,9 @@ pub struct TimingView {
     pub decode_ms_per_seq: f64,
     /// Prefill work queued now, in milliseconds.
     pub prefill_backlog_ms: f64,
-    /// Learned time to the first byte beyond the engine's (gateway, network), in milliseconds.
+    /// Learned time to the first byte beyond the engine's (gateway, network), in milliseconds:
+    /// shown, not ranked on (it is about the same for every backend of a pool, and a noisy
+    /// per-backend figure would only scatter new conversations).
     pub overhead_ms: f64,
     /// Releases the rates were learned from.
     pub observations: u64,
@@ -271,8 +273,7 @@ impl BackendTiming {
         let ttft_ms = self.backlog_ms(now_ms)
             + extra_queue_ms.max(0.0)
             + prefill_ms
-            + self.step_ms(c, running)
-            + self.overhead_ms;
+            + self.step_ms(c, running);
         let decode_ms = out * self.step_ms(c, running + 1.0);
         let harm_ms = running * (prefill_ms + out * self.per_seq_ms(c));
         Prediction {

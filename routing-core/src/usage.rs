@@ -1,0 +1,517 @@
+//! Token usage as a backend reports it, read from a non-streamed body or from a passing SSE stream.
+//!
+//! The gateway counts what the backends say they did (`usage.prompt_tokens`,
+//! `usage.prompt_tokens_details.cached_tokens`, `usage.completion_tokens`): for streams it asks the
+//! backend for `stream_options.include_usage`, and when the client did not ask for that itself the
+//! final usage event (`"choices": []` with `usage`) is taken out, so the client sees exactly what it
+//! asked for. [`StreamScanner`] does this on the byte path: it is fed each chunk as it passes, lets
+//! whole events through untouched, holds back only a trailing partial event until its end arrives
+//! (so an event can be dropped whole, and whatever the backend leaves unfinished never reaches the
+//! client), and parses JSON only for events that mention `"usage"`. Held-back bytes are bounded by
+//! [`MAX_HELD_BYTES`]: a longer event is let through as it comes.
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+
+/// Largest partial event held back; beyond this the event streams through unparsed.
+pub const MAX_HELD_BYTES: usize = 64 * 1024;
+
+/// Token counts reported by a backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// `usage.prompt_tokens` (cached ones included, as OpenAI counts them).
+    pub prompt_tokens: u32,
+    /// `usage.prompt_tokens_details.cached_tokens`, when reported.
+    pub cached_tokens: Option<u32>,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: u32,
+}
+
+impl Usage {
+    /// Prompt plus completion tokens (what a per-key token limit charges).
+    pub fn total(&self) -> u64 {
+        u64::from(self.prompt_tokens) + u64::from(self.completion_tokens)
+    }
+}
+
+#[derive(Deserialize)]
+struct UsageJson {
+    #[serde(default)]
+    prompt_tokens: u32,
+    #[serde(default)]
+    completion_tokens: u32,
+    #[serde(default)]
+    prompt_tokens_details: Option<DetailsJson>,
+}
+
+#[derive(Deserialize)]
+struct DetailsJson {
+    #[serde(default)]
+    cached_tokens: Option<u32>,
+}
+
+/// The parts of a response object (or chunk) that matter here; everything else is skipped, but the
+/// whole document must still be valid JSON.
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    choices: Option<Vec<IgnoredAny>>,
+    #[serde(default)]
+    usage: Option<UsageJson>,
+}
+
+impl From<UsageJson> for Usage {
+    fn from(u: UsageJson) -> Usage {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            completion_tokens: u.completion_tokens,
+        }
+    }
+}
+
+/// A complete non-streamed JSON answer's usage: `Err` when the body is not one whole JSON object
+/// (truncated or otherwise broken), `Ok(None)` when it is but reports no usage.
+pub fn body_usage(body: &[u8]) -> Result<Option<Usage>, String> {
+    let envelope: Envelope = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    Ok(envelope.usage.map(Usage::from))
+}
+
+/// What to send the client for one chunk fed to [`StreamScanner::push`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Emit {
+    /// The chunk as it came (the common case: no copy needed).
+    Whole,
+    /// The chunk's first `n` bytes (the rest is a partial event, held back).
+    Prefix(usize),
+    /// These bytes instead (held bytes joined, or an event taken out); may be empty.
+    Bytes(Vec<u8>),
+}
+
+/// Reads usage from an SSE stream as it passes; see the module documentation.
+#[derive(Debug, Default)]
+pub struct StreamScanner {
+    strip_usage_event: bool,
+    /// A partial event held back (empty at an event boundary).
+    held: Vec<u8>,
+    /// Inside an event longer than [`MAX_HELD_BYTES`], being let through as it comes.
+    passing_long_event: bool,
+    /// The last two bytes let through while passing a long event (to find its end).
+    tail: [u8; 2],
+    usage: Option<Usage>,
+    stripped: bool,
+    done: bool,
+}
+
+impl StreamScanner {
+    /// A scanner; `strip_usage_event` when the client did not ask for the usage chunk.
+    pub fn new(strip_usage_event: bool) -> StreamScanner {
+        StreamScanner {
+            strip_usage_event,
+            ..StreamScanner::default()
+        }
+    }
+
+    /// The last usage the stream reported.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// Whether a usage event was taken out of the stream.
+    pub fn stripped(&self) -> bool {
+        self.stripped
+    }
+
+    /// Whether the stream so far is a complete OpenAI stream: `data: [DONE]` seen and no partial
+    /// event pending. A backend stream that ends without this was cut short.
+    pub fn complete(&self) -> bool {
+        self.done && self.held.is_empty() && !self.passing_long_event
+    }
+
+    /// Feeds one chunk; says what to send the client for it.
+    pub fn push(&mut self, chunk: &[u8]) -> Emit {
+        if self.passing_long_event {
+            return self.push_long(chunk);
+        }
+        if self.held.is_empty() {
+            // The common chunk: whole events, none of them usage or the end. Nothing to parse.
+            let whole_events = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\n\r\n");
+            if whole_events && !contains(chunk, b"usage\"") && !contains(chunk, b"[DONE]") {
+                return Emit::Whole;
+            }
+            let (end, drop) = self.scan(chunk);
+            if drop.is_empty() {
+                if end == chunk.len() {
+                    return Emit::Whole;
+                }
+                let n = end;
+                return self.hold(&chunk[n..], Emit::Prefix(n), chunk);
+            }
+            let out = without(&chunk[..end], &drop);
+            return self.hold(&chunk[end..], Emit::Bytes(out), chunk);
+        }
+        let mut joined = std::mem::take(&mut self.held);
+        joined.extend_from_slice(chunk);
+        let (end, drop) = self.scan(&joined);
+        let out = without(&joined[..end], &drop);
+        let rest = joined[end..].to_vec();
+        self.hold(&rest, Emit::Bytes(out), &[])
+    }
+
+    /// The stream ended cleanly: the held partial event, if any, goes out as it is.
+    pub fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.held)
+    }
+
+    /// The stream failed: drops the held partial event and says whether the client's stream is in
+    /// the middle of an event (only after a long event was let through), in which case an error
+    /// event must be preceded by a blank line.
+    pub fn abandon(&mut self) -> bool {
+        self.held.clear();
+        self.passing_long_event
+    }
+
+    /// Keeps `rest` (a partial event) back; past the bound, lets it through instead.
+    fn hold(&mut self, rest: &[u8], emit: Emit, chunk: &[u8]) -> Emit {
+        if rest.len() <= MAX_HELD_BYTES {
+            self.held.extend_from_slice(rest);
+            return emit;
+        }
+        self.passing_long_event = true;
+        self.tail = last_two(rest);
+        match emit {
+            Emit::Prefix(_) if !chunk.is_empty() => Emit::Whole,
+            Emit::Prefix(_) | Emit::Whole => Emit::Bytes(rest.to_vec()),
+            Emit::Bytes(mut out) => {
+                out.extend_from_slice(rest);
+                Emit::Bytes(out)
+            }
+        }
+    }
+
+    /// Inside a long event: everything up to its end goes out, then scanning resumes.
+    fn push_long(&mut self, chunk: &[u8]) -> Emit {
+        let mut context = [0u8; 2];
+        context.copy_from_slice(&self.tail);
+        match boundary_after(&context, chunk) {
+            None => {
+                let mut t = [self.tail[0], self.tail[1]];
+                for &b in chunk {
+                    t = [t[1], b];
+                }
+                self.tail = t;
+                Emit::Whole
+            }
+            Some(end) => {
+                self.passing_long_event = false;
+                self.tail = [0, 0];
+                let rest = &chunk[end..];
+                if rest.is_empty() {
+                    return Emit::Whole;
+                }
+                let mut out = chunk[..end].to_vec();
+                match self.push(rest) {
+                    Emit::Whole => return Emit::Whole,
+                    Emit::Prefix(n) => out.extend_from_slice(&rest[..n]),
+                    Emit::Bytes(b) => out.extend_from_slice(&b),
+                }
+                Emit::Bytes(out)
+            }
+        }
+    }
+
+    /// Finds the complete events in `bytes`: returns the end of the last one and the ranges of
+    /// events to take out; records usage on the way.
+    fn scan(&mut self, bytes: &[u8]) -> (usize, Vec<(usize, usize)>) {
+        let mut drop = Vec::new();
+        let mut start = 0;
+        let mut end = 0;
+        let mut i = 0;
+        while let Some(off) = bytes[i..].iter().position(|&b| b == b'\n') {
+            let lf = i + off;
+            let after = match (bytes.get(lf + 1), bytes.get(lf + 2)) {
+                (Some(b'\n'), _) => Some(lf + 2),
+                (Some(b'\r'), Some(b'\n')) => Some(lf + 3),
+                _ => None,
+            };
+            match after {
+                Some(event_end) => {
+                    if self.event(&bytes[start..event_end]) {
+                        drop.push((start, event_end));
+                    }
+                    start = event_end;
+                    end = event_end;
+                    i = event_end;
+                }
+                None => i = lf + 1,
+            }
+            if i >= bytes.len() {
+                break;
+            }
+        }
+        (end, drop)
+    }
+
+    /// Looks at one complete event; returns whether to take it out of the stream.
+    fn event(&mut self, event: &[u8]) -> bool {
+        if event.starts_with(b"data: [DONE]") || event.starts_with(b"data:[DONE]") {
+            self.done = true;
+            return false;
+        }
+        if !contains(event, b"usage\"") {
+            return false;
+        }
+        let data = event_data(event);
+        let Ok(envelope) = serde_json::from_slice::<Envelope>(&data) else {
+            return false;
+        };
+        let Some(usage) = envelope.usage else {
+            return false;
+        };
+        self.usage = Some(usage.into());
+        let usage_only = envelope.choices.is_some_and(|c| c.is_empty());
+        if self.strip_usage_event && usage_only {
+            self.stripped = true;
+            return true;
+        }
+        false
+    }
+}
+
+/// `bytes` without the given ranges (sorted, disjoint).
+fn without(bytes: &[u8], drop: &[(usize, usize)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    for &(s, e) in drop {
+        out.extend_from_slice(&bytes[at..s]);
+        at = e;
+    }
+    out.extend_from_slice(&bytes[at.min(bytes.len())..]);
+    out
+}
+
+fn last_two(bytes: &[u8]) -> [u8; 2] {
+    match bytes {
+        [.., a, b] => [*a, *b],
+        [b] => [0, *b],
+        [] => [0, 0],
+    }
+}
+
+/// The end of the first blank line in `chunk`, given the two bytes before it.
+fn boundary_after(context: &[u8; 2], chunk: &[u8]) -> Option<usize> {
+    let at = |i: isize| -> Option<u8> {
+        if i < 0 {
+            context.get((2 + i) as usize).copied()
+        } else {
+            chunk.get(i as usize).copied()
+        }
+    };
+    for i in 0..chunk.len() as isize {
+        if at(i) != Some(b'\n') {
+            continue;
+        }
+        if at(i - 1) == Some(b'\n') {
+            return Some(i as usize + 1);
+        }
+        if at(i - 1) == Some(b'\r') && at(i - 2) == Some(b'\n') {
+            return Some(i as usize + 1);
+        }
+    }
+    None
+}
+
+/// Whether `hay` contains `needle`, anchored on the needle's first byte (cheap for JSON keys).
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    let Some(&first) = needle.first() else {
+        return true;
+    };
+    let mut i = 0;
+    while let Some(p) = hay[i..].iter().position(|&b| b == first) {
+        if hay[i + p..].starts_with(needle) {
+            return true;
+        }
+        i += p + 1;
+    }
+    false
+}
+
+/// The event's `data:` lines, joined by newlines (the SSE rule).
+fn event_data(event: &[u8]) -> Vec<u8> {
+    let mut data = Vec::new();
+    for line in event.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            if !data.is_empty() {
+                data.push(b'\n');
+            }
+            data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+        }
+    }
+    data
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+    const USAGE: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"total_tokens\":15,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    /// Feeds `chunks` and returns what the client received.
+    fn run(s: &mut StreamScanner, chunks: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for c in chunks {
+            match s.push(c) {
+                Emit::Whole => out.extend_from_slice(c),
+                Emit::Prefix(n) => out.extend_from_slice(&c[..n]),
+                Emit::Bytes(b) => out.extend_from_slice(&b),
+            }
+        }
+        out.extend_from_slice(&s.finish());
+        out
+    }
+
+    fn expected_usage() -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens: 12,
+            cached_tokens: Some(8),
+            completion_tokens: 3,
+        })
+    }
+
+    #[test]
+    fn whole_events_pass_untouched_and_usage_is_read() {
+        let mut s = StreamScanner::new(false);
+        assert_eq!(s.push(TOKEN.as_bytes()), Emit::Whole);
+        assert_eq!(s.push(USAGE.as_bytes()), Emit::Whole);
+        assert_eq!(s.push(DONE.as_bytes()), Emit::Whole);
+        assert_eq!(s.usage(), expected_usage());
+        assert!(!s.stripped());
+        assert!(s.complete());
+    }
+
+    #[test]
+    fn a_stream_without_done_or_with_a_partial_event_is_incomplete() {
+        let mut s = StreamScanner::new(false);
+        s.push(TOKEN.as_bytes());
+        assert!(!s.complete(), "no [DONE] yet");
+        s.push(&DONE.as_bytes()[..5]);
+        assert!(!s.complete(), "[DONE] not finished");
+        s.push(&DONE.as_bytes()[5..]);
+        assert!(s.complete());
+    }
+
+    #[test]
+    fn the_usage_event_is_taken_out_when_the_client_did_not_ask() {
+        let all = format!("{TOKEN}{TOKEN}{USAGE}{DONE}");
+        let mut s = StreamScanner::new(true);
+        let out = run(&mut s, &[all.as_bytes()]);
+        assert_eq!(out, format!("{TOKEN}{TOKEN}{DONE}").as_bytes());
+        assert_eq!(s.usage(), expected_usage());
+        assert!(s.stripped());
+    }
+
+    #[test]
+    fn every_split_gives_the_same_stream_and_usage() {
+        let all = format!("{TOKEN}{TOKEN}{USAGE}{DONE}");
+        let bytes = all.as_bytes();
+        for strip in [false, true] {
+            let want = if strip {
+                format!("{TOKEN}{TOKEN}{DONE}")
+            } else {
+                all.clone()
+            };
+            for a in 0..bytes.len() {
+                for b in a..bytes.len() {
+                    let mut s = StreamScanner::new(strip);
+                    let out = run(&mut s, &[&bytes[..a], &bytes[a..b], &bytes[b..]]);
+                    assert_eq!(out, want.as_bytes(), "split at {a}, {b}");
+                    assert_eq!(s.usage(), expected_usage(), "split at {a}, {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn crlf_events_are_understood() {
+        let usage = USAGE.replace('\n', "\r\n");
+        let token = TOKEN.replace('\n', "\r\n");
+        let mut s = StreamScanner::new(true);
+        let out = run(&mut s, &[token.as_bytes(), usage.as_bytes()]);
+        assert_eq!(out, token.as_bytes());
+        assert_eq!(s.usage(), expected_usage());
+    }
+
+    #[test]
+    fn a_partial_event_is_held_and_dropped_on_failure() {
+        let mut s = StreamScanner::new(false);
+        let half = &TOKEN.as_bytes()[..40];
+        let chunk = [TOKEN.as_bytes(), half].concat();
+        assert_eq!(s.push(&chunk), Emit::Prefix(TOKEN.len()));
+        assert!(!s.abandon(), "the client saw only whole events");
+        assert!(s.finish().is_empty());
+    }
+
+    #[test]
+    fn continuous_usage_keeps_the_last_figure_and_strips_nothing_with_choices() {
+        let with = |n: u32| {
+            format!("data: {{\"choices\":[{{\"index\":0}}],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{n}}}}}\n\n")
+        };
+        let mut s = StreamScanner::new(true);
+        let all = format!("{}{}", with(1), with(2));
+        assert_eq!(run(&mut s, &[all.as_bytes()]), all.as_bytes());
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 5,
+                cached_tokens: None,
+                completion_tokens: 2
+            })
+        );
+    }
+
+    #[test]
+    fn a_long_event_streams_through_and_scanning_resumes_after_it() {
+        let long = format!(
+            "data: {{\"x\":\"{}\"}}\n\n",
+            "a".repeat(MAX_HELD_BYTES + 10)
+        );
+        let bytes = long.as_bytes();
+        let mut s = StreamScanner::new(true);
+        let mid = MAX_HELD_BYTES + 5;
+        let tail = [&bytes[mid..], USAGE.as_bytes(), DONE.as_bytes()].concat();
+        let out = run(&mut s, &[&bytes[..mid], &tail]);
+        assert_eq!(out, [bytes, DONE.as_bytes()].concat());
+        assert_eq!(s.usage(), expected_usage());
+        // Failing inside a long event needs a blank line before the error event.
+        let mut s = StreamScanner::new(false);
+        s.push(&bytes[..mid]);
+        assert!(s.abandon());
+    }
+
+    #[test]
+    fn bodies_must_be_whole_json() {
+        let body = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":3,"prompt_tokens_details":null}}"#;
+        assert_eq!(
+            body_usage(body),
+            Ok(Some(Usage {
+                prompt_tokens: 12,
+                cached_tokens: None,
+                completion_tokens: 3
+            }))
+        );
+        assert!(body_usage(&body[..body.len() - 5]).is_err());
+        assert_eq!(body_usage(b"{\"data\":[]}"), Ok(None));
+        assert!(body_usage(b"").is_err());
+    }
+
+    #[test]
+    fn malformed_usage_events_pass_and_count_nothing() {
+        let bad = "data: {\"usage\": oops}\n\n";
+        let mut s = StreamScanner::new(true);
+        assert_eq!(run(&mut s, &[bad.as_bytes()]), bad.as_bytes());
+        assert_eq!(s.usage(), None);
+    }
+}

@@ -1,0 +1,380 @@
+//! The one way a lease ends: a guard created as soon as the pool grants a lease, whose task runs
+//! in `wait_until` and outlives the response.
+//!
+//! Every exit of a proxied request goes through it: the proxy calls [`LeaseGuard::finish`] with the
+//! outcome (success, an error, a timeout, a client hang-up), and a guard dropped without that (an
+//! early return, a panic-free bail-out) ends the lease as cancelled. The task also listens for the
+//! client hanging up (on the edge, the request's own work may never run again after a disconnect),
+//! reports the prefill stage of a disaggregated request as soon as it ends,
+//! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
+//! exactly as long as its request. When the request ends it releases the lease with the outcome,
+//! writes the access log line, and settles the client's token reservation with the backend's
+//! reported usage. Nothing on the response path waits for any of this.
+
+use crate::keys::{self, Reservation};
+use crate::pools::pool_json;
+use crate::ApiError;
+use futures_util::future::{select, Either};
+use gateway_durable_objects::protocol::{PrefillDone, ReleaseRequest, RenewAnswer, RenewRequest};
+use routing_core::backend::BackendId;
+use routing_core::lease::{LeaseId, LeaseTerms};
+use routing_core::outcome::{Outcome, OutcomeKind};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+use wasm_bindgen::JsValue;
+use wasm_bindgen_futures::JsFuture;
+use worker::{AbortSignal, Context, Date, Delay, Env, Method};
+
+/// How a request ended.
+struct Ending {
+    outcome: Outcome,
+    /// The pool already ended the lease itself (a retry its budget refused).
+    released: bool,
+}
+
+/// What the guard and its task share.
+struct Record {
+    lease_id: LeaseId,
+    terms: LeaseTerms,
+    attempts: u32,
+    ending: Option<Ending>,
+    /// The prefill stage's outcome and backend of a disaggregated request, until reported.
+    prefill: Option<(Outcome, BackendId)>,
+}
+
+impl Record {
+    /// Records the ending unless one was recorded already (the first ending wins).
+    fn end(&mut self, outcome: Outcome, released: bool) -> bool {
+        if self.ending.is_some() {
+            return false;
+        }
+        self.ending = Some(Ending { outcome, released });
+        true
+    }
+}
+
+/// Owned by the guard's handles; the last one dropped ends an unfinished lease as cancelled.
+struct Shared {
+    record: Rc<RefCell<Record>>,
+    resolve: js_sys::Function,
+    /// Wakes the task to report the prefill stage.
+    stage: js_sys::Function,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.record
+            .borrow_mut()
+            .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
+        let _ = self.resolve.call0(&JsValue::UNDEFINED);
+    }
+}
+
+/// A handle on a granted lease; clones share it.
+#[derive(Clone)]
+pub struct LeaseGuard {
+    shared: Rc<Shared>,
+}
+
+/// What [`LeaseGuard::start`] needs.
+pub struct GuardSetup<'a> {
+    /// Worker environment (for the pool and rate-limiter calls).
+    pub env: &'a Env,
+    /// Worker context (for `wait_until`).
+    pub ctx: &'a Context,
+    /// The pool that granted the lease.
+    pub pool: String,
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// The lease as the Worker knows it (re-established from this if the pool loses it).
+    pub terms: LeaseTerms,
+    /// The client's abort signal.
+    pub client_signal: &'a AbortSignal,
+    /// Time between renewals.
+    pub renew_every: Duration,
+    /// The client's token reservation, settled when the request ends.
+    pub reservation: Option<Reservation>,
+}
+
+impl LeaseGuard {
+    /// Starts guarding a lease just granted.
+    pub fn start(setup: GuardSetup<'_>) -> LeaseGuard {
+        let (finished, resolve) = signal_promise();
+        let (stage_done, stage) = signal_promise();
+        let record = Rc::new(RefCell::new(Record {
+            lease_id: setup.lease_id,
+            terms: setup.terms,
+            attempts: 1,
+            ending: None,
+            prefill: None,
+        }));
+        let task = Task {
+            env: setup.env.clone(),
+            pool: setup.pool,
+            record: record.clone(),
+            renew_every: setup.renew_every,
+            reservation: setup.reservation,
+            started_ms: Date::now().as_millis(),
+        };
+        let hung_up = hang_up(setup.client_signal);
+        setup
+            .ctx
+            .wait_until(task.run(finished, hung_up, stage_done));
+        LeaseGuard {
+            shared: Rc::new(Shared {
+                record,
+                resolve,
+                stage,
+            }),
+        }
+    }
+
+    /// The lease's id.
+    pub fn lease_id(&self) -> LeaseId {
+        self.shared.record.borrow().lease_id
+    }
+
+    /// The lease as the Worker knows it now.
+    pub fn terms(&self) -> LeaseTerms {
+        self.shared.record.borrow().terms.clone()
+    }
+
+    /// The lease moved to `backend` for another attempt.
+    pub fn moved_to(&self, backend: &str) {
+        let mut r = self.shared.record.borrow_mut();
+        r.terms.backend = backend.into();
+        r.attempts += 1;
+    }
+
+    /// The prefill stage of a disaggregated request ended with `outcome`; the request goes on on
+    /// `decode_backend`. The task tells the pool at once, so the prefill share ends now and only
+    /// the prefill's own failures count against the prefill backend.
+    pub fn finish_prefill(&self, outcome: Outcome, decode_backend: &str) {
+        {
+            let mut r = self.shared.record.borrow_mut();
+            if r.ending.is_some() || r.prefill.is_some() {
+                return;
+            }
+            let prefill_backend = std::mem::replace(&mut r.terms.backend, decode_backend.into());
+            r.prefill = Some((outcome, prefill_backend));
+        }
+        let _ = self.shared.stage.call0(&JsValue::UNDEFINED);
+    }
+
+    /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
+    pub fn finish(&self, outcome: Outcome) {
+        self.end(outcome, false);
+    }
+
+    /// Ends a request whose lease the pool already ended (it refused a retry).
+    pub fn finish_released(&self, outcome: Outcome) {
+        self.end(outcome, true);
+    }
+
+    fn end(&self, outcome: Outcome, released: bool) {
+        if self.shared.record.borrow_mut().end(outcome, released) {
+            let _ = self.shared.resolve.call0(&JsValue::UNDEFINED);
+        }
+    }
+}
+
+/// A promise and the function that resolves it.
+fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
+    let mut resolve = None;
+    let promise = js_sys::Promise::new(&mut |res, _| resolve = Some(res));
+    (
+        promise,
+        resolve.unwrap_or_else(|| js_sys::Function::new_no_args("")),
+    )
+}
+
+/// A promise that resolves when the client hangs up.
+fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
+    let signal: &web_sys::AbortSignal = signal;
+    let signal = signal.clone();
+    js_sys::Promise::new(&mut |resolve, _| {
+        if signal.aborted() {
+            let _ = resolve.call0(&JsValue::UNDEFINED);
+        } else {
+            let _ = signal.add_event_listener_with_callback("abort", &resolve);
+        }
+    })
+}
+
+/// The guard's work in `wait_until`.
+struct Task {
+    env: Env,
+    pool: String,
+    record: Rc<RefCell<Record>>,
+    renew_every: Duration,
+    reservation: Option<Reservation>,
+    started_ms: u64,
+}
+
+impl Task {
+    async fn run(
+        self,
+        finished: js_sys::Promise,
+        hung_up: js_sys::Promise,
+        stage_done: js_sys::Promise,
+    ) {
+        let mut finished = JsFuture::from(finished);
+        let mut hung_up = JsFuture::from(hung_up);
+        let mut stage_done = JsFuture::from(stage_done);
+        loop {
+            let tick = Delay::from(self.renew_every);
+            match select(
+                select(&mut finished, &mut hung_up),
+                select(&mut stage_done, tick),
+            )
+            .await
+            {
+                Either::Left((Either::Left(_), _)) => break,
+                Either::Left((Either::Right(_), _)) => {
+                    // The upstream fetch shares the client's signal, so it is aborted already.
+                    self.record
+                        .borrow_mut()
+                        .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
+                    break;
+                }
+                Either::Right((Either::Left(_), _)) => {
+                    self.report_prefill().await;
+                    // Reported once; from now on this never wakes the loop again.
+                    stage_done = JsFuture::from(js_sys::Promise::new(&mut |_, _| {}));
+                }
+                Either::Right((Either::Right(_), _)) => self.renew().await,
+            }
+        }
+        // A prefill stage that ended in the same turn as the request is reported first.
+        self.report_prefill().await;
+        let (lease_id, backend, attempts, ending) = {
+            let mut r = self.record.borrow_mut();
+            let ending = r.ending.take().unwrap_or(Ending {
+                outcome: Outcome::of_kind(OutcomeKind::Cancelled),
+                released: false,
+            });
+            (r.lease_id, r.terms.backend.0.clone(), r.attempts, ending)
+        };
+        let request_id = self.record.borrow().terms.request_id.clone();
+        access_log(
+            &request_id,
+            &self.pool,
+            &backend,
+            attempts,
+            &ending.outcome,
+            Date::now().as_millis().saturating_sub(self.started_ms),
+        );
+        if !ending.released {
+            release(&self.env, &self.pool, lease_id, &backend, &ending.outcome).await;
+        }
+        if let Some(reservation) = &self.reservation {
+            if let Some(actual) = used_tokens(&ending.outcome) {
+                keys::settle(&self.env, reservation, actual).await;
+            }
+        }
+    }
+
+    /// Tells the pool the prefill stage ended (once).
+    async fn report_prefill(&self) {
+        let Some((outcome, backend)) = self.record.borrow_mut().prefill.take() else {
+            return;
+        };
+        let req = PrefillDone {
+            lease_id: self.record.borrow().lease_id,
+            outcome,
+            backend: Some(backend),
+        };
+        let result: Result<serde_json::Value, ApiError> = pool_json(
+            &self.env,
+            &self.pool,
+            Method::Post,
+            "/prefill_done",
+            Some(&req),
+        )
+        .await;
+        if let Err(e) = result {
+            worker::console_error!(
+                "reporting the prefill of lease {} in pool {} failed: {e}",
+                req.lease_id,
+                self.pool
+            );
+        }
+    }
+
+    /// Pushes the lease's deadline out; a pool that lost the lease counts it again.
+    async fn renew(&self) {
+        let req = {
+            let r = self.record.borrow();
+            RenewRequest {
+                lease_id: r.lease_id,
+                terms: r.terms.clone(),
+            }
+        };
+        match pool_json::<RenewAnswer>(&self.env, &self.pool, Method::Post, "/renew", Some(&req))
+            .await
+        {
+            Ok(a) if a.reestablished => worker::console_log!(
+                "{}",
+                serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
+            ),
+            Ok(_) => {}
+            Err(e) => worker::console_error!(
+                "renewing lease {} in pool {} failed: {e}",
+                req.lease_id,
+                self.pool
+            ),
+        }
+    }
+}
+
+/// The tokens to settle a reservation with: what the backend reported; nothing for a request that
+/// failed before any answer; `None` (keep the estimate) when an answer started but its usage is
+/// unknown (the stream was cut before the usage event).
+fn used_tokens(outcome: &Outcome) -> Option<u64> {
+    match (outcome.prompt_tokens, outcome.completion_tokens) {
+        (Some(p), Some(c)) => Some(u64::from(p) + u64::from(c)),
+        _ if !outcome.status.is_some_and(|s| (200..300).contains(&s)) => Some(0),
+        _ => None,
+    }
+}
+
+/// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.
+async fn release(env: &Env, pool: &str, lease_id: LeaseId, backend: &str, outcome: &Outcome) {
+    let req = ReleaseRequest {
+        lease_id,
+        outcome: outcome.clone(),
+        backend: Some(backend.into()),
+    };
+    let result: Result<serde_json::Value, ApiError> =
+        pool_json(env, pool, Method::Post, "/release", Some(&req)).await;
+    if let Err(e) = result {
+        worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
+    }
+}
+
+/// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
+fn access_log(
+    request_id: &str,
+    pool: &str,
+    backend: &str,
+    attempts: u32,
+    outcome: &Outcome,
+    duration_ms: u64,
+) {
+    let line = serde_json::json!({
+        "event": "request",
+        "request_id": request_id,
+        "pool": pool,
+        "backend": backend,
+        "attempts": attempts,
+        "status": outcome.status,
+        "outcome": outcome.kind,
+        "ttfb_ms": outcome.ttfb_ms,
+        "duration_ms": duration_ms,
+        "prompt_tokens": outcome.prompt_tokens,
+        "cached_tokens": outcome.cached_tokens,
+        "completion_tokens": outcome.completion_tokens,
+    });
+    worker::console_log!("{line}");
+}
