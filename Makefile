@@ -11,6 +11,7 @@ help:
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
+	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
 
@@ -55,13 +56,14 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick
+.PHONY: bench bench-quick bench-admission
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
 bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
+	@$(MAKE) --no-print-directory bench-admission
 
 # The same, smaller (5 policies, 3 modes, fewer requests): under 8 minutes.
 bench-quick: setup
@@ -73,3 +75,8 @@ bench-quick: setup
 # Against the Worker under Miniflare, or against a running gateway with SOAK_URL and SOAK_TOKEN.
 soak: setup sim build
 	@source scripts/env.sh && node tests/soak.mjs --requests 5000 --concurrency 200 --sims 4 --seconds-limit 240 $(if $(SOAK_URL),--url $(SOAK_URL) --admin-token $(SOAK_TOKEN))
+
+# Admission control under overload (bench/admission.mjs): a batch and an interactive tenant at 1.5x the
+# fleet's capacity, with and without the gateway's queue; writes bench/results/admission-<date>.json (~3 min).
+bench-admission: setup sim build
+	@source scripts/env.sh && node bench/admission.mjs

@@ -13,12 +13,12 @@
 //! | `GET/PUT /admin/pools/{pool}` | a pool's summary and settings; change policy and knobs |
 //! | `POST /admin/pools/{pool}/probe` | probe the pool's backends now |
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
-//! | `POST/GET /admin/keys`, `DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) |
+//! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
 use crate::keys::{hash_key, invalidate};
 use crate::pools::{directory_json, error_from_response, list_pools, pool_call, pool_json, remember_pool};
 use crate::ApiError;
-use gateway_durable_objects::directory::StoredKey;
+use gateway_durable_objects::directory::{KeyPatch, StoredKey};
 use gateway_durable_objects::pool_coordinator::{validate_pool_name, PoolSettings};
 use gateway_durable_objects::protocol::{BackendRegistration, PoolEntry, DEFAULT_POOL};
 use gateway_durable_objects::registry::{host_is_ip, validate_name};
@@ -147,8 +147,20 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["keys"]) => {
             let keys: Vec<StoredKey> = directory_json(env, Method::Get, "/keys", None::<&()>).await?;
             let data: Vec<Value> =
-                keys.iter().map(|k| json!({ "id": k.id, "name": k.name, "created_ms": k.created_ms })).collect();
+                keys.iter().map(|k| json!({ "id": k.id, "name": k.name, "created_ms": k.created_ms, "priority": k.priority })).collect();
             json_ok(&json!({ "object": "list", "data": data }))
+        }
+        (Method::Patch, ["keys", id]) => {
+            validate_name("id", id)?;
+            let text = body_text(&mut req).await?;
+            let patch: KeyPatch =
+                serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid key patch: {e}")))?;
+            if let Some(p) = patch.priority {
+                crate::admission::validate_priority(p)?;
+            }
+            let v: Value = directory_json(env, Method::Patch, &format!("/keys/{id}"), Some(&patch)).await?;
+            invalidate();
+            json_ok(&v)
         }
         (Method::Delete, ["keys", id]) => {
             validate_name("id", id)?;
@@ -198,6 +210,7 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
 #[serde(default, deny_unknown_fields)]
 struct MintRequest {
     name: String,
+    priority: i32,
 }
 
 /// `POST /admin/keys`: mints a client key, stores its hash, and shows the key this once.
@@ -211,16 +224,18 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
     if mint.name.len() > 128 || mint.name.chars().any(char::is_control) {
         return Err(ApiError::bad_request("`name` must be at most 128 printable characters").with_param("name"));
     }
+    crate::admission::validate_priority(mint.priority)?;
     let key = format!("sk-gw-{}", crate::random_hex(24));
     let stored = StoredKey {
         id: format!("key-{}", crate::random_hex(6)),
         name: mint.name,
         hash: hash_key(&key),
         created_ms: Date::now().as_millis(),
+        priority: mint.priority,
     };
     let _: StoredKey = directory_json(env, Method::Post, "/keys", Some(&stored)).await?;
     invalidate();
-    Response::from_json(&json!({ "id": stored.id, "name": stored.name, "key": key, "created_ms": stored.created_ms }))
+    Response::from_json(&json!({ "id": stored.id, "name": stored.name, "key": key, "created_ms": stored.created_ms, "priority": stored.priority }))
         .map(|r| r.with_status(201))
         .map_err(ApiError::from_worker)
 }

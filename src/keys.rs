@@ -4,8 +4,9 @@
 //! keys minted through the admin API, of which only a SHA-256 hash is stored (in the pool
 //! directory). When neither holds a key, the OpenAI surface is open (local development). A
 //! presented key is hashed and compared against every known hash in constant time. The set of
-//! minted-key hashes is cached in the isolate and refreshed in the background every few seconds. Rate limits charge an estimate
-//! when a request is admitted and settle it with the backend's reported usage when it ends.
+//! minted keys (hashes, ids and admission priorities) is cached in the isolate and refreshed in
+//! the background every few seconds. Rate limits charge an estimate when a request is admitted and
+//! settle it with the backend's reported usage when it ends.
 
 use crate::auth::{bearer, constant_time_eq, secret};
 use crate::ApiError;
@@ -20,7 +21,7 @@ use worker::{Context, Env, Request};
 const CACHE_MS: u64 = 5_000;
 
 thread_local! {
-    static MINTED: RefCell<CacheSlot<Vec<String>>> = const { RefCell::new(CacheSlot::new()) };
+    static MINTED: RefCell<CacheSlot<Vec<StoredKey>>> = const { RefCell::new(CacheSlot::new()) };
 }
 
 /// Hex SHA-256 of a key.
@@ -33,39 +34,59 @@ pub fn invalidate() {
     MINTED.with(|m| m.borrow_mut().clear());
 }
 
-async fn fetch_minted(env: Env) -> Result<Vec<String>, ApiError> {
-    let keys: Vec<StoredKey> = crate::pools::directory_json(&env, worker::Method::Get, "/keys", None::<&()>).await?;
-    Ok(keys.into_iter().map(|k| k.hash).collect())
+async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
+    crate::pools::directory_json(&env, worker::Method::Get, "/keys", None::<&()>).await
 }
 
-async fn minted_hashes(env: &Env, ctx: &Context) -> Result<Vec<String>, ApiError> {
+async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
     let env = env.clone();
     stale_while_revalidate(&MINTED, CACHE_MS, ctx, move || fetch_minted(env)).await
 }
 
-/// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
-/// identity for rate limiting), or `None` when the surface is open.
-pub async fn require_client(req: &Request, env: &Env, ctx: &Context) -> Result<Option<String>, ApiError> {
-    let mut hashes: Vec<String> = secret(env, "CLIENT_API_KEYS")
+/// A client key that passed the check: who the client is, for rate limits and admission control.
+#[derive(Debug, Clone)]
+pub struct ClientKey {
+    /// Hex SHA-256 of the key (the rate limiter's identity).
+    pub hash: String,
+    /// The tenant: a minted key's id, or `env-` and the start of the hash of a `CLIENT_API_KEYS` key.
+    pub tenant: String,
+    /// The admission priority configured for the key (0 for `CLIENT_API_KEYS` keys).
+    pub priority: i32,
+}
+
+/// Checks the client's bearer key when keys are configured; returns who it is, or `None` when the
+/// surface is open.
+pub async fn identify(req: &Request, env: &Env, ctx: &Context) -> Result<Option<ClientKey>, ApiError> {
+    let configured: Vec<String> = secret(env, "CLIENT_API_KEYS")
         .map(|s| s.split(',').map(str::trim).filter(|k| !k.is_empty()).map(hash_key).collect())
         .unwrap_or_default();
-    hashes.extend(minted_hashes(env, ctx).await?);
-    if hashes.is_empty() {
+    let minted = minted_keys(env, ctx).await?;
+    if configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
     let Some(given) = bearer(req) else {
         return Err(ApiError::unauthorized("Missing API key: send Authorization: Bearer <key>."));
     };
     let given = hash_key(&given);
-    let mut ok = false;
-    for h in &hashes {
-        ok |= constant_time_eq(given.as_bytes(), h.as_bytes());
+    // Every hash is compared, so the time taken does not tell which one matched.
+    let mut found = None;
+    for h in &configured {
+        if constant_time_eq(given.as_bytes(), h.as_bytes()) {
+            found = Some(ClientKey { hash: given.clone(), tenant: format!("env-{}", &h[..12]), priority: 0 });
+        }
     }
-    if ok {
-        Ok(Some(given))
-    } else {
-        Err(ApiError::unauthorized("Invalid API key."))
+    for k in &minted {
+        if constant_time_eq(given.as_bytes(), k.hash.as_bytes()) {
+            found = Some(ClientKey { hash: given.clone(), tenant: k.id.clone(), priority: k.priority });
+        }
     }
+    found.map(Some).ok_or_else(|| ApiError::unauthorized("Invalid API key."))
+}
+
+/// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
+/// identity for rate limiting), or `None` when the surface is open.
+pub async fn require_client(req: &Request, env: &Env, ctx: &Context) -> Result<Option<String>, ApiError> {
+    Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
 fn limits(env: &Env) -> RateLimits {

@@ -5,6 +5,7 @@
 //! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
 mod admin;
+mod admission;
 mod auth;
 mod dashboard;
 mod keys;
@@ -24,7 +25,6 @@ pub use gateway_durable_objects::rate_limiter::RateLimiter;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::lease::LeaseTerms;
 use gateway_durable_objects::protocol::PoolEntry;
-use routing_core::pool::Grant;
 use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
@@ -246,7 +246,9 @@ async fn completion(
     if req.method() != Method::Post {
         return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
     }
-    let client = keys::require_client(&req, env, ctx).await?;
+    let key = keys::identify(&req, env, ctx).await?;
+    let client = key.as_ref().map(|k| k.hash.clone());
+    let who = admission::admission_request(&req, key.as_ref())?;
     let body = read_body(&mut req, env).await?;
     let parsed: Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
@@ -295,19 +297,23 @@ async fn completion(
     // The nearest pool that refused only because it was saturated: the fallback when no later
     // pool can take the request (none serves the model, all refuse, or their objects fail).
     let mut saturated: Option<PoolEntry> = None;
+    // The nearest pool whose backends were all at their admission capacity: where the request
+    // waits when no pool has room (spillover comes before queueing).
+    let mut queue_at: Option<PoolEntry> = None;
     let mut order = pools.into_iter().enumerate();
     loop {
         let (pool, spill_ok) = match order.next() {
-            // A saturated pool refuses work only when a further pool could take it.
-            Some((i, pool)) => (pool, i + 1 < count),
-            None => match saturated.take() {
+            // A saturated or full pool refuses work only when a further pool could take it.
+            Some((i, pool)) => (pool, i + 1 < count || queue_at.is_some()),
+            None => match queue_at.take().or_else(|| saturated.take()) {
                 Some(pool) => (pool, false),
                 None => break,
             },
         };
         let path = if spill_ok { "/acquire?spill_ok=true" } else { "/acquire" };
-        match pools::pool_json::<Grant>(env, &pool.name, Method::Post, path, Some(&features)).await {
-            Ok(grant) => {
+        match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
+            Ok(admitted) => {
+                let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = Date::now().as_millis();
                 let route_ms = now.saturating_sub(started);
@@ -346,10 +352,23 @@ async fn completion(
                     routing_header: feature_config(env).routing_header,
                     route_ms,
                 };
-                return if disaggregated { forward.run_disaggregated().await } else { forward.run().await };
+                let resp = if disaggregated { forward.run_disaggregated().await? } else { forward.run().await? };
+                return with_queue_wait(resp, queued_ms);
             }
             // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,
+            // Every backend is at its admission capacity: spill, and wait here if no pool has room.
+            Err(e) if e.code.as_deref() == Some("pool_at_capacity") => {
+                if queue_at.is_none() && spill_ok {
+                    queue_at = Some(pool);
+                }
+                last_err = e;
+            }
+            // The request waited and was dropped, or its client left: that is the answer.
+            Err(e) if e.status == 499 || e.headers.iter().any(|(k, _)| k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER) => {
+                refund(ctx, env, reservation);
+                return Err(e);
+            }
             // Serves it but is saturated: spill, and remember it in case nothing further can help.
             Err(e) if e.code.as_deref() == Some("pool_saturated") => {
                 if saturated.is_none() && spill_ok {
@@ -370,6 +389,21 @@ async fn completion(
     }
     refund(ctx, env, reservation);
     Err(last_err)
+}
+
+/// Adds how long the request waited in a pool's queue, when it did.
+fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Response, ApiError> {
+    if queued_ms == 0 {
+        return Ok(resp);
+    }
+    // Headers of a proxied response may be immutable: copy them.
+    let headers = Headers::new();
+    for (k, v) in resp.headers().entries() {
+        headers.append(&k, &v).map_err(ApiError::from_worker)?;
+    }
+    let wait = queued_ms.to_string();
+    headers.set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait).map_err(ApiError::from_worker)?;
+    Ok(resp.with_headers(headers))
 }
 
 /// Gives back a token reservation of a request no pool took.

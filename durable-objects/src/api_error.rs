@@ -23,6 +23,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Seconds a client should wait before retrying (503, 429).
     pub retry_after_s: Option<u32>,
+    /// Further response headers (such as the queue's drop reason).
+    pub headers: Vec<(String, String)>,
 }
 
 /// The JSON body of an error response.
@@ -55,6 +57,7 @@ impl ApiError {
             code: code.map(str::to_string),
             param: None,
             retry_after_s: None,
+            headers: Vec::new(),
         }
     }
 
@@ -139,6 +142,7 @@ impl ApiError {
             code: error.code,
             param: error.param,
             retry_after_s: None,
+            headers: Vec::new(),
         }
     }
 
@@ -160,6 +164,26 @@ impl ApiError {
         self
     }
 
+    /// Adds a response header.
+    pub fn with_header(mut self, name: &str, value: &str) -> Self {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// 429 `queue_full`: the pool's queue (or the tenant's share of it) is full.
+    pub fn queue_full(reason: &str, retry_after_s: u32) -> Self {
+        Self::new(429, "rate_limit_error", Some("queue_full"), "The gateway's queue for this pool is full for you; retry later.")
+            .with_retry_after(retry_after_s)
+            .with_header(crate::protocol::QUEUE_DROP_HEADER, reason)
+    }
+
+    /// 503 `queue_timeout`: the request waited as long as it may.
+    pub fn queue_timeout(retry_after_s: u32) -> Self {
+        Self::new(503, "server_error", Some("queue_timeout"), "The request waited in the gateway's queue as long as it may; retry later.")
+            .with_retry_after(retry_after_s)
+            .with_header(crate::protocol::QUEUE_DROP_HEADER, "queue_timeout")
+    }
+
     /// The JSON body.
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
@@ -178,6 +202,9 @@ impl ApiError {
         headers.set("content-type", "application/json")?;
         if let Some(s) = self.retry_after_s {
             headers.set("retry-after", &s.to_string())?;
+        }
+        for (name, value) in &self.headers {
+            headers.set(name, value)?;
         }
         let body = serde_json::to_vec(&self.body()).map_err(|e| worker::Error::RustError(e.to_string()))?;
         Ok(Response::from_bytes(body)?.with_status(self.status).with_headers(headers))

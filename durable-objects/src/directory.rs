@@ -5,8 +5,9 @@
 //! - `GET /pools`: every [`PoolEntry`], ordered by name.
 //! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]).
 //! - `DELETE /pools/{name}`: forget a pool.
-//! - `GET /keys`, `POST /keys`, `DELETE /keys/{id}`: client API keys, stored as SHA-256 hashes
-//!   (the Worker mints a key, shows it once, and sends only its hash here).
+//! - `GET /keys`, `POST /keys`, `PATCH /keys/{id}`, `DELETE /keys/{id}`: client API keys, stored as
+//!   SHA-256 hashes (the Worker mints a key, shows it once, and sends only its hash here), each
+//!   with the admission priority of its requests.
 
 use crate::api_error::ApiError;
 use crate::protocol::PoolEntry;
@@ -24,6 +25,17 @@ pub struct StoredKey {
     pub hash: String,
     /// When it was minted (ms since the epoch).
     pub created_ms: u64,
+    /// Admission priority of the key's requests (higher is served first; default 0).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// Body of `PATCH /keys/{id}`.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct KeyPatch {
+    /// New admission priority.
+    pub priority: Option<i32>,
 }
 
 /// The name of the single directory instance.
@@ -42,8 +54,9 @@ impl DurableObject for PoolDirectory {
             "CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, region TEXT NOT NULL DEFAULT '')",
             "ALTER TABLE pools ADD COLUMN location_hint TEXT",
             "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL UNIQUE, created_ms INTEGER NOT NULL)",
+            "ALTER TABLE keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
         ] {
-            // The ALTER fails harmlessly once the column exists.
+            // An ALTER fails harmlessly once its column exists.
             let _ = sql.exec(ddl, None);
         }
         PoolDirectory { state }
@@ -67,17 +80,36 @@ impl DurableObject for PoolDirectory {
                 .map_err(ApiError::from_worker)
                 .and_then(|_| Response::empty().map_err(ApiError::from_worker)),
             (Method::Get, ["keys"]) => self
-                .sql("SELECT id, name, hash, created_ms FROM keys ORDER BY created_ms", vec![])
+                .sql("SELECT id, name, hash, created_ms, priority FROM keys ORDER BY created_ms", vec![])
                 .and_then(|c| c.to_array::<StoredKey>().map_err(ApiError::from_worker))
                 .and_then(|keys| Response::from_json(&keys).map_err(ApiError::from_worker)),
             (Method::Post, ["keys"]) => match req.json::<StoredKey>().await {
                 Ok(k) => self
                     .sql(
-                        "INSERT INTO keys (id, name, hash, created_ms) VALUES (?, ?, ?, ?)",
-                        vec![k.id.clone().into(), k.name.clone().into(), k.hash.clone().into(), (k.created_ms as i64).into()],
+                        "INSERT INTO keys (id, name, hash, created_ms, priority) VALUES (?, ?, ?, ?, ?)",
+                        vec![
+                            k.id.clone().into(),
+                            k.name.clone().into(),
+                            k.hash.clone().into(),
+                            (k.created_ms as i64).into(),
+                            (k.priority as i64).into(),
+                        ],
                     )
                     .and_then(|_| Response::from_json(&k).map(|r| r.with_status(201)).map_err(ApiError::from_worker)),
                 Err(e) => Err(ApiError::bad_request(format!("invalid key: {e}"))),
+            },
+            (Method::Patch, ["keys", id]) => match req.json::<KeyPatch>().await {
+                Ok(KeyPatch { priority: Some(p) }) => self
+                    .sql("UPDATE keys SET priority = ? WHERE id = ?", vec![(p as i64).into(), (*id).into()])
+                    .and_then(|c| {
+                        if c.rows_written() > 0 {
+                            Response::from_json(&serde_json::json!({ "id": id, "priority": p })).map_err(ApiError::from_worker)
+                        } else {
+                            Err(ApiError::not_found(format!("no key `{id}`")))
+                        }
+                    }),
+                Ok(_) => Err(ApiError::bad_request("nothing to change: send `priority`")),
+                Err(e) => Err(ApiError::bad_request(format!("invalid key patch: {e}"))),
             },
             (Method::Delete, ["keys", id]) => self
                 .sql("DELETE FROM keys WHERE id = ?", vec![(*id).into()])

@@ -5,6 +5,7 @@
 //! - [`directory::PoolDirectory`]: a single instance listing every pool.
 //! - [`protocol`]: the internal routes and bodies; [`api_error`]: the OpenAI-style error shape.
 //! - [`probe`] and [`timed_fetch`]: active health checks and outbound fetches with deadlines.
+//! - [`waiting_room`]: acquires waiting in a pool's admission queue.
 
 pub mod api_error;
 pub mod directory;
@@ -14,3 +15,4 @@ pub mod protocol;
 pub mod rate_limiter;
 pub mod registry;
 pub mod timed_fetch;
+pub mod waiting_room;

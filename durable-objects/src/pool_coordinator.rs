@@ -14,13 +14,18 @@
 
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
-use crate::protocol::{BackendRegistration, PrefillDone, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER};
+use crate::protocol::{
+    AcquireRequest, BackendRegistration, DequeueRequest, PrefillDone, Queued, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest,
+    POOL_HEADER, QUEUE_WAIT_HEADER,
+};
+use crate::waiting_room::{Step, Verdict, WaitingRoom};
+use futures_util::future::{select, Either};
+use routing_core::admission::DropReason;
 use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
 use routing_core::pool::{AcquireError, BackendSnapshot, BackendView, Pool, PoolConfig, PoolError};
-use routing_core::prompt::RequestFeatures;
 use routing_core::random::SplitMix64;
 use routing_core::retry_budget::{RetryBudget, RetryBudgetConfig};
 use serde::{Deserialize, Serialize};
@@ -136,6 +141,8 @@ struct Live {
     spills: u64,
     /// Probe outcomes: (successes, failures).
     probe_results: (u64, u64),
+    /// Admission control's queue and the acquires waiting on it.
+    room: WaitingRoom,
     /// The pool's load summary as of the last probe round or registry change (what spillover
     /// reads on every acquire, so that no acquire walks the whole fleet for it).
     load: PoolLoad,
@@ -152,6 +159,8 @@ pub struct PoolLoad {
     pub ready: usize,
     /// Sum of the backends' scraped waiting queues.
     pub waiting: f64,
+    /// Requests waiting in the gateway's own admission queue for this pool.
+    pub queued: usize,
     /// Sum of the backends' scraped running batches.
     pub running: f64,
     /// Replicas an autoscaler should aim for (see [`desired_replicas`]).
@@ -176,7 +185,8 @@ pub fn desired_replicas(ready: usize, waiting: f64, running: f64, target: f64) -
 }
 
 fn pool_load(l: &Live) -> PoolLoad {
-    let mut load = PoolLoad { ready: 0, waiting: 0.0, running: 0.0, desired_replicas: 1, saturated: false };
+    let queued = l.room.queue.len();
+    let mut load = PoolLoad { ready: 0, waiting: 0.0, queued, running: 0.0, desired_replicas: 1, saturated: false };
     for v in l.pool.backends() {
         if v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy {
             load.ready += 1;
@@ -184,7 +194,9 @@ fn pool_load(l: &Live) -> PoolLoad {
         load.waiting += v.scraped.waiting.unwrap_or(0.0);
         load.running += v.scraped.running.unwrap_or(0.0);
     }
-    load.desired_replicas = desired_replicas(load.ready, load.waiting, load.running, l.settings.autoscale_target_waiting);
+    // Requests in the gateway's queue wait for a replica just as those in vLLM's own queues do.
+    let waiting = load.waiting + queued as f64;
+    load.desired_replicas = desired_replicas(load.ready, waiting, load.running, l.settings.autoscale_target_waiting);
     let threshold = l.settings.saturation_waiting_per_backend;
     load.saturated = threshold > 0.0 && load.ready > 0 && load.waiting / load.ready as f64 > threshold;
     load
@@ -254,6 +266,7 @@ impl DurableObject for PoolCoordinator {
         let method = req.method();
         let flag = |name: &str| req.url().map(|u| u.query_pairs().any(|(k, v)| k == name && v == "true")).unwrap_or(false);
         let (force, spill_ok) = (flag("force"), flag("spill_ok"));
+        let signal: web_sys::AbortSignal = req.inner().signal();
         let body = match method {
             Method::Post | Method::Put | Method::Patch => match req.text().await {
                 Ok(t) => t,
@@ -262,7 +275,8 @@ impl DurableObject for PoolCoordinator {
             _ => String::new(),
         };
         let result = match (method, segs.as_slice()) {
-            (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok),
+            (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok, signal).await,
+            (Method::Post, ["dequeue"]) => self.dequeue(&body),
             (Method::Post, ["reassign"]) => self.reassign(&body).await,
             (Method::Post, ["release"]) => self.release(&body),
             (Method::Post, ["renew"]) => self.renew(&body),
@@ -296,6 +310,9 @@ impl DurableObject for PoolCoordinator {
             }
             _ => Err(ApiError::not_found(format!("pool has no route {path}"))),
         };
+        // Whatever the call changed (a lease ended, a backend came back, settings) may let a
+        // queued request in.
+        self.settle_queue();
         result.or_else(|e| e.to_response())
     }
 
@@ -307,6 +324,7 @@ impl DurableObject for PoolCoordinator {
             l.pool.expire(now_ms());
             finish_drains(l);
         });
+        self.settle_queue();
         self.probe_all().await;
         self.state.storage().set_alarm(self.probe_interval_ms() as i64).await?;
         Response::ok("probed")
@@ -361,6 +379,7 @@ impl PoolCoordinator {
             retries: 0,
             spills: 0,
             probe_results: (0, 0),
+            room: WaitingRoom::default(),
             history: History::default(),
             load: PoolLoad::default(),
             persisted: HashMap::new(),
@@ -390,27 +409,93 @@ impl PoolCoordinator {
             .unwrap_or(DEFAULT_PROBE_INTERVAL_MS)
     }
 
-    fn acquire(&self, body: &str, spill_ok: bool) -> ApiResult {
-        let features: RequestFeatures = parse(body, "acquire request")?;
-        self.with(|l| {
+    async fn acquire(&self, body: &str, spill_ok: bool, signal: web_sys::AbortSignal) -> ApiResult {
+        let req: AcquireRequest = parse(body, "acquire request")?;
+        let step = self.with(|l| {
             let now = now_ms();
-            if spill_ok && l.load.saturated {
+            let admission = l.settings.routing.admission;
+            let queueing = admission.enabled || l.room.knows(req.admission.as_ref().and_then(|a| a.ticket));
+            let continuing = req.admission.as_ref().is_some_and(|a| a.ticket.is_some());
+            if spill_ok && !continuing && l.load.saturated {
                 l.spills += 1;
                 return Err(ApiError::unavailable("This pool is saturated; try the next pool.", 1).with_code("pool_saturated"));
             }
-            let Live { pool, rng, budget, settings, .. } = l;
-            match pool.acquire(&features, now, rng) {
-                Ok(grant) => {
-                    budget.record_request(now, &settings.retry_budget);
-                    json_response(200, &grant)
-                }
-                Err(AcquireError::ModelNotFound { model }) => Err(ApiError::model_not_found(&model)),
-                Err(AcquireError::NoBackendAvailable { retry_after_s }) => Err(ApiError::unavailable(
-                    "No backend in this pool can take the request now.",
-                    retry_after_s.clamp(1, 3600) as u32,
-                )),
+            let Live { pool, rng, room, .. } = l;
+            if !queueing {
+                return Ok(match pool.acquire(&req.features, now, rng) {
+                    Ok(grant) => Step::Done(Verdict::Granted { grant, waited_ms: 0 }),
+                    Err(e) => Step::Refused(e),
+                });
             }
+            let who = req.admission.unwrap_or_default();
+            Ok(room.enter(pool, &admission, req.features, &who, spill_ok, Some(signal), now, rng))
+        })?;
+        let (ticket, call_id, rx, until_ms) = match step {
+            Step::Done(verdict) => return self.answer(verdict),
+            Step::Spill => {
+                self.with(|l| l.spills += 1);
+                return Err(ApiError::unavailable("Every backend of this pool is at capacity; try the next pool.", 1)
+                    .with_code("pool_at_capacity"));
+            }
+            Step::Refused(AcquireError::ModelNotFound { model }) => return Err(ApiError::model_not_found(&model)),
+            Step::Refused(AcquireError::NoBackendAvailable { retry_after_s }) => {
+                return Err(ApiError::unavailable("No backend in this pool can take the request now.", retry_after_s.clamp(1, 3600) as u32))
+            }
+            Step::Refused(AcquireError::AtCapacity) => {
+                return Err(ApiError::unavailable("Every backend of this pool is at capacity.", 1).with_code("pool_at_capacity"))
+            }
+            Step::Wait { ticket, call_id, rx, until_ms } => (ticket, call_id, rx, until_ms),
+        };
+        let timer = Delay::from(Duration::from_millis(until_ms.saturating_sub(now_ms()).max(1)));
+        let verdict = match select(rx, timer).await {
+            Either::Left((Ok(verdict), _)) => Some(verdict),
+            // A newer call with the same ticket took over.
+            Either::Left((Err(_), _)) => None,
+            Either::Right((_, mut rx)) => self.with(|l| {
+                let now = now_ms();
+                let Live { pool, rng, room, settings, .. } = l;
+                room.settle(pool, &settings.routing.admission, now, rng);
+                room.pause(ticket, call_id, &mut rx, now)
+            }),
+        };
+        match verdict {
+            Some(verdict) => self.answer(verdict),
+            None => {
+                let queue_length = self.with(|l| l.room.queue.len());
+                json_response(202, &Queued { ticket, queue_length })
+            }
+        }
+    }
+
+    /// The answer to an acquire whose wait ended.
+    fn answer(&self, verdict: Verdict) -> ApiResult {
+        match verdict {
+            Verdict::Granted { grant, waited_ms } => {
+                self.with(|l| l.budget.record_request(now_ms(), &l.settings.retry_budget));
+                let mut resp = json_response(200, &grant)?;
+                resp.headers_mut().set(QUEUE_WAIT_HEADER, &waited_ms.to_string()).map_err(ApiError::from_worker)?;
+                Ok(resp)
+            }
+            Verdict::Dropped { reason, waited_ms } => Err(self.with(|l| drop_error(l, reason, waited_ms))),
+        }
+    }
+
+    /// `POST /dequeue`: a queued request's client left.
+    fn dequeue(&self, body: &str) -> ApiResult {
+        let req: DequeueRequest = parse(body, "dequeue request")?;
+        self.with(|l| {
+            let Live { pool, room, .. } = l;
+            let left = room.dequeue(pool, req.ticket, now_ms());
+            json_response(200, &json!({ "dequeued": left }))
         })
+    }
+
+    /// Lets queued requests in if backends have room (and drops those whose client left).
+    fn settle_queue(&self) {
+        self.with(|l| {
+            let Live { pool, rng, room, settings, .. } = l;
+            room.settle(pool, &settings.routing.admission, now_ms(), rng);
+        });
     }
 
     async fn reassign(&self, body: &str) -> ApiResult {
@@ -637,6 +722,7 @@ impl PoolCoordinator {
                     "waiting": load.waiting,
                     "running": load.running,
                     "saturated": load.saturated,
+                    "queue": queue_summary(l),
                     "autoscaling": {
                         "target_waiting_per_replica": l.settings.autoscale_target_waiting,
                         "desired_replicas": load.desired_replicas,
@@ -656,6 +742,7 @@ impl PoolCoordinator {
             let mut out = String::new();
             l.pool.render_metrics(&mut out);
             render_pool_metrics(l, &mut out);
+            l.room.queue.render_metrics(&l.name, &mut out);
             out
         });
         let mut resp = Response::ok(text).map_err(ApiError::from_worker)?;
@@ -749,6 +836,7 @@ impl PoolCoordinator {
             persist_snapshots(l);
             record_history(l);
         });
+        self.settle_queue();
     }
 
     /// The last hour, minute by minute, including the current minute so far.
@@ -807,6 +895,47 @@ fn render_pool_metrics(l: &Live, out: &mut String) {
     family("llm_gateway_probe_success", "gauge", "Whether the backend's last probe succeeded.", &per_backend(&|r| if r.result.ok { 1.0 } else { 0.0 }));
     family("llm_gateway_probe_duration_seconds", "gauge", "Duration of the backend's last probe.", &per_backend(&|r| r.duration_ms as f64 / 1000.0));
     family("llm_gateway_probe_timestamp_seconds", "gauge", "When the backend's last probe ran (Unix time).", &per_backend(&|r| r.at_ms as f64 / 1000.0));
+}
+
+/// The error a client gets for a request that left the queue without a lease.
+fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiError {
+    let seconds = |ms: u64| ms.div_ceil(1000).clamp(1, 60) as u32;
+    match reason {
+        DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => {
+            let oldest = l.room.queue.oldest_arrival_ms().map_or(0, |a| now_ms().saturating_sub(a));
+            ApiError::queue_full(reason.as_str(), seconds(oldest))
+        }
+        DropReason::Timeout => ApiError::queue_timeout(seconds(waited_ms)),
+        DropReason::ClientGone => {
+            let mut e = ApiError::bad_request("The client closed the request.").with_code("client_closed_request");
+            e.status = 499;
+            e.with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str())
+        }
+        DropReason::ModelGone => ApiError::model_not_found("").with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str()),
+    }
+}
+
+/// The admission queue as `GET /admin/pools/{pool}` shows it.
+fn queue_summary(l: &Live) -> serde_json::Value {
+    let q = &l.room.queue;
+    let s = q.stats();
+    let now = now_ms();
+    let by_priority: serde_json::Map<String, serde_json::Value> =
+        q.lengths_by_priority().into_iter().map(|(p, n)| (p.to_string(), json!(n))).collect();
+    let dropped: serde_json::Map<String, serde_json::Value> =
+        DropReason::ALL.iter().map(|r| (r.as_str().to_string(), json!(s.dropped(*r)))).collect();
+    json!({
+        "enabled": l.settings.routing.admission.enabled,
+        "length": q.len(),
+        "by_priority": by_priority,
+        "tenants": q.tenants(),
+        "oldest_wait_ms": q.oldest_arrival_ms().map(|a| now.saturating_sub(a)),
+        "waiting_tokens": q.waiting_tokens(),
+        "admitted": s.admitted,
+        "queued": s.queued,
+        "reentered": s.reentered,
+        "dropped": dropped,
+    })
 }
 
 /// Removes drained backends whose `DELETE` was waiting for the drain.

@@ -131,3 +131,37 @@ pub struct ReleaseRequest {
     #[serde(default)]
     pub backend: Option<routing_core::backend::BackendId>,
 }
+
+/// `POST /acquire`: a request's routing features, plus who is asking when admission control may
+/// queue it (without `admission`, the pool never queues the request).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AcquireRequest {
+    /// What routing needs to know about the request.
+    #[serde(flatten)]
+    pub features: routing_core::prompt::RequestFeatures,
+    /// Tenant, priority, wait limit, and the ticket of a wait in progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<routing_core::admission::AdmissionRequest>,
+}
+
+/// `202` answer of `POST /acquire`: the request waits in the pool's queue; ask again with the
+/// ticket (within a few seconds, or the pool counts the client as gone).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Queued {
+    /// The wait's handle.
+    pub ticket: routing_core::admission::Ticket,
+    /// Requests waiting in the pool's queue.
+    pub queue_length: usize,
+}
+
+/// `POST /dequeue`: the client of a queued request left.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DequeueRequest {
+    /// The wait's handle.
+    pub ticket: routing_core::admission::Ticket,
+}
+
+/// Header of a granted acquire: milliseconds the request waited in the pool's queue.
+pub const QUEUE_WAIT_HEADER: &str = "x-gateway-queue-wait-ms";
+/// Header of a request refused or dropped by admission control: the drop reason.
+pub const QUEUE_DROP_HEADER: &str = "x-gateway-queue-drop";

@@ -7,16 +7,17 @@
 //! outcome. Everything a decision depends on lives here: the backend registry ([`backend`]), probe
 //! health ([`health`]), circuit breakers ([`breaker`]), the consistent-hash ring ([`ring`]), the
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
-//! policies ([`policy`]) and Prometheus rendering ([`metrics`]); the probe's reading of vLLM's
-//! `/metrics` page ([`scrape`]), the pool-wide retry budget ([`retry_budget`]), the per-minute
-//! history the dashboard draws ([`history`]) and the reading of backends' token usage ([`usage`])
-//! too.
+//! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
+//! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
+//! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
+//! ([`history`]) and the reading of backends' token usage ([`usage`]) too.
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
 //! `worker` dependency and builds for `wasm32-unknown-unknown`, so the same decisions run in the
 //! Durable Object, in native tests and in benchmarks.
 
+pub mod admission;
 pub mod affinity;
 pub mod backend;
 pub mod breaker;

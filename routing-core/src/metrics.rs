@@ -130,13 +130,19 @@ fn number(out: &mut String, v: f64) {
     }
 }
 
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+pub(crate) fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
 }
 
 /// Writes one sample: `name{pool="..",k="v",..} value`.
-fn sample(out: &mut String, name: &str, pool: &str, labels: &[(&str, &str)], value: f64) {
+pub(crate) fn sample(
+    out: &mut String,
+    name: &str,
+    pool: &str,
+    labels: &[(&str, &str)],
+    value: f64,
+) {
     out.push_str(name);
     out.push_str("{pool=\"");
     label(out, pool);

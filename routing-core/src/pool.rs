@@ -13,6 +13,7 @@
 //! [`Pool::release`]s the lease with the [`Outcome`], which feeds the breaker and the statistics.
 //! [`Pool::expire`] ends leases nobody released, and [`Pool::next_deadline`] says when to call it.
 
+use crate::admission::{has_room, AdmissionConfig};
 use crate::affinity::PrefixAffinity;
 use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 use crate::breaker::{Admission, BreakerConfig, BreakerSnapshot, BreakerState, CircuitBreaker};
@@ -72,6 +73,8 @@ pub struct PoolConfig {
     pub breaker: BreakerConfig,
     /// Health-probe thresholds.
     pub health: HealthConfig,
+    /// Admission control: backend capacity and the queue ([`crate::admission`]).
+    pub admission: AdmissionConfig,
 }
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
@@ -96,6 +99,7 @@ impl Default for PoolConfig {
             time_model: TimeModelConfig::default(),
             breaker: BreakerConfig::default(),
             health: HealthConfig::default(),
+            admission: AdmissionConfig::default(),
         }
     }
 }
@@ -127,6 +131,7 @@ impl PoolConfig {
         if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
             return fail("health thresholds must be at least 1");
         }
+        self.admission.validate().map_err(ConfigError)?;
         Ok(())
     }
 
@@ -224,6 +229,9 @@ pub enum AcquireError {
         /// Seconds until a breaker cooldown or saturation mark ends (at least 1).
         retry_after_s: u64,
     },
+    /// Backends serve the model and are up, but every one is at its admission capacity (only with
+    /// admission control on: the request may wait in the pool's queue).
+    AtCapacity,
 }
 
 impl fmt::Display for AcquireError {
@@ -236,6 +244,7 @@ impl fmt::Display for AcquireError {
                 f,
                 "no backend is available for this model; retry after {retry_after_s} s"
             ),
+            AcquireError::AtCapacity => f.write_str("every backend for this model is at capacity"),
         }
     }
 }
@@ -537,6 +546,8 @@ pub struct Pool {
     mean_uncached_tokens: f64,
     /// The latest time the pool was told (views show the prefill backlog as of then).
     now_hint_ms: u64,
+    /// Slots where a lease share ended since [`Pool::take_freed`] (admission control only).
+    freed: Vec<u32>,
 }
 
 impl fmt::Debug for Pool {
@@ -577,6 +588,7 @@ impl Pool {
             output_ratio: OutputRatio::default(),
             mean_uncached_tokens: 0.0,
             now_hint_ms: 0,
+            freed: Vec::new(),
         }
     }
 
@@ -803,12 +815,29 @@ impl Pool {
     /// Chooses backends for a request and grants a lease on the first.
     ///
     /// Also expires overdue leases first, so their load does not distort the decision. Open
-    /// breakers whose cooldown has passed admit their half-open trials here.
+    /// breakers whose cooldown has passed admit their half-open trials here. With admission
+    /// control on, backends at capacity are skipped (overcommitted as configured for an empty
+    /// queue); see [`Pool::acquire_within`].
     pub fn acquire(
         &mut self,
         features: &RequestFeatures,
         now_ms: u64,
         rng: &mut dyn RandomSource,
+    ) -> Result<Grant, AcquireError> {
+        let admission = self.config.admission;
+        let headroom = admission.enabled.then_some(admission.overcommit);
+        self.acquire_within(features, now_ms, rng, headroom)
+    }
+
+    /// [`Pool::acquire`] with an explicit capacity rule: `headroom` `None` ignores capacity;
+    /// `Some(h)` skips backends without room `h` over capacity ([`has_room`]), and when that
+    /// leaves none, answers [`AcquireError::AtCapacity`].
+    pub fn acquire_within(
+        &mut self,
+        features: &RequestFeatures,
+        now_ms: u64,
+        rng: &mut dyn RandomSource,
+        headroom: Option<f64>,
     ) -> Result<Grant, AcquireError> {
         self.now_hint_ms = self.now_hint_ms.max(now_ms);
         self.expire_leases(now_ms);
@@ -833,6 +862,7 @@ impl Pool {
         scratch.decode.clear();
         scratch.mixed.clear();
         let mut model_known = false;
+        let mut at_capacity = false;
         let mut retry_ms: Option<u64> = None;
         // The backend with the longest match most likely served this conversation's previous
         // turn, so it also holds that turn's answer, which the gateway never sees: credit it with
@@ -865,6 +895,13 @@ impl Pool {
             let mut uncached = u64::from(features.prompt_tokens) - cached_tokens;
             if cached_blocks > 0 && cached_blocks == longest {
                 uncached = uncached.saturating_sub(answer_credit).max(1);
+            }
+            if let Some(headroom) = headroom {
+                let tokens = uncached + u64::from(output_tokens);
+                if !has_room(&entry.in_flight, &entry.capacity(), tokens, headroom) {
+                    at_capacity = true;
+                    continue;
+                }
             }
             let external_queue_ms = if entry.external_waiting > 0.0 {
                 entry.external_waiting
@@ -918,6 +955,9 @@ impl Pool {
         if pair_policy && !paired {
             std::mem::swap(&mut scratch.primary, &mut scratch.mixed);
             scratch.decode.clear();
+        }
+        if scratch.primary.is_empty() && at_capacity {
+            return Err(AcquireError::AtCapacity);
         }
         if scratch.primary.is_empty() {
             let err = if model_known {
@@ -1374,6 +1414,25 @@ impl Pool {
         &self.affinity
     }
 
+    /// Backends where a lease ended since the last call, oldest first (admission control on).
+    pub fn take_freed(&mut self) -> Vec<BackendId> {
+        let slots = std::mem::take(&mut self.freed);
+        slots
+            .into_iter()
+            .filter_map(|slot| self.entry(slot).map(|e| e.spec.id.clone()))
+            .collect()
+    }
+
+    /// Leading blocks of `block_hashes` that backend `id` probably holds.
+    pub fn cached_blocks_on(&self, id: &BackendId, block_hashes: &[u64]) -> u32 {
+        let Some(&slot) = self.index.get(id) else {
+            return 0;
+        };
+        let mut lengths = Vec::new();
+        self.affinity.match_lengths(block_hashes, &mut lengths);
+        lengths.get(slot as usize).copied().unwrap_or(0)
+    }
+
     /// A backend's spec as registered (API key included: for the Durable Object's own use, to
     /// persist it and to authenticate probes; never for views).
     pub fn spec(&self, id: &BackendId) -> Option<&BackendSpec> {
@@ -1481,6 +1540,10 @@ impl Pool {
 
     /// Takes a share off its backend's counters and tells the breaker how it ended.
     fn unshare(&mut self, share: &LeaseShare, kind: OutcomeKind, lease_id: LeaseId, now_ms: u64) {
+        // Admission control's hook: a backend freed room (bounded; the queue drains it).
+        if self.config.admission.enabled && self.freed.len() < 1024 {
+            self.freed.push(share.backend.slot);
+        }
         let breaker_config = self.config.breaker;
         let Some(entry) = self.entry_for_key_mut(share.backend) else {
             return;

@@ -1,0 +1,263 @@
+//! The Worker's half of admission control: who is asking and how urgently, and waiting in a
+//! pool's queue.
+//!
+//! The tenant is the client key (a minted key's id, or a `CLIENT_API_KEYS` key's hash prefix),
+//! else the `x-tenant-id` header, else `anonymous`. The priority is the key's configured
+//! `priority`; `x-gateway-priority` may lower it, or set it when the client has no key.
+//! `x-gateway-max-wait-ms` may shorten the pool's `max_wait_ms`.
+//!
+//! Waiting: the pool's Durable Object holds an acquire call open while the request waits, for at
+//! most its `poll_ms`, then answers `202` with a ticket; this side asks again at once with the
+//! ticket and the time already waited. If the Durable Object fails or restarts mid-call, the next
+//! call re-enters the queue with that ticket and time (so the deadline holds); after a few failed
+//! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
+//! as the platform reports it), the wait is abandoned and the pool told at once.
+
+use crate::keys::ClientKey;
+use crate::pools::{error_from_response, pool_call};
+use crate::ApiError;
+use futures_util::future::{select, Either};
+use gateway_durable_objects::protocol::{
+    AcquireRequest, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+};
+use routing_core::admission::{AdmissionRequest, PRIORITY_RANGE};
+use routing_core::pool::Grant;
+use routing_core::prompt::RequestFeatures;
+use std::time::Duration;
+use wasm_bindgen::JsValue;
+use wasm_bindgen_futures::JsFuture;
+use worker::{Context, Date, Delay, Env, Method, Request};
+
+/// Longest accepted `x-gateway-max-wait-ms`.
+const MAX_WAIT_HEADER_MS: u64 = 3_600_000;
+/// A call to the pool longer than this failed (the pool answers within its `poll_ms`, at most 60 s).
+const CALL_LIMIT: Duration = Duration::from_secs(65);
+/// Failed calls in a row after which a queued request gives up with 503.
+const MAX_CALL_FAILURES: u32 = 3;
+
+/// A priority outside [`PRIORITY_RANGE`] is a 400.
+pub fn validate_priority(p: i32) -> Result<(), ApiError> {
+    if (PRIORITY_RANGE.0..=PRIORITY_RANGE.1).contains(&p) {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "priority must be an integer from {} to {}",
+            PRIORITY_RANGE.0, PRIORITY_RANGE.1
+        ))
+        .with_code("invalid_priority")
+        .with_param("priority"))
+    }
+}
+
+/// The admission part of an acquire: tenant, priority and wait limit of this request.
+pub fn admission_request(
+    req: &Request,
+    key: Option<&ClientKey>,
+) -> Result<AdmissionRequest, ApiError> {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .ok()
+            .flatten()
+            .map(|v| v.trim().to_string())
+    };
+    let asked = match header("x-gateway-priority") {
+        None => None,
+        Some(v) => {
+            let p: i32 = v.parse().map_err(|_| {
+                ApiError::bad_request("x-gateway-priority must be an integer")
+                    .with_code("invalid_priority")
+            })?;
+            validate_priority(p)?;
+            Some(p)
+        }
+    };
+    let (tenant, priority) = match key {
+        // A header may lower a key's priority, never raise it.
+        Some(k) => (
+            k.tenant.clone(),
+            asked.map_or(k.priority, |p| p.min(k.priority)),
+        ),
+        None => (
+            header("x-tenant-id")
+                .map(|t| tenant_name(&t))
+                .unwrap_or_else(|| "anonymous".to_string()),
+            asked.unwrap_or(0),
+        ),
+    };
+    let max_wait_ms = match header("x-gateway-max-wait-ms") {
+        None => None,
+        Some(v) => Some(
+            v.parse::<u64>()
+                .ok()
+                .filter(|&ms| ms <= MAX_WAIT_HEADER_MS)
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "x-gateway-max-wait-ms must be an integer from 0 to 3600000",
+                    )
+                    .with_code("invalid_max_wait")
+                })?,
+        ),
+    };
+    Ok(AdmissionRequest {
+        tenant,
+        priority,
+        max_wait_ms,
+        ticket: None,
+        waited_ms: 0,
+    })
+}
+
+/// `x-tenant-id` as a tenant name: itself when it is 1-128 visible ASCII characters, else a hash
+/// of it (so odd values still name one tenant, and nothing unprintable reaches a log).
+fn tenant_name(value: &str) -> String {
+    if !value.is_empty() && value.len() <= 128 && value.bytes().all(|b| b.is_ascii_graphic()) {
+        value.to_string()
+    } else {
+        format!("h-{}", &crate::keys::hash_key(value)[..16])
+    }
+}
+
+/// A lease from a pool, and how long the request waited in the pool's queue for it.
+pub struct Admitted {
+    /// The lease and candidates.
+    pub grant: Grant,
+    /// Time spent in the queue, ms (0 when there was room at once).
+    pub queued_ms: u64,
+}
+
+/// Asks `pool` for a lease (`path` is `/acquire`, maybe with `?spill_ok=true`), waiting in its
+/// queue while it answers `202`.
+pub async fn acquire(
+    env: &Env,
+    ctx: &Context,
+    client: &Request,
+    pool: &str,
+    path: &str,
+    features: &RequestFeatures,
+    who: &AdmissionRequest,
+) -> Result<Admitted, ApiError> {
+    let started = Date::now().as_millis();
+    let mut who = who.clone();
+    let mut failures = 0;
+    let mut gone = hang_up(&client.inner().signal());
+    let _keep_alive = KeepAlive::new(ctx);
+    loop {
+        let body = serde_json::to_string(&AcquireRequest {
+            features: features.clone(),
+            admission: Some(who.clone()),
+        })
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+        let call = Box::pin(pool_call(env, pool, Method::Post, path, Some(body)));
+        let limit = Delay::from(CALL_LIMIT);
+        let answer = match select(call, select(&mut gone, limit)).await {
+            Either::Left((answer, _)) => Some(answer),
+            Either::Right((Either::Left(_), _)) => {
+                if let Some(ticket) = who.ticket {
+                    // Tell the pool at once; `wait_until` lets the call finish after the response.
+                    let env = env.clone();
+                    let pool = pool.to_string();
+                    ctx.wait_until(async move { dequeue(&env, &pool, ticket).await });
+                }
+                let mut e = ApiError::bad_request("The client closed the request.")
+                    .with_code("client_closed_request");
+                e.status = 499;
+                return Err(e);
+            }
+            Either::Right((Either::Right(_), _)) => None,
+        };
+        match answer {
+            Some(Ok(mut resp)) => match resp.status_code() {
+                200 => {
+                    let queued_ms = resp
+                        .headers()
+                        .get(QUEUE_WAIT_HEADER)
+                        .ok()
+                        .flatten()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    let grant: Grant = resp.json().await.map_err(ApiError::from_worker)?;
+                    return Ok(Admitted { grant, queued_ms });
+                }
+                202 => {
+                    let queued: Queued = resp.json().await.map_err(ApiError::from_worker)?;
+                    who.ticket = Some(queued.ticket);
+                    failures = 0;
+                }
+                _ => {
+                    let reason = resp.headers().get(QUEUE_DROP_HEADER).ok().flatten();
+                    let mut e = error_from_response(&mut resp).await;
+                    if let Some(r) = reason {
+                        e = e.with_header(QUEUE_DROP_HEADER, &r);
+                    }
+                    return Err(e);
+                }
+            },
+            // The pool failed or restarted mid-call: a queued request asks again (re-entering if
+            // its ticket was forgotten); anything else fails as before.
+            failed => {
+                if who.ticket.is_none() {
+                    return Err(failed.and_then(|r| r.err()).unwrap_or_else(|| {
+                        ApiError::gateway_timeout("The pool did not answer in time.")
+                    }));
+                }
+                failures += 1;
+                if failures >= MAX_CALL_FAILURES {
+                    return Err(ApiError::unavailable(
+                        "The pool's queue is unavailable; retry later.",
+                        1,
+                    )
+                    .with_code("queue_unavailable"));
+                }
+            }
+        }
+        who.waited_ms = Date::now().as_millis().saturating_sub(started);
+    }
+}
+
+/// Tells the pool a queued request's client left.
+async fn dequeue(env: &Env, pool: &str, ticket: u64) {
+    let body = serde_json::to_string(&DequeueRequest { ticket }).unwrap_or_default();
+    if let Err(e) = pool_call(env, pool, Method::Post, "/dequeue", Some(body)).await {
+        worker::console_error!("pool {pool}: dequeue: {e}");
+    }
+}
+
+/// A future that resolves when `signal` aborts (the client hung up).
+fn hang_up(signal: &web_sys::AbortSignal) -> JsFuture {
+    let signal = signal.clone();
+    let promise = js_sys::Promise::new(&mut |resolve, _| {
+        if signal.aborted() {
+            let _ = resolve.call0(&JsValue::NULL);
+        } else {
+            let _ = signal.add_event_listener_with_callback("abort", &resolve);
+        }
+    });
+    JsFuture::from(promise)
+}
+
+/// Keeps the invocation alive while a request waits in a queue (`wait_until` on a promise settled
+/// when this is dropped), so a hang-up is still seen and reported to the pool instead of the
+/// invocation being torn down with the ticket still queued.
+struct KeepAlive {
+    resolve: js_sys::Function,
+}
+
+impl KeepAlive {
+    fn new(ctx: &Context) -> KeepAlive {
+        let mut resolve = None;
+        let promise = js_sys::Promise::new(&mut |r, _| resolve = Some(r));
+        ctx.wait_until(async move {
+            let _ = JsFuture::from(promise).await;
+        });
+        KeepAlive {
+            resolve: resolve.unwrap_or_else(|| js_sys::Function::new_no_args("")),
+        }
+    }
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        let _ = self.resolve.call0(&JsValue::NULL);
+    }
+}
