@@ -919,14 +919,26 @@ impl Pool {
                 now_ms,
             );
             let in_flight = &entry.in_flight;
+            // The gateway's count misses prefixes that running requests share (only the first,
+            // cold request counted them); vLLM's own usage at the last probe sees every pinned
+            // block.
+            let scraped_tokens = entry
+                .scraped
+                .kv_usage
+                .map_or(0, |u| (u.clamp(0.0, 1.0) * capacity as f64) as u64);
             let room_wait = room_wait_ms(
-                in_flight.prompt_tokens
-                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64,
+                (in_flight.prompt_tokens
+                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
+                    .max(scraped_tokens),
                 uncached + expected_output as u64,
                 capacity,
                 in_flight.leases,
                 entry.capacity().max_num_seqs,
                 predicted.decode_ms,
+                (
+                    entry.scraped.waiting.unwrap_or(0.0),
+                    entry.scraped.running.unwrap_or(0.0),
+                ),
             );
             predicted.ttft_ms += room_wait;
             let candidate = Candidate {
@@ -2057,6 +2069,27 @@ mod tests {
         other.add_backend(spec("b0"), 0).unwrap();
         other.restore_breaker(&id, b).unwrap();
         assert_eq!(other.backend(&id).unwrap().breaker, BreakerState::Open);
+    }
+
+    #[test]
+    fn a_backend_queueing_requests_itself_is_avoided() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
+        let busy = ProbeResult {
+            ok: true,
+            waiting: Some(20.0),
+            running: Some(10.0),
+            kv_usage: Some(1.0),
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&BackendId::from("b0"), &busy, 1).unwrap();
+        let mut rng = SplitMix64::new(3);
+        for i in 0..4 {
+            let g = pool
+                .acquire(&features(&format!("q{i}")), 2, &mut rng)
+                .unwrap();
+            assert_eq!(g.backend.as_str(), "b1", "request {i}");
+            assert!(pool.release(g.lease_id, &Outcome::from_status(200), 3));
+        }
     }
 
     #[test]

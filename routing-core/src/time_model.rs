@@ -430,7 +430,9 @@ impl BackendTiming {
 /// ```
 ///
 /// and the larger of the two counts. `tokens` are the backend's in-flight tokens (uncached
-/// prompt plus expected output of its leases).
+/// prompt plus expected output of its leases). A server that already queues requests itself
+/// (vLLM's `num_requests_waiting` at the last probe, while `running` run) makes a new one wait
+/// behind them too: `decode_ms / 2 × waiting / running`.
 pub fn room_wait_ms(
     in_flight_tokens: u64,
     request_tokens: u64,
@@ -438,13 +440,20 @@ pub fn room_wait_ms(
     sequences: u32,
     max_num_seqs: u32,
     decode_ms: f64,
+    engine_queue: (f64, f64),
 ) -> f64 {
     let half = decode_ms.max(0.0) / 2.0;
     let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
     let memory = half * short_tokens as f64 / in_flight_tokens.max(1) as f64;
     let short_seqs = (sequences + 1).saturating_sub(max_num_seqs.max(1));
     let slots = half * f64::from(short_seqs) / f64::from(sequences.max(1));
-    memory.max(slots)
+    let (waiting, running) = engine_queue;
+    let queued = if waiting.is_finite() && waiting > 0.0 {
+        half * waiting / running.max(1.0)
+    } else {
+        0.0
+    };
+    memory.max(slots).max(queued)
 }
 
 /// Moves `scale` by `ratio^rate` (ratio clamped to `[1/2, 2]`), keeping it within `[1/bound, bound]`.
@@ -531,13 +540,17 @@ mod tests {
 
     #[test]
     fn a_full_backend_makes_requests_wait_for_room() {
-        assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0), 0.0);
+        let idle = (0.0, 0.0);
+        assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0, idle), 0.0);
         // 8,000 tokens in flight, 1,192 over with this request: 500 ms x 1,192 / 8,000.
-        let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0);
+        let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0, idle);
         assert!((w - 500.0 * 1_192.0 / 8_000.0).abs() < 1e-9, "{w}");
         // Every slot taken: 500 ms x 1 / 4.
-        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0) - 125.0).abs() < 1e-9);
-        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0), 25_000.0);
+        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0, idle) - 125.0).abs() < 1e-9);
+        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0, idle), 25_000.0);
+        // The server queues 6 requests itself while 12 run: 500 ms x 6 / 12.
+        let w = room_wait_ms(100, 10, 8_192, 4, 64, 1_000.0, (6.0, 12.0));
+        assert!((w - 250.0).abs() < 1e-9, "{w}");
     }
 
     #[test]
