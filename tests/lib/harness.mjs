@@ -95,13 +95,16 @@ export async function waitReady(gw, id, timeoutMs = 10000) {
   }, { timeoutMs, what: `backend ${id} ready` });
 }
 
-/** Polls `fn` until it returns a truthy value or `timeoutMs` passes. */
+/**
+ * Polls `fn` until it returns a truthy value or `timeoutMs` passes (on the monotonic clock: a
+ * wall-clock step on a virtual machine must not end the wait early).
+ */
 export async function waitFor(fn, { timeoutMs = 10000, intervalMs = 100, what = "condition" } = {}) {
-  const deadline = Date.now() + timeoutMs;
+  const deadline = performance.now() + timeoutMs;
   for (;;) {
     const v = await fn();
     if (v) return v;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    if (performance.now() > deadline) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, intervalMs));
   }
 }
