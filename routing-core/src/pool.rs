@@ -2072,7 +2072,7 @@ mod tests {
     }
 
     #[test]
-    fn a_backend_queueing_requests_itself_is_avoided() {
+    fn a_backend_busy_with_other_clients_is_avoided() {
         let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
         let busy = ProbeResult {
             ok: true,
