@@ -16,6 +16,9 @@
 //! anywhere, so the hit rate of a single unbounded cache that has seen every earlier request
 //! bounds every policy. It is computed alongside each run.
 
+mod common;
+
+use common::{text, ServerCache};
 use routing_core::prompt::{request_features, FeatureConfig};
 use routing_core::{
     BackendId, BackendSpec, Capacity, DecisionKind, Outcome, PolicyKind, Pool, PoolConfig,
@@ -23,7 +26,7 @@ use routing_core::{
 };
 use serde_json::json;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 const BACKENDS: usize = 8;
 const GROUPS: usize = 24;
@@ -38,62 +41,8 @@ const TARGET_CONCURRENCY: f64 = 8.0;
 const REQUESTS: usize = 8_000;
 const SEED: u64 = 0x5eed;
 
-/// A simulated server's prefix cache: LRU over block hashes.
-struct ServerCache {
-    capacity: usize,
-    stamp: u64,
-    by_block: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
-}
-
-impl ServerCache {
-    fn new(capacity: usize) -> Self {
-        ServerCache {
-            capacity,
-            stamp: 0,
-            by_block: HashMap::new(),
-            by_stamp: BTreeMap::new(),
-        }
-    }
-
-    fn hits(&self, blocks: &[u64]) -> usize {
-        blocks
-            .iter()
-            .take_while(|b| self.by_block.contains_key(b))
-            .count()
-    }
-
-    /// Computes (or reuses) every block, touching the last first as vLLM frees them.
-    fn prefill(&mut self, blocks: &[u64]) {
-        for &b in blocks.iter().rev() {
-            self.stamp += 1;
-            if let Some(old) = self.by_block.insert(b, self.stamp) {
-                self.by_stamp.remove(&old);
-            }
-            self.by_stamp.insert(self.stamp, b);
-            if self.by_block.len() > self.capacity {
-                if let Some((_, victim)) = self.by_stamp.pop_first() {
-                    self.by_block.remove(&victim);
-                }
-            }
-        }
-    }
-}
-
 struct Workload {
     requests: Vec<(u64, RequestFeatures)>,
-}
-
-fn text(rng: &mut SplitMix64, bytes: usize) -> String {
-    const WORDS: [&str; 8] = [
-        "alpha ", "beta ", "gamma ", "delta ", "kv ", "cache ", "token ", "prefix ",
-    ];
-    let mut s = String::with_capacity(bytes + 8);
-    while s.len() < bytes {
-        s.push_str(WORDS[rng.below(8) as usize]);
-    }
-    s.truncate(bytes);
-    s
 }
 
 fn workload() -> Workload {

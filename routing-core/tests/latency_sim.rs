@@ -17,13 +17,16 @@
 //! Printed per policy; the assertions hold `predicted_latency` to the targets against
 //! round robin, least load and consistent hashing.
 
+mod common;
+
+use common::ServerCache;
 use routing_core::prompt::{request_features, FeatureConfig};
 use routing_core::{
     BackendId, BackendSpec, Capacity, Outcome, PolicyKind, Pool, PoolConfig, ProbeResult,
     RandomSource, RequestFeatures, SplitMix64,
 };
 use serde_json::json;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 const BLOCK: u64 = 16;
 
@@ -45,46 +48,6 @@ const STEP_TOKEN_BUDGET: u64 = 8_192;
 const NETWORK_MS: f64 = 20.0;
 const MAX_NUM_SEQS: usize = 64;
 
-struct Lru {
-    capacity: usize,
-    stamp: u64,
-    by_block: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
-}
-
-impl Lru {
-    fn new(capacity: usize) -> Self {
-        Lru {
-            capacity,
-            stamp: 0,
-            by_block: HashMap::new(),
-            by_stamp: BTreeMap::new(),
-        }
-    }
-
-    fn hits(&self, blocks: &[u64]) -> usize {
-        blocks
-            .iter()
-            .take_while(|b| self.by_block.contains_key(b))
-            .count()
-    }
-
-    fn insert(&mut self, blocks: &[u64]) {
-        for &b in blocks.iter().rev() {
-            self.stamp += 1;
-            if let Some(old) = self.by_block.insert(b, self.stamp) {
-                self.by_stamp.remove(&old);
-            }
-            self.by_stamp.insert(self.stamp, b);
-            if self.by_block.len() > self.capacity {
-                if let Some((_, victim)) = self.by_stamp.pop_first() {
-                    self.by_block.remove(&victim);
-                }
-            }
-        }
-    }
-}
-
 struct Seq {
     client: usize,
     lease: u64,
@@ -101,7 +64,7 @@ struct Seq {
 
 struct Engine {
     speed: Speed,
-    cache: Lru,
+    cache: ServerCache,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     step_end: Option<f64>,
@@ -114,7 +77,7 @@ impl Engine {
     fn new(speed: Speed, kv_blocks: usize) -> Self {
         Engine {
             speed,
-            cache: Lru::new(kv_blocks),
+            cache: ServerCache::new(kv_blocks),
             waiting: VecDeque::new(),
             running: Vec::new(),
             step_end: None,
@@ -135,7 +98,7 @@ impl Engine {
             s.prefill_left = s.prompt - hits;
             s.uncached = s.prefill_left;
             self.computed_tokens += s.prefill_left;
-            self.cache.insert(&s.blocks);
+            self.cache.prefill(&s.blocks);
             s.started = true;
             self.running.push(s);
         }
@@ -204,17 +167,9 @@ trait Workload {
     fn answered(&mut self, _client: usize, _rng: &mut SplitMix64) {}
 }
 
-fn text(rng: &mut SplitMix64, tokens: usize) -> String {
-    const WORDS: [&str; 8] = [
-        "alpha ", "beta ", "gamma ", "delta ", "kv ", "cache ", "token ", "prefix ",
-    ];
-    let bytes = tokens * 4;
-    let mut s = String::with_capacity(bytes + 8);
-    while s.len() < bytes {
-        s.push_str(WORDS[rng.below(8) as usize]);
-    }
-    s.truncate(bytes);
-    s
+/// About `tokens` tokens of filler.
+fn words(rng: &mut SplitMix64, tokens: usize) -> String {
+    common::text(rng, tokens * 4)
 }
 
 fn features(body: serde_json::Value, key: String) -> RequestFeatures {
@@ -235,7 +190,7 @@ struct MultiTurn {
 impl MultiTurn {
     fn new(users: usize, turns: u32, rng: &mut SplitMix64) -> Self {
         MultiTurn {
-            system: text(rng, 1_000),
+            system: words(rng, 1_000),
             histories: vec![Vec::new(); users],
             turns_left: vec![turns; users],
             max_tokens: 128,
@@ -254,7 +209,7 @@ impl Workload for MultiTurn {
             return None;
         }
         self.turns_left[c] -= 1;
-        self.histories[c].push(json!({"role": "user", "content": text(rng, 80)}));
+        self.histories[c].push(json!({"role": "user", "content": words(rng, 80)}));
         let mut messages = vec![json!({"role": "system", "content": self.system})];
         messages.extend(self.histories[c].iter().cloned());
         let body = json!({"model": "m", "max_tokens": self.max_tokens, "messages": messages});
@@ -264,7 +219,7 @@ impl Workload for MultiTurn {
     }
 
     fn answered(&mut self, c: usize, rng: &mut SplitMix64) {
-        let answer = text(rng, self.last_output[c] as usize);
+        let answer = words(rng, self.last_output[c] as usize);
         self.histories[c].push(json!({"role": "assistant", "content": answer}));
     }
 }
@@ -280,7 +235,7 @@ struct Groups {
 impl Groups {
     fn new(groups: usize, clients: usize, total: usize, rng: &mut SplitMix64) -> Self {
         Groups {
-            prompts: (0..groups).map(|_| text(rng, 1_200)).collect(),
+            prompts: (0..groups).map(|_| words(rng, 1_200)).collect(),
             clients,
             sent: 0,
             total,
@@ -305,7 +260,7 @@ impl Workload for Groups {
         self.sent += 1;
         let body = json!({"model": "m", "max_tokens": 64, "messages": [
             {"role": "system", "content": self.prompts[g]},
-            {"role": "user", "content": text(rng, 40)},
+            {"role": "user", "content": words(rng, 40)},
         ]});
         Some((
             features(body, format!("group-{g}")),

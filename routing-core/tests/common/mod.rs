@@ -1,0 +1,61 @@
+//! What the fleet simulations share: a simulated server's prefix cache and filler text.
+
+use routing_core::{RandomSource, SplitMix64};
+use std::collections::{BTreeMap, HashMap};
+
+/// A simulated server's prefix cache: an LRU over block hashes, as large as its KV cache.
+pub struct ServerCache {
+    capacity: usize,
+    stamp: u64,
+    by_block: HashMap<u64, u64>,
+    by_stamp: BTreeMap<u64, u64>,
+}
+
+impl ServerCache {
+    /// An empty cache of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        ServerCache {
+            capacity,
+            stamp: 0,
+            by_block: HashMap::new(),
+            by_stamp: BTreeMap::new(),
+        }
+    }
+
+    /// Leading blocks of `blocks` the cache holds.
+    pub fn hits(&self, blocks: &[u64]) -> usize {
+        blocks
+            .iter()
+            .take_while(|b| self.by_block.contains_key(b))
+            .count()
+    }
+
+    /// Computes (or reuses) every block, touching the last first as vLLM frees them.
+    pub fn prefill(&mut self, blocks: &[u64]) {
+        for &b in blocks.iter().rev() {
+            self.stamp += 1;
+            if let Some(old) = self.by_block.insert(b, self.stamp) {
+                self.by_stamp.remove(&old);
+            }
+            self.by_stamp.insert(self.stamp, b);
+            if self.by_block.len() > self.capacity {
+                if let Some((_, victim)) = self.by_stamp.pop_first() {
+                    self.by_block.remove(&victim);
+                }
+            }
+        }
+    }
+}
+
+/// `bytes` bytes of seeded filler words (about a token every 4 bytes).
+pub fn text(rng: &mut SplitMix64, bytes: usize) -> String {
+    const WORDS: [&str; 8] = [
+        "alpha ", "beta ", "gamma ", "delta ", "kv ", "cache ", "token ", "prefix ",
+    ];
+    let mut s = String::with_capacity(bytes + 8);
+    while s.len() < bytes {
+        s.push_str(WORDS[rng.below(8) as usize]);
+    }
+    s.truncate(bytes);
+    s
+}
