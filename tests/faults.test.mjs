@@ -6,7 +6,7 @@
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
 import {
-  startGateway, startSim, waitFor, waitReady, errorBody, tempDir, setFaults, parseMetrics, metricValue,
+  startGateway, startSim, waitFor, waitReady, errorBody, tempDir, setFaults, parseMetrics, metricValue, onlyPool,
 } from "./lib/harness.mjs";
 
 const MODEL = "fault-model";
@@ -67,18 +67,8 @@ async function freshPool(n, policy, { args = [], settings = {} } = {}) {
   return { name, backends };
 }
 
-/** Only pool `name` serves MODEL: every other pool's backends are drained out of routing. */
-async function only(name) {
-  const list = await (await gw.admin("/admin/backends")).json();
-  for (const b of list.data) {
-    const want = b.pool === name;
-    const draining = b.lifecycle === "draining" || b.lifecycle === "drained";
-    if (want === draining) {
-      const r = await gw.admin(`/admin/backends/${b.id}`, { method: "PATCH", body: { drain: !want } });
-      assert.equal(r.status, 200, await r.text());
-    }
-  }
-}
+/** Only pool `name` serves the test's models. */
+const only = (name) => onlyPool(gw, name);
 
 async function chat(content, { stream = false, max_tokens = 8, extra = {}, headers = {}, via = gw } = {}) {
   const started = Date.now();

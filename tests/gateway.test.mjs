@@ -4,7 +4,7 @@
 // returned after every test.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, errorBody } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, errorBody, onlyPool } from "./lib/harness.mjs";
 
 const MODEL = "test-model";
 // Fast sims: 50x time scale, small cache so prefixes matter, fixed seeds.
@@ -62,18 +62,8 @@ async function chat(messages, { headers = {}, stream = false, max_tokens = 8 } =
   return { status: r.status, backend: r.headers.get("x-gateway-backend"), pool: r.headers.get("x-gateway-pool"), attempts: Number(r.headers.get("x-gateway-attempts")), decision: r.headers.get("x-gateway-decision"), text, headers: r.headers };
 }
 
-/** Only pool `name` serves MODEL requests: drain every other pool's backends from routing. */
-async function only(name) {
-  const list = await (await gw.admin("/admin/backends")).json();
-  for (const b of list.data) {
-    const want = b.pool === name;
-    const draining = b.lifecycle === "draining" || b.lifecycle === "drained";
-    if (want === draining) {
-      const r = await gw.admin(`/admin/backends/${b.id}`, { method: "PATCH", body: { drain: !want } });
-      assert.equal(r.status, 200, await r.text());
-    }
-  }
-}
+/** Only pool `name` serves the test's models. */
+const only = (name) => onlyPool(gw, name);
 
 test("round_robin spreads requests evenly", async () => {
   const p = await freshPool(3, "round_robin");

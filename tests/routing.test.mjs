@@ -4,7 +4,7 @@
 // and each backend's prefill and decode rates are learned from what its requests measured.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, onlyPool } from "./lib/harness.mjs";
 
 const MODEL = "routing-model";
 
@@ -51,18 +51,8 @@ async function freshPool(n, { args = () => [], settings = {} } = {}) {
   return { name, backends };
 }
 
-/** Only pool `name` serves MODEL: drain every other pool's backends. */
-async function only(name) {
-  const list = await (await gw.admin("/admin/backends")).json();
-  for (const b of list.data) {
-    const want = b.pool === name;
-    const draining = b.lifecycle === "draining" || b.lifecycle === "drained";
-    if (want === draining) {
-      const r = await gw.admin(`/admin/backends/${b.id}`, { method: "PATCH", body: { drain: !want } });
-      assert.equal(r.status, 200, await r.text());
-    }
-  }
-}
+/** Only pool `name` serves the test's models. */
+const only = (name) => onlyPool(gw, name);
 
 async function chat(messages, { stream = false, max_tokens = 4 } = {}) {
   const r = await gw.fetch("/v1/chat/completions", {

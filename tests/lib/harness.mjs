@@ -96,6 +96,22 @@ export async function waitReady(gw, id, timeoutMs = 10000) {
 }
 
 /**
+ * Leaves only pool `name` in routing: drains every other pool's backends and undrains this
+ * pool's, so a test's requests reach the pool it just built (pools share the test's models).
+ */
+export async function onlyPool(gw, name) {
+  const list = await (await gw.admin("/admin/backends")).json();
+  for (const b of list.data) {
+    const want = b.pool === name;
+    const draining = b.lifecycle === "draining" || b.lifecycle === "drained";
+    if (want === draining) {
+      const r = await gw.admin(`/admin/backends/${b.id}`, { method: "PATCH", body: { drain: !want } });
+      if (r.status !== 200) throw new Error(`drain ${b.id}: ${r.status} ${await r.text()}`);
+    }
+  }
+}
+
+/**
  * Polls `fn` until it returns a truthy value or `timeoutMs` passes (on the monotonic clock: a
  * wall-clock step on a virtual machine must not end the wait early).
  */
