@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
 
-.PHONY: help setup build sim dev test test-native test-worker test-python deploy-check check-bundle clean
+.PHONY: help setup build sim dev test lint test-native test-worker test-python deploy-check check-bundle clean
 
 help:
 	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
@@ -29,9 +29,15 @@ dev: setup sim
 	@scripts/dev.sh
 
 test: setup
-	@$(MAKE) --no-print-directory test-native
+	@$(MAKE) --no-print-directory lint test-native
 	@$(MAKE) --no-print-directory sim build
 	@$(MAKE) --no-print-directory check-bundle test-worker test-python
+
+# Formatting and lints over every crate (the Worker's too, checked for the host target).
+lint:
+	@echo "== lint: cargo fmt --check, cargo clippy -D warnings"
+	@cargo fmt --all --check
+	@cargo clippy -q --workspace --all-targets -- -D warnings
 
 test-native:
 	@echo "== native crates: cargo test"

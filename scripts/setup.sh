@@ -58,6 +58,14 @@ apt_step() {
   echo "installed ${missing[*]}"
 }
 
+# rustfmt and clippy, which `make test` runs over the whole workspace.
+rust_lint_step() {
+  if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then echo "present"; return; fi
+  rustup component add rustfmt clippy >>"$LOG" 2>&1
+  cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
+  echo "installed rustfmt, clippy"
+}
+
 wasm_std_step() {
   if command -v rustc >/dev/null && wasm_std_present "$(command -v rustc)"; then echo "present (toolchain on PATH)"; return; fi
   if [ -x /usr/bin/rustc ] && wasm_std_present /usr/bin/rustc; then echo "present (/usr/bin/rustc)"; return; fi
@@ -140,6 +148,7 @@ chromium_version() {
 total_start=$(date +%s)
 step "apt packages" apt_step
 step "wasm32 std" wasm_std_step
+step "rustfmt, clippy" rust_lint_step
 step "wasm-bindgen-cli" wasm_bindgen_step
 step "worker-build" worker_build_step
 step "npm ci" npm_step

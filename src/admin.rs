@@ -16,7 +16,9 @@
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
 use crate::keys::{hash_key, invalidate};
-use crate::pools::{directory_json, error_from_response, list_pools, pool_call, pool_json, remember_pool};
+use crate::pools::{
+    directory_json, error_from_response, list_pools, pool_call, pool_json, remember_pool,
+};
 use crate::ApiError;
 use gateway_durable_objects::directory::{KeyPatch, StoredKey};
 use gateway_durable_objects::pool_coordinator::{validate_pool_name, PoolSettings};
@@ -53,11 +55,15 @@ async fn relay(mut resp: Response) -> AdminResult {
 /// Dispatches an authenticated admin request.
 pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
     let method = req.method();
-    let query_pool = req
+    let query_pool = req.url().ok().and_then(|u| {
+        u.query_pairs()
+            .find(|(k, _)| k == "pool")
+            .map(|(_, v)| v.to_string())
+    });
+    let force = req
         .url()
-        .ok()
-        .and_then(|u| u.query_pairs().find(|(k, _)| k == "pool").map(|(_, v)| v.to_string()));
-    let force = req.url().map(|u| u.query_pairs().any(|(k, v)| k == "force" && v == "true")).unwrap_or(false);
+        .map(|u| u.query_pairs().any(|(k, v)| k == "force" && v == "true"))
+        .unwrap_or(false);
     match (method.clone(), segments) {
         (Method::Post, ["backends"]) => {
             let text = body_text(&mut req).await?;
@@ -66,26 +72,53 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let pool = reg.pool.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
             validate_pool_name(&pool)?;
             require_reachable_url(env, &reg.url)?;
-            let resp = relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
+            let resp =
+                relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
             if !list_pools(env).await?.iter().any(|p| p.name == pool) {
-                remember_pool(env, &PoolEntry { name: pool, region: reg.region.unwrap_or_default(), location_hint: None }).await?;
+                remember_pool(
+                    env,
+                    &PoolEntry {
+                        name: pool,
+                        region: reg.region.unwrap_or_default(),
+                        location_hint: None,
+                    },
+                )
+                .await?;
             }
             Ok(resp)
         }
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();
             for pool in list_pools(env).await? {
-                let listing: Value = pool_json(env, &pool.name, Method::Get, "/backends", None::<&()>).await?;
-                all.extend(listing.get("data").and_then(Value::as_array).cloned().unwrap_or_default());
+                let listing: Value =
+                    pool_json(env, &pool.name, Method::Get, "/backends", None::<&()>).await?;
+                all.extend(
+                    listing
+                        .get("data")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default(),
+                );
             }
             json_ok(&json!({ "object": "list", "data": all }))
         }
         (Method::Get | Method::Patch | Method::Delete, ["backends", id]) => {
             validate_name("id", id)?;
             let pool = find_backend(env, id, query_pool.as_deref()).await?;
-            let path = if force { format!("/backends/{id}?force=true") } else { format!("/backends/{id}") };
-            let body = if method == Method::Patch { Some(body_text(&mut req).await?) } else { None };
-            let new_url = body.as_deref().and_then(|b| serde_json::from_str::<Value>(b).ok()).and_then(|v| v.get("url")?.as_str().map(str::to_string));
+            let path = if force {
+                format!("/backends/{id}?force=true")
+            } else {
+                format!("/backends/{id}")
+            };
+            let body = if method == Method::Patch {
+                Some(body_text(&mut req).await?)
+            } else {
+                None
+            };
+            let new_url = body
+                .as_deref()
+                .and_then(|b| serde_json::from_str::<Value>(b).ok())
+                .and_then(|v| v.get("url")?.as_str().map(str::to_string));
             if let Some(url) = new_url {
                 require_reachable_url(env, &url)?;
             }
@@ -94,10 +127,15 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
             for pool in list_pools(env).await? {
-                let mut state: Value = pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
+                let mut state: Value =
+                    pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
                 // A pool created by a registration has its region in the directory (which routing
                 // reads) until a PUT sets it in the pool's settings too.
-                if state.get("region").and_then(Value::as_str).is_none_or(str::is_empty) {
+                if state
+                    .get("region")
+                    .and_then(Value::as_str)
+                    .is_none_or(str::is_empty)
+                {
                     state["region"] = json!(pool.region);
                 }
                 data.push(state);
@@ -117,8 +155,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Put, ["pools", pool]) => {
             validate_pool_name(pool)?;
             let text = body_text(&mut req).await?;
-            let settings: PoolSettings =
-                serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
+            let settings: PoolSettings = serde_json::from_str(&text)
+                .map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
             settings.validate()?;
             let entry = PoolEntry {
                 name: pool.to_string(),
@@ -129,7 +167,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             // hint that call carries: record the hint first, so a new pool's first call has it.
             remember_pool(env, &entry).await?;
             list_pools(env).await?;
-            let applied: Value = pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
+            let applied: Value =
+                pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
             json_ok(&applied)
         }
         (Method::Post, ["pools", pool, "probe"]) => {
@@ -145,7 +184,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         }
         (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
         (Method::Get, ["keys"]) => {
-            let keys: Vec<StoredKey> = directory_json(env, Method::Get, "/keys", None::<&()>).await?;
+            let keys: Vec<StoredKey> =
+                directory_json(env, Method::Get, "/keys", None::<&()>).await?;
             let data: Vec<Value> =
                 keys.iter().map(|k| json!({ "id": k.id, "name": k.name, "created_ms": k.created_ms, "priority": k.priority })).collect();
             json_ok(&json!({ "object": "list", "data": data }))
@@ -153,25 +193,38 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Patch, ["keys", id]) => {
             validate_name("id", id)?;
             let text = body_text(&mut req).await?;
-            let patch: KeyPatch =
-                serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid key patch: {e}")))?;
+            let patch: KeyPatch = serde_json::from_str(&text)
+                .map_err(|e| ApiError::bad_request(format!("invalid key patch: {e}")))?;
             if let Some(p) = patch.priority {
                 crate::admission::validate_priority(p)?;
             }
-            let v: Value = directory_json(env, Method::Patch, &format!("/keys/{id}"), Some(&patch)).await?;
+            let v: Value =
+                directory_json(env, Method::Patch, &format!("/keys/{id}"), Some(&patch)).await?;
             invalidate();
             json_ok(&v)
         }
         (Method::Delete, ["keys", id]) => {
             validate_name("id", id)?;
-            let v: Value = directory_json(env, Method::Delete, &format!("/keys/{id}"), None::<&()>).await?;
+            let v: Value =
+                directory_json(env, Method::Delete, &format!("/keys/{id}"), None::<&()>).await?;
             invalidate();
             json_ok(&v)
         }
-        (_, ["backends"] | ["backends", _] | ["pools"] | ["pools", _] | ["pools", _, "probe"] | ["pools", _, "history"] | ["keys"] | ["keys", _]) => {
-            Err(ApiError::method_not_allowed(&method.to_string(), &req.path()))
-        }
-        _ => Err(ApiError::not_found(format!("no admin route {}", req.path()))),
+        (
+            _,
+            ["backends"]
+            | ["backends", _]
+            | ["pools"]
+            | ["pools", _]
+            | ["pools", _, "probe"]
+            | ["pools", _, "history"]
+            | ["keys"]
+            | ["keys", _],
+        ) => Err(ApiError::method_not_allowed(method.as_ref(), &req.path())),
+        _ => Err(ApiError::not_found(format!(
+            "no admin route {}",
+            req.path()
+        ))),
     }
 }
 
@@ -219,10 +272,14 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
     let mint: MintRequest = if text.trim().is_empty() {
         MintRequest::default()
     } else {
-        serde_json::from_str(&text).map_err(|e| ApiError::bad_request(format!("invalid key request: {e}")))?
+        serde_json::from_str(&text)
+            .map_err(|e| ApiError::bad_request(format!("invalid key request: {e}")))?
     };
     if mint.name.len() > 128 || mint.name.chars().any(char::is_control) {
-        return Err(ApiError::bad_request("`name` must be at most 128 printable characters").with_param("name"));
+        return Err(
+            ApiError::bad_request("`name` must be at most 128 printable characters")
+                .with_param("name"),
+        );
     }
     crate::admission::validate_priority(mint.priority)?;
     let key = format!("sk-gw-{}", crate::random_hex(24));

@@ -19,7 +19,9 @@ pub fn secret(env: &Env, name: &str) -> Option<String> {
 pub fn bearer(req: &Request) -> Option<String> {
     let value = req.headers().get("authorization").ok().flatten()?;
     let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_string())
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim().to_string())
 }
 
 /// Compares two byte strings in time that depends only on the length of `expected`.
@@ -34,12 +36,16 @@ pub fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
 /// Requires the admin token; an unset `ADMIN_TOKEN` locks the admin API rather than opening it.
 pub fn require_admin(req: &Request, env: &Env) -> Result<(), ApiError> {
     let Some(expected) = secret(env, "ADMIN_TOKEN") else {
-        return Err(ApiError::unauthorized("The admin API is disabled: ADMIN_TOKEN is not set."));
+        return Err(ApiError::unauthorized(
+            "The admin API is disabled: ADMIN_TOKEN is not set.",
+        ));
     };
     match bearer(req) {
         Some(given) if constant_time_eq(given.as_bytes(), expected.as_bytes()) => Ok(()),
         Some(_) => Err(ApiError::unauthorized("Invalid admin token.")),
-        None => Err(ApiError::unauthorized("Missing admin token: send Authorization: Bearer <ADMIN_TOKEN>.")),
+        None => Err(ApiError::unauthorized(
+            "Missing admin token: send Authorization: Bearer <ADMIN_TOKEN>.",
+        )),
     }
 }
 
@@ -55,6 +61,8 @@ pub fn require_metrics(req: &Request, env: &Env) -> Result<(), ApiError> {
     if metrics | admin {
         Ok(())
     } else {
-        Err(ApiError::unauthorized("Send Authorization: Bearer <METRICS_TOKEN or ADMIN_TOKEN> for /metrics."))
+        Err(ApiError::unauthorized(
+            "Send Authorization: Bearer <METRICS_TOKEN or ADMIN_TOKEN> for /metrics.",
+        ))
     }
 }

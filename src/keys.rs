@@ -9,12 +9,12 @@
 //! settle it with the backend's reported usage when it ends.
 
 use crate::auth::{bearer, constant_time_eq, secret};
+use crate::pools::{stale_while_revalidate, CacheSlot};
 use crate::ApiError;
 use gateway_durable_objects::directory::StoredKey;
 use routing_core::rate_limit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
-use crate::pools::{stale_while_revalidate, CacheSlot};
 use worker::{Context, Env, Request};
 
 /// How long minted-key hashes are cached in an isolate.
@@ -26,7 +26,10 @@ thread_local! {
 
 /// Hex SHA-256 of a key.
 pub fn hash_key(key: &str) -> String {
-    Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).
@@ -56,42 +59,71 @@ pub struct ClientKey {
 
 /// Checks the client's bearer key when keys are configured; returns who it is, or `None` when the
 /// surface is open.
-pub async fn identify(req: &Request, env: &Env, ctx: &Context) -> Result<Option<ClientKey>, ApiError> {
+pub async fn identify(
+    req: &Request,
+    env: &Env,
+    ctx: &Context,
+) -> Result<Option<ClientKey>, ApiError> {
     let configured: Vec<String> = secret(env, "CLIENT_API_KEYS")
-        .map(|s| s.split(',').map(str::trim).filter(|k| !k.is_empty()).map(hash_key).collect())
+        .map(|s| {
+            s.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(hash_key)
+                .collect()
+        })
         .unwrap_or_default();
     let minted = minted_keys(env, ctx).await?;
     if configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
     let Some(given) = bearer(req) else {
-        return Err(ApiError::unauthorized("Missing API key: send Authorization: Bearer <key>."));
+        return Err(ApiError::unauthorized(
+            "Missing API key: send Authorization: Bearer <key>.",
+        ));
     };
     let given = hash_key(&given);
     // Every hash is compared, so the time taken does not tell which one matched.
     let mut found = None;
     for h in &configured {
         if constant_time_eq(given.as_bytes(), h.as_bytes()) {
-            found = Some(ClientKey { hash: given.clone(), tenant: format!("env-{}", &h[..12]), priority: 0 });
+            found = Some(ClientKey {
+                hash: given.clone(),
+                tenant: format!("env-{}", &h[..12]),
+                priority: 0,
+            });
         }
     }
     for k in &minted {
         if constant_time_eq(given.as_bytes(), k.hash.as_bytes()) {
-            found = Some(ClientKey { hash: given.clone(), tenant: k.id.clone(), priority: k.priority });
+            found = Some(ClientKey {
+                hash: given.clone(),
+                tenant: k.id.clone(),
+                priority: k.priority,
+            });
         }
     }
-    found.map(Some).ok_or_else(|| ApiError::unauthorized("Invalid API key."))
+    found
+        .map(Some)
+        .ok_or_else(|| ApiError::unauthorized("Invalid API key."))
 }
 
 /// Checks the client's bearer key when keys are configured; returns the key's hash (the client's
 /// identity for rate limiting), or `None` when the surface is open.
-pub async fn require_client(req: &Request, env: &Env, ctx: &Context) -> Result<Option<String>, ApiError> {
+pub async fn require_client(
+    req: &Request,
+    env: &Env,
+    ctx: &Context,
+) -> Result<Option<String>, ApiError> {
     Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
 fn limits(env: &Env) -> RateLimits {
     let var = |name: &str| crate::var_or(env, name, 0u64);
-    RateLimits { requests_per_minute: var("RATE_LIMIT_RPM"), tokens_per_minute: var("RATE_LIMIT_TPM") }
+    RateLimits {
+        requests_per_minute: var("RATE_LIMIT_RPM"),
+        tokens_per_minute: var("RATE_LIMIT_TPM"),
+    }
 }
 
 /// Tokens charged to a client at admission, to settle when the request ends.
@@ -106,14 +138,22 @@ pub struct Reservation {
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
 /// means unlimited) with an estimate of its tokens. `client` is the key hash from
 /// [`require_client`]. Returns the reservation to [`settle`] when a token limit applies.
-pub async fn reserve(env: &Env, client: &str, estimate: u64) -> Result<Option<Reservation>, ApiError> {
+pub async fn reserve(
+    env: &Env,
+    client: &str,
+    estimate: u64,
+) -> Result<Option<Reservation>, ApiError> {
     let limits = limits(env);
     if limits == RateLimits::default() {
         return Ok(None);
     }
     let body = serde_json::json!({ "limits": limits, "tokens": estimate });
     crate::pools::rate_limit(env, client, "/take", &body).await?;
-    Ok((limits.tokens_per_minute > 0).then(|| Reservation { client: client.to_string(), limits, tokens: estimate }))
+    Ok((limits.tokens_per_minute > 0).then(|| Reservation {
+        client: client.to_string(),
+        limits,
+        tokens: estimate,
+    }))
 }
 
 /// Settles a reservation with the tokens the request really used (the backend's usage); failures

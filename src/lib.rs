@@ -4,6 +4,11 @@
 //! the nearest pool's Durable Object for a lease, and hand over to the streaming proxy. The routing
 //! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
+// `ApiError` carries a whole OpenAI error body (status, message, type, param, code, extra
+// headers) and travels only on the error path, where moving it costs nothing next to the
+// response it becomes; boxing it would only add an allocation.
+#![allow(clippy::result_large_err)]
+
 mod admin;
 mod admission;
 mod auth;
@@ -22,10 +27,12 @@ pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::RateLimiter;
 
+use gateway_durable_objects::protocol::PoolEntry;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::lease::LeaseTerms;
-use gateway_durable_objects::protocol::PoolEntry;
-use routing_core::prompt::{estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind};
+use routing_core::prompt::{
+    estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind,
+};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
@@ -61,7 +68,9 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     match pools::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                if let Err(e) = pools::pool_call(&env, &pool.name, Method::Post, "/probe/ensure", None).await {
+                if let Err(e) =
+                    pools::pool_call(&env, &pool.name, Method::Post, "/probe/ensure", None).await
+                {
                     console_error!("cron: pool {}: {e}", pool.name);
                 }
             }
@@ -78,7 +87,9 @@ fn request_id(req: &Request) -> String {
         Some(id)
             if !id.is_empty()
                 && id.len() <= 128
-                && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&b)) =>
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&b)) =>
         {
             id
         }
@@ -104,20 +115,26 @@ pub(crate) fn random_hex(n: usize) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std::result::Result<Response, ApiError> {
+async fn route(
+    req: Request,
+    env: &Env,
+    ctx: &Context,
+    request_id: &str,
+) -> std::result::Result<Response, ApiError> {
     let path = req.path();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = req.method();
     match segments.as_slice() {
         ["healthz"] => match method {
-            Method::Get | Method::Head => {
-                Response::from_json(&json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") })).map_err(ApiError::from_worker)
-            }
-            m => Err(ApiError::method_not_allowed(&m.to_string(), &path)),
+            Method::Get | Method::Head => Response::from_json(
+                &json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") }),
+            )
+            .map_err(ApiError::from_worker),
+            m => Err(ApiError::method_not_allowed(m.as_ref(), &path)),
         },
         ["metrics"] => {
             if method != Method::Get {
-                return Err(ApiError::method_not_allowed(&method.to_string(), &path));
+                return Err(ApiError::method_not_allowed(method.as_ref(), &path));
             }
             auth::require_metrics(&req, env)?;
             metrics::handle(env).await
@@ -129,12 +146,14 @@ async fn route(req: Request, env: &Env, ctx: &Context, request_id: &str) -> std:
         }
         ["v1", "models"] => {
             if method != Method::Get {
-                return Err(ApiError::method_not_allowed(&method.to_string(), &path));
+                return Err(ApiError::method_not_allowed(method.as_ref(), &path));
             }
             keys::require_client(&req, env, ctx).await?;
             list_models(env).await
         }
-        ["v1", "chat", "completions"] => completion(req, env, ctx, Endpoint::Chat, request_id).await,
+        ["v1", "chat", "completions"] => {
+            completion(req, env, ctx, Endpoint::Chat, request_id).await
+        }
         ["v1", "completions"] => completion(req, env, ctx, Endpoint::Completions, request_id).await,
         ["v1", "embeddings"] => completion(req, env, ctx, Endpoint::Embeddings, request_id).await,
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
@@ -161,7 +180,10 @@ impl Endpoint {
 
 /// A `wrangler.toml` var parsed as `T`, or `default` when unset or unparsable.
 pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
-    env.var(name).ok().and_then(|v| v.to_string().parse().ok()).unwrap_or(default)
+    env.var(name)
+        .ok()
+        .and_then(|v| v.to_string().parse().ok())
+        .unwrap_or(default)
 }
 
 fn feature_config(env: &Env) -> FeatureConfig {
@@ -169,7 +191,11 @@ fn feature_config(env: &Env) -> FeatureConfig {
     FeatureConfig {
         block_tokens: var_or(env, "BLOCK_TOKENS", defaults.block_tokens),
         default_max_tokens: var_or(env, "DEFAULT_MAX_TOKENS", defaults.default_max_tokens),
-        routing_header: env.var("ROUTING_KEY_HEADER").ok().map(|v| v.to_string().to_ascii_lowercase()).filter(|h| !h.is_empty()),
+        routing_header: env
+            .var("ROUTING_KEY_HEADER")
+            .ok()
+            .map(|v| v.to_string().to_ascii_lowercase())
+            .filter(|h| !h.is_empty()),
         max_blocks: defaults.max_blocks,
     }
 }
@@ -182,15 +208,25 @@ async fn read_body(req: &mut Request, env: &Env) -> std::result::Result<Vec<u8>,
 /// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
 /// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
 /// before the 413, so the client, still sending, reads the answer instead of a reset connection.
-pub(crate) async fn read_body_limited(req: &mut Request, limit: usize) -> std::result::Result<Vec<u8>, ApiError> {
+pub(crate) async fn read_body_limited(
+    req: &mut Request,
+    limit: usize,
+) -> std::result::Result<Vec<u8>, ApiError> {
     use futures_util::StreamExt;
-    let declared: Option<usize> = req.headers().get("content-length").ok().flatten().and_then(|v| v.parse().ok());
+    let declared: Option<usize> = req
+        .headers()
+        .get("content-length")
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse().ok());
     if declared.is_some_and(|n| n > limit) {
         discard_body(req).await;
         return Err(ApiError::payload_too_large(limit));
     }
     let mut body = Vec::with_capacity(declared.unwrap_or(0).min(limit));
-    let Ok(mut stream) = req.stream() else { return Ok(body) };
+    let Ok(mut stream) = req.stream() else {
+        return Ok(body);
+    };
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|_| ApiError::bad_request("unreadable request body"))?;
         if body.len() + chunk.len() > limit {
@@ -203,18 +239,25 @@ pub(crate) async fn read_body_limited(req: &mut Request, limit: usize) -> std::r
 
 /// Reads and drops the request body in JS (no wasm copies), for at most 5 seconds.
 async fn discard_body(req: &Request) {
-    let (Some(body), Ok(sink)) = (req.inner().body(), web_sys::WritableStream::new()) else { return };
+    let (Some(body), Ok(sink)) = (req.inner().body(), web_sys::WritableStream::new()) else {
+        return;
+    };
     let drained = wasm_bindgen_futures::JsFuture::from(body.pipe_to(&sink));
-    let _ = gateway_durable_objects::timed_fetch::with_timeout(drained, std::time::Duration::from_secs(5)).await;
+    let _ = gateway_durable_objects::timed_fetch::with_timeout(
+        drained,
+        std::time::Duration::from_secs(5),
+    )
+    .await;
 }
 
 /// Routing features of an embeddings request: model, input size, no prefix reuse.
 fn embedding_features(body: &Value) -> std::result::Result<RequestFeatures, ApiError> {
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad_request("`model` is required and must be a string").with_param("model"))?;
-    let input = body.get("input").ok_or_else(|| ApiError::bad_request("`input` is required").with_param("input"))?;
+    let model = body.get("model").and_then(Value::as_str).ok_or_else(|| {
+        ApiError::bad_request("`model` is required and must be a string").with_param("model")
+    })?;
+    let input = body
+        .get("input")
+        .ok_or_else(|| ApiError::bad_request("`input` is required").with_param("input"))?;
     let tokens = match input {
         Value::String(s) => estimate_tokens(s),
         Value::Array(items) => items
@@ -225,7 +268,11 @@ fn embedding_features(body: &Value) -> std::result::Result<RequestFeatures, ApiE
                 _ => 1,
             })
             .fold(0u32, u32::saturating_add),
-        _ => return Err(ApiError::bad_request("`input` must be a string or an array").with_param("input")),
+        _ => {
+            return Err(
+                ApiError::bad_request("`input` must be a string or an array").with_param("input"),
+            )
+        }
     };
     Ok(RequestFeatures {
         kind: RequestKind::Completion,
@@ -244,14 +291,17 @@ async fn completion(
     request_id: &str,
 ) -> std::result::Result<Response, ApiError> {
     if req.method() != Method::Post {
-        return Err(ApiError::method_not_allowed(&req.method().to_string(), endpoint.path()));
+        return Err(ApiError::method_not_allowed(
+            req.method().as_ref(),
+            endpoint.path(),
+        ));
     }
     let key = keys::identify(&req, env, ctx).await?;
     let client = key.as_ref().map(|k| k.hash.clone());
     let who = admission::admission_request(&req, key.as_ref())?;
     let body = read_body(&mut req, env).await?;
-    let parsed: Value =
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
+    let parsed: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
@@ -272,15 +322,28 @@ async fn completion(
                 _ => f.kind != RequestKind::Completion,
             };
             if wrong_kind {
-                let field = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
-                return Err(ApiError::bad_request(format!("`{field}` is required")).with_param(field));
+                let field = if endpoint == Endpoint::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                };
+                return Err(
+                    ApiError::bad_request(format!("`{field}` is required")).with_param(field)
+                );
             }
             f
         }
     };
     features.request_id = request_id.to_string();
     let reservation = match &client {
-        Some(client) => keys::reserve(env, client, u64::from(features.prompt_tokens) + u64::from(features.max_tokens)).await?,
+        Some(client) => {
+            keys::reserve(
+                env,
+                client,
+                u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
+            )
+            .await?
+        }
         None => None,
     };
     let stream = features.stream;
@@ -310,7 +373,11 @@ async fn completion(
                 None => break,
             },
         };
-        let path = if spill_ok { "/acquire?spill_ok=true" } else { "/acquire" };
+        let path = if spill_ok {
+            "/acquire?spill_ok=true"
+        } else {
+            "/acquire"
+        };
         match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
             Ok(admitted) => {
                 let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
@@ -352,7 +419,11 @@ async fn completion(
                     routing_header: feature_config(env).routing_header,
                     route_ms,
                 };
-                let resp = if disaggregated { forward.run_disaggregated().await? } else { forward.run().await? };
+                let resp = if disaggregated {
+                    forward.run_disaggregated().await?
+                } else {
+                    forward.run().await?
+                };
                 return with_queue_wait(resp, queued_ms);
             }
             // This pool does not serve the model: look further.
@@ -365,7 +436,12 @@ async fn completion(
                 last_err = e;
             }
             // The request waited and was dropped, or its client left: that is the answer.
-            Err(e) if e.status == 499 || e.headers.iter().any(|(k, _)| k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER) => {
+            Err(e)
+                if e.status == 499
+                    || e.headers.iter().any(|(k, _)| {
+                        k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER
+                    }) =>
+            {
                 refund(ctx, env, reservation);
                 return Err(e);
             }
@@ -402,7 +478,9 @@ fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Respon
         headers.append(&k, &v).map_err(ApiError::from_worker)?;
     }
     let wait = queued_ms.to_string();
-    headers.set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait).map_err(ApiError::from_worker)?;
+    headers
+        .set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait)
+        .map_err(ApiError::from_worker)?;
     Ok(resp.with_headers(headers))
 }
 
@@ -424,12 +502,20 @@ fn renew_interval(ttl_ms: u64) -> std::time::Duration {
 /// body to send upstream and whether the event must be taken out again (the client did not ask).
 /// vLLM's `continuous_usage_stats` only applies with `include_usage`, so a client that set it
 /// without asking for usage gets neither, as before.
-fn ask_for_usage(mut parsed: Value, body: Vec<u8>) -> std::result::Result<(Vec<u8>, bool), ApiError> {
-    let asked = parsed.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+fn ask_for_usage(
+    mut parsed: Value,
+    body: Vec<u8>,
+) -> std::result::Result<(Vec<u8>, bool), ApiError> {
+    let asked = parsed
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true);
     if asked {
         return Ok((body, false));
     }
-    let Some(obj) = parsed.as_object_mut() else { return Ok((body, false)) };
+    let Some(obj) = parsed.as_object_mut() else {
+        return Ok((body, false));
+    };
     let options = obj.entry("stream_options").or_insert_with(|| json!({}));
     if !options.is_object() {
         *options = json!({});
@@ -447,16 +533,24 @@ fn ask_for_usage(mut parsed: Value, body: Vec<u8>) -> std::result::Result<(Vec<u
 async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     for pool in pools::list_pools(env).await? {
-        match pools::pool_json::<Value>(env, &pool.name, Method::Get, "/models", None::<&()>).await {
+        match pools::pool_json::<Value>(env, &pool.name, Method::Get, "/models", None::<&()>).await
+        {
             Ok(v) => models.extend(
-                v.get("models").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).map(str::to_string),
+                v.get("models")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string),
             ),
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }
     }
     models.sort();
     models.dedup();
-    let data: Vec<Value> =
-        models.iter().map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" })).collect();
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
+        .collect();
     Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from_worker)
 }

@@ -11,15 +11,23 @@ use worker::{Env, Method, Response};
 /// Merges Prometheus text pages, keeping each family's header once and its samples together.
 pub fn merge_expositions(pages: &[String]) -> String {
     let mut order: Vec<String> = Vec::new();
-    let mut families: std::collections::HashMap<String, (Vec<String>, Vec<String>)> = Default::default();
+    let mut families: std::collections::HashMap<String, (Vec<String>, Vec<String>)> =
+        Default::default();
     for page in pages {
         let mut current = String::new();
         for line in page.lines() {
             if line.trim().is_empty() {
                 continue;
             }
-            if let Some(rest) = line.strip_prefix("# HELP ").or_else(|| line.strip_prefix("# TYPE ")) {
-                let name = rest.split_whitespace().next().unwrap_or_default().to_string();
+            if let Some(rest) = line
+                .strip_prefix("# HELP ")
+                .or_else(|| line.strip_prefix("# TYPE "))
+            {
+                let name = rest
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
                 let entry = families.entry(name.clone()).or_insert_with(|| {
                     order.push(name.clone());
                     (Vec::new(), Vec::new())
@@ -29,8 +37,15 @@ pub fn merge_expositions(pages: &[String]) -> String {
                 }
                 current = name;
             } else if !line.starts_with('#') {
-                let name: String = line.chars().take_while(|c| *c != '{' && *c != ' ').collect();
-                let key = if !current.is_empty() && name.starts_with(&current) { current.clone() } else { name };
+                let name: String = line
+                    .chars()
+                    .take_while(|c| *c != '{' && *c != ' ')
+                    .collect();
+                let key = if !current.is_empty() && name.starts_with(&current) {
+                    current.clone()
+                } else {
+                    name
+                };
                 families
                     .entry(key.clone())
                     .or_insert_with(|| {
@@ -59,12 +74,18 @@ pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     let mut pages = Vec::new();
     for pool in pools::list_pools(env).await? {
         match pools::pool_call(env, &pool.name, Method::Get, "/metrics", None).await {
-            Ok(mut r) if r.status_code() == 200 => pages.push(r.text().await.map_err(ApiError::from_worker)?),
-            Ok(r) => worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code()),
+            Ok(mut r) if r.status_code() == 200 => {
+                pages.push(r.text().await.map_err(ApiError::from_worker)?)
+            }
+            Ok(r) => {
+                worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code())
+            }
             Err(e) => worker::console_error!("metrics: pool {}: {e}", pool.name),
         }
     }
     let mut resp = Response::ok(merge_expositions(&pages)).map_err(ApiError::from_worker)?;
-    resp.headers_mut().set("content-type", "text/plain; version=0.0.4; charset=utf-8").map_err(ApiError::from_worker)?;
+    resp.headers_mut()
+        .set("content-type", "text/plain; version=0.0.4; charset=utf-8")
+        .map_err(ApiError::from_worker)?;
     Ok(resp)
 }

@@ -20,13 +20,19 @@ pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 pub const DIRECTORY_BINDING: &str = "DIRECTORY";
 
 fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
-    env.durable_object(binding).and_then(|ns| ns.id_from_name(name)?.get_stub()).map_err(ApiError::from_worker)
+    env.durable_object(binding)
+        .and_then(|ns| ns.id_from_name(name)?.get_stub())
+        .map_err(ApiError::from_worker)
 }
 
 /// A pool's stub, placed by its location hint when this isolate knows one.
 fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
     let hint = POOLS.with(|p| {
-        p.borrow().value.as_ref().and_then(|(_, list)| list.iter().find(|e| e.name == pool).and_then(|e| e.location_hint.clone()))
+        p.borrow().value.as_ref().and_then(|(_, list)| {
+            list.iter()
+                .find(|e| e.name == pool)
+                .and_then(|e| e.location_hint.clone())
+        })
     });
     match hint {
         Some(h) => env
@@ -37,20 +43,33 @@ fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
     }
 }
 
-async fn send(stub: &Stub, pool: Option<&str>, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
+async fn send(
+    stub: &Stub,
+    pool: Option<&str>,
+    method: Method,
+    path: &str,
+    body: Option<String>,
+) -> Result<Response, ApiError> {
     let headers = Headers::new();
     if let Some(pool) = pool {
-        headers.set(POOL_HEADER, pool).map_err(ApiError::from_worker)?;
+        headers
+            .set(POOL_HEADER, pool)
+            .map_err(ApiError::from_worker)?;
     }
     let mut init = RequestInit::new();
     init.with_method(method);
     if let Some(body) = body {
-        headers.set("content-type", "application/json").map_err(ApiError::from_worker)?;
+        headers
+            .set("content-type", "application/json")
+            .map_err(ApiError::from_worker)?;
         init.with_body(Some(body.into()));
     }
     init.with_headers(headers);
-    let req = Request::new_with_init(&format!("{INTERNAL_ORIGIN}{path}"), &init).map_err(ApiError::from_worker)?;
-    stub.fetch_with_request(req).await.map_err(ApiError::from_worker)
+    let req = Request::new_with_init(&format!("{INTERNAL_ORIGIN}{path}"), &init)
+        .map_err(ApiError::from_worker)?;
+    stub.fetch_with_request(req)
+        .await
+        .map_err(ApiError::from_worker)
 }
 
 async fn decode<T: DeserializeOwned>(mut resp: Response) -> Result<T, ApiError> {
@@ -61,11 +80,19 @@ async fn decode<T: DeserializeOwned>(mut resp: Response) -> Result<T, ApiError> 
 }
 
 fn encode(body: Option<&impl Serialize>) -> Result<Option<String>, ApiError> {
-    body.map(serde_json::to_string).transpose().map_err(|e| ApiError::internal(e.to_string()))
+    body.map(serde_json::to_string)
+        .transpose()
+        .map_err(|e| ApiError::internal(e.to_string()))
 }
 
 /// Calls the named pool's coordinator and returns its raw response.
-pub async fn pool_call(env: &Env, pool: &str, method: Method, path: &str, body: Option<String>) -> Result<Response, ApiError> {
+pub async fn pool_call(
+    env: &Env,
+    pool: &str,
+    method: Method,
+    path: &str,
+    body: Option<String>,
+) -> Result<Response, ApiError> {
     send(&pool_stub(env, pool)?, Some(pool), method, path, body).await
 }
 
@@ -84,7 +111,12 @@ pub async fn pool_json<T: DeserializeOwned>(
 /// Rebuilds the `ApiError` a Durable Object answered with.
 pub async fn error_from_response(resp: &mut Response) -> ApiError {
     let status = resp.status_code();
-    let retry_after = resp.headers().get("retry-after").ok().flatten().and_then(|v| v.parse().ok());
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse().ok());
     let body: Option<gateway_durable_objects::api_error::ErrorBody> = resp.json().await.ok();
     let mut err = match body {
         Some(b) => ApiError::from_parts(status, b.error),
@@ -101,7 +133,14 @@ pub async fn directory_json<T: DeserializeOwned>(
     path: &str,
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
-    let resp = send(&stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?, None, method, path, encode(body)?).await?;
+    let resp = send(
+        &stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?,
+        None,
+        method,
+        path,
+        encode(body)?,
+    )
+    .await?;
     decode(resp).await
 }
 
@@ -115,7 +154,10 @@ pub struct CacheSlot<T> {
 impl<T> CacheSlot<T> {
     /// An empty slot.
     pub const fn new() -> Self {
-        CacheSlot { value: None, refreshing_since: None }
+        CacheSlot {
+            value: None,
+            refreshing_since: None,
+        }
     }
 
     /// Forgets the value (this isolate just changed it).
@@ -159,7 +201,9 @@ where
                         s.refreshing_since = None;
                         match result {
                             Ok(v) => s.value = Some((Date::now().as_millis(), v)),
-                            Err(e) => worker::console_error!("directory refresh failed; serving the cached copy: {e}"),
+                            Err(e) => worker::console_error!(
+                                "directory refresh failed; serving the cached copy: {e}"
+                            ),
                         }
                     });
                 });
@@ -189,7 +233,13 @@ async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
 /// is fresh, else read now (an operator adding a pool in this isolate clears the copy).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
     let now = Date::now().as_millis();
-    let cached = POOLS.with(|p| p.borrow().value.clone().filter(|(at, _)| now < at + POOL_CACHE_MS).map(|(_, l)| l));
+    let cached = POOLS.with(|p| {
+        p.borrow()
+            .value
+            .clone()
+            .filter(|(at, _)| now < at + POOL_CACHE_MS)
+            .map(|(_, l)| l)
+    });
     if let Some(list) = cached {
         return Ok(list);
     }
@@ -207,14 +257,32 @@ pub async fn list_pools_cached(env: &Env, ctx: &Context) -> Result<Vec<PoolEntry
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
-    let _: PoolEntry = directory_json(env, Method::Put, &format!("/pools/{}", entry.name), Some(entry)).await?;
+    let _: PoolEntry = directory_json(
+        env,
+        Method::Put,
+        &format!("/pools/{}", entry.name),
+        Some(entry),
+    )
+    .await?;
     POOLS.with(|p| p.borrow_mut().clear());
     Ok(())
 }
 
 /// Calls the client's rate limiter (`/take` or `/settle`); a refusal comes back as its 429 error.
-pub async fn rate_limit(env: &Env, client: &str, path: &str, body: &serde_json::Value) -> Result<(), ApiError> {
-    let resp = send(&stub(env, RATE_LIMITER_BINDING, client)?, None, Method::Post, path, encode(Some(body))?).await?;
+pub async fn rate_limit(
+    env: &Env,
+    client: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> Result<(), ApiError> {
+    let resp = send(
+        &stub(env, RATE_LIMITER_BINDING, client)?,
+        None,
+        Method::Post,
+        path,
+        encode(Some(body))?,
+    )
+    .await?;
     if resp.status_code() == 200 {
         return Ok(());
     }

@@ -15,7 +15,9 @@ use crate::pools::pool_json;
 use crate::relay::{relay, Relay, Upstream};
 use crate::ApiError;
 use gateway_durable_objects::protocol::ReassignRequest;
-use gateway_durable_objects::timed_fetch::{fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort};
+use gateway_durable_objects::timed_fetch::{
+    fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
+};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::{body_usage, Usage};
@@ -23,20 +25,31 @@ use serde_json::{json, Value};
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Date, Env, Headers, Method, Request, RequestInit, Response, ResponseBody};
+use worker::{
+    AbortSignal, Context, Date, Env, Headers, Method, Request, RequestInit, Response, ResponseBody,
+};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
 /// gateway sets `content-type`, `x-request-id` and the backend's own `authorization` itself; the
 /// configured routing-key header is forwarded too.
-const FORWARDED_REQUEST_HEADERS: [&str; 8] =
-    ["accept", "user-agent", "traceparent", "tracestate", "baggage", "x-session-id", "x-user-id", "x-tenant-id"];
+const FORWARDED_REQUEST_HEADERS: [&str; 8] = [
+    "accept",
+    "user-agent",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "x-session-id",
+    "x-user-id",
+    "x-tenant-id",
+];
 
 /// Longest client header value forwarded.
 const MAX_FORWARDED_HEADER_BYTES: usize = 1024;
 
 /// Upstream response headers passed to the client.
-const PASSED_RESPONSE_HEADERS: [&str; 3] = ["content-type", "cache-control", "openai-processing-ms"];
+const PASSED_RESPONSE_HEADERS: [&str; 3] =
+    ["content-type", "cache-control", "openai-processing-ms"];
 
 /// Largest non-streamed answer read from a backend (embeddings of large batches included).
 const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
@@ -62,7 +75,9 @@ impl ProxySettings {
             max_retries: var("MAX_RETRIES", 2).min(10) as u32,
             first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
             response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
-            stream_idle_timeout: Duration::from_millis(var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10)),
+            stream_idle_timeout: Duration::from_millis(
+                var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10),
+            ),
         }
     }
 }
@@ -117,7 +132,12 @@ struct AttemptFailure {
 
 impl AttemptFailure {
     fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
-        AttemptFailure { outcome: Outcome::of_kind(kind), reason, retryable: true, missing_model: false }
+        AttemptFailure {
+            outcome: Outcome::of_kind(kind),
+            reason,
+            retryable: true,
+            missing_model: false,
+        }
     }
 }
 
@@ -140,20 +160,39 @@ impl Answer {
     /// (`{"error": {...}}`, the older `{"object": "error", "message": ...}`, or plain text).
     fn client_error(status: u16, text: &str, abort: LinkedAbort, ttfb_ms: u64) -> Answer {
         let parsed: Option<Value> = serde_json::from_str(text).ok();
-        let inner = parsed.as_ref().map(|v| v.get("error").filter(|e| e.is_object()).unwrap_or(v));
+        let inner = parsed
+            .as_ref()
+            .map(|v| v.get("error").filter(|e| e.is_object()).unwrap_or(v));
         let message = inner
             .and_then(|e| e.get("message"))
             .and_then(Value::as_str)
             .map(str::to_string)
-            .or_else(|| inner.and_then(|e| e.get("error")).and_then(Value::as_str).map(str::to_string))
+            .or_else(|| {
+                inner
+                    .and_then(|e| e.get("error"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
             .unwrap_or_else(|| format!("The backend answered {status}."));
         let mut err = ApiError::bad_request(message);
         err.status = status;
-        err.param = inner.and_then(|e| e.get("param")).and_then(Value::as_str).map(str::to_string);
+        err.param = inner
+            .and_then(|e| e.get("param"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
         let body = serde_json::to_vec(&err.body()).unwrap_or_default();
         let headers = Headers::new();
         let _ = headers.set("content-type", "application/json");
-        Answer { status, headers, whole: Some(body), usage: None, first_chunk: None, body: None, ttfb_ms, abort }
+        Answer {
+            status,
+            headers,
+            whole: Some(body),
+            usage: None,
+            first_chunk: None,
+            body: None,
+            ttfb_ms,
+            abort,
+        }
     }
 }
 
@@ -161,7 +200,12 @@ impl Forward<'_> {
     /// Runs the attempts and returns the client's response.
     pub async fn run(self) -> Result<Response, ApiError> {
         let client_signal: AbortSignal = self.client.inner().signal().into();
-        let mut candidate = self.grant.candidates.first().cloned().ok_or_else(|| ApiError::internal("grant without candidates"))?;
+        let mut candidate = self
+            .grant
+            .candidates
+            .first()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("grant without candidates"))?;
         let mut next_index = 1;
         let mut attempts = 0u32;
         loop {
@@ -172,11 +216,15 @@ impl Forward<'_> {
             };
             if client_signal.aborted() {
                 self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
-                return Err(ApiError::bad_request("The client closed the request.").with_code("client_closed_request"));
+                return Err(ApiError::bad_request("The client closed the request.")
+                    .with_code("client_closed_request"));
             }
             // Walk the ranking: the next candidate the pool will move the lease to.
             let mut moved = None;
-            while failure.retryable && attempts <= self.settings.max_retries && next_index < self.grant.candidates.len() {
+            while failure.retryable
+                && attempts <= self.settings.max_retries
+                && next_index < self.grant.candidates.len()
+            {
                 let to = self.grant.candidates[next_index].clone();
                 next_index += 1;
                 match self.reassign(&to, &failure).await {
@@ -187,7 +235,11 @@ impl Forward<'_> {
                     Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
                         // The pool ended the lease with the failure itself.
                         self.guard.finish_released(failure.outcome.clone());
-                        return Err(final_error(&failure, attempts, " (pool retry budget exhausted)"));
+                        return Err(final_error(
+                            &failure,
+                            attempts,
+                            " (pool retry budget exhausted)",
+                        ));
                     }
                     Err(_) => continue, // that candidate became unavailable; try the next
                 }
@@ -208,20 +260,40 @@ impl Forward<'_> {
         }
     }
 
-    async fn attempt(&self, c: &CandidateView, client_signal: &AbortSignal) -> Result<Answer, AttemptFailure> {
+    async fn attempt(
+        &self,
+        c: &CandidateView,
+        client_signal: &AbortSignal,
+    ) -> Result<Answer, AttemptFailure> {
         let started = Date::now().as_millis();
         let elapsed = || Date::now().as_millis().saturating_sub(started);
-        let req = self
-            .upstream_request(c)
-            .map_err(|e| AttemptFailure::new(OutcomeKind::Transport, format!("cannot build the request to backend {}: {e}", c.id.0)))?;
-        let timeout = if self.stream { self.settings.first_byte_timeout } else { self.settings.response_timeout };
-        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal)).await.map_err(|f| match f {
-            FetchFailure::Timeout => AttemptFailure::new(
-                OutcomeKind::Timeout,
-                format!("backend {} sent no response within {} ms", c.id.0, timeout.as_millis()),
-            ),
-            FetchFailure::Transport(e) => AttemptFailure::new(OutcomeKind::Transport, format!("backend {} unreachable: {e}", c.id.0)),
+        let req = self.upstream_request(c).map_err(|e| {
+            AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("cannot build the request to backend {}: {e}", c.id.0),
+            )
         })?;
+        let timeout = if self.stream {
+            self.settings.first_byte_timeout
+        } else {
+            self.settings.response_timeout
+        };
+        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal))
+            .await
+            .map_err(|f| match f {
+                FetchFailure::Timeout => AttemptFailure::new(
+                    OutcomeKind::Timeout,
+                    format!(
+                        "backend {} sent no response within {} ms",
+                        c.id.0,
+                        timeout.as_millis()
+                    ),
+                ),
+                FetchFailure::Transport(e) => AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {} unreachable: {e}", c.id.0),
+                ),
+            })?;
         let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
         let status = resp.status_code();
         let kind = OutcomeKind::from_status(status);
@@ -235,15 +307,26 @@ impl Forward<'_> {
             }
             outcome.ttfb_ms = Some(elapsed());
             abort.abort();
-            let why = if rejects_gateway { " (it rejects the gateway's API key for it)" } else { "" };
-            return Err(AttemptFailure { outcome, reason: format!("backend {} answered {status}{why}", c.id.0), ..AttemptFailure::new(kind, String::new()) });
+            let why = if rejects_gateway {
+                " (it rejects the gateway's API key for it)"
+            } else {
+                ""
+            };
+            return Err(AttemptFailure {
+                outcome,
+                reason: format!("backend {} answered {status}{why}", c.id.0),
+                ..AttemptFailure::new(kind, String::new())
+            });
         }
         if status == 404 {
             // vLLM answers 404 only for a model it does not serve: unloaded since the last probe.
             // Not the backend's fault, and another backend may have it.
             abort.abort();
             return Err(AttemptFailure {
-                outcome: Outcome { ttfb_ms: Some(elapsed()), ..Outcome::from_status(404) },
+                outcome: Outcome {
+                    ttfb_ms: Some(elapsed()),
+                    ..Outcome::from_status(404)
+                },
                 reason: format!("backend {} does not serve the model", c.id.0),
                 missing_model: true,
                 ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
@@ -252,7 +335,10 @@ impl Forward<'_> {
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape.
             let mut resp = resp;
-            let text = with_timeout(resp.text(), remaining()).await.and_then(Result::ok).unwrap_or_default();
+            let text = with_timeout(resp.text(), remaining())
+                .await
+                .and_then(Result::ok)
+                .unwrap_or_default();
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
         let headers = resp.headers().clone();
@@ -261,10 +347,20 @@ impl Forward<'_> {
             ResponseBody::Stream(s) => Some(s),
             _ => None,
         };
-        let mut answer =
-            Answer { status, headers, whole: None, usage: None, first_chunk: None, body: None, ttfb_ms: 0, abort };
+        let mut answer = Answer {
+            status,
+            headers,
+            whole: None,
+            usage: None,
+            first_chunk: None,
+            body: None,
+            ttfb_ms: 0,
+            abort,
+        };
         // Whatever fails from here on, the upstream request is closed, not left to the collector.
-        let read = self.read_answer(&mut answer, body, remaining(), timeout, &c.id.0).await;
+        let read = self
+            .read_answer(&mut answer, body, remaining(), timeout, &c.id.0)
+            .await;
         if let Err(failure) = read {
             answer.abort.abort();
             return Err(failure);
@@ -285,27 +381,43 @@ impl Forward<'_> {
     ) -> Result<(), AttemptFailure> {
         if self.stream {
             let Some(stream) = body else {
-                return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent no stream")));
+                return Err(AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {backend} sent no stream"),
+                ));
             };
             answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
             answer.body = Some(stream);
             return Ok(());
         }
         let bytes = match body {
-            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining).await.unwrap_or_else(|| {
-                Err(AttemptFailure::new(
-                    OutcomeKind::Timeout,
-                    format!("backend {backend} did not finish its answer within {} ms", timeout.as_millis()),
-                ))
-            })?,
+            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining)
+                .await
+                .unwrap_or_else(|| {
+                    Err(AttemptFailure::new(
+                        OutcomeKind::Timeout,
+                        format!(
+                            "backend {backend} did not finish its answer within {} ms",
+                            timeout.as_millis()
+                        ),
+                    ))
+                })?,
             None => Vec::new(),
         };
         // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
         // is not one whole document is the backend's failure. Other content types pass as sent.
-        let content_type = answer.headers.get("content-type").ok().flatten().unwrap_or_default();
+        let content_type = answer
+            .headers
+            .get("content-type")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         if content_type.is_empty() || content_type.contains("json") {
             answer.usage = body_usage(&bytes).map_err(|e| {
-                AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"))
+                AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"),
+                )
             })?;
         }
         answer.whole = Some(bytes);
@@ -319,8 +431,17 @@ impl Forward<'_> {
     fn upstream_request_with(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
         let headers = Headers::new();
         let routing_header = self.routing_header.as_deref();
-        for name in FORWARDED_REQUEST_HEADERS.iter().copied().chain(routing_header) {
-            if let Some(value) = self.client.headers().get(name)?.filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES) {
+        for name in FORWARDED_REQUEST_HEADERS
+            .iter()
+            .copied()
+            .chain(routing_header)
+        {
+            if let Some(value) = self
+                .client
+                .headers()
+                .get(name)?
+                .filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES)
+            {
                 headers.set(name, &value)?;
             }
         }
@@ -336,7 +457,13 @@ impl Forward<'_> {
         Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
     }
 
-    fn respond(self, answer: Answer, c: &CandidateView, attempts: u32, client_signal: AbortSignal) -> Result<Response, ApiError> {
+    fn respond(
+        self,
+        answer: Answer,
+        c: &CandidateView,
+        attempts: u32,
+        client_signal: AbortSignal,
+    ) -> Result<Response, ApiError> {
         let out = Headers::new();
         let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
         for name in PASSED_RESPONSE_HEADERS {
@@ -349,7 +476,13 @@ impl Forward<'_> {
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.to_string())?;
         // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
-        set("server-timing", &format!("route;dur={}, upstream;dur={}", self.route_ms, answer.ttfb_ms))?;
+        set(
+            "server-timing",
+            &format!(
+                "route;dur={}, upstream;dur={}",
+                self.route_ms, answer.ttfb_ms
+            ),
+        )?;
         if let Some(p) = &self.prefill_backend {
             set("x-gateway-prefill-backend", p)?;
         }
@@ -365,9 +498,13 @@ impl Forward<'_> {
             with_usage(&mut outcome, answer.usage);
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
-            return Ok(Response::builder().with_status(status).with_headers(out).fixed(bytes));
+            return Ok(Response::builder()
+                .with_status(status)
+                .with_headers(out)
+                .fixed(bytes));
         };
-        let relay_stream = Relay::new(self.strip_usage_event).map_err(|_| ApiError::internal("TransformStream unavailable"))?;
+        let relay_stream = Relay::new(self.strip_usage_event)
+            .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay_stream.readable();
         let guard = self.guard;
         let upstream = Upstream {
@@ -383,7 +520,10 @@ impl Forward<'_> {
             with_usage(&mut outcome, end.usage);
             guard.finish(outcome);
         });
-        Ok(Response::builder().with_status(status).with_headers(out).stream(readable.unchecked_into()))
+        Ok(Response::builder()
+            .with_status(status)
+            .with_headers(out)
+            .stream(readable.unchecked_into()))
     }
 
     /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
@@ -394,30 +534,49 @@ impl Forward<'_> {
     /// retried on another decode server (the lease's decode share cannot move); a failed prefill
     /// ends the request with 502/504.
     pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
-        let original: Value = serde_json::from_slice(&self.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
-        let prefill = self.grant.candidates.first().cloned().ok_or_else(|| ApiError::internal("grant without a prefill candidate"))?;
+        let original: Value =
+            serde_json::from_slice(&self.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let prefill = self
+            .grant
+            .candidates
+            .first()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("grant without a prefill candidate"))?;
         let mut prefill_body = original.clone();
         if let Some(obj) = prefill_body.as_object_mut() {
-            obj.insert("kv_transfer_params".into(), json!({
-                "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                "remote_block_ids": null, "remote_host": null, "remote_port": null,
-            }));
+            obj.insert(
+                "kv_transfer_params".into(),
+                json!({
+                    "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                    "remote_block_ids": null, "remote_host": null, "remote_port": null,
+                }),
+            );
             obj.insert("max_tokens".into(), json!(1));
             obj.insert("stream".into(), json!(false));
             obj.remove("max_completion_tokens");
             obj.remove("stream_options");
         }
-        let bytes = serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        let bytes =
+            serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
         let client_signal: AbortSignal = self.client.inner().signal().into();
         let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
-            let req = self.upstream_request_with(&prefill, &bytes).map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
-            let (resp, _abort) = fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
-                .await
-                .map_err(|f| match f {
-                    FetchFailure::Timeout => fail(OutcomeKind::Timeout, format!("prefill backend {} timed out", prefill.id.0)),
-                    FetchFailure::Transport(e) => fail(OutcomeKind::Transport, format!("prefill backend {} unreachable: {e}", prefill.id.0)),
-                })?;
+            let req = self
+                .upstream_request_with(&prefill, &bytes)
+                .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
+            let (resp, _abort) =
+                fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+                    .await
+                    .map_err(|f| match f {
+                        FetchFailure::Timeout => fail(
+                            OutcomeKind::Timeout,
+                            format!("prefill backend {} timed out", prefill.id.0),
+                        ),
+                        FetchFailure::Transport(e) => fail(
+                            OutcomeKind::Transport,
+                            format!("prefill backend {} unreachable: {e}", prefill.id.0),
+                        ),
+                    })?;
             let status = resp.status_code();
             if !(200..300).contains(&status) {
                 return Err(AttemptFailure {
@@ -432,20 +591,37 @@ impl Forward<'_> {
                 ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
                 _ => Vec::new(),
             };
-            let answer: Value = serde_json::from_slice(&bytes)
-                .map_err(|e| fail(OutcomeKind::Transport, format!("prefill backend {}: answer unreadable: {e}", prefill.id.0)))?;
+            let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                fail(
+                    OutcomeKind::Transport,
+                    format!("prefill backend {}: answer unreadable: {e}", prefill.id.0),
+                )
+            })?;
             let params = answer
                 .get("kv_transfer_params")
                 .filter(|p| p.is_object())
                 .cloned()
-                .ok_or_else(|| fail(OutcomeKind::ServerError, format!("prefill backend {} returned no kv_transfer_params", prefill.id.0)))?;
+                .ok_or_else(|| {
+                    fail(
+                        OutcomeKind::ServerError,
+                        format!(
+                            "prefill backend {} returned no kv_transfer_params",
+                            prefill.id.0
+                        ),
+                    )
+                })?;
             let mut outcome = Outcome::from_status(status);
             with_usage(&mut outcome, body_usage(&bytes).ok().flatten());
             Ok((params, outcome))
         }
         .await;
         // Each stage reports its own outcome: the prefill share ends here, whatever comes next.
-        let decode = self.grant.decode_candidates.first().map(|c| c.id.0.clone()).unwrap_or_default();
+        let decode = self
+            .grant
+            .decode_candidates
+            .first()
+            .map(|c| c.id.0.clone())
+            .unwrap_or_default();
         let params = match params {
             Ok((params, outcome)) => {
                 self.guard.finish_prefill(outcome, &decode);
@@ -462,14 +638,19 @@ impl Forward<'_> {
         if let Some(obj) = decode_body.as_object_mut() {
             obj.insert("kv_transfer_params".into(), params);
         }
-        self.body = serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.body =
+            serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
         self.grant.candidates = std::mem::take(&mut self.grant.decode_candidates);
         self.settings.max_retries = 0;
         self.prefill_backend = Some(prefill.id.0);
         self.run().await
     }
 
-    async fn reassign(&self, to: &CandidateView, failure: &AttemptFailure) -> Result<CandidateView, ApiError> {
+    async fn reassign(
+        &self,
+        to: &CandidateView,
+        failure: &AttemptFailure,
+    ) -> Result<CandidateView, ApiError> {
         let req = ReassignRequest {
             lease_id: self.guard.lease_id(),
             to: to.id.clone(),
@@ -493,20 +674,34 @@ fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
 
 /// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
 /// over the limit is not retried (another backend would send as much).
-async fn read_whole(stream: &web_sys::ReadableStream, limit: usize, backend: &str) -> Result<Vec<u8>, AttemptFailure> {
+async fn read_whole(
+    stream: &web_sys::ReadableStream,
+    limit: usize,
+    backend: &str,
+) -> Result<Vec<u8>, AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let mut out = Vec::new();
     loop {
-        let chunk = JsFuture::from(reader.read())
-            .await
-            .map_err(|_| AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} broke off its answer")))?;
-        let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|v| v.as_bool()).unwrap_or(true);
+        let chunk = JsFuture::from(reader.read()).await.map_err(|_| {
+            AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("backend {backend} broke off its answer"),
+            )
+        })?;
+        let done = js_sys::Reflect::get(&chunk, &"done".into())
+            .ok()
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true);
         if done {
             return Ok(out);
         }
-        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into()).and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
+        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into())
+            .and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
         else {
-            return Err(AttemptFailure::new(OutcomeKind::Transport, format!("backend {backend} sent an unreadable chunk")));
+            return Err(AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("backend {backend} sent an unreadable chunk"),
+            ));
         };
         let n = bytes.length() as usize;
         if out.len() + n > limit {
@@ -525,7 +720,11 @@ async fn read_whole(stream: &web_sys::ReadableStream, limit: usize, backend: &st
 }
 
 /// Reads the first chunk of a stream within `timeout`, then unlocks the stream for piping.
-async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, backend: &str) -> Result<JsValue, AttemptFailure> {
+async fn read_first_chunk(
+    stream: &web_sys::ReadableStream,
+    timeout: Duration,
+    backend: &str,
+) -> Result<JsValue, AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let read = JsFuture::from(reader.read());
     let result = with_timeout(read, timeout).await;
@@ -533,23 +732,47 @@ async fn read_first_chunk(stream: &web_sys::ReadableStream, timeout: Duration, b
     let chunk = match result {
         None => {
             let _ = reader.cancel();
-            return Err(fail(OutcomeKind::Timeout, format!("backend {backend} sent no first token within {} ms", timeout.as_millis())));
+            return Err(fail(
+                OutcomeKind::Timeout,
+                format!(
+                    "backend {backend} sent no first token within {} ms",
+                    timeout.as_millis()
+                ),
+            ));
         }
-        Some(Err(_)) => return Err(fail(OutcomeKind::Transport, format!("backend {backend} failed before its first token"))),
+        Some(Err(_)) => {
+            return Err(fail(
+                OutcomeKind::Transport,
+                format!("backend {backend} failed before its first token"),
+            ))
+        }
         Some(Ok(r)) => r,
     };
-    let done = js_sys::Reflect::get(&chunk, &"done".into()).ok().and_then(|v| v.as_bool()).unwrap_or(true);
+    let done = js_sys::Reflect::get(&chunk, &"done".into())
+        .ok()
+        .and_then(|v| v.as_bool())
+        .unwrap_or(true);
     if done {
-        return Err(fail(OutcomeKind::Transport, format!("backend {backend} closed the stream before its first token")));
+        return Err(fail(
+            OutcomeKind::Transport,
+            format!("backend {backend} closed the stream before its first token"),
+        ));
     }
     reader.release_lock();
-    js_sys::Reflect::get(&chunk, &"value".into())
-        .map_err(|_| fail(OutcomeKind::Transport, format!("backend {backend} sent an unreadable chunk")))
+    js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
+        fail(
+            OutcomeKind::Transport,
+            format!("backend {backend} sent an unreadable chunk"),
+        )
+    })
 }
 
 /// The client's error after every allowed attempt failed.
 fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiError {
-    let message = format!("Upstream failed after {attempts} attempt(s): {}{suffix}", failure.reason);
+    let message = format!(
+        "Upstream failed after {attempts} attempt(s): {}{suffix}",
+        failure.reason
+    );
     match failure.outcome.kind {
         OutcomeKind::Timeout => ApiError::gateway_timeout(message),
         OutcomeKind::RateLimited => ApiError::rate_limited(message, 1),

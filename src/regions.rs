@@ -12,17 +12,31 @@ use worker::{Env, Request};
 
 /// The client's region, if it can be told.
 pub fn client_region(req: &Request, env: &Env) -> Option<String> {
-    let header_allowed = env.var("ALLOW_REGION_HEADER").map(|v| v.to_string() == "true").unwrap_or(false);
+    let header_allowed = env
+        .var("ALLOW_REGION_HEADER")
+        .map(|v| v.to_string() == "true")
+        .unwrap_or(false);
     if header_allowed {
-        if let Some(r) = req.headers().get("x-gateway-region").ok().flatten().filter(|r| !r.is_empty()) {
+        if let Some(r) = req
+            .headers()
+            .get("x-gateway-region")
+            .ok()
+            .flatten()
+            .filter(|r| !r.is_empty())
+        {
             return Some(r);
         }
     }
-    let map: HashMap<String, String> =
-        env.var("REGION_MAP").ok().and_then(|v| serde_json::from_str(&v.to_string()).ok()).unwrap_or_default();
+    let map: HashMap<String, String> = env
+        .var("REGION_MAP")
+        .ok()
+        .and_then(|v| serde_json::from_str(&v.to_string()).ok())
+        .unwrap_or_default();
     let cf = req.cf()?;
     let colo = cf.colo();
-    map.get(&colo).or_else(|| cf.continent().and_then(|c| map.get(&c))).cloned()
+    map.get(&colo)
+        .or_else(|| cf.continent().and_then(|c| map.get(&c)))
+        .cloned()
 }
 
 /// Orders pools nearest first.

@@ -49,7 +49,12 @@ pub struct ErrorObject {
 }
 
 impl ApiError {
-    fn new(status: u16, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> Self {
+    fn new(
+        status: u16,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> Self {
         ApiError {
             status,
             message: message.into(),
@@ -68,7 +73,12 @@ impl ApiError {
 
     /// 401: missing or wrong bearer token.
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(401, "authentication_error", Some("invalid_api_key"), message)
+        Self::new(
+            401,
+            "authentication_error",
+            Some("invalid_api_key"),
+            message,
+        )
     }
 
     /// 404: no such route or resource.
@@ -89,7 +99,12 @@ impl ApiError {
 
     /// 405: the route exists but not with this method.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
-        Self::new(405, "invalid_request_error", Some("method_not_allowed"), format!("Method {method} is not allowed on {path}."))
+        Self::new(
+            405,
+            "invalid_request_error",
+            Some("method_not_allowed"),
+            format!("Method {method} is not allowed on {path}."),
+        )
     }
 
     /// 409: the resource already exists.
@@ -99,12 +114,23 @@ impl ApiError {
 
     /// 413: the body is larger than the configured limit.
     pub fn payload_too_large(limit: usize) -> Self {
-        Self::new(413, "invalid_request_error", Some("payload_too_large"), format!("Request body exceeds the limit of {limit} bytes."))
+        Self::new(
+            413,
+            "invalid_request_error",
+            Some("payload_too_large"),
+            format!("Request body exceeds the limit of {limit} bytes."),
+        )
     }
 
     /// 429: the client is over its rate limit.
     pub fn rate_limited(message: impl Into<String>, retry_after_s: u32) -> Self {
-        Self::new(429, "rate_limit_error", Some("rate_limit_exceeded"), message).with_retry_after(retry_after_s)
+        Self::new(
+            429,
+            "rate_limit_error",
+            Some("rate_limit_exceeded"),
+            message,
+        )
+        .with_retry_after(retry_after_s)
     }
 
     /// 500: a fault of the gateway itself (should never be seen; logged).
@@ -119,7 +145,8 @@ impl ApiError {
 
     /// 503: no backend can take the request now.
     pub fn unavailable(message: impl Into<String>, retry_after_s: u32) -> Self {
-        Self::new(503, "server_error", Some("no_backend_available"), message).with_retry_after(retry_after_s)
+        Self::new(503, "server_error", Some("no_backend_available"), message)
+            .with_retry_after(retry_after_s)
     }
 
     /// 504: the upstream did not answer in time.
@@ -172,16 +199,26 @@ impl ApiError {
 
     /// 429 `queue_full`: the pool's queue (or the tenant's share of it) is full.
     pub fn queue_full(reason: &str, retry_after_s: u32) -> Self {
-        Self::new(429, "rate_limit_error", Some("queue_full"), "The gateway's queue for this pool is full for you; retry later.")
-            .with_retry_after(retry_after_s)
-            .with_header(crate::protocol::QUEUE_DROP_HEADER, reason)
+        Self::new(
+            429,
+            "rate_limit_error",
+            Some("queue_full"),
+            "The gateway's queue for this pool is full for you; retry later.",
+        )
+        .with_retry_after(retry_after_s)
+        .with_header(crate::protocol::QUEUE_DROP_HEADER, reason)
     }
 
     /// 503 `queue_timeout`: the request waited as long as it may.
     pub fn queue_timeout(retry_after_s: u32) -> Self {
-        Self::new(503, "server_error", Some("queue_timeout"), "The request waited in the gateway's queue as long as it may; retry later.")
-            .with_retry_after(retry_after_s)
-            .with_header(crate::protocol::QUEUE_DROP_HEADER, "queue_timeout")
+        Self::new(
+            503,
+            "server_error",
+            Some("queue_timeout"),
+            "The request waited in the gateway's queue as long as it may; retry later.",
+        )
+        .with_retry_after(retry_after_s)
+        .with_header(crate::protocol::QUEUE_DROP_HEADER, "queue_timeout")
     }
 
     /// The JSON body.
@@ -206,8 +243,11 @@ impl ApiError {
         for (name, value) in &self.headers {
             headers.set(name, value)?;
         }
-        let body = serde_json::to_vec(&self.body()).map_err(|e| worker::Error::RustError(e.to_string()))?;
-        Ok(Response::from_bytes(body)?.with_status(self.status).with_headers(headers))
+        let body = serde_json::to_vec(&self.body())
+            .map_err(|e| worker::Error::RustError(e.to_string()))?;
+        Ok(Response::from_bytes(body)?
+            .with_status(self.status)
+            .with_headers(headers))
     }
 }
 

@@ -128,8 +128,16 @@ impl DurableObject for PoolDirectory {
 }
 
 impl PoolDirectory {
-    fn sql(&self, query: &str, bindings: Vec<SqlStorageValue>) -> std::result::Result<SqlCursor, ApiError> {
-        self.state.storage().sql().exec(query, bindings).map_err(ApiError::from_worker)
+    fn sql(
+        &self,
+        query: &str,
+        bindings: Vec<SqlStorageValue>,
+    ) -> std::result::Result<SqlCursor, ApiError> {
+        self.state
+            .storage()
+            .sql()
+            .exec(query, bindings)
+            .map_err(ApiError::from_worker)
     }
 
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {
@@ -137,9 +145,14 @@ impl PoolDirectory {
             .state
             .storage()
             .sql()
-            .exec("SELECT name, region, location_hint FROM pools ORDER BY name", None)
+            .exec(
+                "SELECT name, region, location_hint FROM pools ORDER BY name",
+                None,
+            )
             .map_err(ApiError::from_worker)?;
-        cursor.to_array::<PoolEntry>().map_err(ApiError::from_worker)
+        cursor
+            .to_array::<PoolEntry>()
+            .map_err(ApiError::from_worker)
     }
 
     fn upsert(&self, entry: &PoolEntry) -> std::result::Result<(), ApiError> {

@@ -7,6 +7,11 @@
 //! - [`probe`] and [`timed_fetch`]: active health checks and outbound fetches with deadlines.
 //! - [`waiting_room`]: acquires waiting in a pool's admission queue.
 
+// `ApiError` carries a whole OpenAI error body (status, message, type, param, code, extra
+// headers) and travels only on the error path, where moving it costs nothing next to the
+// response it becomes; boxing it would only add an allocation.
+#![allow(clippy::result_large_err)]
+
 pub mod api_error;
 pub mod directory;
 pub mod pool_coordinator;

@@ -15,13 +15,15 @@
 use crate::api_error::ApiError;
 use crate::probe::{probe_backend, ProbeReport};
 use crate::protocol::{
-    AcquireRequest, BackendRegistration, DequeueRequest, PrefillDone, Queued, ReassignRequest, ReleaseRequest, RenewAnswer, RenewRequest,
-    POOL_HEADER, QUEUE_WAIT_HEADER,
+    AcquireRequest, BackendRegistration, DequeueRequest, PrefillDone, Queued, ReassignRequest,
+    ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_WAIT_HEADER,
+};
+use crate::registry::{
+    validate_models, validate_name, validate_registration, validate_url, Registry,
 };
 use crate::waiting_room::{Step, Verdict, WaitingRoom};
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
-use crate::registry::{validate_models, validate_name, validate_registration, validate_url, Registry};
 use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
@@ -83,27 +85,52 @@ impl Default for PoolSettings {
 impl PoolSettings {
     /// Checks every knob (the Worker checks too, before a new pool's first call carries its location hint).
     pub fn validate(&self) -> std::result::Result<(), ApiError> {
-        self.routing.validate().map_err(|e| ApiError::bad_request(e.to_string()))?;
-        self.retry_budget.validate().map_err(ApiError::bad_request)?;
+        self.routing
+            .validate()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        self.retry_budget
+            .validate()
+            .map_err(ApiError::bad_request)?;
         if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
-            return Err(ApiError::bad_request("probe_interval_ms must be 0 (default) or 500-3,600,000").with_param("probe_interval_ms"));
+            return Err(ApiError::bad_request(
+                "probe_interval_ms must be 0 (default) or 500-3,600,000",
+            )
+            .with_param("probe_interval_ms"));
         }
         if !self.routing.region.is_empty() {
             validate_name("region", &self.routing.region)?;
         }
-        if !(self.saturation_waiting_per_backend.is_finite() && self.saturation_waiting_per_backend >= 0.0) {
-            return Err(ApiError::bad_request("saturation_waiting_per_backend must be a number >= 0").with_param("saturation_waiting_per_backend"));
+        if !(self.saturation_waiting_per_backend.is_finite()
+            && self.saturation_waiting_per_backend >= 0.0)
+        {
+            return Err(ApiError::bad_request(
+                "saturation_waiting_per_backend must be a number >= 0",
+            )
+            .with_param("saturation_waiting_per_backend"));
         }
         if !(self.autoscale_target_waiting.is_finite() && self.autoscale_target_waiting > 0.0) {
-            return Err(ApiError::bad_request("autoscale_target_waiting must be a number > 0").with_param("autoscale_target_waiting"));
+            return Err(
+                ApiError::bad_request("autoscale_target_waiting must be a number > 0")
+                    .with_param("autoscale_target_waiting"),
+            );
         }
         if let Some(hint) = &self.location_hint {
-            if !["wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me"].contains(&hint.as_str()) {
-                return Err(ApiError::bad_request("location_hint must be one of wnam, enam, sam, weur, eeur, apac, oc, afr, me").with_param("location_hint"));
+            if ![
+                "wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me",
+            ]
+            .contains(&hint.as_str())
+            {
+                return Err(ApiError::bad_request(
+                    "location_hint must be one of wnam, enam, sam, weur, eeur, apac, oc, afr, me",
+                )
+                .with_param("location_hint"));
             }
         }
         if !(100..=60_000).contains(&self.probe_timeout_ms) {
-            return Err(ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000").with_param("probe_timeout_ms"));
+            return Err(
+                ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000")
+                    .with_param("probe_timeout_ms"),
+            );
         }
         Ok(())
     }
@@ -186,7 +213,14 @@ pub fn desired_replicas(ready: usize, waiting: f64, running: f64, target: f64) -
 
 fn pool_load(l: &Live) -> PoolLoad {
     let queued = l.room.queue.len();
-    let mut load = PoolLoad { ready: 0, waiting: 0.0, queued, running: 0.0, desired_replicas: 1, saturated: false };
+    let mut load = PoolLoad {
+        ready: 0,
+        waiting: 0.0,
+        queued,
+        running: 0.0,
+        desired_replicas: 1,
+        saturated: false,
+    };
     for v in l.pool.backends() {
         if v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy {
             load.ready += 1;
@@ -196,9 +230,15 @@ fn pool_load(l: &Live) -> PoolLoad {
     }
     // Requests in the gateway's queue wait for a replica just as those in vLLM's own queues do.
     let waiting = load.waiting + queued as f64;
-    load.desired_replicas = desired_replicas(load.ready, waiting, load.running, l.settings.autoscale_target_waiting);
+    load.desired_replicas = desired_replicas(
+        load.ready,
+        waiting,
+        load.running,
+        l.settings.autoscale_target_waiting,
+    );
     let threshold = l.settings.saturation_waiting_per_backend;
-    load.saturated = threshold > 0.0 && load.ready > 0 && load.waiting / load.ready as f64 > threshold;
+    load.saturated =
+        threshold > 0.0 && load.ready > 0 && load.waiting / load.ready as f64 > threshold;
     load
 }
 
@@ -227,7 +267,9 @@ fn now_ms() -> u64 {
 }
 
 fn json_response<T: Serialize>(status: u16, value: &T) -> ApiResult {
-    Response::from_json(value).map(|r| r.with_status(status)).map_err(ApiError::from_worker)
+    Response::from_json(value)
+        .map(|r| r.with_status(status))
+        .map_err(ApiError::from_worker)
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &str, what: &str) -> std::result::Result<T, ApiError> {
@@ -240,7 +282,9 @@ fn pool_error(e: PoolError) -> ApiError {
         PoolError::DuplicateBackend { .. } => ApiError::conflict(e.to_string()),
         PoolError::UnknownLease { .. } => ApiError::not_found(e.to_string()),
         PoolError::BackendUnavailable { .. } => ApiError::unavailable(e.to_string(), 1),
-        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => ApiError::bad_request(e.to_string()),
+        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => {
+            ApiError::bad_request(e.to_string())
+        }
     }
 }
 
@@ -261,16 +305,26 @@ impl DurableObject for PoolCoordinator {
             return e.to_response();
         }
         let path = req.path();
-        let segments: Vec<String> = path.trim_matches('/').split('/').map(str::to_string).collect();
+        let segments: Vec<String> = path
+            .trim_matches('/')
+            .split('/')
+            .map(str::to_string)
+            .collect();
         let segs: Vec<&str> = segments.iter().map(String::as_str).collect();
         let method = req.method();
-        let flag = |name: &str| req.url().map(|u| u.query_pairs().any(|(k, v)| k == name && v == "true")).unwrap_or(false);
+        let flag = |name: &str| {
+            req.url()
+                .map(|u| u.query_pairs().any(|(k, v)| k == name && v == "true"))
+                .unwrap_or(false)
+        };
         let (force, spill_ok) = (flag("force"), flag("spill_ok"));
         let signal: web_sys::AbortSignal = req.inner().signal();
         let body = match method {
             Method::Post | Method::Put | Method::Patch => match req.text().await {
                 Ok(t) => t,
-                Err(_) => return ApiError::bad_request("request body is not valid UTF-8").to_response(),
+                Err(_) => {
+                    return ApiError::bad_request("request body is not valid UTF-8").to_response()
+                }
             },
             _ => String::new(),
         };
@@ -326,7 +380,10 @@ impl DurableObject for PoolCoordinator {
         });
         self.settle_queue();
         self.probe_all().await;
-        self.state.storage().set_alarm(self.probe_interval_ms() as i64).await?;
+        self.state
+            .storage()
+            .set_alarm(self.probe_interval_ms() as i64)
+            .await?;
         Response::ok("probed")
     }
 }
@@ -343,7 +400,10 @@ impl PoolCoordinator {
         }
         let registry = Registry::open(self.state.storage().sql()).map_err(ApiError::from_worker)?;
         let stored_name: Option<String> = registry.meta("name");
-        let name = name.map(str::to_string).or(stored_name.clone()).unwrap_or_else(|| "unnamed".to_string());
+        let name = name
+            .map(str::to_string)
+            .or(stored_name.clone())
+            .unwrap_or_else(|| "unnamed".to_string());
         if stored_name.as_deref() != Some(&name) {
             registry.set_meta("name", &name)?;
         }
@@ -363,7 +423,8 @@ impl PoolCoordinator {
                 let _ = pool.restore(&snapshot);
             }
         }
-        let pending_delete: HashSet<BackendId> = registry.meta("pending_delete").unwrap_or_default();
+        let pending_delete: HashSet<BackendId> =
+            registry.meta("pending_delete").unwrap_or_default();
         let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
         *self.live.borrow_mut() = Some(Live {
             name,
@@ -386,7 +447,12 @@ impl PoolCoordinator {
         });
         self.with(|l| {
             l.load = pool_load(l);
-            l.persisted = l.pool.snapshots().into_iter().map(|s| (s.id.clone(), s)).collect();
+            l.persisted = l
+                .pool
+                .snapshots()
+                .into_iter()
+                .map(|s| (s.id.clone(), s))
+                .collect();
         });
         Ok(())
     }
@@ -414,46 +480,88 @@ impl PoolCoordinator {
         let step = self.with(|l| {
             let now = now_ms();
             let admission = l.settings.routing.admission;
-            let queueing = admission.enabled || l.room.knows(req.admission.as_ref().and_then(|a| a.ticket));
+            let queueing =
+                admission.enabled || l.room.knows(req.admission.as_ref().and_then(|a| a.ticket));
             let continuing = req.admission.as_ref().is_some_and(|a| a.ticket.is_some());
             if spill_ok && !continuing && l.load.saturated {
                 l.spills += 1;
-                return Err(ApiError::unavailable("This pool is saturated; try the next pool.", 1).with_code("pool_saturated"));
+                return Err(
+                    ApiError::unavailable("This pool is saturated; try the next pool.", 1)
+                        .with_code("pool_saturated"),
+                );
             }
-            let Live { pool, rng, room, .. } = l;
+            let Live {
+                pool, rng, room, ..
+            } = l;
             if !queueing {
                 return Ok(match pool.acquire(&req.features, now, rng) {
-                    Ok(grant) => Step::Done(Verdict::Granted { grant, waited_ms: 0 }),
+                    Ok(grant) => Step::Done(Verdict::Granted {
+                        grant,
+                        waited_ms: 0,
+                    }),
                     Err(e) => Step::Refused(e),
                 });
             }
             let who = req.admission.unwrap_or_default();
-            Ok(room.enter(pool, &admission, req.features, &who, spill_ok, Some(signal), now, rng))
+            Ok(room.enter(
+                pool,
+                &admission,
+                req.features,
+                &who,
+                spill_ok,
+                Some(signal),
+                now,
+                rng,
+            ))
         })?;
         let (ticket, call_id, rx, until_ms) = match step {
             Step::Done(verdict) => return self.answer(verdict),
             Step::Spill => {
                 self.with(|l| l.spills += 1);
-                return Err(ApiError::unavailable("Every backend of this pool is at capacity; try the next pool.", 1)
-                    .with_code("pool_at_capacity"));
+                return Err(ApiError::unavailable(
+                    "Every backend of this pool is at capacity; try the next pool.",
+                    1,
+                )
+                .with_code("pool_at_capacity"));
             }
-            Step::Refused(AcquireError::ModelNotFound { model }) => return Err(ApiError::model_not_found(&model)),
+            Step::Refused(AcquireError::ModelNotFound { model }) => {
+                return Err(ApiError::model_not_found(&model))
+            }
             Step::Refused(AcquireError::NoBackendAvailable { retry_after_s }) => {
-                return Err(ApiError::unavailable("No backend in this pool can take the request now.", retry_after_s.clamp(1, 3600) as u32))
+                return Err(ApiError::unavailable(
+                    "No backend in this pool can take the request now.",
+                    retry_after_s.clamp(1, 3600) as u32,
+                ))
             }
             Step::Refused(AcquireError::AtCapacity) => {
-                return Err(ApiError::unavailable("Every backend of this pool is at capacity.", 1).with_code("pool_at_capacity"))
+                return Err(
+                    ApiError::unavailable("Every backend of this pool is at capacity.", 1)
+                        .with_code("pool_at_capacity"),
+                )
             }
-            Step::Wait { ticket, call_id, rx, until_ms } => (ticket, call_id, rx, until_ms),
+            Step::Wait {
+                ticket,
+                call_id,
+                rx,
+                until_ms,
+            } => (ticket, call_id, rx, until_ms),
         };
-        let timer = Delay::from(Duration::from_millis(until_ms.saturating_sub(now_ms()).max(1)));
+        let timer = Delay::from(Duration::from_millis(
+            until_ms.saturating_sub(now_ms()).max(1),
+        ));
         let verdict = match select(rx, timer).await {
             Either::Left((Ok(verdict), _)) => Some(verdict),
             // A newer call with the same ticket took over.
             Either::Left((Err(_), _)) => None,
             Either::Right((_, mut rx)) => self.with(|l| {
                 let now = now_ms();
-                let Live { pool, rng, room, settings, .. } = l;
+                let Live {
+                    pool,
+                    rng,
+                    room,
+                    settings,
+                    ..
+                } = l;
                 room.settle(pool, &settings.routing.admission, now, rng);
                 room.pause(ticket, call_id, &mut rx, now)
             }),
@@ -462,7 +570,13 @@ impl PoolCoordinator {
             Some(verdict) => self.answer(verdict),
             None => {
                 let queue_length = self.with(|l| l.room.queue.len());
-                json_response(202, &Queued { ticket, queue_length })
+                json_response(
+                    202,
+                    &Queued {
+                        ticket,
+                        queue_length,
+                    },
+                )
             }
         }
     }
@@ -473,10 +587,14 @@ impl PoolCoordinator {
             Verdict::Granted { grant, waited_ms } => {
                 self.with(|l| l.budget.record_request(now_ms(), &l.settings.retry_budget));
                 let mut resp = json_response(200, &grant)?;
-                resp.headers_mut().set(QUEUE_WAIT_HEADER, &waited_ms.to_string()).map_err(ApiError::from_worker)?;
+                resp.headers_mut()
+                    .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())
+                    .map_err(ApiError::from_worker)?;
                 Ok(resp)
             }
-            Verdict::Dropped { reason, waited_ms } => Err(self.with(|l| drop_error(l, reason, waited_ms))),
+            Verdict::Dropped { reason, waited_ms } => {
+                Err(self.with(|l| drop_error(l, reason, waited_ms)))
+            }
         }
     }
 
@@ -493,7 +611,13 @@ impl PoolCoordinator {
     /// Lets queued requests in if backends have room (and drops those whose client left).
     fn settle_queue(&self) {
         self.with(|l| {
-            let Live { pool, rng, room, settings, .. } = l;
+            let Live {
+                pool,
+                rng,
+                room,
+                settings,
+                ..
+            } = l;
             room.settle(pool, &settings.routing.admission, now_ms(), rng);
         });
     }
@@ -510,8 +634,10 @@ impl PoolCoordinator {
                 // The failure still counts against the failed backend; the lease ends with it.
                 l.pool.release(req.lease_id, &req.failure, now);
                 persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend)]);
-                return Err(ApiError::unavailable("The pool's retry budget is exhausted.", 1)
-                    .with_code("retry_budget_exhausted"));
+                return Err(
+                    ApiError::unavailable("The pool's retry budget is exhausted.", 1)
+                        .with_code("retry_budget_exhausted"),
+                );
             }
             let mut result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
             if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &req.terms) {
@@ -523,7 +649,11 @@ impl PoolCoordinator {
             }
             if let (Some(model), Some(terms)) = (&req.missing_model, &req.terms) {
                 if l.pool.forget_model(&terms.backend, model).unwrap_or(false) {
-                    console_log!("pool {}: backend {} no longer serves {model}", l.name, terms.backend.0);
+                    console_log!(
+                        "pool {}: backend {} no longer serves {model}",
+                        l.name,
+                        terms.backend.0
+                    );
                 }
             }
             if result.is_ok() {
@@ -546,9 +676,20 @@ impl PoolCoordinator {
             let now = now_ms();
             let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
                 Ok(d) => (d, false),
-                Err(_) => (l.pool.readmit(req.lease_id, &req.terms, now).map_err(pool_error)?, true),
+                Err(_) => (
+                    l.pool
+                        .readmit(req.lease_id, &req.terms, now)
+                        .map_err(pool_error)?,
+                    true,
+                ),
             };
-            json_response(200, &RenewAnswer { deadline_ms, reestablished })
+            json_response(
+                200,
+                &RenewAnswer {
+                    deadline_ms,
+                    reestablished,
+                },
+            )
         })
     }
 
@@ -580,15 +721,21 @@ impl PoolCoordinator {
         let spec = validate_registration(reg)?;
         let view = self.with(|l| {
             if l.registry.url_taken(&spec.url, &spec.id.0)? {
-                return Err(ApiError::conflict("a backend with this URL is already registered"));
+                return Err(ApiError::conflict(
+                    "a backend with this URL is already registered",
+                ));
             }
-            l.pool.add_backend(spec.clone(), now_ms()).map_err(pool_error)?;
+            l.pool
+                .add_backend(spec.clone(), now_ms())
+                .map_err(pool_error)?;
             if let Err(e) = l.registry.put_spec(&spec) {
                 let _ = l.pool.remove_backend(&spec.id, now_ms());
                 return Err(e);
             }
             persist_snapshots(l);
-            l.pool.backend(&spec.id).ok_or_else(|| ApiError::internal("backend vanished"))
+            l.pool
+                .backend(&spec.id)
+                .ok_or_else(|| ApiError::internal("backend vanished"))
         })?;
         // A new backend serves nothing until probed: probe now rather than at the next round.
         self.probe_soon().await;
@@ -603,19 +750,36 @@ impl PoolCoordinator {
                 .map(|view| {
                     let last_probe = l.probes.get(&view.id);
                     let delete_pending = l.pending_delete.contains(&view.id);
-                    AdminBackend { view, last_probe, delete_pending }
+                    AdminBackend {
+                        view,
+                        last_probe,
+                        delete_pending,
+                    }
                 })
                 .collect();
-            json_response(200, &json!({ "object": "list", "pool": l.name, "data": data }))
+            json_response(
+                200,
+                &json!({ "object": "list", "pool": l.name, "data": data }),
+            )
         })
     }
 
     fn show(&self, id: &str) -> ApiResult {
         self.with(|l| {
             let id = BackendId(id.to_string());
-            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
+            let view = l
+                .pool
+                .backend(&id)
+                .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
             let delete_pending = l.pending_delete.contains(&id);
-            json_response(200, &AdminBackend { view, last_probe: l.probes.get(&id), delete_pending })
+            json_response(
+                200,
+                &AdminBackend {
+                    view,
+                    last_probe: l.probes.get(&id),
+                    delete_pending,
+                },
+            )
         })
     }
 
@@ -634,17 +798,25 @@ impl PoolCoordinator {
             if let Some(url) = &patch.url {
                 let url = validate_url(url)?;
                 if l.registry.url_taken(&url, &id.0)? {
-                    return Err(ApiError::conflict("a backend with this URL is already registered"));
+                    return Err(ApiError::conflict(
+                        "a backend with this URL is already registered",
+                    ));
                 }
                 patch.url = Some(url);
             }
-            l.pool.update_backend(&id, &patch, now).map_err(pool_error)?;
+            l.pool
+                .update_backend(&id, &patch, now)
+                .map_err(pool_error)?;
             match req.drain {
                 Some(true) => {
-                    l.pool.set_lifecycle(&id, Lifecycle::Draining, now).map_err(pool_error)?;
+                    l.pool
+                        .set_lifecycle(&id, Lifecycle::Draining, now)
+                        .map_err(pool_error)?;
                 }
                 Some(false) => {
-                    l.pool.set_lifecycle(&id, Lifecycle::Ready, now).map_err(pool_error)?;
+                    l.pool
+                        .set_lifecycle(&id, Lifecycle::Ready, now)
+                        .map_err(pool_error)?;
                     l.pending_delete.remove(&id);
                     l.registry.set_meta("pending_delete", &l.pending_delete)?;
                 }
@@ -655,8 +827,18 @@ impl PoolCoordinator {
                 l.registry.put_spec(spec)?;
             }
             persist_snapshots(l);
-            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found("backend vanished"))?;
-            json_response(200, &AdminBackend { view, last_probe: l.probes.get(&id), delete_pending: l.pending_delete.contains(&id) })
+            let view = l
+                .pool
+                .backend(&id)
+                .ok_or_else(|| ApiError::not_found("backend vanished"))?;
+            json_response(
+                200,
+                &AdminBackend {
+                    view,
+                    last_probe: l.probes.get(&id),
+                    delete_pending: l.pending_delete.contains(&id),
+                },
+            )
         })
     }
 
@@ -698,7 +880,9 @@ impl PoolCoordinator {
         let settings: PoolSettings = parse(body, "pool configuration")?;
         settings.validate()?;
         self.with(|l| {
-            l.pool.set_config(settings.routing.clone()).map_err(|e| ApiError::bad_request(e.to_string()))?;
+            l.pool
+                .set_config(settings.routing.clone())
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
             l.registry.set_meta("config", &settings)?;
             l.settings = settings;
             l.load = pool_load(l);
@@ -746,7 +930,9 @@ impl PoolCoordinator {
             out
         });
         let mut resp = Response::ok(text).map_err(ApiError::from_worker)?;
-        resp.headers_mut().set("content-type", "text/plain; version=0.0.4").map_err(ApiError::from_worker)?;
+        resp.headers_mut()
+            .set("content-type", "text/plain; version=0.0.4")
+            .map_err(ApiError::from_worker)?;
         Ok(resp)
     }
 
@@ -766,7 +952,10 @@ impl PoolCoordinator {
         let storage = self.state.storage();
         let armed = storage.get_alarm().await.map_err(ApiError::from_worker)?;
         if armed.is_none() {
-            storage.set_alarm(0i64).await.map_err(ApiError::from_worker)?;
+            storage
+                .set_alarm(0i64)
+                .await
+                .map_err(ApiError::from_worker)?;
         }
         json_response(200, &json!({ "alarm_was_armed": armed.is_some() }))
     }
@@ -803,7 +992,10 @@ impl PoolCoordinator {
         });
         for batch in targets.chunks(PROBE_CONCURRENCY) {
             let probes = batch.iter().map(|(id, url, key)| async move {
-                (id.clone(), probe_backend(url, key.as_deref(), timeout).await)
+                (
+                    id.clone(),
+                    probe_backend(url, key.as_deref(), timeout).await,
+                )
             });
             let reports = futures_util::future::join_all(probes).await;
             self.with(|l| {
@@ -811,7 +1003,10 @@ impl PoolCoordinator {
                 for (id, mut report) in reports {
                     // 503 means "loading" only for a backend that has not served yet; once it has,
                     // a 503 is a failed probe, subject to the health thresholds like any other.
-                    let started = l.pool.backend(&id).is_some_and(|v| v.lifecycle != Lifecycle::Pending);
+                    let started = l
+                        .pool
+                        .backend(&id)
+                        .is_some_and(|v| v.lifecycle != Lifecycle::Pending);
                     if report.result.loading && started {
                         report.result.loading = false;
                         report.error = Some("/health answered 503".to_string());
@@ -843,7 +1038,8 @@ impl PoolCoordinator {
     fn history(&self) -> ApiResult {
         self.with(|l| {
             record_history(l);
-            let mut report = serde_json::to_value(l.history.report(now_ms())).map_err(|e| ApiError::internal(e.to_string()))?;
+            let mut report = serde_json::to_value(l.history.report(now_ms()))
+                .map_err(|e| ApiError::internal(e.to_string()))?;
             report["pool"] = json!(l.name);
             json_response(200, &report)
         })
@@ -855,7 +1051,11 @@ impl PoolCoordinator {
 fn record_history(l: &mut Live) {
     let mut totals = history::totals(&l.pool);
     for (id, report) in &l.probes {
-        totals.set_cache_counters(id, report.metrics.prefix_cache_queries, report.metrics.prefix_cache_hits);
+        totals.set_cache_counters(
+            id,
+            report.metrics.prefix_cache_queries,
+            report.metrics.prefix_cache_hits,
+        );
     }
     l.history.record(now_ms(), totals);
 }
@@ -872,29 +1072,94 @@ fn render_pool_metrics(l: &Live, out: &mut String) {
         }
     };
     let one = |v: f64| vec![(String::new(), v)];
-    family("llm_gateway_retries_total", "counter", "Leases moved to the next candidate after a failure before the first byte.", &one(l.retries as f64));
-    family("llm_gateway_retry_budget_exhausted_total", "counter", "Retries refused by the pool's retry budget.", &one(l.budget.exhausted_total() as f64));
-    family("llm_gateway_pool_spills_total", "counter", "Requests refused because the pool was saturated and a further pool could take them.", &one(l.spills as f64));
-    family("llm_gateway_pool_ready_backends", "gauge", "Backends ready and healthy.", &one(load.ready as f64));
-    family("llm_gateway_pool_waiting", "gauge", "Requests waiting in the backends' queues (scraped), summed.", &one(load.waiting));
-    family("llm_gateway_pool_running", "gauge", "Requests running on the backends (scraped), summed.", &one(load.running));
-    family("llm_gateway_pool_desired_replicas", "gauge", "Replicas an autoscaler should aim for at the configured waiting-per-replica target.", &one(load.desired_replicas as f64));
-    family("llm_gateway_pool_autoscale_target_waiting", "gauge", "The waiting-per-replica target of the autoscaling signal.", &one(l.settings.autoscale_target_waiting));
-    family("llm_gateway_probe_rounds_total", "counter", "Probe rounds run by the pool's alarm.", &one(l.probe_rounds as f64));
+    family(
+        "llm_gateway_retries_total",
+        "counter",
+        "Leases moved to the next candidate after a failure before the first byte.",
+        &one(l.retries as f64),
+    );
+    family(
+        "llm_gateway_retry_budget_exhausted_total",
+        "counter",
+        "Retries refused by the pool's retry budget.",
+        &one(l.budget.exhausted_total() as f64),
+    );
+    family(
+        "llm_gateway_pool_spills_total",
+        "counter",
+        "Requests refused because the pool was saturated and a further pool could take them.",
+        &one(l.spills as f64),
+    );
+    family(
+        "llm_gateway_pool_ready_backends",
+        "gauge",
+        "Backends ready and healthy.",
+        &one(load.ready as f64),
+    );
+    family(
+        "llm_gateway_pool_waiting",
+        "gauge",
+        "Requests waiting in the backends' queues (scraped), summed.",
+        &one(load.waiting),
+    );
+    family(
+        "llm_gateway_pool_running",
+        "gauge",
+        "Requests running on the backends (scraped), summed.",
+        &one(load.running),
+    );
+    family(
+        "llm_gateway_pool_desired_replicas",
+        "gauge",
+        "Replicas an autoscaler should aim for at the configured waiting-per-replica target.",
+        &one(load.desired_replicas as f64),
+    );
+    family(
+        "llm_gateway_pool_autoscale_target_waiting",
+        "gauge",
+        "The waiting-per-replica target of the autoscaling signal.",
+        &one(l.settings.autoscale_target_waiting),
+    );
+    family(
+        "llm_gateway_probe_rounds_total",
+        "counter",
+        "Probe rounds run by the pool's alarm.",
+        &one(l.probe_rounds as f64),
+    );
     family(
         "llm_gateway_probes_total",
         "counter",
         "Backend probes by result.",
-        &[(",result=\"ok\"".to_string(), l.probe_results.0 as f64), (",result=\"failed\"".to_string(), l.probe_results.1 as f64)],
+        &[
+            (",result=\"ok\"".to_string(), l.probe_results.0 as f64),
+            (",result=\"failed\"".to_string(), l.probe_results.1 as f64),
+        ],
     );
     let mut ids: Vec<&BackendId> = l.probes.keys().collect();
     ids.sort();
     let per_backend = |f: &dyn Fn(&ProbeReport) -> f64| -> Vec<(String, f64)> {
-        ids.iter().map(|id| (format!(",backend=\"{}\"", id.0), f(&l.probes[*id]))).collect()
+        ids.iter()
+            .map(|id| (format!(",backend=\"{}\"", id.0), f(&l.probes[*id])))
+            .collect()
     };
-    family("llm_gateway_probe_success", "gauge", "Whether the backend's last probe succeeded.", &per_backend(&|r| if r.result.ok { 1.0 } else { 0.0 }));
-    family("llm_gateway_probe_duration_seconds", "gauge", "Duration of the backend's last probe.", &per_backend(&|r| r.duration_ms as f64 / 1000.0));
-    family("llm_gateway_probe_timestamp_seconds", "gauge", "When the backend's last probe ran (Unix time).", &per_backend(&|r| r.at_ms as f64 / 1000.0));
+    family(
+        "llm_gateway_probe_success",
+        "gauge",
+        "Whether the backend's last probe succeeded.",
+        &per_backend(&|r| if r.result.ok { 1.0 } else { 0.0 }),
+    );
+    family(
+        "llm_gateway_probe_duration_seconds",
+        "gauge",
+        "Duration of the backend's last probe.",
+        &per_backend(&|r| r.duration_ms as f64 / 1000.0),
+    );
+    family(
+        "llm_gateway_probe_timestamp_seconds",
+        "gauge",
+        "When the backend's last probe ran (Unix time).",
+        &per_backend(&|r| r.at_ms as f64 / 1000.0),
+    );
 }
 
 /// The error a client gets for a request that left the queue without a lease.
@@ -902,16 +1167,22 @@ fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiError {
     let seconds = |ms: u64| ms.div_ceil(1000).clamp(1, 60) as u32;
     match reason {
         DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => {
-            let oldest = l.room.queue.oldest_arrival_ms().map_or(0, |a| now_ms().saturating_sub(a));
+            let oldest = l
+                .room
+                .queue
+                .oldest_arrival_ms()
+                .map_or(0, |a| now_ms().saturating_sub(a));
             ApiError::queue_full(reason.as_str(), seconds(oldest))
         }
         DropReason::Timeout => ApiError::queue_timeout(seconds(waited_ms)),
         DropReason::ClientGone => {
-            let mut e = ApiError::bad_request("The client closed the request.").with_code("client_closed_request");
+            let mut e = ApiError::bad_request("The client closed the request.")
+                .with_code("client_closed_request");
             e.status = 499;
             e.with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str())
         }
-        DropReason::ModelGone => ApiError::model_not_found("").with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str()),
+        DropReason::ModelGone => ApiError::model_not_found("")
+            .with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str()),
     }
 }
 
@@ -920,10 +1191,15 @@ fn queue_summary(l: &Live) -> serde_json::Value {
     let q = &l.room.queue;
     let s = q.stats();
     let now = now_ms();
-    let by_priority: serde_json::Map<String, serde_json::Value> =
-        q.lengths_by_priority().into_iter().map(|(p, n)| (p.to_string(), json!(n))).collect();
-    let dropped: serde_json::Map<String, serde_json::Value> =
-        DropReason::ALL.iter().map(|r| (r.as_str().to_string(), json!(s.dropped(*r)))).collect();
+    let by_priority: serde_json::Map<String, serde_json::Value> = q
+        .lengths_by_priority()
+        .into_iter()
+        .map(|(p, n)| (p.to_string(), json!(n)))
+        .collect();
+    let dropped: serde_json::Map<String, serde_json::Value> = DropReason::ALL
+        .iter()
+        .map(|r| (r.as_str().to_string(), json!(s.dropped(*r))))
+        .collect();
     json!({
         "enabled": l.settings.routing.admission.enabled,
         "length": q.len(),

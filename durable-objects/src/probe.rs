@@ -44,16 +44,24 @@ struct ModelEntry {
 fn get(url: &str, api_key: Option<&str>) -> Option<Request> {
     let headers = Headers::new();
     if let Some(key) = api_key {
-        headers.set("authorization", &format!("Bearer {key}")).ok()?;
+        headers
+            .set("authorization", &format!("Bearer {key}"))
+            .ok()?;
     }
     let mut init = RequestInit::new();
     init.with_method(Method::Get).with_headers(headers);
     Request::new_with_init(url, &init).ok()
 }
 
-async fn get_text(url: &str, api_key: Option<&str>, timeout: Duration) -> Result<(u16, String), String> {
+async fn get_text(
+    url: &str,
+    api_key: Option<&str>,
+    timeout: Duration,
+) -> Result<(u16, String), String> {
     let req = get(url, api_key).ok_or_else(|| format!("bad probe URL {url}"))?;
-    let (mut resp, _abort) = fetch_with_timeout(req, timeout, None).await.map_err(|e| e.to_string())?;
+    let (mut resp, _abort) = fetch_with_timeout(req, timeout, None)
+        .await
+        .map_err(|e| e.to_string())?;
     let status = resp.status_code();
     let text = crate::timed_fetch::with_timeout(resp.text(), timeout)
         .await
@@ -63,9 +71,16 @@ async fn get_text(url: &str, api_key: Option<&str>, timeout: Duration) -> Result
 }
 
 /// Probes one backend.
-pub async fn probe_backend(base_url: &str, api_key: Option<&str>, timeout: Duration) -> ProbeReport {
+pub async fn probe_backend(
+    base_url: &str,
+    api_key: Option<&str>,
+    timeout: Duration,
+) -> ProbeReport {
     let started = Date::now().as_millis();
-    let mut report = ProbeReport { at_ms: started, ..ProbeReport::default() };
+    let mut report = ProbeReport {
+        at_ms: started,
+        ..ProbeReport::default()
+    };
     match get_text(&format!("{base_url}/health"), api_key, timeout).await {
         Ok((200, _)) => report.result.ok = true,
         Ok((503, _)) => {
@@ -91,7 +106,9 @@ pub async fn probe_backend(base_url: &str, api_key: Option<&str>, timeout: Durat
             // The server is up but refuses the gateway's key: it cannot serve our traffic.
             Ok((status @ (401 | 403), _)) => {
                 report.result.ok = false;
-                report.error = Some(format!("/v1/models answered {status}: the backend rejects the configured api_key"));
+                report.error = Some(format!(
+                    "/v1/models answered {status}: the backend rejects the configured api_key"
+                ));
             }
             _ => {}
         }

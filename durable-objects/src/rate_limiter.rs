@@ -41,17 +41,26 @@ pub struct RateLimiter {
 
 impl DurableObject for RateLimiter {
     fn new(_state: State, _env: Env) -> Self {
-        RateLimiter { buckets: RefCell::new(Buckets::new()) }
+        RateLimiter {
+            buckets: RefCell::new(Buckets::new()),
+        }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         if req.method() == Method::Post && req.path() == "/settle" {
             return match req.json::<SettleRequest>().await {
                 Ok(s) => {
-                    self.buckets.borrow_mut().settle(&s.limits, s.reserved, s.actual, Date::now().as_millis());
+                    self.buckets.borrow_mut().settle(
+                        &s.limits,
+                        s.reserved,
+                        s.actual,
+                        Date::now().as_millis(),
+                    );
                     Response::ok("ok")
                 }
-                Err(e) => ApiError::bad_request(format!("invalid settle request: {e}")).to_response(),
+                Err(e) => {
+                    ApiError::bad_request(format!("invalid settle request: {e}")).to_response()
+                }
             };
         }
         if req.method() != Method::Post || req.path() != "/take" {
@@ -59,10 +68,15 @@ impl DurableObject for RateLimiter {
         }
         let take: TakeRequest = match req.json().await {
             Ok(t) => t,
-            Err(e) => return ApiError::bad_request(format!("invalid take request: {e}")).to_response(),
+            Err(e) => {
+                return ApiError::bad_request(format!("invalid take request: {e}")).to_response()
+            }
         };
         let now = Date::now().as_millis();
-        let result = self.buckets.borrow_mut().try_take(&take.limits, take.tokens, now);
+        let result = self
+            .buckets
+            .borrow_mut()
+            .try_take(&take.limits, take.tokens, now);
         match result {
             Ok(()) => Response::ok("ok"),
             Err(refusal) => match refusal.retry_after_ms {
@@ -71,9 +85,12 @@ impl DurableObject for RateLimiter {
                     ms.div_ceil(1000).clamp(1, 3600) as u32,
                 )
                 .to_response(),
-                None => ApiError::rate_limited("This request alone exceeds the per-minute token limit for this API key.", 60)
-                    .with_code("request_too_large_for_rate_limit")
-                    .to_response(),
+                None => ApiError::rate_limited(
+                    "This request alone exceeds the per-minute token limit for this API key.",
+                    60,
+                )
+                .with_code("request_too_large_for_rate_limit")
+                .to_response(),
             },
         }
     }

@@ -18,7 +18,9 @@ const MAX_NAME_LEN: usize = 128;
 pub fn validate_name(field: &str, value: &str) -> Result<(), ApiError> {
     let ok = !value.is_empty()
         && value.len() <= MAX_NAME_LEN
-        && value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@'))
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@'))
         && value != "."
         && value != "..";
     if ok {
@@ -33,7 +35,9 @@ pub fn validate_name(field: &str, value: &str) -> Result<(), ApiError> {
 
 /// Checks a backend URL: http or https, a host, no credentials, no query or fragment.
 pub fn validate_url(raw: &str) -> Result<String, ApiError> {
-    let bad = |why: &str| Err(ApiError::bad_request(format!("invalid backend url: {why}")).with_param("url"));
+    let bad = |why: &str| {
+        Err(ApiError::bad_request(format!("invalid backend url: {why}")).with_param("url"))
+    };
     let url = match Url::parse(raw) {
         Ok(u) => u,
         Err(_) => return bad("not an absolute URL"),
@@ -41,7 +45,7 @@ pub fn validate_url(raw: &str) -> Result<String, ApiError> {
     if url.scheme() != "http" && url.scheme() != "https" {
         return bad("scheme must be http or https");
     }
-    if url.host_str().map_or(true, str::is_empty) {
+    if url.host_str().is_none_or(str::is_empty) {
         return bad("missing host");
     }
     if !url.username().is_empty() || url.password().is_some() {
@@ -58,16 +62,27 @@ pub fn validate_url(raw: &str) -> Result<String, ApiError> {
 /// allows it for local use. The URL parser normalises every IPv4 spelling (`0x7f.1`, `2130706433`)
 /// to dotted form, so those count too.
 pub fn host_is_ip(raw: &str) -> bool {
-    let Ok(url) = Url::parse(raw) else { return false };
+    let Ok(url) = Url::parse(raw) else {
+        return false;
+    };
     let host = url.host_str().unwrap_or_default();
-    host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>().is_ok()
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok()
 }
 
 /// Checks model names: 1-256 characters, no control characters, at most 64 of them.
 pub fn validate_models(models: &[String]) -> Result<(), ApiError> {
-    let bad = models.len() > 64 || models.iter().any(|m| m.is_empty() || m.len() > 256 || m.chars().any(char::is_control));
+    let bad = models.len() > 64
+        || models
+            .iter()
+            .any(|m| m.is_empty() || m.len() > 256 || m.chars().any(char::is_control));
     if bad {
-        return Err(ApiError::bad_request("`models` must hold at most 64 names of 1-256 printable characters").with_param("models"));
+        return Err(ApiError::bad_request(
+            "`models` must hold at most 64 names of 1-256 printable characters",
+        )
+        .with_param("models"));
     }
     Ok(())
 }
@@ -80,8 +95,10 @@ pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, Ap
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
         other => {
-            return Err(ApiError::bad_request(format!("unknown role `{other}`; expected mixed, prefill or decode"))
-                .with_param("role"))
+            return Err(ApiError::bad_request(format!(
+                "unknown role `{other}`; expected mixed, prefill or decode"
+            ))
+            .with_param("role"))
         }
     };
     let id = match reg.id {
@@ -89,7 +106,10 @@ pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, Ap
             validate_name("id", &id)?;
             id
         }
-        None => format!("b-{:012x}", xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & 0xffff_ffff_ffff),
+        None => format!(
+            "b-{:012x}",
+            xxhash_rust::xxh3::xxh3_64(url.as_bytes()) & 0xffff_ffff_ffff
+        ),
     };
     validate_models(&reg.models)?;
     let region = reg.region.unwrap_or_default();
@@ -111,7 +131,8 @@ pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, Ap
             block_size: reg.block_size.unwrap_or(defaults.block_size),
         },
     };
-    spec.validate().map_err(|e| ApiError::bad_request(format!("invalid backend: {e}")))?;
+    spec.validate()
+        .map_err(|e| ApiError::bad_request(format!("invalid backend: {e}")))?;
     Ok(spec)
 }
 
@@ -138,13 +159,19 @@ impl Registry {
             "CREATE TABLE IF NOT EXISTS backends (id TEXT PRIMARY KEY, url TEXT NOT NULL UNIQUE, spec TEXT NOT NULL, snapshot TEXT)",
             None,
         )?;
-        sql.exec("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)", None)?;
+        sql.exec(
+            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            None,
+        )?;
         Ok(Registry { sql })
     }
 
     /// Every stored backend with its last snapshot (lifecycle, health, breaker).
     pub fn backends(&self) -> worker::Result<Vec<(BackendSpec, Option<BackendSnapshot>)>> {
-        let rows: Vec<BackendRow> = self.sql.exec("SELECT spec, snapshot FROM backends ORDER BY id", None)?.to_array()?;
+        let rows: Vec<BackendRow> = self
+            .sql
+            .exec("SELECT spec, snapshot FROM backends ORDER BY id", None)?
+            .to_array()?;
         Ok(rows
             .into_iter()
             .filter_map(|r| {
@@ -159,7 +186,10 @@ impl Registry {
     pub fn url_taken(&self, url: &str, except_id: &str) -> Result<bool, ApiError> {
         let rows: Vec<ValueRow> = self
             .sql
-            .exec("SELECT id AS value FROM backends WHERE url = ? AND id != ?", vec![url.into(), except_id.into()])
+            .exec(
+                "SELECT id AS value FROM backends WHERE url = ? AND id != ?",
+                vec![url.into(), except_id.into()],
+            )
             .and_then(|c| c.to_array())
             .map_err(ApiError::from_worker)?;
         Ok(!rows.is_empty())
@@ -172,7 +202,11 @@ impl Registry {
             .exec(
                 "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
                  ON CONFLICT(id) DO UPDATE SET url = excluded.url, spec = excluded.spec",
-                vec![spec.id.0.clone().into(), spec.url.clone().into(), json.into()],
+                vec![
+                    spec.id.0.clone().into(),
+                    spec.url.clone().into(),
+                    json.into(),
+                ],
             )
             .map(|_| ())
             .map_err(ApiError::from_worker)
@@ -182,14 +216,20 @@ impl Registry {
     pub fn put_snapshot(&self, snapshot: &BackendSnapshot) -> Result<(), ApiError> {
         let json = to_json(snapshot)?;
         self.sql
-            .exec("UPDATE backends SET snapshot = ? WHERE id = ?", vec![json.into(), snapshot.id.0.clone().into()])
+            .exec(
+                "UPDATE backends SET snapshot = ? WHERE id = ?",
+                vec![json.into(), snapshot.id.0.clone().into()],
+            )
             .map(|_| ())
             .map_err(ApiError::from_worker)
     }
 
     /// Deletes a backend.
     pub fn delete(&self, id: &str) -> Result<(), ApiError> {
-        self.sql.exec("DELETE FROM backends WHERE id = ?", vec![id.into()]).map(|_| ()).map_err(ApiError::from_worker)
+        self.sql
+            .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])
+            .map(|_| ())
+            .map_err(ApiError::from_worker)
     }
 
     /// Reads a metadata value.
@@ -199,14 +239,19 @@ impl Registry {
             .exec("SELECT value FROM meta WHERE key = ?", vec![key.into()])
             .and_then(|c| c.to_array())
             .ok()?;
-        rows.into_iter().next().and_then(|r| serde_json::from_str(&r.value).ok())
+        rows.into_iter()
+            .next()
+            .and_then(|r| serde_json::from_str(&r.value).ok())
     }
 
     /// Writes a metadata value.
     pub fn set_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), ApiError> {
         let json = to_json(value)?;
         self.sql
-            .exec("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", vec![key.into(), json.into()])
+            .exec(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                vec![key.into(), json.into()],
+            )
             .map(|_| ())
             .map_err(ApiError::from_worker)
     }

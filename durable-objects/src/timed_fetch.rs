@@ -59,14 +59,19 @@ impl LinkedAbort {
 
 fn any_signal(signals: &[&AbortSignal]) -> Option<AbortSignal> {
     let ctor = js_sys::Reflect::get(&js_sys::global(), &"AbortSignal".into()).ok()?;
-    let any: js_sys::Function = js_sys::Reflect::get(&ctor, &"any".into()).ok()?.dyn_into().ok()?;
+    let any: js_sys::Function = js_sys::Reflect::get(&ctor, &"any".into())
+        .ok()?
+        .dyn_into()
+        .ok()?;
     let list = js_sys::Array::new();
     for s in signals {
         let raw: &web_sys::AbortSignal = s;
         list.push(raw);
     }
     let combined = any.call1(&ctor, &list).ok()?;
-    Some(AbortSignal::from(combined.unchecked_into::<web_sys::AbortSignal>()))
+    Some(AbortSignal::from(
+        combined.unchecked_into::<web_sys::AbortSignal>(),
+    ))
 }
 
 /// Fetches `req`, giving up (and aborting it) after `timeout`.
