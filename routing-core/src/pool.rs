@@ -888,7 +888,8 @@ impl Pool {
                 retry_ms = Some(retry_ms.map_or(wait, |r| r.min(wait)));
                 continue;
             }
-            let capacity = entry.capacity().capacity_tokens();
+            let backend_capacity = entry.capacity();
+            let capacity = backend_capacity.capacity_tokens();
             let cached_blocks = scratch.lengths.get(slot).copied().unwrap_or(0);
             let cached_tokens = (u64::from(cached_blocks) * block_tokens as u64)
                 .min(u64::from(features.prompt_tokens));
@@ -898,7 +899,7 @@ impl Pool {
             }
             if let Some(headroom) = headroom {
                 let tokens = uncached + u64::from(output_tokens);
-                if !has_room(&entry.in_flight, &entry.capacity(), tokens, headroom) {
+                if !has_room(&entry.in_flight, &backend_capacity, tokens, headroom) {
                     at_capacity = true;
                     continue;
                 }
@@ -933,7 +934,7 @@ impl Pool {
                 uncached + expected_output as u64,
                 capacity,
                 in_flight.leases,
-                entry.capacity().max_num_seqs,
+                backend_capacity.max_num_seqs,
                 predicted.decode_ms,
                 (
                     entry.scraped.waiting.unwrap_or(0.0),
