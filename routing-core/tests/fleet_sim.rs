@@ -21,8 +21,8 @@ mod common;
 use common::{text, ServerCache};
 use routing_core::prompt::{request_features, FeatureConfig};
 use routing_core::{
-    BackendId, BackendSpec, Capacity, DecisionKind, Outcome, PolicyKind, Pool, PoolConfig,
-    ProbeResult, RandomSource, RequestFeatures, SplitMix64,
+    BackendId, Capacity, DecisionKind, Outcome, PolicyKind, RandomSource, RequestFeatures,
+    SplitMix64,
 };
 use serde_json::json;
 use std::cmp::Reverse;
@@ -97,42 +97,15 @@ struct Report {
 }
 
 fn run(policy: PolicyKind, w: &Workload) -> Report {
-    let mut pool = Pool::new(
-        "sim",
-        PoolConfig {
-            policy,
-            ..PoolConfig::default()
-        },
-    );
-    let mut caches = Vec::new();
-    for b in 0..BACKENDS {
-        let id = pool
-            .add_backend(
-                BackendSpec {
-                    id: format!("gpu-{b}").into(),
-                    url: format!("http://gpu-{b}:8000"),
-                    models: vec!["m".into()],
-                    capacity: Capacity {
-                        kv_blocks: KV_BLOCKS,
-                        block_size: 16,
-                        ..Capacity::default()
-                    },
-                    ..BackendSpec::default()
-                },
-                0,
-            )
-            .unwrap();
-        pool.record_probe(
-            &id,
-            &ProbeResult {
-                ok: true,
-                ..ProbeResult::default()
-            },
-            0,
-        )
-        .unwrap();
-        caches.push(ServerCache::new(KV_BLOCKS as usize));
-    }
+    let capacity = Capacity {
+        kv_blocks: KV_BLOCKS,
+        block_size: 16,
+        ..Capacity::default()
+    };
+    let mut pool = common::fleet(policy, BACKENDS, capacity);
+    let mut caches: Vec<ServerCache> = (0..BACKENDS)
+        .map(|_| ServerCache::new(KV_BLOCKS as usize))
+        .collect();
     let ids: Vec<BackendId> = (0..BACKENDS)
         .map(|b| BackendId::from(format!("gpu-{b}")))
         .collect();

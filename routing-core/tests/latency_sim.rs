@@ -22,8 +22,7 @@ mod common;
 use common::ServerCache;
 use routing_core::prompt::{request_features, FeatureConfig};
 use routing_core::{
-    BackendId, BackendSpec, Capacity, Outcome, PolicyKind, Pool, PoolConfig, ProbeResult,
-    RandomSource, RequestFeatures, SplitMix64,
+    BackendId, Capacity, Outcome, PolicyKind, Pool, RandomSource, RequestFeatures, SplitMix64,
 };
 use serde_json::json;
 use std::collections::{HashMap, VecDeque};
@@ -293,44 +292,16 @@ fn simulate(
     kv_blocks: usize,
     seed: u64,
 ) -> (Report, Pool) {
-    let mut pool = Pool::new(
-        "sim",
-        PoolConfig {
-            policy,
-            ..PoolConfig::default()
-        },
-    );
-    let mut engines = Vec::new();
-    let mut index = HashMap::new();
-    for (b, speed) in speeds.iter().enumerate() {
-        let id = pool
-            .add_backend(
-                BackendSpec {
-                    id: format!("gpu-{b}").into(),
-                    url: format!("http://gpu-{b}:8000"),
-                    models: vec!["m".into()],
-                    capacity: Capacity {
-                        kv_blocks: kv_blocks as u64,
-                        block_size: 16,
-                        max_num_seqs: MAX_NUM_SEQS as u32,
-                    },
-                    ..BackendSpec::default()
-                },
-                0,
-            )
-            .unwrap();
-        pool.record_probe(
-            &id,
-            &ProbeResult {
-                ok: true,
-                ..ProbeResult::default()
-            },
-            0,
-        )
-        .unwrap();
-        index.insert(id, b);
-        engines.push(Engine::new(*speed, kv_blocks));
-    }
+    let capacity = Capacity {
+        kv_blocks: kv_blocks as u64,
+        block_size: 16,
+        max_num_seqs: MAX_NUM_SEQS as u32,
+    };
+    let mut pool = common::fleet(policy, speeds.len(), capacity);
+    let index: HashMap<BackendId, usize> = (0..speeds.len())
+        .map(|b| (BackendId::from(format!("gpu-{b}")), b))
+        .collect();
+    let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
     let mut rng = SplitMix64::new(seed);
     let mut wrng = SplitMix64::new(seed ^ 0x77);
     let mut pending: Vec<(f64, usize)> = (0..workload.clients())

@@ -1,7 +1,38 @@
-//! What the fleet simulations share: a simulated server's prefix cache and filler text.
+//! What the fleet simulations share: the simulated pool, a simulated server's prefix cache and
+//! filler text.
 
-use routing_core::{RandomSource, SplitMix64};
+use routing_core::{
+    BackendSpec, Capacity, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource, SplitMix64,
+};
 use std::collections::{BTreeMap, HashMap};
+
+/// A pool of `backends` servers `gpu-0`, `gpu-1`, ... serving model `m` with `capacity`, each
+/// probed up at time 0, routed by `policy`.
+pub fn fleet(policy: PolicyKind, backends: usize, capacity: Capacity) -> Pool {
+    let mut pool = Pool::new(
+        "sim",
+        PoolConfig {
+            policy,
+            ..PoolConfig::default()
+        },
+    );
+    for b in 0..backends {
+        let spec = BackendSpec {
+            id: format!("gpu-{b}").into(),
+            url: format!("http://gpu-{b}:8000"),
+            models: vec!["m".into()],
+            capacity,
+            ..BackendSpec::default()
+        };
+        let id = pool.add_backend(spec, 0).unwrap();
+        let up = ProbeResult {
+            ok: true,
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &up, 0).unwrap();
+    }
+    pool
+}
 
 /// A simulated server's prefix cache: an LRU over block hashes, as large as its KV cache.
 pub struct ServerCache {
