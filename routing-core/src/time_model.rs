@@ -22,16 +22,17 @@
 //! it is the prefill time it saves, here and in everyone else's step times. The `predicted_latency`
 //! policy ranks by `ttft + own + harm` (weights are knobs).
 //!
-//! Learning: every backend has two scales on the configured rates, one for prefill and one for
-//! decode, starting at 1. At release, a successful lease's measured time to first byte is
-//! compared with the prediction made when it was granted (the prefill part only: queue plus
-//! prefill), and its measured time per output token (duration after the first byte over the
-//! completion tokens the backend reported) with the predicted `tpot`. Each comparison moves its
-//! scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]` so one outlier moves
-//! a scale by at most `2^learning_rate` (15% at the default 0.2), and scales stay within
-//! `[1/max_scale, max_scale]`. With the default rate a 3x slower backend is learned within about 10
-//! to 20 requests. Predictions too small to measure (under 5 ms of prefill) teach nothing, so
-//! network time on tiny prompts does not inflate the prefill rate.
+//! The pool adds a wait for room ([`room_wait_ms`]) when the backend lacks KV space or sequence
+//! slots. Learning: every backend has two scales on the configured rates, one for prefill and one
+//! for decode, starting at 1. A successful stream's measured time to first byte is regressed on
+//! its predicted queue plus prefill at the configured rate (exponentially weighted least squares):
+//! the slope is the prefill scale, the intercept the gateway and network overhead, so network time
+//! never inflates the prefill rate; with too little spread to fit a line, requests with nothing to
+//! prefill teach the overhead and the others the scale. The measured time per output token
+//! (duration after the first byte over the backend's completion tokens), and vLLM's scraped one,
+//! move the decode scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]`
+//! (at most 15% per observation at the default 0.2). Scales stay within
+//! `[1/max_scale, max_scale]`; a 3x slower backend is learned within about 10 to 20 requests.
 
 use serde::{Deserialize, Serialize};
 
