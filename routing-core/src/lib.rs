@@ -36,6 +36,7 @@ pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;
+pub mod shard;
 pub mod time_model;
 pub mod usage;
 
