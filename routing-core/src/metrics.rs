@@ -338,7 +338,7 @@ pub fn render(pool: &Pool, out: &mut String) {
                 "llm_gateway_backend_load",
                 name,
                 &[("backend", id)],
-                e.load(queue_weight),
+                e.load(queue_weight, 0.0),
             )
         },
     );

@@ -29,6 +29,7 @@ use crate::policy::{
 use crate::prompt::{RequestFeatures, DEFAULT_BLOCK_TOKENS};
 use crate::random::RandomSource;
 use crate::ring::{key_hash, RingMember};
+use crate::shard::{LoadReport, ShardLoad, SiblingLoads, SIBLING_ECHO};
 use crate::time_model::{
     room_wait_ms, BackendTiming, Observation, OutputRatio, SharePrediction, TimeModelConfig,
     TimingView,
@@ -446,6 +447,12 @@ pub(crate) struct BackendEntry {
     pub(crate) external_waiting: f64,
     /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
     pub(crate) tpot_scraped: Option<(f64, f64)>,
+    /// Sibling coordinator shards' load on the backend, with their backlog as of `remote_at_ms`
+    /// (zero with one shard).
+    pub(crate) remote: ShardLoad,
+    pub(crate) remote_at_ms: u64,
+    /// This shard's own in-flight leases when it last reported (see [`BackendEntry::all_in_flight`]).
+    pub(crate) reported: InFlight,
 }
 
 impl BackendEntry {
@@ -467,10 +474,48 @@ impl BackendEntry {
         c
     }
 
-    pub(crate) fn load(&self, queue_weight: f64) -> f64 {
+    /// What is in flight on the backend: this coordinator's leases and its sibling shards'.
+    ///
+    /// Siblings count as of their last report, plus what they probably placed since: each of this
+    /// shard's own placements since its last report is assumed to have `echo` twins among its
+    /// siblings (`echo` = (shards - 1) × [`SIBLING_ECHO`]). See [`crate::shard`].
+    pub(crate) fn all_in_flight(&self, echo: f64) -> InFlight {
+        let mut all = self.in_flight;
+        let remote = self.remote.in_flight();
+        let grown = |now: u64, then: u64| (now.saturating_sub(then) as f64 * echo) as u64;
+        all.leases = all
+            .leases
+            .saturating_add(remote.leases)
+            .saturating_add(grown(
+                u64::from(self.in_flight.leases),
+                u64::from(self.reported.leases),
+            ) as u32);
+        all.prompt_tokens = all
+            .prompt_tokens
+            .saturating_add(remote.prompt_tokens)
+            .saturating_add(grown(
+                self.in_flight.prompt_tokens,
+                self.reported.prompt_tokens,
+            ));
+        all.output_tokens = all
+            .output_tokens
+            .saturating_add(remote.output_tokens)
+            .saturating_add(grown(
+                self.in_flight.output_tokens,
+                self.reported.output_tokens,
+            ));
+        all
+    }
+
+    /// Sibling shards' prefill backlog on the backend, drained to `now_ms`.
+    fn remote_backlog_ms(&self, now_ms: u64) -> f64 {
+        (self.remote.backlog_ms - now_ms.saturating_sub(self.remote_at_ms) as f64).max(0.0)
+    }
+
+    pub(crate) fn load(&self, queue_weight: f64, echo: f64) -> f64 {
         let c = self.capacity();
         backend_load(
-            &self.in_flight,
+            &self.all_in_flight(echo),
             c.capacity_tokens(),
             self.scraped.waiting.unwrap_or(0.0),
             c.max_num_seqs,
@@ -479,8 +524,8 @@ impl BackendEntry {
     }
 
     /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
-    fn running(&self) -> f64 {
-        f64::from(self.in_flight.leases) + self.external_running
+    fn running(&self, echo: f64) -> f64 {
+        f64::from(self.all_in_flight(echo).leases) + self.external_running
     }
 
     fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {
@@ -548,6 +593,12 @@ pub struct Pool {
     now_hint_ms: u64,
     /// Slots where a lease share ended since [`Pool::take_freed`] (admission control only).
     freed: Vec<u32>,
+    /// This coordinator's shard index, and its siblings' load reports when the pool has several.
+    shard: u32,
+    shards: u32,
+    siblings: Option<SiblingLoads>,
+    /// When the siblings' load was last summed into the entries.
+    siblings_summed_ms: u64,
 }
 
 impl fmt::Debug for Pool {
@@ -589,6 +640,10 @@ impl Pool {
             mean_uncached_tokens: 0.0,
             now_hint_ms: 0,
             freed: Vec::new(),
+            shard: 0,
+            shards: 1,
+            siblings: None,
+            siblings_summed_ms: 0,
         }
     }
 
@@ -659,6 +714,9 @@ impl Pool {
             external_running: 0.0,
             external_waiting: 0.0,
             tpot_scraped: None,
+            remote: ShardLoad::default(),
+            remote_at_ms: 0,
+            reported: InFlight::default(),
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -787,7 +845,8 @@ impl Pool {
                 scraped.running.unwrap_or(0.0),
                 scraped.waiting.unwrap_or(0.0),
             );
-            let external = (running + waiting - f64::from(entry.in_flight.leases)).max(0.0);
+            let ours = f64::from(entry.in_flight.leases) + f64::from(entry.remote.leases);
+            let external = (running + waiting - ours).max(0.0);
             entry.external_waiting = external.min(waiting);
             entry.external_running = external - entry.external_waiting;
         }
@@ -841,6 +900,8 @@ impl Pool {
     ) -> Result<Grant, AcquireError> {
         self.now_hint_ms = self.now_hint_ms.max(now_ms);
         self.expire_leases(now_ms);
+        self.refresh_siblings(now_ms);
+        let echo = self.echo();
         let block_tokens = if features.block_tokens > 0 {
             features.block_tokens as usize
         } else {
@@ -899,7 +960,12 @@ impl Pool {
             }
             if let Some(headroom) = headroom {
                 let tokens = uncached + u64::from(output_tokens);
-                if !has_room(&entry.in_flight, &backend_capacity, tokens, headroom) {
+                if !has_room(
+                    &entry.all_in_flight(echo),
+                    &backend_capacity,
+                    tokens,
+                    headroom,
+                ) {
                     at_capacity = true;
                     continue;
                 }
@@ -910,16 +976,16 @@ impl Pool {
                     * entry.timing.prefill_ms_per_token(&time_model)
             } else {
                 0.0
-            };
+            } + entry.remote_backlog_ms(now_ms);
             let mut predicted = entry.timing.predict(
                 &time_model,
                 if role == Role::Decode { 0 } else { uncached },
                 expected_output,
-                entry.running(),
+                entry.running(echo),
                 external_queue_ms,
                 now_ms,
             );
-            let in_flight = &entry.in_flight;
+            let in_flight = &entry.all_in_flight(echo);
             // The gateway's count misses prefixes that running requests share (only the first,
             // cold request counted them); vLLM's own usage at the last probe sees every pinned
             // block.
@@ -945,8 +1011,8 @@ impl Pool {
             let candidate = Candidate {
                 slot: slot as u32,
                 weight: entry.spec.weight,
-                leases: entry.in_flight.leases,
-                load: entry.load(queue_weight),
+                leases: in_flight.leases,
+                load: entry.load(queue_weight, echo),
                 request_load: (u64::from(features.prompt_tokens) + u64::from(output_tokens)) as f64
                     / capacity.max(1) as f64,
                 benefit: cache_benefit(cached_tokens, capacity),
@@ -1112,6 +1178,7 @@ impl Pool {
     ) -> Option<LeaseShare> {
         let breaker_config = self.config.breaker;
         let time_model = self.config.time_model;
+        let echo = self.echo();
         let entry = self.entry_mut(slot)?;
         let trial = entry.breaker.admit(now_ms, &breaker_config)? == Admission::Trial;
         // A decode server pulls the prompt's KV cache instead of computing it.
@@ -1122,7 +1189,7 @@ impl Pool {
         };
         let predicted = entry
             .timing
-            .admit(&time_model, prefill, entry.running(), now_ms);
+            .admit(&time_model, prefill, entry.running(echo), now_ms);
         entry.in_flight.add(prompt_tokens, output_tokens);
         entry.stats.requests += 1;
         Some(LeaseShare {
@@ -1132,6 +1199,90 @@ impl Pool {
             trial,
             predicted,
         })
+    }
+
+    /// Makes this pool one of `shards` coordinator shards (index `me`), whose siblings report their
+    /// load every `exchange_ms`; one shard (the default) is the exact single coordinator.
+    pub fn set_shard(&mut self, me: u32, shards: u32, exchange_ms: u64) {
+        self.shard = me;
+        self.shards = shards.max(1);
+        self.siblings = (shards > 1).then(|| SiblingLoads::new(me, exchange_ms));
+        for s in self.slots.iter_mut() {
+            if let Some(e) = s.entry.as_mut() {
+                e.remote = ShardLoad::default();
+            }
+        }
+    }
+
+    /// This shard's load on every busy backend, for its siblings.
+    pub fn load_report(&mut self, now_ms: u64) -> LoadReport {
+        for s in self.slots.iter_mut() {
+            if let Some(e) = s.entry.as_mut() {
+                e.reported = e.in_flight;
+            }
+        }
+        LoadReport::new(
+            self.shard,
+            now_ms,
+            self.entries().map(|e| {
+                let f = e.in_flight;
+                let load = ShardLoad {
+                    leases: f.leases,
+                    prompt_tokens: f.prompt_tokens,
+                    output_tokens: f.output_tokens,
+                    backlog_ms: e.timing.backlog_ms(now_ms),
+                };
+                (e.spec.id.clone(), load)
+            }),
+        )
+    }
+
+    /// Takes a sibling shard's load report into account from now on. Returns false if it was
+    /// ignored (one shard, this shard's own report, or older than the one held).
+    pub fn accept_load_report(&mut self, report: LoadReport, now_ms: u64) -> bool {
+        let Some(siblings) = self.siblings.as_mut() else {
+            return false;
+        };
+        let accepted = siblings.accept(report);
+        if accepted {
+            self.sum_siblings(now_ms);
+        }
+        accepted
+    }
+
+    /// Twins each own placement since the last report is assumed to have among the siblings.
+    fn echo(&self) -> f64 {
+        f64::from(self.shards - 1) * SIBLING_ECHO
+    }
+
+    /// Re-sums the siblings' load once per exchange interval, so stale reports stop counting.
+    fn refresh_siblings(&mut self, now_ms: u64) {
+        let interval = self.siblings.as_ref().map(SiblingLoads::exchange_ms);
+        if interval.is_some_and(|ms| now_ms >= self.siblings_summed_ms + ms) {
+            self.sum_siblings(now_ms);
+        }
+    }
+
+    fn sum_siblings(&mut self, now_ms: u64) {
+        let Some(siblings) = self.siblings.as_ref() else {
+            return;
+        };
+        for s in self.slots.iter_mut() {
+            if let Some(e) = s.entry.as_mut() {
+                e.remote = ShardLoad::default();
+                e.remote_at_ms = now_ms;
+            }
+        }
+        let (slots, index) = (&mut self.slots, &self.index);
+        siblings.for_each_total(now_ms, |id, load| {
+            if let Some(e) = index
+                .get(id)
+                .and_then(|&i| slots[i as usize].entry.as_mut())
+            {
+                e.remote = load;
+            }
+        });
+        self.siblings_summed_ms = now_ms;
     }
 
     /// Moves a lease to another backend after its backend failed before the first byte (the
@@ -1643,7 +1794,7 @@ impl Pool {
             leases_in_flight: e.in_flight.leases,
             inflight_prompt_tokens: e.in_flight.prompt_tokens,
             inflight_output_tokens: e.in_flight.output_tokens,
-            load: e.load(self.config.queue_weight),
+            load: e.load(self.config.queue_weight, self.echo()),
             affinity_blocks: self.affinity.backend_len(slot),
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,

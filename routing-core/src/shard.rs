@@ -10,6 +10,16 @@
 //! aged by the time since its report (a backlog drains in real time), and a report older than
 //! [`STALE_AFTER_INTERVALS`] intervals counts for nothing, so a shard that went away stops weighing
 //! on the others. With one shard nothing here runs and routing is exactly the single coordinator's.
+//!
+//! Between reports a shard also guesses what its siblings placed: each of its own placements since
+//! its last report counts [`SIBLING_ECHO`] × (shards − 1) times on that backend. Shards whose
+//! traffic shares a prefix (one system prompt behind every conversation) choose alike, and without
+//! the guess they all send work to the backend that looked idle at the last report; shards with
+//! prefixes of their own choose independently, and counting every placement once per sibling
+//! pushes their requests off their caches. In the timed fleet simulation (`tests/shard_sim.rs`),
+//! 0 let multi-turn chat's busiest backend reach 1.33x the mean at 4 shards (1.17x with one
+//! coordinator), 1 cost shared-prefix groups 3 points of hit rate at 8 shards; 0.5 keeps both
+//! within the bounds.
 
 use crate::backend::BackendId;
 use crate::cost::InFlight;
@@ -22,6 +32,9 @@ pub const MAX_SHARDS: u32 = 64;
 
 /// Default interval between a shard's load reports to its siblings, in milliseconds.
 pub const DEFAULT_EXCHANGE_MS: u64 = 200;
+
+/// Each own placement since the last report counts this many times per sibling shard.
+pub const SIBLING_ECHO: f64 = 0.5;
 
 /// A sibling's report counts for this many exchange intervals, then is ignored.
 pub const STALE_AFTER_INTERVALS: u64 = 5;
@@ -153,6 +166,11 @@ impl SiblingLoads {
                 true
             }
         }
+    }
+
+    /// The interval at which siblings report.
+    pub fn exchange_ms(&self) -> u64 {
+        self.exchange_ms
     }
 
     /// Forgets every report (the pool's shard count changed).
