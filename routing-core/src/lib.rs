@@ -23,6 +23,7 @@ pub mod backend;
 pub mod breaker;
 pub mod cost;
 pub mod health;
+pub mod held_blocks;
 pub mod history;
 pub mod lease;
 pub mod metrics;

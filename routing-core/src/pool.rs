@@ -19,6 +19,7 @@ use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Capacity,
 use crate::breaker::{Admission, BreakerConfig, BreakerSnapshot, BreakerState, CircuitBreaker};
 use crate::cost::{backend_load, cache_benefit, InFlight};
 use crate::health::{Health, HealthConfig, HealthState, HealthTransition, ProbeVerdict};
+use crate::held_blocks::HeldBlocks;
 use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTable, LeaseTerms, MAX_LEASE_ID};
 use crate::metrics::{BackendStats, PoolStats};
 use crate::outcome::{Outcome, OutcomeKind};
@@ -453,6 +454,8 @@ pub(crate) struct BackendEntry {
     pub(crate) remote_at_ms: u64,
     /// This shard's own in-flight leases when it last reported (see [`BackendEntry::all_in_flight`]).
     pub(crate) reported: InFlight,
+    /// Prompt blocks the live leases hold here.
+    pub(crate) held: HeldBlocks,
 }
 
 impl BackendEntry {
@@ -599,6 +602,8 @@ pub struct Pool {
     siblings: Option<SiblingLoads>,
     /// When the siblings' load was last summed into the entries.
     siblings_summed_ms: u64,
+    /// Each live lease's prompt blocks and the backend holding them.
+    lease_blocks: HashMap<LeaseId, (BackendKey, Vec<u64>)>,
 }
 
 impl fmt::Debug for Pool {
@@ -644,6 +649,7 @@ impl Pool {
             shards: 1,
             siblings: None,
             siblings_summed_ms: 0,
+            lease_blocks: HashMap::new(),
         }
     }
 
@@ -717,6 +723,7 @@ impl Pool {
             remote: ShardLoad::default(),
             remote_at_ms: 0,
             reported: InFlight::default(),
+            held: HeldBlocks::default(),
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -993,11 +1000,24 @@ impl Pool {
                 .scraped
                 .kv_usage
                 .map_or(0, |u| (u.clamp(0.0, 1.0) * capacity as f64) as u64);
+            // Prompt memory: the distinct blocks this coordinator's leases hold, or their
+            // uncached tokens (with the siblings'), whichever is more.
+            let held_tokens = entry.held.distinct() as u64 * block_tokens as u64;
+            let prompt_memory = held_tokens
+                .saturating_add(entry.remote.prompt_tokens)
+                .max(in_flight.prompt_tokens);
             let room_wait = room_wait_ms(
-                (in_flight.prompt_tokens
-                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
+                (prompt_memory + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
                     .max(scraped_tokens),
-                uncached + expected_output as u64,
+                // Memory for the prompt is needed wherever it is cached, except for the blocks
+                // running requests hold already.
+                (u64::from(features.prompt_tokens).saturating_sub(
+                    entry
+                        .held
+                        .held_prefix(&features.block_hashes, cached_blocks as usize)
+                        as u64
+                        * block_tokens as u64,
+                )) + expected_output as u64,
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,
@@ -1152,6 +1172,7 @@ impl Pool {
         let candidates = views(&scratch.primary, &scratch.order, &self.slots);
         let decode_candidates = views(&scratch.decode, &scratch.decode_order, &self.slots);
         self.affinity.record(chosen.slot, &features.block_hashes);
+        self.hold_blocks(lease_id, chosen.slot, features.block_hashes.clone());
         self.stats.record_decision(self.config.policy, decision);
         self.stats.prompt_blocks += features.block_hashes.len() as u64;
         self.stats.cached_blocks += u64::from(chosen.cached_blocks);
@@ -1319,8 +1340,12 @@ impl Pool {
         if !target.available(now_ms, &breaker_config) {
             return Err(PoolError::BackendUnavailable { id: to.clone() });
         }
+        let blocks = self.lease_blocks.get(&lease_id).map(|(_, b)| b.clone());
         self.settle(&old, failure, lease_id, acquired_ms, now_ms);
         let share = self.admit(slot, prompt_tokens, output, now_ms);
+        if let (Some(_), Some(blocks)) = (&share, blocks) {
+            self.hold_blocks(lease_id, slot, blocks);
+        }
         let Some(share) = share else {
             // Retrying on the backend that just failed can open its breaker: the lease has
             // nowhere to go, so it ends here (its decode share too) rather than leak.
@@ -1702,8 +1727,32 @@ impl Pool {
         self.unshare(share, outcome.kind, lease_id, now_ms);
     }
 
+    /// Counts `blocks` as held on `slot` by lease `lease_id`.
+    fn hold_blocks(&mut self, lease_id: LeaseId, slot: u32, blocks: Vec<u64>) {
+        let Some(entry) = self.entry_mut(slot) else {
+            return;
+        };
+        entry.held.hold(&blocks);
+        let key = entry.key;
+        self.lease_blocks.insert(lease_id, (key, blocks));
+    }
+
+    /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
+    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
+        match self.lease_blocks.get(&lease_id) {
+            Some((key, _)) if *key == backend => {}
+            _ => return None,
+        }
+        let (_, blocks) = self.lease_blocks.remove(&lease_id)?;
+        if let Some(entry) = self.entry_for_key_mut(backend) {
+            entry.held.release(&blocks);
+        }
+        Some(blocks)
+    }
+
     /// Takes a share off its backend's counters and tells the breaker how it ended.
     fn unshare(&mut self, share: &LeaseShare, kind: OutcomeKind, lease_id: LeaseId, now_ms: u64) {
+        self.drop_blocks(lease_id, share.backend);
         // Admission control's hook: a backend freed room (bounded; the queue drains it).
         if self.config.admission.enabled && self.freed.len() < 1024 {
             self.freed.push(share.backend.slot);

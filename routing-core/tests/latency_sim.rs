@@ -58,10 +58,11 @@ fn compare(
             throughput: mean(&|r| r.throughput),
             hit_rate: mean(&|r| r.hit_rate),
             busiest_over_mean: mean(&|r| r.busiest_over_mean),
+            preempted: mean(&|r| r.preempted),
         };
         println!(
             "{name:>13} {:>17}: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} p99 {:7.1} ms | \
-             {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2}",
+             {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",
             policy.as_str(),
             r.ttft_p50,
             r.ttft_p99,
@@ -69,7 +70,8 @@ fn compare(
             r.e2e_p99,
             r.throughput,
             100.0 * r.hit_rate,
-            r.busiest_over_mean
+            r.busiest_over_mean,
+            r.preempted
         );
         out.insert(policy, r);
     }
@@ -236,4 +238,31 @@ fn learned_rates_converge_on_a_slower_backend() {
             .collect::<Vec<_>>(),
         served("gpu-3")
     );
+}
+
+/// Chat beyond the fleet's memory: 64 users whose histories need about twice the KV cache of
+/// 8 backends of 512 blocks, so every policy queues requests for memory in the engines and
+/// recomputes evicted histories. The default keeps the best median, throughput and hit rate, but
+/// its tail is not the best: measured 1.24x the best baseline's TTFT p99 (least load spreads the
+/// queueing more evenly); the issue's 0.8x is missed here, and the README says so. Admission
+/// control (the gateway's queue) is the tool for this regime.
+#[test]
+fn chat_beyond_memory() {
+    let r = compare("over memory", 512, &|seed| {
+        let mut rng = SplitMix64::new(1 + seed);
+        Box::new(MultiTurn::new(64, 10, &mut rng))
+    });
+    let ours = &r[&PolicyKind::PredictedLatency];
+    let lower = |f: &dyn Fn(&Report) -> f64| best_baseline(&r, f, true);
+    assert!(ours.ttft_p50 <= lower(&|x| x.ttft_p50), "{ours:?}");
+    assert!(ours.e2e_p50 <= lower(&|x| x.e2e_p50), "{ours:?}");
+    assert!(
+        ours.throughput >= best_baseline(&r, &|x| x.throughput, false),
+        "{ours:?}"
+    );
+    assert!(
+        ours.hit_rate >= best_baseline(&r, &|x| x.hit_rate, false),
+        "{ours:?}"
+    );
+    assert!(ours.ttft_p99 <= 1.35 * lower(&|x| x.ttft_p99), "{ours:?}");
 }

@@ -35,13 +35,14 @@ fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Coordinatio
         throughput: mean(&|r| r.throughput),
         hit_rate: mean(&|r| r.hit_rate),
         busiest_over_mean: mean(&|r| r.busiest_over_mean),
+        preempted: mean(&|r| r.preempted),
     }
 }
 
 fn print(name: &str, c: Coordination, r: &Report) {
     println!(
         "{name:>13} shards {} every {:>4} ms: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} ms | \
-         {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2}",
+         {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",
         c.shards,
         c.exchange_ms,
         r.ttft_p50,
@@ -49,7 +50,8 @@ fn print(name: &str, c: Coordination, r: &Report) {
         r.e2e_p50,
         r.throughput,
         100.0 * r.hit_rate,
-        r.busiest_over_mean
+        r.busiest_over_mean,
+        r.preempted
     );
 }
 

@@ -6,7 +6,10 @@
 //! queue and a running batch; every step decodes one token for each running sequence and prefills
 //! up to a token budget from the queue; a step lasts `base + per_seq × decoding + per_token ×
 //! prefill tokens`. A request's uncached prompt is what its engine's prefix cache (an LRU over
-//! block hashes, as large as the KV cache) does not hold when its prefill starts. The pool sees
+//! block hashes, as large as the KV cache) does not hold when its prefill starts. Running
+//! sequences hold KV blocks (shared prompt blocks once); a sequence is admitted only when its blocks
+//! fit, and when generated tokens overflow the cache the newest running sequence is preempted and
+//! later recomputed, as vLLM does. The pool sees
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
 //! duration and completion tokens.
 // Each test binary uses a part of this module.
@@ -55,6 +58,14 @@ pub struct Seq {
     uncached: u64,
 }
 
+impl Seq {
+    /// KV blocks the sequence holds beyond its full prompt blocks: the prompt's partial last
+    /// block and the generated tokens.
+    fn tail_blocks(&self) -> usize {
+        ((self.prompt % BLOCK + u64::from(self.produced)).div_ceil(BLOCK)) as usize
+    }
+}
+
 pub struct Engine {
     speed: Speed,
     cache: ServerCache,
@@ -64,6 +75,12 @@ pub struct Engine {
     /// Sequences whose prefill this step carries, and how many tokens each.
     in_step: Vec<(usize, u64)>,
     computed_tokens: u64,
+    /// KV blocks, and how many running sequences hold each full prompt block (shared prefixes
+    /// are held once).
+    kv_blocks: usize,
+    held: HashMap<u64, u32>,
+    /// Sequences sent back to the queue for lack of KV space (recomputed when readmitted).
+    pub preempted: u64,
 }
 
 impl Engine {
@@ -76,22 +93,83 @@ impl Engine {
             step_end: None,
             in_step: Vec::new(),
             computed_tokens: 0,
+            kv_blocks,
+            held: HashMap::new(),
+            preempted: 0,
+        }
+    }
+
+    /// KV blocks the running sequences hold.
+    fn used_blocks(&self) -> usize {
+        self.held.len() + self.running.iter().map(Seq::tail_blocks).sum::<usize>()
+    }
+
+    /// Blocks `s` would add to the running batch.
+    fn new_blocks(&self, s: &Seq) -> usize {
+        s.blocks
+            .iter()
+            .filter(|b| !self.held.contains_key(b))
+            .count()
+            + s.tail_blocks()
+            + 1
+    }
+
+    fn hold(&mut self, blocks: &[u64]) {
+        for &b in blocks {
+            *self.held.entry(b).or_default() += 1;
+        }
+    }
+
+    fn unhold(&mut self, blocks: &[u64]) {
+        for b in blocks {
+            if let Some(n) = self.held.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.held.remove(b);
+                }
+            }
         }
     }
 
     /// Plans the next step starting at `now` (if there is work).
     fn plan(&mut self, now: f64, hit_tokens: &mut u64) {
-        // Admit from the queue in FIFO order while the batch has room.
+        // Out of KV space, the newest sequence goes back to the head of the queue, to be
+        // recomputed (vLLM's recompute preemption).
+        while self.running.len() > 1 && self.used_blocks() > self.kv_blocks {
+            let newest = (0..self.running.len())
+                .max_by(|&a, &b| {
+                    let (a, b) = (&self.running[a], &self.running[b]);
+                    a.arrival_ms.partial_cmp(&b.arrival_ms).unwrap()
+                })
+                .unwrap();
+            let s = self.running.swap_remove(newest);
+            self.unhold(&s.blocks);
+            self.preempted += 1;
+            self.waiting.push_front(s);
+        }
+        // Admit from the queue in FIFO order while the batch has room and KV space.
         while self.running.len() < MAX_NUM_SEQS {
-            let Some(mut s) = self.waiting.pop_front() else {
+            let Some(s) = self.waiting.front() else {
                 break;
             };
+            if !self.running.is_empty() && self.used_blocks() + self.new_blocks(s) > self.kv_blocks
+            {
+                break;
+            }
+            let mut s = self.waiting.pop_front().unwrap();
             let hits = (self.cache.hits(&s.blocks) as u64 * BLOCK).min(s.prompt.saturating_sub(1));
-            *hit_tokens += hits;
-            s.prefill_left = s.prompt - hits;
-            s.uncached = s.prefill_left;
+            // A preempted sequence recomputes what it had generated too.
+            let first = !s.started;
+            if first {
+                *hit_tokens += hits;
+            }
+            s.prefill_left = s.prompt - hits + u64::from(s.produced);
+            if first {
+                s.uncached = s.prefill_left;
+            }
             self.computed_tokens += s.prefill_left;
             self.cache.prefill(&s.blocks);
+            self.hold(&s.blocks);
             s.started = true;
             self.running.push(s);
         }
@@ -142,7 +220,9 @@ impl Engine {
             if self.running[i].prefill_left == 0
                 && self.running[i].produced >= self.running[i].output
             {
-                done.push(self.running.swap_remove(i));
+                let s = self.running.swap_remove(i);
+                self.unhold(&s.blocks);
+                done.push(s);
             } else {
                 i += 1;
             }
@@ -271,6 +351,8 @@ pub struct Report {
     pub throughput: f64,
     pub hit_rate: f64,
     pub busiest_over_mean: f64,
+    /// Preemptions per 100 requests.
+    pub preempted: f64,
 }
 
 pub fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -448,6 +530,7 @@ pub fn simulate(
         throughput: n / (last_end / 1000.0),
         hit_rate: hit_tokens as f64 / prompt_tokens as f64,
         busiest_over_mean: computed.iter().cloned().fold(0.0, f64::max) / mean,
+        preempted: 100.0 * engines.iter().map(|e| e.preempted).sum::<u64>() as f64 / n,
     };
     (report, pools)
 }
