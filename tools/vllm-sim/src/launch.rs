@@ -11,7 +11,7 @@ use xxhash_rust::xxh3::xxh3_128;
 use crate::config::Config;
 use crate::disagg::TransferAuthority;
 use crate::metrics::MetricsState;
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// Pending connections the listener queues (bursts of thousands of clients connect at once).
 const LISTEN_BACKLOG: u32 = 4096;
