@@ -210,25 +210,30 @@ pub fn requests_of(plan: &Plan, seed: u64) -> Vec<OracleRequest> {
                 .collect()
         })
         .collect();
+    replay_order(plan)
+        .map(|(s, turn)| OracleRequest {
+            prompt: render_chat(&messages(&plan.sessions[s], turn, &answers[s])),
+            answer: answers[s][turn].clone().into_bytes(),
+        })
+        .collect()
+}
+
+/// `(session, turn)` in the order the oracle replays a plan: every session's first turn, then
+/// every second turn, ...
+fn replay_order(plan: &Plan) -> impl Iterator<Item = (usize, usize)> + '_ {
     let rounds = plan
         .sessions
         .iter()
         .map(|s| s.turns.len())
         .max()
         .unwrap_or(0);
-    let mut out = Vec::with_capacity(plan.requests());
-    for turn in 0..rounds {
-        for (s, session) in plan.sessions.iter().enumerate() {
-            if turn < session.turns.len() {
-                let prompt = render_chat(&messages(session, turn, &answers[s]));
-                out.push(OracleRequest {
-                    prompt,
-                    answer: answers[s][turn].clone().into_bytes(),
-                });
-            }
-        }
-    }
-    out
+    (0..rounds).flat_map(move |turn| {
+        plan.sessions
+            .iter()
+            .enumerate()
+            .filter(move |(_, session)| turn < session.turns.len())
+            .map(move |(s, _)| (s, turn))
+    })
 }
 
 #[cfg(test)]
@@ -425,30 +430,19 @@ mod tests {
             let mut answers: Vec<Vec<String>> = vec![Vec::new(); plan.sessions.len()];
             let mut replay = Vec::new();
             let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
-            let rounds = plan
-                .sessions
-                .iter()
-                .map(|s| s.turns.len())
-                .max()
-                .unwrap_or(0);
-            for turn in 0..rounds {
-                for (s, session) in plan.sessions.iter().enumerate() {
-                    if turn >= session.turns.len() {
-                        continue;
-                    }
-                    let body = crate::driver::request_body("m", &plan, s, turn, &answers[s]);
-                    let r = http
-                        .stream(&url, body, &[], std::time::Duration::from_secs(60))
-                        .await;
-                    assert!(r.ok(), "{name}: {r:?}");
-                    prompt_tokens += u64::from(r.prompt_tokens.expect("usage"));
-                    cached_tokens += u64::from(r.cached_tokens.expect("cached tokens"));
-                    replay.push(OracleRequest {
-                        prompt: render_chat(&messages(session, turn, &answers[s])),
-                        answer: r.text.clone().into_bytes(),
-                    });
-                    answers[s].push(r.text);
-                }
+            for (s, turn) in replay_order(&plan) {
+                let body = crate::driver::request_body("m", &plan, s, turn, &answers[s]);
+                let r = http
+                    .stream(&url, body, &[], std::time::Duration::from_secs(60))
+                    .await;
+                assert!(r.ok(), "{name}: {r:?}");
+                prompt_tokens += u64::from(r.prompt_tokens.expect("usage"));
+                cached_tokens += u64::from(r.cached_tokens.expect("cached tokens"));
+                replay.push(OracleRequest {
+                    prompt: render_chat(&messages(&plan.sessions[s], turn, &answers[s])),
+                    answer: r.text.clone().into_bytes(),
+                });
+                answers[s].push(r.text);
             }
             let predicted = bound(&replay, 0, 16, 4096).unbounded;
             assert!(predicted.hits > 0, "{name}: the workload shares nothing");
