@@ -14,7 +14,7 @@
 //
 //   node bench/overhead.mjs --only worker-cpu [--cpu-requests 600]
 import { chatBody, closedLoop, cpuMeter, gatewayWithSim, idleCpuRate, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
-import { PROTOCOL } from "./coordinator.mjs";
+import { PROTOCOL } from "./do-protocol.mjs";
 
 const POOL = "bench-cpu";
 const CONCURRENCY = 8;
@@ -66,7 +66,7 @@ export async function measureWorkerCpu({ requests = 600, log = console.error } =
     // The same request's Durable Object pair alone (8 block hashes = 128 tokens), through the stub.
     const ns = await env.gw.mf.getDurableObjectNamespace("POOL");
     const stub = ns.get(ns.idFromName(POOL));
-    const call = (path, init) => stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), "x-gateway-pool": POOL } });
+    const call = (path, init) => stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), [PROTOCOL.poolHeader]: POOL } });
     const pairMeter = cpuMeter(pid);
     const pairs = await closedLoop({
       concurrency: CONCURRENCY, seconds: 30, maxCalls: requests,
@@ -74,9 +74,8 @@ export async function measureWorkerCpu({ requests = 600, log = console.error } =
         const f = { request_id: `cpu-${i}`, model: env.model, prompt_tokens: 130, max_tokens: 1, block_hashes: crypto.getRandomValues(new BigUint64Array(8)) };
         const a = await call(PROTOCOL.acquirePath, PROTOCOL.acquire(f));
         if (a.status !== 200) return a.status;
-        const r = await call(PROTOCOL.releasePath, PROTOCOL.release(await PROTOCOL.grant(a), f));
-        await r.text();
-        return r.status;
+        const released = await PROTOCOL.released(await call(PROTOCOL.releasePath, PROTOCOL.release(await PROTOCOL.grant(a), f)));
+        return released ? 200 : 0;
       },
     });
     const pairCpu = pairMeter.stop();
