@@ -31,7 +31,8 @@ const WARM_BLOCKS = 1024; // 16,384 tokens
 // prefers can hold their share of the 1M entries (the global bound is what is being exercised).
 const KV_BLOCKS = 262144;
 
-const DRIVER = {
+/** Miniflare options of the in-workerd load driver (bench/do-driver.mjs). */
+export const DRIVER = {
   name: "bench-driver",
   modules: true,
   scriptPath: path.join(ROOT, "bench/do-driver.mjs"),
@@ -60,8 +61,8 @@ function summary(name, driver, recs, wall_s, cpu) {
   };
 }
 
-/** One phase driven from inside workerd: `concurrency` /run loops at once. */
-async function workerdPhase(driver, pid, name, o, concurrency) {
+/** One phase driven from inside workerd: `concurrency` /run loops at once (options `o`, see do-driver.mjs). */
+export async function workerdPhase(driver, pid, name, o, concurrency) {
   const meter = cpuMeter(pid);
   const t0 = performance.now();
   const recs = await Promise.all(

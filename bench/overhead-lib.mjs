@@ -185,9 +185,9 @@ export function rounded(value, digits = 4) {
  * Miniflare's Node proxy), its console discarded, with one vllm-sim registered in pool `pool`.
  * Returns { gw, url, admin, sim, model, close }.
  */
-export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [] }) {
+export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [] }) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
-  const gw = await startGateway({ bindings: { PROBE_INTERVAL_MS: "1000" }, options: { host: "127.0.0.1", port: 0, ...quiet } });
+  const gw = await startGateway({ bindings: { PROBE_INTERVAL_MS: "1000" }, options: { host: "127.0.0.1", port: 0, ...quiet }, extraWorkers });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, opts) => adminFetch(url, p, opts);
   const sim = await startSim(["--model", model, "--max-num-seqs", "256", ...simArgs]);

@@ -9,19 +9,19 @@
 // rendering, block hashing). The sim runs at --time-scale 10 (a decode step of about 1 ms), so its
 // tokens arrive as separate chunks as they would from a GPU (the client-side chunk count is
 // reported). workerd also runs the pool's Durable Object, so every figure includes the request's
-// two Durable Object calls (acquire, release); `do_pair_via_stub` is that pair measured alone
-// through the object's stub in the same process, for subtraction.
+// two Durable Object calls (acquire, release); `do_pair_ms` is that pair measured alone through
+// the object's stub from inside workerd (bench/do-driver.mjs), for subtraction.
 //
 //   node bench/overhead.mjs --only worker-cpu [--cpu-requests 600]
 import { chatBody, closedLoop, cpuMeter, gatewayWithSim, idleCpuRate, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
-import { PROTOCOL } from "./do-protocol.mjs";
+import { DRIVER, workerdPhase } from "./coordinator.mjs";
 
 const POOL = "bench-cpu";
 const CONCURRENCY = 8;
 
 /** Part (b). `requests`: requests in each of the 1-token phases (the 256-token phase runs a third). */
 export async function measureWorkerCpu({ requests = 600, log = console.error } = {}) {
-  const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "10"] });
+  const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "10"], extraWorkers: [DRIVER] });
   const client = streamClient(CONCURRENCY);
   try {
     const target = `${env.url}/v1/chat/completions`;
@@ -63,30 +63,12 @@ export async function measureWorkerCpu({ requests = 600, log = console.error } =
     const [one, many, long] = points;
     const perToken = (many.workerd_cpu_ms_per_request - one.workerd_cpu_ms_per_request) / (many.max_tokens - one.max_tokens);
 
-    // The same request's Durable Object pair alone (8 block hashes = 128 tokens), through the stub.
-    const ns = await env.gw.mf.getDurableObjectNamespace("POOL");
-    const stub = ns.get(ns.idFromName(POOL));
-    const call = (path, init) => stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), [PROTOCOL.poolHeader]: POOL } });
-    const pairMeter = cpuMeter(pid);
-    const pairs = await closedLoop({
-      concurrency: CONCURRENCY, seconds: 30, maxCalls: requests,
-      one: async (i) => {
-        const f = { request_id: `cpu-${i}`, model: env.model, prompt_tokens: 130, max_tokens: 1, block_hashes: crypto.getRandomValues(new BigUint64Array(8)) };
-        const a = await call(PROTOCOL.acquirePath, PROTOCOL.acquire(f));
-        if (a.status !== 200) return a.status;
-        const released = await PROTOCOL.released(await call(PROTOCOL.releasePath, PROTOCOL.release(await PROTOCOL.grant(a), f)));
-        return released ? 200 : 0;
-      },
-    });
-    const pairCpu = pairMeter.stop();
-    const floorMeter = cpuMeter(pid);
-    const floors = await closedLoop({
-      concurrency: CONCURRENCY, seconds: 30, maxCalls: requests,
-      one: async () => { const r = await call("/config", { method: "GET" }); await r.text(); return r.status; },
-    });
-    const floorCpu = floorMeter.stop();
-    const doPair = ((pairCpu.workerd_cpu_s - idle * pairCpu.wall_s) * 1000) / pairs.results.length;
-    const floorCall = ((floorCpu.workerd_cpu_s - idle * floorCpu.wall_s) * 1000) / floors.results.length;
+    // The same request's Durable Object pair alone (8 block hashes = 128 tokens), through the stub
+    // from inside workerd (bench/do-driver.mjs), as the Worker calls it.
+    const driver = await env.gw.mf.getWorker(DRIVER.name);
+    const pairSeconds = Math.min(10, Math.max(3, requests / 200));
+    const pair = await workerdPhase(driver, pid, "DO pair", { pool: POOL, model: env.model, mode: "measure", blocks: 8, shared: 0, seconds: pairSeconds }, CONCURRENCY);
+    const doPair = pair.workerd_cpu_ms_per_pair - (idle * pair.wall_s * 1000) / Math.max(1, pair.pairs);
     const result = {
       method:
         "workerd CPU (/proc/<pid>/stat utime+stime, 10 ms ticks) over N closed-loop streamed requests (8 in flight) from a Node http client " +
@@ -99,13 +81,14 @@ export async function measureWorkerCpu({ requests = 600, log = console.error } =
       cpu_ms_per_request: one.workerd_cpu_ms_per_request - perToken,
       cpu_us_per_token: perToken * 1000,
       cpu_ms_per_request_2k_prompt: long.workerd_cpu_ms_per_request - perToken,
-      do_pair_via_stub_ms: doPair,
-      do_stub_floor_call_ms: floorCall,
-      // The pair through the stub includes two trips through Miniflare's proxy (each about a floor call).
-      worker_own_ms_per_request_estimate: one.workerd_cpu_ms_per_request - perToken - Math.max(0, doPair - 2 * floorCall),
-      all_ok: points.every((p) => p.ok === p.requests) && pairs.results.every((s) => s === 200),
+      do_pair_ms: doPair,
+      do_pairs: `${pair.ok_pairs}/${pair.pairs}`,
+      // The driver's pair also counts the driver's own JavaScript and both ends of each stub call:
+      // an upper bound on the object's share, so this is a lower bound on the Worker's own.
+      worker_own_ms_per_request_at_least: one.workerd_cpu_ms_per_request - perToken - doPair,
+      all_ok: points.every((p) => p.ok === p.requests) && pair.ok_pairs === pair.pairs,
     };
-    log(`worker-cpu: ${result.cpu_ms_per_request.toFixed(3)} ms/request, ${result.cpu_us_per_token.toFixed(1)} us/token; DO pair via stub ${doPair.toFixed(3)} ms (floor call ${floorCall.toFixed(3)} ms)`);
+    log(`worker-cpu: ${result.cpu_ms_per_request.toFixed(3)} ms/request, ${result.cpu_us_per_token.toFixed(1)} us/token; DO pair ${doPair.toFixed(3)} ms`);
     return result;
   } finally {
     client.close();
