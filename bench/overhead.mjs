@@ -119,10 +119,10 @@ function markdown(r) {
   if (la) {
     lines.push(
       "", "## (c) Closed-loop rate and added time to first byte, gateway vs direct", "", la.method, "",
-      "| concurrency | direct req/s | gateway req/s | ratio | direct TTFB p50 / p99 ms | gateway TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | errors (d/g) |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "| concurrency | direct req/s | gateway req/s | ratio | direct TTFB p50 / p99 ms | gateway TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | client CPU ms/req (d/g) | errors (d/g) |",
+      "|---|---|---|---|---|---|---|---|---|---|",
       ...la.points.map((p) =>
-        `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ${p.direct.errors}/${p.gateway.errors} |`),
+        `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ${f(p.direct.client_cpu_ms_per_request)} / ${f(p.gateway.client_cpu_ms_per_request)} | ${p.direct.errors}/${p.gateway.errors} |`),
     );
   }
   return lines.join("\n") + "\n";
