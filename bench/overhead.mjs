@@ -93,10 +93,10 @@ function markdown(r) {
       "", "## (a) One pool Durable Object: acquire+release pairs per second", "", co.method, "",
       `${co.backends} backends (KV hint ${co.kv_blocks_per_backend} blocks each), policy \`${co.policy}\`, ${co.concurrency} calls in flight; affinity entries after the warm-up ${co.affinity_entries_after_warmup}, at the end ${co.affinity_entries_at_end}; leases in flight at the end ${co.in_flight_at_end}; workerd idle ${f(co.workerd_idle_cpu_share * 100, 1)}% of a core.`,
       "",
-      "| phase | driver | acquire body | pairs ok / sent | pairs/s | acquire p50 / p99 ms | release p50 / p99 ms | mean cached blocks | workerd CPU ms/pair | Node CPU ms/pair | workerd busy |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "| phase | driver | acquire body | pairs ok / sent | pairs/s | acquire p50 / p99 ms | release p50 / p99 ms | mean cached blocks | affinity entries after (probe rounds) | workerd CPU ms/pair | Node CPU ms/pair | workerd busy |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
       ...[...co.floors, ...co.phases].map((p) =>
-        `| ${p.name} | ${p.driver} | ${p.acquire_body_bytes ? `${(p.acquire_body_bytes / 1024).toFixed(1)} KiB` : "-"} | ${p.ok_pairs}/${p.pairs} | ${f(p.pairs_per_s, 0)} | ${f(p.acquire_ms.p50)} / ${f(p.acquire_ms.p99)} | ${f(p.release_ms.p50)} / ${f(p.release_ms.p99)} | ${f(p.mean_cached_blocks, 0)} | ${f(p.workerd_cpu_ms_per_pair, 3)} | ${f(p.node_cpu_ms_per_pair, 3)} | ${f(p.workerd_cpu_share * 100, 0)}% |`),
+        `| ${p.name} | ${p.driver} | ${p.acquire_body_bytes ? `${(p.acquire_body_bytes / 1024).toFixed(1)} KiB` : "-"} | ${p.ok_pairs}/${p.pairs} | ${f(p.pairs_per_s, 0)} | ${f(p.acquire_ms.p50)} / ${f(p.acquire_ms.p99)} | ${f(p.release_ms.p50)} / ${f(p.release_ms.p99)} | ${f(p.mean_cached_blocks, 0)} | ${p.affinity_entries_after ?? "-"}${p.probe_rounds_after === undefined ? "" : ` (${p.probe_rounds_after})`} | ${f(p.workerd_cpu_ms_per_pair, 3)} | ${f(p.node_cpu_ms_per_pair, 3)} | ${f(p.workerd_cpu_share * 100, 0)}% |`),
       "",
       "Floor rows are single GET /config calls (calls/s in the pairs/s column, the call's latency in the acquire column).",
     );
