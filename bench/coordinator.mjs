@@ -21,7 +21,7 @@ import { appendFileSync } from "node:fs";
 import { ROOT, startGateway, startSseServer, waitFor } from "../tests/lib/harness.mjs";
 import { closedLoop, cpuMeter, idleCpuRate, pct, workerdPid } from "./overhead-lib.mjs";
 import { PROTOCOL } from "./do-protocol.mjs";
-import { features } from "./do-driver.mjs";
+import { features, records, step } from "./do-driver.mjs";
 
 const POOL = "bench-do";
 const MODEL = "sse-model"; // what startSseServer lists on /v1/models
@@ -75,7 +75,7 @@ export async function workerdPhase(driver, pid, name, o, concurrency) {
   const maxPairs = o.max_pairs ?? 1e9;
   const recs = await Promise.all(
     Array.from({ length: concurrency }, async (_, k) => {
-      const sum = { pairs: 0, ok: 0, statuses: {}, acquire_ms: [], release_ms: [], cached_blocks: 0 };
+      const sum = records();
       for (let left; (left = (end - performance.now()) / 1000) > 0.05 && sum.pairs < maxPairs; ) {
         const r = await driver.fetch("http://driver/run", {
           method: "POST",
@@ -104,32 +104,9 @@ export async function workerdPhase(driver, pid, name, o, concurrency) {
 /** The same phase driven from Node through Miniflare's stub proxy. */
 async function nodePhase(call, pid, name, o, concurrency) {
   const meter = cpuMeter(pid);
-  const rec = { pairs: 0, ok: 0, statuses: {}, acquire_ms: [], release_ms: [], cached_blocks: 0 };
-  const { wall_s } = await closedLoop({
-    concurrency, seconds: o.seconds,
-    one: async (i) => {
-      rec.pairs += 1;
-      const s = performance.now();
-      if (o.mode === "floor") {
-        const r = await call("/config", { method: "GET" });
-        await r.arrayBuffer();
-        rec.statuses[r.status] = (rec.statuses[r.status] ?? 0) + 1;
-        if (r.status === 200) rec.ok += 1;
-        rec.acquire_ms.push(performance.now() - s);
-        return;
-      }
-      const f = features({ model: MODEL, warm_prompts: WARM_PROMPTS, ...o }, i);
-      const a = await call(PROTOCOL.acquirePath, PROTOCOL.acquire(f));
-      const m = performance.now();
-      rec.statuses[a.status] = (rec.statuses[a.status] ?? 0) + 1;
-      if (a.status !== 200) return void (await a.arrayBuffer());
-      const g = await PROTOCOL.grant(a);
-      if (await PROTOCOL.released(await call(PROTOCOL.releasePath, PROTOCOL.release(g, f)))) rec.ok += 1;
-      rec.acquire_ms.push(m - s);
-      rec.release_ms.push(performance.now() - m);
-      rec.cached_blocks += g.cached_blocks;
-    },
-  });
+  const rec = records();
+  const full = { model: MODEL, warm_prompts: WARM_PROMPTS, warm_blocks: WARM_BLOCKS, ...o };
+  const { wall_s } = await closedLoop({ concurrency, seconds: o.seconds, one: (i) => step(call, full, i, rec) });
   return summary(name, "node", [rec], wall_s, meter.stop());
 }
 

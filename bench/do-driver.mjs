@@ -40,40 +40,51 @@ export function features(o, i) {
   return { request_id: `bench-${o.mode}-${i}`, model: o.model, prompt_tokens: h.length * BLOCK_TOKENS + 7, max_tokens: 128, block_hashes: h };
 }
 
+/** An empty record of a loop's calls. */
+export function records() {
+  return { pairs: 0, ok: 0, statuses: {}, acquire_ms: [], release_ms: [], cached_blocks: 0 };
+}
+
+/**
+ * Call `i` of a loop with options `o` through `call(path, init)`: GET /config in mode "floor", else
+ * an acquire+release pair; recorded in `out` (also used from Node, bench/coordinator.mjs).
+ */
+export async function step(call, o, i, out) {
+  out.pairs += 1;
+  const s = performance.now();
+  if (o.mode === "floor") {
+    const r = await call("/config", { method: "GET" });
+    await r.arrayBuffer();
+    out.statuses[r.status] = (out.statuses[r.status] ?? 0) + 1;
+    if (r.status === 200) out.ok += 1;
+    out.acquire_ms.push(performance.now() - s);
+    return;
+  }
+  const f = features(o, i);
+  const a = await call(PROTOCOL.acquirePath, PROTOCOL.acquire(f));
+  const m = performance.now();
+  out.statuses[a.status] = (out.statuses[a.status] ?? 0) + 1;
+  if (a.status !== 200) {
+    await a.arrayBuffer();
+    return;
+  }
+  const g = await PROTOCOL.grant(a);
+  const released = await PROTOCOL.released(await call(PROTOCOL.releasePath, PROTOCOL.release(g, f)));
+  out.acquire_ms.push(m - s);
+  out.release_ms.push(performance.now() - m);
+  out.cached_blocks += g.cached_blocks;
+  if (released) out.ok += 1;
+}
+
 async function run(env, o) {
   const stub = env.POOL.get(env.POOL.idFromName(o.pool));
   const call = (path, init) =>
     stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), [PROTOCOL.poolHeader]: o.pool } });
-  const out = { pairs: 0, ok: 0, statuses: {}, acquire_ms: [], release_ms: [], cached_blocks: 0 };
+  const out = records();
   const t0 = Date.now();
   const deadline = t0 + o.seconds * 1000;
   const more = (i) => out.pairs < o.max_pairs && Date.now() < deadline && (o.mode !== "warm" || i < o.warm_prompts);
-  for (let i = o.first_index; more(i); i += o.stride) {
-    out.pairs += 1;
-    const s = performance.now();
-    if (o.mode === "floor") {
-      const r = await call("/config", { method: "GET" });
-      await r.arrayBuffer();
-      out.statuses[r.status] = (out.statuses[r.status] ?? 0) + 1;
-      if (r.status === 200) out.ok += 1;
-      out.acquire_ms.push(performance.now() - s);
-      continue;
-    }
-    const f = features(o, i);
-    const a = await call(PROTOCOL.acquirePath, PROTOCOL.acquire(f));
-    const m = performance.now();
-    out.statuses[a.status] = (out.statuses[a.status] ?? 0) + 1;
-    if (a.status !== 200) {
-      await a.arrayBuffer();
-      continue;
-    }
-    const g = await PROTOCOL.grant(a);
-    const released = await PROTOCOL.released(await call(PROTOCOL.releasePath, PROTOCOL.release(g, f)));
-    out.acquire_ms.push(m - s);
-    out.release_ms.push(performance.now() - m);
-    out.cached_blocks += g.cached_blocks;
-    if (released) out.ok += 1;
-  }
+  for (let i = o.first_index; more(i); i += o.stride) await step(call, o, i, out);
   out.wall_ms = Date.now() - t0;
   return out;
 }
