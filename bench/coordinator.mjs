@@ -185,6 +185,12 @@ export async function measureCoordinator({ seconds = 15, concurrency = 16, log =
         phases.push(p);
       }
     }
+    // What a pair costs beyond two of the cheapest calls through the same path: the object's own
+    // work on acquire and release (parsing, routing, recording), less its trivial-call share.
+    for (const p of phases) {
+      const floor = floors.find((f) => f.driver === p.driver);
+      p.cpu_ms_beyond_two_floor_calls = p.workerd_cpu_ms_per_pair - 2 * floor.workerd_cpu_ms_per_pair;
+    }
     const after = await (await call("/state", { method: "GET" })).json();
     return {
       method:

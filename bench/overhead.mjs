@@ -99,6 +99,9 @@ function markdown(r) {
         `| ${p.name} | ${p.driver} | ${p.acquire_body_bytes ? `${(p.acquire_body_bytes / 1024).toFixed(1)} KiB` : "-"} | ${p.ok_pairs}/${p.pairs} | ${f(p.pairs_per_s, 0)} | ${f(p.acquire_ms.p50)} / ${f(p.acquire_ms.p99)} | ${f(p.release_ms.p50)} / ${f(p.release_ms.p99)} | ${f(p.mean_cached_blocks, 0)} | ${p.affinity_entries_after ?? "-"}${p.probe_rounds_after === undefined ? "" : ` (${p.probe_rounds_after})`} | ${f(p.workerd_cpu_ms_per_pair, 3)} | ${f(p.node_cpu_ms_per_pair, 3)} | ${f(p.workerd_cpu_share * 100, 0)}% |`),
       "",
       "Floor rows are single GET /config calls (calls/s in the pairs/s column, the call's latency in the acquire column).",
+      "",
+      "workerd CPU per pair beyond two floor calls of the same driver (the object's own acquire and release work): " +
+        co.phases.filter((p) => p.driver === "workerd").map((p) => `${p.name} ${f(p.cpu_ms_beyond_two_floor_calls, 3)} ms`).join("; ") + ".",
     );
   }
   const wc = r.parts["worker-cpu"];
