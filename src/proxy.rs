@@ -714,6 +714,11 @@ impl Attempts {
         Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
     }
 
+    /// Candidates of the ranking not tried yet.
+    pub(crate) fn untried(&self) -> usize {
+        self.candidates.len().saturating_sub(self.next_index)
+    }
+
     /// Moves the lease to the next candidate in the ranking that takes it, reporting `failure`
     /// for the backend it leaves (a retry in the pool's budget).
     pub(crate) async fn move_on(&mut self, failure: &Outcome, missing_model: bool) -> Moved {

@@ -51,8 +51,9 @@ struct State {
 }
 
 impl State {
-    /// One upstream chunk in, the client's bytes out: the plain path unless the answer is read
-    /// or spliced.
+    /// One upstream chunk in, the client's bytes out: a chunk of whole events goes on as the same
+    /// JS chunk (read on the way when the stream could be resumed) unless a continuation is
+    /// being spliced.
     fn transform(
         &mut self,
         chunk: &JsValue,
@@ -69,23 +70,28 @@ impl State {
         self.buf.resize(n, 0);
         bytes.copy_to(&mut self.buf[..n]);
         let emit = self.scanner.push(&self.buf[..n]);
-        if self.partial.is_none() && self.splice.is_none() {
-            return match emit {
-                Emit::Whole => controller.enqueue_with_chunk(chunk),
-                Emit::Prefix(0) => Ok(()),
-                Emit::Prefix(k) => controller.enqueue_with_chunk(&bytes.subarray(0, k as u32)),
-                Emit::Bytes(out) if out.is_empty() => Ok(()),
-                Emit::Bytes(out) => {
-                    controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..]))
-                }
+        if self.splice.is_some() {
+            let out = match emit {
+                Emit::Whole => self.buf[..n].to_vec(),
+                Emit::Prefix(k) => self.buf[..k].to_vec(),
+                Emit::Bytes(out) => out,
             };
+            return self.send(out, controller);
         }
-        let out = match emit {
-            Emit::Whole => self.buf[..n].to_vec(),
-            Emit::Prefix(k) => self.buf[..k].to_vec(),
-            Emit::Bytes(out) => out,
-        };
-        self.send(out, controller)
+        if let Some(partial) = &mut self.partial {
+            match &emit {
+                Emit::Whole => partial.observe(&self.buf[..n]),
+                Emit::Prefix(k) => partial.observe(&self.buf[..*k]),
+                Emit::Bytes(out) => partial.observe(out),
+            }
+        }
+        match emit {
+            Emit::Whole => controller.enqueue_with_chunk(chunk),
+            Emit::Prefix(0) => Ok(()),
+            Emit::Prefix(k) => controller.enqueue_with_chunk(&bytes.subarray(0, k as u32)),
+            Emit::Bytes(out) if out.is_empty() => Ok(()),
+            Emit::Bytes(out) => controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..])),
+        }
     }
 
     /// Sends bytes through the splice and the reading of the answer.

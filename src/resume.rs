@@ -175,11 +175,17 @@ async fn resume(
         }
     };
     resumption.left -= 1;
+    let untried = attempts.untried();
     let mut failure = failed;
     loop {
         let candidate = match attempts.move_on(&failure, false).await {
             Moved::To(c) => c,
-            Moved::Nowhere => return end(failure, StreamResume::NotResumed),
+            Moved::Nowhere => {
+                worker::console_log!(
+                    "stream from backend {from} not resumed: none of the {untried} candidates left could take it"
+                );
+                return end(failure, StreamResume::NotResumed);
+            }
             Moved::Refused => return Next::End(failure, true),
         };
         attempts.count += 1;
