@@ -192,22 +192,34 @@ struct Events {
 }
 
 impl Events {
-    /// Feeds bytes; calls `each(event bytes, data)` for every event completed by them.
+    /// Feeds bytes; calls `each(event bytes, data)` for every event completed by them. Whole
+    /// events are read in place; only a trailing partial event is copied and held.
     fn push(&mut self, bytes: &[u8], mut each: impl FnMut(&[u8], &[u8])) {
-        self.held.extend_from_slice(bytes);
-        let mut start = 0;
-        while let Some(end) = event_end(&self.held[start..]) {
-            let event = &self.held[start..start + end];
-            each(event, &event_data(event));
-            start += end;
+        if self.held.is_empty() {
+            let rest = frame(bytes, &mut each);
+            self.held.extend_from_slice(&bytes[rest..]);
+            return;
         }
-        self.held.drain(..start);
+        self.held.extend_from_slice(bytes);
+        let rest = frame(&self.held, &mut each);
+        self.held.drain(..rest);
     }
 
     /// Whether a partial event is pending.
     fn pending(&self) -> bool {
         !self.held.is_empty()
     }
+}
+
+/// Calls `each` for every whole event in `bytes`; returns where the trailing partial one starts.
+fn frame(bytes: &[u8], each: &mut impl FnMut(&[u8], &[u8])) -> usize {
+    let mut start = 0;
+    while let Some(end) = event_end(&bytes[start..]) {
+        let event = &bytes[start..start + end];
+        each(event, &event_data(event));
+        start += end;
+    }
+    start
 }
 
 /// The end of the first event in `bytes` (just past its blank line), if it is complete.
@@ -224,19 +236,25 @@ fn event_end(bytes: &[u8]) -> Option<usize> {
     None
 }
 
-/// An event's `data:` lines joined by newlines (the SSE rule).
-fn event_data(event: &[u8]) -> Vec<u8> {
-    let mut data = Vec::new();
-    for line in event.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(rest) = line.strip_prefix(b"data:") {
-            if !data.is_empty() {
-                data.push(b'\n');
-            }
-            data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
-        }
+/// An event's `data:` lines joined by newlines (the SSE rule); borrowed when there is one.
+fn event_data(event: &[u8]) -> Cow<'_, [u8]> {
+    let mut lines = event
+        .split(|&b| b == b'\n')
+        .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .map(|rest| rest.strip_prefix(b" ").unwrap_or(rest));
+    let Some(first) = lines.next() else {
+        return Cow::Borrowed(&[]);
+    };
+    let Some(second) = lines.next() else {
+        return Cow::Borrowed(first);
+    };
+    let mut data = [first, b"\n", second].concat();
+    for line in lines {
+        data.push(b'\n');
+        data.extend_from_slice(line);
     }
-    data
+    Cow::Owned(data)
 }
 
 /// One streamed chunk, as far as a resumption reads it.
@@ -620,6 +638,19 @@ mod tests {
         let mut p = Partial::new();
         p.observe(&bytes[..bytes.len() - 3]);
         assert_eq!(p.resumable(), Err(NotResumable::MidEvent));
+    }
+
+    #[test]
+    fn events_with_several_data_lines_and_crlf_are_joined() {
+        let mut seen = Vec::new();
+        let mut events = Events::default();
+        events.push(b"data: {\"a\":\r\ndata: 1}\r\n\r\ndata: [DO", |_, d| {
+            seen.push(d.to_vec())
+        });
+        assert!(events.pending());
+        events.push(b"NE]\n\n", |_, d| seen.push(d.to_vec()));
+        assert!(!events.pending());
+        assert_eq!(seen, [b"{\"a\":\n1}".to_vec(), b"[DONE]".to_vec()]);
     }
 
     #[test]
