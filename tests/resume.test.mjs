@@ -168,6 +168,28 @@ test("usage is left out when the client did not ask for it, and max_completion_t
   assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
 });
 
+test("a stream cut in the middle of an event resumes after the last whole event", async () => {
+  const pool = await freshPool(2, ["--fault-disconnect-mid-event-after-tokens", "3"]);
+  const prompt_tokens = await promptTokens(pool.model);
+  assertSeamless(await streamChat(pool.model, { max_tokens: 5 }), { max_tokens: 5, prompt_tokens });
+  assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
+});
+
+test("continuous usage stays one running total across the splice", async () => {
+  const pool = await freshPool(2, ["--fault-disconnect-after-tokens", "4"]);
+  const prompt_tokens = await promptTokens(pool.model);
+  const r = await streamChat(pool.model, { max_tokens: 7, extra: { stream_options: { include_usage: true, continuous_usage_stats: true } } });
+  assert.equal(r.error, null);
+  const usages = r.chunks.filter((c) => c.usage).map((c) => c.usage);
+  assert.ok(usages.length >= 7, `usage in every chunk: ${usages.length}`);
+  assert.ok(usages.every((u) => u.prompt_tokens === prompt_tokens), JSON.stringify(usages));
+  const completion = usages.map((u) => u.completion_tokens);
+  assert.ok(completion.every((n, i) => i === 0 || n >= completion[i - 1]), `never counts back: ${completion}`);
+  assert.equal(completion.at(-1), 7);
+  assert.equal(r.chunks.flatMap((c) => c.choices).filter((ch) => ch.delta?.content).length, 7);
+  assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
+});
+
 test("completions streams are resumed with the prompt extended by the partial text", async () => {
   const pool = await freshPool(2, ["--fault-disconnect-after-tokens", "4"]);
   const plain = await client.completions.create({ model: pool.model, prompt: "Once upon a time", max_tokens: 1 });
