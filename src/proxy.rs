@@ -346,13 +346,7 @@ impl Forward<'_> {
         let relay = Relay::new(self.strip_usage_event)
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
-        let upstream = Upstream {
-            body,
-            first_chunk: answer.first_chunk,
-            abort: answer.abort,
-            backend: c.id.0.clone(),
-            idle_timeout: self.settings.stream_idle_timeout,
-        };
+        let upstream = stream_upstream(body, answer.first_chunk, answer.abort, c, &self.settings);
         // A disaggregated request's decode share cannot move: its stream is never resumed.
         let resumption = match self.prefill_backend {
             None => Resumption::of(self.path, self.body, self.settings.max_stream_resumes),
@@ -747,6 +741,23 @@ impl Attempts {
             }
         }
         Moved::Nowhere
+    }
+}
+
+/// The relay's side of a streamed answer from `c`: its body after the first chunk.
+pub(crate) fn stream_upstream(
+    body: web_sys::ReadableStream,
+    first_chunk: Option<JsValue>,
+    abort: LinkedAbort,
+    c: &CandidateView,
+    settings: &ProxySettings,
+) -> Upstream {
+    Upstream {
+        body,
+        first_chunk,
+        abort,
+        backend: c.id.0.clone(),
+        idle_timeout: settings.stream_idle_timeout,
     }
 }
 

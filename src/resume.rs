@@ -16,7 +16,7 @@
 //! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
 //! backends the stream was resumed from.
 
-use crate::proxy::{with_usage, Attempts, Moved};
+use crate::proxy::{stream_upstream, with_usage, Attempts, Moved};
 use crate::relay::{Piped, Relay, Upstream};
 use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
 use routing_core::resume::{check_request, continuation_body, Endpoint, NotResumable, Splice};
@@ -216,13 +216,13 @@ async fn resume(
         );
         attempts.guard.resumed_from(from);
         relay.splice(splice);
-        let upstream = Upstream {
+        let upstream = stream_upstream(
             body,
-            first_chunk: answer.first_chunk,
-            abort: answer.abort,
-            backend: candidate.id.0.clone(),
-            idle_timeout: attempts.settings.stream_idle_timeout,
-        };
+            answer.first_chunk,
+            answer.abort,
+            &candidate,
+            &attempts.settings,
+        );
         return Next::Continue(upstream, answer.ttfb_ms);
     }
 }
