@@ -41,6 +41,8 @@ struct Record {
     ending: Option<Ending>,
     /// The prefill stage's outcome and backend of a disaggregated request, until reported.
     prefill: Option<(Outcome, BackendId)>,
+    /// Backends whose stream failed mid-answer and was resumed elsewhere, in order.
+    resumed_from: Vec<String>,
 }
 
 impl Record {
@@ -108,6 +110,7 @@ impl LeaseGuard {
             attempts: 1,
             ending: None,
             prefill: None,
+            resumed_from: Vec::new(),
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -145,6 +148,15 @@ impl LeaseGuard {
         let mut r = self.shared.record.borrow_mut();
         r.terms.backend = backend.into();
         r.attempts += 1;
+    }
+
+    /// The stream failed mid-answer on `backend` and goes on where the lease moved.
+    pub fn resumed_from(&self, backend: &str) {
+        self.shared
+            .record
+            .borrow_mut()
+            .resumed_from
+            .push(backend.to_string());
     }
 
     /// The prefill stage of a disaggregated request ended with `outcome`; the request goes on on
@@ -248,20 +260,25 @@ impl Task {
         }
         // A prefill stage that ended in the same turn as the request is reported first.
         self.report_prefill().await;
-        let (lease_id, backend, attempts, ending) = {
+        let (lease_id, backend, attempts, ending, resumed_from) = {
             let mut r = self.record.borrow_mut();
             let ending = r.ending.take().unwrap_or(Ending {
                 outcome: Outcome::of_kind(OutcomeKind::Cancelled),
                 released: false,
             });
-            (r.lease_id, r.terms.backend.0.clone(), r.attempts, ending)
+            let resumed_from = std::mem::take(&mut r.resumed_from);
+            let backend = r.terms.backend.0.clone();
+            (r.lease_id, backend, r.attempts, ending, resumed_from)
         };
         let request_id = self.record.borrow().terms.request_id.clone();
         access_log(
-            &request_id,
-            &self.pool,
-            &backend,
-            attempts,
+            &Served {
+                request_id: &request_id,
+                pool: &self.pool,
+                backend: &backend,
+                resumed_from: &resumed_from,
+                attempts,
+            },
             &ending.outcome,
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
@@ -353,21 +370,27 @@ async fn release(env: &Env, pool: &str, lease_id: LeaseId, backend: &str, outcom
     }
 }
 
-/// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
-fn access_log(
-    request_id: &str,
-    pool: &str,
-    backend: &str,
+/// Where a request was served, for its access log line.
+struct Served<'a> {
+    request_id: &'a str,
+    pool: &'a str,
+    /// The backend that served it last.
+    backend: &'a str,
+    /// Backends whose stream failed mid-answer and was resumed on the next.
+    resumed_from: &'a [String],
     attempts: u32,
-    outcome: &Outcome,
-    duration_ms: u64,
-) {
-    let line = serde_json::json!({
+}
+
+/// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
+/// A resumed stream adds `resumed_from` (the backends it was resumed from, in order) and
+/// `stream_resume` (what became of a stream that failed mid-answer).
+fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
+    let mut line = serde_json::json!({
         "event": "request",
-        "request_id": request_id,
-        "pool": pool,
-        "backend": backend,
-        "attempts": attempts,
+        "request_id": served.request_id,
+        "pool": served.pool,
+        "backend": served.backend,
+        "attempts": served.attempts,
         "status": outcome.status,
         "outcome": outcome.kind,
         "ttfb_ms": outcome.ttfb_ms,
@@ -376,5 +399,9 @@ fn access_log(
         "cached_tokens": outcome.cached_tokens,
         "completion_tokens": outcome.completion_tokens,
     });
+    if !served.resumed_from.is_empty() || outcome.resume.is_some() {
+        line["resumed_from"] = serde_json::json!(served.resumed_from);
+        line["stream_resume"] = serde_json::json!(outcome.resume);
+    }
     worker::console_log!("{line}");
 }

@@ -20,6 +20,7 @@ mod pools;
 mod proxy;
 mod regions;
 mod relay;
+mod resume;
 
 pub use gateway_durable_objects::api_error::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.

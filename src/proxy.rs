@@ -6,13 +6,18 @@
 //! never reaches the client as a broken `200`. A stream's first chunk is read here (with the
 //! first-byte timeout), so a backend that accepts the request and then hangs is retried elsewhere;
 //! after it the answer flows through the relay (`relay.rs`), which reads the backend's usage on
-//! the way and ends a failed stream with an SSE error event. Every exit reports its outcome to the
-//! lease's guard (`lease_guard.rs`), which releases the lease from `wait_until`. A client that
-//! hangs up aborts the upstream fetch through its signal.
+//! the way; a stream that fails after its first byte is resumed on the next candidate when the
+//! request allows it (`resume.rs`), and otherwise ended with an SSE error event. The attempts
+//! (building the upstream request, reading the first chunk, moving the lease to the next
+//! candidate) live in [`Attempts`], owned, so a resumption can make more of them from
+//! `wait_until`. Every exit reports its outcome to the lease's guard (`lease_guard.rs`), which
+//! releases the lease from `wait_until`. A client that hangs up aborts the upstream fetch through
+//! its signal.
 
 use crate::lease_guard::LeaseGuard;
 use crate::pools::pool_json;
-use crate::relay::{relay, Relay, Upstream};
+use crate::relay::{Relay, Upstream};
+use crate::resume::Resumption;
 use crate::ApiError;
 use gateway_durable_objects::protocol::ReassignRequest;
 use gateway_durable_objects::timed_fetch::{
@@ -65,6 +70,9 @@ pub struct ProxySettings {
     pub response_timeout: Duration,
     /// After its first chunk, a stream may go this long without one (default 60 s).
     pub stream_idle_timeout: Duration,
+    /// Most times one stream is resumed on another backend after failing mid-answer (default 1;
+    /// 0 turns resumption off).
+    pub max_stream_resumes: u32,
 }
 
 impl ProxySettings {
@@ -78,6 +86,7 @@ impl ProxySettings {
             stream_idle_timeout: Duration::from_millis(
                 var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10),
             ),
+            max_stream_resumes: var("MAX_STREAM_RESUMES", 1).min(5) as u32,
         }
     }
 }
@@ -120,9 +129,9 @@ pub struct Forward<'a> {
     pub route_ms: u64,
 }
 
-/// A failure of one attempt, before anything reached the client.
-struct AttemptFailure {
-    outcome: Outcome,
+/// A failure of one attempt, before anything of it reached the client.
+pub(crate) struct AttemptFailure {
+    pub(crate) outcome: Outcome,
     reason: String,
     /// Whether another candidate may be tried.
     retryable: bool,
@@ -131,7 +140,7 @@ struct AttemptFailure {
 }
 
 impl AttemptFailure {
-    fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
+    pub(crate) fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
         AttemptFailure {
             outcome: Outcome::of_kind(kind),
             reason,
@@ -143,16 +152,16 @@ impl AttemptFailure {
 
 /// A successful (or non-retryable) attempt: headers known, and either the whole body or, for a
 /// stream, its first chunk and the rest of the body.
-struct Answer {
-    status: u16,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
     headers: Headers,
     /// A body read whole (or rewritten: an upstream client error).
     whole: Option<Vec<u8>>,
     usage: Option<Usage>,
-    first_chunk: Option<JsValue>,
-    body: Option<web_sys::ReadableStream>,
-    ttfb_ms: u64,
-    abort: LinkedAbort,
+    pub(crate) first_chunk: Option<JsValue>,
+    pub(crate) body: Option<web_sys::ReadableStream>,
+    pub(crate) ttfb_ms: u64,
+    pub(crate) abort: LinkedAbort,
 }
 
 impl Answer {
@@ -200,18 +209,22 @@ impl Forward<'_> {
     /// Runs the attempts and returns the client's response.
     pub async fn run(self) -> Result<Response, ApiError> {
         let client_signal: AbortSignal = self.client.inner().signal().into();
+        let mut attempts = self.attempts()?;
         let mut candidate = self
             .grant
             .candidates
             .first()
             .cloned()
             .ok_or_else(|| ApiError::internal("grant without candidates"))?;
-        let mut next_index = 1;
-        let mut attempts = 0u32;
         loop {
-            attempts += 1;
-            let failure = match self.attempt(&candidate, &client_signal).await {
-                Ok(answer) => return self.respond(answer, &candidate, attempts, client_signal),
+            attempts.count += 1;
+            let failure = match attempts
+                .attempt(&candidate, &self.body, &client_signal)
+                .await
+            {
+                Ok(answer) => {
+                    return self.respond(answer, &candidate, attempts, client_signal);
+                }
                 Err(f) => f,
             };
             if client_signal.aborted() {
@@ -219,55 +232,308 @@ impl Forward<'_> {
                 return Err(ApiError::bad_request("The client closed the request.")
                     .with_code("client_closed_request"));
             }
-            // Walk the ranking: the next candidate the pool will move the lease to.
-            let mut moved = None;
-            while failure.retryable
-                && attempts <= self.settings.max_retries
-                && next_index < self.grant.candidates.len()
-            {
-                let to = self.grant.candidates[next_index].clone();
-                next_index += 1;
-                match self.reassign(&to, &failure).await {
-                    Ok(view) => {
-                        moved = Some(view);
-                        break;
-                    }
-                    Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
-                        // The pool ended the lease with the failure itself.
-                        self.guard.finish_released(failure.outcome.clone());
-                        return Err(final_error(
-                            &failure,
-                            attempts,
-                            " (pool retry budget exhausted)",
-                        ));
-                    }
-                    Err(_) => continue, // that candidate became unavailable; try the next
-                }
-            }
+            let moved = if failure.retryable && attempts.count <= self.settings.max_retries {
+                attempts
+                    .move_on(&failure.outcome, failure.missing_model)
+                    .await
+            } else {
+                Moved::Nowhere
+            };
             match moved {
-                Some(view) => {
-                    self.guard.moved_to(&view.id.0);
-                    candidate = view;
+                Moved::To(view) => candidate = view,
+                Moved::Refused => {
+                    // The pool ended the lease with the failure itself.
+                    self.guard.finish_released(failure.outcome.clone());
+                    return Err(final_error(
+                        &failure,
+                        attempts.count,
+                        " (pool retry budget exhausted)",
+                    ));
                 }
-                None => {
+                Moved::Nowhere => {
                     self.guard.finish(failure.outcome.clone());
                     if failure.missing_model {
                         return Err(ApiError::model_not_found(&self.model));
                     }
-                    return Err(final_error(&failure, attempts, ""));
+                    return Err(final_error(&failure, attempts.count, ""));
                 }
             }
         }
     }
 
-    async fn attempt(
+    /// What it takes to make attempts on the grant's candidates, owned.
+    fn attempts(&self) -> Result<Attempts, ApiError> {
+        let mut headers = Vec::new();
+        let routing_header = self.routing_header.as_deref();
+        for name in FORWARDED_REQUEST_HEADERS
+            .iter()
+            .copied()
+            .chain(routing_header)
+        {
+            if let Some(value) = self
+                .client
+                .headers()
+                .get(name)
+                .map_err(ApiError::from_worker)?
+                .filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES)
+            {
+                headers.push((name.to_string(), value));
+            }
+        }
+        Ok(Attempts {
+            env: self.env.clone(),
+            pool: self.pool.clone(),
+            guard: self.guard.clone(),
+            candidates: self.grant.candidates.clone(),
+            next_index: 1,
+            count: 0,
+            path: self.path.to_string(),
+            request_id: self.request_id.to_string(),
+            headers,
+            settings: self.settings,
+            stream: self.stream,
+            block_hashes: self.block_hashes.clone(),
+            model: self.model.clone(),
+        })
+    }
+
+    fn respond(
+        self,
+        answer: Answer,
+        c: &CandidateView,
+        attempts: Attempts,
+        client_signal: AbortSignal,
+    ) -> Result<Response, ApiError> {
+        let out = Headers::new();
+        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
+        for name in PASSED_RESPONSE_HEADERS {
+            if let Some(v) = answer.headers.get(name).ok().flatten() {
+                set(name, &v)?;
+            }
+        }
+        set("x-request-id", self.request_id)?;
+        set("x-gateway-pool", &self.pool)?;
+        set("x-gateway-backend", &c.id.0)?;
+        set("x-gateway-attempts", &attempts.count.to_string())?;
+        // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
+        set(
+            "server-timing",
+            &format!(
+                "route;dur={}, upstream;dur={}",
+                self.route_ms, answer.ttfb_ms
+            ),
+        )?;
+        if let Some(p) = &self.prefill_backend {
+            set("x-gateway-prefill-backend", p)?;
+        }
+        if let Some(d) = self.grant.decision {
+            if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
+                set("x-gateway-decision", &s)?;
+            }
+        }
+        let status = answer.status;
+        let mut outcome = Outcome::from_status(status);
+        outcome.ttfb_ms = Some(answer.ttfb_ms);
+        let (Some(body), true) = (answer.body, self.stream) else {
+            with_usage(&mut outcome, answer.usage);
+            self.guard.finish(outcome);
+            let bytes = answer.whole.unwrap_or_default();
+            return Ok(Response::builder()
+                .with_status(status)
+                .with_headers(out)
+                .fixed(bytes));
+        };
+        let relay = Relay::new(self.strip_usage_event)
+            .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
+        let readable = relay.readable();
+        let upstream = stream_upstream(body, answer.first_chunk, answer.abort, c, &self.settings);
+        // A disaggregated request's decode share cannot move: its stream is never resumed.
+        let resumption = match self.prefill_backend {
+            None => Resumption::of(self.path, self.body, self.settings.max_stream_resumes),
+            Some(_) => Resumption::never(),
+        };
+        if resumption.collects() {
+            relay.collect();
+        }
+        self.ctx.wait_until(crate::resume::stream(
+            relay,
+            upstream,
+            attempts,
+            resumption,
+            outcome,
+            client_signal,
+        ));
+        Ok(Response::builder()
+            .with_status(status)
+            .with_headers(out)
+            .stream(readable.unchecked_into()))
+    }
+
+    /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
+    /// the prompt's KV cache and generates one token, answering with `kv_transfer_params`; the
+    /// decode server receives the original request with those params, pulls the blocks instead of
+    /// prefilling, and streams the answer. The lease covers both backends; each stage reports its
+    /// own outcome, and the prefill share ends as soon as the prefill does. The decode stage is not
+    /// retried on another decode server (the lease's decode share cannot move); a failed prefill
+    /// ends the request with 502/504.
+    pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
+        let original: Value =
+            serde_json::from_slice(&self.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let prefill = self
+            .grant
+            .candidates
+            .first()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("grant without a prefill candidate"))?;
+        let mut prefill_body = original.clone();
+        if let Some(obj) = prefill_body.as_object_mut() {
+            obj.insert(
+                "kv_transfer_params".into(),
+                json!({
+                    "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                    "remote_block_ids": null, "remote_host": null, "remote_port": null,
+                }),
+            );
+            obj.insert("max_tokens".into(), json!(1));
+            obj.insert("stream".into(), json!(false));
+            obj.remove("max_completion_tokens");
+            obj.remove("stream_options");
+        }
+        let bytes =
+            serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        let client_signal: AbortSignal = self.client.inner().signal().into();
+        let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
+        let params = async {
+            let req = self
+                .attempts()
+                .and_then(|a| a.request(&prefill, &bytes).map_err(ApiError::from_worker))
+                .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
+            let (resp, _abort) =
+                fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+                    .await
+                    .map_err(|f| match f {
+                        FetchFailure::Timeout => fail(
+                            OutcomeKind::Timeout,
+                            format!("prefill backend {} timed out", prefill.id.0),
+                        ),
+                        FetchFailure::Transport(e) => fail(
+                            OutcomeKind::Transport,
+                            format!("prefill backend {} unreachable: {e}", prefill.id.0),
+                        ),
+                    })?;
+            let status = resp.status_code();
+            if !(200..300).contains(&status) {
+                return Err(AttemptFailure {
+                    outcome: Outcome::from_status(status),
+                    reason: format!("prefill backend {} answered {status}", prefill.id.0),
+                    retryable: false,
+                    missing_model: false,
+                });
+            }
+            let (_, body) = resp.into_parts();
+            let bytes = match body {
+                ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
+                _ => Vec::new(),
+            };
+            let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                fail(
+                    OutcomeKind::Transport,
+                    format!("prefill backend {}: answer unreadable: {e}", prefill.id.0),
+                )
+            })?;
+            let params = answer
+                .get("kv_transfer_params")
+                .filter(|p| p.is_object())
+                .cloned()
+                .ok_or_else(|| {
+                    fail(
+                        OutcomeKind::ServerError,
+                        format!(
+                            "prefill backend {} returned no kv_transfer_params",
+                            prefill.id.0
+                        ),
+                    )
+                })?;
+            let mut outcome = Outcome::from_status(status);
+            with_usage(&mut outcome, body_usage(&bytes).ok().flatten());
+            Ok((params, outcome))
+        }
+        .await;
+        // Each stage reports its own outcome: the prefill share ends here, whatever comes next.
+        let decode = self
+            .grant
+            .decode_candidates
+            .first()
+            .map(|c| c.id.0.clone())
+            .unwrap_or_default();
+        let params = match params {
+            Ok((params, outcome)) => {
+                self.guard.finish_prefill(outcome, &decode);
+                params
+            }
+            Err(failure) => {
+                self.guard.finish_prefill(failure.outcome.clone(), &decode);
+                // The decode stage never ran: nobody to blame there.
+                self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
+                return Err(final_error(&failure, 1, " (prefill stage)"));
+            }
+        };
+        let mut decode_body = original;
+        if let Some(obj) = decode_body.as_object_mut() {
+            obj.insert("kv_transfer_params".into(), params);
+        }
+        self.body =
+            serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
+        self.grant.candidates = std::mem::take(&mut self.grant.decode_candidates);
+        self.settings.max_retries = 0;
+        self.prefill_backend = Some(prefill.id.0);
+        self.run().await
+    }
+}
+
+/// How the lease moved after a failed attempt.
+pub(crate) enum Moved {
+    /// To this candidate, for the next attempt.
+    To(CandidateView),
+    /// Nowhere: no further candidate could take it.
+    Nowhere,
+    /// The pool's retry budget refused, and the pool ended the lease with the failure.
+    Refused,
+}
+
+/// What it takes to make attempts on a grant's candidates and move the lease between them, owned
+/// so a stream's resumption can go on making them from `wait_until`.
+pub(crate) struct Attempts {
+    env: Env,
+    pool: String,
+    pub(crate) guard: LeaseGuard,
+    candidates: Vec<CandidateView>,
+    /// The next candidate in the ranking not tried yet.
+    next_index: usize,
+    /// Attempts made so far.
+    pub(crate) count: u32,
+    path: String,
+    request_id: String,
+    /// The client headers forwarded upstream.
+    headers: Vec<(String, String)>,
+    pub(crate) settings: ProxySettings,
+    stream: bool,
+    block_hashes: Vec<u64>,
+    model: String,
+}
+
+impl Attempts {
+    /// One attempt on `c` with `body`: the answer's headers and first chunk (a stream) or whole
+    /// body, or why it failed before anything reached the client.
+    pub(crate) async fn attempt(
         &self,
         c: &CandidateView,
+        body: &[u8],
         client_signal: &AbortSignal,
     ) -> Result<Answer, AttemptFailure> {
         let started = Date::now().as_millis();
         let elapsed = || Date::now().as_millis().saturating_sub(started);
-        let req = self.upstream_request(c).map_err(|e| {
+        let req = self.request(c, body).map_err(|e| {
             AttemptFailure::new(
                 OutcomeKind::Transport,
                 format!("cannot build the request to backend {}: {e}", c.id.0),
@@ -424,29 +690,14 @@ impl Forward<'_> {
         Ok(())
     }
 
-    fn upstream_request(&self, c: &CandidateView) -> worker::Result<Request> {
-        self.upstream_request_with(c, &self.body)
-    }
-
-    fn upstream_request_with(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
+    /// The upstream request for `c` with `body`.
+    pub(crate) fn request(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
         let headers = Headers::new();
-        let routing_header = self.routing_header.as_deref();
-        for name in FORWARDED_REQUEST_HEADERS
-            .iter()
-            .copied()
-            .chain(routing_header)
-        {
-            if let Some(value) = self
-                .client
-                .headers()
-                .get(name)?
-                .filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES)
-            {
-                headers.set(name, &value)?;
-            }
+        for (name, value) in &self.headers {
+            headers.set(name, value)?;
         }
         headers.set("content-type", "application/json")?;
-        headers.set("x-request-id", self.request_id)?;
+        headers.set("x-request-id", &self.request_id)?;
         if let Some(key) = &c.api_key {
             headers.set("authorization", &format!("Bearer {key}"))?;
         }
@@ -457,214 +708,61 @@ impl Forward<'_> {
         Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
     }
 
-    fn respond(
-        self,
-        answer: Answer,
-        c: &CandidateView,
-        attempts: u32,
-        client_signal: AbortSignal,
-    ) -> Result<Response, ApiError> {
-        let out = Headers::new();
-        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
-        for name in PASSED_RESPONSE_HEADERS {
-            if let Some(v) = answer.headers.get(name).ok().flatten() {
-                set(name, &v)?;
-            }
-        }
-        set("x-request-id", self.request_id)?;
-        set("x-gateway-pool", &self.pool)?;
-        set("x-gateway-backend", &c.id.0)?;
-        set("x-gateway-attempts", &attempts.to_string())?;
-        // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
-        set(
-            "server-timing",
-            &format!(
-                "route;dur={}, upstream;dur={}",
-                self.route_ms, answer.ttfb_ms
-            ),
-        )?;
-        if let Some(p) = &self.prefill_backend {
-            set("x-gateway-prefill-backend", p)?;
-        }
-        if let Some(d) = self.grant.decision {
-            if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
-                set("x-gateway-decision", &s)?;
-            }
-        }
-        let status = answer.status;
-        let mut outcome = Outcome::from_status(status);
-        outcome.ttfb_ms = Some(answer.ttfb_ms);
-        let (Some(body), true) = (answer.body, self.stream) else {
-            with_usage(&mut outcome, answer.usage);
-            self.guard.finish(outcome);
-            let bytes = answer.whole.unwrap_or_default();
-            return Ok(Response::builder()
-                .with_status(status)
-                .with_headers(out)
-                .fixed(bytes));
-        };
-        let relay_stream = Relay::new(self.strip_usage_event)
-            .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
-        let readable = relay_stream.readable();
-        let guard = self.guard;
-        let upstream = Upstream {
-            body,
-            first_chunk: answer.first_chunk,
-            abort: answer.abort,
-            backend: c.id.0.clone(),
-            idle_timeout: self.settings.stream_idle_timeout,
-        };
-        self.ctx.wait_until(async move {
-            let end = relay(relay_stream, upstream, &client_signal).await;
-            outcome.kind = end.kind;
-            with_usage(&mut outcome, end.usage);
-            guard.finish(outcome);
-        });
-        Ok(Response::builder()
-            .with_status(status)
-            .with_headers(out)
-            .stream(readable.unchecked_into()))
+    /// Candidates of the ranking not tried yet.
+    pub(crate) fn untried(&self) -> usize {
+        self.candidates.len().saturating_sub(self.next_index)
     }
 
-    /// Prefill/decode disaggregation (vLLM's NixlConnector protocol): the prefill server computes
-    /// the prompt's KV cache and generates one token, answering with `kv_transfer_params`; the
-    /// decode server receives the original request with those params, pulls the blocks instead of
-    /// prefilling, and streams the answer. The lease covers both backends; each stage reports its
-    /// own outcome, and the prefill share ends as soon as the prefill does. The decode stage is not
-    /// retried on another decode server (the lease's decode share cannot move); a failed prefill
-    /// ends the request with 502/504.
-    pub async fn run_disaggregated(mut self) -> Result<Response, ApiError> {
-        let original: Value =
-            serde_json::from_slice(&self.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
-        let prefill = self
-            .grant
-            .candidates
-            .first()
-            .cloned()
-            .ok_or_else(|| ApiError::internal("grant without a prefill candidate"))?;
-        let mut prefill_body = original.clone();
-        if let Some(obj) = prefill_body.as_object_mut() {
-            obj.insert(
-                "kv_transfer_params".into(),
-                json!({
-                    "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                    "remote_block_ids": null, "remote_host": null, "remote_port": null,
-                }),
-            );
-            obj.insert("max_tokens".into(), json!(1));
-            obj.insert("stream".into(), json!(false));
-            obj.remove("max_completion_tokens");
-            obj.remove("stream_options");
-        }
-        let bytes =
-            serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
-        let client_signal: AbortSignal = self.client.inner().signal().into();
-        let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
-        let params = async {
-            let req = self
-                .upstream_request_with(&prefill, &bytes)
-                .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
-            let (resp, _abort) =
-                fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
-                    .await
-                    .map_err(|f| match f {
-                        FetchFailure::Timeout => fail(
-                            OutcomeKind::Timeout,
-                            format!("prefill backend {} timed out", prefill.id.0),
-                        ),
-                        FetchFailure::Transport(e) => fail(
-                            OutcomeKind::Transport,
-                            format!("prefill backend {} unreachable: {e}", prefill.id.0),
-                        ),
-                    })?;
-            let status = resp.status_code();
-            if !(200..300).contains(&status) {
-                return Err(AttemptFailure {
-                    outcome: Outcome::from_status(status),
-                    reason: format!("prefill backend {} answered {status}", prefill.id.0),
-                    retryable: false,
-                    missing_model: false,
-                });
-            }
-            let (_, body) = resp.into_parts();
-            let bytes = match body {
-                ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
-                _ => Vec::new(),
+    /// Moves the lease to the next candidate in the ranking that takes it, reporting `failure`
+    /// for the backend it leaves (a retry in the pool's budget).
+    pub(crate) async fn move_on(&mut self, failure: &Outcome, missing_model: bool) -> Moved {
+        while self.next_index < self.candidates.len() {
+            let to = self.candidates[self.next_index].clone();
+            self.next_index += 1;
+            let req = ReassignRequest {
+                lease_id: self.guard.lease_id(),
+                to: to.id.clone(),
+                failure: failure.clone(),
+                terms: Some(self.guard.terms()),
+                block_hashes: self.block_hashes.clone(),
+                missing_model: missing_model.then(|| self.model.clone()),
             };
-            let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
-                fail(
-                    OutcomeKind::Transport,
-                    format!("prefill backend {}: answer unreadable: {e}", prefill.id.0),
-                )
-            })?;
-            let params = answer
-                .get("kv_transfer_params")
-                .filter(|p| p.is_object())
-                .cloned()
-                .ok_or_else(|| {
-                    fail(
-                        OutcomeKind::ServerError,
-                        format!(
-                            "prefill backend {} returned no kv_transfer_params",
-                            prefill.id.0
-                        ),
-                    )
-                })?;
-            let mut outcome = Outcome::from_status(status);
-            with_usage(&mut outcome, body_usage(&bytes).ok().flatten());
-            Ok((params, outcome))
-        }
-        .await;
-        // Each stage reports its own outcome: the prefill share ends here, whatever comes next.
-        let decode = self
-            .grant
-            .decode_candidates
-            .first()
-            .map(|c| c.id.0.clone())
-            .unwrap_or_default();
-        let params = match params {
-            Ok((params, outcome)) => {
-                self.guard.finish_prefill(outcome, &decode);
-                params
+            let moved: Result<CandidateView, ApiError> =
+                pool_json(&self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await;
+            match moved {
+                Ok(view) => {
+                    self.guard.moved_to(&view.id.0);
+                    return Moved::To(view);
+                }
+                Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
+                    return Moved::Refused;
+                }
+                Err(_) => continue, // that candidate became unavailable; try the next
             }
-            Err(failure) => {
-                self.guard.finish_prefill(failure.outcome.clone(), &decode);
-                // The decode stage never ran: nobody to blame there.
-                self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
-                return Err(final_error(&failure, 1, " (prefill stage)"));
-            }
-        };
-        let mut decode_body = original;
-        if let Some(obj) = decode_body.as_object_mut() {
-            obj.insert("kv_transfer_params".into(), params);
         }
-        self.body =
-            serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.grant.candidates = std::mem::take(&mut self.grant.decode_candidates);
-        self.settings.max_retries = 0;
-        self.prefill_backend = Some(prefill.id.0);
-        self.run().await
+        Moved::Nowhere
     }
+}
 
-    async fn reassign(
-        &self,
-        to: &CandidateView,
-        failure: &AttemptFailure,
-    ) -> Result<CandidateView, ApiError> {
-        let req = ReassignRequest {
-            lease_id: self.guard.lease_id(),
-            to: to.id.clone(),
-            failure: failure.outcome.clone(),
-            terms: Some(self.guard.terms()),
-            block_hashes: self.block_hashes.clone(),
-            missing_model: failure.missing_model.then(|| self.model.clone()),
-        };
-        pool_json(self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await
+/// The relay's side of a streamed answer from `c`: its body after the first chunk.
+pub(crate) fn stream_upstream(
+    body: web_sys::ReadableStream,
+    first_chunk: Option<JsValue>,
+    abort: LinkedAbort,
+    c: &CandidateView,
+    settings: &ProxySettings,
+) -> Upstream {
+    Upstream {
+        body,
+        first_chunk,
+        abort,
+        backend: c.id.0.clone(),
+        idle_timeout: settings.stream_idle_timeout,
     }
 }
 
 /// Copies the backend's reported usage into the outcome.
-fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
+pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
     if let Some(u) = usage {
         outcome.prompt_tokens = Some(u.prompt_tokens);
         outcome.cached_tokens = u.cached_tokens;

@@ -4,16 +4,23 @@
 //! client did not ask for it). Whole events go out as the same JS chunk; only a trailing partial
 //! event is held until its end arrives.
 //!
-//! [`relay`] drives the pipe in `wait_until` and decides how the stream ended: cleanly, cut by
-//! the backend (a reset, or a close before `data: [DONE]`; the client's stream then ends with an
-//! SSE error event, always at an event boundary, and `data: [DONE]`), idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first
-//! byte (the upstream is aborted and the same error event is sent), or abandoned by the client.
-//! Idle time counts only while the client keeps up: a client that stops reading holds chunks in
-//! the relay's queue and the backend is not blamed for the pause.
+//! [`Relay::pipe`] drives one upstream body through it in `wait_until` and says how it ended:
+//! cleanly, abandoned by the client, or failed: cut by the backend (a reset, or a close before
+//! `data: [DONE]`) or idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first byte (the
+//! upstream is then aborted). Idle time counts only while the client keeps up: a client that stops
+//! reading holds chunks in the relay's queue and the backend is not blamed for the pause. A failed
+//! stream is either resumed (`resume.rs` pipes a continuation into the same relay) or ended with
+//! [`Relay::fail`]: an SSE error event, always at an event boundary, and `data: [DONE]`.
+//!
+//! For a stream that could be resumed, the relay also reads the answer the client receives
+//! ([`Relay::collect`], `routing_core::resume::Partial`), and rewrites a continuation's events into
+//! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
+//! whole events is passed on as the same JS chunk without a copy.
 
 use futures_util::future::{select, Either};
 use gateway_durable_objects::timed_fetch::{with_timeout, LinkedAbort};
 use routing_core::outcome::OutcomeKind;
+use routing_core::resume::{Partial, Splice};
 use routing_core::usage::{Emit, StreamScanner, Usage};
 use serde_json::json;
 use std::cell::RefCell;
@@ -33,9 +40,78 @@ type FlushFn = dyn FnMut(web_sys::TransformStreamDefaultController) -> Result<()
 
 struct State {
     scanner: StreamScanner,
+    strip_usage_event: bool,
     buf: Vec<u8>,
     last_chunk_ms: u64,
     controller: Option<web_sys::TransformStreamDefaultController>,
+    /// The answer the client received, read only for a stream that could be resumed.
+    partial: Option<Partial>,
+    /// Rewrites a continuation's events into the client's stream.
+    splice: Option<Splice>,
+}
+
+impl State {
+    /// One upstream chunk in, the client's bytes out: a chunk of whole events goes on as the same
+    /// JS chunk (read on the way when the stream could be resumed) unless a continuation is
+    /// being spliced.
+    fn transform(
+        &mut self,
+        chunk: &JsValue,
+        controller: &web_sys::TransformStreamDefaultController,
+    ) -> Result<(), JsValue> {
+        self.last_chunk_ms = Date::now().as_millis();
+        if self.controller.is_none() {
+            self.controller = Some(controller.clone());
+        }
+        let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
+            return controller.enqueue_with_chunk(chunk);
+        };
+        let n = bytes.length() as usize;
+        self.buf.resize(n, 0);
+        bytes.copy_to(&mut self.buf[..n]);
+        let emit = self.scanner.push(&self.buf[..n]);
+        if self.splice.is_some() {
+            let out = match emit {
+                Emit::Whole => self.buf[..n].to_vec(),
+                Emit::Prefix(k) => self.buf[..k].to_vec(),
+                Emit::Bytes(out) => out,
+            };
+            return self.send(out, controller);
+        }
+        if let Some(partial) = &mut self.partial {
+            match &emit {
+                Emit::Whole => partial.observe(&self.buf[..n]),
+                Emit::Prefix(k) => partial.observe(&self.buf[..*k]),
+                Emit::Bytes(out) => partial.observe(out),
+            }
+        }
+        match emit {
+            Emit::Whole => controller.enqueue_with_chunk(chunk),
+            Emit::Prefix(0) => Ok(()),
+            Emit::Prefix(k) => controller.enqueue_with_chunk(&bytes.subarray(0, k as u32)),
+            Emit::Bytes(out) if out.is_empty() => Ok(()),
+            Emit::Bytes(out) => controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..])),
+        }
+    }
+
+    /// Sends bytes through the splice and the reading of the answer.
+    fn send(
+        &mut self,
+        out: Vec<u8>,
+        controller: &web_sys::TransformStreamDefaultController,
+    ) -> Result<(), JsValue> {
+        let out = match &mut self.splice {
+            Some(splice) => splice.rewrite(&out),
+            None => out,
+        };
+        if let Some(partial) = &mut self.partial {
+            partial.observe(&out);
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..]))
+    }
 }
 
 /// The client's side of a streamed answer.
@@ -52,44 +128,28 @@ impl Relay {
     pub fn new(strip_usage_event: bool) -> Result<Relay, JsValue> {
         let state = Rc::new(RefCell::new(State {
             scanner: StreamScanner::new(strip_usage_event),
+            strip_usage_event,
             buf: Vec::new(),
             last_chunk_ms: Date::now().as_millis(),
             controller: None,
+            partial: None,
+            splice: None,
         }));
         let s = state.clone();
         let transform = Closure::<TransformFn>::new(
             move |chunk: JsValue, controller: web_sys::TransformStreamDefaultController| {
-                let mut st = s.borrow_mut();
-                let st = &mut *st;
-                st.last_chunk_ms = Date::now().as_millis();
-                if st.controller.is_none() {
-                    st.controller = Some(controller.clone());
-                }
-                let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
-                    return controller.enqueue_with_chunk(&chunk);
-                };
-                let n = bytes.length() as usize;
-                st.buf.resize(n, 0);
-                bytes.copy_to(&mut st.buf[..n]);
-                match st.scanner.push(&st.buf[..n]) {
-                    Emit::Whole => controller.enqueue_with_chunk(&chunk),
-                    Emit::Prefix(0) => Ok(()),
-                    Emit::Prefix(k) => controller.enqueue_with_chunk(&bytes.subarray(0, k as u32)),
-                    Emit::Bytes(out) if out.is_empty() => Ok(()),
-                    Emit::Bytes(out) => {
-                        controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..]))
-                    }
-                }
+                s.borrow_mut().transform(&chunk, &controller)
             },
         );
         let s = state.clone();
         let flush = Closure::<FlushFn>::new(
             move |controller: web_sys::TransformStreamDefaultController| {
-                let rest = s.borrow_mut().scanner.finish();
+                let mut st = s.borrow_mut();
+                let rest = st.scanner.finish();
                 if rest.is_empty() {
                     return Ok(());
                 }
-                controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&rest[..]))
+                st.send(rest, &controller)
             },
         );
         let transformer = js_sys::Object::new();
@@ -123,9 +183,34 @@ impl Relay {
         self.stream.writable()
     }
 
-    /// The usage the stream reported so far.
+    /// The usage the current upstream reported so far.
     pub fn usage(&self) -> Option<Usage> {
         self.state.borrow().scanner.usage()
+    }
+
+    /// Starts reading the answer the client receives (a stream that could be resumed).
+    pub fn collect(&self) {
+        self.state.borrow_mut().partial = Some(Partial::new());
+    }
+
+    /// After a failure: the answer the client received, or why it cannot be continued (the
+    /// failure cut an event the client already got part of). `None` when it was not read.
+    pub fn partial(&self) -> Option<std::cell::Ref<'_, Partial>> {
+        std::cell::Ref::filter_map(self.state.borrow(), |s| s.partial.as_ref()).ok()
+    }
+
+    /// Drops what the failed upstream left unfinished; says whether the client is in the middle
+    /// of an event (only after a long event was let through).
+    pub fn abandon(&self) -> bool {
+        self.state.borrow_mut().scanner.abandon()
+    }
+
+    /// The next upstream is a continuation: its events are rewritten by `splice`, and it is read
+    /// as a stream of its own (its own usage and `data: [DONE]`).
+    pub fn splice(&self, splice: Splice) {
+        let mut st = self.state.borrow_mut();
+        st.scanner = StreamScanner::new(st.strip_usage_event);
+        st.splice = Some(splice);
     }
 
     /// Milliseconds since the last chunk, counting a client that is behind as activity.
@@ -144,15 +229,27 @@ impl Relay {
     }
 }
 
-/// How a relayed stream ended.
-pub struct RelayEnd {
-    /// The class of ending (success, cut by the backend, idle timeout, client gone).
-    pub kind: OutcomeKind,
-    /// The usage the backend reported, if it got that far.
-    pub usage: Option<Usage>,
+/// How one upstream body ended.
+pub enum Piped {
+    /// Whole, `data: [DONE]` included, and the client's side closed.
+    Complete,
+    /// The client went away.
+    Cancelled,
+    /// The backend failed after the first byte; the client's side is still open.
+    Failed(StreamFailure),
 }
 
-/// What [`relay`] needs besides the relay itself.
+/// A backend's failure after the first byte.
+pub struct StreamFailure {
+    /// `Transport` (reset or early close) or `Timeout` (idle).
+    pub kind: OutcomeKind,
+    /// The SSE error event's code: `upstream_stream_error` or `upstream_idle_timeout`.
+    pub code: &'static str,
+    /// The SSE error event's message.
+    pub message: String,
+}
+
+/// What [`Relay::pipe`] needs besides the relay itself.
 pub struct Upstream {
     /// The backend's body, after its first chunk.
     pub body: web_sys::ReadableStream,
@@ -166,104 +263,85 @@ pub struct Upstream {
     pub idle_timeout: Duration,
 }
 
-/// Pipes the upstream body through the relay to the client and says how the stream ended.
-pub async fn relay(relay: Relay, up: Upstream, client_signal: &AbortSignal) -> RelayEnd {
-    let kind = drive(&relay, up, client_signal).await;
-    RelayEnd {
-        kind,
-        usage: relay.usage(),
-    }
-}
-
-async fn drive(relay: &Relay, up: Upstream, client_signal: &AbortSignal) -> OutcomeKind {
-    let writable = relay.writable();
-    if let Some(chunk) = &up.first_chunk {
-        let Ok(writer) = writable.get_writer() else {
-            return OutcomeKind::Cancelled;
-        };
-        let _ = JsFuture::from(writer.write_with_chunk(chunk)).await;
-        writer.release_lock();
-    }
-    let options = web_sys::StreamPipeOptions::new();
-    options.set_prevent_close(true);
-    options.set_prevent_abort(true);
-    let pipe = Box::pin(JsFuture::from(
-        up.body.pipe_to_with_options(&writable, &options),
-    ));
-    let watchdog = Box::pin(idle_watchdog(relay, up.idle_timeout));
-    match select(pipe, watchdog).await {
-        Either::Left((piped, _)) => match piped {
-            _ if client_signal.aborted() => OutcomeKind::Cancelled,
-            // The pipe can settle normally after the client hung up; the close then fails.
-            // A backend that closed its stream early without an error (a close-delimited body cut
-            // short, or no `data: [DONE]`) failed as much as one that reset the connection.
-            Ok(_) if !relay.state.borrow().scanner.complete() => {
-                worker::console_error!(
-                    "stream from backend {} ended before data: [DONE]",
-                    up.backend
-                );
-                let message = format!(
-                    "The backend ({}) ended the stream early; the response is incomplete.",
-                    up.backend
-                );
-                close(
-                    relay,
-                    &writable,
-                    Some(&error_event("upstream_stream_error", &message)),
-                )
-                .await;
-                OutcomeKind::Transport
-            }
-            Ok(_) if !close(relay, &writable, None).await || client_signal.aborted() => {
-                OutcomeKind::Cancelled
-            }
-            Ok(_) => OutcomeKind::Success,
-            Err(e) => {
-                let reason = e
-                    .as_string()
-                    .unwrap_or_else(|| "the backend's stream failed".to_string());
-                worker::console_error!(
-                    "stream from backend {} failed mid-way: {reason}",
-                    up.backend
-                );
-                let message = format!(
-                    "The backend ({}) failed while streaming; the response is incomplete.",
-                    up.backend
-                );
-                close(
-                    relay,
-                    &writable,
-                    Some(&error_event("upstream_stream_error", &message)),
-                )
-                .await;
-                OutcomeKind::Transport
-            }
-        },
-        Either::Right(((), pipe)) => {
-            up.abort.abort();
-            // The aborted upstream errors the pipe, which then lets go of the client's side.
-            let _ = with_timeout(pipe, Duration::from_secs(2)).await;
-            if client_signal.aborted() {
-                return OutcomeKind::Cancelled;
-            }
-            worker::console_error!(
-                "stream from backend {} idle for {} ms: aborted",
-                up.backend,
-                up.idle_timeout.as_millis()
-            );
-            let message = format!(
-                "The backend ({}) sent nothing for {} ms while streaming; the response is incomplete.",
-                up.backend,
-                up.idle_timeout.as_millis()
-            );
-            close(
-                relay,
-                &writable,
-                Some(&error_event("upstream_idle_timeout", &message)),
-            )
-            .await;
-            OutcomeKind::Timeout
+impl Relay {
+    /// Pipes one upstream body through the relay to the client and says how it ended. A complete
+    /// stream closes the client's side; a failed one leaves it open for a continuation or
+    /// [`Relay::fail`].
+    pub async fn pipe(&self, up: Upstream, client_signal: &AbortSignal) -> Piped {
+        let writable = self.writable();
+        if let Some(chunk) = &up.first_chunk {
+            let Ok(writer) = writable.get_writer() else {
+                return Piped::Cancelled;
+            };
+            let _ = JsFuture::from(writer.write_with_chunk(chunk)).await;
+            writer.release_lock();
         }
+        let options = web_sys::StreamPipeOptions::new();
+        options.set_prevent_close(true);
+        options.set_prevent_abort(true);
+        let pipe = Box::pin(JsFuture::from(
+            up.body.pipe_to_with_options(&writable, &options),
+        ));
+        let watchdog = Box::pin(idle_watchdog(self, up.idle_timeout));
+        let backend = &up.backend;
+        match select(pipe, watchdog).await {
+            Either::Left((piped, _)) => match piped {
+                _ if client_signal.aborted() => Piped::Cancelled,
+                // The pipe can settle normally after the client hung up; the close then fails.
+                // A backend that closed its stream early without an error (a close-delimited
+                // body cut short, or no `data: [DONE]`) failed as much as one that reset the
+                // connection.
+                Ok(_) if !self.state.borrow().scanner.complete() => {
+                    worker::console_error!(
+                        "stream from backend {backend} ended before data: [DONE]"
+                    );
+                    Piped::Failed(StreamFailure {
+                        kind: OutcomeKind::Transport,
+                        code: "upstream_stream_error",
+                        message: format!("The backend ({backend}) ended the stream early; the response is incomplete."),
+                    })
+                }
+                Ok(_) if !close(self, &writable, None).await || client_signal.aborted() => {
+                    Piped::Cancelled
+                }
+                Ok(_) => Piped::Complete,
+                Err(e) => {
+                    let reason = e
+                        .as_string()
+                        .unwrap_or_else(|| "the backend's stream failed".to_string());
+                    worker::console_error!(
+                        "stream from backend {backend} failed mid-way: {reason}"
+                    );
+                    Piped::Failed(StreamFailure {
+                        kind: OutcomeKind::Transport,
+                        code: "upstream_stream_error",
+                        message: format!("The backend ({backend}) failed while streaming; the response is incomplete."),
+                    })
+                }
+            },
+            Either::Right(((), pipe)) => {
+                up.abort.abort();
+                // The aborted upstream errors the pipe, which then lets go of the client's side.
+                let _ = with_timeout(pipe, Duration::from_secs(2)).await;
+                if client_signal.aborted() {
+                    return Piped::Cancelled;
+                }
+                let idle = up.idle_timeout.as_millis();
+                worker::console_error!("stream from backend {backend} idle for {idle} ms: aborted");
+                Piped::Failed(StreamFailure {
+                    kind: OutcomeKind::Timeout,
+                    code: "upstream_idle_timeout",
+                    message: format!("The backend ({backend}) sent nothing for {idle} ms while streaming; the response is incomplete."),
+                })
+            }
+        }
+    }
+
+    /// Ends a failed stream: the error event (at an event boundary), `data: [DONE]`, and the
+    /// client's side closed.
+    pub async fn fail(&self, failure: &StreamFailure) {
+        let event = error_event(failure.code, &failure.message);
+        close(self, &self.writable(), Some(&event)).await;
     }
 }
 

@@ -16,6 +16,8 @@ const FIRST_BYTE_TIMEOUT_MS = 3000;
 const RESPONSE_TIMEOUT_MS = 5000;
 const STREAM_IDLE_TIMEOUT_MS = 1000;
 const BINDINGS = {
+  // These tests hold the error path: resuming a failed stream elsewhere is tested in resume.test.mjs.
+  MAX_STREAM_RESUMES: "0",
   PROBE_INTERVAL_MS: "500",
   FIRST_BYTE_TIMEOUT_MS: String(FIRST_BYTE_TIMEOUT_MS),
   RESPONSE_TIMEOUT_MS: String(RESPONSE_TIMEOUT_MS),

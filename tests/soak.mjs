@@ -1,17 +1,21 @@
 #!/usr/bin/env node
 // Soak: many concurrent OpenAI requests through the gateway while random faults come and go on
 // random backends, then proof that nothing was lost: every request either succeeded with a
-// complete body (streams end with `data: [DONE]`) or got a well-formed OpenAI error (JSON, or an
-// SSE error event then `[DONE]` once streaming had started); the gateway never answered 500;
+// complete body (streams end with `data: [DONE]`, carry one id, one role chunk and at most one
+// finish, also when resumed on another backend after a mid-stream failure) or got a well-formed
+// OpenAI error (JSON, or an SSE error event then `[DONE]` once streaming had started); the gateway
+// never answered 500;
 // every lease came back (`in_flight` and `in_flight_tokens` of every pool return to 0).
 //
 //   node tests/soak.mjs [--url http://127.0.0.1:PORT --admin-token T] [--requests 5000]
 //        [--concurrency 200] [--sims 4] [--seconds-limit 240] [--seed 1] [--time-scale 50]
-//        [--fault-interval-ms 500] [--no-crash] [--keep-backends]
+//        [--fault-interval-ms 500] [--no-crash] [--keep-backends] [--max-stream-resumes N]
 //
 // Without --url it serves the built Worker (build/index.js) under Miniflare on a free 127.0.0.1
 // port itself. It starts `--sims` vllm-sim processes on 127.0.0.1 (pool "soak"), and stops every
-// process it started. Prints one summary JSON object on stdout; exits 1 on any violation.
+// process it started. Prints one summary JSON object on stdout; exits 1 on any violation. Its
+// `streams` part says how many streams failed mid-answer and were resumed, and how many still
+// ended with the error event (`--max-stream-resumes 0` gives the figures without resumption).
 //
 // `runSoak(options)` is the same run as a function (tests/soak.test.mjs runs a reduced one).
 import path from "node:path";
@@ -44,6 +48,7 @@ const DEFAULTS = {
   faultIntervalMs: 500,
   crash: true,
   keepBackends: false,
+  maxStreamResumes: null,
   requestTimeoutMs: 60000,
   leaseWaitMs: 30000,
   signal: undefined,
@@ -136,6 +141,10 @@ function classify(req, status, headers, text) {
     const events = text.split("\n\n").filter((e) => e.length > 0);
     let errorEvent = null;
     let chunks = 0;
+    // A resumed stream must still look like one answer.
+    const ids = new Set();
+    let roles = 0;
+    let finishes = 0;
     for (const [k, e] of events.entries()) {
       if (!e.startsWith("data: ")) return { outcome: "bad_body", violation: `not an SSE data event: ${JSON.stringify(e.slice(0, 120))}` };
       const data = e.slice(6);
@@ -154,8 +163,15 @@ function classify(req, status, headers, text) {
         const want = req.chat ? "chat.completion.chunk" : "text_completion";
         if (json.object !== want) return { outcome: "bad_body", violation: `unexpected chunk: ${data.slice(0, 160)}` };
         chunks += 1;
+        ids.add(json.id);
+        for (const c of json.choices ?? []) {
+          if (c.delta?.role !== undefined) roles += 1;
+          if (c.finish_reason) finishes += 1;
+        }
       }
     }
+    if (ids.size > 1) return { outcome: "bad_body", violation: `a stream with ${ids.size} ids: ${[...ids].join(", ")}` };
+    if (roles > 1 || finishes > 1) return { outcome: "bad_body", violation: `a stream with ${roles} role chunks and ${finishes} finishes` };
     if (errorEvent) return { outcome: "stream_error_event" };
     if (chunks === 0) return { outcome: "bad_body", violation: "a stream with no chunks" };
     return { outcome: "ok_stream" };
@@ -204,7 +220,8 @@ export async function runSoak(options = {}) {
       }
     };
     if (!base) {
-      gateway = await startGatewayServer({ bindings: SOAK_BINDINGS, onLog });
+      const resumes = o.maxStreamResumes === null ? {} : { MAX_STREAM_RESUMES: String(o.maxStreamResumes) };
+      gateway = await startGatewayServer({ bindings: { ...SOAK_BINDINGS, ...resumes }, onLog });
       base = gateway.url;
       log(`gateway under Miniflare at ${base}`);
     }
@@ -393,6 +410,18 @@ export async function runSoak(options = {}) {
       generated_by_backends: simTokens,
       sims_restarted: faultCounts.crash ?? 0,
     };
+    // Streams that failed after their first byte: what the pool counted of their resumptions.
+    const resumeOutcomes = {};
+    for (const x of gatewayMetrics) {
+      if (x.name === "llm_gateway_stream_resumes_total" && x.labels.pool === SOAK_POOL && x.value > 0) {
+        resumeOutcomes[x.labels.outcome] = (resumeOutcomes[x.labels.outcome] ?? 0) + x.value;
+      }
+    }
+    const streams = {
+      resumed: resumeOutcomes.success ?? 0,
+      ended_by_error_event: byOutcome.stream_error_event ?? 0,
+      resume_outcomes: resumeOutcomes,
+    };
 
     latencies.sort((a, b) => a - b);
     const violationKinds = {};
@@ -420,6 +449,7 @@ export async function runSoak(options = {}) {
       faults_applied: faultCounts,
       worker_log: o.url ? "not captured (external gateway)" : workerLog,
       tokens,
+      streams,
       pool: { retries: soakState.retries, spills: soakState.spills, retry_budget_exhausted: soakState.retry_budget_exhausted },
       leases_after: {
         waited_ms: leaseWaitMs,
@@ -467,9 +497,10 @@ function parseArgs(argv) {
       case "--request-timeout-ms": o.requestTimeoutMs = num(val(), a); break;
       case "--no-crash": o.crash = false; break;
       case "--keep-backends": o.keepBackends = true; break;
+      case "--max-stream-resumes": o.maxStreamResumes = num(val(), a); break;
       case "-h":
       case "--help":
-        process.stdout.write(`usage: node tests/soak.mjs [--url URL --admin-token T] [--requests N] [--concurrency N] [--sims N] [--seconds-limit S] [--seed N] [--time-scale X] [--fault-interval-ms MS] [--request-timeout-ms MS] [--no-crash] [--keep-backends]\n` +
+        process.stdout.write(`usage: node tests/soak.mjs [--url URL --admin-token T] [--requests N] [--concurrency N] [--sims N] [--seconds-limit S] [--seed N] [--time-scale X] [--fault-interval-ms MS] [--request-timeout-ms MS] [--no-crash] [--keep-backends] [--max-stream-resumes N]\n` +
           `A gateway given by --url should run with ${Object.entries(SOAK_BINDINGS).map(([k, v]) => `${k}=${v}`).join(" ")}.\n`);
         process.exit(0);
         break;

@@ -33,6 +33,7 @@ pub mod pool;
 pub mod prompt;
 pub mod random;
 pub mod rate_limit;
+pub mod resume;
 pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;

@@ -8,7 +8,7 @@
 use crate::backend::Lifecycle;
 use crate::breaker::BreakerState;
 use crate::health::HealthState;
-use crate::outcome::{Outcome, OutcomeKind};
+use crate::outcome::{Outcome, OutcomeKind, StreamResume};
 use crate::policy::{DecisionKind, PolicyKind};
 use crate::pool::Pool;
 use std::collections::BTreeMap;
@@ -68,6 +68,8 @@ pub struct BackendStats {
     pub cached_tokens: u64,
     /// Completion tokens reported by releases.
     pub completion_tokens: u64,
+    /// Streams that failed after their first byte, by [`StreamResume::index`].
+    pub stream_resumes: [u64; StreamResume::LABELS.len()],
 }
 
 impl BackendStats {
@@ -81,6 +83,9 @@ impl BackendStats {
         self.prompt_tokens += u64::from(outcome.prompt_tokens.unwrap_or(0));
         self.cached_tokens += u64::from(outcome.cached_tokens.unwrap_or(0));
         self.completion_tokens += u64::from(outcome.completion_tokens.unwrap_or(0));
+        if let Some(resume) = outcome.resume {
+            self.stream_resumes[resume.index(outcome.kind)] += 1;
+        }
     }
 }
 
@@ -242,6 +247,23 @@ pub fn render(pool: &Pool, out: &mut String) {
                     name,
                     &[("backend", id), ("outcome", kind.as_str())],
                     v,
+                );
+            }
+        },
+    );
+    per_backend(
+        out,
+        "llm_gateway_stream_resumes_total",
+        "counter",
+        "Streams that failed after their first byte: continuations served by the backend (by outcome), or failures on it not resumed.",
+        &|out, id, e| {
+            for (i, label) in StreamResume::LABELS.iter().enumerate() {
+                sample(
+                    out,
+                    "llm_gateway_stream_resumes_total",
+                    name,
+                    &[("backend", id), ("outcome", label)],
+                    e.stats.stream_resumes[i] as f64,
                 );
             }
         },

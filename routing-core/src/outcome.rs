@@ -100,6 +100,57 @@ pub struct Outcome {
     pub cached_tokens: Option<u32>,
     /// Completion tokens the backend reported or the Worker counted.
     pub completion_tokens: Option<u32>,
+    /// Set on a streamed request's share when a stream failed after its first byte (counted in
+    /// `llm_gateway_stream_resumes_total`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Option<StreamResume>,
+}
+
+/// What became of a stream that failed after its first byte, as told with the share it concerns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamResume {
+    /// This share served the continuation of a stream another backend failed; the outcome's
+    /// kind says how the continuation ended.
+    Continuation,
+    /// The stream failed on this share and the request rules a resumption out.
+    NotResumable,
+    /// The stream failed on this share and could have been resumed, but no backend, retry budget
+    /// or resumption (`MAX_STREAM_RESUMES`) was left.
+    NotResumed,
+}
+
+impl StreamResume {
+    /// The `outcome` label of `llm_gateway_stream_resumes_total` for a share ending with `kind`.
+    pub fn label(self, kind: OutcomeKind) -> &'static str {
+        match self {
+            StreamResume::Continuation => kind.as_str(),
+            StreamResume::NotResumable => "not_resumable",
+            StreamResume::NotResumed => "not_resumed",
+        }
+    }
+
+    /// Every label, in a stable order: the kinds of a continuation, then the two others.
+    pub const LABELS: [&'static str; 9] = [
+        "success",
+        "client_error",
+        "server_error",
+        "timeout",
+        "transport",
+        "rate_limited",
+        "cancelled",
+        "not_resumable",
+        "not_resumed",
+    ];
+
+    /// Position of [`StreamResume::label`] in [`StreamResume::LABELS`].
+    pub fn index(self, kind: OutcomeKind) -> usize {
+        match self {
+            StreamResume::Continuation => kind.index(),
+            StreamResume::NotResumable => 7,
+            StreamResume::NotResumed => 8,
+        }
+    }
 }
 
 impl Outcome {
@@ -152,6 +203,23 @@ mod tests {
         for (i, k) in OutcomeKind::ALL.iter().enumerate() {
             assert_eq!(k.index(), i);
         }
+    }
+
+    #[test]
+    fn resume_labels_line_up_with_their_index() {
+        for kind in OutcomeKind::ALL {
+            let c = StreamResume::Continuation;
+            assert_eq!(StreamResume::LABELS[c.index(kind)], c.label(kind));
+        }
+        for r in [StreamResume::NotResumable, StreamResume::NotResumed] {
+            let kind = OutcomeKind::Transport;
+            assert_eq!(StreamResume::LABELS[r.index(kind)], r.label(kind));
+        }
+        let o: Outcome =
+            serde_json::from_str(r#"{"kind":"success","resume":"continuation"}"#).unwrap();
+        assert_eq!(o.resume, Some(StreamResume::Continuation));
+        let plain = serde_json::to_string(&Outcome::default()).unwrap();
+        assert!(!plain.contains("resume"), "{plain}");
     }
 
     #[test]

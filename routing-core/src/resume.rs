@@ -1,0 +1,799 @@
+//! Resuming a stream whose backend failed after its first byte: the pure half of it.
+//!
+//! When a streamed chat or completion request breaks off mid-answer, the gateway can ask another
+//! backend to go on from what the client has already received and splice that continuation into
+//! the same client stream. This module decides and computes, with no I/O:
+//!
+//! - [`check_request`]: whether the request allows it at all (decided before the first byte, so
+//!   the answer is collected only for requests that could be resumed);
+//! - [`Partial`]: the answer so far, read from the events the client was sent (id, `created`,
+//!   model, text, tokens), and what in it rules a resumption out (a tool call in progress,
+//!   reasoning, a finished choice);
+//! - [`continuation_body`]: the request that continues it (chat: the partial answer as a final
+//!   assistant message with vLLM's `continue_final_message: true` and `add_generation_prompt:
+//!   false`; completions: the prompt with the partial text appended; `max_tokens`,
+//!   `max_completion_tokens` and `min_tokens` shrink by the tokens already sent);
+//! - [`Splice`]: rewrites the continuation's events into the client's stream (the first
+//!   answer's id, `created` and model, no second role chunk, usage as one total).
+//!
+//! Tokens already sent are counted one per content event (vLLM streams one token per event
+//! without speculative decoding), or read from `usage.completion_tokens` when the client asked for
+//! `continuous_usage_stats`. The continuation's `usage.prompt_tokens` counts the prompt and the
+//! partial answer; the client's total counts the prompt once and every completion token:
+//! `prompt = continuation prompt - tokens sent`, `completion = tokens sent + continuation
+//! completion`, and `cached_tokens` is the resuming backend's figure, capped at that prompt.
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::borrow::Cow;
+
+/// The two streamed endpoints a resumption knows how to continue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+/// Why a stream cannot be resumed faithfully (the client then gets the SSE error event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotResumable {
+    /// The body is not a JSON object.
+    Unreadable,
+    /// `n` or `best_of` above 1: several answers interleave in one stream.
+    SeveralChoices,
+    /// `logprobs`, `top_logprobs` or `prompt_logprobs`: the continuation's would not line up.
+    Logprobs,
+    /// `echo`: the prompt is part of the answer.
+    Echo,
+    /// `response_format` with a JSON schema or object, or a guided-decoding field: the grammar
+    /// would restart in the middle of the document.
+    StructuredOutput,
+    /// `tool_choice` forcing a tool call, or a tool call already streaming.
+    ToolCall,
+    /// The client drives the chat template itself (`continue_final_message`,
+    /// `add_generation_prompt: false`).
+    OwnTemplate,
+    /// A completions prompt that is not one string (token ids, or several prompts).
+    PromptShape,
+    /// The answer streamed reasoning: it cannot be continued in the same channel.
+    Reasoning,
+    /// The answer already finished (a `finish_reason` went out); only its ending was lost.
+    Finished,
+    /// `max_tokens` was already reached.
+    NothingLeft,
+    /// The failure cut a long event the client already got part of.
+    MidEvent,
+}
+
+impl NotResumable {
+    /// A short name for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotResumable::Unreadable => "unreadable",
+            NotResumable::SeveralChoices => "several_choices",
+            NotResumable::Logprobs => "logprobs",
+            NotResumable::Echo => "echo",
+            NotResumable::StructuredOutput => "structured_output",
+            NotResumable::ToolCall => "tool_call",
+            NotResumable::OwnTemplate => "own_template",
+            NotResumable::PromptShape => "prompt_shape",
+            NotResumable::Reasoning => "reasoning",
+            NotResumable::Finished => "finished",
+            NotResumable::NothingLeft => "nothing_left",
+            NotResumable::MidEvent => "mid_event",
+        }
+    }
+}
+
+/// The request fields that decide resumability; everything else is skipped unread.
+#[derive(Deserialize)]
+struct RequestShape {
+    #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
+    best_of: Option<u64>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    top_logprobs: Option<Value>,
+    #[serde(default)]
+    prompt_logprobs: Option<Value>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    guided_json: Option<IgnoredAny>,
+    #[serde(default)]
+    guided_regex: Option<IgnoredAny>,
+    #[serde(default)]
+    guided_choice: Option<IgnoredAny>,
+    #[serde(default)]
+    guided_grammar: Option<IgnoredAny>,
+    #[serde(default)]
+    structured_outputs: Option<IgnoredAny>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    prompt: Option<Value>,
+}
+
+/// Whether a streamed request could be resumed if its stream broke, judged from its body alone.
+pub fn check_request(body: &[u8], endpoint: Endpoint) -> Result<(), NotResumable> {
+    // A derived struct would also accept a JSON array.
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(NotResumable::Unreadable);
+    }
+    let shape: RequestShape = serde_json::from_slice(body).map_err(|_| NotResumable::Unreadable)?;
+    if shape.n.is_some_and(|n| n > 1) || shape.best_of.is_some_and(|n| n > 1) {
+        return Err(NotResumable::SeveralChoices);
+    }
+    let asked = |v: &Option<Value>| {
+        v.as_ref()
+            .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
+    };
+    if asked(&shape.logprobs) || asked(&shape.top_logprobs) || asked(&shape.prompt_logprobs) {
+        return Err(NotResumable::Logprobs);
+    }
+    if shape.echo == Some(true) {
+        return Err(NotResumable::Echo);
+    }
+    let format = shape
+        .response_format
+        .as_ref()
+        .and_then(|f| f.get("type"))
+        .and_then(Value::as_str);
+    let guided = shape.guided_json.is_some()
+        || shape.guided_regex.is_some()
+        || shape.guided_choice.is_some()
+        || shape.guided_grammar.is_some()
+        || shape.structured_outputs.is_some();
+    if guided || format.is_some_and(|t| t != "text") {
+        return Err(NotResumable::StructuredOutput);
+    }
+    let forced_tool = match &shape.tool_choice {
+        Some(Value::String(s)) => s == "required",
+        Some(Value::Object(_)) => true,
+        _ => false,
+    };
+    if forced_tool {
+        return Err(NotResumable::ToolCall);
+    }
+    if shape.continue_final_message == Some(true) || shape.add_generation_prompt == Some(false) {
+        return Err(NotResumable::OwnTemplate);
+    }
+    if endpoint == Endpoint::Completion {
+        prompt_text(shape.prompt.as_ref())?;
+    }
+    Ok(())
+}
+
+/// A completions prompt's text, when it is one string (or a list of one string).
+fn prompt_text(prompt: Option<&Value>) -> Result<&str, NotResumable> {
+    match prompt {
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(a)) if a.len() == 1 => a[0].as_str().ok_or(NotResumable::PromptShape),
+        _ => Err(NotResumable::PromptShape),
+    }
+}
+
+/// Cuts a byte stream into SSE events and hands over each event's `data` (the `data:` lines
+/// joined), whatever the chunking. Both [`Partial`] and [`Splice`] read events through it.
+#[derive(Debug, Default)]
+struct Events {
+    held: Vec<u8>,
+}
+
+impl Events {
+    /// Feeds bytes; calls `each(event bytes, data)` for every event completed by them. Whole
+    /// events are read in place; only a trailing partial event is copied and held.
+    fn push(&mut self, bytes: &[u8], mut each: impl FnMut(&[u8], &[u8])) {
+        if self.held.is_empty() {
+            let rest = frame(bytes, &mut each);
+            self.held.extend_from_slice(&bytes[rest..]);
+            return;
+        }
+        self.held.extend_from_slice(bytes);
+        let rest = frame(&self.held, &mut each);
+        self.held.drain(..rest);
+    }
+
+    /// Whether a partial event is pending.
+    fn pending(&self) -> bool {
+        !self.held.is_empty()
+    }
+}
+
+/// Calls `each` for every whole event in `bytes`; returns where the trailing partial one starts.
+fn frame(bytes: &[u8], each: &mut impl FnMut(&[u8], &[u8])) -> usize {
+    let mut start = 0;
+    while let Some(end) = event_end(&bytes[start..]) {
+        let event = &bytes[start..start + end];
+        each(event, &event_data(event));
+        start += end;
+    }
+    start
+}
+
+/// The end of the first event in `bytes` (just past its blank line), if it is complete.
+fn event_end(bytes: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(off) = bytes[i..].iter().position(|&b| b == b'\n') {
+        let lf = i + off;
+        match (bytes.get(lf + 1), bytes.get(lf + 2)) {
+            (Some(b'\n'), _) => return Some(lf + 2),
+            (Some(b'\r'), Some(b'\n')) => return Some(lf + 3),
+            _ => i = lf + 1,
+        }
+    }
+    None
+}
+
+/// An event's `data:` lines joined by newlines (the SSE rule); borrowed when there is one.
+fn event_data(event: &[u8]) -> Cow<'_, [u8]> {
+    let mut lines = event
+        .split(|&b| b == b'\n')
+        .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .map(|rest| rest.strip_prefix(b" ").unwrap_or(rest));
+    let Some(first) = lines.next() else {
+        return Cow::Borrowed(&[]);
+    };
+    let Some(second) = lines.next() else {
+        return Cow::Borrowed(first);
+    };
+    let mut data = [first, b"\n", second].concat();
+    for line in lines {
+        data.push(b'\n');
+        data.extend_from_slice(line);
+    }
+    Cow::Owned(data)
+}
+
+/// One streamed chunk, as far as a resumption reads it.
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    created: Option<u64>,
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+    #[serde(default)]
+    usage: Option<ChunkUsage>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default)]
+    index: u32,
+    #[serde(borrow, default)]
+    delta: Option<Delta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+    #[serde(default)]
+    logprobs: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct ChunkUsage {
+    #[serde(default)]
+    completion_tokens: u32,
+}
+
+/// The answer the client has received so far; see the module documentation.
+#[derive(Debug, Default)]
+pub struct Partial {
+    events: Events,
+    /// The first chunk's `id`, `created` and `model`: every later chunk carries them.
+    pub id: Option<String>,
+    /// The first chunk's `created`.
+    pub created: Option<u64>,
+    /// The first chunk's `model`.
+    pub model: Option<String>,
+    /// The text so far.
+    pub text: String,
+    /// Tokens sent so far.
+    pub tokens: u32,
+    /// The last `usage.completion_tokens` the client saw (continuous usage), if any.
+    reported_tokens: Option<u32>,
+    /// What in the answer rules out a resumption, once seen.
+    blocked: Option<NotResumable>,
+}
+
+impl Partial {
+    /// An empty answer.
+    pub fn new() -> Partial {
+        Partial::default()
+    }
+
+    /// Reads bytes as the client receives them (whole events, in order).
+    pub fn observe(&mut self, bytes: &[u8]) {
+        let mut events = std::mem::take(&mut self.events);
+        events.push(bytes, |_, data| self.event(data));
+        self.events = events;
+    }
+
+    fn event(&mut self, data: &[u8]) {
+        if data == b"[DONE]" || self.blocked.is_some() {
+            return;
+        }
+        let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
+            return;
+        };
+        if self.id.is_none() {
+            self.id = chunk.id.map(Cow::into_owned);
+            self.created = chunk.created;
+            self.model = chunk.model.map(Cow::into_owned);
+        }
+        if let Some(u) = &chunk.usage {
+            self.reported_tokens = Some(u.completion_tokens);
+        }
+        for choice in &chunk.choices {
+            if choice.index != 0 {
+                self.blocked = Some(NotResumable::SeveralChoices);
+                return;
+            }
+            if choice.logprobs.is_some() {
+                self.blocked = Some(NotResumable::Logprobs);
+                return;
+            }
+            let text = match &choice.delta {
+                Some(d) => {
+                    if d.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) {
+                        self.blocked = Some(NotResumable::ToolCall);
+                        return;
+                    }
+                    let reasoning = [&d.reasoning_content, &d.reasoning]
+                        .into_iter()
+                        .any(|r| r.as_ref().is_some_and(|r| !r.is_empty()));
+                    if reasoning {
+                        self.blocked = Some(NotResumable::Reasoning);
+                        return;
+                    }
+                    d.content.as_deref()
+                }
+                None => choice.text.as_deref(),
+            };
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                self.text.push_str(t);
+                self.tokens += 1;
+            }
+            if choice.finish_reason.is_some() {
+                self.blocked = Some(NotResumable::Finished);
+            }
+        }
+    }
+
+    /// Tokens the client has received: the reported count with continuous usage, else one per
+    /// content event.
+    pub fn tokens_sent(&self) -> u32 {
+        self.reported_tokens.unwrap_or(self.tokens).max(self.tokens)
+    }
+
+    /// Whether the answer can still be continued (nothing in it rules that out).
+    pub fn resumable(&self) -> Result<(), NotResumable> {
+        if let Some(reason) = self.blocked {
+            return Err(reason);
+        }
+        if self.events.pending() {
+            return Err(NotResumable::MidEvent);
+        }
+        Ok(())
+    }
+}
+
+/// The request that continues `partial`: see the module documentation.
+pub fn continuation_body(
+    original: &[u8],
+    endpoint: Endpoint,
+    partial: &Partial,
+) -> Result<Vec<u8>, NotResumable> {
+    partial.resumable()?;
+    let mut body: Value = serde_json::from_slice(original).map_err(|_| NotResumable::Unreadable)?;
+    let sent = u64::from(partial.tokens_sent());
+    match endpoint {
+        Endpoint::Chat => {
+            let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
+                return Err(NotResumable::Unreadable);
+            };
+            messages.push(json!({ "role": "assistant", "content": partial.text }));
+            body["continue_final_message"] = json!(true);
+            body["add_generation_prompt"] = json!(false);
+        }
+        Endpoint::Completion => {
+            let extended = format!("{}{}", prompt_text(body.get("prompt"))?, partial.text);
+            body["prompt"] = json!(extended);
+        }
+    }
+    let Some(obj) = body.as_object_mut() else {
+        return Err(NotResumable::Unreadable);
+    };
+    for field in ["max_tokens", "max_completion_tokens"] {
+        if let Some(max) = obj.get(field).and_then(Value::as_u64) {
+            let left = max.saturating_sub(sent);
+            if left == 0 {
+                return Err(NotResumable::NothingLeft);
+            }
+            obj.insert(field.into(), json!(left));
+        }
+    }
+    if let Some(min) = obj.get("min_tokens").and_then(Value::as_u64) {
+        obj.insert("min_tokens".into(), json!(min.saturating_sub(sent)));
+    }
+    serde_json::to_vec(&body).map_err(|_| NotResumable::Unreadable)
+}
+
+/// Rewrites a continuation's events into the client's stream; see the module documentation.
+#[derive(Debug)]
+pub struct Splice {
+    events: Events,
+    id: Option<Value>,
+    created: Option<Value>,
+    model: Option<Value>,
+    /// Tokens the client had received before this continuation.
+    sent: u32,
+}
+
+impl Splice {
+    /// A splice continuing `partial`.
+    pub fn new(partial: &Partial) -> Splice {
+        Splice {
+            events: Events::default(),
+            id: partial.id.clone().map(Value::String),
+            created: partial.created.map(Value::from),
+            model: partial.model.clone().map(Value::String),
+            sent: partial.tokens_sent(),
+        }
+    }
+
+    /// The client's bytes for bytes of the continuation (whole events; a partial event waits for
+    /// its end).
+    pub fn rewrite(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(bytes.len() + 64);
+        let mut events = std::mem::take(&mut self.events);
+        events.push(bytes, |event, data| match self.event(data) {
+            Some(Some(rewritten)) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&rewritten);
+                out.extend_from_slice(b"\n\n");
+            }
+            Some(None) => {}
+            None => out.extend_from_slice(event),
+        });
+        self.events = events;
+        out
+    }
+
+    /// `None`: pass the event as it is; `Some(None)`: drop it; `Some(Some(data))`: send this.
+    fn event(&self, data: &[u8]) -> Option<Option<Vec<u8>>> {
+        let mut chunk: Value = serde_json::from_slice(data).ok()?;
+        let obj = chunk.as_object_mut()?;
+        for (key, value) in [
+            ("id", &self.id),
+            ("created", &self.created),
+            ("model", &self.model),
+        ] {
+            if let (Some(v), true) = (value, obj.contains_key(key)) {
+                obj.insert(key.into(), v.clone());
+            }
+        }
+        if let Some(usage) = obj.get_mut("usage").filter(|u| u.is_object()) {
+            self.total_usage(usage);
+        }
+        let mut role_only = false;
+        if let Some(choices) = obj.get_mut("choices").and_then(Value::as_array_mut) {
+            for choice in choices.iter_mut() {
+                let finished = choice.get("finish_reason").is_some_and(|f| !f.is_null());
+                let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
+                    continue;
+                };
+                if delta.remove("role").is_some() {
+                    let empty = delta
+                        .iter()
+                        .all(|(k, v)| v.is_null() || (k == "content" && v.as_str() == Some("")));
+                    role_only = empty && !finished;
+                }
+            }
+        }
+        let has_usage = obj.get("usage").is_some_and(|u| !u.is_null());
+        if role_only && !has_usage {
+            return Some(None);
+        }
+        serde_json::to_vec(&chunk).ok().map(Some)
+    }
+
+    /// One total for the whole answer: the prompt once, every completion token.
+    fn total_usage(&self, usage: &mut Value) {
+        let get = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+        let sent = u64::from(self.sent);
+        let prompt = get(usage, "prompt_tokens").saturating_sub(sent);
+        let completion = get(usage, "completion_tokens") + sent;
+        usage["prompt_tokens"] = json!(prompt);
+        usage["completion_tokens"] = json!(completion);
+        usage["total_tokens"] = json!(prompt + completion);
+        if let Some(details) = usage
+            .get_mut("prompt_tokens_details")
+            .and_then(Value::as_object_mut)
+        {
+            if let Some(cached) = details.get("cached_tokens").and_then(Value::as_u64) {
+                details.insert("cached_tokens".into(), json!(cached.min(prompt)));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat_chunk(content: &str) -> String {
+        format!("data: {{\"id\":\"chatcmpl-a\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n", json!(content))
+    }
+    const ROLE: &str = "data: {\"id\":\"chatcmpl-a\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+
+    fn events(bytes: &[u8]) -> Vec<Value> {
+        let mut out = Vec::new();
+        Events::default().push(bytes, |_, d| {
+            out.push(serde_json::from_slice(d).unwrap_or(Value::Null));
+        });
+        out
+    }
+
+    #[test]
+    fn requests_that_rule_a_resume_out_are_recognised() {
+        let ok = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"n":1,"logprobs":false,"response_format":{"type":"text"},"tool_choice":"auto"}"#;
+        assert_eq!(check_request(ok, Endpoint::Chat), Ok(()));
+        let cases: [(&str, NotResumable); 9] = [
+            (r#"{"n":2}"#, NotResumable::SeveralChoices),
+            (r#"{"logprobs":true}"#, NotResumable::Logprobs),
+            (r#"{"top_logprobs":3}"#, NotResumable::Logprobs),
+            (
+                r#"{"response_format":{"type":"json_schema","json_schema":{}}}"#,
+                NotResumable::StructuredOutput,
+            ),
+            (r#"{"guided_regex":"a+"}"#, NotResumable::StructuredOutput),
+            (r#"{"tool_choice":"required"}"#, NotResumable::ToolCall),
+            (
+                r#"{"tool_choice":{"type":"function","function":{"name":"f"}}}"#,
+                NotResumable::ToolCall,
+            ),
+            (
+                r#"{"add_generation_prompt":false}"#,
+                NotResumable::OwnTemplate,
+            ),
+            (r#"{"echo":true}"#, NotResumable::Echo),
+        ];
+        for (body, why) in cases {
+            assert_eq!(
+                check_request(body.as_bytes(), Endpoint::Chat),
+                Err(why),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            check_request(b"[1]", Endpoint::Chat),
+            Err(NotResumable::Unreadable)
+        );
+        let prompt = |p: &str| format!(r#"{{"model":"m","prompt":{p},"logprobs":null}}"#);
+        assert_eq!(
+            check_request(prompt(r#""hi""#).as_bytes(), Endpoint::Completion),
+            Ok(())
+        );
+        assert_eq!(
+            check_request(prompt(r#"["hi"]"#).as_bytes(), Endpoint::Completion),
+            Ok(())
+        );
+        for p in ["[1,2]", r#"["a","b"]"#, "[[1]]"] {
+            assert_eq!(
+                check_request(prompt(p).as_bytes(), Endpoint::Completion),
+                Err(NotResumable::PromptShape),
+                "{p}"
+            );
+        }
+        let logprobs = br#"{"prompt":"hi","logprobs":2}"#;
+        assert_eq!(
+            check_request(logprobs, Endpoint::Completion),
+            Err(NotResumable::Logprobs)
+        );
+    }
+
+    #[test]
+    fn the_partial_answer_is_read_whatever_the_chunking() {
+        let all = format!("{ROLE}{}{}", chat_chunk(" the"), chat_chunk(" \"cat\""));
+        let bytes = all.as_bytes();
+        for cut in 0..bytes.len() {
+            let mut p = Partial::new();
+            p.observe(&bytes[..cut]);
+            p.observe(&bytes[cut..]);
+            assert_eq!(p.text, " the \"cat\"", "cut at {cut}");
+            assert_eq!(p.tokens_sent(), 2);
+            assert_eq!(p.id.as_deref(), Some("chatcmpl-a"));
+            assert_eq!((p.created, p.model.as_deref()), (Some(7), Some("m")));
+            assert_eq!(p.resumable(), Ok(()));
+        }
+        let mut p = Partial::new();
+        p.observe(&bytes[..bytes.len() - 3]);
+        assert_eq!(p.resumable(), Err(NotResumable::MidEvent));
+    }
+
+    #[test]
+    fn events_with_several_data_lines_and_crlf_are_joined() {
+        let mut seen = Vec::new();
+        let mut events = Events::default();
+        events.push(b"data: {\"a\":\r\ndata: 1}\r\n\r\ndata: [DO", |_, d| {
+            seen.push(d.to_vec())
+        });
+        assert!(events.pending());
+        events.push(b"NE]\n\n", |_, d| seen.push(d.to_vec()));
+        assert!(!events.pending());
+        assert_eq!(seen, [b"{\"a\":\n1}".to_vec(), b"[DONE]".to_vec()]);
+    }
+
+    #[test]
+    fn tool_calls_reasoning_and_finished_answers_block_a_resume() {
+        let with = |delta: &str, finish: &str| {
+            format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish}}}]}}\n\n")
+        };
+        let cases = [
+            (
+                with(r#"{"tool_calls":[{"index":0}]}"#, "null"),
+                NotResumable::ToolCall,
+            ),
+            (
+                with(r#"{"reasoning_content":"hm"}"#, "null"),
+                NotResumable::Reasoning,
+            ),
+            (
+                with(r#"{"content":"x"}"#, r#""stop""#),
+                NotResumable::Finished,
+            ),
+        ];
+        for (event, why) in cases {
+            let mut p = Partial::new();
+            p.observe(event.as_bytes());
+            assert_eq!(p.resumable(), Err(why), "{event}");
+            assert_eq!(
+                continuation_body(b"{}", Endpoint::Chat, &p),
+                Err(why),
+                "{event}"
+            );
+        }
+        let mut p = Partial::new();
+        p.observe(with(r#"{"tool_calls":[],"content":"x"}"#, "null").as_bytes());
+        assert_eq!(p.resumable(), Ok(()), "an empty tool_calls list is no call");
+    }
+
+    #[test]
+    fn continuous_usage_gives_the_token_count() {
+        let mut p = Partial::new();
+        let event = "data: {\"choices\":[{\"index\":0,\"text\":\" catdog\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
+        p.observe(event.as_bytes());
+        assert_eq!(p.tokens_sent(), 2);
+    }
+
+    #[test]
+    fn chat_continues_the_final_assistant_message_with_fewer_tokens() {
+        let mut p = Partial::new();
+        p.observe(format!("{ROLE}{}{}", chat_chunk(" the"), chat_chunk(" cat")).as_bytes());
+        let original = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":10,"max_completion_tokens":12,"min_tokens":1,"stop":["x"],"temperature":0.5,"stream":true}"#;
+        let body: Value =
+            serde_json::from_slice(&continuation_body(original, Endpoint::Chat, &p).unwrap())
+                .unwrap();
+        assert_eq!(
+            body["messages"],
+            json!([{"role":"user","content":"hi"},{"role":"assistant","content":" the cat"}])
+        );
+        assert_eq!(body["continue_final_message"], json!(true));
+        assert_eq!(body["add_generation_prompt"], json!(false));
+        assert_eq!(body["max_tokens"], json!(8));
+        assert_eq!(body["max_completion_tokens"], json!(10));
+        assert_eq!(body["min_tokens"], json!(0));
+        assert_eq!(body["stop"], json!(["x"]));
+        assert_eq!(body["temperature"], json!(0.5));
+        assert_eq!(body["stream"], json!(true));
+        let spent = br#"{"messages":[],"max_tokens":2}"#;
+        assert_eq!(
+            continuation_body(spent, Endpoint::Chat, &p),
+            Err(NotResumable::NothingLeft)
+        );
+    }
+
+    #[test]
+    fn completions_continue_the_prompt_with_the_partial_text() {
+        let mut p = Partial::new();
+        p.observe(b"data: {\"id\":\"cmpl-a\",\"created\":3,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" sun\",\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+        for (prompt, want) in [
+            (json!("Once"), json!("Once sun")),
+            (json!(["Once"]), json!("Once sun")),
+        ] {
+            let original =
+                serde_json::to_vec(&json!({"model":"m","prompt":prompt,"max_tokens":5})).unwrap();
+            let body: Value = serde_json::from_slice(
+                &continuation_body(&original, Endpoint::Completion, &p).unwrap(),
+            )
+            .unwrap();
+            assert_eq!(body["prompt"], want);
+            assert_eq!(body["max_tokens"], json!(4));
+            assert!(body.get("continue_final_message").is_none());
+        }
+    }
+
+    #[test]
+    fn the_continuation_is_spliced_into_the_first_answer() {
+        let mut p = Partial::new();
+        p.observe(format!("{ROLE}{}{}", chat_chunk(" the"), chat_chunk(" cat")).as_bytes());
+        let mut s = Splice::new(&p);
+        let cont = concat!(
+            "data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":9,\"model\":\"m2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":9,\"model\":\"m2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" sat\"},\"logprobs\":null,\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":9,\"model\":\"m2\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"total_tokens\":10,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let bytes = cont.as_bytes();
+        let mut out = s.rewrite(&bytes[..100]);
+        out.extend(s.rewrite(&bytes[100..]));
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        let got = events(text.as_bytes());
+        assert_eq!(got.len(), 3, "the role chunk is dropped: {text}");
+        for e in &got[..2] {
+            assert_eq!(
+                (&e["id"], &e["created"], &e["model"]),
+                (&json!("chatcmpl-a"), &json!(7), &json!("m"))
+            );
+        }
+        assert_eq!(got[0]["choices"][0]["delta"], json!({"content":" sat"}));
+        assert_eq!(got[0]["choices"][0]["finish_reason"], json!("length"));
+        assert_eq!(
+            got[1]["usage"],
+            json!({"prompt_tokens":7,"completion_tokens":3,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":7}})
+        );
+    }
+
+    #[test]
+    fn a_role_chunk_with_content_keeps_its_content() {
+        let p = Partial::new();
+        let mut s = Splice::new(&p);
+        let out = s.rewrite(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"x\"}}]}\n\n");
+        assert_eq!(
+            events(&out)[0]["choices"][0]["delta"],
+            json!({"content":"x"})
+        );
+    }
+
+    #[test]
+    fn a_second_resume_reads_the_spliced_stream() {
+        // The client's stream after one resume: its own id, two tokens from each backend.
+        let mut p = Partial::new();
+        p.observe(format!("{ROLE}{}{}", chat_chunk(" a"), chat_chunk(" b")).as_bytes());
+        let mut s = Splice::new(&p);
+        let cont = "data: {\"id\":\"x\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" c\"},\"finish_reason\":null}]}\n\n";
+        p.observe(&s.rewrite(cont.as_bytes()));
+        assert_eq!((p.text.as_str(), p.tokens_sent()), (" a b c", 3));
+        assert_eq!(p.id.as_deref(), Some("chatcmpl-a"));
+    }
+}

@@ -1,0 +1,228 @@
+//! A stream survives its backend: when a streamed chat or completion request fails after its
+//! first byte, the Worker resumes it on the next candidate and splices the continuation into the
+//! same client stream, so the client never sees the failure.
+//!
+//! [`stream`] runs in `wait_until` for every streamed answer. It pipes the upstream body through
+//! the relay (`relay.rs`); when that body fails mid-answer (reset, closed before `data: [DONE]`,
+//! idle for `STREAM_IDLE_TIMEOUT_MS`, its backend force-removed) and the request allows it
+//! (`routing_core::resume` decides, and builds the continuation from the answer the client
+//! received), it moves the lease to the next candidate the pool ranked, a retry like any other in
+//! the pool's retry budget, which also reports the failure against the backend left behind, and
+//! sends the continuation there with the same first-byte timeout as any attempt. At most
+//! `MAX_STREAM_RESUMES` times per request. Whatever cannot be resumed ends as before: an SSE error
+//! event and `data: [DONE]`.
+//!
+//! Each share the lease ends with says what became of the stream (`Outcome::resume`), which the
+//! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
+//! backends the stream was resumed from.
+
+use crate::proxy::{stream_upstream, with_usage, Attempts, Moved};
+use crate::relay::{Piped, Relay, Upstream};
+use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
+use routing_core::resume::{check_request, continuation_body, Endpoint, NotResumable, Splice};
+use worker::AbortSignal;
+
+/// Whether and how a stream may be resumed, decided before its answer flows.
+pub(crate) struct Resumption {
+    /// The endpoint and the body sent upstream, to continue from.
+    plan: Option<(Endpoint, Vec<u8>)>,
+    /// Why the request rules a resumption out, if it does.
+    ruled_out: Option<NotResumable>,
+    /// Resumptions left (`MAX_STREAM_RESUMES`).
+    left: u32,
+}
+
+impl Resumption {
+    /// The resumption of a stream sent to `path` with `body`, allowed `max` times.
+    pub(crate) fn of(path: &str, body: Vec<u8>, max: u32) -> Resumption {
+        let endpoint = match path {
+            "/v1/chat/completions" => Endpoint::Chat,
+            "/v1/completions" => Endpoint::Completion,
+            _ => return Resumption::never(),
+        };
+        if max == 0 {
+            return Resumption::never();
+        }
+        let ruled_out = check_request(&body, endpoint).err();
+        Resumption {
+            plan: Some((endpoint, body)),
+            ruled_out,
+            left: max,
+        }
+    }
+
+    /// No resumption (turned off, or a stream that cannot move, such as a disaggregated decode).
+    pub(crate) fn never() -> Resumption {
+        Resumption {
+            plan: None,
+            ruled_out: None,
+            left: 0,
+        }
+    }
+
+    /// Whether the answer must be read on its way (only then is it).
+    pub(crate) fn collects(&self) -> bool {
+        self.left > 0 && self.ruled_out.is_none() && self.plan.is_some()
+    }
+}
+
+/// What a failed stream led to.
+enum Next {
+    /// A continuation whose first chunk arrived: pipe it.
+    Continue(Upstream, u64),
+    /// The stream ends with the error event; the lease ends with this outcome (`true`: the pool
+    /// already ended it).
+    End(Outcome, bool),
+}
+
+/// Pipes a streamed answer to the client, resuming it when its backend fails; ends the lease.
+pub(crate) async fn stream(
+    relay: Relay,
+    mut upstream: Upstream,
+    mut attempts: Attempts,
+    mut resumption: Resumption,
+    mut outcome: Outcome,
+    client_signal: AbortSignal,
+) {
+    let guard = attempts.guard.clone();
+    loop {
+        let backend = upstream.backend.clone();
+        let piped = relay.pipe(upstream, &client_signal).await;
+        with_usage(&mut outcome, relay.usage());
+        let failure = match piped {
+            Piped::Complete => {
+                outcome.kind = OutcomeKind::Success;
+                guard.finish(outcome);
+                return;
+            }
+            Piped::Cancelled => {
+                outcome.kind = OutcomeKind::Cancelled;
+                guard.finish(outcome);
+                return;
+            }
+            Piped::Failed(f) => f,
+        };
+        outcome.kind = failure.kind;
+        let next = resume(
+            &relay,
+            &mut attempts,
+            &mut resumption,
+            outcome,
+            &backend,
+            &client_signal,
+        )
+        .await;
+        match next {
+            Next::Continue(next, ttfb_ms) => {
+                upstream = next;
+                outcome = Outcome {
+                    ttfb_ms: Some(ttfb_ms),
+                    resume: Some(StreamResume::Continuation),
+                    ..Outcome::from_status(200)
+                };
+            }
+            Next::End(end, released) => {
+                if end.kind != OutcomeKind::Cancelled {
+                    relay.fail(&failure).await;
+                }
+                if released {
+                    guard.finish_released(end);
+                } else {
+                    guard.finish(end);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// After `failed` (the outcome of the share whose stream broke, on `from`): a continuation on
+/// the next candidate, or the outcome to end the lease with.
+async fn resume(
+    relay: &Relay,
+    attempts: &mut Attempts,
+    resumption: &mut Resumption,
+    failed: Outcome,
+    from: &str,
+    client_signal: &AbortSignal,
+) -> Next {
+    let mid_event = relay.abandon();
+    let end = |mut o: Outcome, why: StreamResume| {
+        // A continuation that fails is counted as one (with its failure's kind).
+        o.resume.get_or_insert(why);
+        Next::End(o, false)
+    };
+    if resumption.left == 0 {
+        return end(failed, StreamResume::NotResumed);
+    }
+    let ruled_out = match (&resumption.ruled_out, mid_event) {
+        (Some(why), _) => Some(*why),
+        (None, true) => Some(NotResumable::MidEvent),
+        (None, false) => None,
+    };
+    let continued = match (&resumption.plan, relay.partial(), ruled_out) {
+        (Some((endpoint, body)), Some(partial), None) => {
+            continuation_body(body, *endpoint, &partial).map(|b| (b, Splice::new(&partial)))
+        }
+        (_, _, Some(why)) => Err(why),
+        _ => Err(NotResumable::Unreadable),
+    };
+    let (body, splice) = match continued {
+        Ok(c) => c,
+        Err(why) => {
+            worker::console_log!("stream from backend {from} not resumable: {}", why.as_str());
+            return end(failed, StreamResume::NotResumable);
+        }
+    };
+    resumption.left -= 1;
+    let untried = attempts.untried();
+    let mut failure = failed;
+    loop {
+        let candidate = match attempts.move_on(&failure, false).await {
+            Moved::To(c) => c,
+            Moved::Nowhere => {
+                worker::console_log!(
+                    "stream from backend {from} not resumed: none of the {untried} candidates left could take it"
+                );
+                return end(failure, StreamResume::NotResumed);
+            }
+            Moved::Refused => return Next::End(failure, true),
+        };
+        attempts.count += 1;
+        let answer = match attempts.attempt(&candidate, &body, client_signal).await {
+            Ok(a) => a,
+            Err(f) if client_signal.aborted() => {
+                drop(f);
+                return Next::End(Outcome::of_kind(OutcomeKind::Cancelled), false);
+            }
+            Err(f) => {
+                failure = f.outcome;
+                failure.resume = Some(StreamResume::Continuation);
+                continue;
+            }
+        };
+        let (Some(body), true) = (answer.body, (200..300).contains(&answer.status)) else {
+            // The backend refused the continuation itself (a 4xx): no other would take it.
+            answer.abort.abort();
+            let refused = Outcome {
+                resume: Some(StreamResume::Continuation),
+                ..Outcome::from_status(answer.status)
+            };
+            return Next::End(refused, false);
+        };
+        worker::console_log!(
+            "stream from backend {from} resumed on backend {}",
+            candidate.id.0
+        );
+        attempts.guard.resumed_from(from);
+        relay.splice(splice);
+        let upstream = stream_upstream(
+            body,
+            answer.first_chunk,
+            answer.abort,
+            &candidate,
+            &attempts.settings,
+        );
+        return Next::Continue(upstream, answer.ttfb_ms);
+    }
+}
