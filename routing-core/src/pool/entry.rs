@@ -2,35 +2,35 @@
 //! reusable slots whose generation tells a removed backend's stale lease shares from a new one's.
 
 use super::views::{CandidateView, ScrapedGauges};
+use super::BackendStats;
 use super::DEFAULT_RETRY_AFTER_S;
 use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
 use crate::breaker::{BreakerConfig, CircuitBreaker};
 use crate::cost::{backend_load, InFlight};
 use crate::health::Health;
-use crate::metrics::BackendStats;
 use crate::time_model::BackendTiming;
 
 /// One registered backend and its live state.
 #[derive(Debug, Clone)]
-pub(crate) struct BackendEntry {
-    pub(crate) key: BackendKey,
-    pub(crate) spec: BackendSpec,
-    pub(crate) lifecycle: Lifecycle,
-    pub(crate) health: Health,
-    pub(crate) breaker: CircuitBreaker,
-    pub(crate) in_flight: InFlight,
-    pub(crate) probed_models: Option<Vec<String>>,
-    pub(crate) scraped: ScrapedGauges,
-    pub(crate) added_ms: u64,
-    pub(crate) stats: BackendStats,
+pub(super) struct BackendEntry {
+    pub(super) key: BackendKey,
+    pub(super) spec: BackendSpec,
+    pub(super) lifecycle: Lifecycle,
+    pub(super) health: Health,
+    pub(super) breaker: CircuitBreaker,
+    pub(super) in_flight: InFlight,
+    pub(super) probed_models: Option<Vec<String>>,
+    pub(super) scraped: ScrapedGauges,
+    pub(super) added_ms: u64,
+    pub(super) stats: BackendStats,
     /// Learned rates and the virtual prefill queue.
-    pub(crate) timing: BackendTiming,
+    pub(super) timing: BackendTiming,
     /// Sequences the last scrape found running, and waiting, beyond the gateway's own leases
     /// (other clients of the same server).
-    pub(crate) external_running: f64,
-    pub(crate) external_waiting: f64,
+    pub(super) external_running: f64,
+    pub(super) external_waiting: f64,
     /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
-    pub(crate) tpot_scraped: Option<(f64, f64)>,
+    pub(super) tpot_scraped: Option<(f64, f64)>,
 }
 
 impl BackendEntry {
@@ -41,7 +41,7 @@ impl BackendEntry {
         }
     }
 
-    pub(crate) fn capacity(&self) -> Capacity {
+    pub(super) fn capacity(&self) -> Capacity {
         let mut c = self.spec.capacity;
         if let Some(blocks) = self.scraped.kv_blocks.filter(|&b| b > 0) {
             c.kv_blocks = blocks;
@@ -52,7 +52,7 @@ impl BackendEntry {
         c
     }
 
-    pub(crate) fn load(&self, queue_weight: f64) -> f64 {
+    pub(super) fn load(&self, queue_weight: f64) -> f64 {
         let c = self.capacity();
         backend_load(
             &self.in_flight,

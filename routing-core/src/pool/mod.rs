@@ -16,7 +16,7 @@
 //! The files: `config` (the knobs), `errors`, `views` (what crosses the boundary), `entry` (slot
 //! storage), `registry` (adding, changing and probing backends), `acquire/` (the decision:
 //! eligible -> rank -> admit -> lease), `leases` (a lease's life after the grant), `persistence`
-//! (snapshots and restore) and `render` (Prometheus text).
+//! (snapshots and restore), `stats` (the counters) and `render` (Prometheus text).
 
 mod acquire;
 mod config;
@@ -26,25 +26,25 @@ mod leases;
 mod persistence;
 mod registry;
 mod render;
+mod stats;
 #[cfg(test)]
 mod test_support;
 mod views;
 
 pub use config::{ConfigError, PoolConfig, MAX_CANDIDATES};
-pub(crate) use entry::BackendEntry;
 pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
+pub use stats::{BackendReport, BackendStats, PoolStats};
 pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, ScrapedGauges};
 
 use crate::affinity::PrefixAffinity;
 use crate::backend::{BackendId, BackendKey, BackendSpec};
 use crate::cost::InFlight;
 use crate::lease::{Lease, LeaseId, LeaseTable};
-use crate::metrics::PoolStats;
 use crate::policy::{self, RoutingPolicy};
 use crate::ring::RingMember;
 use crate::time_model::OutputRatio;
 use acquire::Scratch;
-use entry::Slot;
+use entry::{BackendEntry, Slot};
 use errors::unknown;
 use std::collections::HashMap;
 use std::fmt;
@@ -246,23 +246,23 @@ impl Pool {
         self.index.len()
     }
 
-    pub(crate) fn entries(&self) -> impl Iterator<Item = &BackendEntry> {
+    fn entries(&self) -> impl Iterator<Item = &BackendEntry> {
         self.slots.iter().filter_map(|s| s.entry.as_ref())
     }
 
-    pub(super) fn slot_of(&self, id: &BackendId) -> Result<u32, PoolError> {
+    fn slot_of(&self, id: &BackendId) -> Result<u32, PoolError> {
         self.index.get(id).copied().ok_or_else(|| unknown(id))
     }
 
-    pub(super) fn entry(&self, slot: u32) -> Option<&BackendEntry> {
+    fn entry(&self, slot: u32) -> Option<&BackendEntry> {
         self.slots.get(slot as usize)?.entry.as_ref()
     }
 
-    pub(super) fn entry_mut(&mut self, slot: u32) -> Option<&mut BackendEntry> {
+    fn entry_mut(&mut self, slot: u32) -> Option<&mut BackendEntry> {
         self.slots.get_mut(slot as usize)?.entry.as_mut()
     }
 
-    pub(super) fn entry_for_key_mut(&mut self, key: BackendKey) -> Option<&mut BackendEntry> {
+    fn entry_for_key_mut(&mut self, key: BackendKey) -> Option<&mut BackendEntry> {
         let s = self.slots.get_mut(key.slot as usize)?;
         if s.generation != key.generation {
             return None;
@@ -270,7 +270,7 @@ impl Pool {
         s.entry.as_mut()
     }
 
-    pub(super) fn sync_affinity_capacity(&mut self, slot: u32) {
+    fn sync_affinity_capacity(&mut self, slot: u32) {
         let block_tokens = self.config.block_tokens();
         if let Some(entry) = self.entry(slot) {
             let blocks = entry.capacity().capacity_blocks(block_tokens);
@@ -278,7 +278,7 @@ impl Pool {
         }
     }
 
-    pub(super) fn members_changed(&mut self) {
+    fn members_changed(&mut self) {
         let members: Vec<RingMember<'_>> = self
             .slots
             .iter()
@@ -294,7 +294,7 @@ impl Pool {
         self.policy.members_changed(&members);
     }
 
-    pub(super) fn view(&self, slot: u32) -> Option<BackendView> {
+    fn view(&self, slot: u32) -> Option<BackendView> {
         let e = self.entry(slot)?;
         Some(BackendView {
             id: e.spec.id.clone(),

@@ -3,12 +3,12 @@
 
 use super::entry::{BackendEntry, Slot};
 use super::errors::unknown;
+use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
 use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle};
 use crate::breaker::CircuitBreaker;
 use crate::cost::InFlight;
 use crate::health::{Health, HealthTransition, ProbeVerdict};
-use crate::metrics::BackendStats;
 use crate::time_model::BackendTiming;
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
