@@ -1,13 +1,14 @@
 //! Slot storage: one [`BackendEntry`] per registered backend (its spec and live state), kept in
 //! reusable slots whose generation tells a removed backend's stale lease shares from a new one's.
 
-use super::views::{CandidateView, ScrapedGauges};
+use super::views::CandidateView;
 use super::BackendStats;
 use super::DEFAULT_RETRY_AFTER_S;
 use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
 use crate::breaker::{BreakerConfig, CircuitBreaker};
 use crate::cost::{backend_load, InFlight};
 use crate::health::Health;
+use crate::scrape::ScrapedGauges;
 use crate::time_model::BackendTiming;
 
 /// One registered backend and its live state.

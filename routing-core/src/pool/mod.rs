@@ -31,10 +31,11 @@ mod stats;
 mod test_support;
 mod views;
 
+pub use crate::scrape::ScrapedGauges;
 pub use config::{ConfigError, PoolConfig, MAX_CANDIDATES};
 pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
 pub use stats::{BackendReport, BackendStats, PoolStats};
-pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, ScrapedGauges};
+pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult};
 
 use crate::affinity::PrefixAffinity;
 use crate::backend::{BackendId, BackendKey, BackendSpec};

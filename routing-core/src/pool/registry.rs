@@ -167,12 +167,13 @@ impl Pool {
             }
         }
         let finite = |x: Option<f64>| x.filter(|v| v.is_finite() && *v >= 0.0);
+        let page = &probe.metrics;
         let scraped = &mut entry.scraped;
-        scraped.waiting = finite(probe.waiting).or(scraped.waiting);
-        scraped.running = finite(probe.running).or(scraped.running);
-        scraped.kv_usage = finite(probe.kv_usage).or(scraped.kv_usage);
+        scraped.waiting = finite(page.gauges.waiting).or(scraped.waiting);
+        scraped.running = finite(page.gauges.running).or(scraped.running);
+        scraped.kv_usage = finite(page.gauges.kv_usage).or(scraped.kv_usage);
         // What the server runs beyond the gateway's own leases is someone else's traffic.
-        if probe.running.is_some() || probe.waiting.is_some() {
+        if page.gauges.running.is_some() || page.gauges.waiting.is_some() {
             let (running, waiting) = (
                 scraped.running.unwrap_or(0.0),
                 scraped.waiting.unwrap_or(0.0),
@@ -182,7 +183,7 @@ impl Pool {
             entry.external_running = external - entry.external_waiting;
         }
         // vLLM's own measure of its decode speed since the last scrape, at its current batch.
-        if let (Some(sum), Some(count)) = (probe.tpot_seconds_sum, probe.tpot_count) {
+        if let (Some(sum), Some(count)) = (page.tpot_seconds_sum, page.tpot_count) {
             if let Some((last_sum, last_count)) = entry.tpot_scraped {
                 let tokens = count - last_count;
                 if tokens >= MIN_SCRAPED_TOKENS && sum >= last_sum {
@@ -194,8 +195,16 @@ impl Pool {
             entry.tpot_scraped = Some((sum, count));
         }
         let before = (scraped.kv_blocks, scraped.block_size);
-        scraped.kv_blocks = probe.kv_blocks.filter(|&b| b > 0).or(scraped.kv_blocks);
-        scraped.block_size = probe.block_size.filter(|&b| b > 0).or(scraped.block_size);
+        scraped.kv_blocks = page
+            .gauges
+            .kv_blocks
+            .filter(|&b| b > 0)
+            .or(scraped.kv_blocks);
+        scraped.block_size = page
+            .gauges
+            .block_size
+            .filter(|&b| b > 0)
+            .or(scraped.block_size);
         if (scraped.kv_blocks, scraped.block_size) != before {
             self.sync_affinity_capacity(slot);
         }
@@ -239,6 +248,7 @@ mod tests {
     use crate::pool::test_support::{features, pool_with, spec, up};
     use crate::pool::{AcquireError, PoolConfig, DEFAULT_RETRY_AFTER_S};
     use crate::random::SplitMix64;
+    use crate::scrape::VllmMetrics;
 
     #[test]
     fn pending_backend_serves_nothing_until_probed() {
@@ -357,9 +367,15 @@ mod tests {
         let id = BackendId::from("b0");
         let scrape = |sum: f64, count: f64| ProbeResult {
             ok: true,
-            running: Some(4.0),
-            tpot_seconds_sum: Some(sum),
-            tpot_count: Some(count),
+            metrics: VllmMetrics {
+                gauges: ScrapedGauges {
+                    running: Some(4.0),
+                    ..ScrapedGauges::default()
+                },
+                tpot_seconds_sum: Some(sum),
+                tpot_count: Some(count),
+                ..VllmMetrics::default()
+            },
             ..ProbeResult::default()
         };
         pool.record_probe(&id, &scrape(0.0, 0.0), 1).unwrap();

@@ -436,6 +436,7 @@ mod tests {
     use crate::pool::{Pool, PoolConfig, ProbeResult};
     use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
+    use crate::scrape::{ScrapedGauges, VllmMetrics};
 
     #[test]
     fn renders_every_family_with_prefix_and_escaped_labels() {
@@ -456,7 +457,13 @@ mod tests {
             &id,
             &ProbeResult {
                 ok: true,
-                waiting: Some(2.0),
+                metrics: VllmMetrics {
+                    gauges: ScrapedGauges {
+                        waiting: Some(2.0),
+                        ..ScrapedGauges::default()
+                    },
+                    ..VllmMetrics::default()
+                },
                 ..ProbeResult::default()
             },
             0,

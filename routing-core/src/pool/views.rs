@@ -1,12 +1,13 @@
 //! What crosses the pool's boundary: the [`Grant`] and its [`CandidateView`]s going out, a
 //! [`ProbeResult`] coming in, the [`BackendView`] listings show and the [`BackendSnapshot`] the
-//! Durable Object persists.
+//! Durable Object persists. The scraped figures are [`crate::scrape`]'s.
 
 use crate::backend::{BackendId, Capacity, Lifecycle, Role};
 use crate::breaker::{BreakerSnapshot, BreakerState};
 use crate::health::HealthState;
 use crate::lease::LeaseId;
 use crate::policy::{DecisionKind, PolicyKind};
+use crate::scrape::{ScrapedGauges, VllmMetrics};
 use crate::time_model::TimingView;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -80,36 +81,16 @@ pub struct ProbeResult {
     pub loading: bool,
     /// Model ids from `/v1/models`, if fetched.
     pub models: Option<Vec<String>>,
-    /// `vllm:num_requests_waiting`.
-    pub waiting: Option<f64>,
-    /// `vllm:num_requests_running`.
-    pub running: Option<f64>,
-    /// `vllm:gpu_cache_usage_perc` (or `kv_cache_usage_perc`), 0 to 1.
-    pub kv_usage: Option<f64>,
-    /// `num_gpu_blocks` from `vllm:cache_config_info`.
-    pub kv_blocks: Option<u64>,
-    /// `block_size` from `vllm:cache_config_info`.
-    pub block_size: Option<u32>,
-    /// Cumulative sum of `vllm:time_per_output_token_seconds`.
-    pub tpot_seconds_sum: Option<f64>,
-    /// Cumulative count of `vllm:time_per_output_token_seconds`.
-    pub tpot_count: Option<f64>,
+    /// What `/metrics` said (flattened: the JSON keeps one flat object).
+    #[serde(flatten)]
+    pub metrics: VllmMetrics,
 }
 
-/// Gauges scraped from a backend's `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct ScrapedGauges {
-    /// Requests waiting in vLLM's queue.
-    pub waiting: Option<f64>,
-    /// Requests running.
-    pub running: Option<f64>,
-    /// KV-cache usage, 0 to 1.
-    pub kv_usage: Option<f64>,
-    /// KV blocks reported by the server.
-    pub kv_blocks: Option<u64>,
-    /// Block size reported by the server.
-    pub block_size: Option<u32>,
+impl VllmMetrics {
+    /// Copies the page's figures into a probe result.
+    pub fn apply_to(&self, probe: &mut ProbeResult) {
+        probe.metrics = self.clone();
+    }
 }
 
 /// A backend as listings show it: its spec without the API key, and its live state.
@@ -186,6 +167,25 @@ mod tests {
     use super::*;
     use crate::policy::PolicyKind;
     use crate::pool::test_support::pool_with;
+
+    #[test]
+    fn probe_results_stay_one_flat_json_object() {
+        let old = r#"{"ok":true,"loading":false,"models":["m"],"waiting":2.0,"running":1.0,"kv_usage":0.5,"kv_blocks":64,"block_size":16,"tpot_seconds_sum":1.5,"tpot_count":10.0}"#;
+        let probe: ProbeResult = serde_json::from_str(old).unwrap();
+        assert_eq!(probe.metrics.gauges.waiting, Some(2.0));
+        assert_eq!(probe.metrics.gauges.kv_blocks, Some(64));
+        assert_eq!(probe.metrics.tpot_count, Some(10.0));
+        let back = serde_json::to_value(&probe).unwrap();
+        let old = serde_json::from_str::<serde_json::Value>(old).unwrap();
+        for (k, v) in old.as_object().unwrap() {
+            assert_eq!(&back[k], v, "{k}");
+        }
+        let mut copy = ProbeResult::default();
+        probe.metrics.apply_to(&mut copy);
+        assert_eq!(copy.metrics, probe.metrics);
+        let partial: ProbeResult = serde_json::from_str(r#"{"ok":true}"#).unwrap();
+        assert_eq!(partial.metrics, VllmMetrics::default());
+    }
 
     #[test]
     fn views_and_debug_never_show_the_key() {

@@ -9,6 +9,7 @@ use crate::policy::{DecisionKind, PolicyKind};
 use crate::pool::test_support::{features, pool_with, spec, up};
 use crate::pool::{AcquireError, Pool, PoolConfig, ProbeResult};
 use crate::random::SplitMix64;
+use crate::scrape::{ScrapedGauges, VllmMetrics};
 
 #[test]
 fn unknown_model_is_model_not_found() {
@@ -128,9 +129,15 @@ fn a_backend_busy_with_other_clients_is_avoided() {
     let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
     let busy = ProbeResult {
         ok: true,
-        waiting: Some(20.0),
-        running: Some(10.0),
-        kv_usage: Some(1.0),
+        metrics: VllmMetrics {
+            gauges: ScrapedGauges {
+                waiting: Some(20.0),
+                running: Some(10.0),
+                kv_usage: Some(1.0),
+                ..ScrapedGauges::default()
+            },
+            ..VllmMetrics::default()
+        },
         ..ProbeResult::default()
     };
     pool.record_probe(&BackendId::from("b0"), &busy, 1).unwrap();
