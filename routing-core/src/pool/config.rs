@@ -1,7 +1,6 @@
 //! A pool's configuration: [`PoolConfig`], its ranges ([`PoolConfig::validate`]) and
-//! [`ConfigError`].
+//! [`ConfigError`], with the admission knobs ([`AdmissionConfig`]) it carries.
 
-use crate::admission::AdmissionConfig;
 use crate::breaker::BreakerConfig;
 use crate::health::HealthConfig;
 use crate::policy::{CacheAwareConfig, ConsistentHashConfig, PolicyKind, PredictedLatencyConfig};
@@ -125,6 +124,83 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// A pool's admission knobs (`admission` in the pool's settings).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AdmissionConfig {
+    /// Whether backends have a capacity and requests queue for it (default false).
+    pub enabled: bool,
+    /// Most requests waiting in the pool's queue (default 1,024; 1 to 10,000).
+    pub max_queue: usize,
+    /// Most requests one tenant may have waiting (default 256; 0 = no limit besides its share of
+    /// a full queue).
+    pub max_queue_per_tenant: usize,
+    /// Longest wait before 503 `queue_timeout`, ms (default 30,000; 0 = never wait). A client's
+    /// `x-gateway-max-wait-ms` may shorten it.
+    pub max_wait_ms: u64,
+    /// How far over capacity a backend may be pushed when the queue is empty, as a fraction of
+    /// its capacity (default 0: strict; 0.25 lets a backend of 8 sequences run 10).
+    pub overcommit: f64,
+    /// Requests considered when a freed backend looks for one whose prefix it holds (default 8;
+    /// 1 turns the preference off).
+    pub lookahead: usize,
+    /// Credit a tenant gets per round of deficit round robin, in estimated tokens (default 16, one
+    /// KV block: small, so tenants alternate request by request rather than in bursts).
+    pub quantum_tokens: u64,
+    /// Longest one acquire call waits in the Durable Object before it answers "still queued" and
+    /// the Worker asks again, ms (default 5,000). A waiter whose Worker stops asking leaves the
+    /// queue within about this long.
+    pub poll_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            enabled: false,
+            max_queue: 1024,
+            max_queue_per_tenant: 256,
+            max_wait_ms: 30_000,
+            overcommit: 0.0,
+            lookahead: 8,
+            quantum_tokens: 16,
+            poll_ms: 5_000,
+        }
+    }
+}
+
+/// Largest accepted `max_queue`.
+pub const MAX_QUEUE: usize = 10_000;
+
+impl AdmissionConfig {
+    /// Checks every knob's range.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_queue == 0 || self.max_queue > MAX_QUEUE {
+            return Err("admission.max_queue must be between 1 and 10,000".into());
+        }
+        if self.max_queue_per_tenant > self.max_queue {
+            return Err(
+                "admission.max_queue_per_tenant must be at most max_queue (0: no limit)".into(),
+            );
+        }
+        if self.max_wait_ms > 3_600_000 {
+            return Err("admission.max_wait_ms must be at most 3,600,000".into());
+        }
+        if !(self.overcommit.is_finite() && (0.0..=10.0).contains(&self.overcommit)) {
+            return Err("admission.overcommit must be within [0, 10]".into());
+        }
+        if self.lookahead == 0 || self.lookahead > 64 {
+            return Err("admission.lookahead must be between 1 and 64".into());
+        }
+        if self.quantum_tokens == 0 || self.quantum_tokens > 1_000_000_000 {
+            return Err("admission.quantum_tokens must be between 1 and 1,000,000,000".into());
+        }
+        if !(200..=60_000).contains(&self.poll_ms) {
+            return Err("admission.poll_ms must be between 200 and 60,000".into());
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,5 +270,59 @@ mod tests {
             assert_eq!(g.candidates.len(), 1);
             assert_eq!(pool.expire(0), 1);
         }
+    }
+
+    #[test]
+    fn config_ranges_are_checked() {
+        assert!(AdmissionConfig::default().validate().is_ok());
+        for bad in [
+            AdmissionConfig {
+                max_queue: 0,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_queue: 10_001,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_queue: 10,
+                max_queue_per_tenant: 11,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                overcommit: -0.1,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                overcommit: f64::NAN,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                lookahead: 0,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                quantum_tokens: 0,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                poll_ms: 100,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_wait_ms: 3_600_001,
+                ..AdmissionConfig::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        let json: AdmissionConfig = serde_json::from_str(r#"{"enabled": true}"#).unwrap();
+        assert_eq!(
+            json,
+            AdmissionConfig {
+                enabled: true,
+                ..AdmissionConfig::default()
+            }
+        );
     }
 }

@@ -13,12 +13,13 @@
 //! [`Pool::release`]s the lease with the [`Outcome`](crate::outcome::Outcome), which feeds the breaker and the statistics.
 //! [`Pool::expire`] ends leases nobody released, and [`Pool::next_deadline`] says when to call it.
 //!
-//! The files: `config` (the knobs), `errors`, `views` (what crosses the boundary), `entry` (slot
+//! The files: `config` (the knobs), `capacity` (whether a backend has room), `errors`, `views` (what crosses the boundary), `entry` (slot
 //! storage), `registry` (adding, changing and probing backends), `acquire/` (the decision:
 //! eligible -> rank -> admit -> lease), `leases` (a lease's life after the grant), `persistence`
 //! (snapshots and restore), `stats` (the counters) and `render` (Prometheus text).
 
 mod acquire;
+mod capacity;
 mod config;
 mod entry;
 mod errors;
@@ -32,7 +33,8 @@ mod test_support;
 mod views;
 
 pub use crate::scrape::ScrapedGauges;
-pub use config::{ConfigError, PoolConfig, MAX_CANDIDATES};
+pub use capacity::has_room;
+pub use config::{AdmissionConfig, ConfigError, PoolConfig, MAX_CANDIDATES, MAX_QUEUE};
 pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
 pub use stats::{BackendReport, BackendStats, PoolStats};
 pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult};

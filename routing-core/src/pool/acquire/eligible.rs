@@ -4,10 +4,10 @@
 //! the cost model and the time model. When none is, the step says why.
 
 use super::super::{AcquireError, Pool, DEFAULT_RETRY_AFTER_S};
-use crate::admission::has_room;
 use crate::backend::Role;
 use crate::cost::cache_benefit;
 use crate::policy::{Candidate, PolicyKind};
+use crate::pool::has_room;
 use crate::prompt::RequestFeatures;
 use crate::time_model::room_wait_ms;
 
