@@ -198,11 +198,6 @@ impl Pool {
         self.leases.get(lease_id)
     }
 
-    /// Iterates over the live leases.
-    pub fn leases(&self) -> impl Iterator<Item = &Lease> {
-        self.leases.iter()
-    }
-
     /// The prefix-affinity table.
     pub fn affinity(&self) -> &PrefixAffinity {
         &self.affinity

@@ -1,34 +1,22 @@
 //! What survives a restart: each backend's lifecycle, health and breaker as a
 //! [`BackendSnapshot`], and restoring them into a rebuilt pool.
 
+use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{BackendSnapshot, Pool, PoolError};
 use crate::backend::{BackendId, Lifecycle};
-use crate::breaker::{BreakerSnapshot, CircuitBreaker};
+use crate::breaker::CircuitBreaker;
 use crate::health::Health;
 
 impl Pool {
     /// One backend's persistent state (what a request's ending may have changed).
     pub fn snapshot(&self, id: &BackendId) -> Option<BackendSnapshot> {
-        let e = self.entry(*self.index.get(id)?)?;
-        Some(BackendSnapshot {
-            id: e.spec.id.clone(),
-            lifecycle: e.lifecycle,
-            health: e.health.state,
-            breaker: e.breaker.snapshot(),
-        })
+        self.entry(*self.index.get(id)?).map(snapshot_of)
     }
 
     /// Every backend's persistent state.
     pub fn snapshots(&self) -> Vec<BackendSnapshot> {
-        self.entries()
-            .map(|e| BackendSnapshot {
-                id: e.spec.id.clone(),
-                lifecycle: e.lifecycle,
-                health: e.health.state,
-                breaker: e.breaker.snapshot(),
-            })
-            .collect()
+        self.entries().map(snapshot_of).collect()
     }
 
     /// Restores a backend's persisted state after a restart (the backend must be added first).
@@ -46,24 +34,14 @@ impl Pool {
         entry.breaker = CircuitBreaker::restore(snapshot.breaker);
         Ok(())
     }
+}
 
-    /// Every backend's breaker state, for persistence.
-    pub fn persisted_breakers(&self) -> Vec<(BackendId, BreakerSnapshot)> {
-        self.entries()
-            .map(|e| (e.spec.id.clone(), e.breaker.snapshot()))
-            .collect()
-    }
-
-    /// Restores one backend's breaker after a restart.
-    pub fn restore_breaker(
-        &mut self,
-        id: &BackendId,
-        snapshot: BreakerSnapshot,
-    ) -> Result<(), PoolError> {
-        let slot = self.slot_of(id)?;
-        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
-        entry.breaker = CircuitBreaker::restore(snapshot);
-        Ok(())
+fn snapshot_of(e: &BackendEntry) -> BackendSnapshot {
+    BackendSnapshot {
+        id: e.spec.id.clone(),
+        lifecycle: e.lifecycle,
+        health: e.health.state,
+        breaker: e.breaker.snapshot(),
     }
 }
 
@@ -75,7 +53,7 @@ mod tests {
     use crate::outcome::Outcome;
     use crate::policy::PolicyKind;
     use crate::pool::test_support::{features, pool_with, spec};
-    use crate::pool::{BackendSnapshot, Pool, PoolConfig};
+    use crate::pool::{BackendSnapshot, Pool};
     use crate::random::SplitMix64;
 
     #[test]
@@ -98,10 +76,5 @@ mod tests {
             (view.lifecycle, view.health, view.breaker),
             (Lifecycle::Ready, HealthState::Healthy, BreakerState::Open)
         );
-        let (id, b) = pool.persisted_breakers().remove(0);
-        let mut other = Pool::new("p2", PoolConfig::default());
-        other.add_backend(spec("b0"), 0).unwrap();
-        other.restore_breaker(&id, b).unwrap();
-        assert_eq!(other.backend(&id).unwrap().breaker, BreakerState::Open);
     }
 }
