@@ -23,6 +23,7 @@ pub mod backend;
 pub mod breaker;
 pub mod cost;
 pub mod health;
+pub mod held_blocks;
 pub mod history;
 pub mod lease;
 pub mod metrics;
@@ -36,6 +37,7 @@ pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;
+pub mod shard;
 pub mod time_model;
 pub mod usage;
 

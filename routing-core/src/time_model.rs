@@ -421,21 +421,24 @@ impl BackendTiming {
 }
 
 /// How long a request waits for room on a backend that is out of KV-cache space or sequence
-/// slots: vLLM admits it only when running sequences finish and free theirs. Running sequences
-/// finish, on average, half a decode (`decode_ms / 2`) from now, freeing their tokens at a
-/// steady rate, so the wait is that time scaled by the shortfall:
+/// slots: vLLM admits it only when running sequences finish and free theirs. A full backend frees
+/// its whole capacity about once per decode (`decode_ms`), so a shortfall of `s` tokens (or
+/// sequences) takes that fraction of a decode to free, however many requests are queued ahead:
 ///
 /// ```text
-/// memory wait = decode_ms / 2 × max(tokens + request − capacity, 0) / tokens
-/// slot wait   = decode_ms / 2 × max(sequences + 1 − max_num_seqs, 0) / sequences
+/// memory wait = decode_ms × max(tokens + request − capacity, 0) / capacity
+/// slot wait   = decode_ms × max(sequences + 1 − max_num_seqs, 0) / max_num_seqs
 /// ```
 ///
-/// and the larger of the two counts. `tokens` are the backend's in-flight tokens (uncached
-/// prompt plus expected output of its leases, or what vLLM reports pinned, if more).
+/// and the larger of the two counts. `tokens` are the backend's in-flight tokens (the distinct
+/// prompt blocks its leases hold plus their expected output, or what vLLM reports pinned, if
+/// more). An earlier form, `decode_ms / 2 × shortfall / tokens`, assumed every in-flight request
+/// was running and saturated at half a decode; with conversations queued two deep for memory it
+/// predicted a fifth of the wait (the timed simulation's chat at 64 users on 512 blocks).
 ///
 /// A server that queues requests itself (vLLM's `num_requests_waiting` at the last probe, while
-/// `running` run) makes a new one wait behind them too, priced at half the rate above:
-/// `decode_ms / 4 × waiting / running`. At the full rate the figure, a probe interval old, sent
+/// `running` run) makes a new one wait behind them too, priced at
+/// `decode_ms / 4 × waiting / running`. At twice that weight the figure, a probe interval old, sent
 /// conversations away from their caches under KV pressure, and their recomputation filled the
 /// caches further (`make bench`'s chat workload at 64 clients: hit rate 80%, TTFT p99 tripled);
 /// without it a hot prefix's holder kept its queue (prefix-groups near saturation: TTFT p99
@@ -449,11 +452,12 @@ pub fn room_wait_ms(
     decode_ms: f64,
     engine_queue: (f64, f64),
 ) -> f64 {
-    let half = decode_ms.max(0.0) / 2.0;
+    let decode = decode_ms.max(0.0);
+    let half = decode / 2.0;
     let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
-    let memory = half * short_tokens as f64 / in_flight_tokens.max(1) as f64;
+    let memory = decode * short_tokens as f64 / capacity_tokens.max(1) as f64;
     let short_seqs = (sequences + 1).saturating_sub(max_num_seqs.max(1));
-    let slots = half * f64::from(short_seqs) / f64::from(sequences.max(1));
+    let slots = decode * f64::from(short_seqs) / f64::from(max_num_seqs.max(1));
     let (waiting, running) = engine_queue;
     let queued = if waiting.is_finite() && waiting > 0.0 {
         half / 2.0 * waiting / running.max(1.0)
@@ -549,12 +553,15 @@ mod tests {
     fn a_full_backend_makes_requests_wait_for_room() {
         let idle = (0.0, 0.0);
         assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0, idle), 0.0);
-        // 8,000 tokens in flight, 1,192 over with this request: 500 ms x 1,192 / 8,000.
+        // 8,000 tokens in flight, 1,192 over with this request: a decode x 1,192 / 8,192.
         let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0, idle);
-        assert!((w - 500.0 * 1_192.0 / 8_000.0).abs() < 1e-9, "{w}");
-        // Every slot taken: 500 ms x 1 / 4.
-        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0, idle) - 125.0).abs() < 1e-9);
-        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0, idle), 25_000.0);
+        assert!((w - 1_000.0 * 1_192.0 / 8_192.0).abs() < 1e-9, "{w}");
+        // Twice the capacity queued: the wait grows with it, it does not saturate.
+        let w2 = room_wait_ms(16_000, 1_384, 8_192, 8, 64, 1_000.0, idle);
+        assert!((w2 - 1_000.0 * 9_192.0 / 8_192.0).abs() < 1e-9, "{w2}");
+        // Every slot taken: a decode x 1 / 4.
+        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0, idle) - 250.0).abs() < 1e-9);
+        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0, idle), 1_000.0);
         // The server queues 6 requests itself while 12 run: 250 ms x 6 / 12.
         let w = room_wait_ms(100, 10, 8_192, 4, 64, 1_000.0, (6.0, 12.0));
         assert!((w - 125.0).abs() < 1e-9, "{w}");

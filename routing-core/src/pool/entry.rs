@@ -8,7 +8,9 @@ use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
 use crate::breaker::{BreakerConfig, CircuitBreaker};
 use crate::cost::{backend_load, InFlight};
 use crate::health::Health;
+use crate::held_blocks::HeldBlocks;
 use crate::scrape::ScrapedGauges;
+use crate::shard::ShardLoad;
 use crate::time_model::BackendTiming;
 
 /// One registered backend and its live state.
@@ -32,6 +34,14 @@ pub(super) struct BackendEntry {
     pub(super) external_waiting: f64,
     /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
     pub(super) tpot_scraped: Option<(f64, f64)>,
+    /// Sibling coordinator shards' load on the backend, with their backlog as of `remote_at_ms`
+    /// (zero with one shard).
+    pub(super) remote: ShardLoad,
+    pub(super) remote_at_ms: u64,
+    /// This shard's own in-flight leases when it last reported (see [`BackendEntry::all_in_flight`]).
+    pub(super) reported: InFlight,
+    /// Prompt blocks the live leases hold here.
+    pub(super) held: HeldBlocks,
 }
 
 impl BackendEntry {
@@ -53,10 +63,48 @@ impl BackendEntry {
         c
     }
 
-    pub(super) fn load(&self, queue_weight: f64) -> f64 {
+    /// What is in flight on the backend: this coordinator's leases and its sibling shards'.
+    ///
+    /// Siblings count as of their last report, plus what they probably placed since: each of this
+    /// shard's own placements since its last report is assumed to have `echo` twins among its
+    /// siblings (`echo` = (shards - 1) × [`SIBLING_ECHO`](crate::shard::SIBLING_ECHO)). See [`crate::shard`].
+    pub(super) fn all_in_flight(&self, echo: f64) -> InFlight {
+        let mut all = self.in_flight;
+        let remote = self.remote.in_flight();
+        let grown = |now: u64, then: u64| (now.saturating_sub(then) as f64 * echo) as u64;
+        all.leases = all
+            .leases
+            .saturating_add(remote.leases)
+            .saturating_add(grown(
+                u64::from(self.in_flight.leases),
+                u64::from(self.reported.leases),
+            ) as u32);
+        all.prompt_tokens = all
+            .prompt_tokens
+            .saturating_add(remote.prompt_tokens)
+            .saturating_add(grown(
+                self.in_flight.prompt_tokens,
+                self.reported.prompt_tokens,
+            ));
+        all.output_tokens = all
+            .output_tokens
+            .saturating_add(remote.output_tokens)
+            .saturating_add(grown(
+                self.in_flight.output_tokens,
+                self.reported.output_tokens,
+            ));
+        all
+    }
+
+    /// Sibling shards' prefill backlog on the backend, drained to `now_ms`.
+    pub(super) fn remote_backlog_ms(&self, now_ms: u64) -> f64 {
+        (self.remote.backlog_ms - now_ms.saturating_sub(self.remote_at_ms) as f64).max(0.0)
+    }
+
+    pub(super) fn load(&self, queue_weight: f64, echo: f64) -> f64 {
         let c = self.capacity();
         backend_load(
-            &self.in_flight,
+            &self.all_in_flight(echo),
             c.capacity_tokens(),
             self.scraped.waiting.unwrap_or(0.0),
             c.max_num_seqs,
@@ -65,8 +113,8 @@ impl BackendEntry {
     }
 
     /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
-    pub(super) fn running(&self) -> f64 {
-        f64::from(self.in_flight.leases) + self.external_running
+    pub(super) fn running(&self, echo: f64) -> f64 {
+        f64::from(self.all_in_flight(echo).leases) + self.external_running
     }
 
     pub(super) fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {

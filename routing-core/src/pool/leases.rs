@@ -5,7 +5,7 @@
 use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{CandidateView, Pool, PoolError};
-use crate::backend::{BackendId, Lifecycle};
+use crate::backend::{BackendId, BackendKey, Lifecycle};
 use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
 use crate::outcome::{Outcome, OutcomeKind};
 use crate::time_model::{Observation, SharePrediction};
@@ -46,8 +46,12 @@ impl Pool {
         if !target.available(now_ms, &breaker_config) {
             return Err(PoolError::BackendUnavailable { id: to.clone() });
         }
+        let blocks = self.lease_blocks.get(&lease_id).map(|(_, b)| b.clone());
         self.settle(&old, failure, lease_id, acquired_ms, now_ms);
         let share = self.admit(slot, prompt_tokens, output, now_ms);
+        if let (Some(_), Some(blocks)) = (&share, blocks) {
+            self.hold_blocks(lease_id, slot, blocks);
+        }
         let Some(share) = share else {
             // Retrying on the backend that just failed can open its breaker: the lease has
             // nowhere to go, so it ends here (its decode share too) rather than leak.
@@ -234,6 +238,29 @@ impl Pool {
         self.unshare(share, outcome.kind, lease_id, now_ms);
     }
 
+    /// Counts `blocks` as held on `slot` by lease `lease_id`.
+    pub(super) fn hold_blocks(&mut self, lease_id: LeaseId, slot: u32, blocks: Vec<u64>) {
+        let Some(entry) = self.entry_mut(slot) else {
+            return;
+        };
+        entry.held.hold(&blocks);
+        let key = entry.key;
+        self.lease_blocks.insert(lease_id, (key, blocks));
+    }
+
+    /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
+    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
+        match self.lease_blocks.get(&lease_id) {
+            Some((key, _)) if *key == backend => {}
+            _ => return None,
+        }
+        let (_, blocks) = self.lease_blocks.remove(&lease_id)?;
+        if let Some(entry) = self.entry_for_key_mut(backend) {
+            entry.held.release(&blocks);
+        }
+        Some(blocks)
+    }
+
     /// Takes a share off its backend's counters and tells the breaker how it ended.
     pub(super) fn unshare(
         &mut self,
@@ -242,6 +269,7 @@ impl Pool {
         lease_id: LeaseId,
         now_ms: u64,
     ) {
+        self.drop_blocks(lease_id, share.backend);
         // Admission control's hook: a backend freed room (bounded; the queue drains it).
         if self.config.admission.enabled && self.freed.len() < 1024 {
             self.freed.push(share.backend.slot);

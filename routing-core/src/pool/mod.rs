@@ -16,7 +16,7 @@
 //! The files: `config` (the knobs), `capacity` (whether a backend has room), `errors`, `views` (what crosses the boundary), `entry` (slot
 //! storage), `registry` (adding, changing and probing backends), `acquire/` (the decision:
 //! eligible -> rank -> admit -> lease), `leases` (a lease's life after the grant), `persistence`
-//! (snapshots and restore), `stats` (the counters) and `render` (Prometheus text).
+//! (snapshots and restore), `siblings` (this pool as one of several coordinator shards), `stats` (the counters) and `render` (Prometheus text).
 
 mod acquire;
 mod capacity;
@@ -27,6 +27,7 @@ mod leases;
 mod persistence;
 mod registry;
 mod render;
+mod siblings;
 mod stats;
 #[cfg(test)]
 mod test_support;
@@ -45,6 +46,7 @@ use crate::cost::InFlight;
 use crate::lease::{Lease, LeaseId, LeaseTable};
 use crate::policy::{self, RoutingPolicy};
 use crate::ring::RingMember;
+use crate::shard::SiblingLoads;
 use crate::time_model::OutputRatio;
 use acquire::Scratch;
 use entry::{BackendEntry, Slot};
@@ -72,6 +74,14 @@ pub struct Pool {
     now_hint_ms: u64,
     /// Slots where a lease share ended since [`Pool::take_freed`] (admission control only).
     freed: Vec<u32>,
+    /// This coordinator's shard index, and its siblings' load reports when the pool has several.
+    shard: u32,
+    shards: u32,
+    siblings: Option<SiblingLoads>,
+    /// When the siblings' load was last summed into the entries.
+    siblings_summed_ms: u64,
+    /// Each live lease's prompt blocks and the backend holding them.
+    lease_blocks: HashMap<LeaseId, (BackendKey, Vec<u64>)>,
 }
 
 impl fmt::Debug for Pool {
@@ -113,6 +123,11 @@ impl Pool {
             mean_uncached_tokens: 0.0,
             now_hint_ms: 0,
             freed: Vec::new(),
+            shard: 0,
+            shards: 1,
+            siblings: None,
+            siblings_summed_ms: 0,
+            lease_blocks: HashMap::new(),
         }
     }
 
@@ -316,7 +331,7 @@ impl Pool {
             leases_in_flight: e.in_flight.leases,
             inflight_prompt_tokens: e.in_flight.prompt_tokens,
             inflight_output_tokens: e.in_flight.output_tokens,
-            load: e.load(self.config.queue_weight),
+            load: e.load(self.config.queue_weight, self.echo()),
             affinity_blocks: self.affinity.backend_len(slot),
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,

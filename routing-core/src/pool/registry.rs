@@ -9,6 +9,8 @@ use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle
 use crate::breaker::CircuitBreaker;
 use crate::cost::InFlight;
 use crate::health::{Health, HealthTransition, ProbeVerdict};
+use crate::held_blocks::HeldBlocks;
+use crate::shard::ShardLoad;
 use crate::time_model::BackendTiming;
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
@@ -49,6 +51,10 @@ impl Pool {
             external_running: 0.0,
             external_waiting: 0.0,
             tpot_scraped: None,
+            remote: ShardLoad::default(),
+            remote_at_ms: 0,
+            reported: InFlight::default(),
+            held: HeldBlocks::default(),
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -178,7 +184,8 @@ impl Pool {
                 scraped.running.unwrap_or(0.0),
                 scraped.waiting.unwrap_or(0.0),
             );
-            let external = (running + waiting - f64::from(entry.in_flight.leases)).max(0.0);
+            let ours = f64::from(entry.in_flight.leases) + f64::from(entry.remote.leases);
+            let external = (running + waiting - ours).max(0.0);
             entry.external_waiting = external.min(waiting);
             entry.external_running = external - entry.external_waiting;
         }

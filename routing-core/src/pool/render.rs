@@ -151,7 +151,7 @@ impl Pool {
                     "llm_gateway_backend_load",
                     name,
                     &[("backend", id)],
-                    e.view.load,
+                    e.reported_load,
                 )
             },
         );

@@ -78,6 +78,9 @@ pub struct BackendReport<'a> {
     pub health_transitions: u64,
     /// Breaker transitions so far, indexed like [`crate::breaker::BreakerState::ALL`].
     pub breaker_transitions: [u64; 3],
+    /// Load by the cost model with the siblings' reported load but without the estimate of what
+    /// they placed since (the listing's `load` includes it).
+    pub reported_load: f64,
 }
 
 impl Pool {
@@ -95,6 +98,7 @@ impl Pool {
                 stats: &e.stats,
                 health_transitions: e.health.transitions,
                 breaker_transitions: e.breaker.transitions(),
+                reported_load: e.load(self.config.queue_weight, 0.0),
             })
         })
     }

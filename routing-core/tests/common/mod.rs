@@ -1,5 +1,7 @@
-//! What the fleet simulations share: the simulated pool, a simulated server's prefix cache and
-//! filler text.
+//! What the fleet simulations share: the simulated pool, a simulated server's prefix cache,
+//! filler text, and the timed simulator ([`timed`]).
+
+pub mod timed;
 
 use routing_core::{
     BackendSpec, Capacity, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource, SplitMix64,

@@ -2,8 +2,8 @@
 //!
 //! The oracle replays the workload's requests in order against one cache that holds every block
 //! any backend of the fleet could hold. It counts exactly what vllm-sim counts (see
-//! `tools/vllm-sim/README.md`): a prompt is rendered with the sim's chat template, cut into blocks of
-//! `block_tokens` x 4 bytes with chained xxh3 hashes; its *queries* are its tokens, its *hits* the
+//! `tools/vllm-sim/README.md`), calling the sim's own library: a prompt is rendered with the sim's
+//! chat template and cut into blocks of `block_tokens` x 4 bytes with the sim's chained hashes; its *queries* are its tokens, its *hits* the
 //! leading blocks found in the cache, never counting the last prompt token (a fully cached prompt
 //! still computes one token); after the answer, the full blocks of prompt + answer except the one
 //! holding the last token are cached, as vLLM caches generated blocks.
@@ -23,44 +23,29 @@ use crate::rng::Rng;
 use crate::workload::{messages, words, Message, Plan};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use xxhash_rust::xxh3::Xxh3;
+use vllm_sim::prompt::{ChatEnding, ChatMessage, MessageContent};
 
-/// Bytes per token under the approximation the gateway and vllm-sim share.
-pub const BYTES_PER_TOKEN: usize = 4;
-
-/// Renders chat messages with vllm-sim's template (generation prompt included).
+/// Renders chat messages with vllm-sim's template (generation prompt included), by calling it.
 pub fn render_chat(messages: &[Message]) -> Vec<u8> {
-    let mut out = String::new();
-    for m in messages {
-        out.push_str("<|");
-        out.push_str(m.role);
-        out.push_str("|>\n");
-        out.push_str(&m.content);
-        out.push('\n');
-    }
-    out.push_str("<|assistant|>\n");
-    out.into_bytes()
-}
-
-/// Tokens of `bytes`: one per four bytes, rounded up.
-pub fn tokens(bytes: usize) -> usize {
-    bytes.div_ceil(BYTES_PER_TOKEN)
-}
-
-/// Chained hashes of every full block of `bytes`, as vllm-sim computes them.
-pub fn block_hashes(bytes: &[u8], block_tokens: usize) -> Vec<u64> {
-    let block_bytes = block_tokens * BYTES_PER_TOKEN;
-    let mut prev = 0u64;
-    bytes
-        .chunks_exact(block_bytes)
-        .map(|block| {
-            let mut h = Xxh3::new();
-            h.update(&prev.to_le_bytes());
-            h.update(block);
-            prev = h.digest();
-            prev
+    let messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage {
+            role: m.role.to_string(),
+            content: Some(MessageContent::Text(m.content.clone())),
         })
-        .collect()
+        .collect();
+    // The only error is an empty list, whose rendering is empty.
+    vllm_sim::prompt::render_chat(&messages, ChatEnding::GenerationPrompt).unwrap_or_default()
+}
+
+/// Tokens of `bytes` under vllm-sim's tokenizer approximation.
+fn tokens(bytes: usize) -> usize {
+    vllm_sim::tokenizer::count_tokens(bytes) as usize
+}
+
+/// Chained hashes of every full block of `bytes`, by vllm-sim's own function.
+fn block_hashes(bytes: &[u8], block_tokens: usize) -> Vec<u64> {
+    vllm_sim::kv_cache::block_hashes(bytes, u32::try_from(block_tokens).unwrap_or(u32::MAX))
 }
 
 /// A set of cached blocks, unbounded or LRU-bounded.
@@ -225,25 +210,30 @@ pub fn requests_of(plan: &Plan, seed: u64) -> Vec<OracleRequest> {
                 .collect()
         })
         .collect();
+    replay_order(plan)
+        .map(|(s, turn)| OracleRequest {
+            prompt: render_chat(&messages(&plan.sessions[s], turn, &answers[s])),
+            answer: answers[s][turn].clone().into_bytes(),
+        })
+        .collect()
+}
+
+/// `(session, turn)` in the order the oracle replays a plan: every session's first turn, then
+/// every second turn, ...
+fn replay_order(plan: &Plan) -> impl Iterator<Item = (usize, usize)> + '_ {
     let rounds = plan
         .sessions
         .iter()
         .map(|s| s.turns.len())
         .max()
         .unwrap_or(0);
-    let mut out = Vec::with_capacity(plan.requests());
-    for turn in 0..rounds {
-        for (s, session) in plan.sessions.iter().enumerate() {
-            if turn < session.turns.len() {
-                let prompt = render_chat(&messages(session, turn, &answers[s]));
-                out.push(OracleRequest {
-                    prompt,
-                    answer: answers[s][turn].clone().into_bytes(),
-                });
-            }
-        }
-    }
-    out
+    (0..rounds).flat_map(move |turn| {
+        plan.sessions
+            .iter()
+            .enumerate()
+            .filter(move |(_, session)| turn < session.turns.len())
+            .map(move |(s, _)| (s, turn))
+    })
 }
 
 #[cfg(test)]
@@ -256,37 +246,6 @@ mod tests {
             prompt: prompt.as_bytes().to_vec(),
             answer: vec![b'x'; answer_tokens * 4],
         }
-    }
-
-    #[test]
-    fn hashes_match_vllm_sims_chaining() {
-        // Same construction as vllm-sim's kv_cache::chain_hash: xxh3(prev.to_le_bytes() ++ block).
-        let bytes = vec![b'a'; 64 * 2 + 10];
-        let h = block_hashes(&bytes, 16);
-        assert_eq!(h.len(), 2);
-        let mut first = Xxh3::new();
-        first.update(&0u64.to_le_bytes());
-        first.update(&bytes[..64]);
-        assert_eq!(h[0], first.digest());
-        assert_ne!(h[0], h[1]);
-    }
-
-    #[test]
-    fn template_matches_the_sims() {
-        let m = [
-            Message {
-                role: "system",
-                content: "Be brief.".into(),
-            },
-            Message {
-                role: "user",
-                content: "Hi".into(),
-            },
-        ];
-        assert_eq!(
-            render_chat(&m),
-            b"<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
-        );
     }
 
     #[test]
@@ -395,5 +354,106 @@ mod tests {
         // Round 2 of user 0 starts with round 1's prompt followed by its answer.
         assert!(reqs[3].prompt.starts_with(&reqs[0].prompt));
         assert!(bound(&reqs, 0, 16, 10_000).hit_rate > 0.5);
+    }
+
+    /// Starts an in-process vllm-sim on 127.0.0.1 (port chosen by the system) with `kv_blocks` blocks
+    /// of 16 tokens; returns its chat completions URL.
+    async fn start_sim(kv_blocks: u32) -> String {
+        use clap::Parser;
+        use vllm_sim::{config::Config, launch, server};
+        let kv_blocks = kv_blocks.to_string();
+        let mut config = Config::parse_from([
+            "vllm-sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--model",
+            "m",
+            "--kv-blocks",
+            &kv_blocks,
+            "--block-size",
+            "16",
+            "--decode-ms-per-step",
+            "1",
+            "--prefill-us-per-token",
+            "1",
+        ]);
+        let listener = launch::bind(&config.host, config.port)
+            .await
+            .expect("binds");
+        config.port = listener.local_addr().expect("address").port();
+        let url = format!("http://127.0.0.1:{}/v1/chat/completions", config.port);
+        let state = std::sync::Arc::new(launch::app_state(config));
+        tokio::spawn(server::serve(listener, state));
+        url
+    }
+
+    /// The oracle's counts against a real vllm-sim's: the plan is sent to one sim one request at a
+    /// time (turn by turn across sessions, real answers fed back as history, as the driver does),
+    /// and the oracle replays the same prompts and answers. Its unbounded queries and hits must
+    /// equal the sim's summed `prompt_tokens` and `cached_tokens`: any divergence in the template,
+    /// the block hashes, the last-token rule or the caching of generated blocks shows up here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn predicted_hits_equal_a_real_sims_cached_tokens() {
+        let url = start_sim(4096).await;
+        let http = crate::client::Http::new();
+        for (name, plan) in [
+            (
+                "multi-turn",
+                Workload::MultiTurn {
+                    users: 3,
+                    rounds: 3,
+                    system_tokens: 70,
+                    question_tokens: 9,
+                    output_tokens: 13,
+                    user_context_tokens: 21,
+                    warmup_requests: 0,
+                }
+                .generate(5),
+            ),
+            (
+                "shared-prefix",
+                Workload::SharedPrefix {
+                    groups: 2,
+                    prompts_per_group: 3,
+                    system_tokens: 50,
+                    question_tokens: 7,
+                    output_tokens: 3,
+                    requests: 10,
+                    zipf: 0.0,
+                    warmup_per_group: 0,
+                }
+                .generate(6),
+            ),
+        ] {
+            let mut answers: Vec<Vec<String>> = vec![Vec::new(); plan.sessions.len()];
+            let mut replay = Vec::new();
+            let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
+            for (s, turn) in replay_order(&plan) {
+                let body = crate::driver::request_body("m", &plan, s, turn, &answers[s]);
+                let r = http
+                    .stream(&url, body, &[], std::time::Duration::from_secs(60))
+                    .await;
+                assert!(r.ok(), "{name}: {r:?}");
+                prompt_tokens += u64::from(r.prompt_tokens.expect("usage"));
+                cached_tokens += u64::from(r.cached_tokens.expect("cached tokens"));
+                replay.push(OracleRequest {
+                    prompt: render_chat(&messages(&plan.sessions[s], turn, &answers[s])),
+                    answer: r.text.clone().into_bytes(),
+                });
+                answers[s].push(r.text);
+            }
+            let predicted = bound(&replay, 0, 16, 4096).unbounded;
+            assert!(predicted.hits > 0, "{name}: the workload shares nothing");
+            assert_eq!(
+                predicted,
+                HitCount {
+                    queries: prompt_tokens,
+                    hits: cached_tokens
+                },
+                "{name}"
+            );
+        }
     }
 }

@@ -1,6 +1,8 @@
 //! End-to-end checks of the built `vllm-sim` binary over real HTTP on 127.0.0.1: the faults a
-//! gateway must survive (stall, truncated body, disconnect mid-event), usage reporting, continuing a
-//! final assistant message through the prefix cache, and the latency histograms.
+//! gateway must survive (stall, truncated body, a stream dropped after N tokens or in the middle of
+//! an event, a crash mid-stream), usage reporting, resuming a dropped answer through the prefix
+//! cache (a continued final assistant message, a completion prompt extended by its partial text),
+//! and the latency histograms.
 //!
 //! Each test starts its own sim process (`--port 0`, the address read from stdout) and talks to it
 //! with a deliberately small HTTP/1.1 client over `std::net::TcpStream`, so that cut bodies, missing
@@ -402,6 +404,139 @@ fn a_stream_can_be_cut_in_the_middle_of_an_event() {
     assert!(tail.starts_with("data: {\"id\":\"cmpl-") && !reply.complete);
     let whole = sim.post("/v1/completions", json!({"prompt": "x", "max_tokens": 5}));
     assert_eq!(whole.json()["usage"]["completion_tokens"], 5);
+}
+
+/// The text of a stream's whole events: chat deltas or completion texts, in order.
+fn streamed_text(events: &[String]) -> String {
+    events
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).expect("a JSON chunk"))
+        .filter_map(|chunk| {
+            let choice = &chunk["choices"][0];
+            choice["delta"]["content"]
+                .as_str()
+                .or(choice["text"].as_str())
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn a_stream_dropped_after_n_tokens_resumes_through_the_prefix_cache() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"disconnect_after_tokens": 20}));
+    let text = long_text(616); // rendered prompt: 640 bytes, 160 tokens
+    let mut request = chat(user(&text), 40, true);
+    request["stream_options"] = json!({"include_usage": true});
+    let dropped = sim.post("/v1/chat/completions", request);
+    assert_eq!(dropped.status, 200);
+    assert!(!dropped.complete, "no terminating chunk");
+    let (events, tail) = dropped.events();
+    // Cut cleanly between events: the role chunk and 20 tokens, no usage, no [DONE].
+    assert_eq!(tail, "");
+    assert_eq!(events.len(), 21, "{events:?}");
+    assert!(!dropped.text().contains("[DONE]") && !dropped.text().contains("\"usage\""));
+    let partial = streamed_text(&events);
+    assert_eq!(partial.len(), 80, "20 tokens of 4 bytes");
+    // The sequence ends (aborted, or finished first if it was quicker than the cut).
+    sim.wait_for("the end of the sequence", |s| {
+        s.metric("vllm:num_requests_running", "") == 0.0
+    });
+
+    // The resume: the partial answer as a final assistant message to continue. Its prompt is the
+    // original 160 tokens plus the 20 of the partial answer; the first request computed 160 + 19
+    // tokens or more, so at least 11 full blocks are cached, and the 11 the prompt fills are used.
+    sim.faults(json!({"reset": true}));
+    let mut resume = chat(
+        json!([{"role": "user", "content": text}, {"role": "assistant", "content": partial}]),
+        20,
+        true,
+    );
+    resume["continue_final_message"] = json!(true);
+    resume["add_generation_prompt"] = json!(false);
+    resume["stream_options"] = json!({"include_usage": true});
+    let resumed = sim.post("/v1/chat/completions", resume);
+    assert!(resumed.complete, "{}", resumed.text());
+    let (events, _) = resumed.events();
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 180, "completion_tokens": 20, "total_tokens": 200,
+               "prompt_tokens_details": {"cached_tokens": 176}})
+    );
+    assert_eq!(streamed_text(&events).len(), 80);
+}
+
+#[test]
+fn a_completion_prompt_extended_by_its_partial_text_hits_the_prefix_cache() {
+    let sim = Sim::start(&["--fault-disconnect-after-tokens", "20"]);
+    let prompt = long_text(640); // 160 tokens
+    let dropped = sim.post(
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 40, "ignore_eos": true, "stream": true}),
+    );
+    let (events, tail) = dropped.events();
+    assert!(!dropped.complete && tail.is_empty());
+    assert_eq!(events.len(), 20, "{events:?}");
+    let partial = streamed_text(&events);
+    assert_eq!(partial.len(), 80);
+    sim.wait_for("the end of the sequence", |s| {
+        s.metric("vllm:num_requests_running", "") == 0.0
+    });
+
+    sim.faults(json!({}));
+    let resumed = sim
+        .post(
+            "/v1/completions",
+            json!({"prompt": format!("{prompt}{partial}"), "max_tokens": 20, "ignore_eos": true}),
+        )
+        .json();
+    assert_eq!(resumed["usage"]["prompt_tokens"], 180);
+    assert_eq!(resumed["usage"]["completion_tokens"], 20);
+    assert_eq!(
+        resumed["usage"]["prompt_tokens_details"]["cached_tokens"],
+        176
+    );
+    // A different continuation of the same prompt shares only the prompt's blocks.
+    let other = sim
+        .post(
+            "/v1/completions",
+            json!({"prompt": format!("{prompt}{}", "z".repeat(80)), "max_tokens": 1}),
+        )
+        .json();
+    assert_eq!(
+        other["usage"]["prompt_tokens_details"]["cached_tokens"],
+        160
+    );
+}
+
+#[test]
+fn a_crash_kills_the_process_in_the_middle_of_a_stream() {
+    let mut sim = Sim::start(&[]);
+    // Long enough that it is still generating when the crash comes.
+    let mut stream = sim.send(
+        "POST",
+        "/v1/chat/completions",
+        &chat(user("hello"), 30_000, true),
+    );
+    let mut text = read_events(&mut stream, 3);
+    let reply = sim.post("/sim/faults", json!({"crash": true}));
+    assert_eq!(reply.json(), json!({"crashing": true}));
+    let status = sim.child.wait().expect("the process ends");
+    assert_eq!(status.code(), Some(1));
+    // The stream ends without its terminating chunk or [DONE], closed or reset by the kernel.
+    let mut rest = Vec::new();
+    match stream.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the stream did not end: {e}"),
+    }
+    text.push_str(&String::from_utf8_lossy(&rest));
+    assert!(
+        !text.contains("[DONE]") && !text.contains("\r\n0\r\n\r\n"),
+        "{text}"
+    );
 }
 
 /// A user message of `len` bytes whose rendered prompt is a whole number of tokens.

@@ -21,6 +21,7 @@ impl Pool {
         headroom: Option<f64>,
     ) -> Result<bool, AcquireError> {
         let block_tokens = self.block_tokens_for(features);
+        let echo = self.echo();
         let pair_policy =
             self.config.policy == PolicyKind::Disaggregated && features.role_hint.is_none();
         let output_tokens = features.max_tokens;
@@ -74,7 +75,12 @@ impl Pool {
             }
             if let Some(headroom) = headroom {
                 let tokens = uncached + u64::from(output_tokens);
-                if !has_room(&entry.in_flight, &backend_capacity, tokens, headroom) {
+                if !has_room(
+                    &entry.all_in_flight(echo),
+                    &backend_capacity,
+                    tokens,
+                    headroom,
+                ) {
                     at_capacity = true;
                     continue;
                 }
@@ -85,16 +91,16 @@ impl Pool {
                     * entry.timing.prefill_ms_per_token(&time_model)
             } else {
                 0.0
-            };
+            } + entry.remote_backlog_ms(now_ms);
             let mut predicted = entry.timing.predict(
                 &time_model,
                 if role == Role::Decode { 0 } else { uncached },
                 expected_output,
-                entry.running(),
+                entry.running(echo),
                 external_queue_ms,
                 now_ms,
             );
-            let in_flight = &entry.in_flight;
+            let in_flight = &entry.all_in_flight(echo);
             // The gateway's count misses prefixes that running requests share (only the first,
             // cold request counted them); vLLM's own usage at the last probe sees every pinned
             // block.
@@ -102,11 +108,24 @@ impl Pool {
                 .scraped
                 .kv_usage
                 .map_or(0, |u| (u.clamp(0.0, 1.0) * capacity as f64) as u64);
+            // Prompt memory: the distinct blocks this coordinator's leases hold, or their
+            // uncached tokens (with the siblings'), whichever is more.
+            let held_tokens = entry.held.distinct() as u64 * block_tokens as u64;
+            let prompt_memory = held_tokens
+                .saturating_add(entry.remote.prompt_tokens)
+                .max(in_flight.prompt_tokens);
             let room_wait = room_wait_ms(
-                (in_flight.prompt_tokens
-                    + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
+                (prompt_memory + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
                     .max(scraped_tokens),
-                uncached + expected_output as u64,
+                // Memory for the prompt is needed wherever it is cached, except for the blocks
+                // running requests hold already.
+                (u64::from(features.prompt_tokens).saturating_sub(
+                    entry
+                        .held
+                        .held_prefix(&features.block_hashes, cached_blocks as usize)
+                        as u64
+                        * block_tokens as u64,
+                )) + expected_output as u64,
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,
@@ -120,8 +139,8 @@ impl Pool {
             let candidate = Candidate {
                 slot: slot as u32,
                 weight: entry.spec.weight,
-                leases: entry.in_flight.leases,
-                load: entry.load(queue_weight),
+                leases: in_flight.leases,
+                load: entry.load(queue_weight, echo),
                 request_load: (u64::from(features.prompt_tokens) + u64::from(output_tokens)) as f64
                     / capacity.max(1) as f64,
                 benefit: cache_benefit(cached_tokens, capacity),

@@ -58,6 +58,7 @@ impl Pool {
         let candidates = views(&scratch.primary, &scratch.order, &self.slots);
         let decode_candidates = views(&scratch.decode, &scratch.decode_order, &self.slots);
         self.affinity.record(chosen.slot, &features.block_hashes);
+        self.hold_blocks(lease_id, chosen.slot, features.block_hashes.clone());
         self.stats.record_decision(self.config.policy, decision);
         self.stats.prompt_blocks += features.block_hashes.len() as u64;
         self.stats.cached_blocks += u64::from(chosen.cached_blocks);

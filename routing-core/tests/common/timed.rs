@@ -1,0 +1,536 @@
+//! The timed fleet simulation both `latency_sim` and `shard_sim` run: simulated vLLM engines that
+//! run engine steps in simulated time, the workloads that drive them, and the loop that routes each
+//! request through one pool, or through a pool's coordinator shards that exchange load reports.
+//!
+//! Each engine works as vllm-sim does (and, roughly, vLLM with chunked prefill): a FIFO waiting
+//! queue and a running batch; every step decodes one token for each running sequence and prefills
+//! up to a token budget from the queue; a step lasts `base + per_seq × decoding + per_token ×
+//! prefill tokens`. A request's uncached prompt is what its engine's prefix cache (an LRU over
+//! block hashes, as large as the KV cache) does not hold when its prefill starts. Running
+//! sequences hold KV blocks (shared prompt blocks once); a sequence is admitted only when its blocks
+//! fit, and when generated tokens overflow the cache the newest running sequence is preempted and
+//! later recomputed, as vLLM does. The pool sees
+//! only what the real gateway sees: a grant per request, and a release with time to first byte,
+//! duration and completion tokens.
+// Each test binary uses a part of this module.
+#![allow(dead_code)]
+
+use super::ServerCache;
+use routing_core::prompt::{request_features, FeatureConfig};
+use routing_core::shard;
+use routing_core::{
+    BackendId, Capacity, Outcome, PolicyKind, Pool, RandomSource, RequestFeatures, SplitMix64,
+};
+use serde_json::json;
+use std::collections::{HashMap, VecDeque};
+
+pub const BLOCK: u64 = 16;
+
+/// One simulated engine's speed.
+#[derive(Debug, Clone, Copy)]
+pub struct Speed {
+    pub prefill_us_per_token: f64,
+    pub step_ms: f64,
+    pub per_seq_ms: f64,
+}
+
+pub const SIM_SPEED: Speed = Speed {
+    prefill_us_per_token: 100.0,
+    step_ms: 10.0,
+    per_seq_ms: 0.15,
+};
+pub const STEP_TOKEN_BUDGET: u64 = 8_192;
+/// Time between the gateway and an engine, in each direction's first byte (ms).
+pub const NETWORK_MS: f64 = 20.0;
+pub const MAX_NUM_SEQS: usize = 64;
+
+pub struct Seq {
+    client: usize,
+    lease: u64,
+    blocks: Vec<u64>,
+    prompt: u64,
+    prefill_left: u64,
+    started: bool,
+    output: u32,
+    produced: u32,
+    arrival_ms: f64,
+    ttft_ms: Option<f64>,
+    uncached: u64,
+}
+
+impl Seq {
+    /// KV blocks the sequence holds beyond its full prompt blocks: the prompt's partial last
+    /// block and the generated tokens.
+    fn tail_blocks(&self) -> usize {
+        ((self.prompt % BLOCK + u64::from(self.produced)).div_ceil(BLOCK)) as usize
+    }
+}
+
+pub struct Engine {
+    speed: Speed,
+    cache: ServerCache,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    step_end: Option<f64>,
+    /// Sequences whose prefill this step carries, and how many tokens each.
+    in_step: Vec<(usize, u64)>,
+    computed_tokens: u64,
+    /// KV blocks, and how many running sequences hold each full prompt block (shared prefixes
+    /// are held once).
+    kv_blocks: usize,
+    held: HashMap<u64, u32>,
+    /// Sequences sent back to the queue for lack of KV space (recomputed when readmitted).
+    pub preempted: u64,
+}
+
+impl Engine {
+    fn new(speed: Speed, kv_blocks: usize) -> Self {
+        Engine {
+            speed,
+            cache: ServerCache::new(kv_blocks),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            step_end: None,
+            in_step: Vec::new(),
+            computed_tokens: 0,
+            kv_blocks,
+            held: HashMap::new(),
+            preempted: 0,
+        }
+    }
+
+    /// KV blocks the running sequences hold.
+    fn used_blocks(&self) -> usize {
+        self.held.len() + self.running.iter().map(Seq::tail_blocks).sum::<usize>()
+    }
+
+    /// Blocks `s` would add to the running batch.
+    fn new_blocks(&self, s: &Seq) -> usize {
+        s.blocks
+            .iter()
+            .filter(|b| !self.held.contains_key(b))
+            .count()
+            + s.tail_blocks()
+            + 1
+    }
+
+    fn hold(&mut self, blocks: &[u64]) {
+        for &b in blocks {
+            *self.held.entry(b).or_default() += 1;
+        }
+    }
+
+    fn unhold(&mut self, blocks: &[u64]) {
+        for b in blocks {
+            if let Some(n) = self.held.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.held.remove(b);
+                }
+            }
+        }
+    }
+
+    /// Plans the next step starting at `now` (if there is work).
+    fn plan(&mut self, now: f64, hit_tokens: &mut u64) {
+        // Out of KV space, the newest sequence goes back to the head of the queue, to be
+        // recomputed (vLLM's recompute preemption).
+        while self.running.len() > 1 && self.used_blocks() > self.kv_blocks {
+            let newest = (0..self.running.len())
+                .max_by(|&a, &b| {
+                    let (a, b) = (&self.running[a], &self.running[b]);
+                    a.arrival_ms.partial_cmp(&b.arrival_ms).unwrap()
+                })
+                .unwrap();
+            let s = self.running.swap_remove(newest);
+            self.unhold(&s.blocks);
+            self.preempted += 1;
+            self.waiting.push_front(s);
+        }
+        // Admit from the queue in FIFO order while the batch has room and KV space.
+        while self.running.len() < MAX_NUM_SEQS {
+            let Some(s) = self.waiting.front() else {
+                break;
+            };
+            if !self.running.is_empty() && self.used_blocks() + self.new_blocks(s) > self.kv_blocks
+            {
+                break;
+            }
+            let mut s = self.waiting.pop_front().unwrap();
+            let hits = (self.cache.hits(&s.blocks) as u64 * BLOCK).min(s.prompt.saturating_sub(1));
+            // A preempted sequence recomputes what it had generated too.
+            let first = !s.started;
+            if first {
+                *hit_tokens += hits;
+            }
+            s.prefill_left = s.prompt - hits + u64::from(s.produced);
+            if first {
+                s.uncached = s.prefill_left;
+            }
+            self.computed_tokens += s.prefill_left;
+            self.cache.prefill(&s.blocks);
+            self.hold(&s.blocks);
+            s.started = true;
+            self.running.push(s);
+        }
+        let mut budget = STEP_TOKEN_BUDGET;
+        self.in_step.clear();
+        let mut decoding = 0usize;
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prefill_left > 0 {
+                let take = s.prefill_left.min(budget);
+                if take > 0 {
+                    self.in_step.push((i, take));
+                    budget -= take;
+                }
+            } else {
+                decoding += 1;
+            }
+        }
+        if self.in_step.is_empty() && decoding == 0 {
+            self.step_end = None;
+            return;
+        }
+        let prefill_tokens = STEP_TOKEN_BUDGET - budget;
+        let ms = self.speed.step_ms
+            + self.speed.per_seq_ms * decoding as f64
+            + self.speed.prefill_us_per_token * prefill_tokens as f64 / 1000.0;
+        self.step_end = Some(now + ms);
+    }
+
+    /// Applies the step that ends at `now`; returns finished sequences.
+    fn finish_step(&mut self, now: f64) -> Vec<Seq> {
+        for &(i, take) in &self.in_step {
+            self.running[i].prefill_left -= take;
+        }
+        for s in self.running.iter_mut() {
+            if s.prefill_left > 0 {
+                continue;
+            }
+            // A sequence whose prefill completed this step emits its first token now; the others
+            // decode one token.
+            s.produced += 1;
+            if s.ttft_ms.is_none() {
+                s.ttft_ms = Some(now - s.arrival_ms);
+            }
+        }
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].prefill_left == 0
+                && self.running[i].produced >= self.running[i].output
+            {
+                let s = self.running.swap_remove(i);
+                self.unhold(&s.blocks);
+                done.push(s);
+            } else {
+                i += 1;
+            }
+        }
+        done
+    }
+}
+
+/// What a client sends next.
+pub trait Workload {
+    fn clients(&self) -> usize;
+    /// The next request of `client`, or `None` when it is done.
+    fn next(&mut self, client: usize, rng: &mut SplitMix64) -> Option<(RequestFeatures, u32)>;
+    /// The answer to `client`'s last request (multi-turn appends it to the history).
+    fn answered(&mut self, _client: usize, _rng: &mut SplitMix64) {}
+}
+
+/// About `tokens` tokens of filler.
+pub fn words(rng: &mut SplitMix64, tokens: usize) -> String {
+    super::text(rng, tokens * 4)
+}
+
+pub fn features(body: serde_json::Value, key: String) -> RequestFeatures {
+    let mut f = request_features(&body, &|_| None, &FeatureConfig::default()).unwrap();
+    f.routing_key = Some(key);
+    f.stream = true;
+    f
+}
+
+pub struct MultiTurn {
+    system: String,
+    histories: Vec<Vec<serde_json::Value>>,
+    turns_left: Vec<u32>,
+    max_tokens: u32,
+    last_output: Vec<u32>,
+}
+
+impl MultiTurn {
+    pub fn new(users: usize, turns: u32, rng: &mut SplitMix64) -> Self {
+        MultiTurn {
+            system: words(rng, 1_000),
+            histories: vec![Vec::new(); users],
+            turns_left: vec![turns; users],
+            max_tokens: 128,
+            last_output: vec![0; users],
+        }
+    }
+}
+
+impl Workload for MultiTurn {
+    fn clients(&self) -> usize {
+        self.histories.len()
+    }
+
+    fn next(&mut self, c: usize, rng: &mut SplitMix64) -> Option<(RequestFeatures, u32)> {
+        if self.turns_left[c] == 0 {
+            return None;
+        }
+        self.turns_left[c] -= 1;
+        self.histories[c].push(json!({"role": "user", "content": words(rng, 80)}));
+        let mut messages = vec![json!({"role": "system", "content": self.system})];
+        messages.extend(self.histories[c].iter().cloned());
+        let body = json!({"model": "m", "max_tokens": self.max_tokens, "messages": messages});
+        // Answers end at EOS before max_tokens: 32 to 128 tokens.
+        self.last_output[c] = 32 + rng.below(97) as u32;
+        Some((features(body, format!("user-{c}")), self.last_output[c]))
+    }
+
+    fn answered(&mut self, c: usize, rng: &mut SplitMix64) {
+        let answer = words(rng, self.last_output[c] as usize);
+        self.histories[c].push(json!({"role": "assistant", "content": answer}));
+    }
+}
+
+pub struct Groups {
+    prompts: Vec<String>,
+    clients: usize,
+    sent: usize,
+    total: usize,
+    window: usize,
+}
+
+impl Groups {
+    pub fn new(groups: usize, clients: usize, total: usize, rng: &mut SplitMix64) -> Self {
+        Groups {
+            prompts: (0..groups).map(|_| words(rng, 1_200)).collect(),
+            clients,
+            sent: 0,
+            total,
+            window: 8,
+        }
+    }
+}
+
+impl Workload for Groups {
+    fn clients(&self) -> usize {
+        self.clients
+    }
+
+    fn next(&mut self, _c: usize, rng: &mut SplitMix64) -> Option<(RequestFeatures, u32)> {
+        if self.sent >= self.total {
+            return None;
+        }
+        // New groups keep arriving: the newest is proportional to progress, and requests pick
+        // among the latest `window` groups.
+        let newest = (self.sent * self.prompts.len() / self.total).max(self.window - 1);
+        let g = newest - rng.below(self.window as u64) as usize;
+        self.sent += 1;
+        let body = json!({"model": "m", "max_tokens": 64, "messages": [
+            {"role": "system", "content": self.prompts[g]},
+            {"role": "user", "content": words(rng, 40)},
+        ]});
+        Some((
+            features(body, format!("group-{g}")),
+            16 + rng.below(49) as u32,
+        ))
+    }
+}
+
+#[derive(Debug)]
+pub struct Report {
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub e2e_p50: f64,
+    pub e2e_p99: f64,
+    pub throughput: f64,
+    pub hit_rate: f64,
+    pub busiest_over_mean: f64,
+    /// Preemptions per 100 requests.
+    pub preempted: f64,
+}
+
+pub fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let i = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
+/// How the simulated pool is coordinated: one coordinator, or `shards` of them that exchange load
+/// reports every `exchange_ms` of simulated time.
+#[derive(Debug, Clone, Copy)]
+pub struct Coordination {
+    pub shards: u32,
+    pub exchange_ms: u64,
+}
+
+impl Coordination {
+    /// The exact single coordinator.
+    pub const SINGLE: Coordination = Coordination {
+        shards: 1,
+        exchange_ms: shard::DEFAULT_EXCHANGE_MS,
+    };
+}
+
+/// Runs `workload` on engines of `speeds` behind pools routing by `policy`; returns the report and
+/// the coordinators (one per shard).
+pub fn simulate(
+    policy: PolicyKind,
+    workload: &mut dyn Workload,
+    speeds: &[Speed],
+    kv_blocks: usize,
+    seed: u64,
+    coordination: Coordination,
+) -> (Report, Vec<Pool>) {
+    let capacity = Capacity {
+        kv_blocks: kv_blocks as u64,
+        block_size: 16,
+        max_num_seqs: MAX_NUM_SEQS as u32,
+    };
+    let shards = coordination.shards.max(1);
+    let mut pools: Vec<Pool> = (0..shards)
+        .map(|s| {
+            let mut pool = super::fleet(policy, speeds.len(), capacity);
+            pool.set_shard(s, shards, coordination.exchange_ms);
+            pool
+        })
+        .collect();
+    let index: HashMap<BackendId, usize> = (0..speeds.len())
+        .map(|b| (BackendId::from(format!("gpu-{b}")), b))
+        .collect();
+    let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
+    let mut rng = SplitMix64::new(seed);
+    let mut wrng = SplitMix64::new(seed ^ 0x77);
+    let mut pending: Vec<(f64, usize)> = (0..workload.clients())
+        .map(|c| (c as f64 * 7.0, c))
+        .collect();
+    // The shard that granted each live lease.
+    let mut lease_shard: HashMap<u64, usize> = HashMap::new();
+    let mut next_exchange = if shards > 1 {
+        coordination.exchange_ms as f64
+    } else {
+        f64::INFINITY
+    };
+    let (mut ttfts, mut e2es) = (Vec::new(), Vec::new());
+    let (mut hit_tokens, mut prompt_tokens) = (0u64, 0u64);
+    let mut now;
+    let mut last_end = 0.0f64;
+    loop {
+        let next_arrival = pending
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1 .0.partial_cmp(&b.1 .0).unwrap());
+        let next_step = engines
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| e.step_end.map(|t| (t, i)))
+            .min_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+        if next_arrival.is_none() && next_step.is_none() {
+            break;
+        }
+        let first_event = next_arrival
+            .map(|(_, &(at, _))| at)
+            .into_iter()
+            .chain(next_step.map(|(t, _)| t))
+            .fold(f64::INFINITY, f64::min);
+        if next_exchange <= first_event {
+            now = next_exchange;
+            let reports: Vec<_> = pools
+                .iter_mut()
+                .map(|p| p.load_report(now as u64))
+                .collect();
+            for (i, pool) in pools.iter_mut().enumerate() {
+                for (j, report) in reports.iter().enumerate() {
+                    if i != j {
+                        pool.accept_load_report(report.clone(), now as u64);
+                    }
+                }
+            }
+            next_exchange += coordination.exchange_ms as f64;
+            continue;
+        }
+        match (next_arrival, next_step) {
+            (Some((pi, &(at, client))), step) if step.is_none_or(|(t, _)| at <= t) => {
+                pending.swap_remove(pi);
+                now = at;
+                let Some((f, output)) = workload.next(client, &mut wrng) else {
+                    continue;
+                };
+                let s = shard::shard_for(
+                    shards,
+                    f.routing_key.as_deref(),
+                    f.block_hashes.first().copied(),
+                    rng.next_u64(),
+                ) as usize;
+                let grant = pools[s].acquire(&f, now as u64, &mut rng).unwrap();
+                lease_shard.insert(grant.lease_id, s);
+                let b = index[&grant.backend];
+                prompt_tokens += u64::from(f.prompt_tokens);
+                let e = &mut engines[b];
+                e.waiting.push_back(Seq {
+                    client,
+                    lease: grant.lease_id,
+                    blocks: f.block_hashes.clone(),
+                    prompt: u64::from(f.prompt_tokens),
+                    prefill_left: 0,
+                    started: false,
+                    output,
+                    produced: 0,
+                    arrival_ms: now,
+                    ttft_ms: None,
+                    uncached: 0,
+                });
+                if e.step_end.is_none() {
+                    e.plan(now, &mut hit_tokens);
+                }
+            }
+            (_, Some((t, b))) => {
+                now = t;
+                let done = engines[b].finish_step(now);
+                for s in done {
+                    let ttft = s.ttft_ms.unwrap_or(0.0);
+                    let e2e = now - s.arrival_ms;
+                    ttfts.push(ttft);
+                    e2es.push(e2e);
+                    // The gateway measures the first byte a network hop later than the engine.
+                    let outcome = Outcome {
+                        ttfb_ms: Some((ttft + NETWORK_MS) as u64),
+                        completion_tokens: Some(s.produced),
+                        ..Outcome::from_status(200)
+                    };
+                    let shard = lease_shard.remove(&s.lease).unwrap();
+                    assert!(pools[shard].release(s.lease, &outcome, (now + NETWORK_MS) as u64));
+                    workload.answered(s.client, &mut wrng);
+                    // Think time: 20 to 220 ms.
+                    pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));
+                    debug_assert!(s.started);
+                }
+                engines[b].plan(now, &mut hit_tokens);
+                last_end = now;
+            }
+            _ => unreachable!(),
+        }
+    }
+    for pool in &pools {
+        pool.check_counters().unwrap();
+    }
+    let computed: Vec<f64> = engines.iter().map(|e| e.computed_tokens as f64).collect();
+    let mean = computed.iter().sum::<f64>() / computed.len() as f64;
+    let n = ttfts.len() as f64;
+    let report = Report {
+        ttft_p50: pct(&mut ttfts, 0.5),
+        ttft_p99: pct(&mut ttfts, 0.99),
+        e2e_p50: pct(&mut e2es, 0.5),
+        e2e_p99: pct(&mut e2es, 0.99),
+        throughput: n / (last_end / 1000.0),
+        hit_rate: hit_tokens as f64 / prompt_tokens as f64,
+        busiest_over_mean: computed.iter().cloned().fold(0.0, f64::max) / mean,
+        preempted: 100.0 * engines.iter().map(|e| e.preempted).sum::<u64>() as f64 / n,
+    };
+    (report, pools)
+}

@@ -1,0 +1,105 @@
+//! The cost of sharding a pool's coordinator, measured in the timed fleet simulation before the
+//! shards ship: multi-turn chat and shared-prefix groups through 1, 2, 4 and 8 coordinator shards
+//! that exchange per-backend load every 100, 200 or 1,000 ms of simulated time.
+//!
+//! A request goes to the shard of its routing key (or first prefix block), so affinity stays
+//! exact; what a shard cannot see exactly is its siblings' load between reports. The assertions
+//! hold every sharded run at the default 200 ms exchange to the issue's bounds against the exact
+//! single coordinator: hit rate within 2 points, busiest backend within 0.1x of the mean.
+//! Printed: every run's figures, so the interval's effect can be read off.
+
+mod common;
+
+use common::timed::{simulate, Coordination, Groups, MultiTurn, Report, Workload, SIM_SPEED};
+use routing_core::{PolicyKind, SplitMix64};
+
+/// Seeds each figure is averaged over: the busiest backend of one run rests on a few early choices.
+const SEEDS: u64 = 6;
+
+/// Runs `make`'s workload through `coordination`, averaged over [`SEEDS`] seeds.
+fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Coordination) -> Report {
+    let speeds = [SIM_SPEED; 8];
+    let runs: Vec<Report> = (0..SEEDS)
+        .map(|seed| {
+            let mut w = make(seed);
+            let policy = PolicyKind::PredictedLatency;
+            simulate(policy, w.as_mut(), &speeds, kv_blocks, 0x5eed + seed, c).0
+        })
+        .collect();
+    let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
+    Report {
+        ttft_p50: mean(&|r| r.ttft_p50),
+        ttft_p99: mean(&|r| r.ttft_p99),
+        e2e_p50: mean(&|r| r.e2e_p50),
+        e2e_p99: mean(&|r| r.e2e_p99),
+        throughput: mean(&|r| r.throughput),
+        hit_rate: mean(&|r| r.hit_rate),
+        busiest_over_mean: mean(&|r| r.busiest_over_mean),
+        preempted: mean(&|r| r.preempted),
+    }
+}
+
+fn print(name: &str, c: Coordination, r: &Report) {
+    println!(
+        "{name:>13} shards {} every {:>4} ms: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} ms | \
+         {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",
+        c.shards,
+        c.exchange_ms,
+        r.ttft_p50,
+        r.ttft_p99,
+        r.e2e_p50,
+        r.throughput,
+        100.0 * r.hit_rate,
+        r.busiest_over_mean,
+        r.preempted
+    );
+}
+
+fn sweep(name: &str, kv_blocks: usize, make: &dyn Fn(u64) -> Box<dyn Workload>) {
+    let exact = run(make, kv_blocks, Coordination::SINGLE);
+    print(name, Coordination::SINGLE, &exact);
+    let mut failures = Vec::new();
+    for shards in [2, 4, 8] {
+        for exchange_ms in [100, 200, 1_000] {
+            let c = Coordination {
+                shards,
+                exchange_ms,
+            };
+            let r = run(make, kv_blocks, c);
+            print(name, c, &r);
+            if exchange_ms != 200 {
+                continue;
+            }
+            if (r.hit_rate - exact.hit_rate).abs() > 0.02 {
+                failures.push(format!(
+                    "{shards} shards: hit rate {:.1}% vs {:.1}% exact",
+                    100.0 * r.hit_rate,
+                    100.0 * exact.hit_rate
+                ));
+            }
+            if r.busiest_over_mean > exact.busiest_over_mean + 0.1 {
+                failures.push(format!(
+                    "{shards} shards: busiest/mean {:.2} vs {:.2} exact",
+                    r.busiest_over_mean, exact.busiest_over_mean
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{name}: {failures:?}");
+}
+
+#[test]
+fn multi_turn_chat_through_shards() {
+    sweep("multi-turn", 2_048, &|seed| {
+        let mut rng = SplitMix64::new(1 + seed);
+        Box::new(MultiTurn::new(32, 10, &mut rng))
+    });
+}
+
+#[test]
+fn shared_prefix_groups_through_shards() {
+    sweep("shared-prefix", 2_048, &|seed| {
+        let mut rng = SplitMix64::new(2 + 10 * seed);
+        Box::new(Groups::new(96, 32, 1_500, &mut rng))
+    });
+}

@@ -1,0 +1,142 @@
+//! The gateway's admin API as the benchmark uses it: register the fleet in the pool, set the
+//! policy, force probes until every backend is ready, dump the pool's state for diagnosis.
+
+use crate::client::Http;
+use hyper::Method;
+use serde_json::json;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// The gateway's admin API, as far as the benchmark needs it.
+pub struct Gateway {
+    /// Base URL.
+    pub url: String,
+    /// Admin bearer token.
+    pub token: String,
+    /// Pool name.
+    pub pool: String,
+    http: Http,
+}
+
+impl Gateway {
+    /// A handle on the gateway at `url`.
+    pub fn new(url: String, token: String, pool: String, http: Http) -> Self {
+        Gateway {
+            url,
+            token,
+            pool,
+            http,
+        }
+    }
+
+    async fn admin(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<(u16, String), String> {
+        self.http
+            .call(
+                method,
+                &format!("{}/admin{path}", self.url),
+                Some(&self.token),
+                body.map(|b| b.to_string()),
+            )
+            .await
+    }
+
+    /// Checks the token works.
+    pub async fn check(&self) -> Result<(), String> {
+        match self.admin(Method::GET, "/backends", None).await? {
+            (200, _) => Ok(()),
+            (s, body) => Err(format!("admin API answered {s}: {body}")),
+        }
+    }
+
+    /// Removes every backend of the pool (purging their affinity) and registers the fleet again.
+    pub async fn register(&self, members: &[(String, String)], model: &str) -> Result<(), String> {
+        let (_, listing) = self.admin(Method::GET, "/backends", None).await?;
+        let listing: serde_json::Value = serde_json::from_str(&listing).unwrap_or_default();
+        let urls: Vec<&str> = members.iter().map(|(_, u)| u.as_str()).collect();
+        for b in listing
+            .get("data")
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let field = |k: &str| b.get(k).and_then(serde_json::Value::as_str).unwrap_or("");
+            if field("pool") == self.pool || urls.contains(&field("url")) {
+                let path = format!(
+                    "/backends/{}?force=true&pool={}",
+                    field("id"),
+                    field("pool")
+                );
+                self.admin(Method::DELETE, &path, None).await?;
+            }
+        }
+        for (id, url) in members {
+            let body = json!({"id": id, "url": url, "pool": self.pool, "models": [model]});
+            match self.admin(Method::POST, "/backends", Some(body)).await? {
+                (200 | 201, _) => {}
+                (s, b) => return Err(format!("registering {id}: HTTP {s}: {b}")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the pool's policy (probing every second so scraped load stays fresh). `Ok(Err(..))`:
+    /// the gateway refused the policy (400, e.g. a name this build does not know).
+    pub async fn set_policy(&self, policy: &str) -> Result<Result<(), String>, String> {
+        let body = json!({"policy": policy, "probe_interval_ms": 1000});
+        match self
+            .admin(Method::PUT, &format!("/pools/{}", self.pool), Some(body))
+            .await?
+        {
+            (200, _) => Ok(Ok(())),
+            (400 | 422, b) => Ok(Err(format!("HTTP 400: {b}"))),
+            (s, b) => Err(format!("setting policy {policy}: HTTP {s}: {b}")),
+        }
+    }
+
+    /// Writes the pool's state and backends (for diagnosis) to `path`; failures are ignored.
+    pub async fn dump_state(&self, path: &Path) {
+        let pool = self
+            .admin(Method::GET, &format!("/pools/{}", self.pool), None)
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default();
+        let backends = self
+            .admin(Method::GET, "/backends", None)
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default();
+        let parse = |t: &str| {
+            serde_json::from_str::<serde_json::Value>(t).unwrap_or(serde_json::Value::Null)
+        };
+        let doc = json!({"pool": parse(&pool), "backends": parse(&backends)});
+        let _ = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default());
+    }
+
+    /// Forces probe rounds until `n` backends are ready.
+    pub async fn wait_ready(&self, n: usize) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.admin(Method::POST, &format!("/pools/{}/probe", self.pool), None)
+                .await?;
+            let (_, body) = self
+                .admin(Method::GET, &format!("/pools/{}", self.pool), None)
+                .await?;
+            let ready = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("ready_backends").and_then(serde_json::Value::as_u64))
+                .unwrap_or(0);
+            if ready as usize >= n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("only {ready} of {n} backends became ready: {body}"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}

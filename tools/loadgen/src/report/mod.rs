@@ -1,0 +1,96 @@
+//! Turning records into results: one [`RunReport`] per (workload, mode, policy) run, the
+//! benchmark's JSON document, its markdown tables, the target figures (issue 7's hit-rate and
+//! balance verdicts, issue 11's tail-latency targets of the default policy against the best
+//! baseline), and SVG charts (plotters), among them TTFT p99 against offered load.
+//!
+//! The parts: [`run`] (one run's figures), [`targets`] (the verdicts), [`result`] (the document),
+//! [`markdown`] and [`charts`] (its renderings).
+
+mod charts;
+mod format;
+mod markdown;
+mod result;
+mod run;
+mod targets;
+#[cfg(test)]
+mod test_support;
+
+pub use charts::charts;
+pub use markdown::markdown;
+pub use result::{BenchResult, OverheadPoint, Skipped};
+pub use run::{summarize, Quantiles, RunLabel, RunReport};
+pub use targets::{tail_targets, verdicts};
+
+#[cfg(test)]
+mod tests {
+    use super::charts::chart_files;
+    use super::test_support::run;
+    use super::*;
+    use crate::driver::Load;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn markdown_and_charts_cover_every_mode_and_the_sweep() {
+        let mut runs = Vec::new();
+        for (mode, rate, level) in [("open-0.5", 20.0, 0.5), ("open-0.9", 36.0, 0.9)] {
+            for (p, ttft) in [("round_robin", 300.0), ("predicted_latency", 100.0)] {
+                let mut r = run(
+                    "groups",
+                    "prefix-groups",
+                    mode,
+                    p,
+                    ttft * level,
+                    400.0,
+                    rate,
+                    [10.0, 10.0],
+                );
+                r.load = Load::Rate(rate);
+                r.level = Some(level);
+                runs.push(r);
+            }
+        }
+        let result = BenchResult {
+            name: "test".into(),
+            started: "now".into(),
+            machine: BTreeMap::new(),
+            config: serde_json::Value::Null,
+            targets: verdicts(&runs),
+            default_policy: "predicted_latency".into(),
+            baselines: vec!["round_robin".into()],
+            tail_targets: tail_targets(&runs, "predicted_latency", &["round_robin".into()]),
+            capacity_rps: BTreeMap::from([("groups".to_string(), 40.0)]),
+            skipped: vec![Skipped {
+                policy: "power_of_two".into(),
+                reason: "HTTP 400".into(),
+            }],
+            runs,
+            overhead: vec![],
+        };
+        let md = markdown(&result, "x-");
+        assert!(md.contains("## Targets: predicted_latency against the best of round_robin"));
+        assert!(
+            md.contains("| open-0.5 | 0.33x met: 50.0 vs 150.0 ms (round_robin) |"),
+            "{md}"
+        );
+        assert!(md.contains(
+            "### groups, open-0.9 (open loop, Poisson 36 req/s = 0.9 x 40.0 req/s capacity"
+        ));
+        assert!(md.contains("Not run: `power_of_two`"));
+        assert!(
+            !md.contains("issue 7"),
+            "no classic verdicts without their runs"
+        );
+        assert!(md.contains("x-groups-ttft-p99-vs-load.svg"));
+        let dir = std::env::temp_dir().join(format!("loadgen-charts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        charts(&result, &dir, "x-").unwrap();
+        for (file, _) in chart_files(&result) {
+            let svg = std::fs::read_to_string(dir.join(format!("x-{file}"))).unwrap();
+            assert!(svg.starts_with("<svg"), "{file}");
+        }
+        let sweep = std::fs::read_to_string(dir.join("x-groups-ttft-p99-vs-load.svg")).unwrap();
+        assert!(sweep.contains("predicted_latency") && sweep.contains("<circle"));
+        assert!(!dir.join("x-overhead.svg").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
