@@ -44,7 +44,7 @@ use crate::affinity::PrefixAffinity;
 use crate::backend::{BackendId, BackendKey, BackendSpec};
 use crate::cost::InFlight;
 use crate::lease::{Lease, LeaseId, LeaseTable};
-use crate::policy::{self, RoutingPolicy};
+use crate::policy::{self, PoolPolicies};
 use crate::ring::RingMember;
 use crate::shard::SiblingLoads;
 use crate::time_model::OutputRatio;
@@ -58,7 +58,8 @@ use std::fmt;
 pub struct Pool {
     name: String,
     config: PoolConfig,
-    policy: Box<dyn RoutingPolicy>,
+    /// The prefill (or only) policy and, for a pool that pairs, the decode policy.
+    policies: PoolPolicies,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     index: HashMap<BackendId, u32>,
@@ -101,7 +102,7 @@ impl Pool {
     /// [`PoolConfig::validate`] first ([`Pool::set_config`] does). Out-of-range values never make
     /// the pool panic; they are clamped where they would.
     pub fn new(name: &str, config: PoolConfig) -> Pool {
-        let policy = policy::build(
+        let policies = policy::build(
             config.policy,
             &config.consistent_hash,
             &config.cache_aware,
@@ -111,7 +112,7 @@ impl Pool {
         Pool {
             name: name.to_string(),
             config,
-            policy,
+            policies,
             slots: Vec::new(),
             free_slots: Vec::new(),
             index: HashMap::new(),
@@ -147,7 +148,7 @@ impl Pool {
         config.validate()?;
         let block_tokens_changed = config.block_tokens != self.config.block_tokens;
         self.config = config;
-        self.policy = policy::build(
+        self.policies = policy::build(
             self.config.policy,
             &self.config.consistent_hash,
             &self.config.cache_aware,
@@ -304,7 +305,7 @@ impl Pool {
                 })
             })
             .collect();
-        self.policy.members_changed(&members);
+        self.policies.members_changed(&members);
     }
 
     fn view(&self, slot: u32) -> Option<BackendView> {

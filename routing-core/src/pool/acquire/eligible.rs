@@ -6,7 +6,7 @@
 use super::super::{AcquireError, Pool, DEFAULT_RETRY_AFTER_S};
 use crate::backend::Role;
 use crate::cost::cache_benefit;
-use crate::policy::{Candidate, PolicyKind};
+use crate::policy::Candidate;
 use crate::pool::has_room;
 use crate::prompt::RequestFeatures;
 use crate::time_model::room_wait_ms;
@@ -22,8 +22,8 @@ impl Pool {
     ) -> Result<bool, AcquireError> {
         let block_tokens = self.block_tokens_for(features);
         let echo = self.echo();
-        let pair_policy =
-            self.config.policy == PolicyKind::Disaggregated && features.role_hint.is_none();
+        // A pool holding a decode policy pairs, unless the request asked for one role.
+        let pair_policy = self.policies.decode.is_some() && features.role_hint.is_none();
         let output_tokens = features.max_tokens;
         let queue_weight = self.config.queue_weight;
         let breaker_config = self.config.breaker;

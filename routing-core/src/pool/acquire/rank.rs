@@ -1,5 +1,5 @@
-//! Step 2 of a decision: the pool's policy orders the eligible candidates, best first (and, for a
-//! disaggregated pair, the decode candidates too).
+//! Step 2 of a decision: the pool's (prefill) policy orders the eligible candidates, best first,
+//! and for a prefill/decode pair its decode policy orders the decode candidates.
 
 use crate::policy::{DecisionInput, DecisionKind, NO_CANDIDATE};
 use crate::pool::Pool;
@@ -30,12 +30,12 @@ impl Pool {
             key_hash,
             limit,
         };
-        let decision = self.policy.rank(&input, rng, &mut scratch.order);
+        let decision = self.policies.prefill.rank(&input, rng, &mut scratch.order);
         if scratch.order.is_empty() {
             scratch.order.push(0);
         }
         scratch.decode_order.clear();
-        if paired {
+        if let (true, Some(decode)) = (paired, self.policies.decode.as_mut()) {
             scratch.slot_index.fill(NO_CANDIDATE);
             for (i, c) in scratch.decode.iter().enumerate() {
                 scratch.slot_index[c.slot as usize] = i as u32;
@@ -46,8 +46,7 @@ impl Pool {
                 key_hash,
                 limit,
             };
-            self.policy
-                .rank_decode(&decode_input, rng, &mut scratch.decode_order);
+            decode.rank(&decode_input, rng, &mut scratch.decode_order);
             if scratch.decode_order.is_empty() {
                 scratch.decode_order.push(0);
             }
