@@ -12,6 +12,7 @@ help:
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
+	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
 
@@ -62,7 +63,7 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-admission
+.PHONY: bench bench-quick bench-admission bench-overhead
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -70,6 +71,7 @@ bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
 	@$(MAKE) --no-print-directory bench-admission
+	@$(MAKE) --no-print-directory bench-overhead
 
 # The same, smaller (5 policies, 3 modes, fewer requests): under 8 minutes.
 bench-quick: setup
@@ -86,3 +88,10 @@ soak: setup sim build
 # fleet's capacity, with and without the gateway's queue; writes bench/results/admission-<date>.json (~3 min).
 bench-admission: setup sim build
 	@source scripts/env.sh && node bench/admission.mjs
+
+# The gateway's own cost (bench/overhead.mjs, issue 15): one pool Durable Object's acquire+release pairs
+# per second (64 backends, 2k/16k-token prompts, 1M affinity entries), the Worker's CPU per request and per
+# streamed token, and rate and added TTFB against vllm-sim directly at 1/16/64 concurrent; writes
+# bench/results/overhead-<date>.{json,md} (~4 min). Parts: ARGS="--only coordinator,worker-cpu,latency".
+bench-overhead: setup sim build
+	@source scripts/env.sh && node bench/overhead.mjs $(ARGS)

@@ -27,8 +27,10 @@
 //! for decode, starting at 1. A successful stream's measured time to first byte is regressed on
 //! its predicted queue plus prefill at the configured rate (exponentially weighted least squares):
 //! the slope is the prefill scale, the intercept the gateway and network overhead, so network time
-//! never inflates the prefill rate; with too little spread to fit a line, requests with nothing to
-//! prefill teach the overhead and the others the scale. The measured time per output token
+//! never inflates the prefill rate; the fitted slope is shrunk towards the current scale as far
+//! as its standard error leaves it uncertain (a busy gateway's own delay is noise in every
+//! measurement, and an unshrunk slope swung between its bounds); with too little spread to fit a
+//! line, requests with nothing to prefill teach the overhead and the others the scale. The measured time per output token
 //! (duration after the first byte over the backend's completion tokens), and vLLM's scraped one,
 //! move the decode scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]`
 //! (at most 15% per observation at the default 0.2). Scales stay within
@@ -102,6 +104,7 @@ struct Fit {
     sy: f64,
     sxx: f64,
     sxy: f64,
+    syy: f64,
 }
 
 impl Fit {
@@ -115,10 +118,16 @@ impl Fit {
         self.sy = self.sy * keep + y;
         self.sxx = self.sxx * keep + x * x;
         self.sxy = self.sxy * keep + x * y;
+        self.syy = self.syy * keep + y * y;
     }
 
-    /// `(a, b)`, once there are enough observations spread widely enough.
-    fn line(&self) -> Option<(f64, f64)> {
+    /// `(a, b)` once there are enough observations spread widely enough, the slope shrunk
+    /// towards `prior` as far as the data leave it uncertain: the fitted slope and the prior are
+    /// averaged with weights `1 / se²` and `1 / SLOPE_PRIOR_SD²`, `se` being the fitted slope's
+    /// standard error from the residuals. A backend measured through a noisy gateway (time to
+    /// first byte varying by hundreds of milliseconds for reasons of its own) then keeps a rate
+    /// near what it had instead of one that swings between the bounds.
+    fn line(&self, prior: f64) -> Option<(f64, f64)> {
         if self.w < MIN_FIT_WEIGHT {
             return None;
         }
@@ -127,10 +136,23 @@ impl Fit {
         if var < MIN_FIT_VARIANCE {
             return None;
         }
-        let b = (self.sxy / self.w - mx * my) / var;
+        let cov = self.sxy / self.w - mx * my;
+        let fitted = cov / var;
+        let residual = (self.syy / self.w - my * my - fitted * cov).max(0.0);
+        // Effective sample size of the exponentially weighted sums, less the two fitted terms.
+        let se2 = residual / (var * (self.w - 2.0).max(1.0));
+        let (data, belief) = (
+            1.0 / se2.max(1e-12),
+            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
+        );
+        let b = (fitted * data + prior * belief) / (data + belief);
         (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
     }
 }
+
+/// How far, in units of the configured rate, a backend's prefill rate is believed to be from the
+/// rate it has now before any new data (see `Fit::line`).
+const SLOPE_PRIOR_SD: f64 = 0.25;
 /// Largest ratio one observation can apply (and its inverse the smallest).
 const MAX_STEP_RATIO: f64 = 2.0;
 
@@ -343,7 +365,7 @@ impl BackendTiming {
             let y = ttfb_ms as f64 - first_step_ms - share.extra_wait_us as f64 / 1000.0;
             let rate = c.learning_rate / 4.0;
             self.fit.observe(x, y, rate);
-            match self.fit.line() {
+            match self.fit.line(self.prefill_scale) {
                 Some((overhead, slope)) => {
                     self.prefill_scale = slope.clamp(1.0 / bound, bound);
                     self.overhead_ms = overhead.clamp(0.0, MAX_OVERHEAD_MS);

@@ -31,6 +31,15 @@ fn compare(
     kv_blocks: usize,
     make: &dyn Fn(u64) -> Box<dyn Workload>,
 ) -> HashMap<PolicyKind, Report> {
+    compare_through(name, kv_blocks, Coordination::SINGLE, make)
+}
+
+fn compare_through(
+    name: &str,
+    kv_blocks: usize,
+    gateway: Coordination,
+    make: &dyn Fn(u64) -> Box<dyn Workload>,
+) -> HashMap<PolicyKind, Report> {
     let speeds = [SIM_SPEED; 8];
     let mut out = HashMap::new();
     for policy in COMPARED {
@@ -44,7 +53,7 @@ fn compare(
                     &speeds,
                     kv_blocks,
                     0x5eed + seed,
-                    Coordination::SINGLE,
+                    gateway,
                 )
                 .0
             })
@@ -170,6 +179,24 @@ fn shared_prefix_groups_on_time() {
             rr.ttft_p99
         );
     }
+}
+
+/// A busy gateway's own delay (0 to 300 ms on each answer's first byte, as at 64 clients on two
+/// cores) is noise in what the time model learns from. Fitted without a prior, the prefill rates
+/// swung between their bounds and conversations piled onto whichever backend looked fastest
+/// (busiest backend 1.54x the mean, TTFT p99 2.6x the best baseline's); the shrunk fit keeps the
+/// targets.
+#[test]
+fn a_busy_gateway_does_not_scatter_conversations() {
+    let busy = Coordination {
+        busy_jitter_ms: 300.0,
+        ..Coordination::SINGLE
+    };
+    let r = compare_through("busy gateway", 2_048, busy, &|seed| {
+        let mut rng = SplitMix64::new(1 + seed);
+        Box::new(MultiTurn::new(32, 10, &mut rng))
+    });
+    check("busy gateway", &r, 1.0);
 }
 
 #[test]

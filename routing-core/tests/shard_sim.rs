@@ -64,6 +64,7 @@ fn sweep(name: &str, kv_blocks: usize, make: &dyn Fn(u64) -> Box<dyn Workload>) 
             let c = Coordination {
                 shards,
                 exchange_ms,
+                ..Coordination::SINGLE
             };
             let r = run(make, kv_blocks, c);
             print(name, c, &r);

@@ -12,9 +12,13 @@ import { fileURLToPath } from "node:url";
 export const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
 
-/** Starts the Worker under Miniflare. `persistDir` keeps Durable Object state across restarts. */
-export async function startGateway({ bindings = {}, persistDir, options = {} } = {}) {
-  const mf = new Miniflare({
+/**
+ * Starts the Worker under Miniflare. `persistDir` keeps Durable Object state across restarts.
+ * `extraWorkers` (Miniflare worker options, each with a `name`) run beside it in the same workerd;
+ * the gateway is then the worker named `gateway`, and still the one `fetch` reaches.
+ */
+export async function startGateway({ bindings = {}, persistDir, options = {}, extraWorkers = [] } = {}) {
+  const worker = {
     scriptPath: path.join(ROOT, "build/index.js"),
     modules: true,
     modulesRules: [{ type: "CompiledWasm", include: ["**/*.wasm"], fallthrough: true }],
@@ -25,11 +29,13 @@ export async function startGateway({ bindings = {}, persistDir, options = {} } =
       DIRECTORY: { className: "PoolDirectory", useSQLite: true },
       RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
     },
-    durableObjectsPersist: persistDir ?? false,
     // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
     bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...bindings },
-    ...options,
-  });
+  };
+  const shared = { durableObjectsPersist: persistDir ?? false, ...options };
+  const mf = new Miniflare(
+    extraWorkers.length ? { ...shared, workers: [{ name: "gateway", ...worker }, ...extraWorkers] } : { ...worker, ...shared },
+  );
   await mf.ready;
   const base = "http://gateway.test";
   const gw = {

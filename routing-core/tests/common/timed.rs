@@ -361,19 +361,23 @@ pub fn pct(v: &mut [f64], p: f64) -> f64 {
     v[i]
 }
 
-/// How the simulated pool is coordinated: one coordinator, or `shards` of them that exchange load
-/// reports every `exchange_ms` of simulated time.
+/// The simulated gateway: one coordinator, or `shards` of them that exchange load reports every
+/// `exchange_ms` of simulated time; and how much a busy gateway delays each answer's first and
+/// last byte on top of the network (uniform in `[0, busy_jitter_ms]`, as measured at 64 clients
+/// on 2 cores by `make bench`).
 #[derive(Debug, Clone, Copy)]
 pub struct Coordination {
     pub shards: u32,
     pub exchange_ms: u64,
+    pub busy_jitter_ms: f64,
 }
 
 impl Coordination {
-    /// The exact single coordinator.
+    /// The exact single coordinator on an idle gateway.
     pub const SINGLE: Coordination = Coordination {
         shards: 1,
         exchange_ms: shard::DEFAULT_EXCHANGE_MS,
+        busy_jitter_ms: 0.0,
     };
 }
 
@@ -420,6 +424,8 @@ pub fn simulate(
     let (mut hit_tokens, mut prompt_tokens) = (0u64, 0u64);
     let mut now;
     let mut last_end = 0.0f64;
+    let jitter_ms = coordination.busy_jitter_ms;
+    let mut jrng = SplitMix64::new(seed ^ 0x1177);
     loop {
         let next_arrival = pending
             .iter()
@@ -497,14 +503,20 @@ pub fn simulate(
                     let e2e = now - s.arrival_ms;
                     ttfts.push(ttft);
                     e2es.push(e2e);
-                    // The gateway measures the first byte a network hop later than the engine.
+                    // The gateway measures the first byte a network hop later than the engine,
+                    // and a busy gateway later still (its own delay, the same on the last byte).
+                    let delay = jitter_ms * jrng.unit();
                     let outcome = Outcome {
-                        ttfb_ms: Some((ttft + NETWORK_MS) as u64),
+                        ttfb_ms: Some((ttft + NETWORK_MS + delay) as u64),
                         completion_tokens: Some(s.produced),
                         ..Outcome::from_status(200)
                     };
                     let shard = lease_shard.remove(&s.lease).unwrap();
-                    assert!(pools[shard].release(s.lease, &outcome, (now + NETWORK_MS) as u64));
+                    assert!(pools[shard].release(
+                        s.lease,
+                        &outcome,
+                        (now + NETWORK_MS + delay) as u64
+                    ));
                     workload.answered(s.client, &mut wrng);
                     // Think time: 20 to 220 ms.
                     pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));

@@ -1,0 +1,47 @@
+// The Worker <-> pool Durable Object wire format, as the overhead benchmark speaks it: the ONE place
+// to update when the protocol changes (block hashes are to become a compact binary encoding).
+// Plain JavaScript with no Node imports: it runs both in Node and inside workerd (bench/do-driver.mjs).
+//
+// As of 2026-12-01 (durable-objects/src/protocol.rs, durable-objects/src/pool_coordinator.rs):
+// POST /acquire takes AcquireRequest = routing_core::prompt::RequestFeatures flattened, as JSON, the
+// block hashes as decimal u64s, and answers a routing_core::pool::Grant as JSON; POST /release takes
+// a ReleaseRequest and answers {"released": bool}. Every call carries the pool's name in the
+// `x-gateway-pool` header.
+
+/** Tokens per prefix block (the pool's default `block_tokens`). */
+export const BLOCK_TOKENS = 16;
+
+export const PROTOCOL = {
+  poolHeader: "x-gateway-pool",
+  acquirePath: "/acquire",
+  releasePath: "/release",
+  /**
+   * Request init for POST /acquire of features `f`:
+   * { request_id, model, prompt_tokens, max_tokens, block_hashes: BigUint64Array }.
+   */
+  acquire(f) {
+    const body =
+      `{"request_id":"${f.request_id}","kind":"chat","model":${JSON.stringify(f.model)},"stream":true,` +
+      `"prompt_tokens":${f.prompt_tokens},"max_tokens":${f.max_tokens},"routing_key":null,` +
+      `"block_tokens":${BLOCK_TOKENS},"block_hashes":[${f.block_hashes.join(",")}],"role_hint":null}`;
+    return { method: "POST", headers: { "content-type": "application/json" }, body };
+  },
+  /** The lease in a granted (200) acquire's response. */
+  async grant(resp) {
+    const g = await resp.json();
+    return { lease_id: g.lease_id, backend: g.backend, cached_blocks: g.cached_blocks };
+  },
+  /** Request init for POST /release of grant `g` of request `f`, ended successfully. */
+  release(g, f) {
+    const cached = Math.min(f.prompt_tokens, g.cached_blocks * BLOCK_TOKENS);
+    const body =
+      `{"lease_id":${g.lease_id},"outcome":{"status":200,"kind":"success","ttfb_ms":20,` +
+      `"prompt_tokens":${f.prompt_tokens},"cached_tokens":${cached},"completion_tokens":${f.max_tokens}},` +
+      `"backend":${JSON.stringify(g.backend)}}`;
+    return { method: "POST", headers: { "content-type": "application/json" }, body };
+  },
+  /** Whether a release's response says the lease was released. */
+  async released(resp) {
+    return resp.status === 200 && (await resp.json()).released === true;
+  },
+};

@@ -1,0 +1,77 @@
+// Part (c) of the overhead benchmark: the gateway's closed-loop request rate and added time to
+// first byte against calling vllm-sim directly, at 1, 16 and 64 concurrent requests.
+//
+// One vllm-sim at --time-scale 1000 (a decode step of ~10 us, prefill of 128 tokens ~13 us) with
+// room for 256 sequences, so the backend is not the bottleneck. The same Node http client (keep-
+// alive, one connection per concurrent request) sends the same kind of request, a streamed chat of
+// a unique 128-token prompt with 16 output tokens, first straight to the sim, then to the gateway
+// (the built Worker in workerd, on its own 127.0.0.1 port), for a fixed time each after a short
+// warm-up. Time to first byte is from sending the request to the first body byte; added latency
+// is gateway minus direct at the same percentile; the rate ratio is gateway over direct.
+//
+//   node bench/overhead.mjs --only latency [--latency-seconds 8]
+import { chatBody, closedLoop, cpuMeter, gatewayWithSim, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
+
+const POOL = "bench-latency";
+const PROMPT_TOKENS = 128;
+const MAX_TOKENS = 16;
+
+async function closedPhase(client, pid, target, model, concurrency, seconds, nonce0) {
+  const body = (i) => chatBody(model, PROMPT_TOKENS, MAX_TOKENS, nonce0 + i);
+  await closedLoop({ concurrency, seconds: 0.5, one: (i) => client.post(target, body(1e6 + i)) });
+  const meter = cpuMeter(pid);
+  const run = await closedLoop({ concurrency, seconds, one: (i) => client.post(target, body(i)) });
+  const cpu = meter.stop();
+  const ok = run.results.filter((r) => r.status === 200 && !r.error);
+  const ttfb = ok.map((r) => r.ttfb_ms);
+  return {
+    requests: run.results.length,
+    errors: run.results.length - ok.length,
+    requests_per_s: ok.length / run.wall_s,
+    ttfb_ms: { p50: pct(ttfb, 50), p90: pct(ttfb, 90), p99: pct(ttfb, 99) },
+    e2e_ms_p50: pct(ok.map((r) => r.e2e_ms), 50),
+    workerd_cpu_share: cpu.workerd_cpu_s / cpu.wall_s,
+    client_cpu_ms_per_request: (cpu.node_cpu_s * 1000) / Math.max(1, run.results.length),
+  };
+}
+
+/** Part (c). `seconds`: measured time of each phase (direct and gateway at each concurrency). */
+export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64], log = console.error } = {}) {
+  const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "1000"] });
+  const client = streamClient(Math.max(...concurrencies));
+  try {
+    const pid = workerdPid();
+    const direct = `${env.sim.url}/v1/chat/completions`;
+    const gateway = `${env.url}/v1/chat/completions`;
+    const points = [];
+    for (const [k, c] of concurrencies.entries()) {
+      const d = await closedPhase(client, pid, direct, env.model, c, seconds, 1e7 * (2 * k + 1));
+      const g = await closedPhase(client, pid, gateway, env.model, c, seconds, 1e7 * (2 * k + 2));
+      const point = {
+        concurrency: c,
+        direct: d,
+        gateway: g,
+        added_ttfb_ms: { p50: g.ttfb_ms.p50 - d.ttfb_ms.p50, p99: g.ttfb_ms.p99 - d.ttfb_ms.p99 },
+        rate_ratio: g.requests_per_s / d.requests_per_s,
+      };
+      log(
+        `latency: c=${c}: direct ${d.requests_per_s.toFixed(0)} req/s, TTFB p50 ${d.ttfb_ms.p50.toFixed(2)} p99 ${d.ttfb_ms.p99.toFixed(2)} ms; ` +
+          `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core)`,
+      );
+      points.push(point);
+    }
+    return {
+      method:
+        `Closed loop, Node http client (keep-alive), streamed chat, unique ${PROMPT_TOKENS}-token prompt, ${MAX_TOKENS} output tokens (ignore_eos); ` +
+        `one vllm-sim --time-scale 1000 --max-num-seqs 256; each phase ${seconds} s after a 0.5 s warm-up; direct first, then the gateway ` +
+        "(built Worker under Miniflare/workerd on its own 127.0.0.1 port). TTFB = first body byte at the client.",
+      prompt_tokens: PROMPT_TOKENS,
+      max_tokens: MAX_TOKENS,
+      seconds,
+      points,
+    };
+  } finally {
+    client.close();
+    await env.close();
+  }
+}
