@@ -66,12 +66,12 @@ impl Totals {
 /// Reads the pool's cumulative counters.
 pub fn totals(pool: &Pool) -> Totals {
     let mut out = Totals {
-        prompt_blocks: pool.stats.prompt_blocks,
-        cached_blocks: pool.stats.cached_blocks,
+        prompt_blocks: pool.stats().prompt_blocks,
+        cached_blocks: pool.stats().cached_blocks,
         ..Totals::default()
     };
-    for e in pool.entries() {
-        let s = &e.stats;
+    for r in pool.backend_reports() {
+        let s = r.stats;
         let errors = OutcomeKind::ALL
             .iter()
             .filter(|k| k.is_backend_failure() || **k == OutcomeKind::RateLimited)
@@ -82,7 +82,7 @@ pub fn totals(pool: &Pool) -> Totals {
         ttfb[..bounded.len()].copy_from_slice(bounded);
         ttfb[TTFB_BUCKETS - 1] = s.ttfb.count().saturating_sub(bounded.iter().sum());
         out.backends.insert(
-            e.spec.id.clone(),
+            r.view.id,
             BackendTotals {
                 requests: s.requests,
                 finished: s.outcomes.iter().sum(),

@@ -7,45 +7,45 @@
 //! summed, usage is averaged. The parser never fails: lines it does not understand are skipped,
 //! so a strange page yields `None`s, never an error.
 
-use crate::pool::ProbeResult;
 use serde::{Deserialize, Serialize};
 
-/// The routing-relevant figures of one `/metrics` page.
+/// The load gauges of a `/metrics` page: what the pool keeps of each scrape (the latest known
+/// value of each) and shows in its listings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ScrapedGauges {
+    /// Requests waiting in vLLM's queue (`vllm:num_requests_waiting`, summed).
+    pub waiting: Option<f64>,
+    /// Requests running (`vllm:num_requests_running`, summed).
+    pub running: Option<f64>,
+    /// KV-cache usage, 0 to 1 (`vllm:kv_cache_usage_perc`, or the older
+    /// `vllm:gpu_cache_usage_perc`, averaged).
+    pub kv_usage: Option<f64>,
+    /// KV blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`.
+    pub kv_blocks: Option<u64>,
+    /// Tokens per KV block: the `block_size` label of `vllm:cache_config_info`.
+    pub block_size: Option<u32>,
+}
+
+/// The routing-relevant figures of one `/metrics` page: the load gauges and the counters read
+/// between scrapes. The one source of these figures: a probe result carries it, and the pool keeps
+/// its [`ScrapedGauges`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct VllmMetrics {
-    /// `vllm:num_requests_waiting`, summed.
-    pub waiting: Option<f64>,
-    /// `vllm:num_requests_running`, summed.
-    pub running: Option<f64>,
-    /// `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`), averaged, 0 to 1.
-    pub kv_usage: Option<f64>,
+    /// The load gauges (flattened: the JSON is one flat object).
+    #[serde(flatten)]
+    pub gauges: ScrapedGauges,
     /// Prefix-cache queries in tokens (`vllm:prefix_cache_queries_total`, or the older
     /// `vllm:gpu_prefix_cache_queries[_total]`).
     pub prefix_cache_queries: Option<f64>,
     /// Prefix-cache hits in tokens (new or old name).
     pub prefix_cache_hits: Option<f64>,
-    /// `num_gpu_blocks` label of `vllm:cache_config_info`.
-    pub kv_blocks: Option<u64>,
-    /// `block_size` label of `vllm:cache_config_info`.
-    pub block_size: Option<u32>,
     /// Sum and count of `vllm:time_per_output_token_seconds` (or the newer
     /// `vllm:inter_token_latency_seconds`): the decode rate the time model learns from.
     pub tpot_seconds_sum: Option<f64>,
+    /// See `tpot_seconds_sum`.
     pub tpot_count: Option<f64>,
-}
-
-impl VllmMetrics {
-    /// Copies the gauges into a probe result.
-    pub fn apply_to(&self, probe: &mut ProbeResult) {
-        probe.waiting = self.waiting;
-        probe.running = self.running;
-        probe.kv_usage = self.kv_usage;
-        probe.kv_blocks = self.kv_blocks;
-        probe.block_size = self.block_size;
-        probe.tpot_seconds_sum = self.tpot_seconds_sum;
-        probe.tpot_count = self.tpot_count;
-    }
 }
 
 #[derive(Default)]
@@ -107,18 +107,18 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
             "vllm:inter_token_latency_seconds_count" => tpot_count_new.add(value),
             "vllm:cache_config_info" => {
                 if let Some(v) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
-                    out.kv_blocks = Some(v);
+                    out.gauges.kv_blocks = Some(v);
                 }
                 if let Some(v) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
-                    out.block_size = Some(v);
+                    out.gauges.block_size = Some(v);
                 }
             }
             _ => {}
         }
     }
-    out.waiting = waiting.sum();
-    out.running = running.sum();
-    out.kv_usage = usage_new
+    out.gauges.waiting = waiting.sum();
+    out.gauges.running = running.sum();
+    out.gauges.kv_usage = usage_new
         .mean()
         .or_else(|| usage_old.mean())
         .map(|u| u.clamp(0.0, 1.0));
@@ -204,13 +204,13 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
     #[test]
     fn reads_current_names() {
         let m = parse_vllm_metrics(NEW);
-        assert_eq!(m.running, Some(5.0));
-        assert_eq!(m.waiting, Some(7.0));
-        assert_eq!(m.kv_usage, Some(0.375));
+        assert_eq!(m.gauges.running, Some(5.0));
+        assert_eq!(m.gauges.waiting, Some(7.0));
+        assert_eq!(m.gauges.kv_usage, Some(0.375));
         assert_eq!(m.prefix_cache_queries, Some(1000.0));
         assert_eq!(m.prefix_cache_hits, Some(400.0));
-        assert_eq!(m.kv_blocks, Some(4096));
-        assert_eq!(m.block_size, Some(16));
+        assert_eq!(m.gauges.kv_blocks, Some(4096));
+        assert_eq!(m.gauges.block_size, Some(16));
     }
 
     #[test]
@@ -219,10 +219,10 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
                    vllm:gpu_prefix_cache_queries_total{model_name=\"m\"} 10\n\
                    vllm:gpu_prefix_cache_hits_total{model_name=\"m\"} 4\n";
         let m = parse_vllm_metrics(old);
-        assert_eq!(m.kv_usage, Some(0.9));
+        assert_eq!(m.gauges.kv_usage, Some(0.9));
         assert_eq!(m.prefix_cache_queries, Some(10.0));
         assert_eq!(m.prefix_cache_hits, Some(4.0));
-        assert_eq!(m.waiting, None);
+        assert_eq!(m.gauges.waiting, None);
     }
 
     #[test]
@@ -236,15 +236,12 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
         );
         let m = parse_vllm_metrics(&both);
         assert_eq!((m.tpot_seconds_sum, m.tpot_count), (Some(3.0), Some(300.0)));
-        let mut p = ProbeResult::default();
-        m.apply_to(&mut p);
-        assert_eq!(p.tpot_count, Some(300.0));
     }
 
     #[test]
     fn newer_name_wins_when_both_are_present() {
         let both = "vllm:gpu_cache_usage_perc 0.9\nvllm:kv_cache_usage_perc 0.1\n";
-        assert_eq!(parse_vllm_metrics(both).kv_usage, Some(0.1));
+        assert_eq!(parse_vllm_metrics(both).gauges.kv_usage, Some(0.1));
     }
 
     #[test]
@@ -255,19 +252,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
                     \u{0}\u{ffff} {}}}\n\
                     vllm:num_requests_running NaN\n";
         let m = parse_vllm_metrics(junk);
-        assert_eq!(m.waiting, Some(2.0));
-        assert_eq!(m.running, None);
-    }
-
-    #[test]
-    fn apply_to_copies_gauges() {
-        let mut p = ProbeResult {
-            ok: true,
-            ..ProbeResult::default()
-        };
-        parse_vllm_metrics(NEW).apply_to(&mut p);
-        assert_eq!(p.waiting, Some(7.0));
-        assert_eq!(p.kv_blocks, Some(4096));
-        assert!(p.ok);
+        assert_eq!(m.gauges.waiting, Some(2.0));
+        assert_eq!(m.gauges.running, None);
     }
 }

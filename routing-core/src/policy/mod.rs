@@ -5,11 +5,12 @@
 //! fallbacks the Worker walks on a retry, so failover needs no second decision. The pool filters
 //! first (served model, role, lifecycle, health, breaker, saturation) and fills in each
 //! [`Candidate`]'s load and cache figures from the cost model and the affinity table; policies
-//! only rank. [`build`] makes a policy from its [`PolicyKind`] and the pool's knobs.
+//! only rank. [`build`] makes the pool's [`PoolPolicies`] from its [`PolicyKind`] and knobs: the
+//! policy that ranks a request's backends and, for a pool that pairs prefill and decode servers
+//! (`disaggregated`), a second ordinary policy that ranks the decode side.
 
 mod cache_aware;
 mod consistent_hash;
-mod disaggregated;
 mod least_load;
 mod power_of_two;
 mod predicted_latency;
@@ -19,7 +20,6 @@ mod weighted;
 
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
-pub use disaggregated::Disaggregated;
 pub use least_load::LeastLoad;
 pub use power_of_two::PowerOfTwo;
 pub use predicted_latency::{PredictedLatency, PredictedLatencyConfig};
@@ -247,22 +247,51 @@ pub trait RoutingPolicy: Send {
         order: &mut Vec<usize>,
     ) -> DecisionKind;
 
-    /// Ranks decode backends for a disaggregated pair; `false` if the policy does not pair.
-    fn rank_decode(
-        &mut self,
-        _input: &DecisionInput<'_>,
-        _rng: &mut dyn RandomSource,
-        _order: &mut Vec<usize>,
-    ) -> bool {
-        false
-    }
-
     /// Called when the pool's backends or their weights change.
     fn members_changed(&mut self, _members: &[RingMember<'_>]) {}
 }
 
-/// Builds the policy `kind` with the pool's knobs.
+/// The policies a pool holds.
+pub struct PoolPolicies {
+    /// Ranks the backends a request goes to: every request's, or a pair's prefill side.
+    pub prefill: Box<dyn RoutingPolicy>,
+    /// Ranks a pair's decode backends; only a pool that pairs prefill and decode servers has one.
+    pub decode: Option<Box<dyn RoutingPolicy>>,
+}
+
+impl PoolPolicies {
+    /// Tells both policies that the pool's backends or their weights changed.
+    pub fn members_changed(&mut self, members: &[RingMember<'_>]) {
+        self.prefill.members_changed(members);
+        if let Some(decode) = &mut self.decode {
+            decode.members_changed(members);
+        }
+    }
+}
+
+/// Builds the policies of a pool configured with `kind` and the pool's knobs. `disaggregated`
+/// pairs a prefill backend, chosen cache-aware (the prompt is processed there, so its prefix
+/// cache matters), with a decode backend chosen by least load (it holds the sequence while it
+/// generates); when a pool has no prefill or no decode backends for the model, its mixed backends
+/// are ranked by the prefill policy.
 pub fn build(
+    kind: PolicyKind,
+    consistent_hash: &ConsistentHashConfig,
+    cache_aware: &CacheAwareConfig,
+    predicted_latency: &PredictedLatencyConfig,
+) -> PoolPolicies {
+    let decode: Option<Box<dyn RoutingPolicy>> = match kind {
+        PolicyKind::Disaggregated => Some(Box::new(LeastLoad)),
+        _ => None,
+    };
+    PoolPolicies {
+        prefill: build_one(kind, consistent_hash, cache_aware, predicted_latency),
+        decode,
+    }
+}
+
+/// The policy that ranks a request's backends (for `disaggregated`, its prefill side).
+fn build_one(
     kind: PolicyKind,
     consistent_hash: &ConsistentHashConfig,
     cache_aware: &CacheAwareConfig,
@@ -275,9 +304,10 @@ pub fn build(
         PolicyKind::LeastLoad => Box::new(LeastLoad),
         PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
         PolicyKind::ConsistentHash => Box::new(ConsistentHash::new(*consistent_hash)),
-        PolicyKind::CacheAware => Box::new(CacheAware::new(*cache_aware)),
         PolicyKind::PredictedLatency => Box::new(PredictedLatency::new(*predicted_latency)),
-        PolicyKind::Disaggregated => Box::new(Disaggregated::new(*cache_aware)),
+        PolicyKind::CacheAware | PolicyKind::Disaggregated => {
+            Box::new(CacheAware::new(*cache_aware))
+        }
     }
 }
 
@@ -356,7 +386,9 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
+    use super::test_support::{candidates, identity};
     use super::*;
+    use crate::random::SplitMix64;
 
     #[test]
     fn policy_names_round_trip() {
@@ -364,16 +396,22 @@ mod tests {
             assert_eq!(kind.as_str().parse::<PolicyKind>().unwrap(), kind);
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{}\"", kind.as_str()));
-            assert_eq!(
-                build(
-                    kind,
-                    &Default::default(),
-                    &Default::default(),
-                    &Default::default()
-                )
-                .kind(),
-                kind
+            let policies = build(
+                kind,
+                &Default::default(),
+                &Default::default(),
+                &Default::default(),
             );
+            if kind == PolicyKind::Disaggregated {
+                assert_eq!(policies.prefill.kind(), PolicyKind::CacheAware);
+                assert_eq!(
+                    policies.decode.map(|d| d.kind()),
+                    Some(PolicyKind::LeastLoad)
+                );
+            } else {
+                assert_eq!(policies.prefill.kind(), kind);
+                assert!(policies.decode.is_none(), "{kind}");
+            }
         }
         assert!("fastest".parse::<PolicyKind>().is_err());
         for kind in DecisionKind::ALL {
@@ -382,6 +420,46 @@ mod tests {
                 format!("\"{}\"", kind.as_str())
             );
         }
+    }
+
+    #[test]
+    fn prefill_is_cache_aware_and_decode_least_loaded() {
+        let mut p = build(
+            PolicyKind::Disaggregated,
+            &Default::default(),
+            &Default::default(),
+            &Default::default(),
+        );
+        let mut decode_policy = p.decode.take().unwrap();
+        let mut prefill = candidates(&[0.2, 0.25]);
+        prefill[1].cached_blocks = 30;
+        prefill[1].benefit = 0.05;
+        let decode = candidates(&[0.4, 0.1, 0.3]);
+        let idx = identity(3);
+        let mut rng = SplitMix64::new(0);
+        let mut order = Vec::new();
+        let kind = p.prefill.rank(
+            &DecisionInput {
+                candidates: &prefill,
+                slot_index: &idx,
+                key_hash: None,
+                limit: 2,
+            },
+            &mut rng,
+            &mut order,
+        );
+        assert_eq!((kind, order[0]), (DecisionKind::CacheHit, 1));
+        decode_policy.rank(
+            &DecisionInput {
+                candidates: &decode,
+                slot_index: &idx,
+                key_hash: None,
+                limit: 2,
+            },
+            &mut rng,
+            &mut order,
+        );
+        assert_eq!(order, vec![1, 2]);
     }
 
     #[test]

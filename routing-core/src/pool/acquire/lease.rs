@@ -1,0 +1,76 @@
+//! Step 4 of a decision: the lease (a fresh random id, a deadline) and the [`Grant`] the Worker
+//! acts on, with the candidates' views in ranked order; the choice is recorded in the prefix
+//! table and the statistics.
+
+use super::admit::Admitted;
+use crate::lease::{Lease, MAX_LEASE_ID};
+use crate::policy::{Candidate, DecisionKind};
+use crate::pool::entry::{BackendEntry, Slot};
+use crate::pool::{CandidateView, Grant, Pool};
+use crate::prompt::RequestFeatures;
+use crate::random::RandomSource;
+
+impl Pool {
+    /// Records the lease of the admitted shares and builds the grant.
+    pub(super) fn grant_lease(
+        &mut self,
+        features: &RequestFeatures,
+        decision: DecisionKind,
+        admitted: Admitted,
+        now_ms: u64,
+        rng: &mut dyn RandomSource,
+    ) -> Grant {
+        let Admitted {
+            chosen,
+            primary,
+            decode,
+        } = admitted;
+        let lease_id = loop {
+            let id = rng.next_u64() & MAX_LEASE_ID;
+            if id != 0 && !self.leases.contains(id) {
+                break id;
+            }
+        };
+        let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        let lease = Lease {
+            id: lease_id,
+            request_id: features.request_id.clone(),
+            prompt_tokens: features.prompt_tokens,
+            max_tokens: features.max_tokens,
+            stream: features.stream,
+            primary,
+            decode,
+            acquired_ms: now_ms,
+            deadline_ms,
+        };
+        // The id was checked to be free just above.
+        let _ = self.leases.insert(lease);
+
+        let views = |list: &[Candidate], order: &[usize], slots: &[Slot]| -> Vec<CandidateView> {
+            order
+                .iter()
+                .filter_map(|&i| list.get(i))
+                .filter_map(|c| slots[c.slot as usize].entry.as_ref())
+                .map(BackendEntry::candidate_view)
+                .collect()
+        };
+        let scratch = &self.scratch;
+        let candidates = views(&scratch.primary, &scratch.order, &self.slots);
+        let decode_candidates = views(&scratch.decode, &scratch.decode_order, &self.slots);
+        self.affinity.record(chosen.slot, &features.block_hashes);
+        self.hold_blocks(lease_id, chosen.slot, features.block_hashes.clone());
+        self.stats.record_decision(self.config.policy, decision);
+        self.stats.prompt_blocks += features.block_hashes.len() as u64;
+        self.stats.cached_blocks += u64::from(chosen.cached_blocks);
+        Grant {
+            lease_id,
+            backend: candidates.first().map(|c| c.id.clone()).unwrap_or_default(),
+            candidates,
+            decode_candidates,
+            policy: self.config.policy,
+            decision: Some(decision),
+            cached_blocks: chosen.cached_blocks,
+            deadline_ms,
+        }
+    }
+}

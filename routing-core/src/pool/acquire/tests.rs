@@ -1,0 +1,152 @@
+//! The decision end to end: filtering, ranking by each policy, pairing, the lease's counters.
+
+use crate::backend::BackendId;
+use crate::backend::Lifecycle;
+use crate::backend::{BackendSpec, Role};
+use crate::cost::InFlight;
+use crate::outcome::Outcome;
+use crate::policy::{DecisionKind, PolicyKind};
+use crate::pool::test_support::{features, pool_with, spec, up};
+use crate::pool::{AcquireError, Pool, PoolConfig, ProbeResult};
+use crate::random::SplitMix64;
+use crate::scrape::{ScrapedGauges, VllmMetrics};
+
+#[test]
+fn unknown_model_is_model_not_found() {
+    let mut pool = pool_with(PolicyKind::LeastLoad, 2);
+    let mut f = features("x");
+    f.model = "gpt-9".into();
+    assert_eq!(
+        pool.acquire(&f, 0, &mut SplitMix64::new(0)),
+        Err(AcquireError::ModelNotFound {
+            model: "gpt-9".into()
+        })
+    );
+}
+
+#[test]
+fn grants_rank_distinct_candidates_and_count_leases() {
+    let mut pool = pool_with(PolicyKind::RoundRobin, 4);
+    let mut rng = SplitMix64::new(0);
+    let g = pool.acquire(&features("hello"), 0, &mut rng).unwrap();
+    assert_eq!(g.candidates.len(), 3);
+    assert_eq!(g.decision, Some(DecisionKind::RoundRobin));
+    assert_eq!(pool.in_flight_total(), 1);
+    assert_eq!(pool.in_flight(&g.backend).unwrap().leases, 1);
+    assert_eq!(pool.next_deadline(), Some(60_000));
+    assert!(pool.release(g.lease_id, &Outcome::from_status(200), 10));
+    assert!(
+        !pool.release(g.lease_id, &Outcome::from_status(200), 11),
+        "double release is a no-op"
+    );
+    assert_eq!(pool.in_flight_total(), 0);
+    assert_eq!(pool.in_flight(&g.backend).unwrap(), InFlight::default());
+}
+
+#[test]
+fn cache_aware_follows_the_prefix() {
+    let mut pool = pool_with(PolicyKind::CacheAware, 4);
+    let mut rng = SplitMix64::new(0);
+    let doc = "shared system prompt ".repeat(100);
+    let g1 = pool.acquire(&features(&doc), 0, &mut rng).unwrap();
+    assert_eq!(g1.decision, Some(DecisionKind::CacheMiss));
+    pool.release(g1.lease_id, &Outcome::from_status(200), 1);
+    let g2 = pool
+        .acquire(&features(&format!("{doc} and more")), 2, &mut rng)
+        .unwrap();
+    assert_eq!(g2.decision, Some(DecisionKind::CacheHit));
+    assert_eq!(g2.backend, g1.backend);
+    assert!(g2.cached_blocks > 25, "{}", g2.cached_blocks);
+    assert!(pool.affinity().len() > 25);
+}
+
+#[test]
+fn consistent_hash_is_sticky_per_key() {
+    let mut pool = pool_with(PolicyKind::ConsistentHash, 5);
+    let mut rng = SplitMix64::new(0);
+    let mut f = features("x");
+    f.routing_key = Some("session-42".into());
+    let first = pool.acquire(&f, 0, &mut rng).unwrap();
+    assert_eq!(first.decision, Some(DecisionKind::Sticky));
+    pool.release(first.lease_id, &Outcome::default(), 1);
+    for t in 2..10 {
+        let g = pool.acquire(&f, t, &mut rng).unwrap();
+        assert_eq!(g.backend, first.backend);
+        pool.release(g.lease_id, &Outcome::default(), t);
+    }
+    f.routing_key = None;
+    assert_eq!(
+        pool.acquire(&f, 20, &mut rng).unwrap().decision,
+        Some(DecisionKind::NoKey)
+    );
+}
+
+#[test]
+fn disaggregated_pairs_prefill_and_decode() {
+    let mut pool = Pool::new(
+        "p",
+        PoolConfig {
+            policy: PolicyKind::Disaggregated,
+            ..PoolConfig::default()
+        },
+    );
+    for (id, role) in [
+        ("pf", Role::Prefill),
+        ("dc", Role::Decode),
+        ("mx", Role::Mixed),
+    ] {
+        let id = pool
+            .add_backend(BackendSpec { role, ..spec(id) }, 0)
+            .unwrap();
+        pool.record_probe(&id, &up(), 0).unwrap();
+    }
+    let mut rng = SplitMix64::new(0);
+    let g = pool.acquire(&features("x"), 1, &mut rng).unwrap();
+    assert_eq!(g.backend.as_str(), "pf");
+    assert_eq!(g.decode_candidates[0].id.as_str(), "dc");
+    assert_eq!(pool.in_flight_total(), 2);
+    pool.release(g.lease_id, &Outcome::default(), 2);
+    assert_eq!(pool.in_flight_total(), 0);
+    pool.set_lifecycle(&"dc".into(), Lifecycle::Draining, 3)
+        .unwrap();
+    let g = pool.acquire(&features("x"), 4, &mut rng).unwrap();
+    assert_eq!(
+        g.backend.as_str(),
+        "mx",
+        "no decode backend: mixed fallback"
+    );
+    assert!(g.decode_candidates.is_empty());
+    let mut f = features("x");
+    f.role_hint = Some(Role::Decode);
+    assert!(
+        pool.acquire(&f, 5, &mut rng).is_err(),
+        "the only decode backend is drained"
+    );
+}
+
+#[test]
+fn a_backend_busy_with_other_clients_is_avoided() {
+    let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
+    let busy = ProbeResult {
+        ok: true,
+        metrics: VllmMetrics {
+            gauges: ScrapedGauges {
+                waiting: Some(20.0),
+                running: Some(10.0),
+                kv_usage: Some(1.0),
+                ..ScrapedGauges::default()
+            },
+            ..VllmMetrics::default()
+        },
+        ..ProbeResult::default()
+    };
+    pool.record_probe(&BackendId::from("b0"), &busy, 1).unwrap();
+    let mut rng = SplitMix64::new(3);
+    for i in 0..4 {
+        let g = pool
+            .acquire(&features(&format!("q{i}")), 2, &mut rng)
+            .unwrap();
+        assert_eq!(g.backend.as_str(), "b1", "request {i}");
+        assert!(pool.release(g.lease_id, &Outcome::from_status(200), 3));
+    }
+}

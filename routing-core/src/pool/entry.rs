@@ -1,0 +1,151 @@
+//! Slot storage: one [`BackendEntry`] per registered backend (its spec and live state), kept in
+//! reusable slots whose generation tells a removed backend's stale lease shares from a new one's.
+
+use super::views::CandidateView;
+use super::BackendStats;
+use super::DEFAULT_RETRY_AFTER_S;
+use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
+use crate::breaker::{BreakerConfig, CircuitBreaker};
+use crate::cost::{backend_load, InFlight};
+use crate::health::Health;
+use crate::held_blocks::HeldBlocks;
+use crate::scrape::ScrapedGauges;
+use crate::shard::ShardLoad;
+use crate::time_model::BackendTiming;
+
+/// One registered backend and its live state.
+#[derive(Debug, Clone)]
+pub(super) struct BackendEntry {
+    pub(super) key: BackendKey,
+    pub(super) spec: BackendSpec,
+    pub(super) lifecycle: Lifecycle,
+    pub(super) health: Health,
+    pub(super) breaker: CircuitBreaker,
+    pub(super) in_flight: InFlight,
+    pub(super) probed_models: Option<Vec<String>>,
+    pub(super) scraped: ScrapedGauges,
+    pub(super) added_ms: u64,
+    pub(super) stats: BackendStats,
+    /// Learned rates and the virtual prefill queue.
+    pub(super) timing: BackendTiming,
+    /// Sequences the last scrape found running, and waiting, beyond the gateway's own leases
+    /// (other clients of the same server).
+    pub(super) external_running: f64,
+    pub(super) external_waiting: f64,
+    /// The previous scrape's time-per-output-token sum and count, for the rate between scrapes.
+    pub(super) tpot_scraped: Option<(f64, f64)>,
+    /// Sibling coordinator shards' load on the backend, with their backlog as of `remote_at_ms`
+    /// (zero with one shard).
+    pub(super) remote: ShardLoad,
+    pub(super) remote_at_ms: u64,
+    /// This shard's own in-flight leases when it last reported (see [`BackendEntry::all_in_flight`]).
+    pub(super) reported: InFlight,
+    /// Prompt blocks the live leases hold here.
+    pub(super) held: HeldBlocks,
+}
+
+impl BackendEntry {
+    pub(super) fn serves(&self, model: &str) -> bool {
+        match &self.probed_models {
+            Some(models) if !models.is_empty() => models.iter().any(|m| m == model),
+            _ => self.spec.models.iter().any(|m| m == model),
+        }
+    }
+
+    pub(super) fn capacity(&self) -> Capacity {
+        let mut c = self.spec.capacity;
+        if let Some(blocks) = self.scraped.kv_blocks.filter(|&b| b > 0) {
+            c.kv_blocks = blocks;
+        }
+        if let Some(size) = self.scraped.block_size.filter(|&s| s > 0) {
+            c.block_size = size;
+        }
+        c
+    }
+
+    /// What is in flight on the backend: this coordinator's leases and its sibling shards'.
+    ///
+    /// Siblings count as of their last report, plus what they probably placed since: each of this
+    /// shard's own placements since its last report is assumed to have `echo` twins among its
+    /// siblings (`echo` = (shards - 1) × [`SIBLING_ECHO`](crate::shard::SIBLING_ECHO)). See [`crate::shard`].
+    pub(super) fn all_in_flight(&self, echo: f64) -> InFlight {
+        let mut all = self.in_flight;
+        let remote = self.remote.in_flight();
+        let grown = |now: u64, then: u64| (now.saturating_sub(then) as f64 * echo) as u64;
+        all.leases = all
+            .leases
+            .saturating_add(remote.leases)
+            .saturating_add(grown(
+                u64::from(self.in_flight.leases),
+                u64::from(self.reported.leases),
+            ) as u32);
+        all.prompt_tokens = all
+            .prompt_tokens
+            .saturating_add(remote.prompt_tokens)
+            .saturating_add(grown(
+                self.in_flight.prompt_tokens,
+                self.reported.prompt_tokens,
+            ));
+        all.output_tokens = all
+            .output_tokens
+            .saturating_add(remote.output_tokens)
+            .saturating_add(grown(
+                self.in_flight.output_tokens,
+                self.reported.output_tokens,
+            ));
+        all
+    }
+
+    /// Sibling shards' prefill backlog on the backend, drained to `now_ms`.
+    pub(super) fn remote_backlog_ms(&self, now_ms: u64) -> f64 {
+        (self.remote.backlog_ms - now_ms.saturating_sub(self.remote_at_ms) as f64).max(0.0)
+    }
+
+    pub(super) fn load(&self, queue_weight: f64, echo: f64) -> f64 {
+        let c = self.capacity();
+        backend_load(
+            &self.all_in_flight(echo),
+            c.capacity_tokens(),
+            self.scraped.waiting.unwrap_or(0.0),
+            c.max_num_seqs,
+            queue_weight,
+        )
+    }
+
+    /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
+    pub(super) fn running(&self, echo: f64) -> f64 {
+        f64::from(self.all_in_flight(echo).leases) + self.external_running
+    }
+
+    pub(super) fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {
+        self.lifecycle == Lifecycle::Ready
+            && self.health.is_serving()
+            && self.breaker.would_admit(now_ms, breaker)
+            && !self.breaker.is_saturated(now_ms)
+    }
+
+    pub(super) fn retry_after_ms(&self, now_ms: u64, breaker: &BreakerConfig) -> u64 {
+        if self.lifecycle == Lifecycle::Ready && self.health.is_serving() {
+            self.breaker
+                .retry_after_ms(now_ms, breaker)
+                .unwrap_or(DEFAULT_RETRY_AFTER_S * 1000)
+        } else {
+            DEFAULT_RETRY_AFTER_S * 1000
+        }
+    }
+
+    pub(super) fn candidate_view(&self) -> CandidateView {
+        CandidateView {
+            id: self.spec.id.clone(),
+            url: self.spec.url.clone(),
+            api_key: self.spec.api_key.clone(),
+            role: self.spec.role,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct Slot {
+    pub(super) generation: u32,
+    pub(super) entry: Option<BackendEntry>,
+}

@@ -1,0 +1,110 @@
+//! What can go wrong: [`PoolError`] for registry and lease operations, [`AcquireError`] when no
+//! lease is granted.
+
+use crate::backend::{BackendId, Lifecycle};
+use crate::lease::LeaseId;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Errors of the registry and lease operations.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "error", rename_all = "snake_case")]
+pub enum PoolError {
+    /// No backend has this id.
+    UnknownBackend {
+        /// The id asked for.
+        id: BackendId,
+    },
+    /// A backend with this id already exists.
+    DuplicateBackend {
+        /// The id asked for.
+        id: BackendId,
+    },
+    /// The spec or patch is invalid.
+    InvalidSpec {
+        /// Why.
+        reason: String,
+    },
+    /// The lifecycle change is not allowed.
+    InvalidTransition {
+        /// Current lifecycle.
+        from: Lifecycle,
+        /// Requested lifecycle.
+        to: Lifecycle,
+    },
+    /// No live lease has this id (released, expired or never granted).
+    UnknownLease {
+        /// The id asked for.
+        lease_id: LeaseId,
+    },
+    /// The backend cannot take the request now (not ready, unhealthy, breaker open, saturated).
+    BackendUnavailable {
+        /// The backend.
+        id: BackendId,
+    },
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolError::UnknownBackend { id } => write!(f, "no backend `{id}`"),
+            PoolError::DuplicateBackend { id } => write!(f, "backend `{id}` already exists"),
+            PoolError::InvalidSpec { reason } => write!(f, "invalid backend: {reason}"),
+            PoolError::InvalidTransition { from, to } => write!(
+                f,
+                "cannot move a backend from {} to {}",
+                from.as_str(),
+                to.as_str()
+            ),
+            PoolError::UnknownLease { lease_id } => write!(f, "no live lease {lease_id}"),
+            PoolError::BackendUnavailable { id } => write!(f, "backend `{id}` is unavailable"),
+        }
+    }
+}
+
+impl std::error::Error for PoolError {}
+
+/// Why no lease was granted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "error", rename_all = "snake_case")]
+pub enum AcquireError {
+    /// No backend in the pool serves the model (the Worker answers 404 `model_not_found`).
+    ModelNotFound {
+        /// The model asked for.
+        model: String,
+    },
+    /// Backends serve the model but none can take a request now (the Worker answers 503 with
+    /// `Retry-After`).
+    NoBackendAvailable {
+        /// Seconds until a breaker cooldown or saturation mark ends (at least 1).
+        retry_after_s: u64,
+    },
+    /// Backends serve the model and are up, but every one is at its admission capacity (only with
+    /// admission control on: the request may wait in the pool's queue).
+    AtCapacity,
+}
+
+impl fmt::Display for AcquireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AcquireError::ModelNotFound { model } => {
+                write!(f, "the model `{model}` does not exist in this pool")
+            }
+            AcquireError::NoBackendAvailable { retry_after_s } => write!(
+                f,
+                "no backend is available for this model; retry after {retry_after_s} s"
+            ),
+            AcquireError::AtCapacity => f.write_str("every backend for this model is at capacity"),
+        }
+    }
+}
+
+impl std::error::Error for AcquireError {}
+
+/// Seconds suggested to retry after when no breaker or saturation mark says better (a backend
+/// that is pending, loading or unhealthy waits for the next probe).
+pub const DEFAULT_RETRY_AFTER_S: u64 = 5;
+
+pub(super) fn unknown(id: &BackendId) -> PoolError {
+    PoolError::UnknownBackend { id: id.clone() }
+}

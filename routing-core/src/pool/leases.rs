@@ -1,0 +1,437 @@
+//! A lease's life after the grant: moved to another backend ([`Pool::reassign`]), its prefill
+//! stage ended ([`Pool::finish_prefill`]), renewed, readmitted after the pool lost it, released
+//! with its outcome (feeding the breaker, the statistics and the time model) or expired.
+
+use super::entry::BackendEntry;
+use super::errors::unknown;
+use super::{CandidateView, Pool, PoolError};
+use crate::backend::{BackendId, BackendKey, Lifecycle};
+use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
+use crate::outcome::{Outcome, OutcomeKind};
+use crate::time_model::{Observation, SharePrediction};
+use xxhash_rust::xxh3::xxh3_64;
+
+impl Pool {
+    /// Moves a lease to another backend after its backend failed before the first byte (the
+    /// Worker's retry on the next candidate). The failure is recorded on the old backend's
+    /// breaker; the counters move with the lease; the new backend is admitted through its
+    /// breaker. If the new backend cannot take it, nothing changes and
+    /// [`PoolError::BackendUnavailable`] is returned (the Worker may try the next candidate).
+    /// The one exception is a retry on the same backend whose recorded failure opens its
+    /// breaker: the failure stands, the lease ends, and `BackendUnavailable` is returned.
+    pub fn reassign(
+        &mut self,
+        lease_id: LeaseId,
+        to: &BackendId,
+        failure: &Outcome,
+        now_ms: u64,
+    ) -> Result<CandidateView, PoolError> {
+        let lease = self
+            .leases
+            .get(lease_id)
+            .ok_or(PoolError::UnknownLease { lease_id })?;
+        let (acquired_ms, prompt_tokens, output) = (
+            lease.acquired_ms,
+            u64::from(lease.prompt_tokens),
+            if lease.decode.is_some() {
+                1
+            } else {
+                u64::from(lease.max_tokens)
+            },
+        );
+        let old = lease.primary;
+        let slot = self.slot_of(to)?;
+        let breaker_config = self.config.breaker;
+        let target = self.entry_mut(slot).ok_or_else(|| unknown(to))?;
+        if !target.available(now_ms, &breaker_config) {
+            return Err(PoolError::BackendUnavailable { id: to.clone() });
+        }
+        let blocks = self.lease_blocks.get(&lease_id).map(|(_, b)| b.clone());
+        self.settle(&old, failure, lease_id, acquired_ms, now_ms);
+        let share = self.admit(slot, prompt_tokens, output, now_ms);
+        if let (Some(_), Some(blocks)) = (&share, blocks) {
+            self.hold_blocks(lease_id, slot, blocks);
+        }
+        let Some(share) = share else {
+            // Retrying on the backend that just failed can open its breaker: the lease has
+            // nowhere to go, so it ends here (its decode share too) rather than leak.
+            if let Some(lease) = self.leases.remove(lease_id) {
+                if let Some(decode) = &lease.decode {
+                    self.unshare(decode, OutcomeKind::Cancelled, lease_id, now_ms);
+                }
+            }
+            return Err(PoolError::BackendUnavailable { id: to.clone() });
+        };
+        let view = self
+            .entry(slot)
+            .map(BackendEntry::candidate_view)
+            .unwrap_or_default();
+        if let Some(lease) = self.leases.get_mut(lease_id) {
+            lease.primary = share;
+        }
+        Ok(view)
+    }
+
+    /// Ends a lease with its outcome. Returns `false` (and changes nothing) if the lease is not
+    /// live: already released, expired, or unknown, so a double release is harmless.
+    ///
+    /// The outcome feeds the breaker of the lease's backend (both backends of a pair) and the
+    /// statistics; 4xx, cancellations and 429s never count as failures.
+    pub fn release(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
+        let Some(lease) = self.leases.remove(lease_id) else {
+            self.stats.unknown_releases += 1;
+            return false;
+        };
+        // A resumed stream's times span two backends and its tokens only the continuation's:
+        // nothing to learn a backend's rates from.
+        if outcome.kind.is_success() && lease.decode.is_none() && outcome.resume.is_none() {
+            self.learn(&lease, outcome, now_ms);
+        }
+        self.settle(&lease.primary, outcome, lease_id, lease.acquired_ms, now_ms);
+        if let Some(decode) = &lease.decode {
+            self.settle(decode, outcome, lease_id, lease.acquired_ms, now_ms);
+        }
+        true
+    }
+
+    /// Ends the prefill stage of a disaggregated lease: the prefill share is settled with the
+    /// prefill's own `outcome` (so only its failures count against the prefill backend) and taken
+    /// off the counters at once; the lease goes on with its decode share alone, which the final
+    /// release settles. Returns `false` (and changes nothing) if the lease is not live or has no
+    /// decode share.
+    pub fn finish_prefill(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
+        let Some(lease) = self.leases.get(lease_id) else {
+            return false;
+        };
+        let Some(decode) = lease.decode else {
+            return false;
+        };
+        let (prefill, acquired_ms) = (lease.primary, lease.acquired_ms);
+        self.settle(&prefill, outcome, lease_id, acquired_ms, now_ms);
+        if let Some(lease) = self.leases.get_mut(lease_id) {
+            lease.primary = decode;
+            lease.decode = None;
+        }
+        true
+    }
+
+    /// Extends a live lease's deadline to `lease_ttl_ms` from now (the Worker's heartbeat while
+    /// its request runs). Returns the new deadline, or [`PoolError::UnknownLease`].
+    pub fn renew(&mut self, lease_id: LeaseId, now_ms: u64) -> Result<u64, PoolError> {
+        let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        if self.leases.set_deadline(lease_id, deadline_ms) {
+            Ok(deadline_ms)
+        } else {
+            Err(PoolError::UnknownLease { lease_id })
+        }
+    }
+
+    /// Counts a request again whose lease the pool lost (it expired while the request still
+    /// ran, or the Durable Object restarted): a lease with the same id on the backend the Worker
+    /// says serves it, counted in full (its cache hits are unknown) and not gated by the breaker
+    /// (the request is already running there). A live lease is just renewed. Returns the deadline.
+    pub fn readmit(
+        &mut self,
+        lease_id: LeaseId,
+        terms: &LeaseTerms,
+        now_ms: u64,
+    ) -> Result<u64, PoolError> {
+        if let Ok(deadline_ms) = self.renew(lease_id, now_ms) {
+            return Ok(deadline_ms);
+        }
+        if lease_id == 0 || lease_id > MAX_LEASE_ID {
+            return Err(PoolError::UnknownLease { lease_id });
+        }
+        let slot = self.slot_of(&terms.backend)?;
+        let entry = self
+            .entry_mut(slot)
+            .ok_or_else(|| unknown(&terms.backend))?;
+        let (prompt_tokens, output_tokens) =
+            (u64::from(terms.prompt_tokens), u64::from(terms.max_tokens));
+        entry.in_flight.add(prompt_tokens, output_tokens);
+        let primary = LeaseShare {
+            backend: entry.key,
+            prompt_tokens,
+            output_tokens,
+            trial: false,
+            // Nothing was predicted for it: it teaches the time model nothing.
+            predicted: SharePrediction::default(),
+        };
+        let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        let lease = Lease {
+            id: lease_id,
+            request_id: terms.request_id.clone(),
+            prompt_tokens: terms.prompt_tokens,
+            max_tokens: terms.max_tokens,
+            stream: terms.stream,
+            primary,
+            decode: None,
+            acquired_ms: now_ms,
+            deadline_ms,
+        };
+        // `renew` failed just above, so the id is free.
+        let _ = self.leases.insert(lease);
+        Ok(deadline_ms)
+    }
+
+    /// Teaches the time model what a successful request measured: its backend's rates, and the
+    /// pool's ratio of real to requested output.
+    fn learn(&mut self, lease: &Lease, outcome: &Outcome, now_ms: u64) {
+        let seen = Observation {
+            ttfb_ms: outcome.ttfb_ms,
+            duration_ms: now_ms.saturating_sub(lease.acquired_ms),
+            completion_tokens: outcome.completion_tokens,
+            streamed: lease.stream,
+        };
+        if let Some(tokens) = outcome.completion_tokens {
+            self.output_ratio.observe(tokens, lease.max_tokens);
+        }
+        let time_model = self.config.time_model;
+        if let Some(entry) = self.entry_for_key_mut(lease.primary.backend) {
+            entry
+                .timing
+                .learn(&time_model, &lease.primary.predicted, &seen);
+        }
+    }
+
+    /// Ends every lease past its deadline, as if cancelled (nobody is blamed), and moves open
+    /// breakers whose cooldown has passed to half-open. Returns how many leases expired.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.now_hint_ms = self.now_hint_ms.max(now_ms);
+        for s in &mut self.slots {
+            if let Some(e) = &mut s.entry {
+                e.breaker.refresh(now_ms);
+            }
+        }
+        self.expire_leases(now_ms)
+    }
+
+    /// Ends every lease past its deadline; see [`Pool::expire`].
+    pub(super) fn expire_leases(&mut self, now_ms: u64) -> usize {
+        if self.leases.next_deadline().is_none_or(|d| d > now_ms) {
+            return 0;
+        }
+        let expired = self.leases.take_expired(now_ms);
+        for lease in &expired {
+            for share in std::iter::once(&lease.primary).chain(lease.decode.as_ref()) {
+                if let Some(entry) = self.entry_for_key_mut(share.backend) {
+                    entry.stats.expired += 1;
+                }
+                self.unshare(share, OutcomeKind::Cancelled, lease.id, now_ms);
+            }
+        }
+        self.stats.leases_expired += expired.len() as u64;
+        expired.len()
+    }
+
+    pub(super) fn settle(
+        &mut self,
+        share: &LeaseShare,
+        outcome: &Outcome,
+        lease_id: LeaseId,
+        acquired_ms: u64,
+        now_ms: u64,
+    ) {
+        if let Some(entry) = self.entry_for_key_mut(share.backend) {
+            entry
+                .stats
+                .record_outcome(outcome, now_ms.saturating_sub(acquired_ms));
+        }
+        self.unshare(share, outcome.kind, lease_id, now_ms);
+    }
+
+    /// Counts `blocks` as held on `slot` by lease `lease_id`.
+    pub(super) fn hold_blocks(&mut self, lease_id: LeaseId, slot: u32, blocks: Vec<u64>) {
+        let Some(entry) = self.entry_mut(slot) else {
+            return;
+        };
+        entry.held.hold(&blocks);
+        let key = entry.key;
+        self.lease_blocks.insert(lease_id, (key, blocks));
+    }
+
+    /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
+    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
+        match self.lease_blocks.get(&lease_id) {
+            Some((key, _)) if *key == backend => {}
+            _ => return None,
+        }
+        let (_, blocks) = self.lease_blocks.remove(&lease_id)?;
+        if let Some(entry) = self.entry_for_key_mut(backend) {
+            entry.held.release(&blocks);
+        }
+        Some(blocks)
+    }
+
+    /// Takes a share off its backend's counters and tells the breaker how it ended.
+    pub(super) fn unshare(
+        &mut self,
+        share: &LeaseShare,
+        kind: OutcomeKind,
+        lease_id: LeaseId,
+        now_ms: u64,
+    ) {
+        self.drop_blocks(lease_id, share.backend);
+        // Admission control's hook: a backend freed room (bounded; the queue drains it).
+        if self.config.admission.enabled && self.freed.len() < 1024 {
+            self.freed.push(share.backend.slot);
+        }
+        let breaker_config = self.config.breaker;
+        let Some(entry) = self.entry_for_key_mut(share.backend) else {
+            return;
+        };
+        entry
+            .in_flight
+            .remove(share.prompt_tokens, share.output_tokens);
+        entry.timing.leave(&share.predicted, now_ms);
+        let jitter = (xxh3_64(&(lease_id ^ now_ms.rotate_left(32)).to_le_bytes()) >> 11) as f64
+            / (1u64 << 53) as f64;
+        entry
+            .breaker
+            .record(kind, share.trial, now_ms, &breaker_config, jitter);
+        if entry.lifecycle == Lifecycle::Draining && entry.in_flight.leases == 0 {
+            entry.lifecycle = Lifecycle::Drained;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::BackendId;
+    use crate::backend::Lifecycle;
+    use crate::breaker::BreakerState;
+    use crate::outcome::{Outcome, OutcomeKind};
+    use crate::policy::PolicyKind;
+    use crate::pool::test_support::{features, pool_with, spec};
+    use crate::pool::{AcquireError, PoolError};
+    use crate::random::SplitMix64;
+
+    #[test]
+    fn client_errors_never_open_the_breaker_but_5xx_do() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 1);
+        let mut rng = SplitMix64::new(0);
+        let id = BackendId::from("b0");
+        for t in 0..20 {
+            let g = pool.acquire(&features("x"), t, &mut rng).unwrap();
+            pool.release(g.lease_id, &Outcome::from_status(400), t);
+            let g = pool.acquire(&features("x"), t, &mut rng).unwrap();
+            pool.release(g.lease_id, &Outcome::of_kind(OutcomeKind::Cancelled), t);
+        }
+        assert_eq!(pool.backend(&id).unwrap().breaker, BreakerState::Closed);
+        for t in 0..5 {
+            let g = pool.acquire(&features("x"), 100 + t, &mut rng).unwrap();
+            pool.release(g.lease_id, &Outcome::from_status(502), 100 + t);
+        }
+        let view = pool.backend(&id).unwrap();
+        assert_eq!(view.breaker, BreakerState::Open);
+        match pool.acquire(&features("x"), 200, &mut rng) {
+            Err(AcquireError::NoBackendAvailable { retry_after_s }) => {
+                assert!((1..=5).contains(&retry_after_s))
+            }
+            other => panic!("{other:?}"),
+        }
+        // After the cooldown, one trial is admitted; its success (twice) closes the breaker.
+        let t = view.breaker_open_until_ms;
+        let g = pool.acquire(&features("x"), t, &mut rng).unwrap();
+        assert!(
+            pool.acquire(&features("x"), t, &mut rng).is_err(),
+            "one trial at a time"
+        );
+        pool.release(g.lease_id, &Outcome::from_status(200), t + 1);
+        let g = pool.acquire(&features("x"), t + 2, &mut rng).unwrap();
+        pool.release(g.lease_id, &Outcome::from_status(200), t + 3);
+        assert_eq!(pool.backend(&id).unwrap().breaker, BreakerState::Closed);
+    }
+
+    #[test]
+    fn rate_limit_saturates_briefly() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 1);
+        let mut rng = SplitMix64::new(0);
+        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
+        pool.release(g.lease_id, &Outcome::from_status(429), 1_000);
+        assert_eq!(
+            pool.acquire(&features("x"), 1_500, &mut rng),
+            Err(AcquireError::NoBackendAvailable { retry_after_s: 2 })
+        );
+        assert!(pool.acquire(&features("x"), 3_000, &mut rng).is_ok());
+        assert_eq!(
+            pool.backend(&BackendId::from("b0")).unwrap().breaker,
+            BreakerState::Closed
+        );
+    }
+
+    #[test]
+    fn reassign_moves_the_lease_and_blames_the_old_backend() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 3);
+        let mut rng = SplitMix64::new(0);
+        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
+        let next = g.candidates[1].id.clone();
+        let view = pool
+            .reassign(
+                g.lease_id,
+                &next,
+                &Outcome::of_kind(OutcomeKind::Transport),
+                5,
+            )
+            .unwrap();
+        assert_eq!(view.id, next);
+        assert_eq!(pool.in_flight(&g.backend).unwrap().leases, 0);
+        assert_eq!(pool.in_flight(&next).unwrap().leases, 1);
+        let stats = &pool
+            .entries()
+            .find(|e| e.spec.id == g.backend)
+            .unwrap()
+            .stats;
+        assert_eq!(stats.outcomes[OutcomeKind::Transport.index()], 1);
+        assert!(pool.release(g.lease_id, &Outcome::from_status(200), 9));
+        assert_eq!(pool.in_flight_total(), 0);
+        assert!(matches!(
+            pool.reassign(g.lease_id, &next, &Outcome::default(), 10),
+            Err(PoolError::UnknownLease { .. })
+        ));
+    }
+
+    #[test]
+    fn reassign_to_an_unavailable_backend_changes_nothing() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 2);
+        let pending = pool.add_backend(spec("new"), 0).unwrap();
+        let mut rng = SplitMix64::new(0);
+        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
+        assert_eq!(
+            pool.reassign(
+                g.lease_id,
+                &pending,
+                &Outcome::of_kind(OutcomeKind::Timeout),
+                1
+            ),
+            Err(PoolError::BackendUnavailable {
+                id: pending.clone()
+            })
+        );
+        assert_eq!(pool.in_flight(&g.backend).unwrap().leases, 1);
+    }
+
+    #[test]
+    fn expiry_frees_counters_and_drains() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 1);
+        let mut rng = SplitMix64::new(0);
+        let id = BackendId::from("b0");
+        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
+        assert_eq!(
+            pool.set_lifecycle(&id, Lifecycle::Draining, 1),
+            Ok(Lifecycle::Draining)
+        );
+        assert!(pool.acquire(&features("x"), 2, &mut rng).is_err());
+        assert_eq!(pool.expire(59_999), 0);
+        assert_eq!(pool.expire(60_000), 1);
+        assert_eq!(pool.in_flight_total(), 0);
+        assert_eq!(pool.backend(&id).unwrap().lifecycle, Lifecycle::Drained);
+        assert!(!pool.release(g.lease_id, &Outcome::default(), 60_001));
+        assert_eq!(pool.next_deadline(), None);
+        assert_eq!(
+            pool.set_lifecycle(&id, Lifecycle::Ready, 3),
+            Ok(Lifecycle::Ready)
+        );
+        assert!(pool.acquire(&features("x"), 4, &mut rng).is_ok());
+    }
+}

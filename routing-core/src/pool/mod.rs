@@ -1,0 +1,343 @@
+//! The pool: one group of vLLM servers and every routing decision about them.
+//!
+//! This is the facade the pool's Durable Object calls. It owns the backend registry, each
+//! backend's health and circuit breaker, the routing policy (and its hash ring), the
+//! prefix-affinity table and the live leases. The Durable Object persists what [`Pool`] hands it
+//! ([`BackendSpec`], [`PoolConfig`], [`BackendSnapshot`]) and rebuilds the pool from them after a
+//! restart; leases and affinity are memory only.
+//!
+//! A request's life: the Worker computes [`RequestFeatures`](crate::prompt::RequestFeatures); [`Pool::acquire`] filters the
+//! backends (served model, role, lifecycle, health, breaker, saturation), fills in the cost model,
+//! lets the policy rank them and grants a lease on the first; the Worker calls the backend, walks
+//! to the next candidate with [`Pool::reassign`] if it fails before the first byte, and finally
+//! [`Pool::release`]s the lease with the [`Outcome`](crate::outcome::Outcome), which feeds the breaker and the statistics.
+//! [`Pool::expire`] ends leases nobody released, and [`Pool::next_deadline`] says when to call it.
+//!
+//! The files: `config` (the knobs), `capacity` (whether a backend has room), `errors`, `views` (what crosses the boundary), `entry` (slot
+//! storage), `registry` (adding, changing and probing backends), `acquire/` (the decision:
+//! eligible -> rank -> admit -> lease), `leases` (a lease's life after the grant), `persistence`
+//! (snapshots and restore), `siblings` (this pool as one of several coordinator shards), `stats` (the counters) and `render` (Prometheus text).
+
+mod acquire;
+mod capacity;
+mod config;
+mod entry;
+mod errors;
+mod leases;
+mod persistence;
+mod registry;
+mod render;
+mod siblings;
+mod stats;
+#[cfg(test)]
+mod test_support;
+mod views;
+
+pub use crate::scrape::ScrapedGauges;
+pub use capacity::has_room;
+pub use config::{AdmissionConfig, ConfigError, PoolConfig, MAX_CANDIDATES, MAX_QUEUE};
+pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
+pub use stats::{BackendReport, BackendStats, PoolStats};
+pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult};
+
+use crate::affinity::PrefixAffinity;
+use crate::backend::{BackendId, BackendKey, BackendSpec};
+use crate::cost::InFlight;
+use crate::lease::{Lease, LeaseId, LeaseTable};
+use crate::policy::{self, PoolPolicies};
+use crate::ring::RingMember;
+use crate::shard::SiblingLoads;
+use crate::time_model::OutputRatio;
+use acquire::Scratch;
+use entry::{BackendEntry, Slot};
+use errors::unknown;
+use std::collections::HashMap;
+use std::fmt;
+
+/// One pool of backends and its routing state.
+pub struct Pool {
+    name: String,
+    config: PoolConfig,
+    /// The prefill (or only) policy and, for a pool that pairs, the decode policy.
+    policies: PoolPolicies,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    index: HashMap<BackendId, u32>,
+    leases: LeaseTable,
+    affinity: PrefixAffinity,
+    pub(crate) stats: PoolStats,
+    scratch: Scratch,
+    /// Real over requested output length, learned from usage.
+    output_ratio: OutputRatio,
+    /// Mean uncached prompt tokens per granted request (prices scraped waiting requests).
+    mean_uncached_tokens: f64,
+    /// The latest time the pool was told (views show the prefill backlog as of then).
+    now_hint_ms: u64,
+    /// Slots where a lease share ended since [`Pool::take_freed`] (admission control only).
+    freed: Vec<u32>,
+    /// This coordinator's shard index, and its siblings' load reports when the pool has several.
+    shard: u32,
+    shards: u32,
+    siblings: Option<SiblingLoads>,
+    /// When the siblings' load was last summed into the entries.
+    siblings_summed_ms: u64,
+    /// Each live lease's prompt blocks and the backend holding them.
+    lease_blocks: HashMap<LeaseId, (BackendKey, Vec<u64>)>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("name", &self.name)
+            .field("policy", &self.config.policy)
+            .field("backends", &self.index.len())
+            .field("leases", &self.leases.len())
+            .field("affinity_entries", &self.affinity.len())
+            .finish()
+    }
+}
+
+impl Pool {
+    /// An empty pool. The configuration is used as given; validate untrusted input with
+    /// [`PoolConfig::validate`] first ([`Pool::set_config`] does). Out-of-range values never make
+    /// the pool panic; they are clamped where they would.
+    pub fn new(name: &str, config: PoolConfig) -> Pool {
+        let policies = policy::build(
+            config.policy,
+            &config.consistent_hash,
+            &config.cache_aware,
+            &config.predicted_latency,
+        );
+        let affinity = PrefixAffinity::new(config.affinity_max_entries);
+        Pool {
+            name: name.to_string(),
+            config,
+            policies,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::new(),
+            leases: LeaseTable::new(),
+            affinity,
+            stats: PoolStats::default(),
+            scratch: Scratch::default(),
+            output_ratio: OutputRatio::default(),
+            mean_uncached_tokens: 0.0,
+            now_hint_ms: 0,
+            freed: Vec::new(),
+            shard: 0,
+            shards: 1,
+            siblings: None,
+            siblings_summed_ms: 0,
+            lease_blocks: HashMap::new(),
+        }
+    }
+
+    /// The pool's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configuration in effect.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Validates and applies a new configuration. A new policy starts fresh (its ring rebuilt);
+    /// live leases keep their deadlines; a smaller affinity bound evicts at once.
+    pub fn set_config(&mut self, config: PoolConfig) -> Result<(), ConfigError> {
+        config.validate()?;
+        let block_tokens_changed = config.block_tokens != self.config.block_tokens;
+        self.config = config;
+        self.policies = policy::build(
+            self.config.policy,
+            &self.config.consistent_hash,
+            &self.config.cache_aware,
+            &self.config.predicted_latency,
+        );
+        self.members_changed();
+        self.affinity
+            .set_max_entries(self.config.affinity_max_entries);
+        if block_tokens_changed {
+            for slot in 0..self.slots.len() {
+                self.sync_affinity_capacity(slot as u32);
+            }
+        }
+        Ok(())
+    }
+
+    /// The earliest deadline of a live lease, for the Durable Object's alarm.
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.leases.next_deadline()
+    }
+
+    /// Live leases counted on existing backends (a removed backend's leases are not counted).
+    pub fn in_flight_total(&self) -> u64 {
+        self.entries().map(|e| u64::from(e.in_flight.leases)).sum()
+    }
+
+    /// Live leases, including those on backends removed since.
+    pub fn live_leases(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Checks that every backend's in-flight counters equal the sum of its live lease shares
+    /// (used by tests and property tests; cheap enough for a debug endpoint).
+    pub fn check_counters(&self) -> Result<(), String> {
+        for s in &self.slots {
+            let Some(e) = &s.entry else { continue };
+            let mut expected = InFlight::default();
+            for lease in self.leases.iter() {
+                for share in std::iter::once(&lease.primary).chain(lease.decode.as_ref()) {
+                    if share.backend == e.key {
+                        expected.add(share.prompt_tokens, share.output_tokens);
+                    }
+                }
+            }
+            if expected != e.in_flight {
+                return Err(format!(
+                    "backend {}: counters {:?}, live leases {:?}",
+                    e.spec.id, e.in_flight, expected
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A backend's in-flight counters.
+    pub fn in_flight(&self, id: &BackendId) -> Option<InFlight> {
+        let slot = *self.index.get(id)?;
+        self.entry(slot).map(|e| e.in_flight)
+    }
+
+    /// The live lease `lease_id`.
+    pub fn lease(&self, lease_id: LeaseId) -> Option<&Lease> {
+        self.leases.get(lease_id)
+    }
+
+    /// The prefix-affinity table.
+    pub fn affinity(&self) -> &PrefixAffinity {
+        &self.affinity
+    }
+
+    /// Backends where a lease ended since the last call, oldest first (admission control on).
+    pub fn take_freed(&mut self) -> Vec<BackendId> {
+        let slots = std::mem::take(&mut self.freed);
+        slots
+            .into_iter()
+            .filter_map(|slot| self.entry(slot).map(|e| e.spec.id.clone()))
+            .collect()
+    }
+
+    /// Leading blocks of `block_hashes` that backend `id` probably holds.
+    pub fn cached_blocks_on(&self, id: &BackendId, block_hashes: &[u64]) -> u32 {
+        let Some(&slot) = self.index.get(id) else {
+            return 0;
+        };
+        let mut lengths = Vec::new();
+        self.affinity.match_lengths(block_hashes, &mut lengths);
+        lengths.get(slot as usize).copied().unwrap_or(0)
+    }
+
+    /// A backend's spec as registered (API key included: for the Durable Object's own use, to
+    /// persist it and to authenticate probes; never for views).
+    pub fn spec(&self, id: &BackendId) -> Option<&BackendSpec> {
+        let slot = *self.index.get(id)?;
+        self.entry(slot).map(|e| &e.spec)
+    }
+
+    /// A backend's listing.
+    pub fn backend(&self, id: &BackendId) -> Option<BackendView> {
+        self.view(*self.index.get(id)?)
+    }
+
+    /// Every backend's listing, in slot order.
+    pub fn backends(&self) -> impl Iterator<Item = BackendView> + '_ {
+        (0..self.slots.len()).filter_map(|slot| self.view(slot as u32))
+    }
+
+    /// Number of registered backends.
+    pub fn backend_count(&self) -> usize {
+        self.index.len()
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &BackendEntry> {
+        self.slots.iter().filter_map(|s| s.entry.as_ref())
+    }
+
+    fn slot_of(&self, id: &BackendId) -> Result<u32, PoolError> {
+        self.index.get(id).copied().ok_or_else(|| unknown(id))
+    }
+
+    fn entry(&self, slot: u32) -> Option<&BackendEntry> {
+        self.slots.get(slot as usize)?.entry.as_ref()
+    }
+
+    fn entry_mut(&mut self, slot: u32) -> Option<&mut BackendEntry> {
+        self.slots.get_mut(slot as usize)?.entry.as_mut()
+    }
+
+    fn entry_for_key_mut(&mut self, key: BackendKey) -> Option<&mut BackendEntry> {
+        let s = self.slots.get_mut(key.slot as usize)?;
+        if s.generation != key.generation {
+            return None;
+        }
+        s.entry.as_mut()
+    }
+
+    fn sync_affinity_capacity(&mut self, slot: u32) {
+        let block_tokens = self.config.block_tokens();
+        if let Some(entry) = self.entry(slot) {
+            let blocks = entry.capacity().capacity_blocks(block_tokens);
+            self.affinity.set_backend_capacity(slot, blocks);
+        }
+    }
+
+    fn members_changed(&mut self) {
+        let members: Vec<RingMember<'_>> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, s)| {
+                s.entry.as_ref().map(|e| RingMember {
+                    node: slot as u32,
+                    id: e.spec.id.as_str(),
+                    weight: e.spec.weight,
+                })
+            })
+            .collect();
+        self.policies.members_changed(&members);
+    }
+
+    fn view(&self, slot: u32) -> Option<BackendView> {
+        let e = self.entry(slot)?;
+        Some(BackendView {
+            id: e.spec.id.clone(),
+            pool: self.name.clone(),
+            url: e.spec.url.clone(),
+            region: e.spec.region.clone(),
+            models: e.spec.models.clone(),
+            served_models: match &e.probed_models {
+                Some(m) if !m.is_empty() => m.clone(),
+                _ => e.spec.models.clone(),
+            },
+            weight: e.spec.weight,
+            role: e.spec.role,
+            has_api_key: e.spec.api_key.is_some(),
+            capacity: e.capacity(),
+            lifecycle: e.lifecycle,
+            health: e.health.state,
+            breaker: e.breaker.state(),
+            breaker_open_until_ms: e.breaker.open_until_ms(),
+            saturated_until_ms: e.breaker.saturated_until_ms(),
+            leases_in_flight: e.in_flight.leases,
+            inflight_prompt_tokens: e.in_flight.prompt_tokens,
+            inflight_output_tokens: e.in_flight.output_tokens,
+            load: e.load(self.config.queue_weight, self.echo()),
+            affinity_blocks: self.affinity.backend_len(slot),
+            added_ms: e.added_ms,
+            last_probe_ms: e.health.last_probe_ms,
+            scraped: e.scraped,
+            timing: e.timing.view(&self.config.time_model, self.now_hint_ms),
+        })
+    }
+}

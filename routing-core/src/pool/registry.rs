@@ -1,0 +1,407 @@
+//! Registry operations: adding, removing and patching backends, draining them, and applying
+//! what a probe found (health, served models, scraped gauges).
+
+use super::entry::{BackendEntry, Slot};
+use super::errors::unknown;
+use super::BackendStats;
+use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
+use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle};
+use crate::breaker::CircuitBreaker;
+use crate::cost::InFlight;
+use crate::health::{Health, HealthTransition, ProbeVerdict};
+use crate::held_blocks::HeldBlocks;
+use crate::shard::ShardLoad;
+use crate::time_model::BackendTiming;
+
+/// Fewest output tokens between two scrapes for their time per token to teach the time model.
+const MIN_SCRAPED_TOKENS: f64 = 50.0;
+
+impl Pool {
+    /// Registers a backend, `pending` until its first successful probe.
+    pub fn add_backend(&mut self, spec: BackendSpec, now_ms: u64) -> Result<BackendId, PoolError> {
+        spec.validate()
+            .map_err(|reason| PoolError::InvalidSpec { reason })?;
+        if self.index.contains_key(&spec.id) {
+            return Err(PoolError::DuplicateBackend { id: spec.id });
+        }
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(Slot::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let id = spec.id.clone();
+        let s = &mut self.slots[slot as usize];
+        s.entry = Some(BackendEntry {
+            key: BackendKey {
+                slot,
+                generation: s.generation,
+            },
+            spec,
+            lifecycle: Lifecycle::Pending,
+            health: Health::default(),
+            breaker: CircuitBreaker::new(),
+            in_flight: InFlight::default(),
+            probed_models: None,
+            scraped: ScrapedGauges::default(),
+            added_ms: now_ms,
+            stats: BackendStats::default(),
+            timing: BackendTiming::default(),
+            external_running: 0.0,
+            external_waiting: 0.0,
+            tpot_scraped: None,
+            remote: ShardLoad::default(),
+            remote_at_ms: 0,
+            reported: InFlight::default(),
+            held: HeldBlocks::default(),
+        });
+        self.index.insert(id.clone(), slot);
+        self.sync_affinity_capacity(slot);
+        self.members_changed();
+        Ok(id)
+    }
+
+    /// Removes a backend: it leaves the ring at once and its affinity entries are purged. Its
+    /// live leases stay in the lease table until released or expired, and then touch nothing.
+    pub fn remove_backend(
+        &mut self,
+        id: &BackendId,
+        _now_ms: u64,
+    ) -> Result<BackendSpec, PoolError> {
+        let slot = self.slot_of(id)?;
+        self.index.remove(id);
+        let s = &mut self.slots[slot as usize];
+        let entry = s.entry.take();
+        s.generation = s.generation.wrapping_add(1);
+        self.free_slots.push(slot);
+        self.affinity.remove_backend(slot);
+        self.members_changed();
+        entry
+            .map(|e| e.spec)
+            .ok_or_else(|| PoolError::UnknownBackend { id: id.clone() })
+    }
+
+    /// Applies a partial update to a backend's spec.
+    pub fn update_backend(
+        &mut self,
+        id: &BackendId,
+        patch: &BackendPatch,
+        _now_ms: u64,
+    ) -> Result<BackendView, PoolError> {
+        let slot = self.slot_of(id)?;
+        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        let next = patch
+            .apply(&entry.spec)
+            .map_err(|reason| PoolError::InvalidSpec { reason })?;
+        let weight_changed = next.weight != entry.spec.weight;
+        entry.spec = next;
+        self.sync_affinity_capacity(slot);
+        if weight_changed {
+            self.members_changed();
+        }
+        self.view(slot).ok_or_else(|| unknown(id))
+    }
+
+    /// Drains or undrains a backend.
+    ///
+    /// `draining` is allowed from pending or ready (a backend without leases goes straight to
+    /// `drained`); `ready` is allowed from draining or drained and gives `pending` if the backend
+    /// is not healthy; setting the current state is a no-op. Everything else is refused:
+    /// `pending -> ready` only happens on a successful probe, `drained` only when the last lease
+    /// ends.
+    pub fn set_lifecycle(
+        &mut self,
+        id: &BackendId,
+        to: Lifecycle,
+        _now_ms: u64,
+    ) -> Result<Lifecycle, PoolError> {
+        let slot = self.slot_of(id)?;
+        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        let from = entry.lifecycle;
+        let next = match (from, to) {
+            _ if from == to => from,
+            (Lifecycle::Pending | Lifecycle::Ready, Lifecycle::Draining) => {
+                if entry.in_flight.leases == 0 {
+                    Lifecycle::Drained
+                } else {
+                    Lifecycle::Draining
+                }
+            }
+            (Lifecycle::Drained, Lifecycle::Draining) => Lifecycle::Drained,
+            (Lifecycle::Draining | Lifecycle::Drained, Lifecycle::Ready) => {
+                if entry.health.is_serving() {
+                    Lifecycle::Ready
+                } else {
+                    Lifecycle::Pending
+                }
+            }
+            _ => return Err(PoolError::InvalidTransition { from, to }),
+        };
+        entry.lifecycle = next;
+        Ok(next)
+    }
+
+    /// Applies one probe result: health transitions, `pending -> ready` on the first success,
+    /// served models and scraped gauges.
+    pub fn record_probe(
+        &mut self,
+        id: &BackendId,
+        probe: &ProbeResult,
+        now_ms: u64,
+    ) -> Result<Option<HealthTransition>, PoolError> {
+        let slot = self.slot_of(id)?;
+        let health_config = self.config.health;
+        let time_model = self.config.time_model;
+        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        let verdict = if probe.loading {
+            ProbeVerdict::Loading
+        } else if probe.ok {
+            ProbeVerdict::Up
+        } else {
+            ProbeVerdict::Down
+        };
+        let transition = entry.health.record(verdict, &health_config, now_ms);
+        if entry.lifecycle == Lifecycle::Pending && entry.health.is_serving() {
+            entry.lifecycle = Lifecycle::Ready;
+        }
+        if probe.ok {
+            if let Some(models) = &probe.models {
+                let models: Vec<String> =
+                    models.iter().filter(|m| !m.is_empty()).cloned().collect();
+                entry.probed_models = Some(models);
+            }
+        }
+        let finite = |x: Option<f64>| x.filter(|v| v.is_finite() && *v >= 0.0);
+        let page = &probe.metrics;
+        let scraped = &mut entry.scraped;
+        scraped.waiting = finite(page.gauges.waiting).or(scraped.waiting);
+        scraped.running = finite(page.gauges.running).or(scraped.running);
+        scraped.kv_usage = finite(page.gauges.kv_usage).or(scraped.kv_usage);
+        // What the server runs beyond the gateway's own leases is someone else's traffic.
+        if page.gauges.running.is_some() || page.gauges.waiting.is_some() {
+            let (running, waiting) = (
+                scraped.running.unwrap_or(0.0),
+                scraped.waiting.unwrap_or(0.0),
+            );
+            let ours = f64::from(entry.in_flight.leases) + f64::from(entry.remote.leases);
+            let external = (running + waiting - ours).max(0.0);
+            entry.external_waiting = external.min(waiting);
+            entry.external_running = external - entry.external_waiting;
+        }
+        // vLLM's own measure of its decode speed since the last scrape, at its current batch.
+        if let (Some(sum), Some(count)) = (page.tpot_seconds_sum, page.tpot_count) {
+            if let Some((last_sum, last_count)) = entry.tpot_scraped {
+                let tokens = count - last_count;
+                if tokens >= MIN_SCRAPED_TOKENS && sum >= last_sum {
+                    let tpot_ms = (sum - last_sum) / tokens * 1000.0;
+                    let running = scraped.running.unwrap_or(1.0);
+                    entry.timing.learn_tpot(&time_model, tpot_ms, running);
+                }
+            }
+            entry.tpot_scraped = Some((sum, count));
+        }
+        let before = (scraped.kv_blocks, scraped.block_size);
+        scraped.kv_blocks = page
+            .gauges
+            .kv_blocks
+            .filter(|&b| b > 0)
+            .or(scraped.kv_blocks);
+        scraped.block_size = page
+            .gauges
+            .block_size
+            .filter(|&b| b > 0)
+            .or(scraped.block_size);
+        if (scraped.kv_blocks, scraped.block_size) != before {
+            self.sync_affinity_capacity(slot);
+        }
+        Ok(transition)
+    }
+
+    /// Records that backend `id` now holds a request's prompt prefix: after a retry, the backend
+    /// that served the request, not the one first chosen, is where the next turn should go.
+    pub fn record_prefix(&mut self, id: &BackendId, block_hashes: &[u64]) -> Result<(), PoolError> {
+        let slot = self.slot_of(id)?;
+        self.affinity.record(slot, block_hashes);
+        Ok(())
+    }
+
+    /// Backend `id` answered that it does not serve `model` (404: the model was unloaded): stop
+    /// routing the model there until its next probe reports its models again. A backend whose
+    /// only model it was keeps its list (an empty list means "as registered"); the caller should
+    /// probe it soon. Returns whether the model was removed.
+    pub fn forget_model(&mut self, id: &BackendId, model: &str) -> Result<bool, PoolError> {
+        let slot = self.slot_of(id)?;
+        let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        let mut served = match &entry.probed_models {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => entry.spec.models.clone(),
+        };
+        let before = served.len();
+        served.retain(|m| m != model);
+        if served.len() == before || served.is_empty() {
+            return Ok(false);
+        }
+        entry.probed_models = Some(served);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::Outcome;
+    use crate::policy::PolicyKind;
+    use crate::pool::test_support::{features, pool_with, spec, up};
+    use crate::pool::{AcquireError, PoolConfig, DEFAULT_RETRY_AFTER_S};
+    use crate::random::SplitMix64;
+    use crate::scrape::VllmMetrics;
+
+    #[test]
+    fn pending_backend_serves_nothing_until_probed() {
+        let mut pool = Pool::new("p", PoolConfig::default());
+        let id = pool.add_backend(spec("a"), 0).unwrap();
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(
+            pool.acquire(&features("hi"), 1, &mut rng),
+            Err(AcquireError::NoBackendAvailable {
+                retry_after_s: DEFAULT_RETRY_AFTER_S
+            })
+        );
+        pool.record_probe(&id, &up(), 2).unwrap();
+        assert_eq!(pool.backend(&id).unwrap().lifecycle, Lifecycle::Ready);
+        let grant = pool.acquire(&features("hi"), 3, &mut rng).unwrap();
+        assert_eq!(grant.backend, id);
+        assert_eq!(grant.candidates[0].api_key.as_deref(), Some("key-a"));
+    }
+
+    #[test]
+    fn probed_models_replace_registered_ones() {
+        let mut pool = pool_with(PolicyKind::LeastLoad, 1);
+        let id = BackendId::from("b0");
+        let probe = ProbeResult {
+            ok: true,
+            models: Some(vec!["mistral".into()]),
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &probe, 1).unwrap();
+        let mut rng = SplitMix64::new(0);
+        assert!(matches!(
+            pool.acquire(&features("x"), 2, &mut rng),
+            Err(AcquireError::ModelNotFound { .. })
+        ));
+        let mut f = features("x");
+        f.model = "mistral".into();
+        assert!(pool.acquire(&f, 2, &mut rng).is_ok());
+    }
+
+    #[test]
+    fn lifecycle_rules() {
+        let mut pool = Pool::new("p", PoolConfig::default());
+        let id = pool.add_backend(spec("a"), 0).unwrap();
+        assert_eq!(
+            pool.set_lifecycle(&id, Lifecycle::Ready, 0),
+            Err(PoolError::InvalidTransition {
+                from: Lifecycle::Pending,
+                to: Lifecycle::Ready
+            })
+        );
+        assert_eq!(
+            pool.set_lifecycle(&id, Lifecycle::Draining, 0),
+            Ok(Lifecycle::Drained)
+        );
+        assert_eq!(
+            pool.set_lifecycle(&id, Lifecycle::Ready, 0),
+            Ok(Lifecycle::Pending),
+            "not healthy yet"
+        );
+        assert!(pool.set_lifecycle(&id, Lifecycle::Drained, 0).is_err());
+        pool.record_probe(&id, &up(), 1).unwrap();
+        assert_eq!(pool.backend(&id).unwrap().lifecycle, Lifecycle::Ready);
+    }
+
+    #[test]
+    fn removing_a_backend_with_live_leases_never_goes_negative() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 2);
+        let mut rng = SplitMix64::new(0);
+        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
+        pool.remove_backend(&g.backend, 1).unwrap();
+        assert_eq!(pool.in_flight_total(), 0);
+        assert_eq!(pool.live_leases(), 1);
+        // The slot is reused by a new backend, which must not inherit the old lease's release.
+        let id = pool.add_backend(spec("fresh"), 2).unwrap();
+        pool.record_probe(&id, &up(), 2).unwrap();
+        let g2 = pool.acquire(&features("y"), 3, &mut rng).unwrap();
+        let before = pool.in_flight_total();
+        assert!(pool.release(g.lease_id, &Outcome::from_status(500), 4));
+        assert_eq!(pool.in_flight_total(), before);
+        assert!(pool.release(g2.lease_id, &Outcome::from_status(200), 5));
+        assert_eq!(pool.in_flight_total(), 0);
+        assert_eq!(pool.live_leases(), 0);
+        assert!(pool.remove_backend(&g.backend, 6).is_err());
+    }
+
+    #[test]
+    fn update_backend_patches_and_validates() {
+        let mut pool = pool_with(PolicyKind::Weighted, 2);
+        let id = BackendId::from("b1");
+        let patch = BackendPatch {
+            weight: Some(4),
+            ..BackendPatch::default()
+        };
+        assert_eq!(pool.update_backend(&id, &patch, 0).unwrap().weight, 4);
+        let bad = BackendPatch {
+            url: Some("nope".into()),
+            ..BackendPatch::default()
+        };
+        assert!(matches!(
+            pool.update_backend(&id, &bad, 0),
+            Err(PoolError::InvalidSpec { .. })
+        ));
+        let mut rng = SplitMix64::new(0);
+        let mut count = 0;
+        for t in 0..50 {
+            let g = pool.acquire(&features("x"), t, &mut rng).unwrap();
+            count += usize::from(g.backend == id);
+            pool.release(g.lease_id, &Outcome::default(), t);
+        }
+        assert_eq!(count, 40);
+    }
+
+    #[test]
+    fn scraped_time_per_token_teaches_the_decode_rate() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+        let id = BackendId::from("b0");
+        let scrape = |sum: f64, count: f64| ProbeResult {
+            ok: true,
+            metrics: VllmMetrics {
+                gauges: ScrapedGauges {
+                    running: Some(4.0),
+                    ..ScrapedGauges::default()
+                },
+                tpot_seconds_sum: Some(sum),
+                tpot_count: Some(count),
+                ..VllmMetrics::default()
+            },
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &scrape(0.0, 0.0), 1).unwrap();
+        // 30 ms a token at a batch of 4, where the configured model says 10.6 ms.
+        let mut sum = 0.0;
+        for round in 1..=40u64 {
+            sum += 200.0 * 0.030;
+            pool.record_probe(&id, &scrape(sum, 200.0 * round as f64), round * 1000)
+                .unwrap();
+        }
+        let t = pool.backend(&id).unwrap().timing;
+        assert!(
+            (t.decode_ms_per_step - 10.0 * 30.0 / 10.6).abs() < 1.0,
+            "{t:?}"
+        );
+        // Too few tokens between scrapes teach nothing.
+        let before = t.observations;
+        pool.record_probe(&id, &scrape(sum + 0.3, 8_010.0), 50_000)
+            .unwrap();
+        assert_eq!(pool.backend(&id).unwrap().timing.observations, before);
+    }
+}

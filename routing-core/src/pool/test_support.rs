@@ -1,0 +1,45 @@
+//! Helpers the pool's unit tests share: a backend spec, a passing probe, a probed pool and
+//! a chat request's features.
+
+use super::{Pool, PoolConfig, ProbeResult};
+use crate::backend::BackendSpec;
+use crate::policy::PolicyKind;
+use crate::prompt::{request_features, FeatureConfig, RequestFeatures};
+use serde_json::json;
+
+pub(crate) fn spec(id: &str) -> BackendSpec {
+    BackendSpec {
+        id: id.into(),
+        url: format!("http://{id}:8000"),
+        models: vec!["llama".into()],
+        api_key: Some(format!("key-{id}")),
+        ..BackendSpec::default()
+    }
+}
+
+pub(crate) fn up() -> ProbeResult {
+    ProbeResult {
+        ok: true,
+        ..ProbeResult::default()
+    }
+}
+
+pub(crate) fn pool_with(policy: PolicyKind, n: usize) -> Pool {
+    let mut pool = Pool::new(
+        "p1",
+        PoolConfig {
+            policy,
+            ..PoolConfig::default()
+        },
+    );
+    for i in 0..n {
+        let id = pool.add_backend(spec(&format!("b{i}")), 0).unwrap();
+        pool.record_probe(&id, &up(), 0).unwrap();
+    }
+    pool
+}
+
+pub(crate) fn features(text: &str) -> RequestFeatures {
+    let body = json!({"model": "llama", "messages": [{"role": "user", "content": text}]});
+    request_features(&body, &|_| None, &FeatureConfig::default()).unwrap()
+}

@@ -1,0 +1,207 @@
+//! What crosses the pool's boundary: the [`Grant`] and its [`CandidateView`]s going out, a
+//! [`ProbeResult`] coming in, the [`BackendView`] listings show and the [`BackendSnapshot`] the
+//! Durable Object persists. The scraped figures are [`crate::scrape`]'s.
+
+use crate::backend::{BackendId, Capacity, Lifecycle, Role};
+use crate::breaker::{BreakerSnapshot, BreakerState};
+use crate::health::HealthState;
+use crate::lease::LeaseId;
+use crate::policy::{DecisionKind, PolicyKind};
+use crate::scrape::{ScrapedGauges, VllmMetrics};
+use crate::time_model::TimingView;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// One backend in a grant: what the Worker needs to call it.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CandidateView {
+    /// The backend's id.
+    pub id: BackendId,
+    /// Its base URL.
+    pub url: String,
+    /// Its API key, for the Worker's `Authorization` header (never logged: `Debug` hides it).
+    pub api_key: Option<String>,
+    /// Its role.
+    pub role: Role,
+}
+
+impl Default for CandidateView {
+    fn default() -> Self {
+        CandidateView {
+            id: BackendId::default(),
+            url: String::new(),
+            api_key: None,
+            role: Role::Mixed,
+        }
+    }
+}
+
+impl fmt::Debug for CandidateView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CandidateView")
+            .field("id", &self.id)
+            .field("url", &self.url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("role", &self.role)
+            .finish()
+    }
+}
+
+/// A granted lease and the ranked candidates.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Grant {
+    /// The lease to release (or reassign) later.
+    pub lease_id: LeaseId,
+    /// The chosen backend (`candidates[0]`).
+    pub backend: BackendId,
+    /// Candidates best first; the first is the choice, the rest are fallbacks for a retry
+    /// before the first byte. For a disaggregated pair these are the prefill backends.
+    pub candidates: Vec<CandidateView>,
+    /// Decode backends, best first, for a disaggregated pair; empty otherwise.
+    pub decode_candidates: Vec<CandidateView>,
+    /// The policy that decided.
+    pub policy: PolicyKind,
+    /// Why the first candidate was chosen.
+    pub decision: Option<DecisionKind>,
+    /// Leading prompt blocks the chosen backend probably holds.
+    pub cached_blocks: u32,
+    /// When the lease expires unless released.
+    pub deadline_ms: u64,
+}
+
+/// One health probe's findings, as the Durable Object's alarm gathers them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProbeResult {
+    /// `/health` answered 200.
+    pub ok: bool,
+    /// `/health` answered 503: the server is loading its model.
+    pub loading: bool,
+    /// Model ids from `/v1/models`, if fetched.
+    pub models: Option<Vec<String>>,
+    /// What `/metrics` said (flattened: the JSON keeps one flat object).
+    #[serde(flatten)]
+    pub metrics: VllmMetrics,
+}
+
+impl VllmMetrics {
+    /// Copies the page's figures into a probe result.
+    pub fn apply_to(&self, probe: &mut ProbeResult) {
+        probe.metrics = self.clone();
+    }
+}
+
+/// A backend as listings show it: its spec without the API key, and its live state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendView {
+    /// Id.
+    pub id: BackendId,
+    /// Pool name.
+    pub pool: String,
+    /// Base URL.
+    pub url: String,
+    /// Region.
+    pub region: String,
+    /// Models as registered.
+    pub models: Vec<String>,
+    /// Models routed to it: the probe's `/v1/models` answer when known, else `models`.
+    pub served_models: Vec<String>,
+    /// Weight.
+    pub weight: u32,
+    /// Role.
+    pub role: Role,
+    /// Whether an API key is stored (the key itself is never shown).
+    pub has_api_key: bool,
+    /// Capacity in effect (registered hints overridden by scraped values).
+    pub capacity: Capacity,
+    /// Lifecycle.
+    pub lifecycle: Lifecycle,
+    /// Probe health.
+    pub health: HealthState,
+    /// Breaker state (as of the last request or [`Pool::expire`](super::Pool::expire) call).
+    pub breaker: BreakerState,
+    /// End of the breaker's cooldown when open.
+    pub breaker_open_until_ms: u64,
+    /// End of a 429 saturation mark.
+    pub saturated_until_ms: u64,
+    /// Live leases.
+    pub leases_in_flight: u32,
+    /// Uncached prompt tokens of live leases.
+    pub inflight_prompt_tokens: u64,
+    /// Expected output tokens of live leases.
+    pub inflight_output_tokens: u64,
+    /// Load by the cost model, a fraction of capacity.
+    pub load: f64,
+    /// Prefix-affinity entries held for it.
+    pub affinity_blocks: u64,
+    /// When it was added.
+    pub added_ms: u64,
+    /// When its last probe result arrived.
+    pub last_probe_ms: Option<u64>,
+    /// Scraped gauges.
+    pub scraped: ScrapedGauges,
+    /// The backend's time model: learned rates and its prefill backlog.
+    pub timing: TimingView,
+}
+
+/// What the Durable Object persists of a backend's state besides its spec, so that a restart
+/// neither forgets an open breaker nor takes healthy backends out of rotation until the next probe.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendSnapshot {
+    /// The backend.
+    pub id: BackendId,
+    /// Its lifecycle.
+    pub lifecycle: Lifecycle,
+    /// Its probe health.
+    pub health: HealthState,
+    /// Its breaker.
+    pub breaker: BreakerSnapshot,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::PolicyKind;
+    use crate::pool::test_support::pool_with;
+
+    #[test]
+    fn probe_results_stay_one_flat_json_object() {
+        let old = r#"{"ok":true,"loading":false,"models":["m"],"waiting":2.0,"running":1.0,"kv_usage":0.5,"kv_blocks":64,"block_size":16,"tpot_seconds_sum":1.5,"tpot_count":10.0}"#;
+        let probe: ProbeResult = serde_json::from_str(old).unwrap();
+        assert_eq!(probe.metrics.gauges.waiting, Some(2.0));
+        assert_eq!(probe.metrics.gauges.kv_blocks, Some(64));
+        assert_eq!(probe.metrics.tpot_count, Some(10.0));
+        let back = serde_json::to_value(&probe).unwrap();
+        let old = serde_json::from_str::<serde_json::Value>(old).unwrap();
+        for (k, v) in old.as_object().unwrap() {
+            assert_eq!(&back[k], v, "{k}");
+        }
+        let mut copy = ProbeResult::default();
+        probe.metrics.apply_to(&mut copy);
+        assert_eq!(copy.metrics, probe.metrics);
+        let partial: ProbeResult = serde_json::from_str(r#"{"ok":true}"#).unwrap();
+        assert_eq!(partial.metrics, VllmMetrics::default());
+    }
+
+    #[test]
+    fn views_and_debug_never_show_the_key() {
+        let pool = pool_with(PolicyKind::LeastLoad, 1);
+        let view = pool.backend(&"b0".into()).unwrap();
+        let json = serde_json::to_string(&view).unwrap();
+        assert!(!json.contains("key-b0"));
+        assert!(view.has_api_key);
+        let g = Grant {
+            candidates: vec![CandidateView {
+                api_key: Some("key-b0".into()),
+                ..CandidateView::default()
+            }],
+            ..Grant::default()
+        };
+        assert!(!format!("{g:?}").contains("key-b0"));
+        assert!(!format!("{pool:?}").contains("key-b0"));
+    }
+}
