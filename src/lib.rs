@@ -4,11 +4,6 @@
 //! the nearest pool's Durable Object for a lease, and hand over to the streaming proxy. The routing
 //! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
-// `ApiError` carries a whole OpenAI error body (status, message, type, param, code, extra
-// headers) and travels only on the error path, where moving it costs nothing next to the
-// response it becomes; boxing it would only add an allocation.
-#![allow(clippy::result_large_err)]
-
 mod admin;
 mod admission;
 mod auth;
@@ -21,13 +16,15 @@ mod proxy;
 mod regions;
 mod relay;
 
-pub use gateway_durable_objects::api_error::ApiError;
+pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
 pub use gateway_durable_objects::directory::PoolDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::RateLimiter;
 
-use gateway_durable_objects::protocol::PoolEntry;
+use coordinator_protocol::acquire::AcquireBody;
+use coordinator_protocol::messages::{AlarmAnswer, ModelsAnswer, PoolEntry};
+use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::lease::LeaseTerms;
 use routing_core::prompt::{
@@ -68,8 +65,13 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     match pools::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                if let Err(e) =
-                    pools::pool_call(&env, &pool.name, Method::Post, "/probe/ensure", None).await
+                if let Err(e) = pools::pool_json::<AlarmAnswer>(
+                    &env,
+                    &pool.name,
+                    &Route::EnsureProbeAlarm,
+                    None::<&()>,
+                )
+                .await
                 {
                     console_error!("cron: pool {}: {e}", pool.name);
                 }
@@ -129,7 +131,7 @@ async fn route(
             Method::Get | Method::Head => Response::from_json(
                 &json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") }),
             )
-            .map_err(ApiError::from_worker),
+            .map_err(ApiError::from),
             m => Err(ApiError::method_not_allowed(m.as_ref(), &path)),
         },
         ["metrics"] => {
@@ -243,11 +245,9 @@ async fn discard_body(req: &Request) {
         return;
     };
     let drained = wasm_bindgen_futures::JsFuture::from(body.pipe_to(&sink));
-    let _ = gateway_durable_objects::timed_fetch::with_timeout(
-        drained,
-        std::time::Duration::from_secs(5),
-    )
-    .await;
+    let _ =
+        coordinator_protocol::timed_fetch::with_timeout(drained, std::time::Duration::from_secs(5))
+            .await;
 }
 
 /// Routing features of an embeddings request: model, input size, no prefix reuse.
@@ -364,6 +364,8 @@ async fn completion(
     // waits when no pool has room (spillover comes before queueing).
     let mut queue_at: Option<PoolEntry> = None;
     let mut order = pools.into_iter().enumerate();
+    // Serialised once, whichever pools are asked and however often a queued request asks again.
+    let acquire_body = AcquireBody::new(&features);
     loop {
         let (pool, spill_ok) = match order.next() {
             // A saturated or full pool refuses work only when a further pool could take it.
@@ -373,12 +375,7 @@ async fn completion(
                 None => break,
             },
         };
-        let path = if spill_ok {
-            "/acquire?spill_ok=true"
-        } else {
-            "/acquire"
-        };
-        match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
+        match admission::acquire(env, ctx, &req, &pool.name, spill_ok, &acquire_body, &who).await {
             Ok(admitted) => {
                 let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
                 let disaggregated = !grant.decode_candidates.is_empty();
@@ -438,9 +435,9 @@ async fn completion(
             // The request waited and was dropped, or its client left: that is the answer.
             Err(e)
                 if e.status == 499
-                    || e.headers.iter().any(|(k, _)| {
-                        k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER
-                    }) =>
+                    || e.headers
+                        .iter()
+                        .any(|(k, _)| k == coordinator_protocol::messages::QUEUE_DROP_HEADER) =>
             {
                 refund(ctx, env, reservation);
                 return Err(e);
@@ -475,12 +472,10 @@ fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Respon
     // Headers of a proxied response may be immutable: copy them.
     let headers = Headers::new();
     for (k, v) in resp.headers().entries() {
-        headers.append(&k, &v).map_err(ApiError::from_worker)?;
+        headers.append(&k, &v)?;
     }
     let wait = queued_ms.to_string();
-    headers
-        .set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait)
-        .map_err(ApiError::from_worker)?;
+    headers.set(coordinator_protocol::messages::QUEUE_WAIT_HEADER, &wait)?;
     Ok(resp.with_headers(headers))
 }
 
@@ -533,16 +528,8 @@ fn ask_for_usage(
 async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     for pool in pools::list_pools(env).await? {
-        match pools::pool_json::<Value>(env, &pool.name, Method::Get, "/models", None::<&()>).await
-        {
-            Ok(v) => models.extend(
-                v.get("models")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(Value::as_str)
-                    .map(str::to_string),
-            ),
+        match pools::pool_json::<ModelsAnswer>(env, &pool.name, &Route::Models, None::<&()>).await {
+            Ok(answer) => models.extend(answer.models),
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }
     }
@@ -552,5 +539,5 @@ async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
         .iter()
         .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
         .collect();
-    Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from_worker)
+    Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from)
 }

@@ -14,10 +14,11 @@ use crate::lease_guard::LeaseGuard;
 use crate::pools::pool_json;
 use crate::relay::{relay, Relay, Upstream};
 use crate::ApiError;
-use gateway_durable_objects::protocol::ReassignRequest;
-use gateway_durable_objects::timed_fetch::{
+use coordinator_protocol::messages::ReassignRequest;
+use coordinator_protocol::timed_fetch::{
     fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
 };
+use coordinator_protocol::Route;
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::{body_usage, Usage};
@@ -465,7 +466,7 @@ impl Forward<'_> {
         client_signal: AbortSignal,
     ) -> Result<Response, ApiError> {
         let out = Headers::new();
-        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
+        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from);
         for name in PASSED_RESPONSE_HEADERS {
             if let Some(v) = answer.headers.get(name).ok().flatten() {
                 set(name, &v)?;
@@ -659,7 +660,7 @@ impl Forward<'_> {
             block_hashes: self.block_hashes.clone(),
             missing_model: failure.missing_model.then(|| self.model.clone()),
         };
-        pool_json(self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await
+        pool_json(self.env, &self.pool, &Route::Reassign, Some(&req)).await
     }
 }
 

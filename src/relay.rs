@@ -11,8 +11,8 @@
 //! Idle time counts only while the client keeps up: a client that stops reading holds chunks in
 //! the relay's queue and the backend is not blamed for the pause.
 
+use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
-use gateway_durable_objects::timed_fetch::{with_timeout, LinkedAbort};
 use routing_core::outcome::OutcomeKind;
 use routing_core::usage::{Emit, StreamScanner, Usage};
 use serde_json::json;

@@ -12,26 +12,30 @@
 //! In memory only: leases, affinity, the retry budget, the last probe reports, and the last hour's
 //! per-minute history (`routing_core::history`, for the dashboard).
 
-use crate::api_error::ApiError;
+use crate::call::{answer, parse_route, read_body};
 use crate::probe::{probe_backend, ProbeReport};
-use crate::protocol::{
-    AcquireRequest, BackendRegistration, DequeueRequest, PrefillDone, Queued, ReassignRequest,
-    ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_WAIT_HEADER,
-};
 use crate::registry::{
     validate_models, validate_name, validate_registration, validate_url, Registry,
 };
 use crate::waiting_room::{Step, Verdict, WaitingRoom};
+use coordinator_protocol::acquire::AcquireRequest;
+use coordinator_protocol::messages::{
+    AdminBackend, AdminPatch, AlarmAnswer, Autoscaling, BackendList, BackendRegistration,
+    DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
+    PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
+    ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+};
+pub use coordinator_protocol::settings::PoolSettings;
+use coordinator_protocol::{ApiError, Object, Route};
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
-use routing_core::backend::{BackendId, BackendPatch, Lifecycle};
+use routing_core::backend::{BackendId, Lifecycle};
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
-use routing_core::pool::{AcquireError, BackendSnapshot, BackendView, Pool, PoolConfig, PoolError};
+use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
 use routing_core::random::SplitMix64;
-use routing_core::retry_budget::{RetryBudget, RetryBudgetConfig};
-use serde::{Deserialize, Serialize};
-use serde_json::json;
+use routing_core::retry_budget::RetryBudget;
+use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -40,101 +44,8 @@ use worker::*;
 
 /// Default time between probe rounds (the `PROBE_INTERVAL_MS` var overrides it).
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 10_000;
-/// Default timeout of each probe request.
-pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2_000;
 /// Most backends probed at once (the platform allows six outbound connections per invocation).
 const PROBE_CONCURRENCY: usize = 6;
-
-/// A pool's settings: the routing core's configuration plus what the coordinator itself uses.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct PoolSettings {
-    /// Policy and routing knobs.
-    #[serde(flatten)]
-    pub routing: PoolConfig,
-    /// Retry-budget knobs.
-    pub retry_budget: RetryBudgetConfig,
-    /// Time between probe rounds, ms (0: the `PROBE_INTERVAL_MS` var or 10,000).
-    pub probe_interval_ms: u64,
-    /// Timeout of each probe request, ms.
-    pub probe_timeout_ms: u64,
-    /// The pool counts as saturated, and new work spills to the next pool when there is one, when
-    /// its backends' scraped waiting queues average more than this per ready backend (0: never).
-    pub saturation_waiting_per_backend: f64,
-    /// Autoscaling signal: the waiting requests one replica should carry (HPA/KEDA target).
-    pub autoscale_target_waiting: f64,
-    /// Durable Object location hint for this pool (for example `enam`, `weur`); used when the
-    /// Worker first addresses the pool.
-    pub location_hint: Option<String>,
-}
-
-impl Default for PoolSettings {
-    fn default() -> Self {
-        PoolSettings {
-            routing: PoolConfig::default(),
-            retry_budget: RetryBudgetConfig::default(),
-            probe_interval_ms: 0,
-            probe_timeout_ms: DEFAULT_PROBE_TIMEOUT_MS,
-            saturation_waiting_per_backend: 16.0,
-            autoscale_target_waiting: 4.0,
-            location_hint: None,
-        }
-    }
-}
-
-impl PoolSettings {
-    /// Checks every knob (the Worker checks too, before a new pool's first call carries its location hint).
-    pub fn validate(&self) -> std::result::Result<(), ApiError> {
-        self.routing
-            .validate()
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        self.retry_budget
-            .validate()
-            .map_err(ApiError::bad_request)?;
-        if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
-            return Err(ApiError::bad_request(
-                "probe_interval_ms must be 0 (default) or 500-3,600,000",
-            )
-            .with_param("probe_interval_ms"));
-        }
-        if !self.routing.region.is_empty() {
-            validate_name("region", &self.routing.region)?;
-        }
-        if !(self.saturation_waiting_per_backend.is_finite()
-            && self.saturation_waiting_per_backend >= 0.0)
-        {
-            return Err(ApiError::bad_request(
-                "saturation_waiting_per_backend must be a number >= 0",
-            )
-            .with_param("saturation_waiting_per_backend"));
-        }
-        if !(self.autoscale_target_waiting.is_finite() && self.autoscale_target_waiting > 0.0) {
-            return Err(
-                ApiError::bad_request("autoscale_target_waiting must be a number > 0")
-                    .with_param("autoscale_target_waiting"),
-            );
-        }
-        if let Some(hint) = &self.location_hint {
-            if ![
-                "wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me",
-            ]
-            .contains(&hint.as_str())
-            {
-                return Err(ApiError::bad_request(
-                    "location_hint must be one of wnam, enam, sam, weur, eeur, apac, oc, afr, me",
-                )
-                .with_param("location_hint"));
-            }
-        }
-        if !(100..=60_000).contains(&self.probe_timeout_ms) {
-            return Err(
-                ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000")
-                    .with_param("probe_timeout_ms"),
-            );
-        }
-        Ok(())
-    }
-}
 
 /// Live state of one pool.
 #[durable_object]
@@ -242,38 +153,10 @@ fn pool_load(l: &Live) -> PoolLoad {
     load
 }
 
-/// A backend as the admin API shows it: the core's view plus the last probe report.
-#[derive(Serialize)]
-struct AdminBackend<'a> {
-    #[serde(flatten)]
-    view: BackendView,
-    last_probe: Option<&'a ProbeReport>,
-    delete_pending: bool,
-}
-
-/// Body of `PATCH /backends/{id}`: spec changes plus drain / undrain.
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct AdminPatch {
-    #[serde(flatten)]
-    patch: BackendPatch,
-    drain: Option<bool>,
-}
-
 type ApiResult = std::result::Result<Response, ApiError>;
 
 fn now_ms() -> u64 {
     Date::now().as_millis()
-}
-
-fn json_response<T: Serialize>(status: u16, value: &T) -> ApiResult {
-    Response::from_json(value)
-        .map(|r| r.with_status(status))
-        .map_err(ApiError::from_worker)
-}
-
-fn parse<T: for<'de> Deserialize<'de>>(body: &str, what: &str) -> std::result::Result<T, ApiError> {
-    serde_json::from_str(body).map_err(|e| ApiError::bad_request(format!("invalid {what}: {e}")))
 }
 
 fn pool_error(e: PoolError) -> ApiError {
@@ -304,65 +187,9 @@ impl DurableObject for PoolCoordinator {
         if let Err(e) = self.load(name.as_deref()) {
             return e.to_response();
         }
-        let path = req.path();
-        let segments: Vec<String> = path
-            .trim_matches('/')
-            .split('/')
-            .map(str::to_string)
-            .collect();
-        let segs: Vec<&str> = segments.iter().map(String::as_str).collect();
-        let method = req.method();
-        let flag = |name: &str| {
-            req.url()
-                .map(|u| u.query_pairs().any(|(k, v)| k == name && v == "true"))
-                .unwrap_or(false)
-        };
-        let (force, spill_ok) = (flag("force"), flag("spill_ok"));
-        let signal: web_sys::AbortSignal = req.inner().signal();
-        let body = match method {
-            Method::Post | Method::Put | Method::Patch => match req.text().await {
-                Ok(t) => t,
-                Err(_) => {
-                    return ApiError::bad_request("request body is not valid UTF-8").to_response()
-                }
-            },
-            _ => String::new(),
-        };
-        let result = match (method, segs.as_slice()) {
-            (Method::Post, ["acquire"]) => self.acquire(&body, spill_ok, signal).await,
-            (Method::Post, ["dequeue"]) => self.dequeue(&body),
-            (Method::Post, ["reassign"]) => self.reassign(&body).await,
-            (Method::Post, ["release"]) => self.release(&body),
-            (Method::Post, ["renew"]) => self.renew(&body),
-            (Method::Post, ["prefill_done"]) => self.prefill_done(&body),
-            (Method::Post, ["backends"]) => self.register(&body).await,
-            (Method::Get, ["backends"]) => self.list(),
-            (Method::Get, ["backends", id]) => self.show(id),
-            (Method::Patch, ["backends", id]) => {
-                let result = self.patch(id, &body);
-                if result.is_ok() && body.contains("\"drain\"") {
-                    // Re-enabled (or drained): probe now rather than at the next round.
-                    self.probe_soon().await;
-                }
-                result
-            }
-            (Method::Delete, ["backends", id]) => self.delete(id, force),
-            (Method::Get, ["models"]) => self.models(),
-            (Method::Get, ["config"]) => self.with(|l| json_response(200, &l.settings)),
-            (Method::Put, ["config"]) => self.put_config(&body),
-            (Method::Get, ["state"]) => self.summary(),
-            (Method::Get, ["metrics"]) => self.metrics(),
-            (Method::Get, ["history"]) => self.history(),
-            (Method::Post, ["probe", "ensure"]) => self.ensure_alarm().await,
-            (Method::Post, ["probe", "now"]) => {
-                // Asked for explicitly: wait out a round in progress, then run a fresh one.
-                while self.probing.get() {
-                    Delay::from(Duration::from_millis(20)).await;
-                }
-                self.probe_all().await;
-                self.summary()
-            }
-            _ => Err(ApiError::not_found(format!("pool has no route {path}"))),
+        let result = match parse_route(&req, Object::Pool) {
+            Ok(route) => self.handle(route, &mut req).await,
+            Err(e) => Err(e),
         };
         // Whatever the call changed (a lease ended, a backend came back, settings) may let a
         // queued request in.
@@ -389,6 +216,58 @@ impl DurableObject for PoolCoordinator {
 }
 
 impl PoolCoordinator {
+    /// Runs one call.
+    async fn handle(&self, route: Route, req: &mut Request) -> ApiResult {
+        match route {
+            Route::Acquire { spill_ok } => {
+                let signal: web_sys::AbortSignal = req.inner().signal();
+                let body = read_body(req, "acquire request").await?;
+                self.acquire(body, spill_ok, signal).await
+            }
+            Route::Dequeue => self.dequeue(read_body(req, "dequeue request").await?),
+            Route::Reassign => {
+                self.reassign(read_body(req, "reassign request").await?)
+                    .await
+            }
+            Route::Release => self.release(read_body(req, "release request").await?),
+            Route::Renew => self.renew(read_body(req, "renew request").await?),
+            Route::PrefillDone => self.prefill_done(read_body(req, "prefill report").await?),
+            Route::RegisterBackend => {
+                self.register(read_body(req, "backend registration").await?)
+                    .await
+            }
+            Route::ListBackends => self.list(),
+            Route::ShowBackend(id) => self.show(&id),
+            Route::PatchBackend(id) => {
+                let patch: AdminPatch = read_body(req, "backend patch").await?;
+                let drain = patch.drain.is_some();
+                let result = self.patch(&id, patch);
+                if result.is_ok() && drain {
+                    // Re-enabled (or drained): probe now rather than at the next round.
+                    self.probe_soon().await;
+                }
+                result
+            }
+            Route::DeleteBackend { id, force } => self.delete(&id, force),
+            Route::Models => self.models(),
+            Route::GetConfig => self.with(|l| answer(200, &l.settings)),
+            Route::PutConfig => self.put_config(read_body(req, "pool configuration").await?),
+            Route::Summary => self.summary(),
+            Route::Metrics => self.metrics(),
+            Route::History => self.history(),
+            Route::EnsureProbeAlarm => self.ensure_alarm().await,
+            Route::ProbeNow => {
+                // Asked for explicitly: wait out a round in progress, then run a fresh one.
+                while self.probing.get() {
+                    Delay::from(Duration::from_millis(20)).await;
+                }
+                self.probe_all().await;
+                self.summary()
+            }
+            _ => Err(ApiError::not_found("a pool has no such route")),
+        }
+    }
+
     /// Loads the registry into memory on first use after a (re)start.
     fn load(&self, name: Option<&str>) -> std::result::Result<(), ApiError> {
         if let Some(live) = self.live.borrow_mut().as_mut() {
@@ -398,7 +277,7 @@ impl PoolCoordinator {
             }
             return Ok(());
         }
-        let registry = Registry::open(self.state.storage().sql()).map_err(ApiError::from_worker)?;
+        let registry = Registry::open(self.state.storage().sql())?;
         let stored_name: Option<String> = registry.meta("name");
         let name = name
             .map(str::to_string)
@@ -413,7 +292,7 @@ impl PoolCoordinator {
         }
         let mut pool = Pool::new(&name, settings.routing.clone());
         let now = now_ms();
-        for (spec, snapshot) in registry.backends().map_err(ApiError::from_worker)? {
+        for (spec, snapshot) in registry.backends()? {
             let id = spec.id.clone();
             if let Err(e) = pool.add_backend(spec, now) {
                 console_error!("pool {name}: cannot restore backend {id}: {e}");
@@ -475,14 +354,19 @@ impl PoolCoordinator {
             .unwrap_or(DEFAULT_PROBE_INTERVAL_MS)
     }
 
-    async fn acquire(&self, body: &str, spill_ok: bool, signal: web_sys::AbortSignal) -> ApiResult {
-        let req: AcquireRequest = parse(body, "acquire request")?;
+    async fn acquire(
+        &self,
+        req: AcquireRequest,
+        spill_ok: bool,
+        signal: web_sys::AbortSignal,
+    ) -> ApiResult {
+        let (features, admission) = req.into_parts();
         let step = self.with(|l| {
             let now = now_ms();
-            let admission = l.settings.routing.admission;
+            let admission_config = l.settings.routing.admission;
             let queueing =
-                admission.enabled || l.room.knows(req.admission.as_ref().and_then(|a| a.ticket));
-            let continuing = req.admission.as_ref().is_some_and(|a| a.ticket.is_some());
+                admission_config.enabled || l.room.knows(admission.as_ref().and_then(|a| a.ticket));
+            let continuing = admission.as_ref().is_some_and(|a| a.ticket.is_some());
             if spill_ok && !continuing && l.load.saturated {
                 l.spills += 1;
                 return Err(
@@ -494,7 +378,7 @@ impl PoolCoordinator {
                 pool, rng, room, ..
             } = l;
             if !queueing {
-                return Ok(match pool.acquire(&req.features, now, rng) {
+                return Ok(match pool.acquire(&features, now, rng) {
                     Ok(grant) => Step::Done(Verdict::Granted {
                         grant,
                         waited_ms: 0,
@@ -502,11 +386,11 @@ impl PoolCoordinator {
                     Err(e) => Step::Refused(e),
                 });
             }
-            let who = req.admission.unwrap_or_default();
+            let who = admission.unwrap_or_default();
             Ok(room.enter(
                 pool,
-                &admission,
-                req.features,
+                &admission_config,
+                features,
                 &who,
                 spill_ok,
                 Some(signal),
@@ -570,7 +454,7 @@ impl PoolCoordinator {
             Some(verdict) => self.answer(verdict),
             None => {
                 let queue_length = self.with(|l| l.room.queue.len());
-                json_response(
+                answer(
                     202,
                     &Queued {
                         ticket,
@@ -586,10 +470,9 @@ impl PoolCoordinator {
         match verdict {
             Verdict::Granted { grant, waited_ms } => {
                 self.with(|l| l.budget.record_request(now_ms(), &l.settings.retry_budget));
-                let mut resp = json_response(200, &grant)?;
+                let mut resp = answer(200, &grant)?;
                 resp.headers_mut()
-                    .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())
-                    .map_err(ApiError::from_worker)?;
+                    .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())?;
                 Ok(resp)
             }
             Verdict::Dropped { reason, waited_ms } => {
@@ -599,12 +482,11 @@ impl PoolCoordinator {
     }
 
     /// `POST /dequeue`: a queued request's client left.
-    fn dequeue(&self, body: &str) -> ApiResult {
-        let req: DequeueRequest = parse(body, "dequeue request")?;
+    fn dequeue(&self, req: DequeueRequest) -> ApiResult {
         self.with(|l| {
             let Live { pool, room, .. } = l;
             let left = room.dequeue(pool, req.ticket, now_ms());
-            json_response(200, &json!({ "dequeued": left }))
+            answer(200, &DequeueAnswer { dequeued: left })
         })
     }
 
@@ -622,8 +504,7 @@ impl PoolCoordinator {
         });
     }
 
-    async fn reassign(&self, body: &str) -> ApiResult {
-        let req: ReassignRequest = parse(body, "reassign request")?;
+    async fn reassign(&self, req: ReassignRequest) -> ApiResult {
         if req.missing_model.is_some() {
             // Its served models changed: probe now rather than at the next round.
             self.probe_soon().await;
@@ -664,14 +545,13 @@ impl PoolCoordinator {
             }
             persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend), Some(&req.to)]);
             match result {
-                Ok(candidate) => json_response(200, &candidate),
+                Ok(candidate) => answer(200, &candidate),
                 Err(e) => Err(pool_error(e)),
             }
         })
     }
 
-    fn renew(&self, body: &str) -> ApiResult {
-        let req: RenewRequest = parse(body, "renew request")?;
+    fn renew(&self, req: RenewRequest) -> ApiResult {
         self.with(|l| {
             let now = now_ms();
             let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
@@ -683,7 +563,7 @@ impl PoolCoordinator {
                     true,
                 ),
             };
-            json_response(
+            answer(
                 200,
                 &RenewAnswer {
                     deadline_ms,
@@ -693,31 +573,28 @@ impl PoolCoordinator {
         })
     }
 
-    fn prefill_done(&self, body: &str) -> ApiResult {
-        let req: PrefillDone = parse(body, "prefill report")?;
+    fn prefill_done(&self, req: PrefillDone) -> ApiResult {
         self.with(|l| {
             let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
             if ended {
                 persist_backends(l, &[req.backend.as_ref()]);
             }
-            json_response(200, &json!({ "ended": ended }))
+            answer(200, &PrefillDoneAnswer { ended })
         })
     }
 
-    fn release(&self, body: &str) -> ApiResult {
-        let req: ReleaseRequest = parse(body, "release request")?;
+    fn release(&self, req: ReleaseRequest) -> ApiResult {
         self.with(|l| {
             let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
             if released {
                 persist_backends(l, &[req.backend.as_ref()]);
             }
             finish_drains(l);
-            json_response(200, &json!({ "released": released }))
+            answer(200, &ReleaseAnswer { released })
         })
     }
 
-    async fn register(&self, body: &str) -> ApiResult {
-        let reg: BackendRegistration = parse(body, "backend registration")?;
+    async fn register(&self, reg: BackendRegistration) -> ApiResult {
         let spec = validate_registration(reg)?;
         let view = self.with(|l| {
             if l.registry.url_taken(&spec.url, &spec.id.0)? {
@@ -739,27 +616,19 @@ impl PoolCoordinator {
         })?;
         // A new backend serves nothing until probed: probe now rather than at the next round.
         self.probe_soon().await;
-        json_response(201, &view)
+        answer(201, &view)
     }
 
     fn list(&self) -> ApiResult {
         self.with(|l| {
-            let data: Vec<AdminBackend> = l
-                .pool
-                .backends()
-                .map(|view| {
-                    let last_probe = l.probes.get(&view.id);
-                    let delete_pending = l.pending_delete.contains(&view.id);
-                    AdminBackend {
-                        view,
-                        last_probe,
-                        delete_pending,
-                    }
-                })
-                .collect();
-            json_response(
+            let data: Vec<AdminBackend> = l.pool.backends().map(|v| admin_backend(l, v)).collect();
+            answer(
                 200,
-                &json!({ "object": "list", "pool": l.name, "data": data }),
+                &BackendList {
+                    object: "list".into(),
+                    pool: Some(l.name.clone()),
+                    data,
+                },
             )
         })
     }
@@ -771,20 +640,11 @@ impl PoolCoordinator {
                 .pool
                 .backend(&id)
                 .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
-            let delete_pending = l.pending_delete.contains(&id);
-            json_response(
-                200,
-                &AdminBackend {
-                    view,
-                    last_probe: l.probes.get(&id),
-                    delete_pending,
-                },
-            )
+            answer(200, &admin_backend(l, view))
         })
     }
 
-    fn patch(&self, id: &str, body: &str) -> ApiResult {
-        let req: AdminPatch = parse(body, "backend patch")?;
+    fn patch(&self, id: &str, req: AdminPatch) -> ApiResult {
         let id = BackendId(id.to_string());
         self.with(|l| {
             let now = now_ms();
@@ -831,14 +691,7 @@ impl PoolCoordinator {
                 .pool
                 .backend(&id)
                 .ok_or_else(|| ApiError::not_found("backend vanished"))?;
-            json_response(
-                200,
-                &AdminBackend {
-                    view,
-                    last_probe: l.probes.get(&id),
-                    delete_pending: l.pending_delete.contains(&id),
-                },
-            )
+            answer(200, &admin_backend(l, view))
         })
     }
 
@@ -846,18 +699,36 @@ impl PoolCoordinator {
         let id = BackendId(id.to_string());
         self.with(|l| {
             let now = now_ms();
-            let view = l.pool.backend(&id).ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
+            let view = l
+                .pool
+                .backend(&id)
+                .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
             if force || view.leases_in_flight == 0 {
                 remove_backend(l, &id)?;
-                return json_response(200, &json!({ "id": id, "deleted": true }));
+                return answer(
+                    200,
+                    &DeleteAnswer {
+                        id: id.0,
+                        deleted: true,
+                        status: None,
+                        leases_in_flight: None,
+                    },
+                );
             }
-            l.pool.set_lifecycle(&id, Lifecycle::Draining, now).map_err(pool_error)?;
+            l.pool
+                .set_lifecycle(&id, Lifecycle::Draining, now)
+                .map_err(pool_error)?;
             l.pending_delete.insert(id.clone());
             l.registry.set_meta("pending_delete", &l.pending_delete)?;
             persist_snapshots(l);
-            json_response(
+            answer(
                 202,
-                &json!({ "id": id, "deleted": false, "status": "draining", "leases_in_flight": view.leases_in_flight }),
+                &DeleteAnswer {
+                    id: id.0,
+                    deleted: false,
+                    status: Some("draining".into()),
+                    leases_in_flight: Some(view.leases_in_flight),
+                },
             )
         })
     }
@@ -872,12 +743,11 @@ impl PoolCoordinator {
                 .collect();
             models.sort();
             models.dedup();
-            json_response(200, &json!({ "models": models }))
+            answer(200, &ModelsAnswer { models })
         })
     }
 
-    fn put_config(&self, body: &str) -> ApiResult {
-        let settings: PoolSettings = parse(body, "pool configuration")?;
+    fn put_config(&self, settings: PoolSettings) -> ApiResult {
         settings.validate()?;
         self.with(|l| {
             l.pool
@@ -886,39 +756,12 @@ impl PoolCoordinator {
             l.registry.set_meta("config", &settings)?;
             l.settings = settings;
             l.load = pool_load(l);
-            json_response(200, &l.settings)
+            answer(200, &l.settings)
         })
     }
 
     fn summary(&self) -> ApiResult {
-        self.with(|l| {
-            let load = pool_load(l);
-            json_response(
-                200,
-                &json!({
-                    "pool": l.name,
-                    "region": l.settings.routing.region,
-                    "policy": l.settings.routing.policy,
-                    "backends": l.pool.backend_count(),
-                    "ready_backends": load.ready,
-                    "in_flight": l.pool.live_leases(),
-                    "in_flight_tokens": l.pool.in_flight_total(),
-                    "waiting": load.waiting,
-                    "running": load.running,
-                    "saturated": load.saturated,
-                    "queue": queue_summary(l),
-                    "autoscaling": {
-                        "target_waiting_per_replica": l.settings.autoscale_target_waiting,
-                        "desired_replicas": load.desired_replicas,
-                    },
-                    "retries": l.retries,
-                    "spills": l.spills,
-                    "last_probe_ms": l.last_probe_ms,
-                    "probe_rounds": l.probe_rounds,
-                    "retry_budget_exhausted": l.budget.exhausted_total(),
-                }),
-            )
-        })
+        self.with(|l| answer(200, &summary(l)))
     }
 
     fn metrics(&self) -> ApiResult {
@@ -929,10 +772,9 @@ impl PoolCoordinator {
             l.room.queue.render_metrics(&l.name, &mut out);
             out
         });
-        let mut resp = Response::ok(text).map_err(ApiError::from_worker)?;
+        let mut resp = Response::ok(text)?;
         resp.headers_mut()
-            .set("content-type", "text/plain; version=0.0.4")
-            .map_err(ApiError::from_worker)?;
+            .set("content-type", "text/plain; version=0.0.4")?;
         Ok(resp)
     }
 
@@ -950,14 +792,16 @@ impl PoolCoordinator {
 
     async fn ensure_alarm(&self) -> ApiResult {
         let storage = self.state.storage();
-        let armed = storage.get_alarm().await.map_err(ApiError::from_worker)?;
+        let armed = storage.get_alarm().await?;
         if armed.is_none() {
-            storage
-                .set_alarm(0i64)
-                .await
-                .map_err(ApiError::from_worker)?;
+            storage.set_alarm(0i64).await?;
         }
-        json_response(200, &json!({ "alarm_was_armed": armed.is_some() }))
+        answer(
+            200,
+            &AlarmAnswer {
+                alarm_was_armed: armed.is_some(),
+            },
+        )
     }
 
     /// Probes every backend, `PROBE_CONCURRENCY` at a time, and feeds the results to the pool.
@@ -1038,10 +882,13 @@ impl PoolCoordinator {
     fn history(&self) -> ApiResult {
         self.with(|l| {
             record_history(l);
-            let mut report = serde_json::to_value(l.history.report(now_ms()))
-                .map_err(|e| ApiError::internal(e.to_string()))?;
-            report["pool"] = json!(l.name);
-            json_response(200, &report)
+            answer(
+                200,
+                &PoolHistory {
+                    pool: l.name.clone(),
+                    report: l.history.report(now_ms()),
+                },
+            )
         })
     }
 }
@@ -1179,39 +1026,73 @@ fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiError {
             let mut e = ApiError::bad_request("The client closed the request.")
                 .with_code("client_closed_request");
             e.status = 499;
-            e.with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str())
+            e.with_header(QUEUE_DROP_HEADER, reason.as_str())
         }
-        DropReason::ModelGone => ApiError::model_not_found("")
-            .with_header(crate::protocol::QUEUE_DROP_HEADER, reason.as_str()),
+        DropReason::ModelGone => {
+            ApiError::model_not_found("").with_header(QUEUE_DROP_HEADER, reason.as_str())
+        }
+    }
+}
+
+/// A backend as the admin API shows it.
+fn admin_backend(l: &Live, view: routing_core::pool::BackendView) -> AdminBackend {
+    AdminBackend {
+        last_probe: l.probes.get(&view.id).cloned(),
+        delete_pending: l.pending_delete.contains(&view.id),
+        view,
+    }
+}
+
+/// The pool at a glance (`GET /state`).
+fn summary(l: &Live) -> PoolSummary {
+    let load = pool_load(l);
+    PoolSummary {
+        pool: l.name.clone(),
+        region: l.settings.routing.region.clone(),
+        policy: l.settings.routing.policy,
+        backends: l.pool.backend_count(),
+        ready_backends: load.ready,
+        in_flight: l.pool.live_leases(),
+        in_flight_tokens: l.pool.in_flight_total(),
+        waiting: load.waiting,
+        running: load.running,
+        saturated: load.saturated,
+        queue: queue_summary(l),
+        autoscaling: Autoscaling {
+            target_waiting_per_replica: l.settings.autoscale_target_waiting,
+            desired_replicas: load.desired_replicas,
+        },
+        retries: l.retries,
+        spills: l.spills,
+        last_probe_ms: l.last_probe_ms,
+        probe_rounds: l.probe_rounds,
+        retry_budget_exhausted: l.budget.exhausted_total(),
     }
 }
 
 /// The admission queue as `GET /admin/pools/{pool}` shows it.
-fn queue_summary(l: &Live) -> serde_json::Value {
+fn queue_summary(l: &Live) -> QueueSummary {
     let q = &l.room.queue;
     let s = q.stats();
-    let now = now_ms();
-    let by_priority: serde_json::Map<String, serde_json::Value> = q
-        .lengths_by_priority()
-        .into_iter()
-        .map(|(p, n)| (p.to_string(), json!(n)))
-        .collect();
-    let dropped: serde_json::Map<String, serde_json::Value> = DropReason::ALL
-        .iter()
-        .map(|r| (r.as_str().to_string(), json!(s.dropped(*r))))
-        .collect();
-    json!({
-        "enabled": l.settings.routing.admission.enabled,
-        "length": q.len(),
-        "by_priority": by_priority,
-        "tenants": q.tenants(),
-        "oldest_wait_ms": q.oldest_arrival_ms().map(|a| now.saturating_sub(a)),
-        "waiting_tokens": q.waiting_tokens(),
-        "admitted": s.admitted,
-        "queued": s.queued,
-        "reentered": s.reentered,
-        "dropped": dropped,
-    })
+    QueueSummary {
+        enabled: l.settings.routing.admission.enabled,
+        length: q.len(),
+        by_priority: q
+            .lengths_by_priority()
+            .into_iter()
+            .map(|(p, n)| (p.to_string(), n))
+            .collect(),
+        tenants: q.tenants(),
+        oldest_wait_ms: q.oldest_arrival_ms().map(|a| now_ms().saturating_sub(a)),
+        waiting_tokens: q.waiting_tokens(),
+        admitted: s.admitted,
+        queued: s.queued,
+        reentered: s.reentered,
+        dropped: DropReason::ALL
+            .iter()
+            .map(|r| (r.as_str().to_string(), s.dropped(*r)))
+            .collect(),
+    }
 }
 
 /// Removes drained backends whose `DELETE` was waiting for the drain.
@@ -1276,9 +1157,4 @@ fn persist_if_changed(l: &mut Live, snapshot: BackendSnapshot) {
         }
         Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
     }
-}
-
-/// Validates a pool name (used by the Worker before addressing a pool).
-pub fn validate_pool_name(name: &str) -> std::result::Result<(), ApiError> {
-    validate_name("pool", name)
 }

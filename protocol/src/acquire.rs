@@ -1,0 +1,212 @@
+//! `POST /acquire`, the hottest call: a request's routing features, and who is asking.
+//!
+//! The Worker may ask several pools, and a queued request asks the same pool again and again, so
+//! the features are serialised once per request ([`AcquireBody::new`]) and each call only appends
+//! its admission part ([`AcquireBody::call`]). Block hashes travel as base64 of little-endian
+//! `u64`s ([`crate::block_hashes`]). The pool decodes the body straight into [`AcquireRequest`]
+//! (no untyped JSON) and the answer is a `routing_core::pool::Grant` (200) or a
+//! [`crate::messages::Queued`] (202).
+
+use routing_core::admission::AdmissionRequest;
+use routing_core::backend::Role;
+use routing_core::prompt::{RequestFeatures, RequestKind};
+use serde::{Deserialize, Serialize};
+
+/// The body of `POST /acquire`, as the pool reads it: [`RequestFeatures`] field by field, plus the
+/// admission part (without it the pool never queues the request).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AcquireRequest {
+    /// See [`RequestFeatures::request_id`].
+    pub request_id: String,
+    /// See [`RequestFeatures::kind`].
+    pub kind: RequestKind,
+    /// See [`RequestFeatures::model`].
+    pub model: String,
+    /// See [`RequestFeatures::stream`].
+    pub stream: bool,
+    /// See [`RequestFeatures::prompt_tokens`].
+    pub prompt_tokens: u32,
+    /// See [`RequestFeatures::max_tokens`].
+    pub max_tokens: u32,
+    /// See [`RequestFeatures::routing_key`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing_key: Option<String>,
+    /// See [`RequestFeatures::block_tokens`].
+    pub block_tokens: u32,
+    /// See [`RequestFeatures::block_hashes`]; base64 of little-endian `u64`s on the wire.
+    #[serde(with = "crate::block_hashes")]
+    pub block_hashes: Vec<u64>,
+    /// See [`RequestFeatures::role_hint`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role_hint: Option<Role>,
+    /// Tenant, priority, wait limit, and the ticket of a wait in progress.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admission: Option<AdmissionRequest>,
+}
+
+impl AcquireRequest {
+    /// The features and the admission part.
+    pub fn into_parts(self) -> (RequestFeatures, Option<AdmissionRequest>) {
+        let AcquireRequest {
+            request_id,
+            kind,
+            model,
+            stream,
+            prompt_tokens,
+            max_tokens,
+            routing_key,
+            block_tokens,
+            block_hashes,
+            role_hint,
+            admission,
+        } = self;
+        let features = RequestFeatures {
+            request_id,
+            kind,
+            model,
+            stream,
+            prompt_tokens,
+            max_tokens,
+            routing_key,
+            block_tokens,
+            block_hashes,
+            role_hint,
+        };
+        (features, admission)
+    }
+
+    /// The body for `features` (the only copy made of them on the request path).
+    pub fn from_features(features: &RequestFeatures) -> Self {
+        let RequestFeatures {
+            request_id,
+            kind,
+            model,
+            stream,
+            prompt_tokens,
+            max_tokens,
+            routing_key,
+            block_tokens,
+            block_hashes,
+            role_hint,
+        } = features.clone();
+        AcquireRequest {
+            request_id,
+            kind,
+            model,
+            stream,
+            prompt_tokens,
+            max_tokens,
+            routing_key,
+            block_tokens,
+            block_hashes,
+            role_hint,
+            admission: None,
+        }
+    }
+}
+
+/// A request's acquire body, serialised once; each call adds only its admission part.
+#[derive(Debug, Clone)]
+pub struct AcquireBody {
+    /// The features' JSON object without its closing brace.
+    head: String,
+}
+
+impl AcquireBody {
+    /// Serialises `features` (block hashes included) once.
+    pub fn new(features: &RequestFeatures) -> Self {
+        let mut head = serde_json::to_string(&AcquireRequest::from_features(features))
+            .unwrap_or_else(|_| "{}".to_string());
+        head.pop();
+        AcquireBody { head }
+    }
+
+    /// The body of one call: the features, plus `admission` when given.
+    pub fn call(&self, admission: Option<&AdmissionRequest>) -> String {
+        let admission = admission.and_then(|a| serde_json::to_string(a).ok());
+        let extra = admission.as_ref().map_or(0, |a| a.len() + 14);
+        let mut body = String::with_capacity(self.head.len() + extra + 1);
+        body.push_str(&self.head);
+        if let Some(a) = admission {
+            body.push_str(",\"admission\":");
+            body.push_str(&a);
+        }
+        body.push('}');
+        body
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use routing_core::prompt::{request_features, FeatureConfig, BYTES_PER_TOKEN};
+    use serde_json::json;
+
+    /// The features of a chat whose prompt is estimated at about `tokens` tokens.
+    fn features(tokens: usize) -> RequestFeatures {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut text = String::new();
+        while text.len() < tokens * BYTES_PER_TOKEN {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            text.push_str(&format!("w{:x} ", x % 100_000));
+        }
+        let body = json!({
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "messages": [{"role": "user", "content": text}],
+        });
+        let mut f = request_features(&body, &|_| None, &FeatureConfig::default()).unwrap();
+        f.request_id = "req-0123456789abcdef01234567".into();
+        f
+    }
+
+    #[test]
+    fn a_body_decodes_to_the_features_and_admission_it_was_built_from() {
+        let f = features(2_000);
+        assert!(!f.block_hashes.is_empty());
+        let who = AdmissionRequest {
+            tenant: "t".into(),
+            priority: 2,
+            ticket: Some(9),
+            ..AdmissionRequest::default()
+        };
+        let body = AcquireBody::new(&f);
+        for admission in [None, Some(&who)] {
+            let back: AcquireRequest = serde_json::from_str(&body.call(admission)).unwrap();
+            assert_eq!(back.into_parts(), (f.clone(), admission.cloned()));
+        }
+    }
+
+    #[test]
+    fn a_hand_written_body_without_hashes_still_parses() {
+        let req: AcquireRequest = serde_json::from_str(
+            r#"{"model":"m","request_id":"r","prompt_tokens":10,"max_tokens":5,"admission":{"tenant":"x"}}"#,
+        )
+        .unwrap();
+        let (f, a) = req.into_parts();
+        assert_eq!((f.model.as_str(), f.block_hashes.len()), ("m", 0));
+        assert_eq!(a.unwrap().tenant, "x");
+    }
+
+    /// The old body: the features with their hashes as decimal JSON numbers.
+    fn decimal_body(f: &RequestFeatures) -> String {
+        serde_json::to_string(f).unwrap()
+    }
+
+    #[test]
+    fn a_16k_token_prompt_costs_about_half_the_bytes() {
+        let f = features(16_000);
+        let (old, new) = (
+            decimal_body(&f).len(),
+            AcquireBody::new(&f).call(None).len(),
+        );
+        println!(
+            "acquire body for a prompt of {} estimated tokens ({} block hashes): decimal {old} bytes, base64 {new} bytes",
+            f.prompt_tokens,
+            f.block_hashes.len()
+        );
+        assert!(new * 100 < old * 60, "{new} vs {old}");
+    }
+}
