@@ -209,4 +209,32 @@ mod tests {
         );
         assert!(new * 100 < old * 60, "{new} vs {old}");
     }
+
+    #[test]
+    fn the_answers_are_small_and_fixed_in_shape() {
+        use routing_core::backend::BackendId;
+        use routing_core::pool::{CandidateView, Grant};
+        let candidate = |i: u32| CandidateView {
+            id: BackendId(format!("b-{i:012x}")),
+            url: format!("https://gpu-{i}.pool.example.com:8000"),
+            api_key: None,
+            role: Role::Mixed,
+        };
+        let grant = Grant {
+            lease_id: 123_456_789,
+            backend: candidate(0).id,
+            candidates: (0..3).map(candidate).collect(),
+            deadline_ms: 1_764_547_200_000,
+            cached_blocks: 900,
+            ..Grant::default()
+        };
+        let grant_bytes = serde_json::to_string(&grant).unwrap().len();
+        let release = serde_json::to_string(&crate::messages::ReleaseAnswer { released: true })
+            .unwrap()
+            .len();
+        println!("acquire answer with 3 candidates: {grant_bytes} bytes; release answer: {release} bytes");
+        // Neither grows with the prompt or the fleet: three candidates at most, no hashes.
+        assert!(grant_bytes < 600, "{grant_bytes}");
+        assert_eq!(release, 17);
+    }
 }
