@@ -128,10 +128,9 @@ async fn route(
     let method = req.method();
     match segments.as_slice() {
         ["healthz"] => match method {
-            Method::Get | Method::Head => Response::from_json(
+            Method::Get | Method::Head => Ok(Response::from_json(
                 &json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") }),
-            )
-            .map_err(ApiError::from),
+            )?),
             m => Err(ApiError::method_not_allowed(m.as_ref(), &path)),
         },
         ["metrics"] => {
@@ -539,5 +538,7 @@ async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
         .iter()
         .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
         .collect();
-    Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from)
+    Ok(Response::from_json(
+        &json!({ "object": "list", "data": data }),
+    )?)
 }

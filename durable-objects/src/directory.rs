@@ -125,11 +125,7 @@ impl PoolDirectory {
         query: &str,
         bindings: Vec<SqlStorageValue>,
     ) -> std::result::Result<SqlCursor, ApiError> {
-        self.state
-            .storage()
-            .sql()
-            .exec(query, bindings)
-            .map_err(ApiError::from)
+        Ok(self.state.storage().sql().exec(query, bindings)?)
     }
 
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {
@@ -137,7 +133,7 @@ impl PoolDirectory {
             "SELECT name, region, location_hint FROM pools ORDER BY name",
             None,
         )?;
-        cursor.to_array::<PoolEntry>().map_err(ApiError::from)
+        Ok(cursor.to_array::<PoolEntry>()?)
     }
 
     fn upsert(&self, entry: &PoolEntry) -> std::result::Result<(), ApiError> {
@@ -152,8 +148,7 @@ impl PoolDirectory {
                     entry.region.clone().into(),
                     entry.location_hint.clone().map_or(SqlStorageValue::Null, SqlStorageValue::from),
                 ],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from)
+            )?;
+        Ok(())
     }
 }

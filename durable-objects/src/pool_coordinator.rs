@@ -30,15 +30,15 @@ use coordinator_protocol::{ApiError, Object, Route};
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
 use routing_core::backend::{BackendId, Lifecycle};
+use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
 use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
+use routing_core::pool_load::{LoadTargets, PoolLoad};
 use routing_core::random::SplitMix64;
 use routing_core::retry_budget::RetryBudget;
-use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
-use std::fmt::Write as _;
 use std::time::Duration;
 use worker::*;
 
@@ -90,67 +90,13 @@ struct Live {
     history: History,
 }
 
-/// The pool's load in aggregate: what autoscalers and spillover look at.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct PoolLoad {
-    /// Backends ready and healthy.
-    pub ready: usize,
-    /// Sum of the backends' scraped waiting queues.
-    pub waiting: f64,
-    /// Requests waiting in the gateway's own admission queue for this pool.
-    pub queued: usize,
-    /// Sum of the backends' scraped running batches.
-    pub running: f64,
-    /// Replicas an autoscaler should aim for (see [`desired_replicas`]).
-    pub desired_replicas: u64,
-    /// Whether new work should go to another pool if there is one.
-    pub saturated: bool,
-}
-
-/// Desired replicas for a target of `target` waiting requests per replica: grows by one replica
-/// per `target` requests waiting beyond what the ready replicas should carry; holds while anything
-/// runs; lets an idle pool shrink to one.
-pub fn desired_replicas(ready: usize, waiting: f64, running: f64, target: f64) -> u64 {
-    let ready = ready as f64;
-    let desired = if waiting > target * ready {
-        ready + ((waiting - target * ready) / target).ceil()
-    } else if running > 0.0 || waiting > 0.0 {
-        ready
-    } else {
-        1.0
-    };
-    desired.max(1.0) as u64
-}
-
+/// The pool's load, measured now.
 fn pool_load(l: &Live) -> PoolLoad {
-    let queued = l.room.queue.len();
-    let mut load = PoolLoad {
-        ready: 0,
-        waiting: 0.0,
-        queued,
-        running: 0.0,
-        desired_replicas: 1,
-        saturated: false,
+    let targets = LoadTargets {
+        saturation_waiting_per_backend: l.settings.saturation_waiting_per_backend,
+        autoscale_target_waiting: l.settings.autoscale_target_waiting,
     };
-    for v in l.pool.backends() {
-        if v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy {
-            load.ready += 1;
-        }
-        load.waiting += v.scraped.waiting.unwrap_or(0.0);
-        load.running += v.scraped.running.unwrap_or(0.0);
-    }
-    // Requests in the gateway's queue wait for a replica just as those in vLLM's own queues do.
-    let waiting = load.waiting + queued as f64;
-    load.desired_replicas = desired_replicas(
-        load.ready,
-        waiting,
-        load.running,
-        l.settings.autoscale_target_waiting,
-    );
-    let threshold = l.settings.saturation_waiting_per_backend;
-    load.saturated =
-        threshold > 0.0 && load.ready > 0 && load.waiting / load.ready as f64 > threshold;
-    load
+    PoolLoad::measure(l.pool.backends(), l.room.queue.len(), &targets)
 }
 
 type ApiResult = std::result::Result<Response, ApiError>;
@@ -367,7 +313,7 @@ impl PoolCoordinator {
             let queueing =
                 admission_config.enabled || l.room.knows(admission.as_ref().and_then(|a| a.ticket));
             let continuing = admission.as_ref().is_some_and(|a| a.ticket.is_some());
-            if spill_ok && !continuing && l.load.saturated {
+            if l.load.spills(spill_ok, continuing) {
                 l.spills += 1;
                 return Err(
                     ApiError::unavailable("This pool is saturated; try the next pool.", 1)
@@ -909,104 +855,27 @@ fn record_history(l: &mut Live) {
 
 /// The coordinator's own metric families, beside the routing core's.
 fn render_pool_metrics(l: &Live, out: &mut String) {
-    let pool = &l.name;
-    let load = pool_load(l);
-    let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        for (labels, value) in samples {
-            let _ = writeln!(out, "{name}{{pool=\"{pool}\"{labels}}} {value}");
-        }
+    let counters = CoordinatorCounters {
+        retries: l.retries,
+        retry_budget_exhausted: l.budget.exhausted_total(),
+        spills: l.spills,
+        probe_rounds: l.probe_rounds,
+        probes_ok: l.probe_results.0,
+        probes_failed: l.probe_results.1,
     };
-    let one = |v: f64| vec![(String::new(), v)];
-    family(
-        "llm_gateway_retries_total",
-        "counter",
-        "Leases moved to the next candidate after a failure before the first byte.",
-        &one(l.retries as f64),
-    );
-    family(
-        "llm_gateway_retry_budget_exhausted_total",
-        "counter",
-        "Retries refused by the pool's retry budget.",
-        &one(l.budget.exhausted_total() as f64),
-    );
-    family(
-        "llm_gateway_pool_spills_total",
-        "counter",
-        "Requests refused because the pool was saturated and a further pool could take them.",
-        &one(l.spills as f64),
-    );
-    family(
-        "llm_gateway_pool_ready_backends",
-        "gauge",
-        "Backends ready and healthy.",
-        &one(load.ready as f64),
-    );
-    family(
-        "llm_gateway_pool_waiting",
-        "gauge",
-        "Requests waiting in the backends' queues (scraped), summed.",
-        &one(load.waiting),
-    );
-    family(
-        "llm_gateway_pool_running",
-        "gauge",
-        "Requests running on the backends (scraped), summed.",
-        &one(load.running),
-    );
-    family(
-        "llm_gateway_pool_desired_replicas",
-        "gauge",
-        "Replicas an autoscaler should aim for at the configured waiting-per-replica target.",
-        &one(load.desired_replicas as f64),
-    );
-    family(
-        "llm_gateway_pool_autoscale_target_waiting",
-        "gauge",
-        "The waiting-per-replica target of the autoscaling signal.",
-        &one(l.settings.autoscale_target_waiting),
-    );
-    family(
-        "llm_gateway_probe_rounds_total",
-        "counter",
-        "Probe rounds run by the pool's alarm.",
-        &one(l.probe_rounds as f64),
-    );
-    family(
-        "llm_gateway_probes_total",
-        "counter",
-        "Backend probes by result.",
-        &[
-            (",result=\"ok\"".to_string(), l.probe_results.0 as f64),
-            (",result=\"failed\"".to_string(), l.probe_results.1 as f64),
-        ],
-    );
-    let mut ids: Vec<&BackendId> = l.probes.keys().collect();
-    ids.sort();
-    let per_backend = |f: &dyn Fn(&ProbeReport) -> f64| -> Vec<(String, f64)> {
-        ids.iter()
-            .map(|id| (format!(",backend=\"{}\"", id.0), f(&l.probes[*id])))
-            .collect()
-    };
-    family(
-        "llm_gateway_probe_success",
-        "gauge",
-        "Whether the backend's last probe succeeded.",
-        &per_backend(&|r| if r.result.ok { 1.0 } else { 0.0 }),
-    );
-    family(
-        "llm_gateway_probe_duration_seconds",
-        "gauge",
-        "Duration of the backend's last probe.",
-        &per_backend(&|r| r.duration_ms as f64 / 1000.0),
-    );
-    family(
-        "llm_gateway_probe_timestamp_seconds",
-        "gauge",
-        "When the backend's last probe ran (Unix time).",
-        &per_backend(&|r| r.at_ms as f64 / 1000.0),
-    );
+    let mut probes: Vec<LastProbe> = l
+        .probes
+        .iter()
+        .map(|(id, r)| LastProbe {
+            backend: &id.0,
+            ok: r.result.ok,
+            duration_ms: r.duration_ms,
+            at_ms: r.at_ms,
+        })
+        .collect();
+    probes.sort_by_key(|p| p.backend);
+    let target = l.settings.autoscale_target_waiting;
+    coordinator_metrics::render(out, &l.name, &counters, &pool_load(l), target, &probes);
 }
 
 /// The error a client gets for a request that left the queue without a lease.

@@ -176,38 +176,33 @@ impl Registry {
     /// Writes (inserts or replaces) a backend's spec, keeping its snapshot.
     pub fn put_spec(&self, spec: &BackendSpec) -> Result<(), ApiError> {
         let json = to_json(spec)?;
-        self.sql
-            .exec(
-                "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
+        self.sql.exec(
+            "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
                  ON CONFLICT(id) DO UPDATE SET url = excluded.url, spec = excluded.spec",
-                vec![
-                    spec.id.0.clone().into(),
-                    spec.url.clone().into(),
-                    json.into(),
-                ],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from)
+            vec![
+                spec.id.0.clone().into(),
+                spec.url.clone().into(),
+                json.into(),
+            ],
+        )?;
+        Ok(())
     }
 
     /// Writes a backend's snapshot.
     pub fn put_snapshot(&self, snapshot: &BackendSnapshot) -> Result<(), ApiError> {
         let json = to_json(snapshot)?;
-        self.sql
-            .exec(
-                "UPDATE backends SET snapshot = ? WHERE id = ?",
-                vec![json.into(), snapshot.id.0.clone().into()],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from)
+        self.sql.exec(
+            "UPDATE backends SET snapshot = ? WHERE id = ?",
+            vec![json.into(), snapshot.id.0.clone().into()],
+        )?;
+        Ok(())
     }
 
     /// Deletes a backend.
     pub fn delete(&self, id: &str) -> Result<(), ApiError> {
         self.sql
-            .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])
-            .map(|_| ())
-            .map_err(ApiError::from)
+            .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])?;
+        Ok(())
     }
 
     /// Reads a metadata value.
@@ -225,13 +220,11 @@ impl Registry {
     /// Writes a metadata value.
     pub fn set_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), ApiError> {
         let json = to_json(value)?;
-        self.sql
-            .exec(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                vec![key.into(), json.into()],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from)
+        self.sql.exec(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+            vec![key.into(), json.into()],
+        )?;
+        Ok(())
     }
 }
 
