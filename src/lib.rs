@@ -27,9 +27,7 @@ use coordinator_protocol::messages::{AlarmAnswer, ModelsAnswer, PoolEntry};
 use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::lease::LeaseTerms;
-use routing_core::prompt::{
-    estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind,
-};
+use routing_core::prompt::{endpoint_features, Endpoint, FeatureConfig};
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
@@ -161,24 +159,6 @@ async fn route(
     }
 }
 
-/// The OpenAI endpoints the gateway routes.
-#[derive(Clone, Copy, PartialEq)]
-enum Endpoint {
-    Chat,
-    Completions,
-    Embeddings,
-}
-
-impl Endpoint {
-    fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Embeddings => "/v1/embeddings",
-        }
-    }
-}
-
 /// A `wrangler.toml` var parsed as `T`, or `default` when unset or unparsable.
 pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
     env.var(name)
@@ -249,39 +229,6 @@ async fn discard_body(req: &Request) {
             .await;
 }
 
-/// Routing features of an embeddings request: model, input size, no prefix reuse.
-fn embedding_features(body: &Value) -> std::result::Result<RequestFeatures, ApiError> {
-    let model = body.get("model").and_then(Value::as_str).ok_or_else(|| {
-        ApiError::bad_request("`model` is required and must be a string").with_param("model")
-    })?;
-    let input = body
-        .get("input")
-        .ok_or_else(|| ApiError::bad_request("`input` is required").with_param("input"))?;
-    let tokens = match input {
-        Value::String(s) => estimate_tokens(s),
-        Value::Array(items) => items
-            .iter()
-            .map(|i| match i {
-                Value::String(s) => estimate_tokens(s),
-                Value::Array(t) => t.len() as u32,
-                _ => 1,
-            })
-            .fold(0u32, u32::saturating_add),
-        _ => {
-            return Err(
-                ApiError::bad_request("`input` must be a string or an array").with_param("input"),
-            )
-        }
-    };
-    Ok(RequestFeatures {
-        kind: RequestKind::Completion,
-        model: model.to_string(),
-        prompt_tokens: tokens,
-        max_tokens: 0,
-        ..RequestFeatures::default()
-    })
-}
-
 async fn completion(
     mut req: Request,
     env: &Env,
@@ -304,35 +251,16 @@ async fn completion(
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
-    let mut features = match endpoint {
-        Endpoint::Embeddings => embedding_features(&parsed)?,
-        _ => {
-            let headers = req.headers().clone();
-            let header = move |name: &str| headers.get(name).ok().flatten();
-            let f = request_features(&parsed, &header, &feature_config(env)).map_err(|e| {
-                let err = ApiError::bad_request(e.to_string()).with_code(e.code());
-                match e.param() {
-                    Some(p) => err.with_param(p),
-                    None => err,
-                }
-            })?;
-            let wrong_kind = match endpoint {
-                Endpoint::Chat => f.kind != RequestKind::Chat,
-                _ => f.kind != RequestKind::Completion,
-            };
-            if wrong_kind {
-                let field = if endpoint == Endpoint::Chat {
-                    "messages"
-                } else {
-                    "prompt"
-                };
-                return Err(
-                    ApiError::bad_request(format!("`{field}` is required")).with_param(field)
-                );
+    let headers = req.headers().clone();
+    let header = move |name: &str| headers.get(name).ok().flatten();
+    let mut features = endpoint_features(endpoint, &parsed, &header, &feature_config(env))
+        .map_err(|e| {
+            let err = ApiError::bad_request(e.to_string()).with_code(e.code());
+            match e.param() {
+                Some(p) => err.with_param(p),
+                None => err,
             }
-            f
-        }
-    };
+        })?;
     features.request_id = request_id.to_string();
     let reservation = match &client {
         Some(client) => {

@@ -31,11 +31,14 @@ use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
 use routing_core::backend::{BackendId, Lifecycle};
 use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
+use routing_core::drain::drain_finished;
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
 use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
 use routing_core::pool_load::{LoadTargets, PoolLoad};
+use routing_core::probe_verdict::settle_loading;
 use routing_core::random::SplitMix64;
+use routing_core::reassign::{reassign, FailedAttempt, RetryRefused};
 use routing_core::retry_budget::RetryBudget;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -456,43 +459,48 @@ impl PoolCoordinator {
             self.probe_soon().await;
         }
         self.with(|l| {
-            let now = now_ms();
-            if !l.budget.try_retry(now, &l.settings.retry_budget) {
-                // The failure still counts against the failed backend; the lease ends with it.
-                l.pool.release(req.lease_id, &req.failure, now);
-                persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend)]);
-                return Err(
-                    ApiError::unavailable("The pool's retry budget is exhausted.", 1)
-                        .with_code("retry_budget_exhausted"),
+            let attempt = FailedAttempt {
+                lease_id: req.lease_id,
+                to: &req.to,
+                failure: &req.failure,
+                terms: req.terms.as_ref(),
+                block_hashes: &req.block_hashes,
+                missing_model: req.missing_model.as_deref(),
+            };
+            let Live {
+                pool,
+                budget,
+                settings,
+                ..
+            } = l;
+            let done = reassign(pool, budget, &settings.retry_budget, &attempt, now_ms());
+            let failed = req.terms.as_ref().map(|t| &t.backend);
+            if let (true, Some(backend), Some(model)) =
+                (done.forgot_model, failed, &req.missing_model)
+            {
+                console_log!(
+                    "pool {}: backend {} no longer serves {model}",
+                    l.name,
+                    backend.0
                 );
             }
-            let mut result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
-            if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &req.terms) {
-                // The pool lost the lease (expired while the attempt hung, or this object
-                // restarted): count it again where it was, then move it as asked.
-                if l.pool.readmit(req.lease_id, terms, now).is_ok() {
-                    result = l.pool.reassign(req.lease_id, &req.to, &req.failure, now);
+            match done.result {
+                Ok(candidate) => {
+                    l.retries += 1;
+                    persist_backends(l, &[failed, Some(&req.to)]);
+                    answer(200, &candidate)
                 }
-            }
-            if let (Some(model), Some(terms)) = (&req.missing_model, &req.terms) {
-                if l.pool.forget_model(&terms.backend, model).unwrap_or(false) {
-                    console_log!(
-                        "pool {}: backend {} no longer serves {model}",
-                        l.name,
-                        terms.backend.0
-                    );
+                Err(RetryRefused::BudgetExhausted) => {
+                    persist_backends(l, &[failed]);
+                    Err(
+                        ApiError::unavailable("The pool's retry budget is exhausted.", 1)
+                            .with_code("retry_budget_exhausted"),
+                    )
                 }
-            }
-            if result.is_ok() {
-                l.retries += 1;
-                if !req.block_hashes.is_empty() {
-                    let _ = l.pool.record_prefix(&req.to, &req.block_hashes);
+                Err(RetryRefused::Pool(e)) => {
+                    persist_backends(l, &[failed, Some(&req.to)]);
+                    Err(pool_error(e))
                 }
-            }
-            persist_backends(l, &[req.terms.as_ref().map(|t| &t.backend), Some(&req.to)]);
-            match result {
-                Ok(candidate) => answer(200, &candidate),
-                Err(e) => Err(pool_error(e)),
             }
         })
     }
@@ -791,15 +799,9 @@ impl PoolCoordinator {
             self.with(|l| {
                 let now = now_ms();
                 for (id, mut report) in reports {
-                    // 503 means "loading" only for a backend that has not served yet; once it has,
-                    // a 503 is a failed probe, subject to the health thresholds like any other.
-                    let started = l
-                        .pool
-                        .backend(&id)
-                        .is_some_and(|v| v.lifecycle != Lifecycle::Pending);
-                    if report.result.loading && started {
-                        report.result.loading = false;
-                        report.error = Some("/health answered 503".to_string());
+                    let lifecycle = l.pool.backend(&id).map(|v| v.lifecycle);
+                    if let Some(failure) = settle_loading(&mut report.result, lifecycle) {
+                        report.error = Some(failure.to_string());
                     }
                     // The backend may have been removed while the probe ran.
                     if l.pool.record_probe(&id, &report.result, now).is_ok() {
@@ -972,10 +974,7 @@ fn finish_drains(l: &mut Live) {
     let done: Vec<BackendId> = l
         .pending_delete
         .iter()
-        .filter(|id| match l.pool.backend(id) {
-            Some(v) => v.leases_in_flight == 0 && v.lifecycle == Lifecycle::Drained,
-            None => true,
-        })
+        .filter(|id| drain_finished(l.pool.backend(id).as_ref()))
         .cloned()
         .collect();
     for id in done {

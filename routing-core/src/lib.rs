@@ -10,7 +10,11 @@
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
 //! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
 //! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
-//! ([`history`]) and the reading of backends' token usage ([`usage`]) too.
+//! ([`history`]) and the reading of backends' token usage ([`usage`]) too. The pool coordinator's
+//! own decisions live here as well: the pool's load, saturation and desired replicas
+//! ([`pool_load`]), what a probe's 503 means ([`probe_verdict`]), when a drain is finished
+//! ([`drain`]), a failed attempt's retry ([`reassign`]) and its metric families
+//! ([`coordinator_metrics`]).
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -23,6 +27,7 @@ pub mod backend;
 pub mod breaker;
 pub mod coordinator_metrics;
 pub mod cost;
+pub mod drain;
 pub mod health;
 pub mod history;
 pub mod lease;
@@ -31,9 +36,11 @@ pub mod outcome;
 pub mod policy;
 pub mod pool;
 pub mod pool_load;
+pub mod probe_verdict;
 pub mod prompt;
 pub mod random;
 pub mod rate_limit;
+pub mod reassign;
 pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
