@@ -15,10 +15,10 @@
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
-use crate::keys::{hash_key, invalidate};
-use crate::pools::{
+use crate::do_client::{
     directory_json, encode, error_from_response, list_pools, pool_call, pool_json, remember_pool,
 };
+use crate::keys::{hash_key, invalidate};
 use crate::ApiError;
 use coordinator_protocol::messages::{
     AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch, KeyPatchAnswer,

@@ -13,8 +13,8 @@
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
 //! as the platform reports it), the wait is abandoned and the pool told at once.
 
+use crate::do_client::{error_from_response, pool_call, pool_json};
 use crate::keys::ClientKey;
-use crate::pools::{error_from_response, pool_call, pool_json};
 use crate::ApiError;
 use coordinator_protocol::acquire::AcquireBody;
 use coordinator_protocol::messages::{

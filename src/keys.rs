@@ -9,7 +9,7 @@
 //! settle it with the backend's reported usage when it ends.
 
 use crate::auth::{bearer, constant_time_eq, secret};
-use crate::pools::{stale_while_revalidate, CacheSlot};
+use crate::do_client::{stale_while_revalidate, CacheSlot};
 use crate::ApiError;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::Route;
@@ -39,7 +39,7 @@ pub fn invalidate() {
 }
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
-    crate::pools::directory_json(&env, &Route::ListKeys, None::<&()>).await
+    crate::do_client::directory_json(&env, &Route::ListKeys, None::<&()>).await
 }
 
 async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
@@ -152,7 +152,7 @@ pub async fn reserve(
         limits,
         tokens: estimate,
     };
-    crate::pools::rate_limit(env, client, &Route::TakeTokens, &body).await?;
+    crate::do_client::rate_limit(env, client, &Route::TakeTokens, &body).await?;
     Ok((limits.tokens_per_minute > 0).then(|| Reservation {
         client: client.to_string(),
         limits,
@@ -172,7 +172,7 @@ pub async fn settle(env: &Env, reservation: &Reservation, actual: u64) {
         actual,
     };
     let route = Route::SettleTokens;
-    if let Err(e) = crate::pools::rate_limit(env, &reservation.client, &route, &body).await {
+    if let Err(e) = crate::do_client::rate_limit(env, &reservation.client, &route, &body).await {
         worker::console_error!("settling a client's token reservation failed: {e}");
     }
 }

@@ -11,8 +11,8 @@
 //! writes the access log line, and settles the client's token reservation with the backend's
 //! reported usage. Nothing on the response path waits for any of this.
 
+use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
-use crate::pools::pool_json;
 use crate::ApiError;
 use coordinator_protocol::messages::{
     PrefillDone, PrefillDoneAnswer, ReleaseAnswer, ReleaseRequest, RenewAnswer, RenewRequest,

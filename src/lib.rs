@@ -8,10 +8,10 @@ mod admin;
 mod admission;
 mod auth;
 mod dashboard;
+mod do_client;
 mod keys;
 mod lease_guard;
 mod metrics;
-mod pools;
 mod proxy;
 mod regions;
 mod relay;
@@ -60,10 +60,10 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
 
 #[event(scheduled)]
 async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
-    match pools::list_pools(&env).await {
+    match do_client::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                if let Err(e) = pools::pool_json::<AlarmAnswer>(
+                if let Err(e) = do_client::pool_json::<AlarmAnswer>(
                     &env,
                     &pool.name,
                     &Route::EnsureProbeAlarm,
@@ -281,7 +281,7 @@ async fn completion(
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(&req, env, pools::list_pools_cached(env, ctx).await?);
+    let pools = regions::order_pools(&req, env, do_client::list_pools_cached(env, ctx).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -454,8 +454,10 @@ fn ask_for_usage(
 /// skipped (and logged), never turned into an error for the client.
 async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
-    for pool in pools::list_pools(env).await? {
-        match pools::pool_json::<ModelsAnswer>(env, &pool.name, &Route::Models, None::<&()>).await {
+    for pool in do_client::list_pools(env).await? {
+        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, &Route::Models, None::<&()>)
+            .await
+        {
             Ok(answer) => models.extend(answer.models),
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }

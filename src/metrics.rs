@@ -4,7 +4,7 @@
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
 //! family by family rather than concatenated.
 
-use crate::pools;
+use crate::do_client;
 use crate::ApiError;
 use coordinator_protocol::Route;
 use worker::{Env, Response};
@@ -73,8 +73,8 @@ pub fn merge_expositions(pages: &[String]) -> String {
 /// Collects and merges the metrics of every pool.
 pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     let mut pages = Vec::new();
-    for pool in pools::list_pools(env).await? {
-        match pools::pool_call(env, &pool.name, &Route::Metrics, None).await {
+    for pool in do_client::list_pools(env).await? {
+        match do_client::pool_call(env, &pool.name, &Route::Metrics, None).await {
             Ok(mut r) if r.status_code() == 200 => pages.push(r.text().await?),
             Ok(r) => {
                 worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code())

@@ -10,8 +10,8 @@
 //! lease's guard (`lease_guard.rs`), which releases the lease from `wait_until`. A client that
 //! hangs up aborts the upstream fetch through its signal.
 
+use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;
-use crate::pools::pool_json;
 use crate::relay::{relay, Relay, Upstream};
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
