@@ -18,9 +18,9 @@ mod relay;
 
 pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
-pub use gateway_durable_objects::directory::PoolDirectory;
+pub use gateway_durable_objects::directory::GatewayDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
-pub use gateway_durable_objects::rate_limiter::RateLimiter;
+pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 
 use coordinator_protocol::acquire::AcquireBody;
 use coordinator_protocol::messages::{AlarmAnswer, ModelsAnswer, PoolEntry};

@@ -1,5 +1,6 @@
-//! The pool directory: one Durable Object that lists every pool, so the Worker (admin listings,
-//! `/v1/models`, the cron probe sweep, regional ordering) can find all pools without a fixed list.
+//! The gateway's directory: one Durable Object that lists every pool, so the Worker (admin
+//! listings, `/v1/models`, the cron probe sweep, regional ordering) can find all pools without a
+//! fixed list, and holds the hashes of the client keys the admin API minted.
 //!
 //! Routes (internal, see `coordinator_protocol::Route`):
 //! - `GET /pools`: every [`PoolEntry`], ordered by name.
@@ -18,13 +19,13 @@ use worker::*;
 /// The name of the single directory instance.
 pub const DIRECTORY_NAME: &str = "directory";
 
-/// Lists every pool; stored in the object's SQLite database.
+/// Every pool and every minted client key, in the object's SQLite database.
 #[durable_object]
-pub struct PoolDirectory {
+pub struct GatewayDirectory {
     state: State,
 }
 
-impl DurableObject for PoolDirectory {
+impl DurableObject for GatewayDirectory {
     fn new(state: State, _env: Env) -> Self {
         let sql = state.storage().sql();
         for ddl in [
@@ -36,7 +37,7 @@ impl DurableObject for PoolDirectory {
             // An ALTER fails harmlessly once its column exists.
             let _ = sql.exec(ddl, None);
         }
-        PoolDirectory { state }
+        GatewayDirectory { state }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
@@ -48,7 +49,7 @@ impl DurableObject for PoolDirectory {
     }
 }
 
-impl PoolDirectory {
+impl GatewayDirectory {
     async fn handle(
         &self,
         route: Route,

@@ -16,13 +16,13 @@ use worker::*;
 
 /// One client's buckets.
 #[durable_object]
-pub struct RateLimiter {
+pub struct ClientRateLimiter {
     buckets: RefCell<Buckets>,
 }
 
-impl DurableObject for RateLimiter {
+impl DurableObject for ClientRateLimiter {
     fn new(_state: State, _env: Env) -> Self {
-        RateLimiter {
+        ClientRateLimiter {
             buckets: RefCell::new(Buckets::new()),
         }
     }
@@ -37,7 +37,7 @@ impl DurableObject for RateLimiter {
     }
 }
 
-impl RateLimiter {
+impl ClientRateLimiter {
     async fn settle(&self, req: &mut Request) -> std::result::Result<Response, ApiError> {
         let s: SettleRequest = read_body(req, "settle request").await?;
         self.buckets

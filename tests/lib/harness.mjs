@@ -22,8 +22,8 @@ export async function startGateway({ bindings = {}, persistDir, options = {} } =
     compatibilityFlags: ["enable_request_signal"],
     durableObjects: {
       POOL: { className: "PoolCoordinator", useSQLite: true },
-      DIRECTORY: { className: "PoolDirectory", useSQLite: true },
-      RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
+      DIRECTORY: { className: "GatewayDirectory", useSQLite: true },
+      RATE_LIMITER: { className: "ClientRateLimiter", useSQLite: true },
     },
     durableObjectsPersist: persistDir ?? false,
     // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
