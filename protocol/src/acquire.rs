@@ -3,123 +3,39 @@
 //! The Worker may ask several pools, and a queued request asks the same pool again and again, so
 //! the features are serialised once per request ([`AcquireBody::new`]) and each call only appends
 //! its admission part ([`AcquireBody::call`]). Block hashes travel as base64 of little-endian
-//! `u64`s ([`crate::block_hashes`]). The pool decodes the body straight into [`AcquireRequest`]
-//! (no untyped JSON) and the answer is a `routing_core::pool::Grant` (200) or a
+//! `u64`s (`routing_core::block_hash_encoding`). The pool decodes the body straight into
+//! [`AcquireRequest`] (no untyped JSON) and the answer is a `routing_core::pool::Grant` (200) or a
 //! [`crate::messages::Queued`] (202).
 
 use routing_core::admission::AdmissionRequest;
-use routing_core::backend::Role;
-use routing_core::prompt::{RequestFeatures, RequestKind};
+use routing_core::prompt::RequestFeatures;
 use serde::{Deserialize, Serialize};
 
-/// The body of `POST /acquire`, as the pool reads it: [`RequestFeatures`] field by field, plus the
-/// admission part (without it the pool never queues the request).
+/// The body of `POST /acquire`: `{"features": {...}, "admission": {...}}`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
 pub struct AcquireRequest {
-    /// See [`RequestFeatures::request_id`].
-    pub request_id: String,
-    /// See [`RequestFeatures::kind`].
-    pub kind: RequestKind,
-    /// See [`RequestFeatures::model`].
-    pub model: String,
-    /// See [`RequestFeatures::stream`].
-    pub stream: bool,
-    /// See [`RequestFeatures::prompt_tokens`].
-    pub prompt_tokens: u32,
-    /// See [`RequestFeatures::max_tokens`].
-    pub max_tokens: u32,
-    /// See [`RequestFeatures::routing_key`].
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub routing_key: Option<String>,
-    /// See [`RequestFeatures::block_tokens`].
-    pub block_tokens: u32,
-    /// See [`RequestFeatures::block_hashes`]; base64 of little-endian `u64`s on the wire.
-    #[serde(with = "crate::block_hashes")]
-    pub block_hashes: Vec<u64>,
-    /// See [`RequestFeatures::role_hint`].
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub role_hint: Option<Role>,
-    /// Tenant, priority, wait limit, and the ticket of a wait in progress.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// What routing needs to know about the request.
+    pub features: RequestFeatures,
+    /// Tenant, priority, wait limit, and the ticket of a wait in progress; without it the pool
+    /// never queues the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission: Option<AdmissionRequest>,
-}
-
-impl AcquireRequest {
-    /// The features and the admission part.
-    pub fn into_parts(self) -> (RequestFeatures, Option<AdmissionRequest>) {
-        let AcquireRequest {
-            request_id,
-            kind,
-            model,
-            stream,
-            prompt_tokens,
-            max_tokens,
-            routing_key,
-            block_tokens,
-            block_hashes,
-            role_hint,
-            admission,
-        } = self;
-        let features = RequestFeatures {
-            request_id,
-            kind,
-            model,
-            stream,
-            prompt_tokens,
-            max_tokens,
-            routing_key,
-            block_tokens,
-            block_hashes,
-            role_hint,
-        };
-        (features, admission)
-    }
-
-    /// The body for `features` (the only copy made of them on the request path).
-    pub fn from_features(features: &RequestFeatures) -> Self {
-        let RequestFeatures {
-            request_id,
-            kind,
-            model,
-            stream,
-            prompt_tokens,
-            max_tokens,
-            routing_key,
-            block_tokens,
-            block_hashes,
-            role_hint,
-        } = features.clone();
-        AcquireRequest {
-            request_id,
-            kind,
-            model,
-            stream,
-            prompt_tokens,
-            max_tokens,
-            routing_key,
-            block_tokens,
-            block_hashes,
-            role_hint,
-            admission: None,
-        }
-    }
 }
 
 /// A request's acquire body, serialised once; each call adds only its admission part.
 #[derive(Debug, Clone)]
 pub struct AcquireBody {
-    /// The features' JSON object without its closing brace.
+    /// `{"features":{...}` without the closing brace.
     head: String,
 }
 
 impl AcquireBody {
     /// Serialises `features` (block hashes included) once.
     pub fn new(features: &RequestFeatures) -> Self {
-        let mut head = serde_json::to_string(&AcquireRequest::from_features(features))
-            .unwrap_or_else(|_| "{}".to_string());
-        head.pop();
-        AcquireBody { head }
+        let features = serde_json::to_string(features).unwrap_or_else(|_| "{}".to_string());
+        AcquireBody {
+            head: format!("{{\"features\":{features}"),
+        }
     }
 
     /// The body of one call: the features, plus `admission` when given.
@@ -175,24 +91,29 @@ mod tests {
         let body = AcquireBody::new(&f);
         for admission in [None, Some(&who)] {
             let back: AcquireRequest = serde_json::from_str(&body.call(admission)).unwrap();
-            assert_eq!(back.into_parts(), (f.clone(), admission.cloned()));
+            assert_eq!(back.features, f);
+            assert_eq!(back.admission.as_ref(), admission);
         }
     }
 
     #[test]
     fn a_hand_written_body_without_hashes_still_parses() {
         let req: AcquireRequest = serde_json::from_str(
-            r#"{"model":"m","request_id":"r","prompt_tokens":10,"max_tokens":5,"admission":{"tenant":"x"}}"#,
+            r#"{"features":{"model":"m","request_id":"r","prompt_tokens":10,"max_tokens":5},"admission":{"tenant":"x"}}"#,
         )
         .unwrap();
-        let (f, a) = req.into_parts();
-        assert_eq!((f.model.as_str(), f.block_hashes.len()), ("m", 0));
-        assert_eq!(a.unwrap().tenant, "x");
+        assert_eq!(
+            (req.features.model.as_str(), req.features.block_hashes.len()),
+            ("m", 0)
+        );
+        assert_eq!(req.admission.unwrap().tenant, "x");
     }
 
     /// The old body: the features with their hashes as decimal JSON numbers.
     fn decimal_body(f: &RequestFeatures) -> String {
-        serde_json::to_string(f).unwrap()
+        let mut value = serde_json::to_value(f).unwrap();
+        value["block_hashes"] = serde_json::json!(f.block_hashes);
+        value.to_string()
     }
 
     #[test]
@@ -218,7 +139,7 @@ mod tests {
             id: BackendId(format!("b-{i:012x}")),
             url: format!("https://gpu-{i}.pool.example.com:8000"),
             api_key: None,
-            role: Role::Mixed,
+            role: routing_core::backend::Role::Mixed,
         };
         let grant = Grant {
             lease_id: 123_456_789,

@@ -9,7 +9,6 @@
 //! [`timed_fetch`] (fetches with a deadline, used by probes and by the proxy).
 
 pub mod acquire;
-pub mod block_hashes;
 pub mod error;
 pub mod messages;
 pub mod route;

@@ -64,7 +64,7 @@ pub struct ReassignRequest {
     #[serde(default)]
     pub terms: Option<LeaseTerms>,
     /// The request's prompt-prefix block hashes, recorded on `to` once it takes the request.
-    #[serde(default, with = "crate::block_hashes")]
+    #[serde(default, with = "routing_core::block_hash_encoding")]
     pub block_hashes: Vec<u64>,
     /// The failed backend answered 404: it does not serve this model (any more).
     #[serde(default)]

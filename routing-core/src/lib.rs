@@ -24,6 +24,7 @@
 pub mod admission;
 pub mod affinity;
 pub mod backend;
+pub mod block_hash_encoding;
 pub mod breaker;
 pub mod coordinator_metrics;
 pub mod cost;

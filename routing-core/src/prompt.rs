@@ -483,7 +483,9 @@ pub struct RequestFeatures {
     pub routing_key: Option<String>,
     /// Tokens per block the hashes were computed with.
     pub block_tokens: u32,
-    /// Chained prefix-block hashes.
+    /// Chained prefix-block hashes (base64 of little-endian `u64`s in JSON, see
+    /// [`crate::block_hash_encoding`]).
+    #[serde(with = "crate::block_hash_encoding")]
     pub block_hashes: Vec<u64>,
     /// Restricts candidates to backends of this role (for callers that stage prefill and decode
     /// themselves); `None` lets the pool's policy decide.

@@ -10,7 +10,10 @@ impl PoolCoordinator {
         spill_ok: bool,
         signal: web_sys::AbortSignal,
     ) -> ApiResult {
-        let (features, admission) = req.into_parts();
+        let AcquireRequest {
+            features,
+            admission,
+        } = req;
         let step = self.with(|l| {
             let now = now_ms();
             let admission_config = l.settings.routing.admission;
@@ -89,15 +92,8 @@ impl PoolCoordinator {
             Either::Left((Err(_), _)) => None,
             Either::Right((_, mut rx)) => self.with(|l| {
                 let now = now_ms();
-                let Live {
-                    pool,
-                    rng,
-                    room,
-                    settings,
-                    ..
-                } = l;
-                room.settle(pool, &settings.routing.admission, now, rng);
-                room.pause(ticket, call_id, &mut rx, now)
+                l.settle_queue(now);
+                l.room.pause(ticket, call_id, &mut rx, now)
             }),
         };
         match verdict {
@@ -142,16 +138,7 @@ impl PoolCoordinator {
 
     /// Lets queued requests in if backends have room (and drops those whose client left).
     pub(super) fn settle_queue(&self) {
-        self.with(|l| {
-            let Live {
-                pool,
-                rng,
-                room,
-                settings,
-                ..
-            } = l;
-            room.settle(pool, &settings.routing.admission, now_ms(), rng);
-        });
+        self.with(|l| l.settle_queue(now_ms()));
     }
 }
 
@@ -177,5 +164,19 @@ pub(super) fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiErr
         DropReason::ModelGone => {
             ApiError::model_not_found("").with_header(QUEUE_DROP_HEADER, reason.as_str())
         }
+    }
+}
+
+impl Live {
+    /// Lets queued requests in if backends have room (and drops those whose client left).
+    fn settle_queue(&mut self, now: u64) {
+        let Live {
+            pool,
+            rng,
+            room,
+            settings,
+            ..
+        } = self;
+        room.settle(pool, &settings.routing.admission, now, rng);
     }
 }
