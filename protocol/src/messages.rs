@@ -169,7 +169,9 @@ pub struct BackendRegistration {
     pub id: Option<String>,
 }
 
-/// Body of `PATCH /backends/{id}`: spec changes plus drain / undrain.
+/// Body of `PATCH /backends/{id}`: spec changes plus drain / undrain. The Worker forwards the
+/// admin's JSON as written (after parsing it as this struct): `BackendPatch` tells an absent
+/// `api_key` from a `null` one and never serialises the key, so re-encoding would lose both.
 #[derive(Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AdminPatch {

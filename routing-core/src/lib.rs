@@ -10,7 +10,8 @@
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
 //! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
 //! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
-//! ([`history`]) and the reading of backends' token usage ([`usage`]) too. The pool coordinator's
+//! ([`history`]), the reading of backends' token usage ([`usage`]) and each endpoint's request
+//! features ([`endpoint`]) too. The pool coordinator's
 //! own decisions live here as well: the pool's load, saturation and desired replicas
 //! ([`pool_load`]), what a probe's 503 means ([`probe_verdict`]), when a drain is finished
 //! ([`drain`]), a failed attempt's retry ([`reassign`]) and its metric families
@@ -29,6 +30,7 @@ pub mod breaker;
 pub mod coordinator_metrics;
 pub mod cost;
 pub mod drain;
+pub mod endpoint;
 pub mod health;
 pub mod history;
 pub mod lease;
