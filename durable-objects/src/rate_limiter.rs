@@ -28,7 +28,7 @@ impl DurableObject for ClientRateLimiter {
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
-        let result = match parse_route(&req, Object::RateLimiter) {
+        let result = match parse_route(&req, Object::ClientRateLimiter) {
             Ok(Route::SettleTokens) => self.settle(&mut req).await,
             Ok(_) => self.take(&mut req).await,
             Err(e) => Err(e),

@@ -52,10 +52,10 @@ impl HttpMethod {
 pub enum Object {
     /// `PoolCoordinator`, one per pool.
     Pool,
-    /// `Directory`, the single list of pools and client keys.
+    /// `GatewayDirectory`, the single list of pools and client keys.
     Directory,
     /// `ClientRateLimiter`, one per client key.
-    RateLimiter,
+    ClientRateLimiter,
 }
 
 /// One call to a Durable Object. The comment on each variant names its body and answer (see
@@ -146,7 +146,7 @@ impl Route {
             | Route::AddKey
             | Route::PatchKey(_)
             | Route::DeleteKey(_) => Object::Directory,
-            Route::TakeTokens | Route::SettleTokens => Object::RateLimiter,
+            Route::TakeTokens | Route::SettleTokens => Object::ClientRateLimiter,
             _ => Object::Pool,
         }
     }
@@ -370,7 +370,7 @@ mod tests {
     #[test]
     fn each_object_serves_its_own_routes() {
         assert_eq!(Route::ListPools.object(), Object::Directory);
-        assert_eq!(Route::TakeTokens.object(), Object::RateLimiter);
+        assert_eq!(Route::TakeTokens.object(), Object::ClientRateLimiter);
         assert_eq!(Route::Acquire { spill_ok: false }.object(), Object::Pool);
     }
 }
