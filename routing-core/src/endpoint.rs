@@ -4,8 +4,8 @@
 //! output).
 
 use crate::prompt::{
-    estimate_tokens, invalid, request_features, FeatureConfig, PromptError, RequestFeatures,
-    RequestKind,
+    estimate_tokens, invalid, object_and_model, request_features, FeatureConfig, PromptError,
+    RequestFeatures, RequestKind,
 };
 use serde_json::Value;
 
@@ -53,12 +53,7 @@ pub fn endpoint_features(
 
 /// Routing features of an embeddings request: model and input size; no prefix reuse, no output.
 fn embedding_features(body: &Value) -> Result<RequestFeatures, PromptError> {
-    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
-    let model = match obj.get("model") {
-        None | Some(Value::Null) => return Err(PromptError::MissingModel),
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(invalid("model", "a non-empty string")),
-    };
+    let (obj, model) = object_and_model(body)?;
     let prompt_tokens = match obj.get("input") {
         None | Some(Value::Null) => return Err(PromptError::MissingInput { field: "input" }),
         Some(Value::String(s)) => estimate_tokens(s),

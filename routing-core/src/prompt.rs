@@ -492,6 +492,16 @@ pub struct RequestFeatures {
     pub role_hint: Option<Role>,
 }
 
+/// The body as an object, and its `model` (every endpoint reads these the same way).
+pub(crate) fn object_and_model(body: &Value) -> Result<(&Map<String, Value>, String), PromptError> {
+    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
+    match obj.get("model") {
+        None | Some(Value::Null) => Err(PromptError::MissingModel),
+        Some(Value::String(m)) if !m.is_empty() => Ok((obj, m.clone())),
+        Some(_) => Err(invalid("model", "a non-empty string")),
+    }
+}
+
 /// Extracts the routing features of an OpenAI request body.
 ///
 /// `header` looks a request header up by lower-case name.
@@ -500,12 +510,7 @@ pub fn request_features(
     header: &dyn Fn(&str) -> Option<String>,
     config: &FeatureConfig,
 ) -> Result<RequestFeatures, PromptError> {
-    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
-    let model = match obj.get("model") {
-        None | Some(Value::Null) => return Err(PromptError::MissingModel),
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(invalid("model", "a non-empty string")),
-    };
+    let (obj, model) = object_and_model(body)?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
