@@ -2,7 +2,7 @@
 # Installs everything the project needs, idempotently: each step checks first and only installs what
 # is missing or at the wrong version, so a second run takes seconds. One line per step, with its time.
 #
-# Steps (see ../shared/TOOLCHAIN.md for why each exists):
+# Steps (README.md, "What setup installs", says why each exists):
 #   1. Debian's rustc-web / cargo-web / rust-web-src / lld-22   (a rustc that can target wasm32)
 #   2. the wasm32 standard library in that rustc's sysroot     (rustup's target where rustup can add it)
 #   3. wasm-bindgen-cli at exactly Cargo.lock's wasm-bindgen version

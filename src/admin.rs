@@ -15,23 +15,68 @@
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
-use crate::keys::{hash_key, invalidate};
-use crate::pools::{
-    directory_json, error_from_response, list_pools, pool_call, pool_json, remember_pool,
+use crate::do_client::{
+    directory_json, encode, error_from_response, list_pools, pool_call, pool_json, remember_pool,
 };
+use crate::keys::{hash_key, invalidate};
 use crate::ApiError;
-use gateway_durable_objects::directory::{KeyPatch, StoredKey};
-use gateway_durable_objects::pool_coordinator::{validate_pool_name, PoolSettings};
-use gateway_durable_objects::protocol::{BackendRegistration, PoolEntry, DEFAULT_POOL};
-use gateway_durable_objects::registry::{host_is_ip, validate_name};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use coordinator_protocol::messages::{
+    AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch, KeyPatchAnswer,
+    PoolDetail, PoolEntry, PoolSummary, StoredKey, DEFAULT_POOL,
+};
+use coordinator_protocol::settings::{validate_name, PoolSettings};
+use coordinator_protocol::Route;
+use gateway_durable_objects::registry::host_is_ip;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use worker::{Date, Env, Method, Request, Response};
 
 type AdminResult = Result<Response, ApiError>;
 
-fn json_ok(value: &Value) -> AdminResult {
-    Response::from_json(value).map_err(ApiError::from_worker)
+fn json_ok<T: Serialize>(value: &T) -> AdminResult {
+    Ok(Response::from_json(value)?)
+}
+
+/// `{"object": "list", "data": [...]}`.
+#[derive(Serialize)]
+struct List<T> {
+    object: &'static str,
+    data: Vec<T>,
+}
+
+fn list<T>(data: Vec<T>) -> List<T> {
+    List {
+        object: "list",
+        data,
+    }
+}
+
+/// A key as listings show it (never its hash).
+#[derive(Serialize)]
+struct KeyListing {
+    id: String,
+    name: String,
+    created_ms: u64,
+    priority: i32,
+}
+
+/// A freshly minted key: the only time the key itself is shown.
+#[derive(Serialize)]
+struct MintedKey {
+    id: String,
+    name: String,
+    key: String,
+    created_ms: u64,
+    priority: i32,
+}
+
+/// Parses an admin body as `T` (400 naming `what` when it is not one).
+fn parse<T: DeserializeOwned>(text: &str, what: &str) -> Result<T, ApiError> {
+    serde_json::from_str(text).map_err(|e| ApiError::invalid_body(what, e))
+}
+
+fn validate_pool_name(name: &str) -> Result<(), ApiError> {
+    validate_name("pool", name)
 }
 
 /// Largest admin request body: registrations and settings are small.
@@ -67,13 +112,12 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
     match (method.clone(), segments) {
         (Method::Post, ["backends"]) => {
             let text = body_text(&mut req).await?;
-            let reg: BackendRegistration = serde_json::from_str(&text)
-                .map_err(|e| ApiError::bad_request(format!("invalid backend registration: {e}")))?;
+            let reg: BackendRegistration = parse(&text, "backend registration")?;
             let pool = reg.pool.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
             validate_pool_name(&pool)?;
             require_reachable_url(env, &reg.url)?;
-            let resp =
-                relay(pool_call(env, &pool, Method::Post, "/backends", Some(text)).await?).await?;
+            let body = Some(encode(&reg)?);
+            let resp = relay(pool_call(env, &pool, &Route::RegisterBackend, body).await?).await?;
             if !list_pools(env).await?.iter().any(|p| p.name == pool) {
                 remember_pool(
                     env,
@@ -90,73 +134,59 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();
             for pool in list_pools(env).await? {
-                let listing: Value =
-                    pool_json(env, &pool.name, Method::Get, "/backends", None::<&()>).await?;
-                all.extend(
-                    listing
-                        .get("data")
-                        .and_then(Value::as_array)
-                        .cloned()
-                        .unwrap_or_default(),
-                );
+                let listing: BackendList =
+                    pool_json(env, &pool.name, &Route::ListBackends, None::<&()>).await?;
+                all.extend(listing.data);
             }
-            json_ok(&json!({ "object": "list", "data": all }))
+            json_ok(&list(all))
         }
         (Method::Get | Method::Patch | Method::Delete, ["backends", id]) => {
             validate_name("id", id)?;
             let pool = find_backend(env, id, query_pool.as_deref()).await?;
-            let path = if force {
-                format!("/backends/{id}?force=true")
-            } else {
-                format!("/backends/{id}")
+            let id = id.to_string();
+            let (route, body) = match method {
+                Method::Patch => {
+                    // Checked here, forwarded as written: a patch tells an absent `api_key` from
+                    // a `null` one, which re-encoding would lose.
+                    let text = body_text(&mut req).await?;
+                    let patch: AdminPatch = parse(&text, "backend patch")?;
+                    if let Some(url) = &patch.patch.url {
+                        require_reachable_url(env, url)?;
+                    }
+                    (Route::PatchBackend(id), Some(text))
+                }
+                Method::Delete => (Route::DeleteBackend { id, force }, None),
+                _ => (Route::ShowBackend(id), None),
             };
-            let body = if method == Method::Patch {
-                Some(body_text(&mut req).await?)
-            } else {
-                None
-            };
-            let new_url = body
-                .as_deref()
-                .and_then(|b| serde_json::from_str::<Value>(b).ok())
-                .and_then(|v| v.get("url")?.as_str().map(str::to_string));
-            if let Some(url) = new_url {
-                require_reachable_url(env, &url)?;
-            }
-            relay(pool_call(env, &pool, method, &path, body).await?).await
+            relay(pool_call(env, &pool, &route, body).await?).await
         }
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
             for pool in list_pools(env).await? {
-                let mut state: Value =
-                    pool_json(env, &pool.name, Method::Get, "/state", None::<&()>).await?;
+                let mut state: PoolSummary =
+                    pool_json(env, &pool.name, &Route::Summary, None::<&()>).await?;
                 // A pool created by a registration has its region in the directory (which routing
                 // reads) until a PUT sets it in the pool's settings too.
-                if state
-                    .get("region")
-                    .and_then(Value::as_str)
-                    .is_none_or(str::is_empty)
-                {
-                    state["region"] = json!(pool.region);
+                if state.region.is_empty() {
+                    state.region = pool.region;
                 }
                 data.push(state);
             }
-            json_ok(&json!({ "object": "list", "data": data }))
+            json_ok(&list(data))
         }
         (Method::Get, ["pools", pool]) => {
             validate_pool_name(pool)?;
             if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             }
-            let mut state: Value = pool_json(env, pool, Method::Get, "/state", None::<&()>).await?;
-            let config: Value = pool_json(env, pool, Method::Get, "/config", None::<&()>).await?;
-            state["config"] = config;
-            json_ok(&state)
+            let summary: PoolSummary = pool_json(env, pool, &Route::Summary, None::<&()>).await?;
+            let config: PoolSettings = pool_json(env, pool, &Route::GetConfig, None::<&()>).await?;
+            json_ok(&PoolDetail { summary, config })
         }
         (Method::Put, ["pools", pool]) => {
             validate_pool_name(pool)?;
             let text = body_text(&mut req).await?;
-            let settings: PoolSettings = serde_json::from_str(&text)
-                .map_err(|e| ApiError::bad_request(format!("invalid pool configuration: {e}")))?;
+            let settings: PoolSettings = parse(&text, "pool configuration")?;
             settings.validate()?;
             let entry = PoolEntry {
                 name: pool.to_string(),
@@ -167,46 +197,51 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             // hint that call carries: record the hint first, so a new pool's first call has it.
             remember_pool(env, &entry).await?;
             list_pools(env).await?;
-            let applied: Value =
-                pool_json(env, pool, Method::Put, "/config", Some(&settings)).await?;
+            let applied: PoolSettings =
+                pool_json(env, pool, &Route::PutConfig, Some(&settings)).await?;
             json_ok(&applied)
         }
         (Method::Post, ["pools", pool, "probe"]) => {
             validate_pool_name(pool)?;
-            relay(pool_call(env, pool, Method::Post, "/probe/now", None).await?).await
+            relay(pool_call(env, pool, &Route::ProbeNow, None).await?).await
         }
         (Method::Get, ["pools", pool, "history"]) => {
             validate_pool_name(pool)?;
             if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             }
-            relay(pool_call(env, pool, Method::Get, "/history", None).await?).await
+            relay(pool_call(env, pool, &Route::History, None).await?).await
         }
         (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
         (Method::Get, ["keys"]) => {
-            let keys: Vec<StoredKey> =
-                directory_json(env, Method::Get, "/keys", None::<&()>).await?;
-            let data: Vec<Value> =
-                keys.iter().map(|k| json!({ "id": k.id, "name": k.name, "created_ms": k.created_ms, "priority": k.priority })).collect();
-            json_ok(&json!({ "object": "list", "data": data }))
+            let keys: Vec<StoredKey> = directory_json(env, &Route::ListKeys, None::<&()>).await?;
+            let data: Vec<KeyListing> = keys
+                .into_iter()
+                .map(|k| KeyListing {
+                    id: k.id,
+                    name: k.name,
+                    created_ms: k.created_ms,
+                    priority: k.priority,
+                })
+                .collect();
+            json_ok(&list(data))
         }
         (Method::Patch, ["keys", id]) => {
             validate_name("id", id)?;
             let text = body_text(&mut req).await?;
-            let patch: KeyPatch = serde_json::from_str(&text)
-                .map_err(|e| ApiError::bad_request(format!("invalid key patch: {e}")))?;
+            let patch: KeyPatch = parse(&text, "key patch")?;
             if let Some(p) = patch.priority {
                 crate::admission::validate_priority(p)?;
             }
-            let v: Value =
-                directory_json(env, Method::Patch, &format!("/keys/{id}"), Some(&patch)).await?;
+            let route = Route::PatchKey(id.to_string());
+            let v: KeyPatchAnswer = directory_json(env, &route, Some(&patch)).await?;
             invalidate();
             json_ok(&v)
         }
         (Method::Delete, ["keys", id]) => {
             validate_name("id", id)?;
-            let v: Value =
-                directory_json(env, Method::Delete, &format!("/keys/{id}"), None::<&()>).await?;
+            let route = Route::DeleteKey(id.to_string());
+            let v: DeleteAnswer = directory_json(env, &route, None::<&()>).await?;
             invalidate();
             json_ok(&v)
         }
@@ -251,7 +286,8 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
         pools.insert(0, h.to_string());
     }
     for pool in pools {
-        let resp = pool_call(env, &pool, Method::Get, &format!("/backends/{id}"), None).await?;
+        let route = Route::ShowBackend(id.to_string());
+        let resp = pool_call(env, &pool, &route, None).await?;
         if resp.status_code() == 200 {
             return Ok(pool);
         }
@@ -272,8 +308,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
     let mint: MintRequest = if text.trim().is_empty() {
         MintRequest::default()
     } else {
-        serde_json::from_str(&text)
-            .map_err(|e| ApiError::bad_request(format!("invalid key request: {e}")))?
+        parse(&text, "key request")?
     };
     if mint.name.len() > 128 || mint.name.chars().any(char::is_control) {
         return Err(
@@ -290,9 +325,14 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         created_ms: Date::now().as_millis(),
         priority: mint.priority,
     };
-    let _: StoredKey = directory_json(env, Method::Post, "/keys", Some(&stored)).await?;
+    let stored: StoredKey = directory_json(env, &Route::AddKey, Some(&stored)).await?;
     invalidate();
-    Response::from_json(&json!({ "id": stored.id, "name": stored.name, "key": key, "created_ms": stored.created_ms, "priority": stored.priority }))
-        .map(|r| r.with_status(201))
-        .map_err(ApiError::from_worker)
+    let minted = MintedKey {
+        id: stored.id,
+        name: stored.name,
+        key,
+        created_ms: stored.created_ms,
+        priority: stored.priority,
+    };
+    Ok(Response::from_json(&minted)?.with_status(201))
 }

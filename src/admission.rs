@@ -13,20 +13,21 @@
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
 //! as the platform reports it), the wait is abandoned and the pool told at once.
 
+use crate::do_client::{error_from_response, pool_call, pool_json};
 use crate::keys::ClientKey;
-use crate::pools::{error_from_response, pool_call};
 use crate::ApiError;
-use futures_util::future::{select, Either};
-use gateway_durable_objects::protocol::{
-    AcquireRequest, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+use coordinator_protocol::acquire::AcquireBody;
+use coordinator_protocol::messages::{
+    DequeueAnswer, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
 };
+use coordinator_protocol::Route;
+use futures_util::future::{select, Either};
 use routing_core::admission::{AdmissionRequest, PRIORITY_RANGE};
 use routing_core::pool::Grant;
-use routing_core::prompt::RequestFeatures;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Date, Delay, Env, Method, Request};
+use worker::{Context, Date, Delay, Env, Request};
 
 /// Longest accepted `x-gateway-max-wait-ms`.
 const MAX_WAIT_HEADER_MS: u64 = 3_600_000;
@@ -126,15 +127,15 @@ pub struct Admitted {
     pub queued_ms: u64,
 }
 
-/// Asks `pool` for a lease (`path` is `/acquire`, maybe with `?spill_ok=true`), waiting in its
-/// queue while it answers `202`.
+/// Asks `pool` for a lease (`spill_ok`: a further pool could take the request), waiting in its
+/// queue while it answers `202`. `body` holds the request's features, serialised once.
 pub async fn acquire(
     env: &Env,
     ctx: &Context,
     client: &Request,
     pool: &str,
-    path: &str,
-    features: &RequestFeatures,
+    spill_ok: bool,
+    body: &AcquireBody,
     who: &AdmissionRequest,
 ) -> Result<Admitted, ApiError> {
     let started = Date::now().as_millis();
@@ -143,12 +144,8 @@ pub async fn acquire(
     let mut gone = hang_up(&client.inner().signal());
     let _keep_alive = KeepAlive::new(ctx);
     loop {
-        let body = serde_json::to_string(&AcquireRequest {
-            features: features.clone(),
-            admission: Some(who.clone()),
-        })
-        .map_err(|e| ApiError::internal(e.to_string()))?;
-        let call = Box::pin(pool_call(env, pool, Method::Post, path, Some(body)));
+        let route = Route::Acquire { spill_ok };
+        let call = Box::pin(pool_call(env, pool, &route, Some(body.call(Some(&who)))));
         let limit = Delay::from(CALL_LIMIT);
         let answer = match select(call, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
@@ -176,11 +173,11 @@ pub async fn acquire(
                         .flatten()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(0);
-                    let grant: Grant = resp.json().await.map_err(ApiError::from_worker)?;
+                    let grant: Grant = resp.json().await?;
                     return Ok(Admitted { grant, queued_ms });
                 }
                 202 => {
-                    let queued: Queued = resp.json().await.map_err(ApiError::from_worker)?;
+                    let queued: Queued = resp.json().await?;
                     who.ticket = Some(queued.ticket);
                     failures = 0;
                 }
@@ -217,8 +214,10 @@ pub async fn acquire(
 
 /// Tells the pool a queued request's client left.
 async fn dequeue(env: &Env, pool: &str, ticket: u64) {
-    let body = serde_json::to_string(&DequeueRequest { ticket }).unwrap_or_default();
-    if let Err(e) = pool_call(env, pool, Method::Post, "/dequeue", Some(body)).await {
+    let req = DequeueRequest { ticket };
+    let answer: Result<DequeueAnswer, ApiError> =
+        pool_json(env, pool, &Route::Dequeue, Some(&req)).await;
+    if let Err(e) = answer {
         worker::console_error!("pool {pool}: dequeue: {e}");
     }
 }

@@ -39,7 +39,7 @@ pub fn serve(method: &Method, path: &str, rest: &[&str]) -> Result<Response, Api
     }
     let (body, content_type) =
         asset(rest).ok_or_else(|| ApiError::not_found(format!("Unknown route {path}.")))?;
-    let mut resp = Response::ok(body).map_err(ApiError::from_worker)?;
+    let mut resp = Response::ok(body)?;
     let headers = resp.headers_mut();
     for (name, value) in [
         ("content-type", content_type),
@@ -50,7 +50,7 @@ pub fn serve(method: &Method, path: &str, rest: &[&str]) -> Result<Response, Api
         // The assets change only with a deploy; revalidating each load keeps them in step.
         ("cache-control", "no-cache"),
     ] {
-        headers.set(name, value).map_err(ApiError::from_worker)?;
+        headers.set(name, value)?;
     }
     Ok(resp)
 }

@@ -9,9 +9,10 @@
 //! settle it with the backend's reported usage when it ends.
 
 use crate::auth::{bearer, constant_time_eq, secret};
-use crate::pools::{stale_while_revalidate, CacheSlot};
+use crate::do_client::{stale_while_revalidate, CacheSlot};
 use crate::ApiError;
-use gateway_durable_objects::directory::StoredKey;
+use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
+use coordinator_protocol::Route;
 use routing_core::rate_limit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
@@ -38,7 +39,7 @@ pub fn invalidate() {
 }
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
-    crate::pools::directory_json(&env, worker::Method::Get, "/keys", None::<&()>).await
+    crate::do_client::directory_json(&env, &Route::ListKeys, None::<&()>).await
 }
 
 async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
@@ -147,8 +148,11 @@ pub async fn reserve(
     if limits == RateLimits::default() {
         return Ok(None);
     }
-    let body = serde_json::json!({ "limits": limits, "tokens": estimate });
-    crate::pools::rate_limit(env, client, "/take", &body).await?;
+    let body = TakeRequest {
+        limits,
+        tokens: estimate,
+    };
+    crate::do_client::rate_limit(env, client, &Route::TakeTokens, &body).await?;
     Ok((limits.tokens_per_minute > 0).then(|| Reservation {
         client: client.to_string(),
         limits,
@@ -162,8 +166,13 @@ pub async fn settle(env: &Env, reservation: &Reservation, actual: u64) {
     if actual == reservation.tokens {
         return;
     }
-    let body = serde_json::json!({ "limits": reservation.limits, "reserved": reservation.tokens, "actual": actual });
-    if let Err(e) = crate::pools::rate_limit(env, &reservation.client, "/settle", &body).await {
+    let body = SettleRequest {
+        limits: reservation.limits,
+        reserved: reservation.tokens,
+        actual,
+    };
+    let route = Route::SettleTokens;
+    if let Err(e) = crate::do_client::rate_limit(env, &reservation.client, &route, &body).await {
         worker::console_error!("settling a client's token reservation failed: {e}");
     }
 }

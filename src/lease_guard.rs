@@ -11,11 +11,14 @@
 //! writes the access log line, and settles the client's token reservation with the backend's
 //! reported usage. Nothing on the response path waits for any of this.
 
+use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
-use crate::pools::pool_json;
 use crate::ApiError;
+use coordinator_protocol::messages::{
+    PrefillDone, PrefillDoneAnswer, ReleaseAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
+};
+use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
-use gateway_durable_objects::protocol::{PrefillDone, ReleaseRequest, RenewAnswer, RenewRequest};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::{Outcome, OutcomeKind};
@@ -24,7 +27,7 @@ use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Date, Delay, Env, Method};
+use worker::{AbortSignal, Context, Date, Delay, Env};
 
 /// How a request ended.
 struct Ending {
@@ -302,14 +305,8 @@ impl Task {
             outcome,
             backend: Some(backend),
         };
-        let result: Result<serde_json::Value, ApiError> = pool_json(
-            &self.env,
-            &self.pool,
-            Method::Post,
-            "/prefill_done",
-            Some(&req),
-        )
-        .await;
+        let result: Result<PrefillDoneAnswer, ApiError> =
+            pool_json(&self.env, &self.pool, &Route::PrefillDone, Some(&req)).await;
         if let Err(e) = result {
             worker::console_error!(
                 "reporting the prefill of lease {} in pool {} failed: {e}",
@@ -328,9 +325,7 @@ impl Task {
                 terms: r.terms.clone(),
             }
         };
-        match pool_json::<RenewAnswer>(&self.env, &self.pool, Method::Post, "/renew", Some(&req))
-            .await
-        {
+        match pool_json::<RenewAnswer>(&self.env, &self.pool, &Route::Renew, Some(&req)).await {
             Ok(a) if a.reestablished => worker::console_log!(
                 "{}",
                 serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
@@ -363,8 +358,8 @@ async fn release(env: &Env, pool: &str, lease_id: LeaseId, backend: &str, outcom
         outcome: outcome.clone(),
         backend: Some(backend.into()),
     };
-    let result: Result<serde_json::Value, ApiError> =
-        pool_json(env, pool, Method::Post, "/release", Some(&req)).await;
+    let result: Result<ReleaseAnswer, ApiError> =
+        pool_json(env, pool, &Route::Release, Some(&req)).await;
     if let Err(e) = result {
         worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
     }

@@ -4,36 +4,32 @@
 //! the nearest pool's Durable Object for a lease, and hand over to the streaming proxy. The routing
 //! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
 
-// `ApiError` carries a whole OpenAI error body (status, message, type, param, code, extra
-// headers) and travels only on the error path, where moving it costs nothing next to the
-// response it becomes; boxing it would only add an allocation.
-#![allow(clippy::result_large_err)]
-
 mod admin;
 mod admission;
 mod auth;
 mod dashboard;
+mod do_client;
 mod keys;
 mod lease_guard;
 mod metrics;
-mod pools;
 mod proxy;
 mod regions;
 mod relay;
 mod resume;
 
-pub use gateway_durable_objects::api_error::ApiError;
+pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
-pub use gateway_durable_objects::directory::PoolDirectory;
+pub use gateway_durable_objects::directory::GatewayDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
-pub use gateway_durable_objects::rate_limiter::RateLimiter;
+pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 
-use gateway_durable_objects::protocol::PoolEntry;
+use coordinator_protocol::acquire::AcquireBody;
+use coordinator_protocol::messages::{AlarmAnswer, ModelsAnswer, PoolEntry};
+use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
+use routing_core::endpoint::{endpoint_features, Endpoint};
 use routing_core::lease::LeaseTerms;
-use routing_core::prompt::{
-    estimate_tokens, request_features, FeatureConfig, RequestFeatures, RequestKind,
-};
+use routing_core::prompt::FeatureConfig;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
@@ -66,11 +62,16 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
 
 #[event(scheduled)]
 async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
-    match pools::list_pools(&env).await {
+    match do_client::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                if let Err(e) =
-                    pools::pool_call(&env, &pool.name, Method::Post, "/probe/ensure", None).await
+                if let Err(e) = do_client::pool_json::<AlarmAnswer>(
+                    &env,
+                    &pool.name,
+                    &Route::EnsureProbeAlarm,
+                    None::<&()>,
+                )
+                .await
                 {
                     console_error!("cron: pool {}: {e}", pool.name);
                 }
@@ -127,10 +128,9 @@ async fn route(
     let method = req.method();
     match segments.as_slice() {
         ["healthz"] => match method {
-            Method::Get | Method::Head => Response::from_json(
+            Method::Get | Method::Head => Ok(Response::from_json(
                 &json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") }),
-            )
-            .map_err(ApiError::from_worker),
+            )?),
             m => Err(ApiError::method_not_allowed(m.as_ref(), &path)),
         },
         ["metrics"] => {
@@ -158,24 +158,6 @@ async fn route(
         ["v1", "completions"] => completion(req, env, ctx, Endpoint::Completions, request_id).await,
         ["v1", "embeddings"] => completion(req, env, ctx, Endpoint::Embeddings, request_id).await,
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
-    }
-}
-
-/// The OpenAI endpoints the gateway routes.
-#[derive(Clone, Copy, PartialEq)]
-enum Endpoint {
-    Chat,
-    Completions,
-    Embeddings,
-}
-
-impl Endpoint {
-    fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Embeddings => "/v1/embeddings",
-        }
     }
 }
 
@@ -244,44 +226,9 @@ async fn discard_body(req: &Request) {
         return;
     };
     let drained = wasm_bindgen_futures::JsFuture::from(body.pipe_to(&sink));
-    let _ = gateway_durable_objects::timed_fetch::with_timeout(
-        drained,
-        std::time::Duration::from_secs(5),
-    )
-    .await;
-}
-
-/// Routing features of an embeddings request: model, input size, no prefix reuse.
-fn embedding_features(body: &Value) -> std::result::Result<RequestFeatures, ApiError> {
-    let model = body.get("model").and_then(Value::as_str).ok_or_else(|| {
-        ApiError::bad_request("`model` is required and must be a string").with_param("model")
-    })?;
-    let input = body
-        .get("input")
-        .ok_or_else(|| ApiError::bad_request("`input` is required").with_param("input"))?;
-    let tokens = match input {
-        Value::String(s) => estimate_tokens(s),
-        Value::Array(items) => items
-            .iter()
-            .map(|i| match i {
-                Value::String(s) => estimate_tokens(s),
-                Value::Array(t) => t.len() as u32,
-                _ => 1,
-            })
-            .fold(0u32, u32::saturating_add),
-        _ => {
-            return Err(
-                ApiError::bad_request("`input` must be a string or an array").with_param("input"),
-            )
-        }
-    };
-    Ok(RequestFeatures {
-        kind: RequestKind::Completion,
-        model: model.to_string(),
-        prompt_tokens: tokens,
-        max_tokens: 0,
-        ..RequestFeatures::default()
-    })
+    let _ =
+        coordinator_protocol::timed_fetch::with_timeout(drained, std::time::Duration::from_secs(5))
+            .await;
 }
 
 async fn completion(
@@ -306,35 +253,16 @@ async fn completion(
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
-    let mut features = match endpoint {
-        Endpoint::Embeddings => embedding_features(&parsed)?,
-        _ => {
-            let headers = req.headers().clone();
-            let header = move |name: &str| headers.get(name).ok().flatten();
-            let f = request_features(&parsed, &header, &feature_config(env)).map_err(|e| {
-                let err = ApiError::bad_request(e.to_string()).with_code(e.code());
-                match e.param() {
-                    Some(p) => err.with_param(p),
-                    None => err,
-                }
-            })?;
-            let wrong_kind = match endpoint {
-                Endpoint::Chat => f.kind != RequestKind::Chat,
-                _ => f.kind != RequestKind::Completion,
-            };
-            if wrong_kind {
-                let field = if endpoint == Endpoint::Chat {
-                    "messages"
-                } else {
-                    "prompt"
-                };
-                return Err(
-                    ApiError::bad_request(format!("`{field}` is required")).with_param(field)
-                );
+    let headers = req.headers().clone();
+    let header = move |name: &str| headers.get(name).ok().flatten();
+    let mut features = endpoint_features(endpoint, &parsed, &header, &feature_config(env))
+        .map_err(|e| {
+            let err = ApiError::bad_request(e.to_string()).with_code(e.code());
+            match e.param() {
+                Some(p) => err.with_param(p),
+                None => err,
             }
-            f
-        }
-    };
+        })?;
     features.request_id = request_id.to_string();
     let reservation = match &client {
         Some(client) => {
@@ -355,7 +283,7 @@ async fn completion(
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(&req, env, pools::list_pools_cached(env, ctx).await?);
+    let pools = regions::order_pools(&req, env, do_client::list_pools_cached(env, ctx).await?);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -365,6 +293,8 @@ async fn completion(
     // waits when no pool has room (spillover comes before queueing).
     let mut queue_at: Option<PoolEntry> = None;
     let mut order = pools.into_iter().enumerate();
+    // Serialised once, whichever pools are asked and however often a queued request asks again.
+    let acquire_body = AcquireBody::new(&features);
     loop {
         let (pool, spill_ok) = match order.next() {
             // A saturated or full pool refuses work only when a further pool could take it.
@@ -374,12 +304,7 @@ async fn completion(
                 None => break,
             },
         };
-        let path = if spill_ok {
-            "/acquire?spill_ok=true"
-        } else {
-            "/acquire"
-        };
-        match admission::acquire(env, ctx, &req, &pool.name, path, &features, &who).await {
+        match admission::acquire(env, ctx, &req, &pool.name, spill_ok, &acquire_body, &who).await {
             Ok(admitted) => {
                 let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
                 let disaggregated = !grant.decode_candidates.is_empty();
@@ -439,9 +364,9 @@ async fn completion(
             // The request waited and was dropped, or its client left: that is the answer.
             Err(e)
                 if e.status == 499
-                    || e.headers.iter().any(|(k, _)| {
-                        k == gateway_durable_objects::protocol::QUEUE_DROP_HEADER
-                    }) =>
+                    || e.headers
+                        .iter()
+                        .any(|(k, _)| k == coordinator_protocol::messages::QUEUE_DROP_HEADER) =>
             {
                 refund(ctx, env, reservation);
                 return Err(e);
@@ -476,12 +401,10 @@ fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Respon
     // Headers of a proxied response may be immutable: copy them.
     let headers = Headers::new();
     for (k, v) in resp.headers().entries() {
-        headers.append(&k, &v).map_err(ApiError::from_worker)?;
+        headers.append(&k, &v)?;
     }
     let wait = queued_ms.to_string();
-    headers
-        .set(gateway_durable_objects::protocol::QUEUE_WAIT_HEADER, &wait)
-        .map_err(ApiError::from_worker)?;
+    headers.set(coordinator_protocol::messages::QUEUE_WAIT_HEADER, &wait)?;
     Ok(resp.with_headers(headers))
 }
 
@@ -533,17 +456,11 @@ fn ask_for_usage(
 /// skipped (and logged), never turned into an error for the client.
 async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
-    for pool in pools::list_pools(env).await? {
-        match pools::pool_json::<Value>(env, &pool.name, Method::Get, "/models", None::<&()>).await
+    for pool in do_client::list_pools(env).await? {
+        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, &Route::Models, None::<&()>)
+            .await
         {
-            Ok(v) => models.extend(
-                v.get("models")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(Value::as_str)
-                    .map(str::to_string),
-            ),
+            Ok(answer) => models.extend(answer.models),
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }
     }
@@ -553,5 +470,7 @@ async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
         .iter()
         .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
         .collect();
-    Response::from_json(&json!({ "object": "list", "data": data })).map_err(ApiError::from_worker)
+    Ok(Response::from_json(
+        &json!({ "object": "list", "data": data }),
+    )?)
 }

@@ -4,9 +4,10 @@
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
 //! family by family rather than concatenated.
 
-use crate::pools;
+use crate::do_client;
 use crate::ApiError;
-use worker::{Env, Method, Response};
+use coordinator_protocol::Route;
+use worker::{Env, Response};
 
 /// Merges Prometheus text pages, keeping each family's header once and its samples together.
 pub fn merge_expositions(pages: &[String]) -> String {
@@ -72,20 +73,17 @@ pub fn merge_expositions(pages: &[String]) -> String {
 /// Collects and merges the metrics of every pool.
 pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     let mut pages = Vec::new();
-    for pool in pools::list_pools(env).await? {
-        match pools::pool_call(env, &pool.name, Method::Get, "/metrics", None).await {
-            Ok(mut r) if r.status_code() == 200 => {
-                pages.push(r.text().await.map_err(ApiError::from_worker)?)
-            }
+    for pool in do_client::list_pools(env).await? {
+        match do_client::pool_call(env, &pool.name, &Route::Metrics, None).await {
+            Ok(mut r) if r.status_code() == 200 => pages.push(r.text().await?),
             Ok(r) => {
                 worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code())
             }
             Err(e) => worker::console_error!("metrics: pool {}: {e}", pool.name),
         }
     }
-    let mut resp = Response::ok(merge_expositions(&pages)).map_err(ApiError::from_worker)?;
+    let mut resp = Response::ok(merge_expositions(&pages))?;
     resp.headers_mut()
-        .set("content-type", "text/plain; version=0.0.4; charset=utf-8")
-        .map_err(ApiError::from_worker)?;
+        .set("content-type", "text/plain; version=0.0.4; charset=utf-8")?;
     Ok(resp)
 }

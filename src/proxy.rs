@@ -14,15 +14,16 @@
 //! releases the lease from `wait_until`. A client that hangs up aborts the upstream fetch through
 //! its signal.
 
+use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;
-use crate::pools::pool_json;
 use crate::relay::{Relay, Upstream};
 use crate::resume::Resumption;
 use crate::ApiError;
-use gateway_durable_objects::protocol::ReassignRequest;
-use gateway_durable_objects::timed_fetch::{
+use coordinator_protocol::messages::ReassignRequest;
+use coordinator_protocol::timed_fetch::{
     fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
 };
+use coordinator_protocol::Route;
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::{body_usage, Usage};
@@ -274,7 +275,7 @@ impl Forward<'_> {
                 .client
                 .headers()
                 .get(name)
-                .map_err(ApiError::from_worker)?
+                .map_err(ApiError::from)?
                 .filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES)
             {
                 headers.push((name.to_string(), value));
@@ -305,7 +306,7 @@ impl Forward<'_> {
         client_signal: AbortSignal,
     ) -> Result<Response, ApiError> {
         let out = Headers::new();
-        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from_worker);
+        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from);
         for name in PASSED_RESPONSE_HEADERS {
             if let Some(v) = answer.headers.get(name).ok().flatten() {
                 set(name, &v)?;
@@ -406,7 +407,7 @@ impl Forward<'_> {
         let params = async {
             let req = self
                 .attempts()
-                .and_then(|a| a.request(&prefill, &bytes).map_err(ApiError::from_worker))
+                .and_then(|a| a.request(&prefill, &bytes).map_err(ApiError::from))
                 .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
             let (resp, _abort) =
                 fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
@@ -728,7 +729,7 @@ impl Attempts {
                 missing_model: missing_model.then(|| self.model.clone()),
             };
             let moved: Result<CandidateView, ApiError> =
-                pool_json(&self.env, &self.pool, Method::Post, "/reassign", Some(&req)).await;
+                pool_json(&self.env, &self.pool, &Route::Reassign, Some(&req)).await;
             match moved {
                 Ok(view) => {
                     self.guard.moved_to(&view.id.0);

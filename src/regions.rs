@@ -6,7 +6,7 @@
 //! such as `{"NA": "us-east", "EU": "eu-west", "LHR": "eu-west"}` (colo codes win over
 //! continents). Pools in that region come first; the rest keep their directory order.
 
-use gateway_durable_objects::protocol::PoolEntry;
+use coordinator_protocol::messages::PoolEntry;
 use std::collections::HashMap;
 use worker::{Env, Request};
 

@@ -17,8 +17,8 @@
 //! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
 //! whole events is passed on as the same JS chunk without a copy.
 
+use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
-use gateway_durable_objects::timed_fetch::{with_timeout, LinkedAbort};
 use routing_core::outcome::OutcomeKind;
 use routing_core::resume::{Partial, Splice};
 use routing_core::usage::{Emit, StreamScanner, Usage};

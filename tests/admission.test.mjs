@@ -298,7 +298,7 @@ test("departures: a client that hangs up, a Worker that stops asking, a parked g
     headers: { "x-gateway-pool": p.name, "content-type": "application/json" },
     body: JSON.stringify(body),
   });
-  const acquire = (admission) => call("acquire", { model: p.model, request_id: "do-test", prompt_tokens: 10, max_tokens: 5, admission });
+  const acquire = (admission) => call("acquire", { features: { model: p.model, request_id: "do-test", prompt_tokens: 10, max_tokens: 5 }, admission });
   // A lease held by the test itself keeps the backend full until it is released.
   const held = await acquire({ tenant: "holder" });
   assert.equal(held.status, 200);

@@ -5,31 +5,13 @@
 //! usage and KV capacity. Each request has its own timeout; the three run one after another on one
 //! backend (the caller probes several backends at once, within the six-connection limit).
 
-use crate::timed_fetch::fetch_with_timeout;
-use routing_core::pool::ProbeResult;
-use routing_core::scrape::{parse_vllm_metrics, VllmMetrics};
-use serde::{Deserialize, Serialize};
+pub use coordinator_protocol::messages::ProbeReport;
+use coordinator_protocol::timed_fetch::{fetch_with_timeout, with_timeout};
+
+use routing_core::scrape::parse_vllm_metrics;
+use serde::Deserialize;
 use std::time::Duration;
 use worker::{Date, Headers, Method, Request, RequestInit};
-
-/// What one probe round found out about a backend, kept for the admin view and metrics.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct ProbeReport {
-    /// When the probe started (ms since the epoch).
-    pub at_ms: u64,
-    /// How long the whole probe took.
-    pub duration_ms: u64,
-    /// HTTP status of `/health`, if it answered.
-    pub health_status: Option<u16>,
-    /// Why the probe failed, if it did.
-    pub error: Option<String>,
-    /// Models listed by `/v1/models`.
-    pub models: Option<Vec<String>>,
-    /// Gauges read from `/metrics`.
-    pub metrics: VllmMetrics,
-    /// The result fed to the pool.
-    pub result: ProbeResult,
-}
 
 #[derive(Deserialize)]
 struct ModelList {
@@ -63,7 +45,7 @@ async fn get_text(
         .await
         .map_err(|e| e.to_string())?;
     let status = resp.status_code();
-    let text = crate::timed_fetch::with_timeout(resp.text(), timeout)
+    let text = with_timeout(resp.text(), timeout)
         .await
         .ok_or("body timed out")?
         .map_err(|e| e.to_string())?;

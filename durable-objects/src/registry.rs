@@ -3,35 +3,14 @@
 //! Leases and the prefix-affinity table are deliberately not here: they describe the moment and
 //! are rebuilt by traffic (leases also expire on their own deadline).
 
-use crate::api_error::ApiError;
-use crate::protocol::BackendRegistration;
+use coordinator_protocol::messages::BackendRegistration;
+pub use coordinator_protocol::settings::validate_name;
+use coordinator_protocol::ApiError;
 use routing_core::backend::{BackendId, BackendSpec, Capacity, Role};
 use routing_core::pool::BackendSnapshot;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use worker::{SqlStorage, Url};
-
-/// Longest accepted id or model name; ids appear in URLs and metric labels.
-const MAX_NAME_LEN: usize = 128;
-
-/// Checks a name used as an id, pool or model: printable, no path or label metacharacters.
-pub fn validate_name(field: &str, value: &str) -> Result<(), ApiError> {
-    let ok = !value.is_empty()
-        && value.len() <= MAX_NAME_LEN
-        && value
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@'))
-        && value != "."
-        && value != "..";
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::bad_request(format!(
-            "`{field}` must be 1-{MAX_NAME_LEN} characters of letters, digits, '-', '_', '.', ':' or '@'"
-        ))
-        .with_param(field))
-    }
-}
 
 /// Checks a backend URL: http or https, a host, no credentials, no query or fragment.
 pub fn validate_url(raw: &str) -> Result<String, ApiError> {
@@ -190,46 +169,40 @@ impl Registry {
                 "SELECT id AS value FROM backends WHERE url = ? AND id != ?",
                 vec![url.into(), except_id.into()],
             )
-            .and_then(|c| c.to_array())
-            .map_err(ApiError::from_worker)?;
+            .and_then(|c| c.to_array())?;
         Ok(!rows.is_empty())
     }
 
     /// Writes (inserts or replaces) a backend's spec, keeping its snapshot.
     pub fn put_spec(&self, spec: &BackendSpec) -> Result<(), ApiError> {
         let json = to_json(spec)?;
-        self.sql
-            .exec(
-                "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
+        self.sql.exec(
+            "INSERT INTO backends (id, url, spec) VALUES (?, ?, ?) \
                  ON CONFLICT(id) DO UPDATE SET url = excluded.url, spec = excluded.spec",
-                vec![
-                    spec.id.0.clone().into(),
-                    spec.url.clone().into(),
-                    json.into(),
-                ],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from_worker)
+            vec![
+                spec.id.0.clone().into(),
+                spec.url.clone().into(),
+                json.into(),
+            ],
+        )?;
+        Ok(())
     }
 
     /// Writes a backend's snapshot.
     pub fn put_snapshot(&self, snapshot: &BackendSnapshot) -> Result<(), ApiError> {
         let json = to_json(snapshot)?;
-        self.sql
-            .exec(
-                "UPDATE backends SET snapshot = ? WHERE id = ?",
-                vec![json.into(), snapshot.id.0.clone().into()],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from_worker)
+        self.sql.exec(
+            "UPDATE backends SET snapshot = ? WHERE id = ?",
+            vec![json.into(), snapshot.id.0.clone().into()],
+        )?;
+        Ok(())
     }
 
     /// Deletes a backend.
     pub fn delete(&self, id: &str) -> Result<(), ApiError> {
         self.sql
-            .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])
-            .map(|_| ())
-            .map_err(ApiError::from_worker)
+            .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])?;
+        Ok(())
     }
 
     /// Reads a metadata value.
@@ -247,13 +220,11 @@ impl Registry {
     /// Writes a metadata value.
     pub fn set_meta<T: Serialize>(&self, key: &str, value: &T) -> Result<(), ApiError> {
         let json = to_json(value)?;
-        self.sql
-            .exec(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                vec![key.into(), json.into()],
-            )
-            .map(|_| ())
-            .map_err(ApiError::from_worker)
+        self.sql.exec(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+            vec![key.into(), json.into()],
+        )?;
+        Ok(())
     }
 }
 

@@ -10,7 +10,12 @@
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
 //! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
 //! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
-//! ([`history`]) and the reading of backends' token usage ([`usage`]) too.
+//! ([`history`]), the reading of backends' token usage ([`usage`]) and each endpoint's request
+//! features ([`endpoint`]) too. The pool coordinator's
+//! own decisions live here as well: the pool's load, saturation and desired replicas
+//! ([`pool_load`]), what a probe's 503 means ([`probe_verdict`]), when a drain is finished
+//! ([`drain`]), a failed attempt's retry ([`reassign`]) and its metric families
+//! ([`coordinator_metrics`]).
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -20,8 +25,12 @@
 pub mod admission;
 pub mod affinity;
 pub mod backend;
+pub mod block_hash_encoding;
 pub mod breaker;
+pub mod coordinator_metrics;
 pub mod cost;
+pub mod drain;
+pub mod endpoint;
 pub mod health;
 pub mod held_blocks;
 pub mod history;
@@ -30,9 +39,12 @@ pub mod metrics;
 pub mod outcome;
 pub mod policy;
 pub mod pool;
+pub mod pool_load;
+pub mod probe_verdict;
 pub mod prompt;
 pub mod random;
 pub mod rate_limit;
+pub mod reassign;
 pub mod resume;
 pub mod retry_budget;
 pub mod ring;

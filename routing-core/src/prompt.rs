@@ -70,6 +70,12 @@ pub enum PromptError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The endpoint's own input is missing: `messages` for chat, `prompt` for completions,
+    /// `input` for embeddings.
+    MissingInput {
+        /// The field the endpoint needs.
+        field: &'static str,
+    },
 }
 
 impl PromptError {
@@ -81,6 +87,7 @@ impl PromptError {
             PromptError::MissingPrompt | PromptError::EmptyMessages => Some("messages"),
             PromptError::InvalidField { field, .. } => Some(field),
             PromptError::InvalidMessage { .. } => Some("messages"),
+            PromptError::MissingInput { field } => Some(field),
         }
     }
 
@@ -93,6 +100,7 @@ impl PromptError {
             PromptError::EmptyMessages => "empty_messages",
             PromptError::InvalidField { .. } => "invalid_type",
             PromptError::InvalidMessage { .. } => "invalid_message",
+            PromptError::MissingInput { .. } => "missing_prompt",
         }
     }
 }
@@ -112,13 +120,14 @@ impl fmt::Display for PromptError {
             PromptError::InvalidMessage { index, reason } => {
                 write!(f, "messages[{index}] {reason}")
             }
+            PromptError::MissingInput { field } => write!(f, "`{field}` is required"),
         }
     }
 }
 
 impl std::error::Error for PromptError {}
 
-fn invalid(field: &'static str, expected: &'static str) -> PromptError {
+pub(crate) fn invalid(field: &'static str, expected: &'static str) -> PromptError {
     PromptError::InvalidField { field, expected }
 }
 
@@ -474,11 +483,23 @@ pub struct RequestFeatures {
     pub routing_key: Option<String>,
     /// Tokens per block the hashes were computed with.
     pub block_tokens: u32,
-    /// Chained prefix-block hashes.
+    /// Chained prefix-block hashes (base64 of little-endian `u64`s in JSON, see
+    /// [`crate::block_hash_encoding`]).
+    #[serde(with = "crate::block_hash_encoding")]
     pub block_hashes: Vec<u64>,
     /// Restricts candidates to backends of this role (for callers that stage prefill and decode
     /// themselves); `None` lets the pool's policy decide.
     pub role_hint: Option<Role>,
+}
+
+/// The body as an object, and its `model` (every endpoint reads these the same way).
+pub(crate) fn object_and_model(body: &Value) -> Result<(&Map<String, Value>, String), PromptError> {
+    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
+    match obj.get("model") {
+        None | Some(Value::Null) => Err(PromptError::MissingModel),
+        Some(Value::String(m)) if !m.is_empty() => Ok((obj, m.clone())),
+        Some(_) => Err(invalid("model", "a non-empty string")),
+    }
 }
 
 /// Extracts the routing features of an OpenAI request body.
@@ -489,12 +510,7 @@ pub fn request_features(
     header: &dyn Fn(&str) -> Option<String>,
     config: &FeatureConfig,
 ) -> Result<RequestFeatures, PromptError> {
-    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
-    let model = match obj.get("model") {
-        None | Some(Value::Null) => return Err(PromptError::MissingModel),
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(invalid("model", "a non-empty string")),
-    };
+    let (obj, model) = object_and_model(body)?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,

@@ -26,8 +26,8 @@ export async function startGateway({ bindings = {}, persistDir, options = {}, ex
     compatibilityFlags: ["enable_request_signal"],
     durableObjects: {
       POOL: { className: "PoolCoordinator", useSQLite: true },
-      DIRECTORY: { className: "PoolDirectory", useSQLite: true },
-      RATE_LIMITER: { className: "RateLimiter", useSQLite: true },
+      DIRECTORY: { className: "GatewayDirectory", useSQLite: true },
+      RATE_LIMITER: { className: "ClientRateLimiter", useSQLite: true },
     },
     // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
     bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...bindings },

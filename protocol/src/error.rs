@@ -6,7 +6,6 @@
 //! through unchanged.
 
 use serde::{Deserialize, Serialize};
-use worker::{Headers, Response};
 
 /// An error as an OpenAI client expects it, plus its HTTP status and optional `Retry-After`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,8 +14,8 @@ pub struct ApiError {
     pub status: u16,
     /// Human-readable explanation; never contains a secret.
     pub message: String,
-    /// OpenAI error type, such as `invalid_request_error`.
-    pub kind: String,
+    /// OpenAI error type.
+    pub kind: ErrorKind,
     /// Machine-readable code, such as `model_not_found`.
     pub code: Option<String>,
     /// The request field at fault, if one is.
@@ -25,6 +24,43 @@ pub struct ApiError {
     pub retry_after_s: Option<u32>,
     /// Further response headers (such as the queue's drop reason).
     pub headers: Vec<(String, String)>,
+}
+
+/// The OpenAI error types the gateway answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// `invalid_request_error`: the request is at fault.
+    InvalidRequest,
+    /// `authentication_error`: a missing or wrong token.
+    Authentication,
+    /// `rate_limit_error`: over a limit or a full queue.
+    RateLimit,
+    /// `server_error`: the gateway or the upstream failed.
+    Server,
+}
+
+impl ErrorKind {
+    /// The type's name in the error body.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::Authentication => "authentication_error",
+            ErrorKind::RateLimit => "rate_limit_error",
+            ErrorKind::Server => "server_error",
+        }
+    }
+
+    /// Reads a type's name; anything unknown counts as a server error.
+    pub fn parse(name: &str) -> ErrorKind {
+        [
+            ErrorKind::InvalidRequest,
+            ErrorKind::Authentication,
+            ErrorKind::RateLimit,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == name)
+        .unwrap_or(ErrorKind::Server)
+    }
 }
 
 /// The JSON body of an error response.
@@ -51,14 +87,14 @@ pub struct ErrorObject {
 impl ApiError {
     fn new(
         status: u16,
-        kind: &'static str,
+        kind: ErrorKind,
         code: Option<&'static str>,
         message: impl Into<String>,
     ) -> Self {
         ApiError {
             status,
             message: message.into(),
-            kind: kind.to_string(),
+            kind,
             code: code.map(str::to_string),
             param: None,
             retry_after_s: None,
@@ -68,14 +104,14 @@ impl ApiError {
 
     /// 400: the request is malformed or fails validation.
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(400, "invalid_request_error", None, message)
+        Self::new(400, ErrorKind::InvalidRequest, None, message)
     }
 
     /// 401: missing or wrong bearer token.
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(
             401,
-            "authentication_error",
+            ErrorKind::Authentication,
             Some("invalid_api_key"),
             message,
         )
@@ -83,14 +119,14 @@ impl ApiError {
 
     /// 404: no such route or resource.
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(404, "invalid_request_error", Some("not_found"), message)
+        Self::new(404, ErrorKind::InvalidRequest, Some("not_found"), message)
     }
 
     /// 404 `model_not_found`: no backend anywhere lists this model.
     pub fn model_not_found(model: &str) -> Self {
         Self::new(
             404,
-            "invalid_request_error",
+            ErrorKind::InvalidRequest,
             Some("model_not_found"),
             format!("The model `{model}` does not exist or is not served by any backend."),
         )
@@ -101,7 +137,7 @@ impl ApiError {
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(
             405,
-            "invalid_request_error",
+            ErrorKind::InvalidRequest,
             Some("method_not_allowed"),
             format!("Method {method} is not allowed on {path}."),
         )
@@ -109,14 +145,14 @@ impl ApiError {
 
     /// 409: the resource already exists.
     pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(409, "invalid_request_error", Some("conflict"), message)
+        Self::new(409, ErrorKind::InvalidRequest, Some("conflict"), message)
     }
 
     /// 413: the body is larger than the configured limit.
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             413,
-            "invalid_request_error",
+            ErrorKind::InvalidRequest,
             Some("payload_too_large"),
             format!("Request body exceeds the limit of {limit} bytes."),
         )
@@ -126,7 +162,7 @@ impl ApiError {
     pub fn rate_limited(message: impl Into<String>, retry_after_s: u32) -> Self {
         Self::new(
             429,
-            "rate_limit_error",
+            ErrorKind::RateLimit,
             Some("rate_limit_exceeded"),
             message,
         )
@@ -135,29 +171,28 @@ impl ApiError {
 
     /// 500: a fault of the gateway itself (should never be seen; logged).
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(500, "server_error", Some("internal_error"), message)
+        Self::new(500, ErrorKind::Server, Some("internal_error"), message)
     }
 
     /// 502: the upstream failed after every allowed attempt.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
-        Self::new(502, "server_error", Some("upstream_error"), message)
+        Self::new(502, ErrorKind::Server, Some("upstream_error"), message)
     }
 
     /// 503: no backend can take the request now.
     pub fn unavailable(message: impl Into<String>, retry_after_s: u32) -> Self {
-        Self::new(503, "server_error", Some("no_backend_available"), message)
-            .with_retry_after(retry_after_s)
+        Self::new(
+            503,
+            ErrorKind::Server,
+            Some("no_backend_available"),
+            message,
+        )
+        .with_retry_after(retry_after_s)
     }
 
     /// 504: the upstream did not answer in time.
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
-        Self::new(504, "server_error", Some("upstream_timeout"), message)
-    }
-
-    /// 500 from a platform error (storage, bindings); the detail goes to the log, not the client.
-    pub fn from_worker(e: worker::Error) -> Self {
-        worker::console_error!("internal error: {e}");
-        Self::internal("The gateway hit an internal error; it has been logged.")
+        Self::new(504, ErrorKind::Server, Some("upstream_timeout"), message)
     }
 
     /// Rebuilds an error from a status and a decoded body (an answer relayed from a Durable Object).
@@ -165,7 +200,7 @@ impl ApiError {
         ApiError {
             status,
             message: error.message,
-            kind: error.kind,
+            kind: ErrorKind::parse(&error.kind),
             code: error.code,
             param: error.param,
             retry_after_s: None,
@@ -201,24 +236,24 @@ impl ApiError {
     pub fn queue_full(reason: &str, retry_after_s: u32) -> Self {
         Self::new(
             429,
-            "rate_limit_error",
+            ErrorKind::RateLimit,
             Some("queue_full"),
             "The gateway's queue for this pool is full for you; retry later.",
         )
         .with_retry_after(retry_after_s)
-        .with_header(crate::protocol::QUEUE_DROP_HEADER, reason)
+        .with_header(crate::messages::QUEUE_DROP_HEADER, reason)
     }
 
     /// 503 `queue_timeout`: the request waited as long as it may.
     pub fn queue_timeout(retry_after_s: u32) -> Self {
         Self::new(
             503,
-            "server_error",
+            ErrorKind::Server,
             Some("queue_timeout"),
             "The request waited in the gateway's queue as long as it may; retry later.",
         )
         .with_retry_after(retry_after_s)
-        .with_header(crate::protocol::QUEUE_DROP_HEADER, "queue_timeout")
+        .with_header(crate::messages::QUEUE_DROP_HEADER, "queue_timeout")
     }
 
     /// The JSON body.
@@ -226,16 +261,39 @@ impl ApiError {
         ErrorBody {
             error: ErrorObject {
                 message: self.message.clone(),
-                kind: self.kind.clone(),
+                kind: self.kind.as_str().to_string(),
                 param: self.param.clone(),
                 code: self.code.clone(),
             },
         }
     }
 
+    /// The error a body that does not parse as `what` gets.
+    pub fn invalid_body(what: &str, e: impl std::fmt::Display) -> Self {
+        Self::bad_request(format!("invalid {what}: {e}"))
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.message)
+    }
+}
+
+#[cfg(feature = "worker")]
+impl From<worker::Error> for ApiError {
+    /// 500 from a platform error (storage, bindings); the detail goes to the log, not the client.
+    fn from(e: worker::Error) -> Self {
+        worker::console_error!("internal error: {e}");
+        Self::internal("The gateway hit an internal error; it has been logged.")
+    }
+}
+
+#[cfg(feature = "worker")]
+impl ApiError {
     /// Builds the HTTP response.
-    pub fn to_response(&self) -> worker::Result<Response> {
-        let headers = Headers::new();
+    pub fn to_response(&self) -> worker::Result<worker::Response> {
+        let headers = worker::Headers::new();
         headers.set("content-type", "application/json")?;
         if let Some(s) = self.retry_after_s {
             headers.set("retry-after", &s.to_string())?;
@@ -245,14 +303,38 @@ impl ApiError {
         }
         let body = serde_json::to_vec(&self.body())
             .map_err(|e| worker::Error::RustError(e.to_string()))?;
-        Ok(Response::from_bytes(body)?
+        Ok(worker::Response::from_bytes(body)?
             .with_status(self.status)
             .with_headers(headers))
     }
 }
 
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}", self.status, self.message)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_survives_the_trip_through_its_body() {
+        let e = ApiError::model_not_found("m");
+        let body = serde_json::to_string(&e.body()).unwrap();
+        let back: ErrorBody = serde_json::from_str(&body).unwrap();
+        assert_eq!(ApiError::from_parts(404, back.error), e);
+        assert!(body.contains(r#""type":"invalid_request_error""#), "{body}");
+    }
+
+    #[test]
+    fn an_error_fits_in_a_small_result() {
+        // Small enough for clippy's `result_large_err` (128 bytes): no allow, no box.
+        assert!(std::mem::size_of::<ApiError>() <= 128);
+    }
+
+    #[test]
+    fn queue_errors_name_their_drop_reason() {
+        let e = ApiError::queue_full("tenant_limit", 3);
+        assert_eq!((e.status, e.retry_after_s), (429, Some(3)));
+        assert!(e.headers.contains(&(
+            crate::messages::QUEUE_DROP_HEADER.into(),
+            "tenant_limit".into()
+        )));
     }
 }

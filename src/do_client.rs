@@ -1,12 +1,16 @@
-//! The Worker's side of the Durable Object protocol: finding pools and calling their coordinator.
+//! The Worker's side of the Durable Object protocol: finding pools and calling their coordinator,
+//! the directory and the client rate limiters.
 //!
-//! Every call is a `stub.fetch` to an internal URL (see `gateway_durable_objects::protocol`). Errors a
-//! Durable Object answers with are already OpenAI-shaped and pass through as they are. What the
-//! directory holds (pools, minted keys) is cached in the isolate and refreshed in the background.
+//! Every call is a `stub.fetch` to the URL of a `coordinator_protocol::Route`, with a typed body
+//! and a typed answer. Errors a Durable Object answers with are already OpenAI-shaped and pass
+//! through as they are. What the directory holds (pools, minted keys) is cached in the isolate and
+//! refreshed in the background.
 
 use crate::ApiError;
+use coordinator_protocol::error::ErrorBody;
+use coordinator_protocol::messages::{PoolEntry, POOL_HEADER};
+use coordinator_protocol::{HttpMethod, Route};
 use gateway_durable_objects::directory::DIRECTORY_NAME;
-use gateway_durable_objects::protocol::{PoolEntry, INTERNAL_ORIGIN, POOL_HEADER};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::cell::RefCell;
@@ -20,9 +24,10 @@ pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 pub const DIRECTORY_BINDING: &str = "DIRECTORY";
 
 fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
-    env.durable_object(binding)
-        .and_then(|ns| ns.id_from_name(name)?.get_stub())
-        .map_err(ApiError::from_worker)
+    Ok(env
+        .durable_object(binding)?
+        .id_from_name(name)?
+        .get_stub()?)
 }
 
 /// A pool's stub, placed by its location hint when this isolate knows one.
@@ -35,77 +40,77 @@ fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
         })
     });
     match hint {
-        Some(h) => env
-            .durable_object(POOL_BINDING)
-            .and_then(|ns| ns.id_from_name(pool)?.get_stub_with_location_hint(&h))
-            .map_err(ApiError::from_worker),
+        Some(h) => Ok(env
+            .durable_object(POOL_BINDING)?
+            .id_from_name(pool)?
+            .get_stub_with_location_hint(&h)?),
         None => stub(env, POOL_BINDING, pool),
+    }
+}
+
+fn method(m: HttpMethod) -> Method {
+    match m {
+        HttpMethod::Get => Method::Get,
+        HttpMethod::Post => Method::Post,
+        HttpMethod::Put => Method::Put,
+        HttpMethod::Patch => Method::Patch,
+        HttpMethod::Delete => Method::Delete,
     }
 }
 
 async fn send(
     stub: &Stub,
     pool: Option<&str>,
-    method: Method,
-    path: &str,
+    route: &Route,
     body: Option<String>,
 ) -> Result<Response, ApiError> {
     let headers = Headers::new();
     if let Some(pool) = pool {
-        headers
-            .set(POOL_HEADER, pool)
-            .map_err(ApiError::from_worker)?;
+        headers.set(POOL_HEADER, pool)?;
     }
     let mut init = RequestInit::new();
-    init.with_method(method);
+    init.with_method(method(route.method()));
     if let Some(body) = body {
-        headers
-            .set("content-type", "application/json")
-            .map_err(ApiError::from_worker)?;
+        headers.set("content-type", "application/json")?;
         init.with_body(Some(body.into()));
     }
     init.with_headers(headers);
-    let req = Request::new_with_init(&format!("{INTERNAL_ORIGIN}{path}"), &init)
-        .map_err(ApiError::from_worker)?;
-    stub.fetch_with_request(req)
-        .await
-        .map_err(ApiError::from_worker)
+    let req = Request::new_with_init(&route.url(), &init)?;
+    Ok(stub.fetch_with_request(req).await?)
 }
 
 async fn decode<T: DeserializeOwned>(mut resp: Response) -> Result<T, ApiError> {
     if !(200..300).contains(&resp.status_code()) {
         return Err(error_from_response(&mut resp).await);
     }
-    resp.json::<T>().await.map_err(ApiError::from_worker)
+    Ok(resp.json::<T>().await?)
 }
 
-fn encode(body: Option<&impl Serialize>) -> Result<Option<String>, ApiError> {
-    body.map(serde_json::to_string)
-        .transpose()
-        .map_err(|e| ApiError::internal(e.to_string()))
+/// The JSON text of a call's body.
+pub fn encode(body: &impl Serialize) -> Result<String, ApiError> {
+    serde_json::to_string(body).map_err(|e| ApiError::internal(e.to_string()))
 }
 
-/// Calls the named pool's coordinator and returns its raw response.
+/// Calls the named pool's coordinator with a body already encoded, and returns its raw response
+/// (for the acquire call, whose body is built once per request, and for relayed admin answers).
 pub async fn pool_call(
     env: &Env,
     pool: &str,
-    method: Method,
-    path: &str,
+    route: &Route,
     body: Option<String>,
 ) -> Result<Response, ApiError> {
-    send(&pool_stub(env, pool)?, Some(pool), method, path, body).await
+    send(&pool_stub(env, pool)?, Some(pool), route, body).await
 }
 
-/// Calls the named pool's coordinator with a JSON body and decodes its JSON answer; a non-2xx
-/// answer becomes its error.
+/// Calls the named pool's coordinator and decodes its answer; a non-2xx answer becomes its error.
 pub async fn pool_json<T: DeserializeOwned>(
     env: &Env,
     pool: &str,
-    method: Method,
-    path: &str,
+    route: &Route,
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
-    decode(pool_call(env, pool, method, path, encode(body)?).await?).await
+    let body = body.map(encode).transpose()?;
+    decode(pool_call(env, pool, route, body).await?).await
 }
 
 /// Rebuilds the `ApiError` a Durable Object answered with.
@@ -117,7 +122,7 @@ pub async fn error_from_response(resp: &mut Response) -> ApiError {
         .ok()
         .flatten()
         .and_then(|v| v.parse().ok());
-    let body: Option<gateway_durable_objects::api_error::ErrorBody> = resp.json().await.ok();
+    let body: Option<ErrorBody> = resp.json().await.ok();
     let mut err = match body {
         Some(b) => ApiError::from_parts(status, b.error),
         None => ApiError::internal(format!("pool answered {status}")),
@@ -126,19 +131,18 @@ pub async fn error_from_response(resp: &mut Response) -> ApiError {
     err
 }
 
-/// Calls the pool directory with a JSON body and decodes its JSON answer.
+/// Calls the pool directory and decodes its answer.
 pub async fn directory_json<T: DeserializeOwned>(
     env: &Env,
-    method: Method,
-    path: &str,
+    route: &Route,
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
+    let body = body.map(encode).transpose()?;
     let resp = send(
         &stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?,
         None,
-        method,
-        path,
-        encode(body)?,
+        route,
+        body,
     )
     .await?;
     decode(resp).await
@@ -226,7 +230,7 @@ thread_local! {
 const POOL_CACHE_MS: u64 = 2_000;
 
 async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
-    directory_json(&env, Method::Get, "/pools", None::<&()>).await
+    directory_json(&env, &Route::ListPools, None::<&()>).await
 }
 
 /// Every pool the directory knows, as fresh as the admin API needs: the isolate's copy while it
@@ -257,35 +261,24 @@ pub async fn list_pools_cached(env: &Env, ctx: &Context) -> Result<Vec<PoolEntry
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
-    let _: PoolEntry = directory_json(
-        env,
-        Method::Put,
-        &format!("/pools/{}", entry.name),
-        Some(entry),
-    )
-    .await?;
+    let _: PoolEntry =
+        directory_json(env, &Route::PutPool(entry.name.clone()), Some(entry)).await?;
     POOLS.with(|p| p.borrow_mut().clear());
     Ok(())
 }
 
-/// Calls the client's rate limiter (`/take` or `/settle`); a refusal comes back as its 429 error.
+/// Calls the client's rate limiter (`TakeTokens` or `SettleTokens`); a refusal comes back as its
+/// 429 error.
 pub async fn rate_limit(
     env: &Env,
     client: &str,
-    path: &str,
-    body: &serde_json::Value,
+    route: &Route,
+    body: &impl Serialize,
 ) -> Result<(), ApiError> {
-    let resp = send(
-        &stub(env, RATE_LIMITER_BINDING, client)?,
-        None,
-        Method::Post,
-        path,
-        encode(Some(body))?,
-    )
-    .await?;
+    let stub = stub(env, RATE_LIMITER_BINDING, client)?;
+    let mut resp = send(&stub, None, route, Some(encode(body)?)).await?;
     if resp.status_code() == 200 {
         return Ok(());
     }
-    let mut resp = resp;
     Err(error_from_response(&mut resp).await)
 }

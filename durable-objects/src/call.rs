@@ -1,0 +1,36 @@
+//! The HTTP side of an internal call, shared by the Durable Objects: the route it names, its JSON
+//! body, the JSON answer. The handlers themselves only see typed routes and messages.
+
+use coordinator_protocol::{ApiError, Object, Route, RouteError};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use worker::{Request, Response};
+
+/// The route of an internal call, if it is one `object` serves.
+pub fn parse_route(req: &Request, object: Object) -> Result<Route, ApiError> {
+    let url = req.url()?;
+    let path = url.path();
+    match Route::parse(req.method().as_ref(), path, url.query()) {
+        Ok(route) if route.object() == object => Ok(route),
+        Ok(_) | Err(RouteError::NotFound) => {
+            Err(ApiError::not_found(format!("no route {path} here")))
+        }
+        Err(RouteError::MethodNotAllowed) => {
+            Err(ApiError::method_not_allowed(req.method().as_ref(), path))
+        }
+    }
+}
+
+/// Reads a call's JSON body as `T` (400 naming `what` when it is not one).
+pub async fn read_body<T: DeserializeOwned>(req: &mut Request, what: &str) -> Result<T, ApiError> {
+    let text = req
+        .text()
+        .await
+        .map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))?;
+    serde_json::from_str(&text).map_err(|e| ApiError::invalid_body(what, e))
+}
+
+/// A JSON answer with `status`.
+pub fn answer<T: Serialize>(status: u16, value: &T) -> Result<Response, ApiError> {
+    Ok(Response::from_json(value)?.with_status(status))
+}

@@ -1,0 +1,101 @@
+//! The rest of a lease's life: a retry on the next candidate, renewals, the end of a
+//! disaggregated request's prefill stage, and the release.
+
+use super::*;
+
+impl PoolCoordinator {
+    pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
+        if req.missing_model.is_some() {
+            // Its served models changed: probe now rather than at the next round.
+            self.probe_soon().await;
+        }
+        self.with(|l| {
+            let attempt = FailedAttempt {
+                lease_id: req.lease_id,
+                to: &req.to,
+                failure: &req.failure,
+                terms: req.terms.as_ref(),
+                block_hashes: &req.block_hashes,
+                missing_model: req.missing_model.as_deref(),
+            };
+            let Live {
+                pool,
+                budget,
+                settings,
+                ..
+            } = l;
+            let done = reassign(pool, budget, &settings.retry_budget, &attempt, now_ms());
+            let failed = req.terms.as_ref().map(|t| &t.backend);
+            if let (true, Some(backend), Some(model)) =
+                (done.forgot_model, failed, &req.missing_model)
+            {
+                console_log!(
+                    "pool {}: backend {} no longer serves {model}",
+                    l.name,
+                    backend.0
+                );
+            }
+            match done.result {
+                Ok(candidate) => {
+                    l.retries += 1;
+                    persist_backends(l, &[failed, Some(&req.to)]);
+                    answer(200, &candidate)
+                }
+                Err(RetryRefused::BudgetExhausted) => {
+                    persist_backends(l, &[failed]);
+                    Err(
+                        ApiError::unavailable("The pool's retry budget is exhausted.", 1)
+                            .with_code("retry_budget_exhausted"),
+                    )
+                }
+                Err(RetryRefused::Pool(e)) => {
+                    persist_backends(l, &[failed, Some(&req.to)]);
+                    Err(pool_error(e))
+                }
+            }
+        })
+    }
+
+    pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {
+        self.with(|l| {
+            let now = now_ms();
+            let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
+                Ok(d) => (d, false),
+                Err(_) => (
+                    l.pool
+                        .readmit(req.lease_id, &req.terms, now)
+                        .map_err(pool_error)?,
+                    true,
+                ),
+            };
+            answer(
+                200,
+                &RenewAnswer {
+                    deadline_ms,
+                    reestablished,
+                },
+            )
+        })
+    }
+
+    pub(super) fn prefill_done(&self, req: PrefillDone) -> ApiResult {
+        self.with(|l| {
+            let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
+            if ended {
+                persist_backends(l, &[req.backend.as_ref()]);
+            }
+            answer(200, &PrefillDoneAnswer { ended })
+        })
+    }
+
+    pub(super) fn release(&self, req: ReleaseRequest) -> ApiResult {
+        self.with(|l| {
+            let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
+            if released {
+                persist_backends(l, &[req.backend.as_ref()]);
+            }
+            finish_drains(l);
+            answer(200, &ReleaseAnswer { released })
+        })
+    }
+}

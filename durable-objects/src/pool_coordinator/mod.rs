@@ -1,0 +1,317 @@
+//! The pool coordinator: one Durable Object per GPU pool, the single authority for that pool's
+//! backends, their health and breakers, the requests in flight on them, and the prefix-affinity
+//! table. The decisions themselves are `routing_core::pool::Pool`'s; this file is the adapter that
+//! gives it time, randomness, persistence and an HTTP surface.
+//!
+//! Response bytes never pass through here: the Worker acquires a lease, streams from the backend
+//! itself, reassigns the lease if it must retry elsewhere, and releases it when the stream ends.
+//! Leases also expire on a deadline, so a Worker that dies never leaks load. Probes run from this
+//! object's alarm, which re-arms itself and which the cron trigger makes sure is armed.
+//!
+//! Persisted in SQLite: backend specs, their lifecycle/health/breaker snapshots, pool settings.
+//! In memory only: leases, affinity, the retry budget, the last probe reports, and the last hour's
+//! per-minute history (`routing_core::history`, for the dashboard).
+//!
+//! This file holds the object, its memory and the dispatch of each call; the handlers are grouped
+//! by job: [`acquire`], [`leases`], [`backends`], [`probing`] and [`reports`].
+
+mod acquire;
+mod backends;
+mod leases;
+mod probing;
+mod reports;
+
+use backends::{finish_drains, persist_backends, persist_snapshots};
+use reports::record_history;
+
+use crate::call::{answer, parse_route, read_body};
+use crate::probe::{probe_backend, ProbeReport};
+use crate::registry::{
+    validate_models, validate_name, validate_registration, validate_url, Registry,
+};
+use crate::waiting_room::{Step, Verdict, WaitingRoom};
+use coordinator_protocol::acquire::AcquireRequest;
+use coordinator_protocol::messages::{
+    AdminBackend, AdminPatch, AlarmAnswer, Autoscaling, BackendList, BackendRegistration,
+    DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
+    PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
+    ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+};
+pub use coordinator_protocol::settings::PoolSettings;
+use coordinator_protocol::{ApiError, Object, Route};
+use futures_util::future::{select, Either};
+use routing_core::admission::DropReason;
+use routing_core::backend::{BackendId, Lifecycle};
+use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
+use routing_core::drain::drain_finished;
+use routing_core::health::HealthState;
+use routing_core::history::{self, History};
+use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
+use routing_core::pool_load::{LoadTargets, PoolLoad};
+use routing_core::probe_verdict::settle_loading;
+use routing_core::random::SplitMix64;
+use routing_core::reassign::{reassign, FailedAttempt, RetryRefused};
+use routing_core::retry_budget::RetryBudget;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use worker::*;
+
+/// Default time between probe rounds (the `PROBE_INTERVAL_MS` var overrides it).
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 10_000;
+/// Most backends probed at once (the platform allows six outbound connections per invocation).
+const PROBE_CONCURRENCY: usize = 6;
+
+/// Live state of one pool.
+#[durable_object]
+pub struct PoolCoordinator {
+    state: State,
+    env: Env,
+    live: RefCell<Option<Live>>,
+    /// A probe round is running (rounds never overlap: a second one would double-count the
+    /// health hysteresis).
+    probing: std::cell::Cell<bool>,
+    /// A round was asked for while one ran: run one more after it (its targets may be new).
+    probe_again: std::cell::Cell<bool>,
+}
+
+/// What the coordinator keeps in memory (rebuilt from the registry after a restart).
+struct Live {
+    name: String,
+    registry: Registry,
+    pool: Pool,
+    settings: PoolSettings,
+    rng: SplitMix64,
+    budget: RetryBudget,
+    probes: HashMap<BackendId, ProbeReport>,
+    /// Backends whose `DELETE` waits for their drain to finish.
+    pending_delete: HashSet<BackendId>,
+    probe_rounds: u64,
+    last_probe_ms: Option<u64>,
+    /// Leases moved to another backend after a failure (retries).
+    retries: u64,
+    /// Acquires refused because the pool was saturated and another pool could take the work.
+    spills: u64,
+    /// Probe outcomes: (successes, failures).
+    probe_results: (u64, u64),
+    /// Admission control's queue and the acquires waiting on it.
+    room: WaitingRoom,
+    /// The pool's load summary as of the last probe round or registry change (what spillover
+    /// reads on every acquire, so that no acquire walks the whole fleet for it).
+    load: PoolLoad,
+    /// Each backend's state as last written to SQLite (only changes are written).
+    persisted: HashMap<BackendId, BackendSnapshot>,
+    /// Per-minute aggregates of the last hour, for the dashboard.
+    history: History,
+}
+
+/// The pool's load, measured now.
+fn pool_load(l: &Live) -> PoolLoad {
+    let targets = LoadTargets {
+        saturation_waiting_per_backend: l.settings.saturation_waiting_per_backend,
+        autoscale_target_waiting: l.settings.autoscale_target_waiting,
+    };
+    PoolLoad::measure(l.pool.backends(), l.room.queue.len(), &targets)
+}
+
+type ApiResult = std::result::Result<Response, ApiError>;
+
+fn now_ms() -> u64 {
+    Date::now().as_millis()
+}
+
+fn pool_error(e: PoolError) -> ApiError {
+    match e {
+        PoolError::UnknownBackend { .. } => ApiError::not_found(e.to_string()),
+        PoolError::DuplicateBackend { .. } => ApiError::conflict(e.to_string()),
+        PoolError::UnknownLease { .. } => ApiError::not_found(e.to_string()),
+        PoolError::BackendUnavailable { .. } => ApiError::unavailable(e.to_string(), 1),
+        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => {
+            ApiError::bad_request(e.to_string())
+        }
+    }
+}
+
+impl DurableObject for PoolCoordinator {
+    fn new(state: State, env: Env) -> Self {
+        PoolCoordinator {
+            state,
+            env,
+            live: RefCell::new(None),
+            probing: std::cell::Cell::new(false),
+            probe_again: std::cell::Cell::new(false),
+        }
+    }
+
+    async fn fetch(&self, mut req: Request) -> Result<Response> {
+        let name = req.headers().get(POOL_HEADER).ok().flatten();
+        if let Err(e) = self.load(name.as_deref()) {
+            return e.to_response();
+        }
+        let result = match parse_route(&req, Object::Pool) {
+            Ok(route) => self.handle(route, &mut req).await,
+            Err(e) => Err(e),
+        };
+        // Whatever the call changed (a lease ended, a backend came back, settings) may let a
+        // queued request in.
+        self.settle_queue();
+        result.or_else(|e| e.to_response())
+    }
+
+    async fn alarm(&self) -> Result<Response> {
+        if let Err(e) = self.load(None) {
+            return e.to_response();
+        }
+        self.with(|l| {
+            l.pool.expire(now_ms());
+            finish_drains(l);
+        });
+        self.settle_queue();
+        self.probe_all().await;
+        self.state
+            .storage()
+            .set_alarm(self.probe_interval_ms() as i64)
+            .await?;
+        Response::ok("probed")
+    }
+}
+
+impl PoolCoordinator {
+    /// Runs one call.
+    async fn handle(&self, route: Route, req: &mut Request) -> ApiResult {
+        match route {
+            Route::Acquire { spill_ok } => {
+                let signal: web_sys::AbortSignal = req.inner().signal();
+                let body = read_body(req, "acquire request").await?;
+                self.acquire(body, spill_ok, signal).await
+            }
+            Route::Dequeue => self.dequeue(read_body(req, "dequeue request").await?),
+            Route::Reassign => {
+                self.reassign(read_body(req, "reassign request").await?)
+                    .await
+            }
+            Route::Release => self.release(read_body(req, "release request").await?),
+            Route::Renew => self.renew(read_body(req, "renew request").await?),
+            Route::PrefillDone => self.prefill_done(read_body(req, "prefill report").await?),
+            Route::RegisterBackend => {
+                self.register(read_body(req, "backend registration").await?)
+                    .await
+            }
+            Route::ListBackends => self.list(),
+            Route::ShowBackend(id) => self.show(&id),
+            Route::PatchBackend(id) => {
+                let patch: AdminPatch = read_body(req, "backend patch").await?;
+                let drain = patch.drain.is_some();
+                let result = self.patch(&id, patch);
+                if result.is_ok() && drain {
+                    // Re-enabled (or drained): probe now rather than at the next round.
+                    self.probe_soon().await;
+                }
+                result
+            }
+            Route::DeleteBackend { id, force } => self.delete(&id, force),
+            Route::Models => self.models(),
+            Route::GetConfig => self.with(|l| answer(200, &l.settings)),
+            Route::PutConfig => self.put_config(read_body(req, "pool configuration").await?),
+            Route::Summary => self.summary(),
+            Route::Metrics => self.metrics(),
+            Route::History => self.history(),
+            Route::EnsureProbeAlarm => self.ensure_alarm().await,
+            Route::ProbeNow => {
+                // Asked for explicitly: wait out a round in progress, then run a fresh one.
+                while self.probing.get() {
+                    Delay::from(Duration::from_millis(20)).await;
+                }
+                self.probe_all().await;
+                self.summary()
+            }
+            _ => Err(ApiError::not_found("a pool has no such route")),
+        }
+    }
+
+    /// Loads the registry into memory on first use after a (re)start.
+    fn load(&self, name: Option<&str>) -> std::result::Result<(), ApiError> {
+        if let Some(live) = self.live.borrow_mut().as_mut() {
+            if let Some(n) = name.filter(|n| *n != live.name) {
+                live.name = n.to_string();
+                live.registry.set_meta("name", &live.name)?;
+            }
+            return Ok(());
+        }
+        let registry = Registry::open(self.state.storage().sql())?;
+        let stored_name: Option<String> = registry.meta("name");
+        let name = name
+            .map(str::to_string)
+            .or(stored_name.clone())
+            .unwrap_or_else(|| "unnamed".to_string());
+        if stored_name.as_deref() != Some(&name) {
+            registry.set_meta("name", &name)?;
+        }
+        let mut settings: PoolSettings = registry.meta("config").unwrap_or_default();
+        if settings.validate().is_err() {
+            settings = PoolSettings::default();
+        }
+        let mut pool = Pool::new(&name, settings.routing.clone());
+        let now = now_ms();
+        for (spec, snapshot) in registry.backends()? {
+            let id = spec.id.clone();
+            if let Err(e) = pool.add_backend(spec, now) {
+                console_error!("pool {name}: cannot restore backend {id}: {e}");
+                continue;
+            }
+            if let Some(snapshot) = snapshot {
+                let _ = pool.restore(&snapshot);
+            }
+        }
+        let pending_delete: HashSet<BackendId> =
+            registry.meta("pending_delete").unwrap_or_default();
+        let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
+        *self.live.borrow_mut() = Some(Live {
+            name,
+            registry,
+            pool,
+            settings,
+            rng: SplitMix64::new(seed),
+            budget: RetryBudget::new(),
+            probes: HashMap::new(),
+            pending_delete,
+            probe_rounds: 0,
+            last_probe_ms: None,
+            retries: 0,
+            spills: 0,
+            probe_results: (0, 0),
+            room: WaitingRoom::default(),
+            history: History::default(),
+            load: PoolLoad::default(),
+            persisted: HashMap::new(),
+        });
+        self.with(|l| {
+            l.load = pool_load(l);
+            l.persisted = l
+                .pool
+                .snapshots()
+                .into_iter()
+                .map(|s| (s.id.clone(), s))
+                .collect();
+        });
+        Ok(())
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Live) -> R) -> R {
+        let mut guard = self.live.borrow_mut();
+        f(guard.as_mut().expect("load() runs before every handler"))
+    }
+
+    fn probe_interval_ms(&self) -> u64 {
+        let configured = self.with(|l| l.settings.probe_interval_ms);
+        if configured > 0 {
+            return configured;
+        }
+        self.env
+            .var("PROBE_INTERVAL_MS")
+            .ok()
+            .and_then(|v| v.to_string().parse().ok())
+            .filter(|&v: &u64| v >= 100)
+            .unwrap_or(DEFAULT_PROBE_INTERVAL_MS)
+    }
+}

@@ -1,0 +1,20 @@
+//! The protocol between the gateway's Worker and its Durable Objects, and the code both sides
+//! share.
+//!
+//! Rust Durable Objects are reached over `stub.fetch`, so every call is an HTTP request to an
+//! internal URL. [`Route`] names every call (the Worker builds the URL from it, the object parses
+//! it back); [`messages`] and [`acquire`] hold one struct per body and answer; [`error`] is the
+//! OpenAI-style error both sides answer with. With the `worker` feature the crate also carries
+//! what both sides need of the platform: `ApiError` as a response and from a `worker::Error`, and
+//! [`timed_fetch`] (fetches with a deadline, used by probes and by the proxy).
+
+pub mod acquire;
+pub mod error;
+pub mod messages;
+pub mod route;
+pub mod settings;
+#[cfg(feature = "worker")]
+pub mod timed_fetch;
+
+pub use error::ApiError;
+pub use route::{HttpMethod, Object, Route, RouteError, INTERNAL_ORIGIN};

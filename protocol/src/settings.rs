@@ -1,0 +1,167 @@
+//! A pool's settings as the admin API sets them (`PUT /config`) and the pool stores them, and the
+//! name rule every id, pool and region obeys. Both sides validate with the same functions: the
+//! Worker before a new pool's first call carries its location hint, the pool before applying.
+
+use crate::error::ApiError;
+use routing_core::pool::PoolConfig;
+use routing_core::retry_budget::RetryBudgetConfig;
+use serde::{Deserialize, Serialize};
+
+/// Default timeout of each probe request.
+pub const DEFAULT_PROBE_TIMEOUT_MS: u64 = 2_000;
+/// Longest accepted id or model name; ids appear in URLs and metric labels.
+const MAX_NAME_LEN: usize = 128;
+/// Durable Object location hints the platform knows.
+const LOCATION_HINTS: [&str; 9] = [
+    "wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me",
+];
+
+/// Checks a name used as an id, pool or region: printable, no path or label metacharacters.
+pub fn validate_name(field: &str, value: &str) -> Result<(), ApiError> {
+    let ok = !value.is_empty()
+        && value.len() <= MAX_NAME_LEN
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@'))
+        && value != "."
+        && value != "..";
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "`{field}` must be 1-{MAX_NAME_LEN} characters of letters, digits, '-', '_', '.', ':' or '@'"
+        ))
+        .with_param(field))
+    }
+}
+
+/// A pool's settings: the routing core's configuration plus what the coordinator itself uses.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PoolSettings {
+    /// Policy and routing knobs.
+    #[serde(flatten)]
+    pub routing: PoolConfig,
+    /// Retry-budget knobs.
+    pub retry_budget: RetryBudgetConfig,
+    /// Time between probe rounds, ms (0: the `PROBE_INTERVAL_MS` var or 10,000).
+    pub probe_interval_ms: u64,
+    /// Timeout of each probe request, ms.
+    pub probe_timeout_ms: u64,
+    /// The pool counts as saturated, and new work spills to the next pool when there is one, when
+    /// its backends' scraped waiting queues average more than this per ready backend (0: never).
+    pub saturation_waiting_per_backend: f64,
+    /// Autoscaling signal: the waiting requests one replica should carry (HPA/KEDA target).
+    pub autoscale_target_waiting: f64,
+    /// Durable Object location hint for this pool (for example `enam`, `weur`); used when the
+    /// Worker first addresses the pool.
+    pub location_hint: Option<String>,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        PoolSettings {
+            routing: PoolConfig::default(),
+            retry_budget: RetryBudgetConfig::default(),
+            probe_interval_ms: 0,
+            probe_timeout_ms: DEFAULT_PROBE_TIMEOUT_MS,
+            saturation_waiting_per_backend: 16.0,
+            autoscale_target_waiting: 4.0,
+            location_hint: None,
+        }
+    }
+}
+
+impl PoolSettings {
+    /// Checks every knob.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        self.routing
+            .validate()
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        self.retry_budget
+            .validate()
+            .map_err(ApiError::bad_request)?;
+        if self.probe_interval_ms != 0 && !(500..=3_600_000).contains(&self.probe_interval_ms) {
+            return Err(ApiError::bad_request(
+                "probe_interval_ms must be 0 (default) or 500-3,600,000",
+            )
+            .with_param("probe_interval_ms"));
+        }
+        if !self.routing.region.is_empty() {
+            validate_name("region", &self.routing.region)?;
+        }
+        if !(self.saturation_waiting_per_backend.is_finite()
+            && self.saturation_waiting_per_backend >= 0.0)
+        {
+            return Err(ApiError::bad_request(
+                "saturation_waiting_per_backend must be a number >= 0",
+            )
+            .with_param("saturation_waiting_per_backend"));
+        }
+        if !(self.autoscale_target_waiting.is_finite() && self.autoscale_target_waiting > 0.0) {
+            return Err(
+                ApiError::bad_request("autoscale_target_waiting must be a number > 0")
+                    .with_param("autoscale_target_waiting"),
+            );
+        }
+        if let Some(hint) = &self.location_hint {
+            if !LOCATION_HINTS.contains(&hint.as_str()) {
+                return Err(ApiError::bad_request(
+                    "location_hint must be one of wnam, enam, sam, weur, eeur, apac, oc, afr, me",
+                )
+                .with_param("location_hint"));
+            }
+        }
+        if !(100..=60_000).contains(&self.probe_timeout_ms) {
+            return Err(
+                ApiError::bad_request("probe_timeout_ms must be between 100 and 60,000")
+                    .with_param("probe_timeout_ms"),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_allow_ids_and_refuse_path_tricks() {
+        assert!(validate_name("id", "b-1.eu:x@y_z").is_ok());
+        for bad in ["", ".", "..", "a/b", "a b", "a?b", &"x".repeat(129)] {
+            let e = validate_name("id", bad).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some("id")), "{bad}");
+        }
+    }
+
+    #[test]
+    fn defaults_validate_and_bad_knobs_name_their_field() {
+        assert!(PoolSettings::default().validate().is_ok());
+        let bad = |f: fn(&mut PoolSettings)| {
+            let mut s = PoolSettings::default();
+            f(&mut s);
+            s.validate().unwrap_err().param
+        };
+        assert_eq!(
+            bad(|s| s.probe_interval_ms = 10).as_deref(),
+            Some("probe_interval_ms")
+        );
+        assert_eq!(
+            bad(|s| s.autoscale_target_waiting = 0.0).as_deref(),
+            Some("autoscale_target_waiting")
+        );
+        assert_eq!(
+            bad(|s| s.location_hint = Some("mars".into())).as_deref(),
+            Some("location_hint")
+        );
+        assert_eq!(
+            bad(|s| s.probe_timeout_ms = 5).as_deref(),
+            Some("probe_timeout_ms")
+        );
+        assert_eq!(
+            bad(|s| s.saturation_waiting_per_backend = f64::NAN).as_deref(),
+            Some("saturation_waiting_per_backend")
+        );
+    }
+}

@@ -1,0 +1,210 @@
+//! A failed attempt before the first byte: whether the request may retry on its next candidate
+//! (the pool-wide retry budget's gate), and the move itself.
+//!
+//! Refused by the budget, the failure still counts against the failed backend and the lease ends
+//! with it. Allowed, the lease moves to the next candidate; a pool that lost the lease (it expired
+//! while the attempt hung, or the Durable Object restarted) counts it again from the Worker's
+//! terms first. A backend that answered 404 for the model stops being offered it, and the new
+//! backend records the request's prefix once it takes the request.
+
+use crate::backend::BackendId;
+use crate::lease::{LeaseId, LeaseTerms};
+use crate::outcome::Outcome;
+use crate::pool::{CandidateView, Pool, PoolError};
+use crate::retry_budget::{RetryBudget, RetryBudgetConfig};
+
+/// One failed attempt, as the Worker reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct FailedAttempt<'a> {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// The next candidate.
+    pub to: &'a BackendId,
+    /// How the attempt failed.
+    pub failure: &'a Outcome,
+    /// The lease as the Worker knows it (`backend`: the one that failed).
+    pub terms: Option<&'a LeaseTerms>,
+    /// The request's prompt-prefix block hashes.
+    pub block_hashes: &'a [u64],
+    /// The failed backend answered 404 for this model.
+    pub missing_model: Option<&'a str>,
+}
+
+/// Why a retry did not happen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RetryRefused {
+    /// The pool's retry budget is spent: the lease ended with the failure.
+    BudgetExhausted,
+    /// The pool could not move the lease.
+    Pool(PoolError),
+}
+
+/// What a reassignment did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reassignment {
+    /// The new candidate, or why there is none.
+    pub result: Result<CandidateView, RetryRefused>,
+    /// The failed backend no longer lists the model.
+    pub forgot_model: bool,
+}
+
+/// Retries `attempt` on its next candidate if the budget allows.
+pub fn reassign(
+    pool: &mut Pool,
+    budget: &mut RetryBudget,
+    budget_config: &RetryBudgetConfig,
+    attempt: &FailedAttempt<'_>,
+    now_ms: u64,
+) -> Reassignment {
+    if !budget.try_retry(now_ms, budget_config) {
+        pool.release(attempt.lease_id, attempt.failure, now_ms);
+        return Reassignment {
+            result: Err(RetryRefused::BudgetExhausted),
+            forgot_model: false,
+        };
+    }
+    let (lease, to, failure) = (attempt.lease_id, attempt.to, attempt.failure);
+    let mut result = pool.reassign(lease, to, failure, now_ms);
+    if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, attempt.terms) {
+        if pool.readmit(lease, terms, now_ms).is_ok() {
+            result = pool.reassign(lease, to, failure, now_ms);
+        }
+    }
+    let forgot_model = match (attempt.missing_model, attempt.terms) {
+        (Some(model), Some(terms)) => pool.forget_model(&terms.backend, model).unwrap_or(false),
+        _ => false,
+    };
+    if result.is_ok() && !attempt.block_hashes.is_empty() {
+        let _ = pool.record_prefix(to, attempt.block_hashes);
+    }
+    Reassignment {
+        result: result.map_err(RetryRefused::Pool),
+        forgot_model,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendSpec;
+    use crate::outcome::OutcomeKind;
+    use crate::pool::{PoolConfig, ProbeResult};
+    use crate::prompt::RequestFeatures;
+    use crate::random::SplitMix64;
+
+    fn pool(n: usize) -> Pool {
+        let mut pool = Pool::new("p", PoolConfig::default());
+        for i in 0..n {
+            let spec = BackendSpec {
+                id: format!("b{i}").as_str().into(),
+                url: format!("http://b{i}:8000"),
+                models: vec!["m".into(), "other".into()],
+                ..BackendSpec::default()
+            };
+            let id = pool.add_backend(spec, 0).unwrap();
+            let up = ProbeResult {
+                ok: true,
+                ..ProbeResult::default()
+            };
+            pool.record_probe(&id, &up, 0).unwrap();
+        }
+        pool
+    }
+
+    fn features() -> RequestFeatures {
+        RequestFeatures {
+            model: "m".into(),
+            prompt_tokens: 10,
+            max_tokens: 10,
+            ..RequestFeatures::default()
+        }
+    }
+
+    fn timeout() -> Outcome {
+        Outcome {
+            kind: OutcomeKind::Timeout,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn a_retry_within_the_budget_moves_the_lease_and_records_the_prefix() {
+        let mut pool = pool(2);
+        let grant = pool
+            .acquire(&features(), 1, &mut SplitMix64::new(1))
+            .unwrap();
+        let to = grant.candidates[1].id.clone();
+        let attempt = FailedAttempt {
+            lease_id: grant.lease_id,
+            to: &to,
+            failure: &timeout(),
+            terms: None,
+            block_hashes: &[7, 8],
+            missing_model: None,
+        };
+        let config = RetryBudgetConfig::default();
+        let done = reassign(&mut pool, &mut RetryBudget::new(), &config, &attempt, 2);
+        assert_eq!(done.result.unwrap().id, to);
+        assert_eq!(pool.backend(&to).unwrap().leases_in_flight, 1);
+        assert_eq!(pool.backend(&grant.backend).unwrap().leases_in_flight, 0);
+        assert_eq!(pool.backend(&to).unwrap().affinity_blocks, 2);
+    }
+
+    #[test]
+    fn a_spent_budget_ends_the_lease_with_the_failure() {
+        let mut pool = pool(2);
+        let grant = pool
+            .acquire(&features(), 1, &mut SplitMix64::new(1))
+            .unwrap();
+        let to = grant.candidates[1].id.clone();
+        let none = RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 0,
+            ..RetryBudgetConfig::default()
+        };
+        let mut budget = RetryBudget::new();
+        let attempt = FailedAttempt {
+            lease_id: grant.lease_id,
+            to: &to,
+            failure: &timeout(),
+            terms: None,
+            block_hashes: &[],
+            missing_model: None,
+        };
+        let done = reassign(&mut pool, &mut budget, &none, &attempt, 2);
+        assert_eq!(done.result, Err(RetryRefused::BudgetExhausted));
+        assert_eq!(pool.live_leases(), 0, "the lease ended");
+        assert_eq!(budget.exhausted_total(), 1);
+    }
+
+    #[test]
+    fn a_lost_lease_is_counted_again_then_moved_and_a_404_forgets_the_model() {
+        let mut pool = pool(2);
+        let (from, to): (BackendId, BackendId) = ("b0".into(), "b1".into());
+        let terms = LeaseTerms {
+            backend: from.clone(),
+            prompt_tokens: 10,
+            max_tokens: 10,
+            stream: false,
+            request_id: "r".into(),
+        };
+        let attempt = FailedAttempt {
+            lease_id: 4242,
+            to: &to,
+            failure: &Outcome::from_status(404),
+            terms: Some(&terms),
+            block_hashes: &[],
+            missing_model: Some("m"),
+        };
+        let config = RetryBudgetConfig::default();
+        let done = reassign(&mut pool, &mut RetryBudget::new(), &config, &attempt, 2);
+        assert_eq!(done.result.unwrap().id, to);
+        assert!(done.forgot_model);
+        assert_eq!(pool.backend(&to).unwrap().leases_in_flight, 1);
+        assert!(!pool
+            .backend(&from)
+            .unwrap()
+            .served_models
+            .contains(&"m".to_string()));
+    }
+}
