@@ -2,11 +2,25 @@
 // to update when the protocol changes (block hashes are to become a compact binary encoding).
 // Plain JavaScript with no Node imports: it runs both in Node and inside workerd (bench/do-driver.mjs).
 //
-// As of 2026-12-01 (durable-objects/src/protocol.rs, durable-objects/src/pool_coordinator.rs):
-// POST /acquire takes AcquireRequest = routing_core::prompt::RequestFeatures flattened, as JSON, the
-// block hashes as decimal u64s, and answers a routing_core::pool::Grant as JSON; POST /release takes
-// a ReleaseRequest and answers {"released": bool}. Every call carries the pool's name in the
-// `x-gateway-pool` header.
+// As of 2026-12-01 (protocol/src/acquire.rs, protocol/src/messages.rs): POST /acquire takes
+// {"features": routing_core::prompt::RequestFeatures} as JSON, the block hashes as base64 (no
+// padding) of little-endian u64s (routing_core::block_hash_encoding), and answers a
+// routing_core::pool::Grant as JSON; POST /release takes a ReleaseRequest and answers
+// {"released": bool}. Every call carries the pool's name in the `x-gateway-pool` header.
+
+/** Block hashes as the pool reads them: base64 without padding of their little-endian bytes. */
+function encodeHashes(hashes) {
+  const bytes = new Uint8Array(hashes.length * 8);
+  const view = new DataView(bytes.buffer);
+  for (let i = 0; i < hashes.length; i++) {
+    view.setBigUint64(i * 8, BigInt.asUintN(64, BigInt(hashes[i])), true);
+  }
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) {
+    binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+  }
+  return btoa(binary).replace(/=+$/, "");
+}
 
 /** Tokens per prefix block (the pool's default `block_tokens`). */
 export const BLOCK_TOKENS = 16;
@@ -21,9 +35,9 @@ export const PROTOCOL = {
    */
   acquire(f) {
     const body =
-      `{"request_id":"${f.request_id}","kind":"chat","model":${JSON.stringify(f.model)},"stream":true,` +
+      `{"features":{"request_id":"${f.request_id}","kind":"chat","model":${JSON.stringify(f.model)},"stream":true,` +
       `"prompt_tokens":${f.prompt_tokens},"max_tokens":${f.max_tokens},"routing_key":null,` +
-      `"block_tokens":${BLOCK_TOKENS},"block_hashes":[${f.block_hashes.join(",")}],"role_hint":null}`;
+      `"block_tokens":${BLOCK_TOKENS},"block_hashes":"${encodeHashes(f.block_hashes)}","role_hint":null}}`;
     return { method: "POST", headers: { "content-type": "application/json" }, body };
   },
   /** The lease in a granted (200) acquire's response. */
