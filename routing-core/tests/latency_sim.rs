@@ -13,7 +13,7 @@
 mod common;
 
 use common::timed::{
-    simulate, Coordination, Groups, MultiTurn, Report, Speed, Workload, SIM_SPEED,
+    averaged, simulate, Coordination, Groups, MultiTurn, Report, Speed, Workload, SIM_SPEED,
 };
 use routing_core::{BackendId, PolicyKind, SplitMix64};
 use std::collections::HashMap;
@@ -43,32 +43,7 @@ fn compare_through(
     let speeds = [SIM_SPEED; 8];
     let mut out = HashMap::new();
     for policy in COMPARED {
-        // Three seeds, averaged: one run's p99 rests on a handful of requests.
-        let runs: Vec<Report> = (0..3u64)
-            .map(|seed| {
-                let mut w = make(seed);
-                simulate(
-                    policy,
-                    w.as_mut(),
-                    &speeds,
-                    kv_blocks,
-                    0x5eed + seed,
-                    gateway,
-                )
-                .0
-            })
-            .collect();
-        let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
-        let r = Report {
-            ttft_p50: mean(&|r| r.ttft_p50),
-            ttft_p99: mean(&|r| r.ttft_p99),
-            e2e_p50: mean(&|r| r.e2e_p50),
-            e2e_p99: mean(&|r| r.e2e_p99),
-            throughput: mean(&|r| r.throughput),
-            hit_rate: mean(&|r| r.hit_rate),
-            busiest_over_mean: mean(&|r| r.busiest_over_mean),
-            preempted: mean(&|r| r.preempted),
-        };
+        let r = averaged(policy, make, &speeds, kv_blocks, gateway, 3);
         println!(
             "{name:>13} {:>17}: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} p99 {:7.1} ms | \
              {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::timed::{simulate, Coordination, Groups, MultiTurn, Report, Workload, SIM_SPEED};
+use common::timed::{averaged, Coordination, Groups, MultiTurn, Report, Workload, SIM_SPEED};
 use routing_core::{PolicyKind, SplitMix64};
 
 /// Seeds each figure is averaged over: the busiest backend of one run rests on a few early choices.
@@ -19,24 +19,14 @@ const SEEDS: u64 = 6;
 /// Runs `make`'s workload through `coordination`, averaged over [`SEEDS`] seeds.
 fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Coordination) -> Report {
     let speeds = [SIM_SPEED; 8];
-    let runs: Vec<Report> = (0..SEEDS)
-        .map(|seed| {
-            let mut w = make(seed);
-            let policy = PolicyKind::PredictedLatency;
-            simulate(policy, w.as_mut(), &speeds, kv_blocks, 0x5eed + seed, c).0
-        })
-        .collect();
-    let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
-    Report {
-        ttft_p50: mean(&|r| r.ttft_p50),
-        ttft_p99: mean(&|r| r.ttft_p99),
-        e2e_p50: mean(&|r| r.e2e_p50),
-        e2e_p99: mean(&|r| r.e2e_p99),
-        throughput: mean(&|r| r.throughput),
-        hit_rate: mean(&|r| r.hit_rate),
-        busiest_over_mean: mean(&|r| r.busiest_over_mean),
-        preempted: mean(&|r| r.preempted),
-    }
+    averaged(
+        PolicyKind::PredictedLatency,
+        make,
+        &speeds,
+        kv_blocks,
+        c,
+        SEEDS,
+    )
 }
 
 fn print(name: &str, c: Coordination, r: &Report) {

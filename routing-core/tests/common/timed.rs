@@ -546,3 +546,40 @@ pub fn simulate(
     };
     (report, pools)
 }
+
+/// `make`'s workload through `policy` on engines of `speeds`, averaged over `seeds` seeds (one
+/// run's p99 rests on a handful of requests).
+pub fn averaged(
+    policy: PolicyKind,
+    make: &dyn Fn(u64) -> Box<dyn Workload>,
+    speeds: &[Speed],
+    kv_blocks: usize,
+    gateway: Coordination,
+    seeds: u64,
+) -> Report {
+    let runs: Vec<Report> = (0..seeds)
+        .map(|seed| {
+            let mut w = make(seed);
+            simulate(
+                policy,
+                w.as_mut(),
+                speeds,
+                kv_blocks,
+                0x5eed + seed,
+                gateway,
+            )
+            .0
+        })
+        .collect();
+    let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
+    Report {
+        ttft_p50: mean(&|r| r.ttft_p50),
+        ttft_p99: mean(&|r| r.ttft_p99),
+        e2e_p50: mean(&|r| r.e2e_p50),
+        e2e_p99: mean(&|r| r.e2e_p99),
+        throughput: mean(&|r| r.throughput),
+        hit_rate: mean(&|r| r.hit_rate),
+        busiest_over_mean: mean(&|r| r.busiest_over_mean),
+        preempted: mean(&|r| r.preempted),
+    }
+}
