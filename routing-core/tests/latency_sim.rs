@@ -268,3 +268,21 @@ fn chat_beyond_memory() {
     );
     assert!(ours.ttft_p99 <= 1.35 * lower(&|x| x.ttft_p99), "{ours:?}");
 }
+
+/// Shared-prefix groups arriving open loop (Poisson) at about 75% and 90% of what the fleet serves
+/// closed loop: the default keeps the best tail (measured 0.96x the best baseline's TTFT p99 at
+/// both rates; the floor is a new group's cold prefill) and the best median, hit rate and e2e.
+#[test]
+fn shared_prefix_groups_open_loop() {
+    for rate in [40.0, 48.0] {
+        let open = Coordination {
+            open_rate: rate,
+            ..Coordination::SINGLE
+        };
+        let r = compare_through(&format!("open {rate}/s"), 512, open, &|seed| {
+            let mut rng = SplitMix64::new(2 + 10 * seed);
+            Box::new(Groups::new(96, 64, 1_500, &mut rng))
+        });
+        check("shared-prefix open loop", &r, 1.0);
+    }
+}

@@ -362,14 +362,18 @@ pub fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// The simulated gateway: one coordinator, or `shards` of them that exchange load reports every
-/// `exchange_ms` of simulated time; and how much a busy gateway delays each answer's first and
-/// last byte on top of the network (uniform in `[0, busy_jitter_ms]`, as measured at 64 clients
-/// on 2 cores by `make bench`).
+/// `exchange_ms` of simulated time; how much a busy gateway delays each answer's first and last
+/// byte on top of the network (uniform in `[0, busy_jitter_ms]`, as measured at 64 clients on 2
+/// cores by `make bench`); and whether clients wait for answers (closed loop) or requests arrive
+/// at `open_rate` regardless (open loop).
 #[derive(Debug, Clone, Copy)]
 pub struct Coordination {
     pub shards: u32,
     pub exchange_ms: u64,
     pub busy_jitter_ms: f64,
+    /// Requests arrive as a Poisson process at this rate (per second) instead of each client
+    /// sending its next request after a think time (0: closed loop).
+    pub open_rate: f64,
 }
 
 impl Coordination {
@@ -378,6 +382,7 @@ impl Coordination {
         shards: 1,
         exchange_ms: shard::DEFAULT_EXCHANGE_MS,
         busy_jitter_ms: 0.0,
+        open_rate: 0.0,
     };
 }
 
@@ -410,9 +415,15 @@ pub fn simulate(
     let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
     let mut rng = SplitMix64::new(seed);
     let mut wrng = SplitMix64::new(seed ^ 0x77);
-    let mut pending: Vec<(f64, usize)> = (0..workload.clients())
-        .map(|c| (c as f64 * 7.0, c))
-        .collect();
+    let open = coordination.open_rate > 0.0;
+    let mut arrivals = SplitMix64::new(seed ^ 0x0a11);
+    let mut pending: Vec<(f64, usize)> = if open {
+        vec![(0.0, 0)]
+    } else {
+        (0..workload.clients())
+            .map(|c| (c as f64 * 7.0, c))
+            .collect()
+    };
     // The shard that granted each live lease.
     let mut lease_shard: HashMap<u64, usize> = HashMap::new();
     let mut next_exchange = if shards > 1 {
@@ -467,6 +478,11 @@ pub fn simulate(
                 let Some((f, output)) = workload.next(client, &mut wrng) else {
                     continue;
                 };
+                if open {
+                    // The next arrival, whoever it is: exponential gaps at the open rate.
+                    let gap = -(1.0 - arrivals.unit()).ln() * 1000.0 / coordination.open_rate;
+                    pending.push((now + gap, (client + 1) % workload.clients()));
+                }
                 let s = shard::shard_for(
                     shards,
                     f.routing_key.as_deref(),
@@ -519,7 +535,9 @@ pub fn simulate(
                     ));
                     workload.answered(s.client, &mut wrng);
                     // Think time: 20 to 220 ms.
-                    pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));
+                    if !open {
+                        pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));
+                    }
                     debug_assert!(s.started);
                 }
                 engines[b].plan(now, &mut hit_tokens);
