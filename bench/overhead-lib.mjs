@@ -187,7 +187,10 @@ export function rounded(value, digits = 4) {
  */
 export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [] }) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
-  const gw = await startGateway({ bindings: { PROBE_INTERVAL_MS: "1000" }, options: { host: "127.0.0.1", port: 0, ...quiet }, extraWorkers });
+  // MAX_STREAM_RESUMES=0 measures the stream path without resumption (the answer is not read).
+  const resumes = process.env.MAX_STREAM_RESUMES;
+  const bindings = { PROBE_INTERVAL_MS: "1000", ...(resumes === undefined ? {} : { MAX_STREAM_RESUMES: resumes }) };
+  const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet }, extraWorkers });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, opts) => adminFetch(url, p, opts);
   const sim = await startSim(["--model", model, "--max-num-seqs", "256", ...simArgs]);
