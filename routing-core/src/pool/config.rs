@@ -294,7 +294,10 @@ mod tests {
     #[test]
     fn shard_settings_default_to_one_exact_coordinator_and_are_bounded() {
         let cfg: PoolConfig = serde_json::from_str("{}").unwrap();
-        assert_eq!((cfg.shards, cfg.shard_exchange_ms), (1, DEFAULT_EXCHANGE_MS));
+        assert_eq!(
+            (cfg.shards, cfg.shard_exchange_ms),
+            (1, DEFAULT_EXCHANGE_MS)
+        );
         let cfg: PoolConfig =
             serde_json::from_str(r#"{"shards": 4, "shard_exchange_ms": 100}"#).unwrap();
         assert!(cfg.validate().is_ok());
