@@ -132,6 +132,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                         region: reg.region.unwrap_or_default(),
                         location_hint: None,
                         shards: 1,
+                        shard_objects: 1,
                     },
                 )
                 .await?;
@@ -143,7 +144,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             for pool in list_pools(env).await? {
                 let mut listing: BackendList =
                     pool_json(env, &pool.name, 0, &Route::ListBackends, None::<&()>).await?;
-                for k in 1..pool.shards {
+                for k in 1..pool.all_shards() {
                     let other: BackendList =
                         pool_json(env, &pool.name, k, &Route::ListBackends, None::<&()>).await?;
                     add_shard_backends(&mut listing.data, &other.data);
@@ -190,7 +191,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
             for pool in list_pools(env).await? {
-                let mut state = pool_summary(env, &pool.name, pool.shards).await?;
+                let mut state = pool_summary(env, &pool.name, pool.all_shards()).await?;
                 // A pool created by a registration has its region in the directory (which routing
                 // reads) until a PUT sets it in the pool's settings too.
                 if state.region.is_empty() {
@@ -205,7 +206,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let Some(entry) = list_pools(env).await?.into_iter().find(|p| p.name == *pool) else {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             };
-            let summary = pool_summary(env, pool, entry.shards).await?;
+            let summary = pool_summary(env, pool, entry.all_shards()).await?;
             let config: PoolSettings =
                 pool_json(env, pool, 0, &Route::GetConfig, None::<&()>).await?;
             json_ok(&PoolDetail { summary, config })
@@ -221,6 +222,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                 region: settings.routing.region.clone(),
                 location_hint: settings.location_hint.clone(),
                 shards: settings.routing.shards,
+                shard_objects: old_shards.max(settings.routing.shards),
             };
             // A Durable Object stays where it was created, near the first call or at the location
             // hint that call carries: record the hint first, so a new pool's first call has it.
@@ -230,8 +232,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             // and report to the others until their leases end); shard 0 last, which then brings
             // the other shards' registries in line with its own.
             let body = Some(encode(&settings)?);
-            let all = old_shards.max(settings.routing.shards);
-            relay(to_every_shard(env, pool, all, &Route::PutConfig, body).await?).await
+            relay(to_every_shard(env, pool, entry.shard_objects, &Route::PutConfig, body).await?)
+                .await
         }
         (Method::Post, ["pools", pool, "probe"]) => {
             validate_pool_name(pool)?;
@@ -295,13 +297,14 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
     }
 }
 
-/// How many coordinator shards the directory says `pool` has (1 for a pool it does not know).
+/// How many coordinator shard objects, current and retired, the directory says `pool` has (1 for
+/// a pool it does not know).
 async fn shard_count(env: &Env, pool: &str) -> Result<u32, ApiError> {
     Ok(list_pools(env)
         .await?
         .iter()
         .find(|p| p.name == pool)
-        .map_or(1, |p| p.shards.max(1)))
+        .map_or(1, PoolEntry::all_shards))
 }
 
 /// Sends an admin change to shards `1..shards` of `pool`, then to shard 0, and returns shard 0's

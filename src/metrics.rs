@@ -80,7 +80,7 @@ pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     let mut pages = Vec::new();
     for pool in do_client::list_pools(env).await? {
         let mut shard_pages = Vec::new();
-        for k in 0..pool.shards.max(1) {
+        for k in 0..pool.all_shards() {
             match do_client::pool_call(env, &pool.name, k, &Route::Metrics, None).await {
                 Ok(mut r) if r.status_code() == 200 => shard_pages.push(r.text().await?),
                 Ok(r) => worker::console_error!(

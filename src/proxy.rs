@@ -317,6 +317,7 @@ impl Forward<'_> {
         }
         set("x-request-id", self.request_id)?;
         set("x-gateway-pool", &self.pool)?;
+        set("x-gateway-shard", &self.shard.to_string())?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.count.to_string())?;
         // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.

@@ -455,9 +455,21 @@ pub struct PoolEntry {
     /// Durable Object location hint (for example `enam`), used when the pool is first addressed.
     #[serde(default)]
     pub location_hint: Option<String>,
-    /// Coordinator shards the pool runs on (its `shards` setting; 1 when never set).
+    /// Coordinator shards new requests go to (its `shards` setting; 1 when never set).
     #[serde(default = "one_shard")]
     pub shards: u32,
+    /// Shard objects the pool has ever had (the most `shards` ever set): a shard retired by a
+    /// smaller count still releases the leases it granted, so admin changes, listings and metrics
+    /// cover it.
+    #[serde(default = "one_shard")]
+    pub shard_objects: u32,
+}
+
+impl PoolEntry {
+    /// Every shard object of the pool, current and retired.
+    pub fn all_shards(&self) -> u32 {
+        self.shards.max(self.shard_objects).max(1)
+    }
 }
 
 fn one_shard() -> u32 {
@@ -568,7 +580,10 @@ mod tests {
         assert_eq!(shard_object_name("eu", 3), "eu#3");
         assert!(crate::settings::validate_name("pool", "eu#3").is_err());
         let entry: PoolEntry = serde_json::from_str(r#"{"name":"eu"}"#).unwrap();
-        assert_eq!(entry.shards, 1);
+        assert_eq!((entry.shards, entry.all_shards()), (1, 1));
+        let shrunk: PoolEntry =
+            serde_json::from_str(r#"{"name":"eu","shards":2,"shard_objects":4}"#).unwrap();
+        assert_eq!(shrunk.all_shards(), 4);
     }
 
     #[test]
