@@ -126,11 +126,16 @@ pub fn histogram(out: &mut String, name: &str, pool: &str, backend: &str, h: &Hi
     );
 }
 
-/// Gauges that measure load, summed over a pool's shards like the counters.
-const SUMMED_GAUGES: [&str; 3] = [
+/// Gauges that measure load or a per-shard table's size, summed over a pool's shards like the
+/// counters (each shard holds its own leases, queue and part of the affinity table).
+const SUMMED_GAUGES: [&str; 7] = [
     "llm_gateway_leases_in_flight",
+    "llm_gateway_leases_live",
     "llm_gateway_inflight_tokens",
     "llm_gateway_queue_length",
+    "llm_gateway_affinity_entries",
+    "llm_gateway_affinity_backend_entries",
+    "llm_gateway_affinity_memory_bytes",
 ];
 
 /// Counters every shard advances alike (each shard applies shard 0's probe rounds), taken once.

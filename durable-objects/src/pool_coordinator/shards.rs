@@ -137,25 +137,34 @@ impl PoolCoordinator {
         })
     }
 
-    /// After a probe round on shard 0: hands its results to the siblings.
-    pub(super) async fn push_probe_round(&self) {
-        let round = self.with(|l| {
+    /// On shard 0 of several: sends what `build` makes of its state to every other shard.
+    async fn tell_siblings_from_shard_zero<T: serde::Serialize>(
+        &self,
+        route: Route,
+        build: impl FnOnce(&Live) -> T,
+    ) {
+        let call = self.with(|l| {
             let targets = siblings(l);
             if l.shard != 0 || targets.is_empty() {
                 return None;
             }
-            let round = ProbeRound {
-                reports: l
-                    .probes
-                    .iter()
-                    .map(|(id, r)| (id.clone(), r.clone()))
-                    .collect(),
-            };
-            Some((l.name.clone(), targets, serde_json::to_string(&round)))
+            Some((l.name.clone(), targets, serde_json::to_string(&build(l))))
         });
-        if let Some((pool, targets, Ok(body))) = round {
-            tell_siblings(&self.env, &pool, &targets, &Route::ShardProbes, body).await;
+        if let Some((pool, targets, Ok(body))) = call {
+            tell_siblings(&self.env, &pool, &targets, &route, body).await;
         }
+    }
+
+    /// After a probe round on shard 0: hands its results to the siblings.
+    pub(super) async fn push_probe_round(&self) {
+        self.tell_siblings_from_shard_zero(Route::ShardProbes, |l| ProbeRound {
+            reports: l
+                .probes
+                .iter()
+                .map(|(id, r)| (id.clone(), r.clone()))
+                .collect(),
+        })
+        .await;
     }
 
     /// `POST /shard/probes`: shard 0's probe round, applied as if this shard had probed.
@@ -182,28 +191,18 @@ impl PoolCoordinator {
     /// After a configuration change on shard 0: makes every sibling's registry match its own, so
     /// a shard added by raising `shards` knows every backend.
     pub(super) async fn push_registry(&self) {
-        let sync = self.with(|l| {
-            let targets = siblings(l);
-            if l.shard != 0 || targets.is_empty() {
-                return None;
-            }
-            let registry = ShardRegistry {
-                backends: l
-                    .pool
-                    .backends()
-                    .filter_map(|v| {
-                        let draining =
-                            matches!(v.lifecycle, Lifecycle::Draining | Lifecycle::Drained);
-                        l.pool.spec(&v.id).map(|s| (s.clone(), draining))
-                    })
-                    .collect(),
-                pending_delete: l.pending_delete.iter().cloned().collect(),
-            };
-            Some((l.name.clone(), targets, serde_json::to_string(&registry)))
-        });
-        if let Some((pool, targets, Ok(body))) = sync {
-            tell_siblings(&self.env, &pool, &targets, &Route::ShardRegistry, body).await;
-        }
+        self.tell_siblings_from_shard_zero(Route::ShardRegistry, |l| ShardRegistry {
+            backends: l
+                .pool
+                .backends()
+                .filter_map(|v| {
+                    let draining = matches!(v.lifecycle, Lifecycle::Draining | Lifecycle::Drained);
+                    l.pool.spec(&v.id).map(|s| (s.clone(), draining))
+                })
+                .collect(),
+            pending_delete: l.pending_delete.iter().cloned().collect(),
+        })
+        .await;
     }
 
     /// `POST /shard/registry`: adds, updates and removes backends to match shard 0's.
