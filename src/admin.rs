@@ -4,6 +4,11 @@
 //! validates the envelope (JSON, names), keeps the pool directory up to date, and relays each call
 //! to the pool's coordinator, which validates the rest and owns the data.
 //!
+//! A pool of several coordinator shards gets every change on every shard (the other shards first,
+//! shard 0 last, whose answer is returned); reads come from shard 0 with the requests in flight,
+//! queues and counters of the other shards added (`PoolSummary::add_shard`,
+//! `AdminBackend::add_shard`).
+//!
 //! | route | what it does |
 //! |---|---|
 //! | `POST /admin/backends` | register a backend (`pool` in the body, default `default`) |
@@ -21,8 +26,8 @@ use crate::do_client::{
 use crate::keys::{hash_key, invalidate};
 use crate::ApiError;
 use coordinator_protocol::messages::{
-    AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch, KeyPatchAnswer,
-    PoolDetail, PoolEntry, PoolSummary, StoredKey, DEFAULT_POOL,
+    AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch,
+    KeyPatchAnswer, PoolDetail, PoolEntry, PoolSummary, StoredKey, DEFAULT_POOL,
 };
 use coordinator_protocol::settings::{validate_name, PoolSettings};
 use coordinator_protocol::Route;
@@ -117,7 +122,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             validate_pool_name(&pool)?;
             require_reachable_url(env, &reg.url)?;
             let body = Some(encode(&reg)?);
-            let resp = relay(pool_call(env, &pool, &Route::RegisterBackend, body).await?).await?;
+            let shards = shard_count(env, &pool).await?;
+            let resp = to_every_shard(env, &pool, shards, &Route::RegisterBackend, body).await?;
             if !list_pools(env).await?.iter().any(|p| p.name == pool) {
                 remember_pool(
                     env,
@@ -125,6 +131,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                         name: pool,
                         region: reg.region.unwrap_or_default(),
                         location_hint: None,
+                        shards: 1,
+                        shard_objects: 1,
                     },
                 )
                 .await?;
@@ -134,8 +142,13 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();
             for pool in list_pools(env).await? {
-                let listing: BackendList =
-                    pool_json(env, &pool.name, &Route::ListBackends, None::<&()>).await?;
+                let mut listing: BackendList =
+                    pool_json(env, &pool.name, 0, &Route::ListBackends, None::<&()>).await?;
+                for k in 1..pool.all_shards() {
+                    let other: BackendList =
+                        pool_json(env, &pool.name, k, &Route::ListBackends, None::<&()>).await?;
+                    add_shard_backends(&mut listing.data, &other.data);
+                }
                 all.extend(listing.data);
             }
             json_ok(&list(all))
@@ -143,6 +156,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get | Method::Patch | Method::Delete, ["backends", id]) => {
             validate_name("id", id)?;
             let pool = find_backend(env, id, query_pool.as_deref()).await?;
+            let shards = shard_count(env, &pool).await?;
             let id = id.to_string();
             let (route, body) = match method {
                 Method::Patch => {
@@ -155,16 +169,29 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                     }
                     (Route::PatchBackend(id), Some(text))
                 }
-                Method::Delete => (Route::DeleteBackend { id, force }, None),
-                _ => (Route::ShowBackend(id), None),
+                Method::Delete => {
+                    let route = Route::DeleteBackend { id, force };
+                    return delete_on_every_shard(env, &pool, shards, &route).await;
+                }
+                _ => {
+                    let mut view: AdminBackend =
+                        pool_json(env, &pool, 0, &Route::ShowBackend(id.clone()), None::<&()>)
+                            .await?;
+                    for k in 1..shards {
+                        let route = Route::ShowBackend(id.clone());
+                        if let Ok(other) = pool_json(env, &pool, k, &route, None::<&()>).await {
+                            view.add_shard(&other);
+                        }
+                    }
+                    return json_ok(&view);
+                }
             };
-            relay(pool_call(env, &pool, &route, body).await?).await
+            to_every_shard(env, &pool, shards, &route, body).await
         }
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
             for pool in list_pools(env).await? {
-                let mut state: PoolSummary =
-                    pool_json(env, &pool.name, &Route::Summary, None::<&()>).await?;
+                let mut state = pool_summary(env, &pool.name, pool.all_shards()).await?;
                 // A pool created by a registration has its region in the directory (which routing
                 // reads) until a PUT sets it in the pool's settings too.
                 if state.region.is_empty() {
@@ -176,11 +203,12 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         }
         (Method::Get, ["pools", pool]) => {
             validate_pool_name(pool)?;
-            if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
+            let Some(entry) = list_pools(env).await?.into_iter().find(|p| p.name == *pool) else {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
-            }
-            let summary: PoolSummary = pool_json(env, pool, &Route::Summary, None::<&()>).await?;
-            let config: PoolSettings = pool_json(env, pool, &Route::GetConfig, None::<&()>).await?;
+            };
+            let summary = pool_summary(env, pool, entry.all_shards()).await?;
+            let config: PoolSettings =
+                pool_json(env, pool, 0, &Route::GetConfig, None::<&()>).await?;
             json_ok(&PoolDetail { summary, config })
         }
         (Method::Put, ["pools", pool]) => {
@@ -188,29 +216,35 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let text = body_text(&mut req).await?;
             let settings: PoolSettings = parse(&text, "pool configuration")?;
             settings.validate()?;
+            let old_shards = shard_count(env, pool).await?;
             let entry = PoolEntry {
                 name: pool.to_string(),
                 region: settings.routing.region.clone(),
                 location_hint: settings.location_hint.clone(),
+                shards: settings.routing.shards,
+                shard_objects: old_shards.max(settings.routing.shards),
             };
             // A Durable Object stays where it was created, near the first call or at the location
             // hint that call carries: record the hint first, so a new pool's first call has it.
             remember_pool(env, &entry).await?;
             list_pools(env).await?;
-            let applied: PoolSettings =
-                pool_json(env, pool, &Route::PutConfig, Some(&settings)).await?;
-            json_ok(&applied)
+            // Every shard, those a smaller count retires included (they learn they are retired
+            // and report to the others until their leases end); shard 0 last, which then brings
+            // the other shards' registries in line with its own.
+            let body = Some(encode(&settings)?);
+            relay(to_every_shard(env, pool, entry.shard_objects, &Route::PutConfig, body).await?)
+                .await
         }
         (Method::Post, ["pools", pool, "probe"]) => {
             validate_pool_name(pool)?;
-            relay(pool_call(env, pool, &Route::ProbeNow, None).await?).await
+            relay(pool_call(env, pool, 0, &Route::ProbeNow, None).await?).await
         }
         (Method::Get, ["pools", pool, "history"]) => {
             validate_pool_name(pool)?;
             if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             }
-            relay(pool_call(env, pool, &Route::History, None).await?).await
+            relay(pool_call(env, pool, 0, &Route::History, None).await?).await
         }
         (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
         (Method::Get, ["keys"]) => {
@@ -263,6 +297,77 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
     }
 }
 
+/// How many coordinator shard objects, current and retired, the directory says `pool` has (1 for
+/// a pool it does not know).
+async fn shard_count(env: &Env, pool: &str) -> Result<u32, ApiError> {
+    Ok(list_pools(env)
+        .await?
+        .iter()
+        .find(|p| p.name == pool)
+        .map_or(1, PoolEntry::all_shards))
+}
+
+/// Sends an admin change to shards `1..shards` of `pool`, then to shard 0, and returns shard 0's
+/// answer (the first error stops it).
+async fn to_every_shard(
+    env: &Env,
+    pool: &str,
+    shards: u32,
+    route: &Route,
+    body: Option<String>,
+) -> AdminResult {
+    for k in (1..shards).chain([0]) {
+        let resp = relay(pool_call(env, pool, k, route, body.clone()).await?).await?;
+        if k == 0 {
+            return Ok(resp);
+        }
+    }
+    Err(ApiError::internal("no shard answered"))
+}
+
+/// `DELETE` on every shard: the backend is deleted when every shard removed it, else it drains
+/// with the requests still in flight on all shards.
+async fn delete_on_every_shard(env: &Env, pool: &str, shards: u32, route: &Route) -> AdminResult {
+    let mut total: Option<DeleteAnswer> = None;
+    for k in (1..shards).chain([0]) {
+        let a: DeleteAnswer = pool_json(env, pool, k, route, None::<&()>).await?;
+        total = Some(match total {
+            None => a,
+            Some(t) => DeleteAnswer {
+                deleted: t.deleted && a.deleted,
+                status: t.status.or(a.status),
+                leases_in_flight: match (t.leases_in_flight, a.leases_in_flight) {
+                    (None, None) => None,
+                    (x, y) => Some(x.unwrap_or(0) + y.unwrap_or(0)),
+                },
+                ..a
+            },
+        });
+    }
+    let total = total.ok_or_else(|| ApiError::internal("no shard answered"))?;
+    let status = if total.deleted { 200 } else { 202 };
+    Ok(Response::from_json(&total)?.with_status(status))
+}
+
+/// A pool's summary: shard 0's, with the other shards' load and counters added.
+async fn pool_summary(env: &Env, pool: &str, shards: u32) -> Result<PoolSummary, ApiError> {
+    let mut summary: PoolSummary = pool_json(env, pool, 0, &Route::Summary, None::<&()>).await?;
+    for k in 1..shards {
+        let other: PoolSummary = pool_json(env, pool, k, &Route::Summary, None::<&()>).await?;
+        summary.add_shard(&other);
+    }
+    Ok(summary)
+}
+
+/// Adds another shard's requests in flight to a listing of the same pool's backends.
+fn add_shard_backends(list: &mut [AdminBackend], other: &[AdminBackend]) {
+    for b in list.iter_mut() {
+        if let Some(o) = other.iter().find(|o| o.view.id == b.view.id) {
+            b.add_shard(o);
+        }
+    }
+}
+
 /// Refuses a backend URL whose host is an IP address (a deployed Worker can only fetch hostnames)
 /// unless the `ALLOW_IP_BACKENDS` var is `"true"`, as it is for local development and tests.
 fn require_reachable_url(env: &Env, url: &str) -> Result<(), ApiError> {
@@ -287,7 +392,7 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
     }
     for pool in pools {
         let route = Route::ShowBackend(id.to_string());
-        let resp = pool_call(env, &pool, &route, None).await?;
+        let resp = pool_call(env, &pool, 0, &route, None).await?;
         if resp.status_code() == 200 {
             return Ok(pool);
         }

@@ -127,13 +127,16 @@ pub struct Admitted {
     pub queued_ms: u64,
 }
 
-/// Asks `pool` for a lease (`spill_ok`: a further pool could take the request), waiting in its
-/// queue while it answers `202`. `body` holds the request's features, serialised once.
+/// Asks shard `shard` of `pool` for a lease (`spill_ok`: a further pool could take the request),
+/// waiting in its queue while it answers `202`. `body` holds the request's features, serialised
+/// once.
+#[allow(clippy::too_many_arguments)]
 pub async fn acquire(
     env: &Env,
     ctx: &Context,
     client: &Request,
     pool: &str,
+    shard: u32,
     spill_ok: bool,
     body: &AcquireBody,
     who: &AdmissionRequest,
@@ -145,7 +148,13 @@ pub async fn acquire(
     let _keep_alive = KeepAlive::new(ctx);
     loop {
         let route = Route::Acquire { spill_ok };
-        let call = Box::pin(pool_call(env, pool, &route, Some(body.call(Some(&who)))));
+        let call = Box::pin(pool_call(
+            env,
+            pool,
+            shard,
+            &route,
+            Some(body.call(Some(&who))),
+        ));
         let limit = Delay::from(CALL_LIMIT);
         let answer = match select(call, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
@@ -154,7 +163,7 @@ pub async fn acquire(
                     // Tell the pool at once; `wait_until` lets the call finish after the response.
                     let env = env.clone();
                     let pool = pool.to_string();
-                    ctx.wait_until(async move { dequeue(&env, &pool, ticket).await });
+                    ctx.wait_until(async move { dequeue(&env, &pool, shard, ticket).await });
                 }
                 let mut e = ApiError::bad_request("The client closed the request.")
                     .with_code("client_closed_request");
@@ -212,11 +221,11 @@ pub async fn acquire(
     }
 }
 
-/// Tells the pool a queued request's client left.
-async fn dequeue(env: &Env, pool: &str, ticket: u64) {
+/// Tells the pool shard a queued request's client left.
+async fn dequeue(env: &Env, pool: &str, shard: u32, ticket: u64) {
     let req = DequeueRequest { ticket };
     let answer: Result<DequeueAnswer, ApiError> =
-        pool_json(env, pool, &Route::Dequeue, Some(&req)).await;
+        pool_json(env, pool, shard, &Route::Dequeue, Some(&req)).await;
     if let Err(e) = answer {
         worker::console_error!("pool {pool}: dequeue: {e}");
     }

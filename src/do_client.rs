@@ -2,22 +2,21 @@
 //! the directory and the client rate limiters.
 //!
 //! Every call is a `stub.fetch` to the URL of a `coordinator_protocol::Route`, with a typed body
-//! and a typed answer. Errors a Durable Object answers with are already OpenAI-shaped and pass
+//! and a typed answer. A pool call names the pool and its coordinator shard (0 for a pool of one
+//! shard, and for everything only shard 0 does: probes, listings). Errors a Durable Object answers with are already OpenAI-shaped and pass
 //! through as they are. What the directory holds (pools, minted keys) is cached in the isolate and
 //! refreshed in the background.
 
 use crate::ApiError;
 use coordinator_protocol::error::ErrorBody;
-use coordinator_protocol::messages::{PoolEntry, POOL_HEADER};
-use coordinator_protocol::{HttpMethod, Route};
+use coordinator_protocol::internal_call::{internal_request, ShardAddress};
+use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
+use coordinator_protocol::Route;
 use gateway_durable_objects::directory::DIRECTORY_NAME;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::cell::RefCell;
-use worker::{Context, Date, Env, Headers, Method, Request, RequestInit, Response, Stub};
-
-/// Binding name of the pool coordinator namespace (wrangler.toml).
-pub const POOL_BINDING: &str = "POOL";
+use worker::{Context, Date, Env, Response, Stub};
 /// Binding name of the client rate limiter namespace (wrangler.toml).
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
@@ -30,8 +29,8 @@ fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
         .get_stub()?)
 }
 
-/// A pool's stub, placed by its location hint when this isolate knows one.
-fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
+/// A pool shard's stub, placed by the pool's location hint when this isolate knows one.
+fn pool_stub(env: &Env, pool: &str, shard: u32) -> Result<Stub, ApiError> {
     let hint = POOLS.with(|p| {
         p.borrow().value.as_ref().and_then(|(_, list)| {
             list.iter()
@@ -39,43 +38,23 @@ fn pool_stub(env: &Env, pool: &str) -> Result<Stub, ApiError> {
                 .and_then(|e| e.location_hint.clone())
         })
     });
+    let name = shard_object_name(pool, shard);
     match hint {
         Some(h) => Ok(env
             .durable_object(POOL_BINDING)?
-            .id_from_name(pool)?
+            .id_from_name(&name)?
             .get_stub_with_location_hint(&h)?),
-        None => stub(env, POOL_BINDING, pool),
-    }
-}
-
-fn method(m: HttpMethod) -> Method {
-    match m {
-        HttpMethod::Get => Method::Get,
-        HttpMethod::Post => Method::Post,
-        HttpMethod::Put => Method::Put,
-        HttpMethod::Patch => Method::Patch,
-        HttpMethod::Delete => Method::Delete,
+        None => stub(env, POOL_BINDING, &name),
     }
 }
 
 async fn send(
     stub: &Stub,
-    pool: Option<&str>,
+    to: Option<ShardAddress<'_>>,
     route: &Route,
     body: Option<String>,
 ) -> Result<Response, ApiError> {
-    let headers = Headers::new();
-    if let Some(pool) = pool {
-        headers.set(POOL_HEADER, pool)?;
-    }
-    let mut init = RequestInit::new();
-    init.with_method(method(route.method()));
-    if let Some(body) = body {
-        headers.set("content-type", "application/json")?;
-        init.with_body(Some(body.into()));
-    }
-    init.with_headers(headers);
-    let req = Request::new_with_init(&route.url(), &init)?;
+    let req = internal_request(route, to, body)?;
     Ok(stub.fetch_with_request(req).await?)
 }
 
@@ -91,26 +70,31 @@ pub fn encode(body: &impl Serialize) -> Result<String, ApiError> {
     serde_json::to_string(body).map_err(|e| ApiError::internal(e.to_string()))
 }
 
-/// Calls the named pool's coordinator with a body already encoded, and returns its raw response
-/// (for the acquire call, whose body is built once per request, and for relayed admin answers).
+/// Calls shard `shard` of the named pool's coordinator with a body already encoded, and returns
+/// its raw response (for the acquire call, whose body is built once per request, and for relayed
+/// admin answers).
 pub async fn pool_call(
     env: &Env,
     pool: &str,
+    shard: u32,
     route: &Route,
     body: Option<String>,
 ) -> Result<Response, ApiError> {
-    send(&pool_stub(env, pool)?, Some(pool), route, body).await
+    let to = ShardAddress { pool, shard };
+    send(&pool_stub(env, pool, shard)?, Some(to), route, body).await
 }
 
-/// Calls the named pool's coordinator and decodes its answer; a non-2xx answer becomes its error.
+/// Calls shard `shard` of the named pool's coordinator and decodes its answer; a non-2xx answer
+/// becomes its error.
 pub async fn pool_json<T: DeserializeOwned>(
     env: &Env,
     pool: &str,
+    shard: u32,
     route: &Route,
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
     let body = body.map(encode).transpose()?;
-    decode(pool_call(env, pool, route, body).await?).await
+    decode(pool_call(env, pool, shard, route, body).await?).await
 }
 
 /// Rebuilds the `ApiError` a Durable Object answered with.

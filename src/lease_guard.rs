@@ -90,6 +90,8 @@ pub struct GuardSetup<'a> {
     pub ctx: &'a Context,
     /// The pool that granted the lease.
     pub pool: String,
+    /// The pool's coordinator shard that granted it (every later call goes there).
+    pub shard: u32,
     /// The lease.
     pub lease_id: LeaseId,
     /// The lease as the Worker knows it (re-established from this if the pool loses it).
@@ -118,6 +120,7 @@ impl LeaseGuard {
         let task = Task {
             env: setup.env.clone(),
             pool: setup.pool,
+            shard: setup.shard,
             record: record.clone(),
             renew_every: setup.renew_every,
             reservation: setup.reservation,
@@ -221,6 +224,7 @@ fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
 struct Task {
     env: Env,
     pool: String,
+    shard: u32,
     record: Rc<RefCell<Record>>,
     renew_every: Duration,
     reservation: Option<Reservation>,
@@ -286,7 +290,14 @@ impl Task {
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
         if !ending.released {
-            release(&self.env, &self.pool, lease_id, &backend, &ending.outcome).await;
+            release(
+                &self.env,
+                (&self.pool, self.shard),
+                lease_id,
+                &backend,
+                &ending.outcome,
+            )
+            .await;
         }
         if let Some(reservation) = &self.reservation {
             if let Some(actual) = used_tokens(&ending.outcome) {
@@ -305,8 +316,14 @@ impl Task {
             outcome,
             backend: Some(backend),
         };
-        let result: Result<PrefillDoneAnswer, ApiError> =
-            pool_json(&self.env, &self.pool, &Route::PrefillDone, Some(&req)).await;
+        let result: Result<PrefillDoneAnswer, ApiError> = pool_json(
+            &self.env,
+            &self.pool,
+            self.shard,
+            &Route::PrefillDone,
+            Some(&req),
+        )
+        .await;
         if let Err(e) = result {
             worker::console_error!(
                 "reporting the prefill of lease {} in pool {} failed: {e}",
@@ -325,7 +342,9 @@ impl Task {
                 terms: r.terms.clone(),
             }
         };
-        match pool_json::<RenewAnswer>(&self.env, &self.pool, &Route::Renew, Some(&req)).await {
+        let renewed =
+            pool_json::<RenewAnswer>(&self.env, &self.pool, self.shard, &Route::Renew, Some(&req));
+        match renewed.await {
             Ok(a) if a.reestablished => worker::console_log!(
                 "{}",
                 serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
@@ -351,15 +370,22 @@ fn used_tokens(outcome: &Outcome) -> Option<u64> {
     }
 }
 
-/// Returns a lease to its pool; failures are logged, and the lease's deadline is the backstop.
-async fn release(env: &Env, pool: &str, lease_id: LeaseId, backend: &str, outcome: &Outcome) {
+/// Returns a lease to the pool shard that granted it; failures are logged, and the lease's
+/// deadline is the backstop.
+async fn release(
+    env: &Env,
+    (pool, shard): (&str, u32),
+    lease_id: LeaseId,
+    backend: &str,
+    outcome: &Outcome,
+) {
     let req = ReleaseRequest {
         lease_id,
         outcome: outcome.clone(),
         backend: Some(backend.into()),
     };
     let result: Result<ReleaseAnswer, ApiError> =
-        pool_json(env, pool, &Route::Release, Some(&req)).await;
+        pool_json(env, pool, shard, &Route::Release, Some(&req)).await;
     if let Err(e) = result {
         worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
     }

@@ -30,6 +30,7 @@ use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::endpoint::{endpoint_features, Endpoint};
 use routing_core::lease::LeaseTerms;
 use routing_core::prompt::FeatureConfig;
+use routing_core::shard::shard_of_request;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
@@ -68,6 +69,7 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
                 if let Err(e) = do_client::pool_json::<AlarmAnswer>(
                     &env,
                     &pool.name,
+                    0,
                     &Route::EnsureProbeAlarm,
                     None::<&()>,
                 )
@@ -304,7 +306,19 @@ async fn completion(
                 None => break,
             },
         };
-        match admission::acquire(env, ctx, &req, &pool.name, spill_ok, &acquire_body, &who).await {
+        // The pool's coordinator shard for this request: by its key, else its first prefix block.
+        let shard = shard_of_request(pool.shards, &features);
+        let admitted = admission::acquire(
+            env,
+            ctx,
+            &req,
+            &pool.name,
+            shard,
+            spill_ok,
+            &acquire_body,
+            &who,
+        );
+        match admitted.await {
             Ok(admitted) => {
                 let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
                 let disaggregated = !grant.decode_candidates.is_empty();
@@ -314,6 +328,7 @@ async fn completion(
                     env,
                     ctx,
                     pool: pool.name.clone(),
+                    shard,
                     lease_id: grant.lease_id,
                     terms: LeaseTerms {
                         backend: grant.backend.clone(),
@@ -331,6 +346,7 @@ async fn completion(
                     env,
                     ctx,
                     pool: pool.name,
+                    shard,
                     grant,
                     guard,
                     path: endpoint.path(),
@@ -457,7 +473,7 @@ fn ask_for_usage(
 async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     for pool in do_client::list_pools(env).await? {
-        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, &Route::Models, None::<&()>)
+        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, 0, &Route::Models, None::<&()>)
             .await
         {
             Ok(answer) => models.extend(answer.models),

@@ -1,5 +1,9 @@
 //! `GET /metrics`: every pool's Prometheus text, merged into one exposition.
 //!
+//! A pool of several coordinator shards is first made one page: counters and load gauges summed
+//! over its shards, state gauges (health, breakers, scraped gauges, probes) from shard 0
+//! (`routing_core::metrics::sum_shard_pages`).
+//!
 //! Each pool renders the same metric families with its own `pool` label; a valid exposition lists
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
 //! family by family rather than concatenated.
@@ -7,6 +11,7 @@
 use crate::do_client;
 use crate::ApiError;
 use coordinator_protocol::Route;
+use routing_core::metrics::sum_shard_pages;
 use worker::{Env, Response};
 
 /// Merges Prometheus text pages, keeping each family's header once and its samples together.
@@ -74,12 +79,22 @@ pub fn merge_expositions(pages: &[String]) -> String {
 pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     let mut pages = Vec::new();
     for pool in do_client::list_pools(env).await? {
-        match do_client::pool_call(env, &pool.name, &Route::Metrics, None).await {
-            Ok(mut r) if r.status_code() == 200 => pages.push(r.text().await?),
-            Ok(r) => {
-                worker::console_error!("metrics: pool {} answered {}", pool.name, r.status_code())
+        let mut shard_pages = Vec::new();
+        for k in 0..pool.all_shards() {
+            match do_client::pool_call(env, &pool.name, k, &Route::Metrics, None).await {
+                Ok(mut r) if r.status_code() == 200 => shard_pages.push(r.text().await?),
+                Ok(r) => worker::console_error!(
+                    "metrics: pool {} shard {k} answered {}",
+                    pool.name,
+                    r.status_code()
+                ),
+                Err(e) => worker::console_error!("metrics: pool {} shard {k}: {e}", pool.name),
             }
-            Err(e) => worker::console_error!("metrics: pool {}: {e}", pool.name),
+        }
+        match shard_pages.len() {
+            0 => {}
+            1 => pages.append(&mut shard_pages),
+            _ => pages.push(sum_shard_pages(&shard_pages)),
         }
     }
     let mut resp = Response::ok(merge_expositions(&pages))?;

@@ -102,6 +102,8 @@ pub struct Forward<'a> {
     pub ctx: &'a Context,
     /// Pool that granted the lease.
     pub pool: String,
+    /// The pool's coordinator shard that granted it.
+    pub shard: u32,
     /// The lease and its ranked candidates.
     pub grant: Grant,
     /// The lease's guard: every exit reports to it.
@@ -284,6 +286,7 @@ impl Forward<'_> {
         Ok(Attempts {
             env: self.env.clone(),
             pool: self.pool.clone(),
+            shard: self.shard,
             guard: self.guard.clone(),
             candidates: self.grant.candidates.clone(),
             next_index: 1,
@@ -314,6 +317,7 @@ impl Forward<'_> {
         }
         set("x-request-id", self.request_id)?;
         set("x-gateway-pool", &self.pool)?;
+        set("x-gateway-shard", &self.shard.to_string())?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.count.to_string())?;
         // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
@@ -507,6 +511,8 @@ pub(crate) enum Moved {
 pub(crate) struct Attempts {
     env: Env,
     pool: String,
+    /// The shard that granted the lease: its moves go there too.
+    shard: u32,
     pub(crate) guard: LeaseGuard,
     candidates: Vec<CandidateView>,
     /// The next candidate in the ranking not tried yet.
@@ -728,8 +734,14 @@ impl Attempts {
                 block_hashes: self.block_hashes.clone(),
                 missing_model: missing_model.then(|| self.model.clone()),
             };
-            let moved: Result<CandidateView, ApiError> =
-                pool_json(&self.env, &self.pool, &Route::Reassign, Some(&req)).await;
+            let moved: Result<CandidateView, ApiError> = pool_json(
+                &self.env,
+                &self.pool,
+                self.shard,
+                &Route::Reassign,
+                Some(&req),
+            )
+            .await;
             match moved {
                 Ok(view) => {
                     self.guard.moved_to(&view.id.0);

@@ -31,6 +31,8 @@ impl DurableObject for GatewayDirectory {
         for ddl in [
             "CREATE TABLE IF NOT EXISTS pools (name TEXT PRIMARY KEY, region TEXT NOT NULL DEFAULT '')",
             "ALTER TABLE pools ADD COLUMN location_hint TEXT",
+            "ALTER TABLE pools ADD COLUMN shards INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE pools ADD COLUMN shard_objects INTEGER NOT NULL DEFAULT 1",
             "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL UNIQUE, created_ms INTEGER NOT NULL)",
             "ALTER TABLE keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
         ] {
@@ -131,7 +133,7 @@ impl GatewayDirectory {
 
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {
         let cursor = self.state.storage().sql().exec(
-            "SELECT name, region, location_hint FROM pools ORDER BY name",
+            "SELECT name, region, location_hint, shards, shard_objects FROM pools ORDER BY name",
             None,
         )?;
         Ok(cursor.to_array::<PoolEntry>()?)
@@ -142,12 +144,15 @@ impl GatewayDirectory {
             .storage()
             .sql()
             .exec(
-                "INSERT INTO pools (name, region, location_hint) VALUES (?, ?, ?) \
-                 ON CONFLICT(name) DO UPDATE SET region = excluded.region, location_hint = excluded.location_hint",
+                "INSERT INTO pools (name, region, location_hint, shards, shard_objects) VALUES (?, ?, ?, ?, ?) \
+                 ON CONFLICT(name) DO UPDATE SET region = excluded.region, location_hint = excluded.location_hint, \
+                 shards = excluded.shards, shard_objects = excluded.shard_objects",
                 vec![
                     entry.name.clone().into(),
                     entry.region.clone().into(),
                     entry.location_hint.clone().map_or(SqlStorageValue::Null, SqlStorageValue::from),
+                    i64::from(entry.shards.max(1)).into(),
+                    i64::from(entry.all_shards()).into(),
                 ],
             )?;
         Ok(())

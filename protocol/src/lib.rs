@@ -5,11 +5,13 @@
 //! internal URL. [`Route`] names every call (the Worker builds the URL from it, the object parses
 //! it back); [`messages`] and [`acquire`] hold one struct per body and answer; [`error`] is the
 //! OpenAI-style error both sides answer with. With the `worker` feature the crate also carries
-//! what both sides need of the platform: `ApiError` as a response and from a `worker::Error`, and
-//! [`timed_fetch`] (fetches with a deadline, used by probes and by the proxy).
+//! what both sides need of the platform: `ApiError` as a response and from a `worker::Error`, the request of an internal
+//! call (`internal_call`), and [`timed_fetch`] (fetches with a deadline, used by probes and by the proxy).
 
 pub mod acquire;
 pub mod error;
+#[cfg(feature = "worker")]
+pub mod internal_call;
 pub mod messages;
 pub mod route;
 pub mod settings;

@@ -3,7 +3,7 @@
 //! names its request and answer here.
 
 use routing_core::admission::Ticket;
-use routing_core::backend::{BackendId, BackendPatch};
+use routing_core::backend::{BackendId, BackendPatch, BackendSpec};
 use routing_core::history::HistoryReport;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::Outcome;
@@ -17,12 +17,28 @@ use std::collections::BTreeMap;
 /// Header carrying the pool's name on every call to a pool coordinator (a Durable Object does not
 /// know the name it was addressed by).
 pub const POOL_HEADER: &str = "x-gateway-pool";
+/// Header carrying the coordinator shard's index next to [`POOL_HEADER`] (absent: shard 0).
+pub const SHARD_HEADER: &str = "x-gateway-shard";
+/// Binding name of the pool coordinator namespace (wrangler.toml), for the Worker and for shards
+/// calling their siblings.
+pub const POOL_BINDING: &str = "POOL";
 /// Header of a granted acquire: milliseconds the request waited in the pool's queue.
 pub const QUEUE_WAIT_HEADER: &str = "x-gateway-queue-wait-ms";
 /// Header of a request refused or dropped by admission control: the drop reason.
 pub const QUEUE_DROP_HEADER: &str = "x-gateway-queue-drop";
 /// The name a pool gets when a registration names none.
 pub const DEFAULT_POOL: &str = "default";
+
+/// The Durable Object name of shard `shard` of `pool`: the pool's own name for shard 0 (so a pool
+/// keeps its object and state when it gains shards), `pool#k` for the others (`#` is not allowed in
+/// pool names, so no pool's object is another's shard).
+pub fn shard_object_name(pool: &str, shard: u32) -> String {
+    if shard == 0 {
+        pool.to_string()
+    } else {
+        format!("{pool}#{shard}")
+    }
+}
 
 // ---- The request path: leases --------------------------------------------------------------
 
@@ -214,6 +230,21 @@ pub struct AdminBackend {
     pub delete_pending: bool,
 }
 
+impl AdminBackend {
+    /// Adds another coordinator shard's requests in flight on the same backend (everything else,
+    /// health, breaker and probes, is shard 0's).
+    pub fn add_shard(&mut self, other: &AdminBackend) {
+        let (v, o) = (&mut self.view, &other.view);
+        v.leases_in_flight = v.leases_in_flight.saturating_add(o.leases_in_flight);
+        v.inflight_prompt_tokens = v
+            .inflight_prompt_tokens
+            .saturating_add(o.inflight_prompt_tokens);
+        v.inflight_output_tokens = v
+            .inflight_output_tokens
+            .saturating_add(o.inflight_output_tokens);
+    }
+}
+
 /// The answer to `GET /backends`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BackendList {
@@ -289,6 +320,32 @@ pub struct PoolSummary {
     pub retry_budget_exhausted: u64,
 }
 
+impl PoolSummary {
+    /// Adds another coordinator shard's load and counters: requests in flight, its queue, retries
+    /// and spills. The fleet's state (backends, scraped gauges, probes, autoscaling) is shard 0's.
+    pub fn add_shard(&mut self, other: &PoolSummary) {
+        self.in_flight += other.in_flight;
+        self.in_flight_tokens += other.in_flight_tokens;
+        self.retries += other.retries;
+        self.spills += other.spills;
+        self.retry_budget_exhausted += other.retry_budget_exhausted;
+        let (q, o) = (&mut self.queue, &other.queue);
+        q.length += o.length;
+        for (band, n) in &o.by_priority {
+            *q.by_priority.entry(band.clone()).or_default() += n;
+        }
+        q.tenants += o.tenants;
+        q.oldest_wait_ms = q.oldest_wait_ms.max(o.oldest_wait_ms);
+        q.waiting_tokens += o.waiting_tokens;
+        q.admitted += o.admitted;
+        q.queued += o.queued;
+        q.reentered += o.reentered;
+        for (reason, n) in &o.dropped {
+            *q.dropped.entry(reason.clone()).or_default() += n;
+        }
+    }
+}
+
 /// The autoscaling part of [`PoolSummary`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Autoscaling {
@@ -350,6 +407,41 @@ pub struct AlarmAnswer {
     pub alarm_was_armed: bool,
 }
 
+// ---- Between coordinator shards ----------------------------------------------------------
+
+/// The answer to `POST /shard/load` (body: a `routing_core::shard::LoadReport`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReportAnswer {
+    /// Whether the report counts (false: one shard, the receiver's own, or older than one held).
+    pub accepted: bool,
+}
+
+/// `POST /shard/probes`: shard 0's probe round, for a sibling to apply (probing runs once per
+/// pool).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ProbeRound {
+    /// Each probed backend and what its probe found.
+    pub reports: Vec<(BackendId, ProbeReport)>,
+}
+
+/// `POST /shard/registry`: shard 0's backends, for a sibling to match (after the pool's shard
+/// count changed, so a new shard knows every backend). Carries the backends' API keys: a call
+/// between Durable Objects only, never relayed to a client.
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub struct ShardRegistry {
+    /// Every backend's spec, and whether it is drained or draining.
+    pub backends: Vec<(BackendSpec, bool)>,
+    /// Backends whose `DELETE` waits for their drain.
+    pub pending_delete: Vec<BackendId>,
+}
+
+/// The answer to `POST /shard/probes` and `POST /shard/registry`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardAck {
+    /// Backends the call changed.
+    pub applied: usize,
+}
+
 // ---- The directory -------------------------------------------------------------------------
 
 /// A pool as the directory knows it.
@@ -363,6 +455,25 @@ pub struct PoolEntry {
     /// Durable Object location hint (for example `enam`), used when the pool is first addressed.
     #[serde(default)]
     pub location_hint: Option<String>,
+    /// Coordinator shards new requests go to (its `shards` setting; 1 when never set).
+    #[serde(default = "one_shard")]
+    pub shards: u32,
+    /// Shard objects the pool has ever had (the most `shards` ever set): a shard retired by a
+    /// smaller count still releases the leases it granted, so admin changes, listings and metrics
+    /// cover it.
+    #[serde(default = "one_shard")]
+    pub shard_objects: u32,
+}
+
+impl PoolEntry {
+    /// Every shard object of the pool, current and retired.
+    pub fn all_shards(&self) -> u32 {
+        self.shards.max(self.shard_objects).max(1)
+    }
+}
+
+fn one_shard() -> u32 {
+    1
 }
 
 /// A client API key as stored: never the key itself, only its hash.
@@ -461,6 +572,66 @@ mod tests {
             serde_json::to_string(&delete).unwrap(),
             r#"{"id":"b","deleted":true}"#
         );
+    }
+
+    #[test]
+    fn shard_zero_is_the_pools_own_object() {
+        assert_eq!(shard_object_name("eu", 0), "eu");
+        assert_eq!(shard_object_name("eu", 3), "eu#3");
+        assert!(crate::settings::validate_name("pool", "eu#3").is_err());
+        let entry: PoolEntry = serde_json::from_str(r#"{"name":"eu"}"#).unwrap();
+        assert_eq!((entry.shards, entry.all_shards()), (1, 1));
+        let shrunk: PoolEntry =
+            serde_json::from_str(r#"{"name":"eu","shards":2,"shard_objects":4}"#).unwrap();
+        assert_eq!(shrunk.all_shards(), 4);
+    }
+
+    #[test]
+    fn shard_summaries_add_load_and_counters_but_not_the_fleet() {
+        let queue = |length: usize, admitted: u64| QueueSummary {
+            enabled: true,
+            length,
+            by_priority: BTreeMap::from([("0".to_string(), length)]),
+            tenants: 1,
+            oldest_wait_ms: Some(length as u64 * 10),
+            waiting_tokens: 100,
+            admitted,
+            queued: 1,
+            reentered: 0,
+            dropped: BTreeMap::from([("timeout".to_string(), 1)]),
+        };
+        let summary = |in_flight: usize, q: QueueSummary| PoolSummary {
+            pool: "p".into(),
+            region: String::new(),
+            policy: PolicyKind::default(),
+            backends: 4,
+            ready_backends: 3,
+            in_flight,
+            in_flight_tokens: in_flight as u64 * 100,
+            waiting: 2.0,
+            running: 5.0,
+            saturated: false,
+            queue: q,
+            autoscaling: Autoscaling {
+                target_waiting_per_replica: 4.0,
+                desired_replicas: 3,
+            },
+            retries: 1,
+            spills: 2,
+            last_probe_ms: Some(7),
+            probe_rounds: 9,
+            retry_budget_exhausted: 0,
+        };
+        let mut total = summary(2, queue(1, 5));
+        total.add_shard(&summary(3, queue(4, 6)));
+        assert_eq!((total.in_flight, total.in_flight_tokens), (5, 500));
+        assert_eq!((total.retries, total.spills), (2, 4));
+        assert_eq!((total.queue.length, total.queue.admitted), (5, 11));
+        assert_eq!(total.queue.by_priority["0"], 5);
+        assert_eq!(total.queue.dropped["timeout"], 2);
+        assert_eq!(total.queue.oldest_wait_ms, Some(40));
+        assert_eq!((total.backends, total.ready_backends), (4, 3));
+        assert_eq!((total.probe_rounds, total.waiting), (9, 2.0));
     }
 
     #[test]

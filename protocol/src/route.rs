@@ -109,6 +109,12 @@ pub enum Route {
     EnsureProbeAlarm,
     /// `POST /probe/now`: -> `PoolSummary`, after a fresh probe round.
     ProbeNow,
+    /// `POST /shard/load` (shard to sibling): `routing_core::shard::LoadReport` -> `LoadReportAnswer`.
+    ShardLoad,
+    /// `POST /shard/probes` (shard 0 to sibling): `ProbeRound` -> `ShardAck`.
+    ShardProbes,
+    /// `POST /shard/registry` (shard 0 to sibling): `ShardRegistry` -> `ShardAck`.
+    ShardRegistry,
     /// `GET /pools` (directory): -> `Vec<PoolEntry>`.
     ListPools,
     /// `PUT /pools/{name}` (directory): `PoolEntry` -> `PoolEntry`.
@@ -192,6 +198,9 @@ impl Route {
             Route::History => "/history".into(),
             Route::EnsureProbeAlarm => "/probe/ensure".into(),
             Route::ProbeNow => "/probe/now".into(),
+            Route::ShardLoad => "/shard/load".into(),
+            Route::ShardProbes => "/shard/probes".into(),
+            Route::ShardRegistry => "/shard/registry".into(),
             Route::ListPools => "/pools".into(),
             Route::PutPool(name) => format!("/pools/{name}"),
             Route::ListKeys | Route::AddKey => "/keys".into(),
@@ -199,6 +208,20 @@ impl Route {
             Route::TakeTokens => "/take".into(),
             Route::SettleTokens => "/settle".into(),
         }
+    }
+
+    /// Whether the call can change the load a pool's shard reports to its siblings (a lease taken,
+    /// moved or ended, a queued request leaving).
+    pub fn moves_load(&self) -> bool {
+        matches!(
+            self,
+            Route::Acquire { .. }
+                | Route::Dequeue
+                | Route::Reassign
+                | Route::Release
+                | Route::Renew
+                | Route::PrefillDone
+        )
     }
 
     /// The full internal URL of the call.
@@ -243,6 +266,9 @@ impl Route {
             (["history"], Get) => Route::History,
             (["probe", "ensure"], Post) => Route::EnsureProbeAlarm,
             (["probe", "now"], Post) => Route::ProbeNow,
+            (["shard", "load"], Post) => Route::ShardLoad,
+            (["shard", "probes"], Post) => Route::ShardProbes,
+            (["shard", "registry"], Post) => Route::ShardRegistry,
             (["pools"], Get) => Route::ListPools,
             (["pools", name], Put) => Route::PutPool(owned(name)),
             (["keys"], Get) => Route::ListKeys,
@@ -257,6 +283,7 @@ impl Route {
                 | ["backends", _]
                 | ["models" | "config" | "state" | "metrics" | "history" | "pools" | "keys"]
                 | ["probe", "ensure" | "now"]
+                | ["shard", "load" | "probes" | "registry"]
                 | ["pools", _]
                 | ["keys", _]
                 | ["take" | "settle"],
@@ -302,6 +329,9 @@ mod tests {
             Route::History,
             Route::EnsureProbeAlarm,
             Route::ProbeNow,
+            Route::ShardLoad,
+            Route::ShardProbes,
+            Route::ShardRegistry,
             Route::ListPools,
             Route::PutPool("eu".into()),
             Route::ListKeys,
@@ -372,5 +402,6 @@ mod tests {
         assert_eq!(Route::ListPools.object(), Object::Directory);
         assert_eq!(Route::TakeTokens.object(), Object::ClientRateLimiter);
         assert_eq!(Route::Acquire { spill_ok: false }.object(), Object::Pool);
+        assert_eq!(Route::ShardLoad.object(), Object::Pool);
     }
 }

@@ -23,6 +23,7 @@
 
 use crate::backend::BackendId;
 use crate::cost::InFlight;
+use crate::prompt::RequestFeatures;
 use crate::ring::key_hash;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -60,6 +61,17 @@ pub fn shard_for(
     };
     // Lemire's multiply-shift: uniform over [0, shards) without a division.
     ((u128::from(h) * u128::from(shards)) >> 64) as u32
+}
+
+/// The shard of a request with these features: [`shard_for`] with its routing key, its first
+/// prefix block, and its request id as the fallback.
+pub fn shard_of_request(shards: u32, features: &RequestFeatures) -> u32 {
+    shard_for(
+        shards,
+        features.routing_key.as_deref(),
+        features.block_hashes.first().copied(),
+        key_hash(&features.request_id),
+    )
 }
 
 /// A 64-bit finaliser, so that nearby block hashes or ids spread over shards.
@@ -244,6 +256,26 @@ mod tests {
         for fallback in 0..50 {
             assert_eq!(shard_for(8, None, Some(12345), fallback), by_block);
         }
+    }
+
+    #[test]
+    fn a_request_goes_by_its_key_then_its_first_block_then_its_id() {
+        let mut f = RequestFeatures {
+            request_id: "req-1".into(),
+            routing_key: Some("alice".into()),
+            block_hashes: vec![42, 7],
+            ..RequestFeatures::default()
+        };
+        assert_eq!(
+            shard_of_request(8, &f),
+            shard_for(8, Some("alice"), None, 0)
+        );
+        f.routing_key = None;
+        assert_eq!(shard_of_request(8, &f), shard_for(8, None, Some(42), 0));
+        f.block_hashes.clear();
+        let by_id = shard_of_request(8, &f);
+        assert_eq!(by_id, shard_for(8, None, None, key_hash("req-1")));
+        assert_eq!(shard_of_request(1, &f), 0);
     }
 
     #[test]

@@ -12,16 +12,23 @@
 //! In memory only: leases, affinity, the retry budget, the last probe reports, and the last hour's
 //! per-minute history (`routing_core::history`, for the dashboard).
 //!
+//! A pool may run on several such objects, its coordinator shards (`shards` in its settings; see
+//! `routing_core::shard`): shard 0 is the object named after the pool, shard k the object
+//! `pool#k`, and every call names its shard in `x-gateway-shard`. Each shard owns its leases,
+//! affinity and queue; shards push their load to each other ([`shards`]); only shard 0 probes,
+//! and it hands each round's results to the others.
+//!
 //! This file holds the object, its memory and the dispatch of each call; the handlers are grouped
-//! by job: [`acquire`], [`leases`], [`backends`], [`probing`] and [`reports`].
+//! by job: [`acquire`], [`leases`], [`backends`], [`probing`], [`reports`] and [`shards`].
 
 mod acquire;
 mod backends;
 mod leases;
 mod probing;
 mod reports;
+mod shards;
 
-use backends::{finish_drains, persist_backends, persist_snapshots};
+use backends::{finish_drains, persist_backends, persist_snapshots, remove_backend};
 use reports::record_history;
 
 use crate::call::{answer, parse_route, read_body};
@@ -36,12 +43,13 @@ use coordinator_protocol::messages::{
     DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
     PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
     ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+    SHARD_HEADER,
 };
 pub use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::{ApiError, Object, Route};
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
-use routing_core::backend::{BackendId, Lifecycle};
+use routing_core::backend::{BackendId, BackendSpec, Lifecycle};
 use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
 use routing_core::drain::drain_finished;
 use routing_core::health::HealthState;
@@ -54,6 +62,7 @@ use routing_core::reassign::{reassign, FailedAttempt, RetryRefused};
 use routing_core::retry_budget::RetryBudget;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::time::Duration;
 use worker::*;
 
@@ -67,7 +76,8 @@ const PROBE_CONCURRENCY: usize = 6;
 pub struct PoolCoordinator {
     state: State,
     env: Env,
-    live: RefCell<Option<Live>>,
+    /// Shared with the load pushes that run after a call has been answered.
+    live: Rc<RefCell<Option<Live>>>,
     /// A probe round is running (rounds never overlap: a second one would double-count the
     /// health hysteresis).
     probing: std::cell::Cell<bool>,
@@ -78,6 +88,10 @@ pub struct PoolCoordinator {
 /// What the coordinator keeps in memory (rebuilt from the registry after a restart).
 struct Live {
     name: String,
+    /// This object's shard index (0: the pool's own object, which alone probes).
+    shard: u32,
+    /// When this shard last pushed its load to its siblings, and whether a push is scheduled.
+    exchange: shards::Exchange,
     registry: Registry,
     pool: Pool,
     settings: PoolSettings,
@@ -137,7 +151,7 @@ impl DurableObject for PoolCoordinator {
         PoolCoordinator {
             state,
             env,
-            live: RefCell::new(None),
+            live: Rc::new(RefCell::new(None)),
             probing: std::cell::Cell::new(false),
             probe_again: std::cell::Cell::new(false),
         }
@@ -145,11 +159,26 @@ impl DurableObject for PoolCoordinator {
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let name = req.headers().get(POOL_HEADER).ok().flatten();
-        if let Err(e) = self.load(name.as_deref()) {
+        let shard = req.headers().get(SHARD_HEADER).ok().flatten();
+        let shard = match shard.map(|s| s.parse::<u32>()) {
+            None => None,
+            Some(Ok(k)) if k < routing_core::shard::MAX_SHARDS => Some(k),
+            Some(_) => {
+                return ApiError::bad_request("x-gateway-shard must be a shard index").to_response()
+            }
+        };
+        if let Err(e) = self.load(name.as_deref(), shard) {
             return e.to_response();
         }
         let result = match parse_route(&req, Object::Pool) {
-            Ok(route) => self.handle(route, &mut req).await,
+            Ok(route) => {
+                let moves_load = route.moves_load();
+                let result = self.handle(route, &mut req).await;
+                if moves_load {
+                    self.load_changed();
+                }
+                result
+            }
             Err(e) => Err(e),
         };
         // Whatever the call changed (a lease ended, a backend came back, settings) may let a
@@ -159,7 +188,7 @@ impl DurableObject for PoolCoordinator {
     }
 
     async fn alarm(&self) -> Result<Response> {
-        if let Err(e) = self.load(None) {
+        if let Err(e) = self.load(None, None) {
             return e.to_response();
         }
         self.with(|l| {
@@ -167,6 +196,11 @@ impl DurableObject for PoolCoordinator {
             finish_drains(l);
         });
         self.settle_queue();
+        if self.with(|l| l.shard) != 0 {
+            // Probing runs once per pool, on shard 0; a sibling's alarm only expires leases.
+            self.load_changed();
+            return Response::ok("expired");
+        }
         self.probe_all().await;
         self.state
             .storage()
@@ -212,11 +246,17 @@ impl PoolCoordinator {
             Route::DeleteBackend { id, force } => self.delete(&id, force),
             Route::Models => self.models(),
             Route::GetConfig => self.with(|l| answer(200, &l.settings)),
-            Route::PutConfig => self.put_config(read_body(req, "pool configuration").await?),
+            Route::PutConfig => {
+                self.put_config(read_body(req, "pool configuration").await?)
+                    .await
+            }
             Route::Summary => self.summary(),
             Route::Metrics => self.metrics(),
             Route::History => self.history(),
             Route::EnsureProbeAlarm => self.ensure_alarm().await,
+            Route::ShardLoad => self.accept_load(read_body(req, "load report").await?),
+            Route::ShardProbes => self.apply_probe_round(read_body(req, "probe round").await?),
+            Route::ShardRegistry => self.apply_registry(read_body(req, "shard registry").await?),
             Route::ProbeNow => {
                 // Asked for explicitly: wait out a round in progress, then run a fresh one.
                 while self.probing.get() {
@@ -230,11 +270,16 @@ impl PoolCoordinator {
     }
 
     /// Loads the registry into memory on first use after a (re)start.
-    fn load(&self, name: Option<&str>) -> std::result::Result<(), ApiError> {
+    fn load(&self, name: Option<&str>, shard: Option<u32>) -> std::result::Result<(), ApiError> {
         if let Some(live) = self.live.borrow_mut().as_mut() {
             if let Some(n) = name.filter(|n| *n != live.name) {
                 live.name = n.to_string();
                 live.registry.set_meta("name", &live.name)?;
+            }
+            if let Some(k) = shard.filter(|k| *k != live.shard) {
+                live.shard = k;
+                live.registry.set_meta("shard", &k)?;
+                shards::apply_shard_settings(live);
             }
             return Ok(());
         }
@@ -246,6 +291,11 @@ impl PoolCoordinator {
             .unwrap_or_else(|| "unnamed".to_string());
         if stored_name.as_deref() != Some(&name) {
             registry.set_meta("name", &name)?;
+        }
+        let stored_shard: Option<u32> = registry.meta("shard");
+        let shard = shard.or(stored_shard).unwrap_or(0);
+        if stored_shard != Some(shard) {
+            registry.set_meta("shard", &shard)?;
         }
         let mut settings: PoolSettings = registry.meta("config").unwrap_or_default();
         if settings.validate().is_err() {
@@ -268,6 +318,8 @@ impl PoolCoordinator {
         let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
         *self.live.borrow_mut() = Some(Live {
             name,
+            shard,
+            exchange: shards::Exchange::default(),
             registry,
             pool,
             settings,
@@ -286,6 +338,7 @@ impl PoolCoordinator {
             persisted: HashMap::new(),
         });
         self.with(|l| {
+            shards::apply_shard_settings(l);
             l.load = pool_load(l);
             l.persisted = l
                 .pool

@@ -34,6 +34,10 @@ impl PoolCoordinator {
     /// Rounds never overlap: one asked for while another runs becomes a single further round
     /// after it (so a backend registered meanwhile is probed without waiting for the interval).
     pub(super) async fn probe_all(&self) {
+        // Probing runs once per pool, on shard 0, which hands its rounds to the other shards.
+        if self.with(|l| l.shard) != 0 {
+            return;
+        }
         if self.probing.replace(true) {
             self.probe_again.set(true);
             return;
@@ -96,5 +100,6 @@ impl PoolCoordinator {
             record_history(l);
         });
         self.settle_queue();
+        self.push_probe_round().await;
     }
 }

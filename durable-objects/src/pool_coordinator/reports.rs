@@ -4,17 +4,26 @@
 use super::*;
 
 impl PoolCoordinator {
-    pub(super) fn put_config(&self, settings: PoolSettings) -> ApiResult {
+    pub(super) async fn put_config(&self, settings: PoolSettings) -> ApiResult {
         settings.validate()?;
-        self.with(|l| {
+        let applied = self.with(|l| {
             l.pool
                 .set_config(settings.routing.clone())
                 .map_err(|e| ApiError::bad_request(e.to_string()))?;
             l.registry.set_meta("config", &settings)?;
+            let old = &l.settings.routing;
+            let reshard = (old.shards, old.shard_exchange_ms)
+                != (settings.routing.shards, settings.routing.shard_exchange_ms);
             l.settings = settings;
+            if reshard {
+                shards::apply_shard_settings(l);
+            }
             l.load = pool_load(l);
             answer(200, &l.settings)
-        })
+        })?;
+        // Shard 0 brings its siblings' registries in line (a new shard starts empty).
+        self.push_registry().await;
+        Ok(applied)
     }
 
     pub(super) fn summary(&self) -> ApiResult {

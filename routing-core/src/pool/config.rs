@@ -5,6 +5,7 @@ use crate::breaker::BreakerConfig;
 use crate::health::HealthConfig;
 use crate::policy::{CacheAwareConfig, ConsistentHashConfig, PolicyKind, PredictedLatencyConfig};
 use crate::prompt::DEFAULT_BLOCK_TOKENS;
+use crate::shard::{DEFAULT_EXCHANGE_MS, MAX_SHARDS};
 use crate::time_model::TimeModelConfig;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -46,7 +47,16 @@ pub struct PoolConfig {
     pub health: HealthConfig,
     /// Admission control: backend capacity and the queue ([`crate::admission`]).
     pub admission: AdmissionConfig,
+    /// Coordinator shards: Durable Objects the pool's coordination is split over (default 1, the
+    /// single exact coordinator; at most [`MAX_SHARDS`]). See [`crate::shard`].
+    pub shards: u32,
+    /// Interval between a shard's load reports to its siblings, ms (default
+    /// [`DEFAULT_EXCHANGE_MS`]; 50 to 1,000).
+    pub shard_exchange_ms: u64,
 }
+
+/// Accepted range of `shard_exchange_ms`.
+pub const SHARD_EXCHANGE_MS_RANGE: (u64, u64) = (50, 1_000);
 
 /// Most candidates a grant can carry.
 pub const MAX_CANDIDATES: usize = 16;
@@ -68,6 +78,8 @@ impl Default for PoolConfig {
             breaker: BreakerConfig::default(),
             health: HealthConfig::default(),
             admission: AdmissionConfig::default(),
+            shards: 1,
+            shard_exchange_ms: DEFAULT_EXCHANGE_MS,
         }
     }
 }
@@ -100,6 +112,13 @@ impl PoolConfig {
             return fail("health thresholds must be at least 1");
         }
         self.admission.validate().map_err(ConfigError)?;
+        if self.shards == 0 || self.shards > MAX_SHARDS {
+            return fail("shards must be between 1 and 64");
+        }
+        let (lo, hi) = SHARD_EXCHANGE_MS_RANGE;
+        if !(lo..=hi).contains(&self.shard_exchange_ms) {
+            return fail("shard_exchange_ms must be between 50 and 1000");
+        }
         Ok(())
     }
 
@@ -270,6 +289,33 @@ mod tests {
             assert_eq!(g.candidates.len(), 1);
             assert_eq!(pool.expire(0), 1);
         }
+    }
+
+    #[test]
+    fn shard_settings_default_to_one_exact_coordinator_and_are_bounded() {
+        let cfg: PoolConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(
+            (cfg.shards, cfg.shard_exchange_ms),
+            (1, DEFAULT_EXCHANGE_MS)
+        );
+        let cfg: PoolConfig =
+            serde_json::from_str(r#"{"shards": 4, "shard_exchange_ms": 100}"#).unwrap();
+        assert!(cfg.validate().is_ok());
+        for (shards, ms) in [(0, 200), (MAX_SHARDS + 1, 200), (4, 49), (4, 1_001)] {
+            let bad = PoolConfig {
+                shards,
+                shard_exchange_ms: ms,
+                ..PoolConfig::default()
+            };
+            let e = bad.validate().unwrap_err().0;
+            assert!(e.starts_with("shard"), "{shards} {ms}: {e}");
+        }
+        assert!(PoolConfig {
+            shards: MAX_SHARDS,
+            ..PoolConfig::default()
+        }
+        .validate()
+        .is_ok());
     }
 
     #[test]
