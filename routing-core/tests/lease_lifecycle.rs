@@ -2,6 +2,8 @@
 //! pool lost (expired while its request still ran, or the Durable Object restarted) is counted
 //! again from the Worker's [`LeaseTerms`], on renewal or on a retry, without leaking counters.
 
+mod common;
+
 use routing_core::lease::LeaseTerms;
 use routing_core::{
     BackendId, BackendSpec, Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig, PoolError,
@@ -26,12 +28,7 @@ fn pool(n: usize) -> Pool {
             models: vec!["m".into()],
             ..BackendSpec::default()
         };
-        let id = pool.add_backend(spec, 0).unwrap();
-        let up = ProbeResult {
-            ok: true,
-            ..ProbeResult::default()
-        };
-        pool.record_probe(&id, &up, 0).unwrap();
+        common::add_ready(&mut pool, spec);
     }
     pool
 }
@@ -233,12 +230,7 @@ fn disaggregated_pool() -> Pool {
             role,
             ..Spec::default()
         };
-        let id = p.add_backend(spec, 0).unwrap();
-        let up = ProbeResult {
-            ok: true,
-            ..ProbeResult::default()
-        };
-        p.record_probe(&id, &up, 0).unwrap();
+        common::add_ready(&mut p, spec);
     }
     p
 }

@@ -1,10 +1,13 @@
-//! What the fleet simulations share: the simulated pool, a simulated server's prefix cache,
-//! filler text, and the timed simulator ([`timed`]).
+//! What the integration tests share: a pool of healthy backends, a simulated server's prefix
+//! cache, filler text, and the timed simulator ([`timed`]).
+// Each test binary uses a part of this module.
+#![allow(dead_code)]
 
 pub mod timed;
 
 use routing_core::{
-    BackendSpec, Capacity, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource, SplitMix64,
+    BackendId, BackendSpec, Capacity, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource,
+    SplitMix64,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -26,14 +29,20 @@ pub fn fleet(policy: PolicyKind, backends: usize, capacity: Capacity) -> Pool {
             capacity,
             ..BackendSpec::default()
         };
-        let id = pool.add_backend(spec, 0).unwrap();
-        let up = ProbeResult {
-            ok: true,
-            ..ProbeResult::default()
-        };
-        pool.record_probe(&id, &up, 0).unwrap();
+        add_ready(&mut pool, spec);
     }
     pool
+}
+
+/// Adds `spec` to `pool` at time 0 and has it probed healthy, so it takes requests.
+pub fn add_ready(pool: &mut Pool, spec: BackendSpec) -> BackendId {
+    let id = pool.add_backend(spec, 0).unwrap();
+    let up = ProbeResult {
+        ok: true,
+        ..ProbeResult::default()
+    };
+    pool.record_probe(&id, &up, 0).unwrap();
+    id
 }
 
 /// A simulated server's prefix cache: an LRU over block hashes, as large as its KV cache.

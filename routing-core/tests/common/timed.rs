@@ -12,9 +12,6 @@
 //! later recomputed, as vLLM does. The pool sees
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
 //! duration and completion tokens.
-// Each test binary uses a part of this module.
-#![allow(dead_code)]
-
 use super::ServerCache;
 use routing_core::prompt::{request_features, FeatureConfig};
 use routing_core::shard;
