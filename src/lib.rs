@@ -6,6 +6,7 @@
 
 mod admin;
 mod admission;
+mod attempts;
 mod auth;
 mod dashboard;
 mod do_client;
@@ -356,7 +357,7 @@ async fn completion(
                     block_hashes: features.block_hashes.clone(),
                     strip_usage_event,
                     request_id,
-                    settings: proxy::ProxySettings::from_env(env),
+                    settings: attempts::ProxySettings::from_env(env),
                     prefill_backend: None,
                     routing_header: feature_config(env).routing_header,
                     route_ms,

@@ -16,7 +16,7 @@
 //! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
 //! backends the stream was resumed from.
 
-use crate::proxy::{stream_upstream, with_usage, Attempts, Moved};
+use crate::attempts::{stream_upstream, with_usage, Attempts, Moved};
 use crate::relay::{Piped, Relay, Upstream};
 use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
 use routing_core::resume::{check_request, continuation_body, Endpoint, NotResumable, Splice};

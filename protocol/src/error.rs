@@ -241,7 +241,7 @@ impl ApiError {
             "The gateway's queue for this pool is full for you; retry later.",
         )
         .with_retry_after(retry_after_s)
-        .with_header(crate::messages::QUEUE_DROP_HEADER, reason)
+        .with_header(crate::names::QUEUE_DROP_HEADER, reason)
     }
 
     /// 503 `queue_timeout`: the request waited as long as it may.
@@ -253,7 +253,7 @@ impl ApiError {
             "The request waited in the gateway's queue as long as it may; retry later.",
         )
         .with_retry_after(retry_after_s)
-        .with_header(crate::messages::QUEUE_DROP_HEADER, "queue_timeout")
+        .with_header(crate::names::QUEUE_DROP_HEADER, "queue_timeout")
     }
 
     /// The JSON body.
@@ -333,7 +333,7 @@ mod tests {
         let e = ApiError::queue_full("tenant_limit", 3);
         assert_eq!((e.status, e.retry_after_s), (429, Some(3)));
         assert!(e.headers.contains(&(
-            crate::messages::QUEUE_DROP_HEADER.into(),
+            crate::names::QUEUE_DROP_HEADER.into(),
             "tenant_limit".into()
         )));
     }

@@ -13,6 +13,7 @@ pub mod error;
 #[cfg(feature = "worker")]
 pub mod internal_call;
 pub mod messages;
+pub mod names;
 pub mod route;
 pub mod settings;
 #[cfg(feature = "worker")]

@@ -14,20 +14,9 @@ use routing_core::scrape::VllmMetrics;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Header carrying the pool's name on every call to a pool coordinator (a Durable Object does not
-/// know the name it was addressed by).
-pub const POOL_HEADER: &str = "x-gateway-pool";
-/// Header carrying the coordinator shard's index next to [`POOL_HEADER`] (absent: shard 0).
-pub const SHARD_HEADER: &str = "x-gateway-shard";
-/// Binding name of the pool coordinator namespace (wrangler.toml), for the Worker and for shards
-/// calling their siblings.
-pub const POOL_BINDING: &str = "POOL";
-/// Header of a granted acquire: milliseconds the request waited in the pool's queue.
-pub const QUEUE_WAIT_HEADER: &str = "x-gateway-queue-wait-ms";
-/// Header of a request refused or dropped by admission control: the drop reason.
-pub const QUEUE_DROP_HEADER: &str = "x-gateway-queue-drop";
-/// The name a pool gets when a registration names none.
-pub const DEFAULT_POOL: &str = "default";
+pub use crate::names::{
+    DEFAULT_POOL, POOL_BINDING, POOL_HEADER, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER, SHARD_HEADER,
+};
 
 /// The Durable Object name of shard `shard` of `pool`: the pool's own name for shard 0 (so a pool
 /// keeps its object and state when it gains shards), `pool#k` for the others (`#` is not allowed in

@@ -1,0 +1,552 @@
+//! The attempts on a grant's candidates: building the upstream request (the forwarded headers,
+//! the backend's key), calling a backend with the first-byte or response timeout, reading a
+//! stream's first chunk or a whole non-streamed answer (bounded, and only whole JSON passes), and
+//! moving the lease to the next candidate after a failure, within the pool's retry budget.
+//! [`Attempts`] owns what that takes, so the proxy (`proxy.rs`) makes the first attempts and a
+//! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
+
+use crate::do_client::pool_json;
+use crate::lease_guard::LeaseGuard;
+use crate::relay::Upstream;
+use crate::ApiError;
+use coordinator_protocol::messages::ReassignRequest;
+use coordinator_protocol::timed_fetch::{
+    fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
+};
+use coordinator_protocol::Route;
+use routing_core::outcome::{Outcome, OutcomeKind};
+use routing_core::pool::CandidateView;
+use routing_core::usage::{body_usage, Usage};
+use serde_json::Value;
+use std::time::Duration;
+use wasm_bindgen::{JsCast, JsValue};
+use wasm_bindgen_futures::JsFuture;
+use worker::{AbortSignal, Date, Env, Headers, Method, Request, RequestInit, ResponseBody};
+
+/// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
+/// cookies and platform headers never pass, and neither does an unbounded header set). The
+/// gateway sets `content-type`, `x-request-id` and the backend's own `authorization` itself; the
+/// configured routing-key header is forwarded too.
+pub(crate) const FORWARDED_REQUEST_HEADERS: [&str; 8] = [
+    "accept",
+    "user-agent",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "x-session-id",
+    "x-user-id",
+    "x-tenant-id",
+];
+
+/// Longest client header value forwarded.
+pub(crate) const MAX_FORWARDED_HEADER_BYTES: usize = 1024;
+
+/// Upstream response headers passed to the client.
+pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
+    ["content-type", "cache-control", "openai-processing-ms"];
+
+/// Largest non-streamed answer read from a backend (embeddings of large batches included).
+pub(crate) const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+
+/// Proxy timing and retry knobs (wrangler.toml vars).
+#[derive(Debug, Clone, Copy)]
+pub struct ProxySettings {
+    /// Most extra attempts after the first (default 2).
+    pub max_retries: u32,
+    /// A streamed answer must deliver its first chunk within this time (default 30 s).
+    pub first_byte_timeout: Duration,
+    /// A non-streamed answer must arrive whole within this time (default 600 s).
+    pub response_timeout: Duration,
+    /// After its first chunk, a stream may go this long without one (default 60 s).
+    pub stream_idle_timeout: Duration,
+    /// Most times one stream is resumed on another backend after failing mid-answer (default 1;
+    /// 0 turns resumption off).
+    pub max_stream_resumes: u32,
+}
+
+impl ProxySettings {
+    /// Reads the knobs from the environment, with defaults.
+    pub fn from_env(env: &Env) -> Self {
+        let var = |name: &str, default: u64| crate::var_or(env, name, default);
+        ProxySettings {
+            max_retries: var("MAX_RETRIES", 2).min(10) as u32,
+            first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
+            response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
+            stream_idle_timeout: Duration::from_millis(
+                var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10),
+            ),
+            max_stream_resumes: var("MAX_STREAM_RESUMES", 1).min(5) as u32,
+        }
+    }
+}
+
+/// A failure of one attempt, before anything of it reached the client.
+pub(crate) struct AttemptFailure {
+    pub(crate) outcome: Outcome,
+    pub(crate) reason: String,
+    /// Whether another candidate may be tried.
+    pub(crate) retryable: bool,
+    /// The backend answered 404: it does not serve the model (any more).
+    pub(crate) missing_model: bool,
+}
+
+impl AttemptFailure {
+    pub(crate) fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
+        AttemptFailure {
+            outcome: Outcome::of_kind(kind),
+            reason,
+            retryable: true,
+            missing_model: false,
+        }
+    }
+}
+
+/// A successful (or non-retryable) attempt: headers known, and either the whole body or, for a
+/// stream, its first chunk and the rest of the body.
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) headers: Headers,
+    /// A body read whole (or rewritten: an upstream client error).
+    pub(crate) whole: Option<Vec<u8>>,
+    pub(crate) usage: Option<Usage>,
+    pub(crate) first_chunk: Option<JsValue>,
+    pub(crate) body: Option<web_sys::ReadableStream>,
+    pub(crate) ttfb_ms: u64,
+    pub(crate) abort: LinkedAbort,
+}
+
+impl Answer {
+    /// A backend's 4xx, rewritten into an OpenAI error body whatever shape vLLM gave it
+    /// (`{"error": {...}}`, the older `{"object": "error", "message": ...}`, or plain text).
+    fn client_error(status: u16, text: &str, abort: LinkedAbort, ttfb_ms: u64) -> Answer {
+        let parsed: Option<Value> = serde_json::from_str(text).ok();
+        let inner = parsed
+            .as_ref()
+            .map(|v| v.get("error").filter(|e| e.is_object()).unwrap_or(v));
+        let message = inner
+            .and_then(|e| e.get("message"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .or_else(|| {
+                inner
+                    .and_then(|e| e.get("error"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| format!("The backend answered {status}."));
+        let mut err = ApiError::bad_request(message);
+        err.status = status;
+        err.param = inner
+            .and_then(|e| e.get("param"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let body = serde_json::to_vec(&err.body()).unwrap_or_default();
+        let headers = Headers::new();
+        let _ = headers.set("content-type", "application/json");
+        Answer {
+            status,
+            headers,
+            whole: Some(body),
+            usage: None,
+            first_chunk: None,
+            body: None,
+            ttfb_ms,
+            abort,
+        }
+    }
+}
+
+/// How the lease moved after a failed attempt.
+pub(crate) enum Moved {
+    /// To this candidate, for the next attempt.
+    To(CandidateView),
+    /// Nowhere: no further candidate could take it.
+    Nowhere,
+    /// The pool's retry budget refused, and the pool ended the lease with the failure.
+    Refused,
+}
+
+/// What it takes to make attempts on a grant's candidates and move the lease between them, owned
+/// so a stream's resumption can go on making them from `wait_until`.
+pub(crate) struct Attempts {
+    pub(crate) env: Env,
+    pub(crate) pool: String,
+    /// The shard that granted the lease: its moves go there too.
+    pub(crate) shard: u32,
+    pub(crate) guard: LeaseGuard,
+    pub(crate) candidates: Vec<CandidateView>,
+    /// The next candidate in the ranking not tried yet.
+    pub(crate) next_index: usize,
+    /// Attempts made so far.
+    pub(crate) count: u32,
+    pub(crate) path: String,
+    pub(crate) request_id: String,
+    /// The client headers forwarded upstream.
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) settings: ProxySettings,
+    pub(crate) stream: bool,
+    pub(crate) block_hashes: Vec<u64>,
+    pub(crate) model: String,
+}
+
+impl Attempts {
+    /// One attempt on `c` with `body`: the answer's headers and first chunk (a stream) or whole
+    /// body, or why it failed before anything reached the client.
+    pub(crate) async fn attempt(
+        &self,
+        c: &CandidateView,
+        body: &[u8],
+        client_signal: &AbortSignal,
+    ) -> Result<Answer, AttemptFailure> {
+        let started = Date::now().as_millis();
+        let elapsed = || Date::now().as_millis().saturating_sub(started);
+        let req = self.request(c, body).map_err(|e| {
+            AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("cannot build the request to backend {}: {e}", c.id.0),
+            )
+        })?;
+        let timeout = if self.stream {
+            self.settings.first_byte_timeout
+        } else {
+            self.settings.response_timeout
+        };
+        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal))
+            .await
+            .map_err(|f| match f {
+                FetchFailure::Timeout => AttemptFailure::new(
+                    OutcomeKind::Timeout,
+                    format!(
+                        "backend {} sent no response within {} ms",
+                        c.id.0,
+                        timeout.as_millis()
+                    ),
+                ),
+                FetchFailure::Transport(e) => AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {} unreachable: {e}", c.id.0),
+                ),
+            })?;
+        let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
+        let status = resp.status_code();
+        let kind = OutcomeKind::from_status(status);
+        // 401/403 from a backend means it rejects the gateway's own key (the client's is never
+        // sent): the backend's misconfiguration, so it counts against it and is retried elsewhere.
+        let rejects_gateway = matches!(status, 401 | 403);
+        if matches!(kind, OutcomeKind::ServerError | OutcomeKind::RateLimited) || rejects_gateway {
+            let mut outcome = Outcome::from_status(status);
+            if rejects_gateway {
+                outcome.kind = OutcomeKind::ServerError;
+            }
+            outcome.ttfb_ms = Some(elapsed());
+            abort.abort();
+            let why = if rejects_gateway {
+                " (it rejects the gateway's API key for it)"
+            } else {
+                ""
+            };
+            return Err(AttemptFailure {
+                outcome,
+                reason: format!("backend {} answered {status}{why}", c.id.0),
+                ..AttemptFailure::new(kind, String::new())
+            });
+        }
+        if status == 404 {
+            // vLLM answers 404 only for a model it does not serve: unloaded since the last probe.
+            // Not the backend's fault, and another backend may have it.
+            abort.abort();
+            return Err(AttemptFailure {
+                outcome: Outcome {
+                    ttfb_ms: Some(elapsed()),
+                    ..Outcome::from_status(404)
+                },
+                reason: format!("backend {} does not serve the model", c.id.0),
+                missing_model: true,
+                ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+            });
+        }
+        if !(200..300).contains(&status) {
+            // A client error the backend reported: pass it on in the OpenAI shape.
+            let mut resp = resp;
+            let text = with_timeout(resp.text(), remaining())
+                .await
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            return Ok(Answer::client_error(status, &text, abort, elapsed()));
+        }
+        let headers = resp.headers().clone();
+        let (_, body) = resp.into_parts();
+        let body = match body {
+            ResponseBody::Stream(s) => Some(s),
+            _ => None,
+        };
+        let mut answer = Answer {
+            status,
+            headers,
+            whole: None,
+            usage: None,
+            first_chunk: None,
+            body: None,
+            ttfb_ms: 0,
+            abort,
+        };
+        // Whatever fails from here on, the upstream request is closed, not left to the collector.
+        let read = self
+            .read_answer(&mut answer, body, remaining(), timeout, &c.id.0)
+            .await;
+        if let Err(failure) = read {
+            answer.abort.abort();
+            return Err(failure);
+        }
+        answer.ttfb_ms = elapsed();
+        Ok(answer)
+    }
+
+    /// Reads what the client gets of a 2xx answer before its headers: a stream's first chunk, or
+    /// a whole non-streamed body, checked to be one JSON document.
+    async fn read_answer(
+        &self,
+        answer: &mut Answer,
+        body: Option<web_sys::ReadableStream>,
+        remaining: Duration,
+        timeout: Duration,
+        backend: &str,
+    ) -> Result<(), AttemptFailure> {
+        if self.stream {
+            let Some(stream) = body else {
+                return Err(AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {backend} sent no stream"),
+                ));
+            };
+            answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
+            answer.body = Some(stream);
+            return Ok(());
+        }
+        let bytes = match body {
+            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining)
+                .await
+                .unwrap_or_else(|| {
+                    Err(AttemptFailure::new(
+                        OutcomeKind::Timeout,
+                        format!(
+                            "backend {backend} did not finish its answer within {} ms",
+                            timeout.as_millis()
+                        ),
+                    ))
+                })?,
+            None => Vec::new(),
+        };
+        // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
+        // is not one whole document is the backend's failure. Other content types pass as sent.
+        let content_type = answer
+            .headers
+            .get("content-type")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if content_type.is_empty() || content_type.contains("json") {
+            answer.usage = body_usage(&bytes).map_err(|e| {
+                AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"),
+                )
+            })?;
+        }
+        answer.whole = Some(bytes);
+        Ok(())
+    }
+
+    /// The upstream request for `c` with `body`.
+    pub(crate) fn request(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
+        let headers = Headers::new();
+        for (name, value) in &self.headers {
+            headers.set(name, value)?;
+        }
+        headers.set("content-type", "application/json")?;
+        headers.set("x-request-id", &self.request_id)?;
+        if let Some(key) = &c.api_key {
+            headers.set("authorization", &format!("Bearer {key}"))?;
+        }
+        let mut init = RequestInit::new();
+        init.with_method(Method::Post)
+            .with_headers(headers)
+            .with_body(Some(js_sys::Uint8Array::from(body).into()));
+        Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
+    }
+
+    /// Candidates of the ranking not tried yet.
+    pub(crate) fn untried(&self) -> usize {
+        self.candidates.len().saturating_sub(self.next_index)
+    }
+
+    /// Moves the lease to the next candidate in the ranking that takes it, reporting `failure`
+    /// for the backend it leaves (a retry in the pool's budget).
+    pub(crate) async fn move_on(&mut self, failure: &Outcome, missing_model: bool) -> Moved {
+        while self.next_index < self.candidates.len() {
+            let to = self.candidates[self.next_index].clone();
+            self.next_index += 1;
+            let req = ReassignRequest {
+                lease_id: self.guard.lease_id(),
+                to: to.id.clone(),
+                failure: failure.clone(),
+                terms: Some(self.guard.terms()),
+                block_hashes: self.block_hashes.clone(),
+                missing_model: missing_model.then(|| self.model.clone()),
+            };
+            let moved: Result<CandidateView, ApiError> = pool_json(
+                &self.env,
+                &self.pool,
+                self.shard,
+                &Route::Reassign,
+                Some(&req),
+            )
+            .await;
+            match moved {
+                Ok(view) => {
+                    self.guard.moved_to(&view.id.0);
+                    return Moved::To(view);
+                }
+                Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
+                    return Moved::Refused;
+                }
+                Err(_) => continue, // that candidate became unavailable; try the next
+            }
+        }
+        Moved::Nowhere
+    }
+}
+
+/// The relay's side of a streamed answer from `c`: its body after the first chunk.
+pub(crate) fn stream_upstream(
+    body: web_sys::ReadableStream,
+    first_chunk: Option<JsValue>,
+    abort: LinkedAbort,
+    c: &CandidateView,
+    settings: &ProxySettings,
+) -> Upstream {
+    Upstream {
+        body,
+        first_chunk,
+        abort,
+        backend: c.id.0.clone(),
+        idle_timeout: settings.stream_idle_timeout,
+    }
+}
+
+/// Copies the backend's reported usage into the outcome.
+pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
+    if let Some(u) = usage {
+        outcome.prompt_tokens = Some(u.prompt_tokens);
+        outcome.cached_tokens = u.cached_tokens;
+        outcome.completion_tokens = Some(u.completion_tokens);
+    }
+}
+
+/// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
+/// over the limit is not retried (another backend would send as much).
+pub(crate) async fn read_whole(
+    stream: &web_sys::ReadableStream,
+    limit: usize,
+    backend: &str,
+) -> Result<Vec<u8>, AttemptFailure> {
+    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
+    let mut out = Vec::new();
+    loop {
+        let chunk = JsFuture::from(reader.read()).await.map_err(|_| {
+            AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("backend {backend} broke off its answer"),
+            )
+        })?;
+        let done = js_sys::Reflect::get(&chunk, &"done".into())
+            .ok()
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true);
+        if done {
+            return Ok(out);
+        }
+        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into())
+            .and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
+        else {
+            return Err(AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("backend {backend} sent an unreadable chunk"),
+            ));
+        };
+        let n = bytes.length() as usize;
+        if out.len() + n > limit {
+            let _ = reader.cancel();
+            return Err(AttemptFailure {
+                outcome: Outcome::from_status(200),
+                reason: format!("backend {backend} answered more than {limit} bytes"),
+                retryable: false,
+                missing_model: false,
+            });
+        }
+        let at = out.len();
+        out.resize(at + n, 0);
+        bytes.copy_to(&mut out[at..]);
+    }
+}
+
+/// Reads the first chunk of a stream within `timeout`, then unlocks the stream for piping.
+pub(crate) async fn read_first_chunk(
+    stream: &web_sys::ReadableStream,
+    timeout: Duration,
+    backend: &str,
+) -> Result<JsValue, AttemptFailure> {
+    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
+    let read = JsFuture::from(reader.read());
+    let result = with_timeout(read, timeout).await;
+    let fail = AttemptFailure::new;
+    let chunk = match result {
+        None => {
+            let _ = reader.cancel();
+            return Err(fail(
+                OutcomeKind::Timeout,
+                format!(
+                    "backend {backend} sent no first token within {} ms",
+                    timeout.as_millis()
+                ),
+            ));
+        }
+        Some(Err(_)) => {
+            return Err(fail(
+                OutcomeKind::Transport,
+                format!("backend {backend} failed before its first token"),
+            ))
+        }
+        Some(Ok(r)) => r,
+    };
+    let done = js_sys::Reflect::get(&chunk, &"done".into())
+        .ok()
+        .and_then(|v| v.as_bool())
+        .unwrap_or(true);
+    if done {
+        return Err(fail(
+            OutcomeKind::Transport,
+            format!("backend {backend} closed the stream before its first token"),
+        ));
+    }
+    reader.release_lock();
+    js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
+        fail(
+            OutcomeKind::Transport,
+            format!("backend {backend} sent an unreadable chunk"),
+        )
+    })
+}
+
+/// The client's error after every allowed attempt failed.
+pub(crate) fn final_error(failure: &AttemptFailure, attempts: u32, suffix: &str) -> ApiError {
+    let message = format!(
+        "Upstream failed after {attempts} attempt(s): {}{suffix}",
+        failure.reason
+    );
+    match failure.outcome.kind {
+        OutcomeKind::Timeout => ApiError::gateway_timeout(message),
+        OutcomeKind::RateLimited => ApiError::rate_limited(message, 1),
+        _ => ApiError::bad_gateway(message),
+    }
+}
