@@ -146,8 +146,13 @@ test("higher priority is served first under contention", async () => {
   const blocker = chat(p.model, { tokens: 150 });
   await waitFor(async () => ((await poolState(gw, p.name)).in_flight === 1 ? true : null), { what: "the blocker holds the backend" });
   const done = [];
-  const low = Array.from({ length: 5 }, (_, i) => chat(p.model, { tokens: 5, tenant: "batch", priority: -5 }).then((r) => done.push(`low${i}`) && r));
-  await waitQueued(p.name, 5);
+  // One at a time, each queued before the next is sent, so their arrival order at the pool is
+  // known (requests sent at once reach the Durable Object in no fixed order).
+  const low = [];
+  for (let i = 0; i < 5; i++) {
+    low.push(chat(p.model, { tokens: 5, tenant: "batch", priority: -5 }).then((r) => done.push(`low${i}`) && r));
+    await waitQueued(p.name, i + 1);
+  }
   const high = Array.from({ length: 3 }, (_, i) => chat(p.model, { tokens: 5, tenant: "batch", priority: 5 }).then((r) => done.push(`high${i}`) && r));
   const s = await waitQueued(p.name, 8);
   assert.ok(s);
