@@ -415,7 +415,8 @@ mod tests {
     use super::*;
     use crate::backend::BackendSpec;
     use crate::outcome::Outcome;
-    use crate::pool::{PoolConfig, ProbeResult};
+    use crate::pool::test_support::add_ready;
+    use crate::pool::PoolConfig;
     use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
 
@@ -548,26 +549,15 @@ mod tests {
     #[test]
     fn follows_a_real_pool() {
         let mut pool = Pool::new("p", PoolConfig::default());
-        let id = pool
-            .add_backend(
-                BackendSpec {
-                    id: "gpu-1".into(),
-                    url: "http://gpu-1:8000".into(),
-                    models: vec!["m".into()],
-                    ..BackendSpec::default()
-                },
-                0,
-            )
-            .unwrap();
-        pool.record_probe(
-            &id,
-            &ProbeResult {
-                ok: true,
-                ..ProbeResult::default()
+        let id = add_ready(
+            &mut pool,
+            BackendSpec {
+                id: "gpu-1".into(),
+                url: "http://gpu-1:8000".into(),
+                models: vec!["m".into()],
+                ..BackendSpec::default()
             },
-            0,
-        )
-        .unwrap();
+        );
         let mut h = History::new(60);
         let mut rng = SplitMix64::new(1);
         let f = RequestFeatures {

@@ -88,7 +88,8 @@ mod tests {
     use super::*;
     use crate::backend::BackendSpec;
     use crate::outcome::OutcomeKind;
-    use crate::pool::{PoolConfig, ProbeResult};
+    use crate::pool::test_support::add_ready;
+    use crate::pool::PoolConfig;
     use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
 
@@ -101,12 +102,7 @@ mod tests {
                 models: vec!["m".into(), "other".into()],
                 ..BackendSpec::default()
             };
-            let id = pool.add_backend(spec, 0).unwrap();
-            let up = ProbeResult {
-                ok: true,
-                ..ProbeResult::default()
-            };
-            pool.record_probe(&id, &up, 0).unwrap();
+            add_ready(&mut pool, spec);
         }
         pool
     }

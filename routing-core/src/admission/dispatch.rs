@@ -110,7 +110,8 @@ mod tests {
     use crate::admission::{AdmissionRequest, Ticket, Waiting};
     use crate::backend::BackendSpec;
     use crate::outcome::Outcome;
-    use crate::pool::{PoolConfig, ProbeResult};
+    use crate::pool::test_support::add_ready;
+    use crate::pool::PoolConfig;
     use crate::prompt::{request_features, FeatureConfig};
     use crate::random::SplitMix64;
     use serde_json::json;
@@ -132,16 +133,7 @@ mod tests {
                 ..BackendSpec::default()
             };
             spec.capacity.max_num_seqs = max_num_seqs;
-            let id = pool.add_backend(spec, 0).unwrap();
-            pool.record_probe(
-                &id,
-                &ProbeResult {
-                    ok: true,
-                    ..ProbeResult::default()
-                },
-                0,
-            )
-            .unwrap();
+            add_ready(&mut pool, spec);
         }
         pool
     }

@@ -46,7 +46,8 @@ impl Pool {
         if !target.available(now_ms, &breaker_config) {
             return Err(PoolError::BackendUnavailable { id: to.clone() });
         }
-        let blocks = self.lease_blocks.get(&lease_id).map(|(_, b)| b.clone());
+        // The lease stops holding its blocks on the old backend here (its settle finds them gone).
+        let blocks = self.drop_blocks(lease_id, old.backend);
         self.settle(&old, failure, lease_id, acquired_ms, now_ms);
         let share = self.admit(slot, prompt_tokens, output, now_ms);
         if let (Some(_), Some(blocks)) = (&share, blocks) {

@@ -30,7 +30,7 @@ mod render;
 mod siblings;
 mod stats;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 mod views;
 
 pub use crate::scrape::ScrapedGauges;
@@ -180,8 +180,9 @@ impl Pool {
         self.leases.len()
     }
 
-    /// Checks that every backend's in-flight counters equal the sum of its live lease shares
-    /// (used by tests and property tests; cheap enough for a debug endpoint).
+    /// Checks that every backend's in-flight counters equal the sum of its live lease shares, and
+    /// that the blocks counted as held there are exactly those its live leases hold (used by tests
+    /// and property tests; cheap enough for a debug endpoint).
     pub fn check_counters(&self) -> Result<(), String> {
         for s in &self.slots {
             let Some(e) = &s.entry else { continue };
@@ -199,6 +200,27 @@ impl Pool {
                     e.spec.id, e.in_flight, expected
                 ));
             }
+            let held: std::collections::HashSet<u64> = self
+                .lease_blocks
+                .values()
+                .filter(|(key, _)| *key == e.key)
+                .flat_map(|(_, blocks)| blocks.iter().copied())
+                .collect();
+            if held.len() != e.held.distinct() {
+                return Err(format!(
+                    "backend {}: {} blocks counted as held, live leases hold {}",
+                    e.spec.id,
+                    e.held.distinct(),
+                    held.len()
+                ));
+            }
+        }
+        if let Some(id) = self
+            .lease_blocks
+            .keys()
+            .find(|&&id| !self.leases.contains(id))
+        {
+            return Err(format!("lease {id} holds blocks but is not live"));
         }
         Ok(())
     }

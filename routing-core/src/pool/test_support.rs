@@ -2,7 +2,7 @@
 //! a chat request's features.
 
 use super::{Pool, PoolConfig, ProbeResult};
-use crate::backend::BackendSpec;
+use crate::backend::{BackendId, BackendSpec};
 use crate::policy::PolicyKind;
 use crate::prompt::{request_features, FeatureConfig, RequestFeatures};
 use serde_json::json;
@@ -24,6 +24,13 @@ pub(crate) fn up() -> ProbeResult {
     }
 }
 
+/// Adds `spec` to `pool` at time 0 and has it probed healthy, so it takes requests.
+pub(crate) fn add_ready(pool: &mut Pool, spec: BackendSpec) -> BackendId {
+    let id = pool.add_backend(spec, 0).unwrap();
+    pool.record_probe(&id, &up(), 0).unwrap();
+    id
+}
+
 pub(crate) fn pool_with(policy: PolicyKind, n: usize) -> Pool {
     let mut pool = Pool::new(
         "p1",
@@ -33,8 +40,7 @@ pub(crate) fn pool_with(policy: PolicyKind, n: usize) -> Pool {
         },
     );
     for i in 0..n {
-        let id = pool.add_backend(spec(&format!("b{i}")), 0).unwrap();
-        pool.record_probe(&id, &up(), 0).unwrap();
+        add_ready(&mut pool, spec(&format!("b{i}")));
     }
     pool
 }
