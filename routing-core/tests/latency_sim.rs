@@ -13,7 +13,7 @@
 mod common;
 
 use common::timed::{
-    averaged, simulate, Coordination, Groups, MultiTurn, Report, Speed, Workload, SIM_SPEED,
+    averaged, simulate, Conditions, Groups, MultiTurn, Report, Speed, Workload, SIM_SPEED,
 };
 use routing_core::{BackendId, PolicyKind, SplitMix64};
 use std::collections::HashMap;
@@ -31,13 +31,13 @@ fn compare(
     kv_blocks: usize,
     make: &dyn Fn(u64) -> Box<dyn Workload>,
 ) -> HashMap<PolicyKind, Report> {
-    compare_through(name, kv_blocks, Coordination::SINGLE, make)
+    compare_through(name, kv_blocks, Conditions::SINGLE, make)
 }
 
 fn compare_through(
     name: &str,
     kv_blocks: usize,
-    gateway: Coordination,
+    gateway: Conditions,
     make: &dyn Fn(u64) -> Box<dyn Workload>,
 ) -> HashMap<PolicyKind, Report> {
     let speeds = [SIM_SPEED; 8];
@@ -163,9 +163,9 @@ fn shared_prefix_groups_on_time() {
 /// targets.
 #[test]
 fn a_busy_gateway_does_not_scatter_conversations() {
-    let busy = Coordination {
+    let busy = Conditions {
         busy_jitter_ms: 300.0,
-        ..Coordination::SINGLE
+        ..Conditions::SINGLE
     };
     let r = compare_through("busy gateway", 2_048, busy, &|seed| {
         let mut rng = SplitMix64::new(1 + seed);
@@ -193,7 +193,7 @@ fn learned_rates_converge_on_a_slower_backend() {
         &speeds,
         2_048,
         9,
-        Coordination::SINGLE,
+        Conditions::SINGLE,
     );
     let pool = &pools[0];
     let fast = pool.backend(&BackendId::from("gpu-0")).unwrap().timing;
@@ -223,7 +223,7 @@ fn learned_rates_converge_on_a_slower_backend() {
         &speeds,
         2_048,
         9,
-        Coordination::SINGLE,
+        Conditions::SINGLE,
     );
     let pool = &pools[0];
     let served = |id: &str| {
@@ -275,9 +275,9 @@ fn chat_beyond_memory() {
 #[test]
 fn shared_prefix_groups_open_loop() {
     for rate in [40.0, 48.0] {
-        let open = Coordination {
+        let open = Conditions {
             open_rate: rate,
-            ..Coordination::SINGLE
+            ..Conditions::SINGLE
         };
         let r = compare_through(&format!("open {rate}/s"), 512, open, &|seed| {
             let mut rng = SplitMix64::new(2 + 10 * seed);

@@ -10,14 +10,14 @@
 
 mod common;
 
-use common::timed::{averaged, Coordination, Groups, MultiTurn, Report, Workload, SIM_SPEED};
+use common::timed::{averaged, Conditions, Groups, MultiTurn, Report, Workload, SIM_SPEED};
 use routing_core::{PolicyKind, SplitMix64};
 
 /// Seeds each figure is averaged over: the busiest backend of one run rests on a few early choices.
 const SEEDS: u64 = 6;
 
 /// Runs `make`'s workload through `coordination`, averaged over [`SEEDS`] seeds.
-fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Coordination) -> Report {
+fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Conditions) -> Report {
     let speeds = [SIM_SPEED; 8];
     averaged(
         PolicyKind::PredictedLatency,
@@ -29,7 +29,7 @@ fn run(make: &dyn Fn(u64) -> Box<dyn Workload>, kv_blocks: usize, c: Coordinatio
     )
 }
 
-fn print(name: &str, c: Coordination, r: &Report) {
+fn print(name: &str, c: Conditions, r: &Report) {
     println!(
         "{name:>13} shards {} every {:>4} ms: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} ms | \
          {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",
@@ -46,15 +46,15 @@ fn print(name: &str, c: Coordination, r: &Report) {
 }
 
 fn sweep(name: &str, kv_blocks: usize, make: &dyn Fn(u64) -> Box<dyn Workload>) {
-    let exact = run(make, kv_blocks, Coordination::SINGLE);
-    print(name, Coordination::SINGLE, &exact);
+    let exact = run(make, kv_blocks, Conditions::SINGLE);
+    print(name, Conditions::SINGLE, &exact);
     let mut failures = Vec::new();
     for shards in [2, 4, 8] {
         for exchange_ms in [100, 200, 1_000] {
-            let c = Coordination {
+            let c = Conditions {
                 shards,
                 exchange_ms,
-                ..Coordination::SINGLE
+                ..Conditions::SINGLE
             };
             let r = run(make, kv_blocks, c);
             print(name, c, &r);

@@ -364,7 +364,7 @@ pub fn pct(v: &mut [f64], p: f64) -> f64 {
 /// cores by `make bench`); and whether clients wait for answers (closed loop) or requests arrive
 /// at `open_rate` regardless (open loop).
 #[derive(Debug, Clone, Copy)]
-pub struct Coordination {
+pub struct Conditions {
     pub shards: u32,
     pub exchange_ms: u64,
     pub busy_jitter_ms: f64,
@@ -373,9 +373,9 @@ pub struct Coordination {
     pub open_rate: f64,
 }
 
-impl Coordination {
+impl Conditions {
     /// The exact single coordinator on an idle gateway.
-    pub const SINGLE: Coordination = Coordination {
+    pub const SINGLE: Conditions = Conditions {
         shards: 1,
         exchange_ms: shard::DEFAULT_EXCHANGE_MS,
         busy_jitter_ms: 0.0,
@@ -391,18 +391,18 @@ pub fn simulate(
     speeds: &[Speed],
     kv_blocks: usize,
     seed: u64,
-    coordination: Coordination,
+    conditions: Conditions,
 ) -> (Report, Vec<Pool>) {
     let capacity = Capacity {
         kv_blocks: kv_blocks as u64,
         block_size: 16,
         max_num_seqs: MAX_NUM_SEQS as u32,
     };
-    let shards = coordination.shards.max(1);
+    let shards = conditions.shards.max(1);
     let mut pools: Vec<Pool> = (0..shards)
         .map(|s| {
             let mut pool = super::fleet(policy, speeds.len(), capacity);
-            pool.set_shard(s, shards, coordination.exchange_ms);
+            pool.set_shard(s, shards, conditions.exchange_ms);
             pool
         })
         .collect();
@@ -412,7 +412,7 @@ pub fn simulate(
     let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
     let mut rng = SplitMix64::new(seed);
     let mut wrng = SplitMix64::new(seed ^ 0x77);
-    let open = coordination.open_rate > 0.0;
+    let open = conditions.open_rate > 0.0;
     let mut arrivals = SplitMix64::new(seed ^ 0x0a11);
     let mut pending: Vec<(f64, usize)> = if open {
         vec![(0.0, 0)]
@@ -424,7 +424,7 @@ pub fn simulate(
     // The shard that granted each live lease.
     let mut lease_shard: HashMap<u64, usize> = HashMap::new();
     let mut next_exchange = if shards > 1 {
-        coordination.exchange_ms as f64
+        conditions.exchange_ms as f64
     } else {
         f64::INFINITY
     };
@@ -432,7 +432,7 @@ pub fn simulate(
     let (mut hit_tokens, mut prompt_tokens) = (0u64, 0u64);
     let mut now;
     let mut last_end = 0.0f64;
-    let jitter_ms = coordination.busy_jitter_ms;
+    let jitter_ms = conditions.busy_jitter_ms;
     let mut jrng = SplitMix64::new(seed ^ 0x1177);
     loop {
         let next_arrival = pending
@@ -465,7 +465,7 @@ pub fn simulate(
                     }
                 }
             }
-            next_exchange += coordination.exchange_ms as f64;
+            next_exchange += conditions.exchange_ms as f64;
             continue;
         }
         match (next_arrival, next_step) {
@@ -477,7 +477,7 @@ pub fn simulate(
                 };
                 if open {
                     // The next arrival, whoever it is: exponential gaps at the open rate.
-                    let gap = -(1.0 - arrivals.unit()).ln() * 1000.0 / coordination.open_rate;
+                    let gap = -(1.0 - arrivals.unit()).ln() * 1000.0 / conditions.open_rate;
                     pending.push((now + gap, (client + 1) % workload.clients()));
                 }
                 let s = shard::shard_for(
@@ -569,7 +569,7 @@ pub fn averaged(
     make: &dyn Fn(u64) -> Box<dyn Workload>,
     speeds: &[Speed],
     kv_blocks: usize,
-    gateway: Coordination,
+    gateway: Conditions,
     seeds: u64,
 ) -> Report {
     let runs: Vec<Report> = (0..seeds)
