@@ -175,6 +175,9 @@ pub struct SharePrediction {
     pub first_step_us: u64,
     /// Predicted time per output token, in microseconds.
     pub tpot_us: u64,
+    /// The backend's prefill admitted so far, this share's included, in microseconds: what is
+    /// admitted after it runs while it decodes ([`BackendTiming::learn`] takes it out).
+    pub admitted_through_us: u64,
 }
 
 impl SharePrediction {
@@ -222,6 +225,9 @@ pub struct BackendTiming {
     observations: u64,
     /// Time to first byte beyond the engine's (gateway, network), learned, in milliseconds.
     overhead_ms: f64,
+    /// Prefill time of every request admitted so far, in microseconds at the rate of its
+    /// admission.
+    admitted_prefill_us: u64,
     /// The line fitted through (predicted prefill at the configured rate, measured).
     fit: Fit,
 }
@@ -234,6 +240,7 @@ impl Default for BackendTiming {
             queue_end_us: 0,
             observations: 0,
             overhead_ms: 0.0,
+            admitted_prefill_us: 0,
             fit: Fit::default(),
         }
     }
@@ -324,7 +331,9 @@ impl BackendTiming {
         let prefill_us = (uncached as f64 * self.prefill_us_per_token(c)) as u64;
         let start = self.queue_end_us.max(now_us);
         self.queue_end_us = start.saturating_add(prefill_us);
+        self.admitted_prefill_us = self.admitted_prefill_us.saturating_add(prefill_us);
         SharePrediction {
+            admitted_through_us: self.admitted_prefill_us,
             prefill_us,
             prefill_end_us: self.queue_end_us,
             queued_prefill_us: self.queue_end_us - now_us,
@@ -397,6 +406,14 @@ impl BackendTiming {
             } else {
                 ttfb_ms as f64 - predicted_prefill_ms - first_step_ms - self.overhead_ms
             };
+            // Prefill admitted after this request ran in the steps of its decode (vLLM carries
+            // waiting prompts in the running batch's steps): that time is other requests' prefill,
+            // not this backend decoding slowly, so it is taken out (at most half the decode).
+            let interleaved_ms = self
+                .admitted_prefill_us
+                .saturating_sub(share.admitted_through_us) as f64
+                / 1000.0;
+            let decode_ms = decode_ms - interleaved_ms.min(decode_ms / 2.0);
             if decode_ms > 0.0 {
                 let observed_tpot = decode_ms / f64::from(tokens - 1);
                 self.decode_scale = nudge(
@@ -640,6 +657,36 @@ mod tests {
             wild.learn(&c, &share, &seen);
         }
         assert!((wild.view(&c, 0).prefill_us_per_token - 1_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn prefill_admitted_during_a_decode_is_not_learned_as_slow_decoding() {
+        let c = cfg();
+        let (mut plain, mut busy) = (BackendTiming::default(), BackendTiming::default());
+        // A backend at the configured rates (10 ms steps). On `busy`, another request with 2,000
+        // uncached tokens (200 ms of prefill) arrives just after each one, and its prefill runs in
+        // the steps of the first one's decode: 100 tokens take 990 ms + 200 ms.
+        for i in 0..40u64 {
+            let now = i * 10_000;
+            for (t, extra) in [(&mut plain, 0), (&mut busy, 200)] {
+                let share = t.admit(&c, 0, 0.0, now);
+                let other = (extra > 0).then(|| t.admit(&c, 2_000, 1.0, now + 1));
+                let seen = Observation {
+                    ttfb_ms: Some(10),
+                    duration_ms: 10 + 990 + extra,
+                    completion_tokens: Some(100),
+                    streamed: true,
+                };
+                t.leave(&share, now + seen.duration_ms);
+                t.learn(&c, &share, &seen);
+                if let Some(other) = other {
+                    t.leave(&other, now + seen.duration_ms);
+                }
+            }
+        }
+        let (p, b) = (plain.view(&c, 0), busy.view(&c, 0));
+        assert!((p.decode_ms_per_step - 10.0).abs() < 0.5, "{p:?}");
+        assert!((b.decode_ms_per_step - 10.0).abs() < 0.5, "{b:?}");
     }
 
     #[test]

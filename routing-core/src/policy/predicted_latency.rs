@@ -34,7 +34,7 @@ impl Default for PredictedLatencyConfig {
     fn default() -> Self {
         PredictedLatencyConfig {
             ttft_weight: 1.0,
-            decode_weight: 0.6,
+            decode_weight: 0.8,
         }
     }
 }

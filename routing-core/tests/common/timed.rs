@@ -255,16 +255,34 @@ pub struct MultiTurn {
     turns_left: Vec<u32>,
     max_tokens: u32,
     last_output: Vec<u32>,
+    question_tokens: usize,
+    /// Every answer this long (`None`: 32 to 128 tokens, ending at EOS).
+    fixed_output: Option<u32>,
 }
 
 impl MultiTurn {
+    /// 1,000-token system prompt, 80-token questions, answers of 32 to 128 tokens.
     pub fn new(users: usize, turns: u32, rng: &mut SplitMix64) -> Self {
+        Self::shaped(users, turns, 1_000, 80, None, rng)
+    }
+
+    /// A chat of the given shape (`make bench`'s `chat`: 1,000, 48 and `Some(48)`).
+    pub fn shaped(
+        users: usize,
+        turns: u32,
+        system_tokens: usize,
+        question_tokens: usize,
+        fixed_output: Option<u32>,
+        rng: &mut SplitMix64,
+    ) -> Self {
         MultiTurn {
-            system: words(rng, 1_000),
+            system: words(rng, system_tokens),
             histories: vec![Vec::new(); users],
             turns_left: vec![turns; users],
-            max_tokens: 128,
+            max_tokens: fixed_output.unwrap_or(128),
             last_output: vec![0; users],
+            question_tokens,
+            fixed_output,
         }
     }
 }
@@ -279,12 +297,15 @@ impl Workload for MultiTurn {
             return None;
         }
         self.turns_left[c] -= 1;
-        self.histories[c].push(json!({"role": "user", "content": words(rng, 80)}));
+        let question = words(rng, self.question_tokens);
+        self.histories[c].push(json!({"role": "user", "content": question}));
         let mut messages = vec![json!({"role": "system", "content": self.system})];
         messages.extend(self.histories[c].iter().cloned());
         let body = json!({"model": "m", "max_tokens": self.max_tokens, "messages": messages});
         // Answers end at EOS before max_tokens: 32 to 128 tokens.
-        self.last_output[c] = 32 + rng.below(97) as u32;
+        self.last_output[c] = self
+            .fixed_output
+            .unwrap_or_else(|| 32 + rng.below(97) as u32);
         Some((features(body, format!("user-{c}")), self.last_output[c]))
     }
 
@@ -300,6 +321,9 @@ pub struct Groups {
     sent: usize,
     total: usize,
     window: usize,
+    /// `make bench`'s shape: no routing key, the newest group the hottest (Zipf s = 1 over the
+    /// active groups by recency), 32-token questions and 48-token answers.
+    bench_shape: bool,
 }
 
 impl Groups {
@@ -310,7 +334,33 @@ impl Groups {
             sent: 0,
             total,
             window: 8,
+            bench_shape: false,
         }
+    }
+
+    /// `make bench`'s `prefix-groups`: 1,200-token group prompts, 8 groups at the start and the
+    /// others appearing evenly over the run, requests picking an active group by recency (Zipf).
+    pub fn bench(groups: usize, clients: usize, total: usize, rng: &mut SplitMix64) -> Self {
+        Groups {
+            bench_shape: true,
+            ..Self::new(groups, clients, total, rng)
+        }
+    }
+
+    fn pick_bench(&self, rng: &mut SplitMix64) -> usize {
+        let initial = self.window;
+        let arriving = self.prompts.len() - initial;
+        // The last group appears at 8/9 of the run.
+        let active = initial + (self.sent * 9 * arriving / (8 * self.total)).min(arriving);
+        let weights: Vec<f64> = (1..=active).map(|r| 1.0 / r as f64).collect();
+        let mut x = rng.unit() * weights.iter().sum::<f64>();
+        for (r, w) in weights.iter().enumerate() {
+            if x < *w {
+                return active - 1 - r;
+            }
+            x -= w;
+        }
+        active - 1
     }
 }
 
@@ -325,6 +375,17 @@ impl Workload for Groups {
         }
         // New groups keep arriving: the newest is proportional to progress, and requests pick
         // among the latest `window` groups.
+        if self.bench_shape {
+            let g = self.pick_bench(rng);
+            self.sent += 1;
+            let body = json!({"model": "m", "max_tokens": 48, "messages": [
+                {"role": "system", "content": self.prompts[g]},
+                {"role": "user", "content": words(rng, 32)},
+            ]});
+            let mut f = features(body, String::new());
+            f.routing_key = None;
+            return Some((f, 48));
+        }
         let newest = (self.sent * self.prompts.len() / self.total).max(self.window - 1);
         let g = newest - rng.below(self.window as u64) as usize;
         self.sent += 1;
@@ -371,6 +432,8 @@ pub struct Conditions {
     /// Requests arrive as a Poisson process at this rate (per second) instead of each client
     /// sending its next request after a think time (0: closed loop).
     pub open_rate: f64,
+    /// A closed-loop client's think time before its next request: uniform in this range (ms).
+    pub think_ms: [f64; 2],
 }
 
 impl Conditions {
@@ -380,6 +443,7 @@ impl Conditions {
         exchange_ms: shard::DEFAULT_EXCHANGE_MS,
         busy_jitter_ms: 0.0,
         open_rate: 0.0,
+        think_ms: [20.0, 220.0],
     };
 }
 
@@ -531,9 +595,9 @@ pub fn simulate(
                         (now + NETWORK_MS + delay) as u64
                     ));
                     workload.answered(s.client, &mut wrng);
-                    // Think time: 20 to 220 ms.
                     if !open {
-                        pending.push((now + 20.0 + 200.0 * wrng.unit(), s.client));
+                        let [lo, hi] = conditions.think_ms;
+                        pending.push((now + lo + (hi - lo) * wrng.unit(), s.client));
                     }
                     debug_assert!(s.started);
                 }
