@@ -128,8 +128,9 @@ fn multi_turn_chat_on_time() {
             let mut rng = SplitMix64::new(1 + seed);
             Box::new(MultiTurn::new(32, 10, &mut rng))
         });
-        // Measured: 0.90x and 0.74x the best baseline's p99 (least load) with 2,048 and 512 blocks; the floor
-        // is a cold system-prompt prefill, which no policy avoids on a user's first turn.
+        // Measured: 0.90x and 0.74x the best baseline's p99 (least load) with 2,048 and 512
+        // blocks; the floor is a cold system-prompt prefill, which no policy avoids on a user's
+        // first turn.
         check("multi-turn", &r, 1.0);
     }
 }
@@ -141,7 +142,7 @@ fn shared_prefix_groups_on_time() {
             let mut rng = SplitMix64::new(2 + 10 * seed);
             Box::new(Groups::new(96, 32, 1_500, &mut rng))
         });
-        // Measured: 0.95x the best baseline's p99 (least load), 0.58x round robin's; 6% of the
+        // Measured: 0.96x the best baseline's p99 (least load), 0.59x round robin's; 6% of the
         // requests open a new group, whose cold prefill (about 130 ms) floors every policy's p99.
         check("shared-prefix", &r, 1.0);
         let (ours, rr) = (
