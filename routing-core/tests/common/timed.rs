@@ -434,6 +434,9 @@ pub struct Conditions {
     pub open_rate: f64,
     /// A closed-loop client's think time before its next request: uniform in this range (ms).
     pub think_ms: [f64; 2],
+    /// How long a busy gateway takes, after the grant, to deliver the request to its engine:
+    /// uniform in `[0, dispatch_jitter_ms]`.
+    pub dispatch_jitter_ms: f64,
 }
 
 impl Conditions {
@@ -444,6 +447,7 @@ impl Conditions {
         busy_jitter_ms: 0.0,
         open_rate: 0.0,
         think_ms: [20.0, 220.0],
+        dispatch_jitter_ms: 0.0,
     };
 }
 
@@ -498,6 +502,9 @@ pub fn simulate(
     let mut last_end = 0.0f64;
     let jitter_ms = conditions.busy_jitter_ms;
     let mut jrng = SplitMix64::new(seed ^ 0x1177);
+    // Granted requests on their way to an engine: (arrival, engine, sequence).
+    let mut in_transit: Vec<(f64, usize, Seq)> = Vec::new();
+    let mut drng = SplitMix64::new(seed ^ 0xd15a);
     loop {
         let next_arrival = pending
             .iter()
@@ -508,8 +515,27 @@ pub fn simulate(
             .enumerate()
             .filter_map(|(i, e)| e.step_end.map(|t| (t, i)))
             .min_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
-        if next_arrival.is_none() && next_step.is_none() {
+        let next_delivery = in_transit
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1 .0.partial_cmp(&b.1 .0).unwrap())
+            .map(|(i, d)| (d.0, i));
+        if next_arrival.is_none() && next_step.is_none() && next_delivery.is_none() {
             break;
+        }
+        // A request the gateway granted reaches its engine.
+        if let Some((at, i)) = next_delivery {
+            let before_arrival = next_arrival.is_none_or(|(_, &(a, _))| at <= a);
+            if before_arrival && next_step.is_none_or(|(t, _)| at <= t) && at < next_exchange {
+                let (_, b, seq) = in_transit.swap_remove(i);
+                now = at;
+                let e = &mut engines[b];
+                e.waiting.push_back(seq);
+                if e.step_end.is_none() {
+                    e.plan(now, &mut hit_tokens);
+                }
+                continue;
+            }
         }
         let first_event = next_arrival
             .map(|(_, &(at, _))| at)
@@ -554,8 +580,7 @@ pub fn simulate(
                 lease_shard.insert(grant.lease_id, s);
                 let b = index[&grant.backend];
                 prompt_tokens += u64::from(f.prompt_tokens);
-                let e = &mut engines[b];
-                e.waiting.push_back(Seq {
+                let seq = Seq {
                     client,
                     lease: grant.lease_id,
                     blocks: f.block_hashes.clone(),
@@ -567,9 +592,16 @@ pub fn simulate(
                     arrival_ms: now,
                     ttft_ms: None,
                     uncached: 0,
-                });
-                if e.step_end.is_none() {
-                    e.plan(now, &mut hit_tokens);
+                };
+                let delay = conditions.dispatch_jitter_ms * drng.unit();
+                if delay > 0.0 {
+                    in_transit.push((now + delay, b, seq));
+                } else {
+                    let e = &mut engines[b];
+                    e.waiting.push_back(seq);
+                    if e.step_end.is_none() {
+                        e.plan(now, &mut hit_tokens);
+                    }
                 }
             }
             (_, Some((t, b))) => {
