@@ -6,19 +6,76 @@
 //! roughly what vLLM can keep; the whole table has a global bound on entries, evicting the least
 //! recently used entry of any backend; removing a backend purges its entries.
 //!
-//! The layout is chosen for memory (at most 64 bytes an entry, measured by the benchmarks): a slab
-//! of 32-byte entries threaded on two intrusive doubly-linked LRU lists (the backend's and the
-//! global one), and an open-addressing index of `u32` slab positions keyed by block hash, with
-//! linear probing, load factor at most 1/2 and backward-shift deletion. The same block held by
-//! several backends is several entries under one hash, so a lookup visits each holder once, and
-//! the longest cached prefix of a request on every backend is found in time linear in its block
-//! count.
+//! An entry stands for a chunk of up to [`CHUNK_BLOCKS`] consecutive blocks of a prompt, chunks
+//! being aligned on the prompt's start: it is keyed by the chunk's first block hash and carries a
+//! 16-bit fingerprint of each following block of the chunk. Chained hashes make that enough: the
+//! first block's hash names the whole prefix before it, and the fingerprints tell how far into the
+//! chunk a request agrees with the prompt recorded. Where a later prompt parts from an entry inside
+//! its chunk (conversations behind one system prompt that ends mid-chunk), the rest of its chunk
+//! gets an entry of its own, keyed by the block where it parts. A request therefore costs about
+//! one lookup per chunk, to record or to match, instead of one per block, and an entry covers up
+//! to eight blocks in 48 bytes. What it gives up: a fingerprint matches a different block one time
+//! in 65,536 (a match one block too long), and within a chunk the blocks of an entry age together.
+//! A backend's block bound is kept to the block: the oldest entry loses its last blocks first, as
+//! vLLM's LRU would evict them.
+//!
+//! The layout is chosen for memory: a slab of 48-byte entries threaded on two intrusive
+//! doubly-linked LRU lists (the backend's and the global one), and an open-addressing index of
+//! `u32` slab positions keyed by the chunk's first block hash, with linear probing, load factor at
+//! most 1/2 and backward-shift deletion. The same chunk held by several backends is several entries
+//! under one hash, so a lookup visits each holder once, and the longest cached prefix of a request
+//! on every backend is found in time linear in its chunk count.
 
 const NIL: u32 = u32::MAX;
 const MIN_TABLE: usize = 1024;
 
+/// Blocks one entry stands for at most: the chunk's first block and this many minus one after it.
+pub const CHUNK_BLOCKS: usize = 8;
+const TAIL: usize = CHUNK_BLOCKS - 1;
+
+/// A chunk's blocks after its first, as fingerprints.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Tail {
+    prints: [u16; TAIL],
+    len: u8,
+}
+
+impl Tail {
+    /// The fingerprints of `blocks` (at most [`TAIL`] of them).
+    fn of(blocks: &[u64]) -> Tail {
+        let mut tail = Tail::default();
+        for (print, &block) in tail.prints.iter_mut().zip(blocks) {
+            *print = fingerprint(block);
+        }
+        tail.len = blocks.len().min(TAIL) as u8;
+        tail
+    }
+
+    /// How many leading blocks of `blocks` agree with this tail.
+    fn agreeing(&self, blocks: &[u64]) -> usize {
+        self.prints[..self.len as usize]
+            .iter()
+            .zip(blocks)
+            .take_while(|(&print, &block)| print == fingerprint(block))
+            .count()
+    }
+
+    /// Whether this tail says nothing `other` does not (it is a prefix of it).
+    fn within(&self, other: &Tail) -> bool {
+        self.len <= other.len
+            && self.prints[..self.len as usize] == other.prints[..self.len as usize]
+    }
+}
+
+/// 16 bits of a block hash (its top ones; the index's home position uses the low ones).
+fn fingerprint(block: u64) -> u16 {
+    (block >> 48) as u16
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
+    /// The hash of its first block: the chunk's first, or the one where it parts from the entry
+    /// keyed by that.
     block: u64,
     backend: u32,
     /// Per-backend LRU neighbours (prev is more recent); `next` doubles as the free-list link.
@@ -29,6 +86,15 @@ struct Entry {
     gnext: u32,
     /// The backend's link clock when this entry was last moved to the front.
     stamp: u32,
+    /// The blocks after the first, to the chunk's end at most.
+    tail: Tail,
+}
+
+impl Entry {
+    /// Blocks the entry stands for.
+    fn blocks(&self) -> u64 {
+        1 + u64::from(self.tail.len)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +115,8 @@ impl List {
 #[derive(Debug, Clone, Copy)]
 struct BackendLru {
     list: List,
+    /// Blocks its entries stand for, and the bound on them.
+    blocks: u64,
     capacity: u64,
     /// Counts moves to the front of this backend's list.
     clock: u32,
@@ -67,7 +135,7 @@ pub struct PrefixAffinity {
 }
 
 impl PrefixAffinity {
-    /// An empty table holding at most `max_entries` (block, backend) entries in total.
+    /// An empty table holding at most `max_entries` entries (chunks of a backend) in total.
     pub fn new(max_entries: usize) -> Self {
         PrefixAffinity {
             entries: Vec::new(),
@@ -95,13 +163,19 @@ impl PrefixAffinity {
         self.max_entries
     }
 
-    /// Entries evicted so far (by either bound).
+    /// Entries evicted so far (by either bound; a backend's bound may also shorten its oldest
+    /// entry, which is not counted).
     pub fn evictions(&self) -> u64 {
         self.evictions
     }
 
-    /// Entries held for `backend`.
+    /// Blocks held for `backend` (what its entries stand for).
     pub fn backend_len(&self, backend: u32) -> u64 {
+        self.backends.get(backend as usize).map_or(0, |b| b.blocks)
+    }
+
+    /// Entries held for `backend`.
+    pub fn backend_entries(&self, backend: u32) -> u64 {
         self.backends
             .get(backend as usize)
             .map_or(0, |b| b.list.len)
@@ -130,7 +204,7 @@ impl PrefixAffinity {
     }
 
     /// Registers `backend` (or changes its bound) with room for `capacity_blocks` blocks,
-    /// evicting its least-recently-used entries down to the new bound.
+    /// evicting its least-recently-used blocks down to the new bound.
     pub fn set_backend_capacity(&mut self, backend: u32, capacity_blocks: u64) {
         let slot = backend as usize;
         if self.backends.len() <= slot {
@@ -138,16 +212,14 @@ impl PrefixAffinity {
                 slot + 1,
                 BackendLru {
                     list: List::EMPTY,
+                    blocks: 0,
                     capacity: 0,
                     clock: 0,
                 },
             );
         }
         self.backends[slot].capacity = capacity_blocks;
-        while self.backends[slot].list.len > capacity_blocks {
-            let tail = self.backends[slot].list.tail;
-            self.remove(tail);
-        }
+        self.shrink_to(backend, capacity_blocks);
     }
 
     /// Forgets everything about `backend` and unregisters it.
@@ -157,7 +229,7 @@ impl PrefixAffinity {
 
     /// Records that `backend` now holds the prefix `blocks` (chained hashes, in prompt order).
     ///
-    /// Blocks are touched last to first, so the prefix's first blocks, shared by the most
+    /// Chunks are touched last to first, so the prefix's first blocks, shared by the most
     /// requests, are the most recently used and the last to be evicted, as in vLLM.
     pub fn record(&mut self, backend: u32, blocks: &[u64]) {
         let Some(lru) = self.backends.get(backend as usize) else {
@@ -166,43 +238,100 @@ impl PrefixAffinity {
         if lru.capacity == 0 || self.max_entries == 0 {
             return;
         }
-        for &block in blocks.iter().rev() {
-            match self.find(block, backend) {
-                Some(idx) => self.touch(idx),
-                None => self.insert(block, backend),
+        let chunks = blocks.len().div_ceil(CHUNK_BLOCKS);
+        for c in (0..chunks).rev() {
+            let start = c * CHUNK_BLOCKS;
+            let end = (start + CHUNK_BLOCKS).min(blocks.len());
+            self.record_chunk(backend, &blocks[start..end]);
+        }
+    }
+
+    /// Records one chunk. Where the entry already there parts from it, the rest of the chunk gets
+    /// an entry of its own, keyed by the first block where they part (that hash is chained too).
+    fn record_chunk(&mut self, backend: u32, chunk: &[u64]) {
+        let mut from = 0;
+        loop {
+            let tail = Tail::of(&chunk[from + 1..]);
+            let Some(idx) = self.find(chunk[from], backend) else {
+                self.insert(chunk[from], backend, tail);
+                return;
+            };
+            self.touch(idx);
+            let held = self.entries[idx as usize].tail;
+            if tail.within(&held) {
+                return;
             }
+            let agreeing = held.agreeing(&chunk[from + 1..]);
+            if agreeing == usize::from(held.len) {
+                self.extend(idx, tail);
+                return;
+            }
+            from += 1 + agreeing;
         }
     }
 
     /// Writes into `lengths[b]` the number of leading blocks of `blocks` that backend `b` holds,
     /// for every registered backend (`lengths` is resized to cover them all).
+    ///
+    /// A backend holding a chunk's first block holds everything before it (the hash is chained),
+    /// so the walk goes on to the next chunk for every backend that held this one's first block,
+    /// even where the chunk's rest was evicted.
     pub fn match_lengths(&self, blocks: &[u64], lengths: &mut Vec<u32>) {
         lengths.clear();
         lengths.resize(self.backends.len(), 0);
-        for (i, &block) in blocks.iter().enumerate() {
-            let i = i as u32;
-            let mut advanced = false;
-            let mask = self.table.len() - 1;
-            let mut pos = Self::home(block, mask);
-            loop {
-                let idx = self.table[pos];
-                if idx == NIL {
-                    break;
+        for (c, chunk) in blocks.chunks(CHUNK_BLOCKS).enumerate() {
+            let start = (c * CHUNK_BLOCKS) as u32;
+            // Bit k: some backend's match stops at the chunk's block k, where its entry parts from
+            // the request; an entry keyed by that block may go on.
+            let mut stops = 0u32;
+            let mut found = false;
+            self.each_holder(chunk[0], |e| {
+                let Some(len) = lengths.get_mut(e.backend as usize) else {
+                    return;
+                };
+                // Only a backend that held every earlier chunk's first block goes on.
+                if c == 0 || *len + CHUNK_BLOCKS as u32 > start {
+                    let k = 1 + e.tail.agreeing(&chunk[1..]);
+                    *len = start + k as u32;
+                    found = true;
+                    stops |= 1 << k;
                 }
-                let e = &self.entries[idx as usize];
-                if e.block == block {
-                    if let Some(len) = lengths.get_mut(e.backend as usize) {
-                        if *len == i {
-                            *len = i + 1;
-                            advanced = true;
-                        }
-                    }
-                }
-                pos = (pos + 1) & mask;
-            }
-            if !advanced {
+            });
+            if !found {
                 break;
             }
+            stops &= (1 << chunk.len()) - 1;
+            while stops != 0 {
+                let k = stops.trailing_zeros() as usize;
+                stops &= stops - 1;
+                self.each_holder(chunk[k], |e| {
+                    let Some(len) = lengths.get_mut(e.backend as usize) else {
+                        return;
+                    };
+                    if *len == start + k as u32 {
+                        let next = k + 1 + e.tail.agreeing(&chunk[k + 1..]);
+                        *len = start + next as u32;
+                        stops |= (1 << next) & ((1 << chunk.len()) - 1);
+                    }
+                });
+            }
+        }
+    }
+
+    /// Calls `f` with every entry keyed by `block` (one per backend holding it).
+    fn each_holder(&self, block: u64, mut f: impl FnMut(&Entry)) {
+        let mask = self.table.len() - 1;
+        let mut pos = Self::home(block, mask);
+        loop {
+            let idx = self.table[pos];
+            if idx == NIL {
+                return;
+            }
+            let e = &self.entries[idx as usize];
+            if e.block == block {
+                f(e);
+            }
+            pos = (pos + 1) & mask;
         }
     }
 
@@ -224,13 +353,13 @@ impl PrefixAffinity {
         }
         let mut total = 0;
         for (slot, b) in self.backends.iter().enumerate() {
-            if b.list.len > b.capacity {
+            if b.blocks > b.capacity {
                 return Err(format!(
                     "backend {slot} holds {} > {}",
-                    b.list.len, b.capacity
+                    b.blocks, b.capacity
                 ));
             }
-            let mut n = 0;
+            let (mut n, mut blocks) = (0, 0);
             let mut cur = b.list.head;
             while cur != NIL {
                 let e = &self.entries[cur as usize];
@@ -240,11 +369,18 @@ impl PrefixAffinity {
                 if self.find(e.block, e.backend) != Some(cur) {
                     return Err("entry missing from the index".into());
                 }
+                if usize::from(e.tail.len) > TAIL {
+                    return Err("entry tail too long".into());
+                }
                 n += 1;
+                blocks += e.blocks();
                 cur = e.next;
             }
             if n != b.list.len {
                 return Err(format!("backend {slot} list length {n} != {}", b.list.len));
+            }
+            if blocks != b.blocks {
+                return Err(format!("backend {slot} blocks {blocks} != {}", b.blocks));
             }
             total += n;
         }
@@ -274,12 +410,41 @@ impl PrefixAffinity {
         }
     }
 
-    fn insert(&mut self, block: u64, backend: u32) {
+    /// A chunk recorded again, further than the entry went: the entry takes the longer tail, and
+    /// the backend's bound is kept.
+    fn extend(&mut self, idx: u32, tail: Tail) {
+        let e = &mut self.entries[idx as usize];
+        let lru = &mut self.backends[e.backend as usize];
+        lru.blocks = lru.blocks - u64::from(e.tail.len) + u64::from(tail.len);
+        e.tail = tail;
+        let (backend, capacity) = (e.backend, lru.capacity);
+        self.shrink_to(backend, capacity);
+    }
+
+    /// Evicts `backend`'s least-recently-used blocks until it holds at most `blocks`: its oldest
+    /// entry loses its last blocks first, then goes.
+    fn shrink_to(&mut self, backend: u32, blocks: u64) {
         let slot = backend as usize;
-        if self.backends[slot].list.len >= self.backends[slot].capacity {
-            let tail = self.backends[slot].list.tail;
-            self.remove(tail);
+        while self.backends[slot].blocks > blocks {
+            let excess = self.backends[slot].blocks - blocks;
+            let oldest = self.backends[slot].list.tail;
+            let e = &mut self.entries[oldest as usize];
+            if u64::from(e.tail.len) >= excess {
+                e.tail.len -= excess as u8;
+                self.backends[slot].blocks = blocks;
+            } else {
+                self.remove(oldest);
+            }
         }
+    }
+
+    fn insert(&mut self, block: u64, backend: u32, mut tail: Tail) {
+        let slot = backend as usize;
+        let capacity = self.backends[slot].capacity;
+        // A bound smaller than the chunk keeps the chunk's first blocks.
+        tail.len = tail.len.min((capacity - 1).min(TAIL as u64) as u8);
+        let blocks = 1 + u64::from(tail.len);
+        self.shrink_to(backend, capacity - blocks);
         if self.len() >= self.max_entries {
             self.remove(self.global.tail);
         }
@@ -291,6 +456,7 @@ impl PrefixAffinity {
             gprev: NIL,
             gnext: NIL,
             stamp: 0,
+            tail,
         };
         let idx = if self.free != NIL {
             let idx = self.free;
@@ -371,12 +537,14 @@ impl PrefixAffinity {
     }
 
     /// Moves an entry to the front, unless it is already among the newest quarter of its
-    /// backend's list (each move to the front pushes it down by at most one place), which saves
-    /// the re-linking's cache misses for the hot prefixes touched by most requests.
+    /// backend's blocks (each move to the front pushes it down by at most one entry, of at most
+    /// [`CHUNK_BLOCKS`] blocks), which saves the re-linking's cache misses for the hot prefixes
+    /// touched by most requests.
     fn touch(&mut self, idx: u32) {
         let e = &self.entries[idx as usize];
         let lru = &self.backends[e.backend as usize];
-        if u64::from(lru.clock.wrapping_sub(e.stamp)) < lru.capacity / 4 {
+        let quarter = lru.capacity / (4 * CHUNK_BLOCKS as u64);
+        if u64::from(lru.clock.wrapping_sub(e.stamp)) < quarter {
             return;
         }
         self.unlink(idx);
@@ -404,6 +572,7 @@ impl PrefixAffinity {
         }
         self.backends[backend].list.head = idx;
         self.backends[backend].list.len += 1;
+        self.backends[backend].blocks += self.entries[idx as usize].blocks();
         if old_ghead != NIL {
             self.entries[old_ghead as usize].gprev = idx;
         } else {
@@ -414,6 +583,7 @@ impl PrefixAffinity {
     }
 
     fn unlink(&mut self, idx: u32) {
+        let e = self.entries[idx as usize];
         let Entry {
             backend,
             prev,
@@ -421,7 +591,8 @@ impl PrefixAffinity {
             gprev,
             gnext,
             ..
-        } = self.entries[idx as usize];
+        } = e;
+        self.backends[backend as usize].blocks -= e.blocks();
         let list = &mut self.backends[backend as usize].list;
         if prev != NIL {
             self.entries[prev as usize].next = next;
@@ -449,6 +620,8 @@ impl PrefixAffinity {
 }
 
 #[cfg(test)]
+mod model;
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -456,9 +629,15 @@ mod tests {
         crate::prompt::block_hashes(format!("{seed:064}").repeat(n).as_bytes(), 16)
     }
 
+    fn lengths_of(a: &PrefixAffinity, blocks: &[u64]) -> Vec<u32> {
+        let mut lengths = Vec::new();
+        a.match_lengths(blocks, &mut lengths);
+        lengths
+    }
+
     #[test]
-    fn entry_is_32_bytes() {
-        assert_eq!(std::mem::size_of::<Entry>(), 32);
+    fn entry_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<Entry>(), 48);
     }
 
     #[test]
@@ -466,16 +645,54 @@ mod tests {
         let mut a = PrefixAffinity::new(1000);
         a.set_backend_capacity(0, 100);
         a.set_backend_capacity(2, 100);
-        let p = blocks(1, 10);
-        a.record(0, &p[..6]);
+        let p = blocks(1, 30);
+        a.record(0, &p[..21]);
         a.record(2, &p[..3]);
-        let mut lengths = Vec::new();
-        a.match_lengths(&p, &mut lengths);
-        assert_eq!(lengths, vec![6, 0, 3]);
-        a.match_lengths(&blocks(2, 10), &mut lengths);
-        assert_eq!(lengths, vec![0, 0, 0]);
-        a.match_lengths(&[], &mut lengths);
-        assert_eq!(lengths, vec![0, 0, 0]);
+        assert_eq!(lengths_of(&a, &p), vec![21, 0, 3]);
+        assert_eq!(lengths_of(&a, &p[..16]), vec![16, 0, 3]);
+        assert_eq!(lengths_of(&a, &p[..12]), vec![12, 0, 3]);
+        assert_eq!(lengths_of(&a, &blocks(2, 10)), vec![0, 0, 0]);
+        assert_eq!(lengths_of(&a, &[]), vec![0, 0, 0]);
+        assert_eq!(
+            (a.len(), a.backend_len(0), a.backend_entries(0)),
+            (4, 21, 3)
+        );
+        a.verify().unwrap();
+    }
+
+    #[test]
+    fn a_prompt_that_parts_inside_a_chunk_matches_up_to_where_it_parts() {
+        let mut a = PrefixAffinity::new(1000);
+        a.set_backend_capacity(0, 100);
+        let system = "s".repeat(64 * 11);
+        let prompt = |question: &str| {
+            crate::prompt::block_hashes(
+                format!("{system}{}", question.repeat(64 * 6)).as_bytes(),
+                16,
+            )
+        };
+        let (first, second) = (prompt("a"), prompt("b"));
+        assert_eq!(
+            (
+                first.len(),
+                first[..11] == second[..11],
+                first[11] == second[11]
+            ),
+            (17, true, false)
+        );
+        a.record(0, &first);
+        assert_eq!(lengths_of(&a, &second), vec![11]);
+        assert_eq!(lengths_of(&a, &first), vec![17]);
+        // A shorter prompt over the same blocks takes nothing away.
+        a.record(0, &first[..9]);
+        assert_eq!(lengths_of(&a, &first), vec![17]);
+        // Where two prompts part inside a chunk, the second one's rest gets its own entry.
+        a.record(0, &second);
+        assert_eq!((a.len(), a.backend_len(0)), (5, 23));
+        assert_eq!(lengths_of(&a, &second), vec![17]);
+        assert_eq!(lengths_of(&a, &first), vec![17]);
+        assert_eq!(lengths_of(&a, &first[..14]), vec![14]);
+        assert_eq!(lengths_of(&a, &second[..14]), vec![14]);
         a.verify().unwrap();
     }
 
@@ -483,11 +700,13 @@ mod tests {
     fn a_hole_in_the_prefix_ends_the_match() {
         let mut a = PrefixAffinity::new(1000);
         a.set_backend_capacity(0, 100);
-        let p = blocks(1, 5);
+        let p = blocks(1, 12);
         a.record(0, &[p[0], p[1], p[3], p[4]]);
-        let mut lengths = Vec::new();
-        a.match_lengths(&p, &mut lengths);
-        assert_eq!(lengths, vec![2]);
+        assert_eq!(lengths_of(&a, &p), vec![2]);
+        let mut q = p.clone();
+        q.remove(9);
+        a.record(0, &q);
+        assert_eq!(lengths_of(&a, &p), vec![9]);
     }
 
     #[test]
@@ -497,15 +716,22 @@ mod tests {
         let p = blocks(1, 6);
         a.record(0, &p);
         assert_eq!(a.backend_len(0), 4);
-        let mut lengths = Vec::new();
-        a.match_lengths(&p, &mut lengths);
-        assert_eq!(lengths, vec![4], "the first blocks survive");
+        assert_eq!(lengths_of(&a, &p), vec![4], "the first blocks survive");
         let q = blocks(2, 2);
         a.record(0, &q);
-        a.match_lengths(&p, &mut lengths);
-        assert_eq!(lengths, vec![2]);
+        assert_eq!(lengths_of(&a, &p), vec![2]);
         a.set_backend_capacity(0, 1);
         assert_eq!(a.backend_len(0), 1);
+        a.verify().unwrap();
+    }
+
+    #[test]
+    fn a_long_prompt_over_a_small_bound_keeps_its_first_blocks() {
+        let mut a = PrefixAffinity::new(1000);
+        a.set_backend_capacity(0, 20);
+        let p = blocks(1, 40);
+        a.record(0, &p);
+        assert_eq!((a.backend_len(0), lengths_of(&a, &p)), (20, vec![20]));
         a.verify().unwrap();
     }
 
@@ -514,12 +740,10 @@ mod tests {
         let mut a = PrefixAffinity::new(1000);
         a.set_backend_capacity(0, 8);
         let hot = blocks(1, 2);
-        let mut lengths = Vec::new();
         for i in 0..100 {
             a.record(0, &hot);
             a.record(0, &blocks(1000 + i, 3));
-            a.match_lengths(&hot, &mut lengths);
-            assert_eq!(lengths, vec![2], "round {i}");
+            assert_eq!(lengths_of(&a, &hot), vec![2], "round {i}");
         }
         a.verify().unwrap();
     }
@@ -529,11 +753,12 @@ mod tests {
         let mut a = PrefixAffinity::new(5);
         a.set_backend_capacity(0, 100);
         a.set_backend_capacity(1, 100);
-        a.record(0, &blocks(1, 3));
-        a.record(1, &blocks(2, 3));
+        a.record(0, &blocks(1, 24));
+        a.record(1, &blocks(2, 24));
         assert_eq!(a.len(), 5);
-        assert_eq!(a.backend_len(0), 2);
-        assert_eq!(a.backend_len(1), 3);
+        assert_eq!((a.backend_entries(0), a.backend_len(0)), (2, 16));
+        assert_eq!(a.backend_entries(1), 3);
+        assert_eq!(lengths_of(&a, &blocks(1, 24)), vec![16, 0]);
         a.set_max_entries(2);
         assert_eq!(a.len(), 2);
         assert_eq!(a.backend_len(0), 0);
@@ -549,10 +774,8 @@ mod tests {
         a.record(0, &p);
         a.record(1, &p);
         a.remove_backend(0);
-        assert_eq!(a.len(), 8);
-        let mut lengths = Vec::new();
-        a.match_lengths(&p, &mut lengths);
-        assert_eq!(lengths, vec![0, 8]);
+        assert_eq!((a.len(), a.backend_len(1)), (1, 8));
+        assert_eq!(lengths_of(&a, &p), vec![0, 8]);
         a.record(0, &p);
         assert_eq!(
             a.backend_len(0),
@@ -568,18 +791,17 @@ mod tests {
         for b in 0..4 {
             a.set_backend_capacity(b, 2_000);
         }
-        for i in 0..200u64 {
+        for i in 0..400u64 {
             a.record((i % 4) as u32, &blocks(i, 20));
         }
         a.verify().unwrap();
-        assert_eq!(a.len(), 4_000);
+        assert_eq!(a.len(), 1_200);
+        assert_eq!((0..4).map(|b| a.backend_len(b)).sum::<u64>(), 8_000);
         a.remove_backend(1);
         a.remove_backend(3);
         a.verify().unwrap();
-        assert_eq!(a.len(), 2_000);
-        let mut lengths = Vec::new();
-        a.match_lengths(&blocks(198, 20), &mut lengths);
-        assert_eq!(lengths[2], 20);
+        assert_eq!(a.len(), 600);
+        assert_eq!(lengths_of(&a, &blocks(398, 20))[2], 20);
     }
 
     #[test]

@@ -31,7 +31,8 @@ pub struct PoolConfig {
     pub lease_ttl_ms: u64,
     /// Weight of the scraped waiting queue in a backend's load (default 1.0).
     pub queue_weight: f64,
-    /// Global bound on prefix-affinity entries (default 1,000,000, about 48 MB).
+    /// Global bound on prefix-affinity entries (default 1,000,000, about 56 MB; an entry stands for
+    /// up to [`crate::affinity::CHUNK_BLOCKS`] blocks of a prompt).
     pub affinity_max_entries: usize,
     /// consistent_hash knobs.
     pub consistent_hash: ConsistentHashConfig,
