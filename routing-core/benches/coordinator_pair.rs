@@ -2,8 +2,8 @@
 //! drives it in workerd (`bench/coordinator.mjs`, issue 15 part a), without workerd.
 //!
 //! 64 backends (KV size hint 262,144 blocks each), policy `predicted_latency`, the affinity table
-//! warmed to its default bound of 1,000,000 entries by prompts of 1,024 distinct block hashes (at
-//! least 1,000 of them, as many as the bound takes), so that every new entry evicts one. Each
+//! warmed to its default bound of entries by prompts of 1,024 distinct block hashes (at least 1,000
+//! of them, as many as the bound takes), so that every new entry evicts one. Each
 //! measured request has 128 (2k tokens) or 1,024 (16k tokens) block hashes, the first half a
 //! random warm prompt's and the rest fresh. `pool` times `Pool::acquire` and
 //! `Pool::release`; `wire` adds what the object does around them: decoding the acquire body's
@@ -89,7 +89,11 @@ fn pool() -> (Pool, u64) {
     (pool, warm)
 }
 
-const RELEASE: &str = r#"{"status":200,"kind":"success","ttfb_ms":20,"prompt_tokens":2055,"cached_tokens":1024,"completion_tokens":128}"#;
+/// A release's outcome, as the benchmark's driver sends it.
+const RELEASE: &str = concat!(
+    r#"{"status":200,"kind":"success","ttfb_ms":20,"#,
+    r#""prompt_tokens":2055,"cached_tokens":1024,"completion_tokens":128}"#
+);
 
 fn pairs(c: &mut Criterion) {
     let mut group = c.benchmark_group("coordinator_pair");
@@ -103,7 +107,7 @@ fn pairs(c: &mut Criterion) {
         pool.affinity().len(),
         pool.affinity().memory_bytes()
     );
-    // The workload's draws and the pool's are separate, so that setup and routine can each hold one.
+    // The workload's draws and the pool's are separate: setup and routine each hold one.
     let (mut workload, mut rng) = (SplitMix64::new(7), SplitMix64::new(8));
     let mut i = 0u64;
     for blocks in [128usize, 1024] {

@@ -14,23 +14,41 @@
 //! its chunk (conversations behind one system prompt that ends mid-chunk), the rest of its chunk
 //! gets an entry of its own, keyed by the block where it parts. A request therefore costs about
 //! one lookup per chunk, to record or to match, instead of one per block, and an entry covers up
-//! to eight blocks in 48 bytes. What it gives up: a fingerprint matches a different block one time
-//! in 65,536 (a match one block too long), and within a chunk the blocks of an entry age together.
-//! A backend's block bound is kept to the block: the oldest entry loses its last blocks first, as
-//! vLLM's LRU would evict them.
+//! to sixteen blocks in 64 bytes. What it gives up: a fingerprint matches a different block one
+//! time in 65,536 (a match one block too long), and the blocks of an entry are used together (a
+//! request that touches an entry refreshes all of it). A backend's block bound is kept to the
+//! block: the oldest entry loses its last blocks first, as vLLM's LRU would evict them.
 //!
-//! The layout is chosen for memory: a slab of 48-byte entries threaded on two intrusive
+//! The layout is chosen for memory: a slab of 64-byte entries threaded on two intrusive
 //! doubly-linked LRU lists (the backend's and the global one), and an open-addressing index of
-//! `u32` slab positions keyed by the chunk's first block hash, with linear probing, load factor at
-//! most 1/2 and backward-shift deletion. The same chunk held by several backends is several entries
-//! under one hash, so a lookup visits each holder once, and the longest cached prefix of a request
-//! on every backend is found in time linear in its chunk count.
+//! slab positions keyed by the entry's first block hash, each with 32 bits of that hash (so that a
+//! probe reads only the entries it may want), with linear probing, load factor at most 1/2 and
+//! backward-shift deletion. The same chunk held by several backends is several entries under one
+//! hash, so a lookup visits each holder once, and the longest cached prefix of a request on every
+//! backend is found in time linear in its chunk count.
 
 const NIL: u32 = u32::MAX;
 const MIN_TABLE: usize = 1024;
 
+/// An index slot: an entry's slab position and 32 bits of its key, which give its home position
+/// and rule out most other keys, so probing and deleting rarely read an entry they do not want.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    idx: u32,
+    tag: u32,
+}
+
+impl Slot {
+    const EMPTY: Slot = Slot { idx: NIL, tag: 0 };
+}
+
+/// The index tag of a key (its home position is the tag's low bits).
+fn tag(block: u64) -> u32 {
+    (block ^ (block >> 32)) as u32
+}
+
 /// Blocks one entry stands for at most: the chunk's first block and this many minus one after it.
-pub const CHUNK_BLOCKS: usize = 8;
+pub const CHUNK_BLOCKS: usize = 16;
 const TAIL: usize = CHUNK_BLOCKS - 1;
 
 /// A chunk's blocks after its first, as fingerprints.
@@ -127,7 +145,7 @@ struct BackendLru {
 pub struct PrefixAffinity {
     entries: Vec<Entry>,
     free: u32,
-    table: Vec<u32>,
+    table: Vec<Slot>,
     global: List,
     backends: Vec<BackendLru>,
     max_entries: usize,
@@ -140,7 +158,7 @@ impl PrefixAffinity {
         PrefixAffinity {
             entries: Vec::new(),
             free: NIL,
-            table: vec![NIL; MIN_TABLE],
+            table: vec![Slot::EMPTY; MIN_TABLE],
             global: List::EMPTY,
             backends: Vec::new(),
             max_entries,
@@ -191,7 +209,7 @@ impl PrefixAffinity {
     /// Heap bytes used by the table's structures.
     pub fn memory_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
-            + self.table.capacity() * std::mem::size_of::<u32>()
+            + self.table.capacity() * std::mem::size_of::<Slot>()
             + self.backends.capacity() * std::mem::size_of::<BackendLru>()
     }
 
@@ -321,15 +339,18 @@ impl PrefixAffinity {
     /// Calls `f` with every entry keyed by `block` (one per backend holding it).
     fn each_holder(&self, block: u64, mut f: impl FnMut(&Entry)) {
         let mask = self.table.len() - 1;
-        let mut pos = Self::home(block, mask);
+        let tag = tag(block);
+        let mut pos = tag as usize & mask;
         loop {
-            let idx = self.table[pos];
-            if idx == NIL {
+            let slot = self.table[pos];
+            if slot.idx == NIL {
                 return;
             }
-            let e = &self.entries[idx as usize];
-            if e.block == block {
-                f(e);
+            if slot.tag == tag {
+                let e = &self.entries[slot.idx as usize];
+                if e.block == block {
+                    f(e);
+                }
             }
             pos = (pos + 1) & mask;
         }
@@ -337,7 +358,14 @@ impl PrefixAffinity {
 
     /// Checks every internal invariant; used by tests and property tests.
     pub fn verify(&self) -> Result<(), String> {
-        let occupied = self.table.iter().filter(|&&i| i != NIL).count();
+        let occupied = self.table.iter().filter(|s| s.idx != NIL).count();
+        if let Some(s) = self
+            .table
+            .iter()
+            .find(|s| s.idx != NIL && s.tag != tag(self.entries[s.idx as usize].block))
+        {
+            return Err(format!("index slot of entry {} has a wrong tag", s.idx));
+        }
         if occupied != self.len() {
             return Err(format!("index holds {occupied}, list holds {}", self.len()));
         }
@@ -390,21 +418,20 @@ impl PrefixAffinity {
         Ok(())
     }
 
-    fn home(block: u64, mask: usize) -> usize {
-        ((block ^ (block >> 32)) as usize) & mask
-    }
-
     fn find(&self, block: u64, backend: u32) -> Option<u32> {
         let mask = self.table.len() - 1;
-        let mut pos = Self::home(block, mask);
+        let tag = tag(block);
+        let mut pos = tag as usize & mask;
         loop {
-            let idx = self.table[pos];
-            if idx == NIL {
+            let slot = self.table[pos];
+            if slot.idx == NIL {
                 return None;
             }
-            let e = &self.entries[idx as usize];
-            if e.block == block && e.backend == backend {
-                return Some(idx);
+            if slot.tag == tag {
+                let e = &self.entries[slot.idx as usize];
+                if e.block == block && e.backend == backend {
+                    return Some(slot.idx);
+                }
             }
             pos = (pos + 1) & mask;
         }
@@ -477,24 +504,30 @@ impl PrefixAffinity {
         if (self.len() + 1) * 2 > self.table.len() {
             self.grow_index();
         }
-        let mask = self.table.len() - 1;
-        let mut pos = Self::home(block, mask);
-        while self.table[pos] != NIL {
+        Self::place(
+            &mut self.table,
+            Slot {
+                idx,
+                tag: tag(block),
+            },
+        );
+    }
+
+    /// Puts `slot` at the first free position from its home.
+    fn place(table: &mut [Slot], slot: Slot) {
+        let mask = table.len() - 1;
+        let mut pos = slot.tag as usize & mask;
+        while table[pos].idx != NIL {
             pos = (pos + 1) & mask;
         }
-        self.table[pos] = idx;
+        table[pos] = slot;
     }
 
     fn grow_index(&mut self) {
         let new_len = (self.table.len() * 2).max(MIN_TABLE);
-        let mut table = vec![NIL; new_len];
-        let mask = new_len - 1;
-        for &idx in self.table.iter().filter(|&&i| i != NIL) {
-            let mut pos = Self::home(self.entries[idx as usize].block, mask);
-            while table[pos] != NIL {
-                pos = (pos + 1) & mask;
-            }
-            table[pos] = idx;
+        let mut table = vec![Slot::EMPTY; new_len];
+        for &slot in self.table.iter().filter(|s| s.idx != NIL) {
+            Self::place(&mut table, slot);
         }
         self.table = table;
     }
@@ -504,30 +537,29 @@ impl PrefixAffinity {
             return;
         }
         self.unlink(idx);
-        let block = self.entries[idx as usize].block;
         let mask = self.table.len() - 1;
-        let mut pos = Self::home(block, mask);
-        while self.table[pos] != idx {
-            if self.table[pos] == NIL {
+        let mut pos = tag(self.entries[idx as usize].block) as usize & mask;
+        while self.table[pos].idx != idx {
+            if self.table[pos].idx == NIL {
                 debug_assert!(false, "entry missing from the index");
                 return;
             }
             pos = (pos + 1) & mask;
         }
         // Backward-shift deletion keeps every probe chain unbroken without tombstones.
-        self.table[pos] = NIL;
+        self.table[pos] = Slot::EMPTY;
         let mut hole = pos;
         let mut i = pos;
         loop {
             i = (i + 1) & mask;
             let cur = self.table[i];
-            if cur == NIL {
+            if cur.idx == NIL {
                 break;
             }
-            let home = Self::home(self.entries[cur as usize].block, mask);
+            let home = cur.tag as usize & mask;
             if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
                 self.table[hole] = cur;
-                self.table[i] = NIL;
+                self.table[i] = Slot::EMPTY;
                 hole = i;
             }
         }
@@ -636,8 +668,8 @@ mod tests {
     }
 
     #[test]
-    fn entry_is_48_bytes() {
-        assert_eq!(std::mem::size_of::<Entry>(), 48);
+    fn entry_is_64_bytes() {
+        assert_eq!(std::mem::size_of::<Entry>(), 64);
     }
 
     #[test]
@@ -653,46 +685,40 @@ mod tests {
         assert_eq!(lengths_of(&a, &p[..12]), vec![12, 0, 3]);
         assert_eq!(lengths_of(&a, &blocks(2, 10)), vec![0, 0, 0]);
         assert_eq!(lengths_of(&a, &[]), vec![0, 0, 0]);
-        assert_eq!(
-            (a.len(), a.backend_len(0), a.backend_entries(0)),
-            (4, 21, 3)
-        );
+        let entries = 21usize.div_ceil(CHUNK_BLOCKS) as u64;
+        assert_eq!((a.backend_len(0), a.backend_entries(0)), (21, entries));
+        assert_eq!(a.len() as u64, entries + 1);
         a.verify().unwrap();
     }
 
     #[test]
     fn a_prompt_that_parts_inside_a_chunk_matches_up_to_where_it_parts() {
+        let g = CHUNK_BLOCKS;
         let mut a = PrefixAffinity::new(1000);
         a.set_backend_capacity(0, 100);
-        let system = "s".repeat(64 * 11);
+        // A system prompt that ends 3 blocks into the second chunk, and two questions.
+        let system = "s".repeat(64 * (g + 3));
         let prompt = |question: &str| {
-            crate::prompt::block_hashes(
-                format!("{system}{}", question.repeat(64 * 6)).as_bytes(),
-                16,
-            )
+            let text = format!("{system}{}", question.repeat(64 * (g - 2)));
+            crate::prompt::block_hashes(text.as_bytes(), 16)
         };
         let (first, second) = (prompt("a"), prompt("b"));
-        assert_eq!(
-            (
-                first.len(),
-                first[..11] == second[..11],
-                first[11] == second[11]
-            ),
-            (17, true, false)
-        );
+        assert_eq!(first.len(), 2 * g + 1);
+        assert_eq!(first[..g + 3], second[..g + 3]);
+        assert_ne!(first[g + 3], second[g + 3]);
         a.record(0, &first);
-        assert_eq!(lengths_of(&a, &second), vec![11]);
-        assert_eq!(lengths_of(&a, &first), vec![17]);
+        assert_eq!(lengths_of(&a, &second), vec![g as u32 + 3]);
+        assert_eq!(lengths_of(&a, &first), vec![2 * g as u32 + 1]);
         // A shorter prompt over the same blocks takes nothing away.
-        a.record(0, &first[..9]);
-        assert_eq!(lengths_of(&a, &first), vec![17]);
+        a.record(0, &first[..g + 1]);
+        assert_eq!(lengths_of(&a, &first), vec![2 * g as u32 + 1]);
         // Where two prompts part inside a chunk, the second one's rest gets its own entry.
         a.record(0, &second);
-        assert_eq!((a.len(), a.backend_len(0)), (5, 23));
-        assert_eq!(lengths_of(&a, &second), vec![17]);
-        assert_eq!(lengths_of(&a, &first), vec![17]);
-        assert_eq!(lengths_of(&a, &first[..14]), vec![14]);
-        assert_eq!(lengths_of(&a, &second[..14]), vec![14]);
+        assert_eq!((a.len(), a.backend_len(0)), (5, 3 * g as u64 - 1));
+        for p in [&first, &second] {
+            assert_eq!(lengths_of(&a, p), vec![2 * g as u32 + 1]);
+            assert_eq!(lengths_of(&a, &p[..g + 6]), vec![g as u32 + 6]);
+        }
         a.verify().unwrap();
     }
 
@@ -750,15 +776,16 @@ mod tests {
 
     #[test]
     fn global_bound_evicts_least_recent_of_any_backend() {
+        let g = CHUNK_BLOCKS;
         let mut a = PrefixAffinity::new(5);
         a.set_backend_capacity(0, 100);
         a.set_backend_capacity(1, 100);
-        a.record(0, &blocks(1, 24));
-        a.record(1, &blocks(2, 24));
+        a.record(0, &blocks(1, 3 * g));
+        a.record(1, &blocks(2, 3 * g));
         assert_eq!(a.len(), 5);
-        assert_eq!((a.backend_entries(0), a.backend_len(0)), (2, 16));
+        assert_eq!((a.backend_entries(0), a.backend_len(0)), (2, 2 * g as u64));
         assert_eq!(a.backend_entries(1), 3);
-        assert_eq!(lengths_of(&a, &blocks(1, 24)), vec![16, 0]);
+        assert_eq!(lengths_of(&a, &blocks(1, 3 * g)), vec![2 * g as u32, 0]);
         a.set_max_entries(2);
         assert_eq!(a.len(), 2);
         assert_eq!(a.backend_len(0), 0);
@@ -795,12 +822,13 @@ mod tests {
             a.record((i % 4) as u32, &blocks(i, 20));
         }
         a.verify().unwrap();
-        assert_eq!(a.len(), 1_200);
+        let per_prompt = 20usize.div_ceil(CHUNK_BLOCKS);
+        assert_eq!(a.len(), 400 * per_prompt);
         assert_eq!((0..4).map(|b| a.backend_len(b)).sum::<u64>(), 8_000);
         a.remove_backend(1);
         a.remove_backend(3);
         a.verify().unwrap();
-        assert_eq!(a.len(), 600);
+        assert_eq!(a.len(), 200 * per_prompt);
         assert_eq!(lengths_of(&a, &blocks(398, 20))[2], 20);
     }
 
