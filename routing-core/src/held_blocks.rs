@@ -152,7 +152,10 @@ mod tests {
         /// Counting by common prefixes agrees with per-block reference counts on chains.
         #[test]
         fn agrees_with_per_block_counts(
-            ops in prop::collection::vec((any::<bool>(), 0u64..8, 0u64..3, 0usize..30, 0usize..12), 1..60),
+            ops in prop::collection::vec(
+                (any::<bool>(), 0u64..8, 0u64..3, 0usize..30, 0usize..12),
+                1..60,
+            ),
         ) {
             let (mut h, mut counts) = (HeldBlocks::default(), Counts::default());
             let mut live: Vec<(LeaseId, Vec<u64>)> = Vec::new();
@@ -179,7 +182,8 @@ mod tests {
                 }
                 prop_assert_eq!(h.distinct(), counts.distinct());
                 for limit in [0, shared, blocks.len()] {
-                    prop_assert_eq!(h.held_prefix(&blocks, limit), counts.held_prefix(&blocks, limit));
+                    let expected = counts.held_prefix(&blocks, limit);
+                    prop_assert_eq!(h.held_prefix(&blocks, limit), expected);
                 }
             }
         }
