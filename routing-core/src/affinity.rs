@@ -338,18 +338,26 @@ impl PrefixAffinity {
 
     /// Calls `f` with every entry keyed by `block` (one per backend holding it).
     fn each_holder(&self, block: u64, mut f: impl FnMut(&Entry)) {
+        self.probe(block, |e| {
+            f(e);
+            false
+        });
+    }
+
+    /// Visits the entries keyed by `block` until `stop` says so; the slab position of that one.
+    fn probe(&self, block: u64, mut stop: impl FnMut(&Entry) -> bool) -> Option<u32> {
         let mask = self.table.len() - 1;
         let tag = tag(block);
         let mut pos = tag as usize & mask;
         loop {
             let slot = self.table[pos];
             if slot.idx == NIL {
-                return;
+                return None;
             }
             if slot.tag == tag {
                 let e = &self.entries[slot.idx as usize];
-                if e.block == block {
-                    f(e);
+                if e.block == block && stop(e) {
+                    return Some(slot.idx);
                 }
             }
             pos = (pos + 1) & mask;
@@ -419,22 +427,7 @@ impl PrefixAffinity {
     }
 
     fn find(&self, block: u64, backend: u32) -> Option<u32> {
-        let mask = self.table.len() - 1;
-        let tag = tag(block);
-        let mut pos = tag as usize & mask;
-        loop {
-            let slot = self.table[pos];
-            if slot.idx == NIL {
-                return None;
-            }
-            if slot.tag == tag {
-                let e = &self.entries[slot.idx as usize];
-                if e.block == block && e.backend == backend {
-                    return Some(slot.idx);
-                }
-            }
-            pos = (pos + 1) & mask;
-        }
+        self.probe(block, |e| e.backend == backend)
     }
 
     /// A chunk recorded again, further than the entry went: the entry takes the longer tail, and
@@ -661,6 +654,15 @@ mod tests {
         crate::prompt::block_hashes(format!("{seed:064}").repeat(n).as_bytes(), 16)
     }
 
+    /// A table of `max_entries` with backends 0, 1, ... of these block bounds.
+    fn table(max_entries: usize, capacities: &[u64]) -> PrefixAffinity {
+        let mut a = PrefixAffinity::new(max_entries);
+        for (b, &capacity) in capacities.iter().enumerate() {
+            a.set_backend_capacity(b as u32, capacity);
+        }
+        a
+    }
+
     fn lengths_of(a: &PrefixAffinity, blocks: &[u64]) -> Vec<u32> {
         let mut lengths = Vec::new();
         a.match_lengths(blocks, &mut lengths);
@@ -694,8 +696,7 @@ mod tests {
     #[test]
     fn a_prompt_that_parts_inside_a_chunk_matches_up_to_where_it_parts() {
         let g = CHUNK_BLOCKS;
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 100);
+        let mut a = table(1000, &[100]);
         // A system prompt that ends 3 blocks into the second chunk, and two questions.
         let system = "s".repeat(64 * (g + 3));
         let prompt = |question: &str| {
@@ -724,8 +725,7 @@ mod tests {
 
     #[test]
     fn a_hole_in_the_prefix_ends_the_match() {
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 100);
+        let mut a = table(1000, &[100]);
         let p = blocks(1, 12);
         a.record(0, &[p[0], p[1], p[3], p[4]]);
         assert_eq!(lengths_of(&a, &p), vec![2]);
@@ -737,8 +737,7 @@ mod tests {
 
     #[test]
     fn backend_bound_evicts_its_oldest_and_keeps_the_prefix_head() {
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 4);
+        let mut a = table(1000, &[4]);
         let p = blocks(1, 6);
         a.record(0, &p);
         assert_eq!(a.backend_len(0), 4);
@@ -753,8 +752,7 @@ mod tests {
 
     #[test]
     fn a_long_prompt_over_a_small_bound_keeps_its_first_blocks() {
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 20);
+        let mut a = table(1000, &[20]);
         let p = blocks(1, 40);
         a.record(0, &p);
         assert_eq!((a.backend_len(0), lengths_of(&a, &p)), (20, vec![20]));
@@ -763,8 +761,7 @@ mod tests {
 
     #[test]
     fn a_prefix_in_use_survives_a_stream_of_new_blocks() {
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 8);
+        let mut a = table(1000, &[8]);
         let hot = blocks(1, 2);
         for i in 0..100 {
             a.record(0, &hot);
@@ -777,9 +774,7 @@ mod tests {
     #[test]
     fn global_bound_evicts_least_recent_of_any_backend() {
         let g = CHUNK_BLOCKS;
-        let mut a = PrefixAffinity::new(5);
-        a.set_backend_capacity(0, 100);
-        a.set_backend_capacity(1, 100);
+        let mut a = table(5, &[100, 100]);
         a.record(0, &blocks(1, 3 * g));
         a.record(1, &blocks(2, 3 * g));
         assert_eq!(a.len(), 5);
@@ -794,9 +789,7 @@ mod tests {
 
     #[test]
     fn removing_a_backend_purges_its_entries_only() {
-        let mut a = PrefixAffinity::new(1000);
-        a.set_backend_capacity(0, 100);
-        a.set_backend_capacity(1, 100);
+        let mut a = table(1000, &[100, 100]);
         let p = blocks(1, 8);
         a.record(0, &p);
         a.record(1, &p);
@@ -834,8 +827,7 @@ mod tests {
 
     #[test]
     fn zero_bound_records_nothing() {
-        let mut a = PrefixAffinity::new(0);
-        a.set_backend_capacity(0, 10);
+        let mut a = table(0, &[10]);
         a.record(0, &blocks(1, 3));
         assert!(a.is_empty());
     }
