@@ -51,26 +51,50 @@ pub fn decode(text: &str) -> Option<Vec<u64>> {
     if !bytes_len.is_multiple_of(8) || text.len() % 4 == 1 {
         return None;
     }
-    let mut bytes = Vec::with_capacity(bytes_len);
-    for chunk in text.chunks(4) {
-        let mut n = 0u32;
-        for (i, c) in chunk.iter().enumerate() {
-            let v = DECODE[*c as usize];
-            if v == INVALID {
-                return None;
-            }
-            n |= u32::from(v) << (18 - 6 * i);
+    let mut hashes = Vec::with_capacity(bytes_len / 8);
+    // 32 characters are 24 bytes, three whole hashes: the bulk decodes without a byte buffer.
+    let mut groups = text.chunks_exact(32);
+    for group in &mut groups {
+        let mut bytes = [0u8; 24];
+        let mut invalid = 0;
+        for (quad, out) in group.chunks_exact(4).zip(bytes.chunks_exact_mut(3)) {
+            let (n, bad) = sextets(quad);
+            invalid |= bad;
+            out.copy_from_slice(&n.to_be_bytes()[1..]);
         }
-        for i in 0..chunk.len() - 1 {
-            bytes.push((n >> (16 - 8 * i)) as u8);
+        if invalid == INVALID {
+            return None;
+        }
+        for h in bytes.chunks_exact(8) {
+            hashes.push(u64::from_le_bytes(h.try_into().unwrap_or_default()));
         }
     }
-    Some(
-        bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect(),
-    )
+    let rest = groups.remainder();
+    let mut bytes = Vec::with_capacity(16);
+    for quad in rest.chunks(4) {
+        let (n, bad) = sextets(quad);
+        if bad == INVALID {
+            return None;
+        }
+        bytes.extend_from_slice(&n.to_be_bytes()[1..quad.len()]);
+    }
+    for h in bytes.chunks_exact(8) {
+        hashes.push(u64::from_le_bytes(h.try_into().unwrap_or_default()));
+    }
+    Some(hashes)
+}
+
+/// Up to four characters as 24 bits (missing ones as zeros), and [`INVALID`] if any character is
+/// outside the alphabet (0 otherwise).
+fn sextets(quad: &[u8]) -> (u32, u8) {
+    let mut n = 0u32;
+    let mut bad = 0u8;
+    for (i, c) in quad.iter().enumerate() {
+        let v = DECODE[*c as usize];
+        bad |= v & 0x80;
+        n |= u32::from(v & 63) << (18 - 6 * i);
+    }
+    (n, if bad != 0 { INVALID } else { 0 })
 }
 
 /// Serde: writes the hashes as one base64 string.
@@ -104,6 +128,16 @@ mod tests {
             let text = encode(&hashes);
             assert_eq!(text.len(), (n * 8 * 4).div_ceil(3));
             assert_eq!(decode(&text), Some(hashes));
+        }
+    }
+
+    #[test]
+    fn refuses_a_bad_character_anywhere() {
+        let text = encode(&[1, 2, 3, 4, 5, 6, 7]);
+        for i in 0..text.len() {
+            let mut bad = text.clone().into_bytes();
+            bad[i] = b'!';
+            assert_eq!(decode(std::str::from_utf8(&bad).unwrap()), None, "at {i}");
         }
     }
 

@@ -117,8 +117,11 @@ impl PoolCoordinator {
             Verdict::Granted { grant, waited_ms } => {
                 self.with(|l| l.budget.record_request(now_ms(), &l.settings.retry_budget));
                 let mut resp = answer(200, &grant)?;
-                resp.headers_mut()
-                    .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())?;
+                // Absent means no wait (the Worker reads it so); a header costs a call into JS.
+                if waited_ms > 0 {
+                    resp.headers_mut()
+                        .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())?;
+                }
                 Ok(resp)
             }
             Verdict::Dropped { reason, waited_ms } => {

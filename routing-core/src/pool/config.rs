@@ -31,7 +31,9 @@ pub struct PoolConfig {
     pub lease_ttl_ms: u64,
     /// Weight of the scraped waiting queue in a backend's load (default 1.0).
     pub queue_weight: f64,
-    /// Global bound on prefix-affinity entries (default 1,000,000, about 48 MB).
+    /// Global bound on prefix-affinity entries (default 500,000, about 36 MB; an entry stands for
+    /// up to [`crate::affinity::CHUNK_BLOCKS`] blocks of a prompt, so the default covers up to
+    /// 8,000,000 blocks).
     pub affinity_max_entries: usize,
     /// consistent_hash knobs.
     pub consistent_hash: ConsistentHashConfig,
@@ -70,7 +72,7 @@ impl Default for PoolConfig {
             block_tokens: DEFAULT_BLOCK_TOKENS,
             lease_ttl_ms: 60_000,
             queue_weight: 1.0,
-            affinity_max_entries: 1_000_000,
+            affinity_max_entries: 500_000,
             consistent_hash: ConsistentHashConfig::default(),
             cache_aware: CacheAwareConfig::default(),
             predicted_latency: PredictedLatencyConfig::default(),

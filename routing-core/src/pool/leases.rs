@@ -243,25 +243,14 @@ impl Pool {
 
     /// Counts `blocks` as held on `slot` by lease `lease_id`.
     pub(super) fn hold_blocks(&mut self, lease_id: LeaseId, slot: u32, blocks: Vec<u64>) {
-        let Some(entry) = self.entry_mut(slot) else {
-            return;
-        };
-        entry.held.hold(&blocks);
-        let key = entry.key;
-        self.lease_blocks.insert(lease_id, (key, blocks));
+        if let Some(entry) = self.entry_mut(slot) {
+            entry.held.hold(lease_id, blocks);
+        }
     }
 
     /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
     fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
-        match self.lease_blocks.get(&lease_id) {
-            Some((key, _)) if *key == backend => {}
-            _ => return None,
-        }
-        let (_, blocks) = self.lease_blocks.remove(&lease_id)?;
-        if let Some(entry) = self.entry_for_key_mut(backend) {
-            entry.held.release(&blocks);
-        }
-        Some(blocks)
+        self.entry_for_key_mut(backend)?.held.release(lease_id)
     }
 
     /// Takes a share off its backend's counters and tells the breaker how it ended.

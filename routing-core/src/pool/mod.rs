@@ -81,8 +81,6 @@ pub struct Pool {
     siblings: Option<SiblingLoads>,
     /// When the siblings' load was last summed into the entries.
     siblings_summed_ms: u64,
-    /// Each live lease's prompt blocks and the backend holding them.
-    lease_blocks: HashMap<LeaseId, (BackendKey, Vec<u64>)>,
 }
 
 impl fmt::Debug for Pool {
@@ -128,7 +126,6 @@ impl Pool {
             shards: 1,
             siblings: None,
             siblings_summed_ms: 0,
-            lease_blocks: HashMap::new(),
         }
     }
 
@@ -200,10 +197,9 @@ impl Pool {
                     e.spec.id, e.in_flight, expected
                 ));
             }
-            let held: std::collections::HashSet<u64> = self
-                .lease_blocks
-                .values()
-                .filter(|(key, _)| *key == e.key)
+            let held: std::collections::HashSet<u64> = e
+                .held
+                .prompts()
                 .flat_map(|(_, blocks)| blocks.iter().copied())
                 .collect();
             if held.len() != e.held.distinct() {
@@ -214,13 +210,16 @@ impl Pool {
                     held.len()
                 ));
             }
-        }
-        if let Some(id) = self
-            .lease_blocks
-            .keys()
-            .find(|&&id| !self.leases.contains(id))
-        {
-            return Err(format!("lease {id} holds blocks but is not live"));
+            if let Some((id, _)) = e.held.prompts().find(|&(id, _)| {
+                self.leases
+                    .get(id)
+                    .is_none_or(|lease| lease.primary.backend != e.key)
+            }) {
+                return Err(format!(
+                    "backend {}: lease {id} holds blocks here but is not live on it",
+                    e.spec.id
+                ));
+            }
         }
         Ok(())
     }
