@@ -9,8 +9,9 @@
 //
 // Features are realistic: 64 registered, probed-healthy backends (tiny local HTTP servers that
 // answer the probes; nothing else is sent to them); prompts of 2,048 and 16,384 tokens (128 and
-// 1,024 block hashes of 16 tokens); the affinity table warmed to its default bound of 1,000,000
-// entries by 1,000 acquires of 16k-token prompts with distinct prefixes. Each measured request
+// 1,024 block hashes of 16 tokens); the affinity table warmed to its default bound of 500,000
+// entries (an entry is a chunk of up to 16 blocks: up to 8,000,000 blocks) by 8,000 acquires of
+// 16k-token prompts with distinct prefixes. Each measured request
 // shares the first half of its blocks with a random warm prompt (a prefix hit) and has fresh blocks
 // after it (new entries, evicting old ones), as a stream of multi-turn conversations would. The
 // wire format lives in bench/do-protocol.mjs alone.
@@ -26,10 +27,10 @@ import { features, records, step } from "./do-driver.mjs";
 const POOL = "bench-do";
 const MODEL = "sse-model"; // what startSseServer lists on /v1/models
 const BACKENDS = 64;
-const WARM_PROMPTS = 1000;
+const WARM_PROMPTS = 8000; // x 64 chunk entries each: past the 500,000-entry bound
 const WARM_BLOCKS = 1024; // 16,384 tokens
 // KV size hint per backend: 262,144 blocks of 16 tokens, so that whichever backends the policy
-// prefers can hold their share of the 1M entries (the global bound is what is being exercised).
+// prefers can hold their share of the table (the global bound is what is being exercised).
 const KV_BLOCKS = 262144;
 const RUN_SLICE_S = 2;
 

@@ -249,7 +249,7 @@ fn learned_rates_converge_on_a_slower_backend() {
 /// Chat beyond the fleet's memory: 64 users whose histories need about twice the KV cache of
 /// 8 backends of 512 blocks, so every policy queues requests for memory in the engines and
 /// recomputes evicted histories. The default keeps the best median, throughput and hit rate, but
-/// its tail is not the best: measured 1.32x the best baseline's TTFT p99 (least load spreads the
+/// its tail is not the best: measured 1.24x the best baseline's TTFT p99 (least load spreads the
 /// queueing more evenly); the 0.8x is missed here, and the README says so. Admission
 /// control (the gateway's queue) is the tool for this regime.
 #[test]
