@@ -13,7 +13,7 @@
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
 //! as the platform reports it), the wait is abandoned and the pool told at once.
 
-use crate::do_client::{error_from_response, pool_call, pool_json};
+use crate::do_client::{error_from_web, pool_call_web, pool_json, read_json};
 use crate::keys::ClientKey;
 use crate::ApiError;
 use coordinator_protocol::acquire::AcquireBody;
@@ -148,7 +148,7 @@ pub async fn acquire(
     let _keep_alive = KeepAlive::new(ctx);
     loop {
         let route = Route::Acquire { spill_ok };
-        let call = Box::pin(pool_call(
+        let call = Box::pin(pool_call_web(
             env,
             pool,
             shard,
@@ -173,7 +173,7 @@ pub async fn acquire(
             Either::Right((Either::Right(_), _)) => None,
         };
         match answer {
-            Some(Ok(mut resp)) => match resp.status_code() {
+            Some(Ok(resp)) => match resp.status() {
                 200 => {
                     let queued_ms = resp
                         .headers()
@@ -182,17 +182,17 @@ pub async fn acquire(
                         .flatten()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(0);
-                    let grant: Grant = resp.json().await?;
+                    let grant: Grant = read_json(&resp).await?;
                     return Ok(Admitted { grant, queued_ms });
                 }
                 202 => {
-                    let queued: Queued = resp.json().await?;
+                    let queued: Queued = read_json(&resp).await?;
                     who.ticket = Some(queued.ticket);
                     failures = 0;
                 }
                 _ => {
                     let reason = resp.headers().get(QUEUE_DROP_HEADER).ok().flatten();
-                    let mut e = error_from_response(&mut resp).await;
+                    let mut e = error_from_web(&resp).await;
                     if let Some(r) = reason {
                         e = e.with_header(QUEUE_DROP_HEADER, &r);
                     }

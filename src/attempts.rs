@@ -11,7 +11,7 @@ use crate::relay::Upstream;
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
 use coordinator_protocol::timed_fetch::{
-    fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
+    fetch_web_with_timeout, with_timeout, FetchFailure, LinkedAbort,
 };
 use coordinator_protocol::Route;
 use routing_core::outcome::{Outcome, OutcomeKind};
@@ -21,7 +21,7 @@ use serde_json::Value;
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Env, Headers, Method, Request, RequestInit, ResponseBody};
+use worker::{AbortSignal, Date, Env, Headers};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
@@ -203,7 +203,11 @@ impl Attempts {
         let req = self.request(c, body).map_err(|e| {
             AttemptFailure::new(
                 OutcomeKind::Transport,
-                format!("cannot build the request to backend {}: {e}", c.id.0),
+                format!(
+                    "cannot build the request to backend {}: {}",
+                    c.id.0,
+                    worker::Error::from(e)
+                ),
             )
         })?;
         let timeout = if self.stream {
@@ -211,7 +215,7 @@ impl Attempts {
         } else {
             self.settings.response_timeout
         };
-        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal))
+        let (resp, abort) = fetch_web_with_timeout(&req, timeout, Some(client_signal))
             .await
             .map_err(|f| match f {
                 FetchFailure::Timeout => AttemptFailure::new(
@@ -228,7 +232,7 @@ impl Attempts {
                 ),
             })?;
         let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
-        let status = resp.status_code();
+        let status = resp.status();
         let kind = OutcomeKind::from_status(status);
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
         // sent): the backend's misconfiguration, so it counts against it and is retried elsewhere.
@@ -267,22 +271,16 @@ impl Attempts {
         }
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape.
-            let mut resp = resp;
-            let text = with_timeout(resp.text(), remaining())
+            let text = with_timeout(response_text(&resp), remaining())
                 .await
-                .and_then(Result::ok)
+                .flatten()
                 .unwrap_or_default();
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
-        let headers = resp.headers().clone();
-        let (_, body) = resp.into_parts();
-        let body = match body {
-            ResponseBody::Stream(s) => Some(s),
-            _ => None,
-        };
+        let body = resp.body();
         let mut answer = Answer {
             status,
-            headers,
+            headers: Headers(resp.headers()),
             whole: None,
             usage: None,
             first_chunk: None,
@@ -358,8 +356,12 @@ impl Attempts {
     }
 
     /// The upstream request for `c` with `body`.
-    pub(crate) fn request(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
-        let headers = Headers::new();
+    pub(crate) fn request(
+        &self,
+        c: &CandidateView,
+        body: &[u8],
+    ) -> Result<web_sys::Request, JsValue> {
+        let headers = web_sys::Headers::new()?;
         for (name, value) in &self.headers {
             headers.set(name, value)?;
         }
@@ -368,11 +370,11 @@ impl Attempts {
         if let Some(key) = &c.api_key {
             headers.set("authorization", &format!("Bearer {key}"))?;
         }
-        let mut init = RequestInit::new();
-        init.with_method(Method::Post)
-            .with_headers(headers)
-            .with_body(Some(js_sys::Uint8Array::from(body).into()));
-        Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
+        let init = web_sys::RequestInit::new();
+        init.set_method("POST");
+        init.set_headers(&headers);
+        init.set_body(&js_sys::Uint8Array::from(body));
+        web_sys::Request::new_with_str_and_init(&format!("{}{}", c.url, self.path), &init)
     }
 
     /// Candidates of the ranking not tried yet.
@@ -441,6 +443,12 @@ pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
         outcome.cached_tokens = u.cached_tokens;
         outcome.completion_tokens = Some(u.completion_tokens);
     }
+}
+
+/// A response's whole body as text; `None` when it breaks off.
+pub(crate) async fn response_text(resp: &web_sys::Response) -> Option<String> {
+    let text = JsFuture::from(resp.text().ok()?).await.ok()?;
+    text.as_string()
 }
 
 /// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one

@@ -27,10 +27,7 @@ thread_local! {
 
 /// Hex SHA-256 of a key.
 pub fn hash_key(key: &str) -> String {
-    Sha256::digest(key.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::hex(&Sha256::digest(key.as_bytes()))
 }
 
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).

@@ -21,7 +21,7 @@ use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
-use routing_core::outcome::{Outcome, OutcomeKind};
+use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -406,23 +406,45 @@ struct Served<'a> {
 /// A resumed stream adds `resumed_from` (the backends it was resumed from, in order) and
 /// `stream_resume` (what became of a stream that failed mid-answer).
 fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
-    let mut line = serde_json::json!({
-        "event": "request",
-        "request_id": served.request_id,
-        "pool": served.pool,
-        "backend": served.backend,
-        "attempts": served.attempts,
-        "status": outcome.status,
-        "outcome": outcome.kind,
-        "ttfb_ms": outcome.ttfb_ms,
-        "duration_ms": duration_ms,
-        "prompt_tokens": outcome.prompt_tokens,
-        "cached_tokens": outcome.cached_tokens,
-        "completion_tokens": outcome.completion_tokens,
-    });
-    if !served.resumed_from.is_empty() || outcome.resume.is_some() {
-        line["resumed_from"] = serde_json::json!(served.resumed_from);
-        line["stream_resume"] = serde_json::json!(outcome.resume);
+    let resumed = !served.resumed_from.is_empty() || outcome.resume.is_some();
+    let line = AccessLine {
+        attempts: served.attempts,
+        backend: served.backend,
+        cached_tokens: outcome.cached_tokens,
+        completion_tokens: outcome.completion_tokens,
+        duration_ms,
+        event: "request",
+        outcome: outcome.kind,
+        pool: served.pool,
+        prompt_tokens: outcome.prompt_tokens,
+        request_id: served.request_id,
+        resumed_from: resumed.then_some(served.resumed_from),
+        status: outcome.status,
+        stream_resume: resumed.then_some(outcome.resume),
+        ttfb_ms: outcome.ttfb_ms,
+    };
+    if let Ok(text) = serde_json::to_string(&line) {
+        worker::console_log!("{text}");
     }
-    worker::console_log!("{line}");
+}
+
+/// The access log line's fields, in the (alphabetical) order they are written.
+#[derive(serde::Serialize)]
+struct AccessLine<'a> {
+    attempts: u32,
+    backend: &'a str,
+    cached_tokens: Option<u32>,
+    completion_tokens: Option<u32>,
+    duration_ms: u64,
+    event: &'static str,
+    outcome: OutcomeKind,
+    pool: &'a str,
+    prompt_tokens: Option<u32>,
+    request_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resumed_from: Option<&'a [String]>,
+    status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_resume: Option<Option<StreamResume>>,
+    ttfb_ms: Option<u64>,
 }

@@ -53,6 +53,10 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
             e.to_response()?
         }
     };
+    // The proxy sets the id on its responses itself.
+    if resp.headers().get("x-request-id").ok().flatten().as_deref() == Some(&request_id) {
+        return Ok(resp);
+    }
     // Responses relayed from a Durable Object have immutable headers: copy them.
     let headers = Headers::new();
     for (k, v) in resp.headers().entries() {
@@ -117,7 +121,18 @@ pub(crate) fn random_hex(n: usize) -> String {
             *b = t[i % 8].wrapping_add(i as u8);
         }
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    hex(&bytes)
+}
+
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(2 * bytes.len());
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    out
 }
 
 async fn route(
@@ -208,6 +223,20 @@ pub(crate) async fn read_body_limited(
     if declared.is_some_and(|n| n > limit) {
         discard_body(req).await;
         return Err(ApiError::payload_too_large(limit));
+    }
+    // A body of declared length (framed by it, so it cannot grow) is read in one call.
+    let chunked = req.headers().has("transfer-encoding").unwrap_or(true);
+    if declared.is_some() && !chunked {
+        let unreadable = |_| ApiError::bad_request("unreadable request body");
+        let read = req.inner().array_buffer().map_err(unreadable)?;
+        let buffer = wasm_bindgen_futures::JsFuture::from(read)
+            .await
+            .map_err(unreadable)?;
+        let bytes = js_sys::Uint8Array::new(&buffer);
+        if bytes.length() as usize > limit {
+            return Err(ApiError::payload_too_large(limit));
+        }
+        return Ok(bytes.to_vec());
     }
     let mut body = Vec::with_capacity(declared.unwrap_or(0).min(limit));
     let Ok(mut stream) = req.stream() else {

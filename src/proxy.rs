@@ -21,13 +21,13 @@ use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
 use crate::resume::Resumption;
 use crate::ApiError;
-use coordinator_protocol::timed_fetch::{fetch_with_timeout, FetchFailure};
+use coordinator_protocol::timed_fetch::{fetch_web_with_timeout, FetchFailure};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::body_usage;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
-use worker::{AbortSignal, Context, Env, Headers, Request, Response, ResponseBody};
+use worker::{AbortSignal, Context, Env, Headers, Request, Response};
 /// Everything one proxied request needs.
 pub struct Forward<'a> {
     /// The client's request (for its headers and abort signal).
@@ -271,10 +271,13 @@ impl Forward<'_> {
         let params = async {
             let req = self
                 .attempts()
-                .and_then(|a| a.request(&prefill, &bytes).map_err(ApiError::from))
+                .and_then(|a| {
+                    a.request(&prefill, &bytes)
+                        .map_err(|e| ApiError::from(worker::Error::from(e)))
+                })
                 .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
             let (resp, _abort) =
-                fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+                fetch_web_with_timeout(&req, self.settings.response_timeout, Some(&client_signal))
                     .await
                     .map_err(|f| match f {
                         FetchFailure::Timeout => fail(
@@ -286,7 +289,7 @@ impl Forward<'_> {
                             format!("prefill backend {} unreachable: {e}", prefill.id.0),
                         ),
                     })?;
-            let status = resp.status_code();
+            let status = resp.status();
             if !(200..300).contains(&status) {
                 return Err(AttemptFailure {
                     outcome: Outcome::from_status(status),
@@ -295,10 +298,9 @@ impl Forward<'_> {
                     missing_model: false,
                 });
             }
-            let (_, body) = resp.into_parts();
-            let bytes = match body {
-                ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
-                _ => Vec::new(),
+            let bytes = match resp.body() {
+                Some(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
+                None => Vec::new(),
             };
             let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
                 fail(

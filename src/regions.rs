@@ -41,6 +41,9 @@ pub fn client_region(req: &Request, env: &Env) -> Option<String> {
 
 /// Orders pools nearest first.
 pub fn order_pools(req: &Request, env: &Env, mut pools: Vec<PoolEntry>) -> Vec<PoolEntry> {
+    if pools.len() < 2 {
+        return pools;
+    }
     if let Some(region) = client_region(req, env) {
         pools.sort_by_key(|p| p.region != region);
     }

@@ -8,7 +8,8 @@
 use futures_util::future::{select, Either};
 use std::time::Duration;
 use wasm_bindgen::JsCast;
-use worker::{AbortController, AbortSignal, Delay, Fetch, Request, Response};
+use worker::wasm_bindgen_futures::JsFuture;
+use worker::{AbortController, AbortSignal, Delay, Request, Response};
 
 /// How a timed fetch failed.
 #[derive(Debug)]
@@ -80,15 +81,30 @@ pub async fn fetch_with_timeout(
     timeout: Duration,
     parent: Option<&AbortSignal>,
 ) -> Result<(Response, LinkedAbort), FetchFailure> {
+    let (resp, abort) = fetch_web_with_timeout(req.inner(), timeout, parent).await?;
+    Ok((resp.into(), abort))
+}
+
+/// [`fetch_with_timeout`] with the platform's own request and response objects, without
+/// `worker`'s wrappers (each reads the object's fields back when it is made): the proxy's path.
+pub async fn fetch_web_with_timeout(
+    req: &web_sys::Request,
+    timeout: Duration,
+    parent: Option<&AbortSignal>,
+) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
     let abort = LinkedAbort::new(parent);
-    let signal = AbortSignal::from(web_sys::AbortSignal::clone(abort.signal()));
-    let fetch = Fetch::Request(req);
-    let send = fetch.send_with_signal(&signal);
+    let init = web_sys::RequestInit::new();
+    let signal: &web_sys::AbortSignal = abort.signal();
+    init.set_signal(Some(signal));
+    let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
+    let send = JsFuture::from(global.fetch_with_request_and_init(req, &init));
     let delay = Delay::from(timeout);
     futures_util::pin_mut!(send);
     match select(send, delay).await {
-        Either::Left((Ok(resp), _)) => Ok((resp, abort)),
-        Either::Left((Err(e), _)) => Err(FetchFailure::Transport(e.to_string())),
+        Either::Left((Ok(resp), _)) => Ok((resp.unchecked_into(), abort)),
+        Either::Left((Err(e), _)) => {
+            Err(FetchFailure::Transport(worker::Error::from(e).to_string()))
+        }
         Either::Right(_) => {
             abort.abort();
             Err(FetchFailure::Timeout)
