@@ -17,6 +17,7 @@ mod proxy;
 mod regions;
 mod relay;
 mod resume;
+mod settings;
 
 pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
@@ -30,14 +31,10 @@ use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::endpoint::{endpoint_features, Endpoint};
 use routing_core::lease::LeaseTerms;
-use routing_core::prompt::FeatureConfig;
 use routing_core::shard::shard_of_request;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
-
-/// Largest request body accepted unless `MAX_BODY_BYTES` says otherwise.
-const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 #[event(fetch)]
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
@@ -187,25 +184,6 @@ pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) ->
         .unwrap_or(default)
 }
 
-fn feature_config(env: &Env) -> FeatureConfig {
-    let defaults = FeatureConfig::default();
-    FeatureConfig {
-        block_tokens: var_or(env, "BLOCK_TOKENS", defaults.block_tokens),
-        default_max_tokens: var_or(env, "DEFAULT_MAX_TOKENS", defaults.default_max_tokens),
-        routing_header: env
-            .var("ROUTING_KEY_HEADER")
-            .ok()
-            .map(|v| v.to_string().to_ascii_lowercase())
-            .filter(|h| !h.is_empty()),
-        max_blocks: defaults.max_blocks,
-    }
-}
-
-/// Reads the body, refusing it (413) past `MAX_BODY_BYTES`.
-async fn read_body(req: &mut Request, env: &Env) -> std::result::Result<Vec<u8>, ApiError> {
-    read_body_limited(req, var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)).await
-}
-
 /// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
 /// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
 /// before the 413, so the client, still sending, reads the answer instead of a reset connection.
@@ -276,10 +254,11 @@ async fn completion(
             endpoint.path(),
         ));
     }
+    let settings = settings::settings(env);
     let key = keys::identify(&req, env, ctx).await?;
     let client = key.as_ref().map(|k| k.hash.clone());
     let who = admission::admission_request(&req, key.as_ref())?;
-    let body = read_body(&mut req, env).await?;
+    let body = read_body_limited(&mut req, settings.max_body_bytes).await?;
     let parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
     if !parsed.is_object() {
@@ -287,8 +266,8 @@ async fn completion(
     }
     let headers = req.headers().clone();
     let header = move |name: &str| headers.get(name).ok().flatten();
-    let mut features = endpoint_features(endpoint, &parsed, &header, &feature_config(env))
-        .map_err(|e| {
+    let mut features =
+        endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
             let err = ApiError::bad_request(e.to_string()).with_code(e.code());
             match e.param() {
                 Some(p) => err.with_param(p),
@@ -315,7 +294,11 @@ async fn completion(
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(&req, env, do_client::list_pools_cached(env, ctx).await?);
+    let pools = regions::order_pools(
+        &req,
+        &settings,
+        do_client::list_pools_cached(env, ctx).await?,
+    );
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -386,9 +369,9 @@ async fn completion(
                     block_hashes: features.block_hashes.clone(),
                     strip_usage_event,
                     request_id,
-                    settings: attempts::ProxySettings::from_env(env),
+                    settings: settings.proxy,
                     prefill_backend: None,
-                    routing_header: feature_config(env).routing_header,
+                    routing_header: settings.features.routing_header.clone(),
                     route_ms,
                 };
                 let resp = if disaggregated {

@@ -37,6 +37,7 @@ const QUEUED_CHUNKS: f64 = 16.0;
 type TransformFn =
     dyn FnMut(JsValue, web_sys::TransformStreamDefaultController) -> Result<(), JsValue>;
 type FlushFn = dyn FnMut(web_sys::TransformStreamDefaultController) -> Result<(), JsValue>;
+type StartFn = dyn FnMut(web_sys::TransformStreamDefaultController);
 
 struct State {
     scanner: StreamScanner,
@@ -119,6 +120,7 @@ pub struct Relay {
     stream: web_sys::TransformStream,
     state: Rc<RefCell<State>>,
     // The JS stream calls these until it closes; they live as long as the relay.
+    _start: Closure<StartFn>,
     _transform: Closure<TransformFn>,
     _flush: Closure<FlushFn>,
 }
@@ -136,6 +138,12 @@ impl Relay {
             splice: None,
         }));
         let s = state.clone();
+        let start = Closure::<StartFn>::new(
+            move |controller: web_sys::TransformStreamDefaultController| {
+                s.borrow_mut().controller = Some(controller);
+            },
+        );
+        let s = state.clone();
         let transform = Closure::<TransformFn>::new(
             move |chunk: JsValue, controller: web_sys::TransformStreamDefaultController| {
                 s.borrow_mut().transform(&chunk, &controller)
@@ -152,23 +160,22 @@ impl Relay {
                 st.send(rest, &controller)
             },
         );
-        let transformer = js_sys::Object::new();
-        js_sys::Reflect::set(&transformer, &"transform".into(), transform.as_ref())?;
-        js_sys::Reflect::set(&transformer, &"flush".into(), flush.as_ref())?;
-        let readable_strategy = js_sys::Object::new();
-        js_sys::Reflect::set(
-            &readable_strategy,
-            &"highWaterMark".into(),
-            &QUEUED_CHUNKS.into(),
-        )?;
-        let ctor: js_sys::Function =
-            js_sys::Reflect::get(&js_sys::global(), &"TransformStream".into())?.dyn_into()?;
-        let args = js_sys::Array::of3(&transformer, &js_sys::Object::new(), &readable_strategy);
-        let stream: web_sys::TransformStream =
-            js_sys::Reflect::construct(&ctor, &args)?.unchecked_into();
+        let transformer = web_sys::Transformer::new();
+        transformer.set_start(start.as_ref().unchecked_ref());
+        transformer.set_transform(transform.as_ref().unchecked_ref());
+        transformer.set_flush(flush.as_ref().unchecked_ref());
+        let readable_strategy = web_sys::QueuingStrategy::new();
+        readable_strategy.set_high_water_mark(QUEUED_CHUNKS);
+        let stream =
+            web_sys::TransformStream::new_with_transformer_and_writable_strategy_and_readable_strategy(
+                &transformer,
+                &web_sys::QueuingStrategy::new(),
+                &readable_strategy,
+            )?;
         Ok(Relay {
             stream,
             state,
+            _start: start,
             _transform: transform,
             _flush: flush,
         })
@@ -270,11 +277,18 @@ impl Relay {
     pub async fn pipe(&self, up: Upstream, client_signal: &AbortSignal) -> Piped {
         let writable = self.writable();
         if let Some(chunk) = &up.first_chunk {
-            let Ok(writer) = writable.get_writer() else {
-                return Piped::Cancelled;
-            };
-            let _ = JsFuture::from(writer.write_with_chunk(chunk)).await;
-            writer.release_lock();
+            // Straight through the transform (the controller came with the stream's start): no
+            // writer to take and release.
+            let controller = self.state.borrow().controller.clone();
+            if let Some(controller) = controller {
+                let _ = self.state.borrow_mut().transform(chunk, &controller);
+            } else {
+                let Ok(writer) = writable.get_writer() else {
+                    return Piped::Cancelled;
+                };
+                let _ = JsFuture::from(writer.write_with_chunk(chunk)).await;
+                writer.release_lock();
+            }
         }
         let options = web_sys::StreamPipeOptions::new();
         options.set_prevent_close(true);

@@ -7,9 +7,9 @@
 
 use futures_util::future::{select, Either};
 use std::time::Duration;
-use wasm_bindgen::JsCast;
+use wasm_bindgen::{JsCast, JsValue};
 use worker::wasm_bindgen_futures::JsFuture;
-use worker::{AbortController, AbortSignal, Delay, Request, Response};
+use worker::{AbortSignal, Delay, Request, Response};
 
 /// How a timed fetch failed.
 #[derive(Debug)]
@@ -29,25 +29,25 @@ impl std::fmt::Display for FetchFailure {
     }
 }
 
-/// An abort controller whose signal also fires when `parent` does (`AbortSignal.any`).
+/// An abort controller whose signal also fires when `parent` does.
 pub struct LinkedAbort {
-    controller: AbortController,
+    controller: web_sys::AbortController,
     signal: AbortSignal,
 }
 
 impl LinkedAbort {
     /// A controller linked to `parent`, if given.
     pub fn new(parent: Option<&AbortSignal>) -> Self {
-        let controller = AbortController::default();
-        let own = controller.signal();
-        let signal = match parent {
-            Some(p) => any_signal(&[p, &own]).unwrap_or(own),
-            None => own,
-        };
+        // As `worker::AbortController::default()` does: the platform always has the class.
+        let controller = web_sys::AbortController::new().expect("AbortController is available");
+        if let Some(parent) = parent {
+            follow(parent, &controller);
+        }
+        let signal = AbortSignal::from(controller.signal());
         LinkedAbort { controller, signal }
     }
 
-    /// The combined signal to pass to a fetch.
+    /// The signal to pass to a fetch.
     pub fn signal(&self) -> &AbortSignal {
         &self.signal
     }
@@ -58,21 +58,21 @@ impl LinkedAbort {
     }
 }
 
-fn any_signal(signals: &[&AbortSignal]) -> Option<AbortSignal> {
-    let ctor = js_sys::Reflect::get(&js_sys::global(), &"AbortSignal".into()).ok()?;
-    let any: js_sys::Function = js_sys::Reflect::get(&ctor, &"any".into())
-        .ok()?
-        .dyn_into()
-        .ok()?;
-    let list = js_sys::Array::new();
-    for s in signals {
-        let raw: &web_sys::AbortSignal = s;
-        list.push(raw);
+/// Aborts `controller` when `parent` aborts: its own `abort`, bound to it, listens on `parent`
+/// (cheaper than `AbortSignal.any`, which makes a third signal that follows both).
+fn follow(parent: &web_sys::AbortSignal, controller: &web_sys::AbortController) {
+    if parent.aborted() {
+        controller.abort();
+        return;
     }
-    let combined = any.call1(&ctor, &list).ok()?;
-    Some(AbortSignal::from(
-        combined.unchecked_into::<web_sys::AbortSignal>(),
-    ))
+    let Ok(abort) = js_sys::Reflect::get(controller, &"abort".into())
+        .and_then(|f| f.dyn_into::<js_sys::Function>())
+    else {
+        return;
+    };
+    // Bound with an undefined reason, so the event is not taken for one.
+    let bound = abort.bind1(controller, &JsValue::UNDEFINED);
+    let _ = parent.add_event_listener_with_callback("abort", bound.unchecked_ref());
 }
 
 /// Fetches `req`, giving up (and aborting it) after `timeout`.
