@@ -15,7 +15,7 @@ use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
 use crate::ApiError;
 use coordinator_protocol::messages::{
-    PrefillDone, PrefillDoneAnswer, ReleaseAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
+    PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
 };
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
@@ -290,14 +290,14 @@ impl Task {
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
         if !ending.released {
-            release(
-                &self.env,
-                (&self.pool, self.shard),
+            // Returned to the shard that granted it (with other requests' releases when this
+            // isolate has several); failures are logged, and the lease's deadline is the backstop.
+            let req = ReleaseRequest {
                 lease_id,
-                &backend,
-                &ending.outcome,
-            )
-            .await;
+                outcome: ending.outcome.clone(),
+                backend: Some(backend.as_str().into()),
+            };
+            crate::releases::release(&self.env, &self.pool, self.shard, req).await;
         }
         if let Some(reservation) = &self.reservation {
             if let Some(actual) = used_tokens(&ending.outcome) {
@@ -367,27 +367,6 @@ fn used_tokens(outcome: &Outcome) -> Option<u64> {
         (Some(p), Some(c)) => Some(u64::from(p) + u64::from(c)),
         _ if !outcome.status.is_some_and(|s| (200..300).contains(&s)) => Some(0),
         _ => None,
-    }
-}
-
-/// Returns a lease to the pool shard that granted it; failures are logged, and the lease's
-/// deadline is the backstop.
-async fn release(
-    env: &Env,
-    (pool, shard): (&str, u32),
-    lease_id: LeaseId,
-    backend: &str,
-    outcome: &Outcome,
-) {
-    let req = ReleaseRequest {
-        lease_id,
-        outcome: outcome.clone(),
-        backend: Some(backend.into()),
-    };
-    let result: Result<ReleaseAnswer, ApiError> =
-        pool_json(env, pool, shard, &Route::Release, Some(&req)).await;
-    if let Err(e) = result {
-        worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
     }
 }
 

@@ -16,6 +16,7 @@ mod metrics;
 mod proxy;
 mod regions;
 mod relay;
+mod releases;
 mod resume;
 mod settings;
 
