@@ -134,7 +134,7 @@ pub struct Admitted {
 pub async fn acquire(
     env: &Env,
     ctx: &Context,
-    client: &Request,
+    hung_up: &js_sys::Promise,
     pool: &str,
     shard: u32,
     spill_ok: bool,
@@ -144,8 +144,9 @@ pub async fn acquire(
     let started = Date::now().as_millis();
     let mut who = who.clone();
     let mut failures = 0;
-    let mut gone = hang_up(&client.inner().signal());
-    let _keep_alive = KeepAlive::new(ctx);
+    let mut gone = JsFuture::from(hung_up.clone());
+    // Made at the first 202, once the request holds a ticket between calls.
+    let mut keep_alive: Option<KeepAlive> = None;
     loop {
         let route = Route::Acquire { spill_ok };
         let call = Box::pin(pool_call_web(
@@ -189,6 +190,7 @@ pub async fn acquire(
                     let queued: Queued = read_json(&resp).await?;
                     who.ticket = Some(queued.ticket);
                     failures = 0;
+                    keep_alive.get_or_insert_with(|| KeepAlive::new(ctx));
                 }
                 _ => {
                     let reason = resp.headers().get(QUEUE_DROP_HEADER).ok().flatten();
@@ -229,19 +231,6 @@ async fn dequeue(env: &Env, pool: &str, shard: u32, ticket: u64) {
     if let Err(e) = answer {
         worker::console_error!("pool {pool}: dequeue: {e}");
     }
-}
-
-/// A future that resolves when `signal` aborts (the client hung up).
-fn hang_up(signal: &web_sys::AbortSignal) -> JsFuture {
-    let signal = signal.clone();
-    let promise = js_sys::Promise::new(&mut |resolve, _| {
-        if signal.aborted() {
-            let _ = resolve.call0(&JsValue::NULL);
-        } else {
-            let _ = signal.add_event_listener_with_callback("abort", &resolve);
-        }
-    });
-    JsFuture::from(promise)
 }
 
 /// Keeps the invocation alive while a request waits in a queue (`wait_until` on a promise settled

@@ -46,6 +46,8 @@ struct Record {
     prefill: Option<(Outcome, BackendId)>,
     /// Backends whose stream failed mid-answer and was resumed elsewhere, in order.
     resumed_from: Vec<String>,
+    /// Wakes the task (the request ended, or its prefill stage did); taken when called.
+    wake: Option<js_sys::Function>,
 }
 
 impl Record {
@@ -57,22 +59,25 @@ impl Record {
         self.ending = Some(Ending { outcome, released });
         true
     }
+
+    /// Wakes the task, if it waits.
+    fn wake(&mut self) {
+        if let Some(wake) = self.wake.take() {
+            let _ = wake.call0(&JsValue::UNDEFINED);
+        }
+    }
 }
 
 /// Owned by the guard's handles; the last one dropped ends an unfinished lease as cancelled.
 struct Shared {
     record: Rc<RefCell<Record>>,
-    resolve: js_sys::Function,
-    /// Wakes the task to report the prefill stage.
-    stage: js_sys::Function,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        self.record
-            .borrow_mut()
-            .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
-        let _ = self.resolve.call0(&JsValue::UNDEFINED);
+        let mut r = self.record.borrow_mut();
+        r.end(Outcome::of_kind(OutcomeKind::Cancelled), false);
+        r.wake();
     }
 }
 
@@ -96,8 +101,8 @@ pub struct GuardSetup<'a> {
     pub lease_id: LeaseId,
     /// The lease as the Worker knows it (re-established from this if the pool loses it).
     pub terms: LeaseTerms,
-    /// The client's abort signal.
-    pub client_signal: &'a AbortSignal,
+    /// Resolves when the client hangs up ([`hang_up`]).
+    pub hung_up: &'a js_sys::Promise,
     /// Time between renewals.
     pub renew_every: Duration,
     /// The client's token reservation, settled when the request ends.
@@ -107,8 +112,7 @@ pub struct GuardSetup<'a> {
 impl LeaseGuard {
     /// Starts guarding a lease just granted.
     pub fn start(setup: GuardSetup<'_>) -> LeaseGuard {
-        let (finished, resolve) = signal_promise();
-        let (stage_done, stage) = signal_promise();
+        let (woken, wake) = signal_promise();
         let record = Rc::new(RefCell::new(Record {
             lease_id: setup.lease_id,
             terms: setup.terms,
@@ -116,6 +120,7 @@ impl LeaseGuard {
             ending: None,
             prefill: None,
             resumed_from: Vec::new(),
+            wake: Some(wake),
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -126,16 +131,9 @@ impl LeaseGuard {
             reservation: setup.reservation,
             started_ms: Date::now().as_millis(),
         };
-        let hung_up = hang_up(setup.client_signal);
-        setup
-            .ctx
-            .wait_until(task.run(finished, hung_up, stage_done));
+        setup.ctx.wait_until(task.run(woken, setup.hung_up.clone()));
         LeaseGuard {
-            shared: Rc::new(Shared {
-                record,
-                resolve,
-                stage,
-            }),
+            shared: Rc::new(Shared { record }),
         }
     }
 
@@ -176,8 +174,8 @@ impl LeaseGuard {
             }
             let prefill_backend = std::mem::replace(&mut r.terms.backend, decode_backend.into());
             r.prefill = Some((outcome, prefill_backend));
+            r.wake();
         }
-        let _ = self.shared.stage.call0(&JsValue::UNDEFINED);
     }
 
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
@@ -191,8 +189,9 @@ impl LeaseGuard {
     }
 
     fn end(&self, outcome: Outcome, released: bool) {
-        if self.shared.record.borrow_mut().end(outcome, released) {
-            let _ = self.shared.resolve.call0(&JsValue::UNDEFINED);
+        let mut r = self.shared.record.borrow_mut();
+        if r.end(outcome, released) {
+            r.wake();
         }
     }
 }
@@ -207,8 +206,9 @@ fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
     )
 }
 
-/// A promise that resolves when the client hangs up.
-fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
+/// A promise that resolves when the client hangs up (one per request: its admission and its
+/// lease guard both wait on it).
+pub fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
     let signal: &web_sys::AbortSignal = signal;
     let signal = signal.clone();
     js_sys::Promise::new(&mut |resolve, _| {
@@ -232,24 +232,27 @@ struct Task {
 }
 
 impl Task {
-    async fn run(
-        self,
-        finished: js_sys::Promise,
-        hung_up: js_sys::Promise,
-        stage_done: js_sys::Promise,
-    ) {
-        let mut finished = JsFuture::from(finished);
+    async fn run(self, woken: js_sys::Promise, hung_up: js_sys::Promise) {
+        let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
-        let mut stage_done = JsFuture::from(stage_done);
         loop {
             let tick = Delay::from(self.renew_every);
-            match select(
-                select(&mut finished, &mut hung_up),
-                select(&mut stage_done, tick),
-            )
-            .await
-            {
-                Either::Left((Either::Left(_), _)) => break,
+            match select(select(&mut woken, &mut hung_up), tick).await {
+                Either::Left((Either::Left(_), _)) => {
+                    if self.record.borrow().ending.is_some() {
+                        break;
+                    }
+                    // The prefill stage ended: report it, then wait again (for the ending,
+                    // unless it came meanwhile).
+                    self.report_prefill().await;
+                    let (promise, wake) = signal_promise();
+                    let mut r = self.record.borrow_mut();
+                    if r.ending.is_some() {
+                        break;
+                    }
+                    r.wake = Some(wake);
+                    woken = JsFuture::from(promise);
+                }
                 Either::Left((Either::Right(_), _)) => {
                     // The upstream fetch shares the client's signal, so it is aborted already.
                     self.record
@@ -257,12 +260,7 @@ impl Task {
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
                 }
-                Either::Right((Either::Left(_), _)) => {
-                    self.report_prefill().await;
-                    // Reported once; from now on this never wakes the loop again.
-                    stage_done = JsFuture::from(js_sys::Promise::new(&mut |_, _| {}));
-                }
-                Either::Right((Either::Right(_), _)) => self.renew().await,
+                Either::Right(_) => self.renew().await,
             }
         }
         // A prefill stage that ended in the same turn as the request is reported first.

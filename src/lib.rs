@@ -294,6 +294,7 @@ async fn completion(
         false => (body, false),
     };
     let client_signal: AbortSignal = req.inner().signal().into();
+    let hung_up = lease_guard::hang_up(&client_signal);
     let started = Date::now().as_millis();
     let pools = regions::order_pools(
         &req,
@@ -325,7 +326,7 @@ async fn completion(
         let admitted = admission::acquire(
             env,
             ctx,
-            &req,
+            &hung_up,
             &pool.name,
             shard,
             spill_ok,
@@ -351,7 +352,7 @@ async fn completion(
                         stream,
                         request_id: request_id.to_string(),
                     },
-                    client_signal: &client_signal,
+                    hung_up: &hung_up,
                     renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
                     reservation,
                 });
