@@ -110,7 +110,8 @@ pub(crate) struct Answer {
     pub(crate) whole: Option<Vec<u8>>,
     pub(crate) usage: Option<Usage>,
     pub(crate) first_chunk: Option<JsValue>,
-    pub(crate) body: Option<web_sys::ReadableStream>,
+    /// A stream's body after its first chunk, locked to this reader.
+    pub(crate) reader: Option<web_sys::ReadableStreamDefaultReader>,
     pub(crate) ttfb_ms: u64,
     pub(crate) abort: LinkedAbort,
 }
@@ -149,7 +150,7 @@ impl Answer {
             whole: Some(body),
             usage: None,
             first_chunk: None,
-            body: None,
+            reader: None,
             ttfb_ms,
             abort,
         }
@@ -284,7 +285,7 @@ impl Attempts {
             whole: None,
             usage: None,
             first_chunk: None,
-            body: None,
+            reader: None,
             ttfb_ms: 0,
             abort,
         };
@@ -317,8 +318,9 @@ impl Attempts {
                     format!("backend {backend} sent no stream"),
                 ));
             };
-            answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
-            answer.body = Some(stream);
+            let (reader, first) = read_first_chunk(&stream, remaining, backend).await?;
+            answer.first_chunk = Some(first);
+            answer.reader = Some(reader);
             return Ok(());
         }
         let bytes = match body {
@@ -421,14 +423,14 @@ impl Attempts {
 
 /// The relay's side of a streamed answer from `c`: its body after the first chunk.
 pub(crate) fn stream_upstream(
-    body: web_sys::ReadableStream,
+    reader: web_sys::ReadableStreamDefaultReader,
     first_chunk: Option<JsValue>,
     abort: LinkedAbort,
     c: &CandidateView,
     settings: &ProxySettings,
 ) -> Upstream {
     Upstream {
-        body,
+        reader,
         first_chunk,
         abort,
         backend: c.id.0.clone(),
@@ -498,12 +500,13 @@ pub(crate) async fn read_whole(
     }
 }
 
-/// Reads the first chunk of a stream within `timeout`, then unlocks the stream for piping.
+/// Reads the first chunk of a stream within `timeout`; the reader, still holding the stream, reads
+/// the rest.
 pub(crate) async fn read_first_chunk(
     stream: &web_sys::ReadableStream,
     timeout: Duration,
     backend: &str,
-) -> Result<JsValue, AttemptFailure> {
+) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let read = JsFuture::from(reader.read());
     let result = with_timeout(read, timeout).await;
@@ -537,13 +540,13 @@ pub(crate) async fn read_first_chunk(
             format!("backend {backend} closed the stream before its first token"),
         ));
     }
-    reader.release_lock();
-    js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
+    let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
         fail(
             OutcomeKind::Transport,
             format!("backend {backend} sent an unreadable chunk"),
         )
-    })
+    })?;
+    Ok((reader, value))
 }
 
 /// The client's error after every allowed attempt failed.

@@ -199,7 +199,7 @@ impl Forward<'_> {
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
-        let (Some(body), true) = (answer.body, self.stream) else {
+        let (Some(reader), true) = (answer.reader, self.stream) else {
             with_usage(&mut outcome, answer.usage);
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
@@ -211,7 +211,7 @@ impl Forward<'_> {
         let relay = Relay::new(self.strip_usage_event)
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
-        let upstream = stream_upstream(body, answer.first_chunk, answer.abort, c, &self.settings);
+        let upstream = stream_upstream(reader, answer.first_chunk, answer.abort, c, &self.settings);
         // A disaggregated request's decode share cannot move: its stream is never resumed.
         let resumption = match self.prefill_backend {
             None => Resumption::of(self.path, self.body, self.settings.max_stream_resumes),
