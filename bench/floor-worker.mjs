@@ -2,11 +2,12 @@
 // Worker in workerd can do to proxy a streamed completion, to compare the gateway's CPU with.
 // It forwards every request to one upstream (`UPSTREAM`, a vllm-sim) with `fetch` and answers
 // with the upstream's status, content type and body, in one of three modes (`MODE`):
-//   "pass":      the upstream body returned as is (no JavaScript runs per chunk);
-//   "identity":  piped through `new TransformStream()` from `waitUntil`, as the gateway's relay
-//                pipes it (the stream's own per-chunk cost, no callback);
-//   "transform": the same with a `transform(chunk, controller)` callback that only enqueues the
-//                chunk (the cost of calling JavaScript per chunk, which the gateway's relay does).
+//   "pass":     the upstream body returned as is (no JavaScript runs per chunk);
+//   "identity": piped through `new TransformStream()` from `waitUntil` (the standard way to see a
+//               stream's chunks on their way: the stream's own per-chunk cost, no callback);
+//   "loop":     a loop in `waitUntil` reads each chunk and writes it to a native
+//               `IdentityTransformStream`, as the gateway's relay does (which also hands each chunk
+//               to its wasm scanner, and writes one chunk per whole event).
 // Nothing else: no routing, leases, logging or parsing.
 
 export default {
@@ -19,10 +20,22 @@ export default {
     });
     const init = { status: upstream.status, headers: { "content-type": upstream.headers.get("content-type") ?? "text/plain" } };
     if (env.MODE === "pass" || !upstream.body) return new Response(upstream.body, init);
-    const relay = env.MODE === "transform"
-      ? new TransformStream({ transform: (chunk, controller) => controller.enqueue(chunk) })
-      : new TransformStream();
-    ctx.waitUntil(upstream.body.pipeTo(relay.writable));
+    if (env.MODE === "identity") {
+      const relay = new TransformStream();
+      ctx.waitUntil(upstream.body.pipeTo(relay.writable));
+      return new Response(relay.readable, init);
+    }
+    const relay = new IdentityTransformStream();
+    const reader = upstream.body.getReader();
+    const writer = relay.writable.getWriter();
+    ctx.waitUntil((async () => {
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        await writer.write(value);
+      }
+      await writer.close();
+    })());
     return new Response(relay.readable, init);
   },
 };

@@ -23,7 +23,7 @@ import { measureWorkerCpu } from "./worker-cpu.mjs";
 import { measureLatency } from "./latency.mjs";
 
 /** How the floor's modes (bench/floor-worker.mjs) are named in the report. */
-const FLOOR_NAMES = { pass: "body passed as is", identity: "through an identity TransformStream", transform: "through a TransformStream whose callback enqueues each chunk" };
+const FLOOR_NAMES = { pass: "body passed as is", identity: "through an identity TransformStream", loop: "read chunk by chunk into an IdentityTransformStream" };
 
 const args = Object.fromEntries(
   process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
@@ -124,14 +124,11 @@ function markdown(r) {
         `workerd idle: ${f(wc.workerd_idle_cpu_share * 100)}% of a core.`,
     );
     if (wc.floors?.length) {
-      const identity = wc.floors.find((fl) => fl.mode === "identity");
       lines.push(
         "",
         "The floor, a minimal JavaScript Worker in its own workerd with the same setup (bench/floor-worker.mjs), measured the same way: " +
           wc.floors.map((fl) => `${FLOOR_NAMES[fl.mode] ?? fl.mode} **${f(fl.cpu_ms_per_request, 3)} ms** per request and **${f(fl.cpu_us_per_token, 1)} us** per token`).join("; ") + ". " +
-          (identity
-            ? `Beyond the identity-TransformStream floor, the gateway (its Durable Object pair included) costs ${f(wc.cpu_ms_per_request - identity.cpu_ms_per_request, 3)} ms per request and ${f(wc.cpu_us_per_token - identity.cpu_us_per_token, 1)} us per token.`
-            : ""),
+          wc.floors.map((fl) => `Beyond the ${fl.mode} floor, the gateway (its Durable Object pair included) costs ${f(wc.cpu_ms_per_request - fl.cpu_ms_per_request, 3)} ms per request and ${f(wc.cpu_us_per_token - fl.cpu_us_per_token, 1)} us per token.`).join(" "),
       );
     }
   }
@@ -139,12 +136,21 @@ function markdown(r) {
   if (la) {
     lines.push(
       "", "## (c) Closed-loop rate and added time to first byte, gateway vs direct", "", la.method, "",
-      "| concurrency | direct req/s | gateway req/s | ratio | direct TTFB p50 / p99 ms | gateway TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | floor req/s (ratio) | floor added p50 / p99 ms | client CPU ms/req (d/g) | errors (d/g/floor) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| concurrency | direct req/s | gateway req/s | ratio | direct TTFB p50 / p99 ms | gateway TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | client CPU ms/req (d/g) | errors (d/g) |",
+      "|---|---|---|---|---|---|---|---|---|---|",
       ...la.points.map((p) =>
-        `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ` +
-        (p.floor ? `${f(p.floor.requests_per_s, 0)} (${f(p.floor_rate_ratio)}) | ${f(p.floor_added_ttfb_ms.p50)} / ${f(p.floor_added_ttfb_ms.p99)}` : "- | -") +
-        ` | ${f(p.direct.client_cpu_ms_per_request)} / ${f(p.gateway.client_cpu_ms_per_request)} | ${p.direct.errors}/${p.gateway.errors}/${p.floor?.errors ?? "-"} |`),
+        `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ${f(p.direct.client_cpu_ms_per_request)} / ${f(p.gateway.client_cpu_ms_per_request)} | ${p.direct.errors}/${p.gateway.errors} |`),
+      ...(la.points.some((p) => p.floors?.length)
+        ? [
+          "",
+          "The floors, the same phases against a minimal JavaScript Worker (bench/floor-worker.mjs), in its own workerd:",
+          "",
+          "| concurrency | floor | req/s | ratio to direct | TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | errors |",
+          "|---|---|---|---|---|---|---|---|",
+          ...la.points.flatMap((p) => (p.floors ?? []).map((fl) =>
+            `| ${p.concurrency} | ${fl.mode} | ${f(fl.requests_per_s, 0)} | ${f(fl.rate_ratio)} | ${f(fl.ttfb_ms.p50)} / ${f(fl.ttfb_ms.p99)} | ${f(fl.added_ttfb_ms.p50)} / ${f(fl.added_ttfb_ms.p99)} | ${f(fl.workerd_cpu_share * 100, 0)}% | ${fl.errors} |`)),
+        ]
+        : []),
     );
   }
   return lines.join("\n") + "\n";

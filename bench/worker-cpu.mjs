@@ -19,7 +19,7 @@ import { DRIVER, workerdPhase } from "./coordinator.mjs";
 const POOL = "bench-cpu";
 const CONCURRENCY = 8;
 /** The floor's modes (bench/floor-worker.mjs), each measured like the gateway. */
-const FLOOR_MODES = ["pass", "identity", "transform"];
+const FLOOR_MODES = ["pass", "identity", "loop"];
 
 /** Part (b). `requests`: requests in each of the 1-token phases (the 256-token phase runs a third). */
 export async function measureWorkerCpu({ requests = 600, log = console.error } = {}) {
