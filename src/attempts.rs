@@ -10,10 +10,9 @@ use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
-use coordinator_protocol::timed_fetch::{
-    fetch_web_with_timeout, with_timeout, FetchFailure, LinkedAbort,
-};
+use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
 use coordinator_protocol::Route;
+use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::CandidateView;
 use routing_core::usage::{body_usage, Usage};
@@ -21,7 +20,7 @@ use serde_json::Value;
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Env, Headers};
+use worker::{AbortSignal, Date, Delay, Env, Headers};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
@@ -216,7 +215,9 @@ impl Attempts {
         } else {
             self.settings.response_timeout
         };
-        let (resp, abort) = fetch_web_with_timeout(&req, timeout, Some(client_signal))
+        // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
+        let mut deadline = Delay::from(timeout);
+        let (resp, abort) = fetch_web_until(&req, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
                 FetchFailure::Timeout => AttemptFailure::new(
@@ -232,7 +233,6 @@ impl Attempts {
                     format!("backend {} unreachable: {e}", c.id.0),
                 ),
             })?;
-        let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
         let status = resp.status();
         let kind = OutcomeKind::from_status(status);
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
@@ -272,10 +272,10 @@ impl Attempts {
         }
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape.
-            let text = with_timeout(response_text(&resp), remaining())
-                .await
-                .flatten()
-                .unwrap_or_default();
+            let text = match select(Box::pin(response_text(&resp)), &mut deadline).await {
+                Either::Left((text, _)) => text.unwrap_or_default(),
+                Either::Right(_) => String::new(),
+            };
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
         let body = resp.body();
@@ -291,7 +291,7 @@ impl Attempts {
         };
         // Whatever fails from here on, the upstream request is closed, not left to the collector.
         let read = self
-            .read_answer(&mut answer, body, remaining(), timeout, &c.id.0)
+            .read_answer(&mut answer, body, &mut deadline, timeout, &c.id.0)
             .await;
         if let Err(failure) = read {
             answer.abort.abort();
@@ -307,7 +307,7 @@ impl Attempts {
         &self,
         answer: &mut Answer,
         body: Option<web_sys::ReadableStream>,
-        remaining: Duration,
+        deadline: &mut Delay,
         timeout: Duration,
         backend: &str,
     ) -> Result<(), AttemptFailure> {
@@ -318,23 +318,27 @@ impl Attempts {
                     format!("backend {backend} sent no stream"),
                 ));
             };
-            let (reader, first) = read_first_chunk(&stream, remaining, backend).await?;
+            let (reader, first) = read_first_chunk(&stream, deadline, timeout, backend).await?;
             answer.first_chunk = Some(first);
             answer.reader = Some(reader);
             return Ok(());
         }
         let bytes = match body {
-            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining)
-                .await
-                .unwrap_or_else(|| {
-                    Err(AttemptFailure::new(
-                        OutcomeKind::Timeout,
-                        format!(
-                            "backend {backend} did not finish its answer within {} ms",
-                            timeout.as_millis()
-                        ),
-                    ))
-                })?,
+            Some(stream) => {
+                let read = Box::pin(read_whole(&stream, MAX_ANSWER_BYTES, backend));
+                match select(read, deadline).await {
+                    Either::Left((bytes, _)) => bytes?,
+                    Either::Right(_) => {
+                        return Err(AttemptFailure::new(
+                            OutcomeKind::Timeout,
+                            format!(
+                                "backend {backend} did not finish its answer within {} ms",
+                                timeout.as_millis()
+                            ),
+                        ))
+                    }
+                }
+            }
             None => Vec::new(),
         };
         // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
@@ -500,16 +504,20 @@ pub(crate) async fn read_whole(
     }
 }
 
-/// Reads the first chunk of a stream within `timeout`; the reader, still holding the stream, reads
-/// the rest.
+/// Reads the first chunk of a stream before `deadline` (the attempt's, of `timeout`); the reader,
+/// still holding the stream, reads the rest.
 pub(crate) async fn read_first_chunk(
     stream: &web_sys::ReadableStream,
+    deadline: &mut Delay,
     timeout: Duration,
     backend: &str,
 ) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let read = JsFuture::from(reader.read());
-    let result = with_timeout(read, timeout).await;
+    let result = match select(read, deadline).await {
+        Either::Left((r, _)) => Some(r),
+        Either::Right(_) => None,
+    };
     let fail = AttemptFailure::new;
     let chunk = match result {
         None => {

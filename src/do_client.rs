@@ -131,6 +131,26 @@ pub async fn pool_json<T: DeserializeOwned>(
     decode(pool_call_web(env, pool, shard, route, body).await?).await
 }
 
+/// Calls shard `shard` of the named pool's coordinator for its effect: a 2xx answer's body is
+/// not read (the release's), any other answer becomes its error.
+pub async fn pool_ok(
+    env: &Env,
+    pool: &str,
+    shard: u32,
+    route: &Route,
+    body: Option<&impl Serialize>,
+) -> Result<(), ApiError> {
+    let body = body.map(encode).transpose()?;
+    let resp = pool_call_web(env, pool, shard, route, body).await?;
+    if !(200..300).contains(&resp.status()) {
+        return Err(error_from_web(&resp).await);
+    }
+    if let Some(body) = resp.body() {
+        let _ = body.cancel();
+    }
+    Ok(())
+}
+
 /// Rebuilds the `ApiError` a Durable Object answered with.
 pub async fn error_from_response(resp: Response) -> ApiError {
     error_from_web(&resp.into()).await

@@ -44,7 +44,8 @@ const QUEUED_CHUNKS: u32 = 16;
 /// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
 /// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
 /// when the client's side fails (the upstream is then cancelled). It resolves when the upstream
-/// ends, and rejects when the upstream fails or is aborted (the client's side stays open).
+/// ends (with whether the client's side failed), and rejects when the upstream fails or is
+/// aborted (the client's side stays open).
 #[wasm_bindgen(inline_js = r#"
 export function relay_stream() {
   return typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
@@ -66,9 +67,9 @@ export function relay_pump(reader, writer, transform, status, first, limit) {
     if (first !== undefined) send(first);
     for (;;) {
       if (pending.length >= limit) await pending.shift();
-      if (status.gone) return;
+      if (status.gone) return true;
       const { done, value } = await reader.read();
-      if (done || status.gone) return;
+      if (done || status.gone) return status.gone;
       send(value);
     }
   };
@@ -310,7 +311,9 @@ impl Relay {
         let backend = &up.backend;
         match select(pump, watchdog).await {
             Either::Left((pumped, _)) => match pumped {
-                _ if client_signal.aborted() || self.client_gone() => Piped::Cancelled,
+                _ if client_signal.aborted() => Piped::Cancelled,
+                Ok(gone) if gone.as_bool() == Some(true) => Piped::Cancelled,
+                Err(_) if self.client_gone() => Piped::Cancelled,
                 // The upstream can end normally after the client hung up; the close then fails.
                 // A backend that closed its stream early without an error (a close-delimited
                 // body cut short, or no `data: [DONE]`) failed as much as one that reset the

@@ -14,10 +14,9 @@
 //! [`SENDER_LOST_MS`] is presumed lost and the next release takes its place. Failures are logged
 //! per lease, and a lease's deadline stays the backstop, as for a single release.
 
-use crate::do_client::pool_json;
-use coordinator_protocol::messages::{
-    ReleaseAnswer, ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest,
-};
+use crate::do_client::pool_ok;
+use crate::ApiError;
+use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
 use coordinator_protocol::Route;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -131,22 +130,22 @@ impl Drop for Sending<'_> {
     }
 }
 
-/// One call: `/release` for a single lease, `/release_batch` for several.
-async fn send(env: &Env, pool: &str, shard: u32, mut batch: Vec<ReleaseRequest>) {
+/// One call: `/release` for a single lease, `/release_batch` for several. The answers (which
+/// leases were still live) are not read.
+async fn send(env: &Env, pool: &str, shard: u32, batch: Vec<ReleaseRequest>) {
     let sent = if let [one] = batch.as_slice() {
-        pool_json::<ReleaseAnswer>(env, pool, shard, &Route::Release, Some(one))
-            .await
-            .map(drop)
+        pool_ok(env, pool, shard, &Route::Release, Some(one)).await
     } else {
         let body = ReleaseBatch { releases: batch };
-        let sent =
-            pool_json::<ReleaseBatchAnswer>(env, pool, shard, &Route::ReleaseBatch, Some(&body))
-                .await;
-        batch = body.releases;
-        sent.map(drop)
+        let sent = pool_ok(env, pool, shard, &Route::ReleaseBatch, Some(&body)).await;
+        return log_failure(sent, &body.releases, pool);
     };
+    log_failure(sent, &batch, pool);
+}
+
+fn log_failure(sent: Result<(), ApiError>, batch: &[ReleaseRequest], pool: &str) {
     if let Err(e) = sent {
-        for r in &batch {
+        for r in batch {
             let lease_id = r.lease_id;
             worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
         }

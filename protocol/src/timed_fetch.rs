@@ -92,15 +92,23 @@ pub async fn fetch_web_with_timeout(
     timeout: Duration,
     parent: Option<&AbortSignal>,
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
+    fetch_web_until(req, &mut Delay::from(timeout), parent).await
+}
+
+/// [`fetch_web_with_timeout`] racing a timer the caller owns, which it can go on racing against
+/// the body (the proxy's first chunk has the same deadline as the response): one timer, not two.
+pub async fn fetch_web_until(
+    req: &web_sys::Request,
+    deadline: &mut Delay,
+    parent: Option<&AbortSignal>,
+) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
     let abort = LinkedAbort::new(parent);
     let init = web_sys::RequestInit::new();
     let signal: &web_sys::AbortSignal = abort.signal();
     init.set_signal(Some(signal));
     let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
     let send = JsFuture::from(global.fetch_with_request_and_init(req, &init));
-    let delay = Delay::from(timeout);
-    futures_util::pin_mut!(send);
-    match select(send, delay).await {
+    match select(send, deadline).await {
         Either::Left((Ok(resp), _)) => Ok((resp.unchecked_into(), abort)),
         Either::Left((Err(e), _)) => {
             Err(FetchFailure::Transport(worker::Error::from(e).to_string()))
