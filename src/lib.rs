@@ -100,18 +100,23 @@ fn request_id(req: &Request) -> String {
         {
             id
         }
-        _ => format!("req-{}", random_hex(12)),
+        _ => "req-".to_string() + &random_hex(12),
     }
 }
 
 /// `n` random bytes from the platform's CSPRNG, hex-encoded.
 pub(crate) fn random_hex(n: usize) -> String {
+    thread_local! {
+        // The global `crypto`, looked up once per isolate.
+        static CRYPTO: Option<web_sys::Crypto> = js_sys::Reflect::get(&js_sys::global(), &"crypto".into())
+            .ok()
+            .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok());
+    }
     let mut bytes = vec![0u8; n];
-    let crypto = js_sys::Reflect::get(&js_sys::global(), &"crypto".into()).ok();
-    let filled = crypto
-        .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok())
-        .map(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
-        .unwrap_or(false);
+    let filled = CRYPTO.with(|c| {
+        c.as_ref()
+            .is_some_and(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
+    });
     if !filled {
         // workerd always has crypto; this only keeps ids unique if it somehow does not.
         let t = (Date::now().as_millis() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
