@@ -9,7 +9,7 @@ import assert from "node:assert/strict";
 import http from "node:http";
 import OpenAI from "openai";
 import {
-  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, setFaults, tempDir,
+  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, poolObjectCall, setFaults, tempDir,
 } from "./lib/harness.mjs";
 
 const FIRST_BYTE_TIMEOUT_MS = 3000;
@@ -653,13 +653,7 @@ test("releases ending together are sent in batches: every lease ends once, with 
   assert.equal(tokens(after) - tokens(before), expectedTokens);
 
   // The batch route itself, as a Worker calls it: each lease ends once, in the order given.
-  const ns = await gw.mf.getDurableObjectNamespace("POOL");
-  const stub = ns.get(ns.idFromName(p.name));
-  const call = (route, body) => stub.fetch(`https://do.internal/${route}`, {
-    method: "POST",
-    headers: { "x-gateway-pool": p.name, "content-type": "application/json" },
-    body: JSON.stringify(body),
-  });
+  const call = await poolObjectCall(gw, p.name);
   const leases = [];
   for (let i = 0; i < 3; i++) {
     const r = await call("acquire", { features: { model: p.model, request_id: `batch-direct-${i}`, prompt_tokens: 10, max_tokens: 5 } });
