@@ -18,6 +18,8 @@ import { DRIVER, workerdPhase } from "./coordinator.mjs";
 
 const POOL = "bench-cpu";
 const CONCURRENCY = 8;
+/** Requests sent before anything is measured. */
+const WARM_UP = 300;
 /** The floor's modes (bench/floor-worker.mjs), each measured like the gateway. */
 const FLOOR_MODES = ["pass", "identity", "loop"];
 
@@ -28,8 +30,9 @@ export async function measureWorkerCpu({ requests = 600, log = console.error } =
   try {
     const target = `${env.url}/v1/chat/completions`;
     const pid = workerdPid();
-    // Warm-up: the isolate, the pool list cache, connections.
-    await closedLoop({ concurrency: CONCURRENCY, seconds: 30, maxCalls: 50, one: (i) => client.post(target, chatBody(env.model, 128, 4, 1e6 + i)) });
+    // Warm-up: the isolate, the pool list cache, connections, and V8's optimised code for the hot
+    // paths (with 50 requests the first phase still paid for some of it).
+    await closedLoop({ concurrency: CONCURRENCY, seconds: 30, maxCalls: WARM_UP, one: (i) => client.post(target, chatBody(env.model, 128, 4, 1e6 + i)) });
     // One request read whole, to check the stream's shape.
     const sample = await client.post(target, chatBody(env.model, 128, 256, 7), { keepText: true });
     const sampleTokens = (sample.text.match(/"content":"[^"]/g) ?? []).length;
@@ -124,7 +127,7 @@ async function measureFloor({ mode, sim, model, requests, client, log }) {
   const floor = await floorWorker({ upstream: sim.url, mode });
   try {
     const target = `${floor.url}/v1/chat/completions`;
-    await closedLoop({ concurrency: CONCURRENCY, seconds: 30, maxCalls: 50, one: (i) => client.post(target, chatBody(model, 128, 4, 2e6 + i)) });
+    await closedLoop({ concurrency: CONCURRENCY, seconds: 30, maxCalls: WARM_UP, one: (i) => client.post(target, chatBody(model, 128, 4, 2e6 + i)) });
     const idle = await idleCpuRate(floor.pid, 2);
     const phases = [
       ["128-token prompt, 1 output token", 128, 1, requests],
