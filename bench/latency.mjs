@@ -7,14 +7,19 @@
 // a unique 128-token prompt with 16 output tokens, first straight to the sim, then to the gateway
 // (the built Worker in workerd, on its own 127.0.0.1 port), for a fixed time each after a short
 // warm-up. Time to first byte is from sending the request to the first body byte; added latency
-// is gateway minus direct at the same percentile; the rate ratio is gateway over direct.
+// is gateway minus direct at the same percentile; the rate ratio is gateway over direct. Then the
+// floors (bench/floor-worker.mjs, a JavaScript Worker that only forwards, each in its own workerd)
+// run the same phase: "pass" returns the body as is (the least any Worker adds), "loop" reads it
+// chunk by chunk into a native stream, as the gateway's relay does.
 //
 //   node bench/overhead.mjs --only latency [--latency-seconds 8]
-import { chatBody, closedLoop, cpuMeter, gatewayWithSim, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
+import { chatBody, closedLoop, cpuMeter, floorWorker, gatewayWithSim, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
 
 const POOL = "bench-latency";
 const PROMPT_TOKENS = 128;
 const MAX_TOKENS = 16;
+/** The floors run after the gateway at each concurrency (bench/floor-worker.mjs modes). */
+const FLOOR_MODES = ["pass", "loop"];
 
 async function closedPhase(client, pid, target, model, concurrency, seconds, nonce0) {
   const body = (i) => chatBody(model, PROMPT_TOKENS, MAX_TOKENS, nonce0 + i);
@@ -38,25 +43,45 @@ async function closedPhase(client, pid, target, model, concurrency, seconds, non
 /** Part (c). `seconds`: measured time of each phase (direct and gateway at each concurrency). */
 export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64], log = console.error } = {}) {
   const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "1000"] });
+  const pid = workerdPid();
+  const floors = [];
+  try {
+    for (const mode of FLOOR_MODES) floors.push({ mode, ...(await floorWorker({ upstream: env.sim.url, mode })) });
+  } catch (e) {
+    for (const fl of floors) await fl.close();
+    await env.close();
+    throw e;
+  }
   const client = streamClient(Math.max(...concurrencies));
   try {
-    const pid = workerdPid();
     const direct = `${env.sim.url}/v1/chat/completions`;
     const gateway = `${env.url}/v1/chat/completions`;
     const points = [];
     for (const [k, c] of concurrencies.entries()) {
-      const d = await closedPhase(client, pid, direct, env.model, c, seconds, 1e7 * (2 * k + 1));
-      const g = await closedPhase(client, pid, gateway, env.model, c, seconds, 1e7 * (2 * k + 2));
+      const nonce = (j) => 1e7 * ((2 + FLOOR_MODES.length) * k + j);
+      const d = await closedPhase(client, pid, direct, env.model, c, seconds, nonce(1));
+      const g = await closedPhase(client, pid, gateway, env.model, c, seconds, nonce(2));
       const point = {
         concurrency: c,
         direct: d,
         gateway: g,
         added_ttfb_ms: { p50: g.ttfb_ms.p50 - d.ttfb_ms.p50, p99: g.ttfb_ms.p99 - d.ttfb_ms.p99 },
         rate_ratio: g.requests_per_s / d.requests_per_s,
+        floors: [],
       };
+      for (const [j, fl] of floors.entries()) {
+        const f = await closedPhase(client, fl.pid, `${fl.url}/v1/chat/completions`, env.model, c, seconds, nonce(3 + j));
+        point.floors.push({
+          mode: fl.mode,
+          ...f,
+          added_ttfb_ms: { p50: f.ttfb_ms.p50 - d.ttfb_ms.p50, p99: f.ttfb_ms.p99 - d.ttfb_ms.p99 },
+          rate_ratio: f.requests_per_s / d.requests_per_s,
+        });
+      }
       log(
         `latency: c=${c}: direct ${d.requests_per_s.toFixed(0)} req/s, TTFB p50 ${d.ttfb_ms.p50.toFixed(2)} p99 ${d.ttfb_ms.p99.toFixed(2)} ms; ` +
-          `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core)`,
+          `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core)` +
+          point.floors.map((f) => `; floor ${f.mode} ${f.requests_per_s.toFixed(0)} req/s, p50 ${f.ttfb_ms.p50.toFixed(2)} p99 ${f.ttfb_ms.p99.toFixed(2)} ms`).join(""),
       );
       points.push(point);
     }
@@ -64,7 +89,8 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
       method:
         `Closed loop, Node http client (keep-alive), streamed chat, unique ${PROMPT_TOKENS}-token prompt, ${MAX_TOKENS} output tokens (ignore_eos); ` +
         `one vllm-sim --time-scale 1000 --max-num-seqs 256; each phase ${seconds} s after a 0.5 s warm-up; direct first, then the gateway ` +
-        "(built Worker under Miniflare/workerd on its own 127.0.0.1 port). TTFB = first body byte at the client.",
+        "(built Worker under Miniflare/workerd on its own 127.0.0.1 port), then the floors (a JavaScript Worker in its own workerd that forwards with " +
+        "fetch and returns the body as is, `pass`, or reads it chunk by chunk into a native stream, `loop`). TTFB = first body byte at the client.",
       prompt_tokens: PROMPT_TOKENS,
       max_tokens: MAX_TOKENS,
       seconds,
@@ -72,6 +98,7 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
     };
   } finally {
     client.close();
+    for (const fl of floors) await fl.close();
     await env.close();
   }
 }

@@ -8,7 +8,9 @@ import { readFileSync, readdirSync } from "node:fs";
 import { execFileSync } from "node:child_process";
 import http from "node:http";
 import os from "node:os";
-import { startGateway, startSim, adminFetch, waitReady } from "../tests/lib/harness.mjs";
+import { Miniflare } from "miniflare";
+import path from "node:path";
+import { ROOT, startGateway, startSim, adminFetch, waitReady } from "../tests/lib/harness.mjs";
 
 const CLK_TCK = Number(execFileSync("getconf", ["CLK_TCK"]).toString().trim()) || 100;
 
@@ -207,4 +209,25 @@ export async function gatewayWithSim({ pool, model = "bench-model", simArgs = []
     throw e;
   }
   return { gw, url, admin, sim, model, close: async () => { await gw.close(); await sim.close(); } };
+}
+
+/**
+ * The floor (bench/floor-worker.mjs): a minimal JavaScript Worker in its own workerd, with the
+ * gateway's compatibility date and flags, that forwards every request to `upstream` in `mode`
+ * ("pass", "identity" or "transform"). Returns { url, pid (its workerd), close }.
+ */
+export async function floorWorker({ upstream, mode }) {
+  const mf = new Miniflare({
+    name: `floor-${mode}`,
+    scriptPath: path.join(ROOT, "bench/floor-worker.mjs"),
+    modules: true,
+    compatibilityDate: "2026-08-01",
+    compatibilityFlags: ["enable_request_signal"],
+    bindings: { UPSTREAM: upstream, MODE: mode },
+    host: "127.0.0.1",
+    port: 0,
+    handleRuntimeStdio: (out, err) => (out.resume(), err.resume()),
+  });
+  const url = new URL(await mf.ready).origin;
+  return { url, pid: workerdPid(), close: () => mf.dispose() };
 }

@@ -2,9 +2,10 @@
 //
 //   (a) coordinator: one pool Durable Object's capacity in acquire+release pairs per second
 //       (bench/coordinator.mjs), target >= 2,000 pairs/s;
-//   (b) worker-cpu: the workerd CPU per request and per streamed token (bench/worker-cpu.mjs);
+//   (b) worker-cpu: the workerd CPU per request and per streamed token (bench/worker-cpu.mjs),
+//       beside the floor: a minimal JavaScript Worker that only forwards (bench/floor-worker.mjs);
 //   (c) latency: closed-loop request rate and added time to first byte against calling vllm-sim
-//       directly at 1, 16 and 64 concurrent requests (bench/latency.mjs), targets: added TTFB
+//       directly at 1, 16 and 64 concurrent requests, and the floor's (bench/latency.mjs), targets: added TTFB
 //       <= 2 ms p50 and <= 5 ms p99 at 1 and 16; gateway rate >= 0.85x direct at 16 and 64.
 //
 // Everything runs the built Worker (build/index.js) in workerd through Miniflare and real local
@@ -20,6 +21,9 @@ import { machine, rounded } from "./overhead-lib.mjs";
 import { measureCoordinator } from "./coordinator.mjs";
 import { measureWorkerCpu } from "./worker-cpu.mjs";
 import { measureLatency } from "./latency.mjs";
+
+/** How the floor's modes (bench/floor-worker.mjs) are named in the report. */
+const FLOOR_NAMES = { pass: "body passed as is", identity: "through an identity TransformStream", loop: "read chunk by chunk into an IdentityTransformStream" };
 
 const args = Object.fromEntries(
   process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
@@ -111,12 +115,22 @@ function markdown(r) {
       "| phase | requests ok | client chunks/request | workerd CPU ms/request (net of idle) |",
       "|---|---|---|---|",
       ...wc.points.map((p) => `| ${p.name} | ${p.ok}/${p.requests} | ${f(p.client_chunks_per_request, 0)} | ${f(p.workerd_cpu_ms_per_request, 3)} |`),
+      ...(wc.floors ?? []).flatMap((fl) =>
+        fl.points.map((p) => `| floor (${fl.mode}): ${p.name} | ${p.ok}/${p.requests} | ${f(p.client_chunks_per_request, 0)} | ${f(p.workerd_cpu_ms_per_request, 3)} |`)),
       "",
       `Per request (128-token prompt, Worker + its two Durable Object calls): **${f(wc.cpu_ms_per_request, 3)} ms**; with a 2,048-token prompt ${f(wc.cpu_ms_per_request_2k_prompt, 3)} ms. ` +
         `Per streamed token: **${f(wc.cpu_us_per_token, 1)} us**. The request's Durable Object pair alone (8 block hashes, driven from inside workerd): ${f(wc.do_pair_ms, 3)} ms, ` +
         `so the Worker's own share is at least ${f(wc.worker_own_ms_per_request_at_least, 3)} ms per request. ` +
         `workerd idle: ${f(wc.workerd_idle_cpu_share * 100)}% of a core.`,
     );
+    if (wc.floors?.length) {
+      lines.push(
+        "",
+        "The floor, a minimal JavaScript Worker in its own workerd with the same setup (bench/floor-worker.mjs), measured the same way: " +
+          wc.floors.map((fl) => `${FLOOR_NAMES[fl.mode] ?? fl.mode} **${f(fl.cpu_ms_per_request, 3)} ms** per request and **${f(fl.cpu_us_per_token, 1)} us** per token`).join("; ") + ". " +
+          wc.floors.map((fl) => `Beyond the ${fl.mode} floor, the gateway (its Durable Object pair included) costs ${f(wc.cpu_ms_per_request - fl.cpu_ms_per_request, 3)} ms per request and ${f(wc.cpu_us_per_token - fl.cpu_us_per_token, 1)} us per token.`).join(" "),
+      );
+    }
   }
   const la = r.parts.latency;
   if (la) {
@@ -126,6 +140,17 @@ function markdown(r) {
       "|---|---|---|---|---|---|---|---|---|---|",
       ...la.points.map((p) =>
         `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ${f(p.direct.client_cpu_ms_per_request)} / ${f(p.gateway.client_cpu_ms_per_request)} | ${p.direct.errors}/${p.gateway.errors} |`),
+      ...(la.points.some((p) => p.floors?.length)
+        ? [
+          "",
+          "The floors, the same phases against a minimal JavaScript Worker (bench/floor-worker.mjs), in its own workerd:",
+          "",
+          "| concurrency | floor | req/s | ratio to direct | TTFB p50 / p99 ms | added p50 / p99 ms | workerd busy | errors |",
+          "|---|---|---|---|---|---|---|---|",
+          ...la.points.flatMap((p) => (p.floors ?? []).map((fl) =>
+            `| ${p.concurrency} | ${fl.mode} | ${f(fl.requests_per_s, 0)} | ${f(fl.rate_ratio)} | ${f(fl.ttfb_ms.p50)} / ${f(fl.ttfb_ms.p99)} | ${f(fl.added_ttfb_ms.p50)} / ${f(fl.added_ttfb_ms.p99)} | ${f(fl.workerd_cpu_share * 100, 0)}% | ${fl.errors} |`)),
+        ]
+        : []),
     );
   }
   return lines.join("\n") + "\n";

@@ -95,9 +95,9 @@ async fn body_text(req: &mut Request) -> Result<String, ApiError> {
 }
 
 /// Relays a pool's answer, turning its error answers into `ApiError`s.
-async fn relay(mut resp: Response) -> AdminResult {
+async fn relay(resp: Response) -> AdminResult {
     if resp.status_code() >= 400 {
-        return Err(error_from_response(&mut resp).await);
+        return Err(error_from_response(resp).await);
     }
     Ok(resp)
 }

@@ -13,7 +13,7 @@
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
 //! as the platform reports it), the wait is abandoned and the pool told at once.
 
-use crate::do_client::{error_from_response, pool_call, pool_json};
+use crate::do_client::{error_from_web, pool_call_web, pool_json, read_json};
 use crate::keys::ClientKey;
 use crate::ApiError;
 use coordinator_protocol::acquire::AcquireBody;
@@ -134,7 +134,7 @@ pub struct Admitted {
 pub async fn acquire(
     env: &Env,
     ctx: &Context,
-    client: &Request,
+    hung_up: &js_sys::Promise,
     pool: &str,
     shard: u32,
     spill_ok: bool,
@@ -144,11 +144,12 @@ pub async fn acquire(
     let started = Date::now().as_millis();
     let mut who = who.clone();
     let mut failures = 0;
-    let mut gone = hang_up(&client.inner().signal());
-    let _keep_alive = KeepAlive::new(ctx);
+    let mut gone = JsFuture::from(hung_up.clone());
+    // Made at the first 202, once the request holds a ticket between calls.
+    let mut keep_alive: Option<KeepAlive> = None;
     loop {
         let route = Route::Acquire { spill_ok };
-        let call = Box::pin(pool_call(
+        let call = Box::pin(pool_call_web(
             env,
             pool,
             shard,
@@ -173,7 +174,7 @@ pub async fn acquire(
             Either::Right((Either::Right(_), _)) => None,
         };
         match answer {
-            Some(Ok(mut resp)) => match resp.status_code() {
+            Some(Ok(resp)) => match resp.status() {
                 200 => {
                     let queued_ms = resp
                         .headers()
@@ -182,17 +183,18 @@ pub async fn acquire(
                         .flatten()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(0);
-                    let grant: Grant = resp.json().await?;
+                    let grant: Grant = read_json(&resp).await?;
                     return Ok(Admitted { grant, queued_ms });
                 }
                 202 => {
-                    let queued: Queued = resp.json().await?;
+                    let queued: Queued = read_json(&resp).await?;
                     who.ticket = Some(queued.ticket);
                     failures = 0;
+                    keep_alive.get_or_insert_with(|| KeepAlive::new(ctx));
                 }
                 _ => {
                     let reason = resp.headers().get(QUEUE_DROP_HEADER).ok().flatten();
-                    let mut e = error_from_response(&mut resp).await;
+                    let mut e = error_from_web(&resp).await;
                     if let Some(r) = reason {
                         e = e.with_header(QUEUE_DROP_HEADER, &r);
                     }
@@ -229,19 +231,6 @@ async fn dequeue(env: &Env, pool: &str, shard: u32, ticket: u64) {
     if let Err(e) = answer {
         worker::console_error!("pool {pool}: dequeue: {e}");
     }
-}
-
-/// A future that resolves when `signal` aborts (the client hung up).
-fn hang_up(signal: &web_sys::AbortSignal) -> JsFuture {
-    let signal = signal.clone();
-    let promise = js_sys::Promise::new(&mut |resolve, _| {
-        if signal.aborted() {
-            let _ = resolve.call0(&JsValue::NULL);
-        } else {
-            let _ = signal.add_event_listener_with_callback("abort", &resolve);
-        }
-    });
-    JsFuture::from(promise)
 }
 
 /// Keeps the invocation alive while a request waits in a queue (`wait_until` on a promise settled

@@ -10,10 +10,9 @@ use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
-use coordinator_protocol::timed_fetch::{
-    fetch_with_timeout, with_timeout, FetchFailure, LinkedAbort,
-};
+use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
 use coordinator_protocol::Route;
+use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::CandidateView;
 use routing_core::usage::{body_usage, Usage};
@@ -21,7 +20,7 @@ use serde_json::Value;
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Env, Headers, Method, Request, RequestInit, ResponseBody};
+use worker::{AbortSignal, Date, Delay, Env, Headers};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
@@ -110,7 +109,8 @@ pub(crate) struct Answer {
     pub(crate) whole: Option<Vec<u8>>,
     pub(crate) usage: Option<Usage>,
     pub(crate) first_chunk: Option<JsValue>,
-    pub(crate) body: Option<web_sys::ReadableStream>,
+    /// A stream's body after its first chunk, locked to this reader.
+    pub(crate) reader: Option<web_sys::ReadableStreamDefaultReader>,
     pub(crate) ttfb_ms: u64,
     pub(crate) abort: LinkedAbort,
 }
@@ -149,7 +149,7 @@ impl Answer {
             whole: Some(body),
             usage: None,
             first_chunk: None,
-            body: None,
+            reader: None,
             ttfb_ms,
             abort,
         }
@@ -203,7 +203,11 @@ impl Attempts {
         let req = self.request(c, body).map_err(|e| {
             AttemptFailure::new(
                 OutcomeKind::Transport,
-                format!("cannot build the request to backend {}: {e}", c.id.0),
+                format!(
+                    "cannot build the request to backend {}: {}",
+                    c.id.0,
+                    worker::Error::from(e)
+                ),
             )
         })?;
         let timeout = if self.stream {
@@ -211,7 +215,9 @@ impl Attempts {
         } else {
             self.settings.response_timeout
         };
-        let (resp, abort) = fetch_with_timeout(req, timeout, Some(client_signal))
+        // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
+        let mut deadline = Delay::from(timeout);
+        let (resp, abort) = fetch_web_until(&req, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
                 FetchFailure::Timeout => AttemptFailure::new(
@@ -227,8 +233,7 @@ impl Attempts {
                     format!("backend {} unreachable: {e}", c.id.0),
                 ),
             })?;
-        let remaining = || timeout.saturating_sub(Duration::from_millis(elapsed()));
-        let status = resp.status_code();
+        let status = resp.status();
         let kind = OutcomeKind::from_status(status);
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
         // sent): the backend's misconfiguration, so it counts against it and is retried elsewhere.
@@ -267,32 +272,26 @@ impl Attempts {
         }
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape.
-            let mut resp = resp;
-            let text = with_timeout(resp.text(), remaining())
-                .await
-                .and_then(Result::ok)
-                .unwrap_or_default();
+            let text = match select(Box::pin(response_text(&resp)), &mut deadline).await {
+                Either::Left((text, _)) => text.unwrap_or_default(),
+                Either::Right(_) => String::new(),
+            };
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
-        let headers = resp.headers().clone();
-        let (_, body) = resp.into_parts();
-        let body = match body {
-            ResponseBody::Stream(s) => Some(s),
-            _ => None,
-        };
+        let body = resp.body();
         let mut answer = Answer {
             status,
-            headers,
+            headers: Headers(resp.headers()),
             whole: None,
             usage: None,
             first_chunk: None,
-            body: None,
+            reader: None,
             ttfb_ms: 0,
             abort,
         };
         // Whatever fails from here on, the upstream request is closed, not left to the collector.
         let read = self
-            .read_answer(&mut answer, body, remaining(), timeout, &c.id.0)
+            .read_answer(&mut answer, body, &mut deadline, timeout, &c.id.0)
             .await;
         if let Err(failure) = read {
             answer.abort.abort();
@@ -308,7 +307,7 @@ impl Attempts {
         &self,
         answer: &mut Answer,
         body: Option<web_sys::ReadableStream>,
-        remaining: Duration,
+        deadline: &mut Delay,
         timeout: Duration,
         backend: &str,
     ) -> Result<(), AttemptFailure> {
@@ -319,22 +318,27 @@ impl Attempts {
                     format!("backend {backend} sent no stream"),
                 ));
             };
-            answer.first_chunk = Some(read_first_chunk(&stream, remaining, backend).await?);
-            answer.body = Some(stream);
+            let (reader, first) = read_first_chunk(&stream, deadline, timeout, backend).await?;
+            answer.first_chunk = Some(first);
+            answer.reader = Some(reader);
             return Ok(());
         }
         let bytes = match body {
-            Some(stream) => with_timeout(read_whole(&stream, MAX_ANSWER_BYTES, backend), remaining)
-                .await
-                .unwrap_or_else(|| {
-                    Err(AttemptFailure::new(
-                        OutcomeKind::Timeout,
-                        format!(
-                            "backend {backend} did not finish its answer within {} ms",
-                            timeout.as_millis()
-                        ),
-                    ))
-                })?,
+            Some(stream) => {
+                let read = Box::pin(read_whole(&stream, MAX_ANSWER_BYTES, backend));
+                match select(read, deadline).await {
+                    Either::Left((bytes, _)) => bytes?,
+                    Either::Right(_) => {
+                        return Err(AttemptFailure::new(
+                            OutcomeKind::Timeout,
+                            format!(
+                                "backend {backend} did not finish its answer within {} ms",
+                                timeout.as_millis()
+                            ),
+                        ))
+                    }
+                }
+            }
             None => Vec::new(),
         };
         // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
@@ -358,8 +362,12 @@ impl Attempts {
     }
 
     /// The upstream request for `c` with `body`.
-    pub(crate) fn request(&self, c: &CandidateView, body: &[u8]) -> worker::Result<Request> {
-        let headers = Headers::new();
+    pub(crate) fn request(
+        &self,
+        c: &CandidateView,
+        body: &[u8],
+    ) -> Result<web_sys::Request, JsValue> {
+        let headers = web_sys::Headers::new()?;
         for (name, value) in &self.headers {
             headers.set(name, value)?;
         }
@@ -368,11 +376,11 @@ impl Attempts {
         if let Some(key) = &c.api_key {
             headers.set("authorization", &format!("Bearer {key}"))?;
         }
-        let mut init = RequestInit::new();
-        init.with_method(Method::Post)
-            .with_headers(headers)
-            .with_body(Some(js_sys::Uint8Array::from(body).into()));
-        Request::new_with_init(&format!("{}{}", c.url, self.path), &init)
+        let init = web_sys::RequestInit::new();
+        init.set_method("POST");
+        init.set_headers(&headers);
+        init.set_body(&js_sys::Uint8Array::from(body));
+        web_sys::Request::new_with_str_and_init(&format!("{}{}", c.url, self.path), &init)
     }
 
     /// Candidates of the ranking not tried yet.
@@ -419,14 +427,14 @@ impl Attempts {
 
 /// The relay's side of a streamed answer from `c`: its body after the first chunk.
 pub(crate) fn stream_upstream(
-    body: web_sys::ReadableStream,
+    reader: web_sys::ReadableStreamDefaultReader,
     first_chunk: Option<JsValue>,
     abort: LinkedAbort,
     c: &CandidateView,
     settings: &ProxySettings,
 ) -> Upstream {
     Upstream {
-        body,
+        reader,
         first_chunk,
         abort,
         backend: c.id.0.clone(),
@@ -441,6 +449,12 @@ pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
         outcome.cached_tokens = u.cached_tokens;
         outcome.completion_tokens = Some(u.completion_tokens);
     }
+}
+
+/// A response's whole body as text; `None` when it breaks off.
+pub(crate) async fn response_text(resp: &web_sys::Response) -> Option<String> {
+    let text = JsFuture::from(resp.text().ok()?).await.ok()?;
+    text.as_string()
 }
 
 /// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
@@ -490,15 +504,20 @@ pub(crate) async fn read_whole(
     }
 }
 
-/// Reads the first chunk of a stream within `timeout`, then unlocks the stream for piping.
+/// Reads the first chunk of a stream before `deadline` (the attempt's, of `timeout`); the reader,
+/// still holding the stream, reads the rest.
 pub(crate) async fn read_first_chunk(
     stream: &web_sys::ReadableStream,
+    deadline: &mut Delay,
     timeout: Duration,
     backend: &str,
-) -> Result<JsValue, AttemptFailure> {
+) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
     let read = JsFuture::from(reader.read());
-    let result = with_timeout(read, timeout).await;
+    let result = match select(read, deadline).await {
+        Either::Left((r, _)) => Some(r),
+        Either::Right(_) => None,
+    };
     let fail = AttemptFailure::new;
     let chunk = match result {
         None => {
@@ -529,13 +548,13 @@ pub(crate) async fn read_first_chunk(
             format!("backend {backend} closed the stream before its first token"),
         ));
     }
-    reader.release_lock();
-    js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
+    let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
         fail(
             OutcomeKind::Transport,
             format!("backend {backend} sent an unreadable chunk"),
         )
-    })
+    })?;
+    Ok((reader, value))
 }
 
 /// The client's error after every allowed attempt failed.

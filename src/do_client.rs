@@ -9,13 +9,15 @@
 
 use crate::ApiError;
 use coordinator_protocol::error::ErrorBody;
-use coordinator_protocol::internal_call::{internal_request, ShardAddress};
+use coordinator_protocol::internal_call::{internal_web_request, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
 use coordinator_protocol::Route;
 use gateway_durable_objects::directory::DIRECTORY_NAME;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::cell::RefCell;
+use wasm_bindgen::JsCast;
+use wasm_bindgen_futures::JsFuture;
 use worker::{Context, Date, Env, Response, Stub};
 /// Binding name of the client rate limiter namespace (wrangler.toml).
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
@@ -48,21 +50,42 @@ fn pool_stub(env: &Env, pool: &str, shard: u32) -> Result<Stub, ApiError> {
     }
 }
 
-async fn send(
-    stub: &Stub,
+/// Sends a call to the object behind `stub` and returns its answer as the platform's response
+/// object: the hot path reads status, headers and body from it directly, with one promise for the
+/// body instead of `worker`'s stream reader.
+async fn send_web(
+    stub: Stub,
     to: Option<ShardAddress<'_>>,
     route: &Route,
     body: Option<String>,
-) -> Result<Response, ApiError> {
-    let req = internal_request(route, to, body)?;
-    Ok(stub.fetch_with_request(req).await?)
+) -> Result<web_sys::Response, ApiError> {
+    let req = internal_web_request(route, to, body)?;
+    let object: worker::worker_sys::DurableObject = stub.into_rpc();
+    let promise = object
+        .fetch_with_request(&req)
+        .map_err(worker::Error::from)?;
+    let resp = JsFuture::from(promise).await.map_err(worker::Error::from)?;
+    Ok(resp.unchecked_into())
 }
 
-async fn decode<T: DeserializeOwned>(mut resp: Response) -> Result<T, ApiError> {
-    if !(200..300).contains(&resp.status_code()) {
-        return Err(error_from_response(&mut resp).await);
+/// The whole body of an answer, as text.
+pub async fn read_text(resp: &web_sys::Response) -> Result<String, ApiError> {
+    let text = resp.text().map_err(worker::Error::from)?;
+    let text = JsFuture::from(text).await.map_err(worker::Error::from)?;
+    Ok(text.as_string().unwrap_or_default())
+}
+
+/// The body of an answer, decoded from JSON.
+pub async fn read_json<T: DeserializeOwned>(resp: &web_sys::Response) -> Result<T, ApiError> {
+    let text = read_text(resp).await?;
+    Ok(serde_json::from_str(&text).map_err(worker::Error::from)?)
+}
+
+async fn decode<T: DeserializeOwned>(resp: web_sys::Response) -> Result<T, ApiError> {
+    if !(200..300).contains(&resp.status()) {
+        return Err(error_from_web(&resp).await);
     }
-    Ok(resp.json::<T>().await?)
+    read_json(&resp).await
 }
 
 /// The JSON text of a call's body.
@@ -71,8 +94,7 @@ pub fn encode(body: &impl Serialize) -> Result<String, ApiError> {
 }
 
 /// Calls shard `shard` of the named pool's coordinator with a body already encoded, and returns
-/// its raw response (for the acquire call, whose body is built once per request, and for relayed
-/// admin answers).
+/// its raw response (for relayed admin answers).
 pub async fn pool_call(
     env: &Env,
     pool: &str,
@@ -80,8 +102,20 @@ pub async fn pool_call(
     route: &Route,
     body: Option<String>,
 ) -> Result<Response, ApiError> {
+    Ok(pool_call_web(env, pool, shard, route, body).await?.into())
+}
+
+/// [`pool_call`] answering the platform's response object (for the acquire call, whose body is
+/// built once per request, and the metrics pages).
+pub async fn pool_call_web(
+    env: &Env,
+    pool: &str,
+    shard: u32,
+    route: &Route,
+    body: Option<String>,
+) -> Result<web_sys::Response, ApiError> {
     let to = ShardAddress { pool, shard };
-    send(&pool_stub(env, pool, shard)?, Some(to), route, body).await
+    send_web(pool_stub(env, pool, shard)?, Some(to), route, body).await
 }
 
 /// Calls shard `shard` of the named pool's coordinator and decodes its answer; a non-2xx answer
@@ -94,19 +128,44 @@ pub async fn pool_json<T: DeserializeOwned>(
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
     let body = body.map(encode).transpose()?;
-    decode(pool_call(env, pool, shard, route, body).await?).await
+    decode(pool_call_web(env, pool, shard, route, body).await?).await
+}
+
+/// Calls shard `shard` of the named pool's coordinator for its effect: a 2xx answer's body is
+/// not read (the release's), any other answer becomes its error.
+pub async fn pool_ok(
+    env: &Env,
+    pool: &str,
+    shard: u32,
+    route: &Route,
+    body: Option<&impl Serialize>,
+) -> Result<(), ApiError> {
+    let body = body.map(encode).transpose()?;
+    let resp = pool_call_web(env, pool, shard, route, body).await?;
+    if !(200..300).contains(&resp.status()) {
+        return Err(error_from_web(&resp).await);
+    }
+    if let Some(body) = resp.body() {
+        let _ = body.cancel();
+    }
+    Ok(())
 }
 
 /// Rebuilds the `ApiError` a Durable Object answered with.
-pub async fn error_from_response(resp: &mut Response) -> ApiError {
-    let status = resp.status_code();
+pub async fn error_from_response(resp: Response) -> ApiError {
+    error_from_web(&resp.into()).await
+}
+
+/// [`error_from_response`] of the platform's response object.
+pub async fn error_from_web(resp: &web_sys::Response) -> ApiError {
+    let status = resp.status();
     let retry_after = resp
         .headers()
         .get("retry-after")
         .ok()
         .flatten()
         .and_then(|v| v.parse().ok());
-    let body: Option<ErrorBody> = resp.json().await.ok();
+    let body: Option<ErrorBody> = read_json(resp).await.ok();
     let mut err = match body {
         Some(b) => ApiError::from_parts(status, b.error),
         None => ApiError::internal(format!("pool answered {status}")),
@@ -122,8 +181,8 @@ pub async fn directory_json<T: DeserializeOwned>(
     body: Option<&impl Serialize>,
 ) -> Result<T, ApiError> {
     let body = body.map(encode).transpose()?;
-    let resp = send(
-        &stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?,
+    let resp = send_web(
+        stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?,
         None,
         route,
         body,
@@ -260,9 +319,9 @@ pub async fn rate_limit(
     body: &impl Serialize,
 ) -> Result<(), ApiError> {
     let stub = stub(env, RATE_LIMITER_BINDING, client)?;
-    let mut resp = send(&stub, None, route, Some(encode(body)?)).await?;
-    if resp.status_code() == 200 {
+    let resp = send_web(stub, None, route, Some(encode(body)?)).await?;
+    if resp.status() == 200 {
         return Ok(());
     }
-    Err(error_from_response(&mut resp).await)
+    Err(error_from_web(&resp).await)
 }

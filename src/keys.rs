@@ -8,7 +8,7 @@
 //! the background every few seconds. Rate limits charge an estimate when a request is admitted and
 //! settle it with the backend's reported usage when it ends.
 
-use crate::auth::{bearer, constant_time_eq, secret};
+use crate::auth::{bearer, constant_time_eq};
 use crate::do_client::{stale_while_revalidate, CacheSlot};
 use crate::ApiError;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
@@ -27,10 +27,7 @@ thread_local! {
 
 /// Hex SHA-256 of a key.
 pub fn hash_key(key: &str) -> String {
-    Sha256::digest(key.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::hex(&Sha256::digest(key.as_bytes()))
 }
 
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).
@@ -65,15 +62,8 @@ pub async fn identify(
     env: &Env,
     ctx: &Context,
 ) -> Result<Option<ClientKey>, ApiError> {
-    let configured: Vec<String> = secret(env, "CLIENT_API_KEYS")
-        .map(|s| {
-            s.split(',')
-                .map(str::trim)
-                .filter(|k| !k.is_empty())
-                .map(hash_key)
-                .collect()
-        })
-        .unwrap_or_default();
+    let settings = crate::settings::settings(env);
+    let configured = &settings.client_key_hashes;
     let minted = minted_keys(env, ctx).await?;
     if configured.is_empty() && minted.is_empty() {
         return Ok(None);
@@ -86,7 +76,7 @@ pub async fn identify(
     let given = hash_key(&given);
     // Every hash is compared, so the time taken does not tell which one matched.
     let mut found = None;
-    for h in &configured {
+    for h in configured {
         if constant_time_eq(given.as_bytes(), h.as_bytes()) {
             found = Some(ClientKey {
                 hash: given.clone(),
@@ -119,14 +109,6 @@ pub async fn require_client(
     Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
-fn limits(env: &Env) -> RateLimits {
-    let var = |name: &str| crate::var_or(env, name, 0u64);
-    RateLimits {
-        requests_per_minute: var("RATE_LIMIT_RPM"),
-        tokens_per_minute: var("RATE_LIMIT_TPM"),
-    }
-}
-
 /// Tokens charged to a client at admission, to settle when the request ends.
 #[derive(Debug, Clone)]
 pub struct Reservation {
@@ -144,7 +126,7 @@ pub async fn reserve(
     client: &str,
     estimate: u64,
 ) -> Result<Option<Reservation>, ApiError> {
-    let limits = limits(env);
+    let limits = crate::settings::settings(env).rate_limits;
     if limits == RateLimits::default() {
         return Ok(None);
     }

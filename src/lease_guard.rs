@@ -15,13 +15,13 @@ use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
 use crate::ApiError;
 use coordinator_protocol::messages::{
-    PrefillDone, PrefillDoneAnswer, ReleaseAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
+    PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
 };
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
-use routing_core::outcome::{Outcome, OutcomeKind};
+use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -46,6 +46,8 @@ struct Record {
     prefill: Option<(Outcome, BackendId)>,
     /// Backends whose stream failed mid-answer and was resumed elsewhere, in order.
     resumed_from: Vec<String>,
+    /// Wakes the task (the request ended, or its prefill stage did); taken when called.
+    wake: Option<js_sys::Function>,
 }
 
 impl Record {
@@ -57,22 +59,25 @@ impl Record {
         self.ending = Some(Ending { outcome, released });
         true
     }
+
+    /// Wakes the task, if it waits.
+    fn wake(&mut self) {
+        if let Some(wake) = self.wake.take() {
+            let _ = wake.call0(&JsValue::UNDEFINED);
+        }
+    }
 }
 
 /// Owned by the guard's handles; the last one dropped ends an unfinished lease as cancelled.
 struct Shared {
     record: Rc<RefCell<Record>>,
-    resolve: js_sys::Function,
-    /// Wakes the task to report the prefill stage.
-    stage: js_sys::Function,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        self.record
-            .borrow_mut()
-            .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
-        let _ = self.resolve.call0(&JsValue::UNDEFINED);
+        let mut r = self.record.borrow_mut();
+        r.end(Outcome::of_kind(OutcomeKind::Cancelled), false);
+        r.wake();
     }
 }
 
@@ -96,8 +101,8 @@ pub struct GuardSetup<'a> {
     pub lease_id: LeaseId,
     /// The lease as the Worker knows it (re-established from this if the pool loses it).
     pub terms: LeaseTerms,
-    /// The client's abort signal.
-    pub client_signal: &'a AbortSignal,
+    /// Resolves when the client hangs up ([`hang_up`]).
+    pub hung_up: &'a js_sys::Promise,
     /// Time between renewals.
     pub renew_every: Duration,
     /// The client's token reservation, settled when the request ends.
@@ -107,8 +112,7 @@ pub struct GuardSetup<'a> {
 impl LeaseGuard {
     /// Starts guarding a lease just granted.
     pub fn start(setup: GuardSetup<'_>) -> LeaseGuard {
-        let (finished, resolve) = signal_promise();
-        let (stage_done, stage) = signal_promise();
+        let (woken, wake) = signal_promise();
         let record = Rc::new(RefCell::new(Record {
             lease_id: setup.lease_id,
             terms: setup.terms,
@@ -116,6 +120,7 @@ impl LeaseGuard {
             ending: None,
             prefill: None,
             resumed_from: Vec::new(),
+            wake: Some(wake),
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -126,16 +131,9 @@ impl LeaseGuard {
             reservation: setup.reservation,
             started_ms: Date::now().as_millis(),
         };
-        let hung_up = hang_up(setup.client_signal);
-        setup
-            .ctx
-            .wait_until(task.run(finished, hung_up, stage_done));
+        setup.ctx.wait_until(task.run(woken, setup.hung_up.clone()));
         LeaseGuard {
-            shared: Rc::new(Shared {
-                record,
-                resolve,
-                stage,
-            }),
+            shared: Rc::new(Shared { record }),
         }
     }
 
@@ -176,8 +174,8 @@ impl LeaseGuard {
             }
             let prefill_backend = std::mem::replace(&mut r.terms.backend, decode_backend.into());
             r.prefill = Some((outcome, prefill_backend));
+            r.wake();
         }
-        let _ = self.shared.stage.call0(&JsValue::UNDEFINED);
     }
 
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
@@ -191,8 +189,9 @@ impl LeaseGuard {
     }
 
     fn end(&self, outcome: Outcome, released: bool) {
-        if self.shared.record.borrow_mut().end(outcome, released) {
-            let _ = self.shared.resolve.call0(&JsValue::UNDEFINED);
+        let mut r = self.shared.record.borrow_mut();
+        if r.end(outcome, released) {
+            r.wake();
         }
     }
 }
@@ -207,8 +206,9 @@ fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
     )
 }
 
-/// A promise that resolves when the client hangs up.
-fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
+/// A promise that resolves when the client hangs up (one per request: its admission and its
+/// lease guard both wait on it).
+pub fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
     let signal: &web_sys::AbortSignal = signal;
     let signal = signal.clone();
     js_sys::Promise::new(&mut |resolve, _| {
@@ -232,24 +232,27 @@ struct Task {
 }
 
 impl Task {
-    async fn run(
-        self,
-        finished: js_sys::Promise,
-        hung_up: js_sys::Promise,
-        stage_done: js_sys::Promise,
-    ) {
-        let mut finished = JsFuture::from(finished);
+    async fn run(self, woken: js_sys::Promise, hung_up: js_sys::Promise) {
+        let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
-        let mut stage_done = JsFuture::from(stage_done);
         loop {
             let tick = Delay::from(self.renew_every);
-            match select(
-                select(&mut finished, &mut hung_up),
-                select(&mut stage_done, tick),
-            )
-            .await
-            {
-                Either::Left((Either::Left(_), _)) => break,
+            match select(select(&mut woken, &mut hung_up), tick).await {
+                Either::Left((Either::Left(_), _)) => {
+                    if self.record.borrow().ending.is_some() {
+                        break;
+                    }
+                    // The prefill stage ended: report it, then wait again (for the ending,
+                    // unless it came meanwhile).
+                    self.report_prefill().await;
+                    let (promise, wake) = signal_promise();
+                    let mut r = self.record.borrow_mut();
+                    if r.ending.is_some() {
+                        break;
+                    }
+                    r.wake = Some(wake);
+                    woken = JsFuture::from(promise);
+                }
                 Either::Left((Either::Right(_), _)) => {
                     // The upstream fetch shares the client's signal, so it is aborted already.
                     self.record
@@ -257,12 +260,7 @@ impl Task {
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
                 }
-                Either::Right((Either::Left(_), _)) => {
-                    self.report_prefill().await;
-                    // Reported once; from now on this never wakes the loop again.
-                    stage_done = JsFuture::from(js_sys::Promise::new(&mut |_, _| {}));
-                }
-                Either::Right((Either::Right(_), _)) => self.renew().await,
+                Either::Right(_) => self.renew().await,
             }
         }
         // A prefill stage that ended in the same turn as the request is reported first.
@@ -290,14 +288,14 @@ impl Task {
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
         if !ending.released {
-            release(
-                &self.env,
-                (&self.pool, self.shard),
+            // Returned to the shard that granted it (with other requests' releases when this
+            // isolate has several); failures are logged, and the lease's deadline is the backstop.
+            let req = ReleaseRequest {
                 lease_id,
-                &backend,
-                &ending.outcome,
-            )
-            .await;
+                outcome: ending.outcome.clone(),
+                backend: Some(backend.as_str().into()),
+            };
+            crate::releases::release(&self.env, &self.pool, self.shard, req).await;
         }
         if let Some(reservation) = &self.reservation {
             if let Some(actual) = used_tokens(&ending.outcome) {
@@ -370,27 +368,6 @@ fn used_tokens(outcome: &Outcome) -> Option<u64> {
     }
 }
 
-/// Returns a lease to the pool shard that granted it; failures are logged, and the lease's
-/// deadline is the backstop.
-async fn release(
-    env: &Env,
-    (pool, shard): (&str, u32),
-    lease_id: LeaseId,
-    backend: &str,
-    outcome: &Outcome,
-) {
-    let req = ReleaseRequest {
-        lease_id,
-        outcome: outcome.clone(),
-        backend: Some(backend.into()),
-    };
-    let result: Result<ReleaseAnswer, ApiError> =
-        pool_json(env, pool, shard, &Route::Release, Some(&req)).await;
-    if let Err(e) = result {
-        worker::console_error!("release of lease {lease_id} in pool {pool} failed: {e}");
-    }
-}
-
 /// Where a request was served, for its access log line.
 struct Served<'a> {
     request_id: &'a str,
@@ -406,23 +383,45 @@ struct Served<'a> {
 /// A resumed stream adds `resumed_from` (the backends it was resumed from, in order) and
 /// `stream_resume` (what became of a stream that failed mid-answer).
 fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
-    let mut line = serde_json::json!({
-        "event": "request",
-        "request_id": served.request_id,
-        "pool": served.pool,
-        "backend": served.backend,
-        "attempts": served.attempts,
-        "status": outcome.status,
-        "outcome": outcome.kind,
-        "ttfb_ms": outcome.ttfb_ms,
-        "duration_ms": duration_ms,
-        "prompt_tokens": outcome.prompt_tokens,
-        "cached_tokens": outcome.cached_tokens,
-        "completion_tokens": outcome.completion_tokens,
-    });
-    if !served.resumed_from.is_empty() || outcome.resume.is_some() {
-        line["resumed_from"] = serde_json::json!(served.resumed_from);
-        line["stream_resume"] = serde_json::json!(outcome.resume);
+    let resumed = !served.resumed_from.is_empty() || outcome.resume.is_some();
+    let line = AccessLine {
+        attempts: served.attempts,
+        backend: served.backend,
+        cached_tokens: outcome.cached_tokens,
+        completion_tokens: outcome.completion_tokens,
+        duration_ms,
+        event: "request",
+        outcome: outcome.kind,
+        pool: served.pool,
+        prompt_tokens: outcome.prompt_tokens,
+        request_id: served.request_id,
+        resumed_from: resumed.then_some(served.resumed_from),
+        status: outcome.status,
+        stream_resume: resumed.then_some(outcome.resume),
+        ttfb_ms: outcome.ttfb_ms,
+    };
+    if let Ok(text) = serde_json::to_string(&line) {
+        worker::console_log!("{text}");
     }
-    worker::console_log!("{line}");
+}
+
+/// The access log line's fields, in the (alphabetical) order they are written.
+#[derive(serde::Serialize)]
+struct AccessLine<'a> {
+    attempts: u32,
+    backend: &'a str,
+    cached_tokens: Option<u32>,
+    completion_tokens: Option<u32>,
+    duration_ms: u64,
+    event: &'static str,
+    outcome: OutcomeKind,
+    pool: &'a str,
+    prompt_tokens: Option<u32>,
+    request_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resumed_from: Option<&'a [String]>,
+    status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_resume: Option<Option<StreamResume>>,
+    ttfb_ms: Option<u64>,
 }

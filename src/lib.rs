@@ -16,7 +16,9 @@ mod metrics;
 mod proxy;
 mod regions;
 mod relay;
+mod releases;
 mod resume;
+mod settings;
 
 pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
@@ -30,14 +32,10 @@ use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::endpoint::{endpoint_features, Endpoint};
 use routing_core::lease::LeaseTerms;
-use routing_core::prompt::FeatureConfig;
 use routing_core::shard::shard_of_request;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
 use worker::*;
-
-/// Largest request body accepted unless `MAX_BODY_BYTES` says otherwise.
-const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 #[event(fetch)]
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
@@ -53,6 +51,10 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
             e.to_response()?
         }
     };
+    // The proxy sets the id on its responses itself.
+    if resp.headers().get("x-request-id").ok().flatten().as_deref() == Some(&request_id) {
+        return Ok(resp);
+    }
     // Responses relayed from a Durable Object have immutable headers: copy them.
     let headers = Headers::new();
     for (k, v) in resp.headers().entries() {
@@ -98,18 +100,23 @@ fn request_id(req: &Request) -> String {
         {
             id
         }
-        _ => format!("req-{}", random_hex(12)),
+        _ => "req-".to_string() + &random_hex(12),
     }
 }
 
 /// `n` random bytes from the platform's CSPRNG, hex-encoded.
 pub(crate) fn random_hex(n: usize) -> String {
+    thread_local! {
+        // The global `crypto`, looked up once per isolate.
+        static CRYPTO: Option<web_sys::Crypto> = js_sys::Reflect::get(&js_sys::global(), &"crypto".into())
+            .ok()
+            .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok());
+    }
     let mut bytes = vec![0u8; n];
-    let crypto = js_sys::Reflect::get(&js_sys::global(), &"crypto".into()).ok();
-    let filled = crypto
-        .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok())
-        .map(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
-        .unwrap_or(false);
+    let filled = CRYPTO.with(|c| {
+        c.as_ref()
+            .is_some_and(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
+    });
     if !filled {
         // workerd always has crypto; this only keeps ids unique if it somehow does not.
         let t = (Date::now().as_millis() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
@@ -117,7 +124,18 @@ pub(crate) fn random_hex(n: usize) -> String {
             *b = t[i % 8].wrapping_add(i as u8);
         }
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    hex(&bytes)
+}
+
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(2 * bytes.len());
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    out
 }
 
 async fn route(
@@ -172,25 +190,6 @@ pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) ->
         .unwrap_or(default)
 }
 
-fn feature_config(env: &Env) -> FeatureConfig {
-    let defaults = FeatureConfig::default();
-    FeatureConfig {
-        block_tokens: var_or(env, "BLOCK_TOKENS", defaults.block_tokens),
-        default_max_tokens: var_or(env, "DEFAULT_MAX_TOKENS", defaults.default_max_tokens),
-        routing_header: env
-            .var("ROUTING_KEY_HEADER")
-            .ok()
-            .map(|v| v.to_string().to_ascii_lowercase())
-            .filter(|h| !h.is_empty()),
-        max_blocks: defaults.max_blocks,
-    }
-}
-
-/// Reads the body, refusing it (413) past `MAX_BODY_BYTES`.
-async fn read_body(req: &mut Request, env: &Env) -> std::result::Result<Vec<u8>, ApiError> {
-    read_body_limited(req, var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)).await
-}
-
 /// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
 /// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
 /// before the 413, so the client, still sending, reads the answer instead of a reset connection.
@@ -208,6 +207,20 @@ pub(crate) async fn read_body_limited(
     if declared.is_some_and(|n| n > limit) {
         discard_body(req).await;
         return Err(ApiError::payload_too_large(limit));
+    }
+    // A body of declared length (framed by it, so it cannot grow) is read in one call.
+    let chunked = req.headers().has("transfer-encoding").unwrap_or(true);
+    if declared.is_some() && !chunked {
+        let unreadable = |_| ApiError::bad_request("unreadable request body");
+        let read = req.inner().array_buffer().map_err(unreadable)?;
+        let buffer = wasm_bindgen_futures::JsFuture::from(read)
+            .await
+            .map_err(unreadable)?;
+        let bytes = js_sys::Uint8Array::new(&buffer);
+        if bytes.length() as usize > limit {
+            return Err(ApiError::payload_too_large(limit));
+        }
+        return Ok(bytes.to_vec());
     }
     let mut body = Vec::with_capacity(declared.unwrap_or(0).min(limit));
     let Ok(mut stream) = req.stream() else {
@@ -247,10 +260,11 @@ async fn completion(
             endpoint.path(),
         ));
     }
+    let settings = settings::settings(env);
     let key = keys::identify(&req, env, ctx).await?;
     let client = key.as_ref().map(|k| k.hash.clone());
     let who = admission::admission_request(&req, key.as_ref())?;
-    let body = read_body(&mut req, env).await?;
+    let body = read_body_limited(&mut req, settings.max_body_bytes).await?;
     let parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
     if !parsed.is_object() {
@@ -258,8 +272,8 @@ async fn completion(
     }
     let headers = req.headers().clone();
     let header = move |name: &str| headers.get(name).ok().flatten();
-    let mut features = endpoint_features(endpoint, &parsed, &header, &feature_config(env))
-        .map_err(|e| {
+    let mut features =
+        endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
             let err = ApiError::bad_request(e.to_string()).with_code(e.code());
             match e.param() {
                 Some(p) => err.with_param(p),
@@ -285,8 +299,13 @@ async fn completion(
         false => (body, false),
     };
     let client_signal: AbortSignal = req.inner().signal().into();
+    let hung_up = lease_guard::hang_up(&client_signal);
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(&req, env, do_client::list_pools_cached(env, ctx).await?);
+    let pools = regions::order_pools(
+        &req,
+        &settings,
+        do_client::list_pools_cached(env, ctx).await?,
+    );
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -312,7 +331,7 @@ async fn completion(
         let admitted = admission::acquire(
             env,
             ctx,
-            &req,
+            &hung_up,
             &pool.name,
             shard,
             spill_ok,
@@ -338,7 +357,7 @@ async fn completion(
                         stream,
                         request_id: request_id.to_string(),
                     },
-                    client_signal: &client_signal,
+                    hung_up: &hung_up,
                     renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
                     reservation,
                 });
@@ -357,9 +376,9 @@ async fn completion(
                     block_hashes: features.block_hashes.clone(),
                     strip_usage_event,
                     request_id,
-                    settings: attempts::ProxySettings::from_env(env),
+                    settings: settings.proxy,
                     prefill_backend: None,
-                    routing_header: feature_config(env).routing_header,
+                    routing_header: settings.features.routing_header.clone(),
                     route_ms,
                 };
                 let resp = if disaggregated {

@@ -81,12 +81,12 @@ pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     for pool in do_client::list_pools(env).await? {
         let mut shard_pages = Vec::new();
         for k in 0..pool.all_shards() {
-            match do_client::pool_call(env, &pool.name, k, &Route::Metrics, None).await {
-                Ok(mut r) if r.status_code() == 200 => shard_pages.push(r.text().await?),
+            match do_client::pool_call_web(env, &pool.name, k, &Route::Metrics, None).await {
+                Ok(r) if r.status() == 200 => shard_pages.push(do_client::read_text(&r).await?),
                 Ok(r) => worker::console_error!(
                     "metrics: pool {} shard {k} answered {}",
                     pool.name,
-                    r.status_code()
+                    r.status()
                 ),
                 Err(e) => worker::console_error!("metrics: pool {} shard {k}: {e}", pool.name),
             }

@@ -21,13 +21,13 @@ use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
 use crate::resume::Resumption;
 use crate::ApiError;
-use coordinator_protocol::timed_fetch::{fetch_with_timeout, FetchFailure};
+use coordinator_protocol::timed_fetch::{fetch_web_with_timeout, FetchFailure};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::body_usage;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
-use worker::{AbortSignal, Context, Env, Headers, Request, Response, ResponseBody};
+use worker::{AbortSignal, Context, Env, Headers, Request, Response};
 /// Everything one proxied request needs.
 pub struct Forward<'a> {
     /// The client's request (for its headers and abort signal).
@@ -199,7 +199,7 @@ impl Forward<'_> {
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
-        let (Some(body), true) = (answer.body, self.stream) else {
+        let (Some(reader), true) = (answer.reader, self.stream) else {
             with_usage(&mut outcome, answer.usage);
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
@@ -211,7 +211,7 @@ impl Forward<'_> {
         let relay = Relay::new(self.strip_usage_event)
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
-        let upstream = stream_upstream(body, answer.first_chunk, answer.abort, c, &self.settings);
+        let upstream = stream_upstream(reader, answer.first_chunk, answer.abort, c, &self.settings);
         // A disaggregated request's decode share cannot move: its stream is never resumed.
         let resumption = match self.prefill_backend {
             None => Resumption::of(self.path, self.body, self.settings.max_stream_resumes),
@@ -271,10 +271,13 @@ impl Forward<'_> {
         let params = async {
             let req = self
                 .attempts()
-                .and_then(|a| a.request(&prefill, &bytes).map_err(ApiError::from))
+                .and_then(|a| {
+                    a.request(&prefill, &bytes)
+                        .map_err(|e| ApiError::from(worker::Error::from(e)))
+                })
                 .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
             let (resp, _abort) =
-                fetch_with_timeout(req, self.settings.response_timeout, Some(&client_signal))
+                fetch_web_with_timeout(&req, self.settings.response_timeout, Some(&client_signal))
                     .await
                     .map_err(|f| match f {
                         FetchFailure::Timeout => fail(
@@ -286,7 +289,7 @@ impl Forward<'_> {
                             format!("prefill backend {} unreachable: {e}", prefill.id.0),
                         ),
                     })?;
-            let status = resp.status_code();
+            let status = resp.status();
             if !(200..300).contains(&status) {
                 return Err(AttemptFailure {
                     outcome: Outcome::from_status(status),
@@ -295,10 +298,9 @@ impl Forward<'_> {
                     missing_model: false,
                 });
             }
-            let (_, body) = resp.into_parts();
-            let bytes = match body {
-                ResponseBody::Stream(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
-                _ => Vec::new(),
+            let bytes = match resp.body() {
+                Some(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
+                None => Vec::new(),
             };
             let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
                 fail(

@@ -6,17 +6,13 @@
 //! such as `{"NA": "us-east", "EU": "eu-west", "LHR": "eu-west"}` (colo codes win over
 //! continents). Pools in that region come first; the rest keep their directory order.
 
+use crate::settings::Settings;
 use coordinator_protocol::messages::PoolEntry;
-use std::collections::HashMap;
-use worker::{Env, Request};
+use worker::Request;
 
 /// The client's region, if it can be told.
-pub fn client_region(req: &Request, env: &Env) -> Option<String> {
-    let header_allowed = env
-        .var("ALLOW_REGION_HEADER")
-        .map(|v| v.to_string() == "true")
-        .unwrap_or(false);
-    if header_allowed {
+pub fn client_region(req: &Request, settings: &Settings) -> Option<String> {
+    if settings.region_header {
         if let Some(r) = req
             .headers()
             .get("x-gateway-region")
@@ -27,11 +23,7 @@ pub fn client_region(req: &Request, env: &Env) -> Option<String> {
             return Some(r);
         }
     }
-    let map: HashMap<String, String> = env
-        .var("REGION_MAP")
-        .ok()
-        .and_then(|v| serde_json::from_str(&v.to_string()).ok())
-        .unwrap_or_default();
+    let map = &settings.region_map;
     let cf = req.cf()?;
     let colo = cf.colo();
     map.get(&colo)
@@ -40,8 +32,15 @@ pub fn client_region(req: &Request, env: &Env) -> Option<String> {
 }
 
 /// Orders pools nearest first.
-pub fn order_pools(req: &Request, env: &Env, mut pools: Vec<PoolEntry>) -> Vec<PoolEntry> {
-    if let Some(region) = client_region(req, env) {
+pub fn order_pools(
+    req: &Request,
+    settings: &Settings,
+    mut pools: Vec<PoolEntry>,
+) -> Vec<PoolEntry> {
+    if pools.len() < 2 {
+        return pools;
+    }
+    if let Some(region) = client_region(req, settings) {
         pools.sort_by_key(|p| p.region != region);
     }
     pools

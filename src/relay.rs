@@ -1,16 +1,20 @@
-//! The streamed answer's way to the client: the upstream body is piped through a `TransformStream`
-//! whose transform, a wasm function, passes each chunk on and lets `routing_core::usage`'s
-//! scanner read it on the way (the backend's usage, and the usage event to take out when the
-//! client did not ask for it). Whole events go out as the same JS chunk; only a trailing partial
-//! event is held until its end arrives.
+//! The streamed answer's way to the client: a small JavaScript loop (`relay_pump`) reads the upstream
+//! body and hands each chunk, synchronously, to a wasm function that passes it on and lets
+//! `routing_core::usage`'s scanner read it on the way (the backend's usage, and the usage event to
+//! take out when the client did not ask for it); what it returns is written to the client's side,
+//! the platform's native `IdentityTransformStream`. Whole events go out as the same JS chunk; only
+//! a trailing partial event is held until its end arrives. (A `TransformStream` with a wasm
+//! `transform` did the same at about a fifth more CPU per streamed token in workerd: its queues and
+//! the pipe into it are promise machinery per chunk, which a native stream and a plain loop skip.)
 //!
 //! [`Relay::pipe`] drives one upstream body through it in `wait_until` and says how it ended:
 //! cleanly, abandoned by the client, or failed: cut by the backend (a reset, or a close before
 //! `data: [DONE]`) or idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first byte (the
 //! upstream is then aborted). Idle time counts only while the client keeps up: a client that stops
-//! reading holds chunks in the relay's queue and the backend is not blamed for the pause. A failed
-//! stream is either resumed (`resume.rs` pipes a continuation into the same relay) or ended with
-//! [`Relay::fail`]: an SSE error event, always at an event boundary, and `data: [DONE]`.
+//! reading holds up to [`QUEUED_CHUNKS`] chunks in the relay and the backend is not blamed for the
+//! pause. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
+//! or ended with [`Relay::fail`]: an SSE error event, always at an event boundary, and
+//! `data: [DONE]`.
 //!
 //! For a stream that could be resumed, the relay also reads the answer the client receives
 //! ([`Relay::collect`], `routing_core::resume::Partial`), and rewrites a continuation's events into
@@ -27,23 +31,72 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::closure::Closure;
+use wasm_bindgen::prelude::wasm_bindgen;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::{AbortSignal, Date, Delay};
 
 /// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
-const QUEUED_CHUNKS: f64 = 16.0;
+const QUEUED_CHUNKS: u32 = 16;
 
-type TransformFn =
-    dyn FnMut(JsValue, web_sys::TransformStreamDefaultController) -> Result<(), JsValue>;
-type FlushFn = dyn FnMut(web_sys::TransformStreamDefaultController) -> Result<(), JsValue>;
+/// The relay's JavaScript: the client's side of the stream, and the loop that moves one upstream
+/// body into it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
+/// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
+/// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
+/// when the client's side fails (the upstream is then cancelled). It resolves when the upstream
+/// ends (with whether the client's side failed), and rejects when the upstream fails or is
+/// aborted (the client's side stays open).
+#[wasm_bindgen(inline_js = r#"
+export function relay_stream() {
+  return typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
+}
+export function relay_pump(reader, writer, transform, status, first, limit) {
+  const gone = () => {
+    status.gone = true;
+    reader.cancel().catch(() => {});
+  };
+  writer.closed.catch(gone);
+  const pending = [];
+  const send = (chunk) => {
+    const out = transform(chunk);
+    if (out === undefined) return;
+    status.queued += 1;
+    pending.push(writer.write(out).then(() => { status.queued -= 1; }, gone));
+  };
+  const run = async () => {
+    if (first !== undefined) send(first);
+    for (;;) {
+      if (pending.length >= limit) await pending.shift();
+      if (status.gone) return true;
+      const { done, value } = await reader.read();
+      if (done || status.gone) return status.gone;
+      send(value);
+    }
+  };
+  const done = run();
+  done.catch(() => {});
+  return done;
+}
+"#)]
+extern "C" {
+    fn relay_stream() -> web_sys::TransformStream;
+    fn relay_pump(
+        reader: &web_sys::ReadableStreamDefaultReader,
+        writer: &web_sys::WritableStreamDefaultWriter,
+        transform: &JsValue,
+        status: &js_sys::Object,
+        first: &JsValue,
+        limit: u32,
+    ) -> js_sys::Promise;
+}
+
+type TransformFn = dyn FnMut(JsValue) -> JsValue;
 
 struct State {
     scanner: StreamScanner,
     strip_usage_event: bool,
     buf: Vec<u8>,
     last_chunk_ms: u64,
-    controller: Option<web_sys::TransformStreamDefaultController>,
     /// The answer the client received, read only for a stream that could be resumed.
     partial: Option<Partial>,
     /// Rewrites a continuation's events into the client's stream.
@@ -51,20 +104,13 @@ struct State {
 }
 
 impl State {
-    /// One upstream chunk in, the client's bytes out: a chunk of whole events goes on as the same
-    /// JS chunk (read on the way when the stream could be resumed) unless a continuation is
-    /// being spliced.
-    fn transform(
-        &mut self,
-        chunk: &JsValue,
-        controller: &web_sys::TransformStreamDefaultController,
-    ) -> Result<(), JsValue> {
+    /// One upstream chunk in, the client's bytes out (`undefined`: nothing yet): a chunk of whole
+    /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
+    /// unless a continuation is being spliced.
+    fn transform(&mut self, chunk: &JsValue) -> JsValue {
         self.last_chunk_ms = Date::now().as_millis();
-        if self.controller.is_none() {
-            self.controller = Some(controller.clone());
-        }
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
-            return controller.enqueue_with_chunk(chunk);
+            return chunk.clone();
         };
         let n = bytes.length() as usize;
         self.buf.resize(n, 0);
@@ -76,7 +122,7 @@ impl State {
                 Emit::Prefix(k) => self.buf[..k].to_vec(),
                 Emit::Bytes(out) => out,
             };
-            return self.send(out, controller);
+            return self.send(out);
         }
         if let Some(partial) = &mut self.partial {
             match &emit {
@@ -86,20 +132,16 @@ impl State {
             }
         }
         match emit {
-            Emit::Whole => controller.enqueue_with_chunk(chunk),
-            Emit::Prefix(0) => Ok(()),
-            Emit::Prefix(k) => controller.enqueue_with_chunk(&bytes.subarray(0, k as u32)),
-            Emit::Bytes(out) if out.is_empty() => Ok(()),
-            Emit::Bytes(out) => controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..])),
+            Emit::Whole => chunk.clone(),
+            Emit::Prefix(0) => JsValue::UNDEFINED,
+            Emit::Prefix(k) => bytes.subarray(0, k as u32).into(),
+            Emit::Bytes(out) if out.is_empty() => JsValue::UNDEFINED,
+            Emit::Bytes(out) => js_sys::Uint8Array::from(&out[..]).into(),
         }
     }
 
-    /// Sends bytes through the splice and the reading of the answer.
-    fn send(
-        &mut self,
-        out: Vec<u8>,
-        controller: &web_sys::TransformStreamDefaultController,
-    ) -> Result<(), JsValue> {
+    /// Bytes through the splice and the reading of the answer, as the client's chunk.
+    fn send(&mut self, out: Vec<u8>) -> JsValue {
         let out = match &mut self.splice {
             Some(splice) => splice.rewrite(&out),
             None => out,
@@ -108,19 +150,21 @@ impl State {
             partial.observe(&out);
         }
         if out.is_empty() {
-            return Ok(());
+            return JsValue::UNDEFINED;
         }
-        controller.enqueue_with_chunk(&js_sys::Uint8Array::from(&out[..]))
+        js_sys::Uint8Array::from(&out[..]).into()
     }
 }
 
 /// The client's side of a streamed answer.
 pub struct Relay {
-    stream: web_sys::TransformStream,
+    readable: web_sys::ReadableStream,
+    writer: web_sys::WritableStreamDefaultWriter,
+    /// `{queued, gone}`, kept by `relay_pump`.
+    status: js_sys::Object,
     state: Rc<RefCell<State>>,
-    // The JS stream calls these until it closes; they live as long as the relay.
-    _transform: Closure<TransformFn>,
-    _flush: Closure<FlushFn>,
+    // The pump calls it until the stream ends; it lives as long as the relay.
+    transform: Closure<TransformFn>,
 }
 
 impl Relay {
@@ -131,56 +175,29 @@ impl Relay {
             strip_usage_event,
             buf: Vec::new(),
             last_chunk_ms: Date::now().as_millis(),
-            controller: None,
             partial: None,
             splice: None,
         }));
         let s = state.clone();
-        let transform = Closure::<TransformFn>::new(
-            move |chunk: JsValue, controller: web_sys::TransformStreamDefaultController| {
-                s.borrow_mut().transform(&chunk, &controller)
-            },
-        );
-        let s = state.clone();
-        let flush = Closure::<FlushFn>::new(
-            move |controller: web_sys::TransformStreamDefaultController| {
-                let mut st = s.borrow_mut();
-                let rest = st.scanner.finish();
-                if rest.is_empty() {
-                    return Ok(());
-                }
-                st.send(rest, &controller)
-            },
-        );
-        let transformer = js_sys::Object::new();
-        js_sys::Reflect::set(&transformer, &"transform".into(), transform.as_ref())?;
-        js_sys::Reflect::set(&transformer, &"flush".into(), flush.as_ref())?;
-        let readable_strategy = js_sys::Object::new();
-        js_sys::Reflect::set(
-            &readable_strategy,
-            &"highWaterMark".into(),
-            &QUEUED_CHUNKS.into(),
-        )?;
-        let ctor: js_sys::Function =
-            js_sys::Reflect::get(&js_sys::global(), &"TransformStream".into())?.dyn_into()?;
-        let args = js_sys::Array::of3(&transformer, &js_sys::Object::new(), &readable_strategy);
-        let stream: web_sys::TransformStream =
-            js_sys::Reflect::construct(&ctor, &args)?.unchecked_into();
+        let transform =
+            Closure::<TransformFn>::new(move |chunk: JsValue| s.borrow_mut().transform(&chunk));
+        let stream = relay_stream();
+        let writer = stream.writable().get_writer()?;
+        let status = js_sys::Object::new();
+        js_sys::Reflect::set(&status, &"queued".into(), &0.into())?;
+        js_sys::Reflect::set(&status, &"gone".into(), &false.into())?;
         Ok(Relay {
-            stream,
+            readable: stream.readable(),
+            writer,
+            status,
             state,
-            _transform: transform,
-            _flush: flush,
+            transform,
         })
     }
 
     /// The client's response body.
     pub fn readable(&self) -> web_sys::ReadableStream {
-        self.stream.readable()
-    }
-
-    fn writable(&self) -> web_sys::WritableStream {
-        self.stream.writable()
+        self.readable.clone()
     }
 
     /// The usage the current upstream reported so far.
@@ -213,19 +230,32 @@ impl Relay {
         st.splice = Some(splice);
     }
 
+    /// A number or flag of the pump's status object.
+    fn status(&self, key: &str) -> JsValue {
+        js_sys::Reflect::get(&self.status, &key.into()).unwrap_or(JsValue::UNDEFINED)
+    }
+
+    /// Whether the client's side failed (the client went away).
+    fn client_gone(&self) -> bool {
+        self.status("gone").as_bool().unwrap_or(false)
+    }
+
     /// Milliseconds since the last chunk, counting a client that is behind as activity.
     fn idle_ms(&self) -> u64 {
         let now = Date::now().as_millis();
+        let behind = self.status("queued").as_f64().is_some_and(|q| q > 0.0);
         let mut st = self.state.borrow_mut();
-        let behind = st
-            .controller
-            .as_ref()
-            .and_then(|c| c.desired_size())
-            .is_some_and(|d| d < QUEUED_CHUNKS);
         if behind {
             st.last_chunk_ms = now;
         }
         now.saturating_sub(st.last_chunk_ms)
+    }
+
+    /// Writes one chunk to the client's side; `false` when it is gone.
+    async fn write(&self, chunk: &JsValue) -> bool {
+        JsFuture::from(self.writer.write_with_chunk(chunk))
+            .await
+            .is_ok()
     }
 }
 
@@ -251,8 +281,8 @@ pub struct StreamFailure {
 
 /// What [`Relay::pipe`] needs besides the relay itself.
 pub struct Upstream {
-    /// The backend's body, after its first chunk.
-    pub body: web_sys::ReadableStream,
+    /// The backend's body, locked to this reader, after its first chunk.
+    pub reader: web_sys::ReadableStreamDefaultReader,
     /// The first chunk, read by the proxy.
     pub first_chunk: Option<JsValue>,
     /// Aborts the upstream fetch.
@@ -268,26 +298,23 @@ impl Relay {
     /// stream closes the client's side; a failed one leaves it open for a continuation or
     /// [`Relay::fail`].
     pub async fn pipe(&self, up: Upstream, client_signal: &AbortSignal) -> Piped {
-        let writable = self.writable();
-        if let Some(chunk) = &up.first_chunk {
-            let Ok(writer) = writable.get_writer() else {
-                return Piped::Cancelled;
-            };
-            let _ = JsFuture::from(writer.write_with_chunk(chunk)).await;
-            writer.release_lock();
-        }
-        let options = web_sys::StreamPipeOptions::new();
-        options.set_prevent_close(true);
-        options.set_prevent_abort(true);
-        let pipe = Box::pin(JsFuture::from(
-            up.body.pipe_to_with_options(&writable, &options),
-        ));
+        let first = up.first_chunk.clone().unwrap_or(JsValue::UNDEFINED);
+        let pump = Box::pin(JsFuture::from(relay_pump(
+            &up.reader,
+            &self.writer,
+            self.transform.as_ref(),
+            &self.status,
+            &first,
+            QUEUED_CHUNKS,
+        )));
         let watchdog = Box::pin(idle_watchdog(self, up.idle_timeout));
         let backend = &up.backend;
-        match select(pipe, watchdog).await {
-            Either::Left((piped, _)) => match piped {
+        match select(pump, watchdog).await {
+            Either::Left((pumped, _)) => match pumped {
                 _ if client_signal.aborted() => Piped::Cancelled,
-                // The pipe can settle normally after the client hung up; the close then fails.
+                Ok(gone) if gone.as_bool() == Some(true) => Piped::Cancelled,
+                Err(_) if self.client_gone() => Piped::Cancelled,
+                // The upstream can end normally after the client hung up; the close then fails.
                 // A backend that closed its stream early without an error (a close-delimited
                 // body cut short, or no `data: [DONE]`) failed as much as one that reset the
                 // connection.
@@ -301,9 +328,7 @@ impl Relay {
                         message: format!("The backend ({backend}) ended the stream early; the response is incomplete."),
                     })
                 }
-                Ok(_) if !close(self, &writable, None).await || client_signal.aborted() => {
-                    Piped::Cancelled
-                }
+                Ok(_) if !close(self, None).await || client_signal.aborted() => Piped::Cancelled,
                 Ok(_) => Piped::Complete,
                 Err(e) => {
                     let reason = e
@@ -319,11 +344,11 @@ impl Relay {
                     })
                 }
             },
-            Either::Right(((), pipe)) => {
+            Either::Right(((), pump)) => {
                 up.abort.abort();
-                // The aborted upstream errors the pipe, which then lets go of the client's side.
-                let _ = with_timeout(pipe, Duration::from_secs(2)).await;
-                if client_signal.aborted() {
+                // The aborted upstream fails the pump's read, which then stops.
+                let _ = with_timeout(pump, Duration::from_secs(2)).await;
+                if client_signal.aborted() || self.client_gone() {
                     return Piped::Cancelled;
                 }
                 let idle = up.idle_timeout.as_millis();
@@ -341,7 +366,7 @@ impl Relay {
     /// client's side closed.
     pub async fn fail(&self, failure: &StreamFailure) {
         let event = error_event(failure.code, &failure.message);
-        close(self, &self.writable(), Some(&event)).await;
+        close(self, Some(&event)).await;
     }
 }
 
@@ -357,17 +382,10 @@ async fn idle_watchdog(relay: &Relay, idle: Duration) {
     }
 }
 
-/// Writes an optional final error event, then closes the client's side of the stream. The event
-/// starts on an event boundary whatever the backend left unfinished. Returns `false` when the
-/// client's side was already gone.
-async fn close(
-    relay: &Relay,
-    writable: &web_sys::WritableStream,
-    final_event: Option<&str>,
-) -> bool {
-    let Ok(writer) = writable.get_writer() else {
-        return false;
-    };
+/// Writes an optional final error event, then what the scanner still holds, and closes the
+/// client's side of the stream. The event starts on an event boundary whatever the backend left
+/// unfinished. Returns `false` when the client's side was already gone.
+async fn close(relay: &Relay, final_event: Option<&str>) -> bool {
     if let Some(event) = final_event {
         let mid_event = relay.state.borrow_mut().scanner.abandon();
         let text = if mid_event {
@@ -375,10 +393,19 @@ async fn close(
         } else {
             event.to_string()
         };
-        let bytes = js_sys::Uint8Array::from(text.as_bytes());
-        let _ = JsFuture::from(writer.write_with_chunk(&bytes)).await;
+        relay
+            .write(&js_sys::Uint8Array::from(text.as_bytes()).into())
+            .await;
     }
-    JsFuture::from(writer.close()).await.is_ok()
+    let rest = {
+        let mut st = relay.state.borrow_mut();
+        let rest = st.scanner.finish();
+        (!rest.is_empty()).then(|| st.send(rest))
+    };
+    if let Some(rest) = rest.filter(|r| !r.is_undefined()) {
+        relay.write(&rest).await;
+    }
+    JsFuture::from(relay.writer.close()).await.is_ok()
 }
 
 /// The SSE events that end a stream whose backend failed after the first byte.

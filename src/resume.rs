@@ -201,7 +201,7 @@ async fn resume(
                 continue;
             }
         };
-        let (Some(body), true) = (answer.body, (200..300).contains(&answer.status)) else {
+        let (Some(reader), true) = (answer.reader, (200..300).contains(&answer.status)) else {
             // The backend refused the continuation itself (a 4xx): no other would take it.
             answer.abort.abort();
             let refused = Outcome {
@@ -217,7 +217,7 @@ async fn resume(
         attempts.guard.resumed_from(from);
         relay.splice(splice);
         let upstream = stream_upstream(
-            body,
+            reader,
             answer.first_chunk,
             answer.abort,
             &candidate,

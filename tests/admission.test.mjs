@@ -5,7 +5,7 @@
 // errors; leases, queue lengths and in-flight counters return to zero after every test.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, ADMIN_TOKEN } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, poolObjectCall, ADMIN_TOKEN } from "./lib/harness.mjs";
 
 let gw;
 const sims = [];
@@ -296,13 +296,7 @@ test("spillover happens before queueing: a full pool sends work to one with room
 test("departures: a client that hangs up, a Worker that stops asking, a parked grant nobody collects, a restarted queue", async () => {
   const p = await freshPool({ seqs: 1, admission: { poll_ms: 500, max_wait_ms: 60000 } });
   // The pool's own side, through its internal routes, as a Worker calls them.
-  const ns = await gw.mf.getDurableObjectNamespace("POOL");
-  const stub = ns.get(ns.idFromName(p.name));
-  const call = (route, body) => stub.fetch(`https://do.internal/${route}`, {
-    method: "POST",
-    headers: { "x-gateway-pool": p.name, "content-type": "application/json" },
-    body: JSON.stringify(body),
-  });
+  const call = await poolObjectCall(gw, p.name);
   const acquire = (admission) => call("acquire", { features: { model: p.model, request_id: "do-test", prompt_tokens: 10, max_tokens: 5 }, admission });
   // A lease held by the test itself keeps the backend full until it is released.
   const held = await acquire({ tenant: "holder" });

@@ -9,7 +9,7 @@ import assert from "node:assert/strict";
 import http from "node:http";
 import OpenAI from "openai";
 import {
-  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, setFaults, tempDir,
+  startGateway, startGatewayServer, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, poolObjectCall, setFaults, tempDir,
 } from "./lib/harness.mjs";
 
 const FIRST_BYTE_TIMEOUT_MS = 3000;
@@ -630,4 +630,47 @@ test("vllm-sim faults: an engine that stalls mid-stream, a truncated body, a mid
   assert.ok(outcomes(m, bad, "timeout") >= 1, "the stall counts as the backend's timeout");
   assert.ok(outcomes(m, bad, "transport") >= 2, "the truncated body and the cut stream count against it");
   assert.equal(outcomes(m, fine, "timeout") + outcomes(m, fine, "transport"), 0);
+});
+
+test("releases ending together are sent in batches: every lease ends once, with its own outcome", async () => {
+  const n = next();
+  const s = await sim(n.model, ["--time-scale", "100", "--max-num-seqs", "64"]);
+  const p = await freshPool(n, [s]);
+  const [backend] = p.ids;
+  const before = await metrics();
+  // Many streams ending at about the same time: an isolate sends their releases together while
+  // one is in flight. Each must count once, as a success, with its own tokens.
+  const results = await Promise.all(
+    Array.from({ length: 48 }, (_, i) => chat(p.model, { stream: true, max_tokens: 3 + (i % 4), extra: { ignore_eos: true }, content: `batch ${i}` })),
+  );
+  for (const r of results) assert.equal(r.status, 200, r.text);
+  const expectedTokens = results.reduce((sum, _, i) => sum + 3 + (i % 4), 0);
+  const tokens = (m) => metricValue(m, "llm_gateway_tokens_total", { backend, kind: "completion" }) ?? 0;
+  const after = await waitFor(async () => {
+    const m = await metrics();
+    return outcomes(m, backend, "success") - outcomes(before, backend, "success") === 48 ? m : null;
+  }, { what: "48 successful outcomes" });
+  assert.equal(tokens(after) - tokens(before), expectedTokens);
+
+  // The batch route itself, as a Worker calls it: each lease ends once, in the order given.
+  const call = await poolObjectCall(gw, p.name);
+  const leases = [];
+  for (let i = 0; i < 3; i++) {
+    const r = await call("acquire", { features: { model: p.model, request_id: `batch-direct-${i}`, prompt_tokens: 10, max_tokens: 5 } });
+    assert.equal(r.status, 200, await r.clone().text());
+    leases.push((await r.json()).lease_id);
+  }
+  const inFlight = async () => (await (await gw.admin("/admin/pools")).json()).data.find((x) => x.pool === p.name).in_flight;
+  assert.equal(await inFlight(), 3);
+  const outcome = { status: 200, kind: "success", ttfb_ms: 5, prompt_tokens: 10, cached_tokens: 0, completion_tokens: 5 };
+  const releases = (ids) => ({ releases: ids.map((lease_id) => ({ lease_id, outcome, backend })) });
+  const first = await call("release_batch", releases([leases[0], leases[1], leases[0]]));
+  assert.equal(first.status, 200);
+  assert.deepEqual(await first.json(), { released: [true, true, false] });
+  assert.equal(await inFlight(), 1);
+  const second = await call("release_batch", releases([leases[1], leases[2]]));
+  assert.deepEqual(await second.json(), { released: [false, true] });
+  assert.equal(await inFlight(), 0);
+  const m = await metrics();
+  assert.equal(outcomes(m, backend, "success") - outcomes(after, backend, "success"), 2 + 1);
 });

@@ -134,6 +134,20 @@ pub struct ReleaseAnswer {
     pub released: bool,
 }
 
+/// `POST /release_batch`: several requests of one shard ended, each released as by `/release`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReleaseBatch {
+    /// The releases, in the order they were queued.
+    pub releases: Vec<ReleaseRequest>,
+}
+
+/// The answer to `POST /release_batch`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReleaseBatchAnswer {
+    /// For each release in order, whether its lease was live.
+    pub released: Vec<bool>,
+}
+
 // ---- Backends (the admin API) --------------------------------------------------------------
 
 /// Registration of a backend, as posted to `POST /admin/backends`.

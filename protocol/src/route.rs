@@ -74,6 +74,9 @@ pub enum Route {
     Reassign,
     /// `POST /release`: `ReleaseRequest` -> `ReleaseAnswer`.
     Release,
+    /// `POST /release_batch`: `ReleaseBatch` -> `ReleaseBatchAnswer` (several leases of one
+    /// shard ended; an isolate sends them together while a release to that shard is in flight).
+    ReleaseBatch,
     /// `POST /renew`: `RenewRequest` -> `RenewAnswer`.
     Renew,
     /// `POST /prefill_done`: `PrefillDone` -> `PrefillDoneAnswer`.
@@ -185,6 +188,7 @@ impl Route {
             Route::Dequeue => "/dequeue".into(),
             Route::Reassign => "/reassign".into(),
             Route::Release => "/release".into(),
+            Route::ReleaseBatch => "/release_batch".into(),
             Route::Renew => "/renew".into(),
             Route::PrefillDone => "/prefill_done".into(),
             Route::RegisterBackend | Route::ListBackends => "/backends".into(),
@@ -219,6 +223,7 @@ impl Route {
                 | Route::Dequeue
                 | Route::Reassign
                 | Route::Release
+                | Route::ReleaseBatch
                 | Route::Renew
                 | Route::PrefillDone
         )
@@ -248,6 +253,7 @@ impl Route {
             (["dequeue"], Post) => Route::Dequeue,
             (["reassign"], Post) => Route::Reassign,
             (["release"], Post) => Route::Release,
+            (["release_batch"], Post) => Route::ReleaseBatch,
             (["renew"], Post) => Route::Renew,
             (["prefill_done"], Post) => Route::PrefillDone,
             (["backends"], Post) => Route::RegisterBackend,
@@ -307,6 +313,7 @@ mod tests {
             Route::Dequeue,
             Route::Reassign,
             Route::Release,
+            Route::ReleaseBatch,
             Route::Renew,
             Route::PrefillDone,
             Route::RegisterBackend,

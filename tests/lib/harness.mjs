@@ -53,6 +53,20 @@ export async function startGateway({ bindings = {}, persistDir, options = {}, ex
   return gw;
 }
 
+/**
+ * POSTs to a pool's shard-0 Durable Object through its internal routes, as the Worker calls them:
+ * `(route, body) => Response`, e.g. `call("release_batch", { releases })`.
+ */
+export async function poolObjectCall(gw, pool) {
+  const ns = await gw.mf.getDurableObjectNamespace("POOL");
+  const stub = ns.get(ns.idFromName(pool));
+  return (route, body) => stub.fetch(`https://do.internal/${route}`, {
+    method: "POST",
+    headers: { "x-gateway-pool": pool, "content-type": "application/json" },
+    body: JSON.stringify(body),
+  });
+}
+
 /** A fresh directory for persisted Durable Object state; removed by the returned cleanup. */
 export function tempDir() {
   const dir = mkdtempSync(path.join(tmpdir(), "gw-test-"));

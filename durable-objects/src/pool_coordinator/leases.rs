@@ -1,5 +1,5 @@
 //! The rest of a lease's life: a retry on the next candidate, renewals, the end of a
-//! disaggregated request's prefill stage, and the release.
+//! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected).
 
 use super::*;
 
@@ -90,12 +90,27 @@ impl PoolCoordinator {
 
     pub(super) fn release(&self, req: ReleaseRequest) -> ApiResult {
         self.with(|l| {
-            let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
-            if released {
-                persist_backends(l, &[req.backend.as_ref()]);
-            }
+            let released = release_one(l, &req);
             finish_drains(l);
             answer(200, &ReleaseAnswer { released })
         })
     }
+
+    /// Several releases in one call, each as [`Self::release`] does it.
+    pub(super) fn release_batch(&self, batch: ReleaseBatch) -> ApiResult {
+        self.with(|l| {
+            let released = batch.releases.iter().map(|r| release_one(l, r)).collect();
+            finish_drains(l);
+            answer(200, &ReleaseBatchAnswer { released })
+        })
+    }
+}
+
+/// Ends one lease with its outcome; persists its backend's state when the lease was live.
+fn release_one(l: &mut Live, req: &ReleaseRequest) -> bool {
+    let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
+    if released {
+        persist_backends(l, &[req.backend.as_ref()]);
+    }
+    released
 }

@@ -42,8 +42,8 @@ use coordinator_protocol::messages::{
     AdminBackend, AdminPatch, AlarmAnswer, Autoscaling, BackendList, BackendRegistration,
     DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
     PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
-    ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
-    SHARD_HEADER,
+    ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER,
+    QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER, SHARD_HEADER,
 };
 pub use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::{ApiError, Object, Route};
@@ -225,6 +225,7 @@ impl PoolCoordinator {
                     .await
             }
             Route::Release => self.release(read_body(req, "release request").await?),
+            Route::ReleaseBatch => self.release_batch(read_body(req, "release batch").await?),
             Route::Renew => self.renew(read_body(req, "renew request").await?),
             Route::PrefillDone => self.prefill_done(read_body(req, "prefill report").await?),
             Route::RegisterBackend => {

@@ -1,0 +1,86 @@
+//! The request path's configuration, read from the Worker's environment (wrangler.toml vars and
+//! secrets) once per isolate.
+//!
+//! An isolate runs one version of the Worker, whose bindings do not change while it lives, so the
+//! dozen vars every proxied request consults (feature extraction, proxy timeouts, body limit, the
+//! client keys and rate limits, the region map) are parsed on its first request and kept. Each
+//! lookup crosses into JavaScript, and together they were a measurable share of a request's CPU.
+//! The admin API and the cron handler still read the environment directly.
+
+use crate::attempts::ProxySettings;
+use crate::auth::secret;
+use crate::var_or;
+use routing_core::prompt::FeatureConfig;
+use routing_core::rate_limit::RateLimits;
+use std::collections::HashMap;
+use std::rc::Rc;
+use worker::Env;
+
+/// Largest request body accepted unless `MAX_BODY_BYTES` says otherwise.
+const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// What a proxied request needs from the environment.
+pub struct Settings {
+    /// Feature extraction (`BLOCK_TOKENS`, `DEFAULT_MAX_TOKENS`, `ROUTING_KEY_HEADER`).
+    pub features: FeatureConfig,
+    /// Timeouts, retries and resumptions.
+    pub proxy: ProxySettings,
+    /// `MAX_BODY_BYTES`.
+    pub max_body_bytes: usize,
+    /// SHA-256 hashes (hex) of the `CLIENT_API_KEYS` keys.
+    pub client_key_hashes: Vec<String>,
+    /// `RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`.
+    pub rate_limits: RateLimits,
+    /// `ALLOW_REGION_HEADER`: whether `x-gateway-region` is trusted.
+    pub region_header: bool,
+    /// `REGION_MAP`: colo or continent code to region.
+    pub region_map: HashMap<String, String>,
+}
+
+impl Settings {
+    fn read(env: &Env) -> Settings {
+        let defaults = FeatureConfig::default();
+        Settings {
+            features: FeatureConfig {
+                block_tokens: var_or(env, "BLOCK_TOKENS", defaults.block_tokens),
+                default_max_tokens: var_or(env, "DEFAULT_MAX_TOKENS", defaults.default_max_tokens),
+                routing_header: env
+                    .var("ROUTING_KEY_HEADER")
+                    .ok()
+                    .map(|v| v.to_string().to_ascii_lowercase())
+                    .filter(|h| !h.is_empty()),
+                max_blocks: defaults.max_blocks,
+            },
+            proxy: ProxySettings::from_env(env),
+            max_body_bytes: var_or(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
+            client_key_hashes: secret(env, "CLIENT_API_KEYS")
+                .map(|s| {
+                    s.split(',')
+                        .map(str::trim)
+                        .filter(|k| !k.is_empty())
+                        .map(crate::keys::hash_key)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            rate_limits: RateLimits {
+                requests_per_minute: var_or(env, "RATE_LIMIT_RPM", 0),
+                tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
+            },
+            region_header: var_or(env, "ALLOW_REGION_HEADER", String::new()) == "true",
+            region_map: env
+                .var("REGION_MAP")
+                .ok()
+                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+thread_local! {
+    static SETTINGS: std::cell::OnceCell<Rc<Settings>> = const { std::cell::OnceCell::new() };
+}
+
+/// This isolate's settings, read from `env` on first use.
+pub fn settings(env: &Env) -> Rc<Settings> {
+    SETTINGS.with(|s| s.get_or_init(|| Rc::new(Settings::read(env))).clone())
+}
