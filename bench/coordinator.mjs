@@ -29,9 +29,10 @@ const MODEL = "sse-model"; // what startSseServer lists on /v1/models
 const BACKENDS = 64;
 const WARM_PROMPTS = 8000; // x 64 chunk entries each: past the 500,000-entry bound
 const WARM_BLOCKS = 1024; // 16,384 tokens
-// KV size hint per backend: 262,144 blocks of 16 tokens, so that whichever backends the policy
-// prefers can hold their share of the table (the global bound is what is being exercised).
-const KV_BLOCKS = 262144;
+// KV size hint per backend: 1,048,576 blocks of 16 tokens, so that whichever backends the policy
+// prefers (with 16 calls in flight, about 16 of the 64) can hold their share of the table and the
+// global bound is what is being exercised (at 262,144 the warm-up stopped at 16 backends' bounds).
+const KV_BLOCKS = 1048576;
 const RUN_SLICE_S = 2;
 
 /** Miniflare options of the in-workerd load driver (bench/do-driver.mjs). */
