@@ -8,12 +8,21 @@
 // routing_core::pool::Grant as JSON; POST /release takes a ReleaseRequest and answers
 // {"released": bool}. Every call carries the pool's name in the `x-gateway-pool` header.
 
+const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+
 /** Block hashes as the pool reads them: base64 without padding of their little-endian bytes. */
 function encodeHashes(hashes) {
-  const bytes = new Uint8Array(hashes.length * 8);
-  const view = new DataView(bytes.buffer);
-  for (let i = 0; i < hashes.length; i++) {
-    view.setBigUint64(i * 8, BigInt.asUintN(64, BigInt(hashes[i])), true);
+  let bytes;
+  if (hashes instanceof BigUint64Array && LITTLE_ENDIAN) {
+    // Already the bytes to send: no BigInt per hash (that loop cost the in-workerd driver about
+    // 65 us of the object's thread per 1,024 hashes, counted in the object's pairs/s).
+    bytes = new Uint8Array(hashes.buffer, hashes.byteOffset, hashes.byteLength);
+  } else {
+    bytes = new Uint8Array(hashes.length * 8);
+    const view = new DataView(bytes.buffer);
+    for (let i = 0; i < hashes.length; i++) {
+      view.setBigUint64(i * 8, BigInt.asUintN(64, BigInt(hashes[i])), true);
+    }
   }
   let binary = "";
   for (let i = 0; i < bytes.length; i += 0x8000) {
