@@ -43,7 +43,11 @@ fn pool(policy: PolicyKind, backends: usize, entries: usize) -> Pool {
             ..PoolConfig::default()
         },
     );
-    let per_backend = (2 * entries / backends).max(1024) as u64;
+    // Room for twice the table's share per backend, in blocks: an entry stands for up to
+    // CHUNK_BLOCKS of them, so with fewer the backends' bounds would cap the table below its own
+    // and the warm-up would never end.
+    let per_backend =
+        (2 * entries * routing_core::affinity::CHUNK_BLOCKS / backends).max(1024) as u64;
     for b in 0..backends {
         let id = pool
             .add_backend(
