@@ -242,9 +242,9 @@ pub fn words(rng: &mut SplitMix64, tokens: usize) -> String {
     super::text(rng, tokens * 4)
 }
 
-pub fn features(body: serde_json::Value, key: String) -> RequestFeatures {
+pub fn features(body: serde_json::Value, key: Option<String>) -> RequestFeatures {
     let mut f = request_features(&body, &|_| None, &FeatureConfig::default()).unwrap();
-    f.routing_key = Some(key);
+    f.routing_key = key;
     f.stream = true;
     f
 }
@@ -306,7 +306,10 @@ impl Workload for MultiTurn {
         self.last_output[c] = self
             .fixed_output
             .unwrap_or_else(|| 32 + rng.below(97) as u32);
-        Some((features(body, format!("user-{c}")), self.last_output[c]))
+        Some((
+            features(body, Some(format!("user-{c}"))),
+            self.last_output[c],
+        ))
     }
 
     fn answered(&mut self, c: usize, rng: &mut SplitMix64) {
@@ -382,9 +385,7 @@ impl Workload for Groups {
                 {"role": "system", "content": self.prompts[g]},
                 {"role": "user", "content": words(rng, 32)},
             ]});
-            let mut f = features(body, String::new());
-            f.routing_key = None;
-            return Some((f, 48));
+            return Some((features(body, None), 48));
         }
         let newest = (self.sent * self.prompts.len() / self.total).max(self.window - 1);
         let g = newest - rng.below(self.window as u64) as usize;
@@ -394,7 +395,7 @@ impl Workload for Groups {
             {"role": "user", "content": words(rng, 40)},
         ]});
         Some((
-            features(body, format!("group-{g}")),
+            features(body, Some(format!("group-{g}"))),
             16 + rng.below(49) as u32,
         ))
     }
