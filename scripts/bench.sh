@@ -2,9 +2,11 @@
 # `make bench` / `make bench-quick`: the routing benchmark of bench/README.md
 # (`scripts/bench.sh full|quick|classic [loadgen bench flags]`; the mode names bench/config/<mode>.json).
 #
-# Builds the Worker once and runs a snapshot of it under `wrangler dev` (its own config, persist dir
-# and admin token in bench/tmp, so edits to src/ during a run cannot reload it and the user's
-# .dev.vars and .wrangler/state are untouched), then hands over to `loadgen bench`, which manages the
+# Builds the Worker once and runs it in one workerd process through Miniflare
+# (bench/gateway-server.mjs: loaded once, so edits to src/ during a run cannot reload it), or with
+# BENCH_GATEWAY=wrangler a snapshot of it under `wrangler dev`; either way with its own persist dir
+# and admin token in bench/tmp, so the user's .dev.vars and .wrangler/state are untouched. Then it
+# hands over to `loadgen bench`, which manages the
 # fleet of vllm-sim backends, runs every policy on every workload and writes bench/results/.
 # Every process this script starts is stopped on exit. Extra arguments go to `loadgen bench`
 # (e.g. `--only chat --policies round_robin,cache_aware --levels 0.9`); BENCH_OUT changes the output
@@ -49,11 +51,21 @@ cp -r build "$TMP/worker/build"
 awk '/^\[build\]/ { skip = 1; next } /^\[/ { skip = 0 } !skip' wrangler.toml >"$TMP/worker/wrangler.toml"
 TOKEN="bench-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 
-setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
-  --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
-  --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &
-WRANGLER_PID=$!
-echo "bench: starting the gateway under wrangler dev on $GATEWAY (log: $TMP/wrangler.log)"
+# The gateway: the built Worker in one workerd through Miniflare (bench/gateway-server.mjs), or with
+# BENCH_GATEWAY=wrangler under `wrangler dev` (which adds its proxy worker's hop to every request).
+if [ "${BENCH_GATEWAY:-workerd}" = wrangler ]; then
+  setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
+    --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
+    --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &
+  WRANGLER_PID=$!
+  echo "bench: starting the gateway under wrangler dev on $GATEWAY (log: $TMP/wrangler.log)"
+  export BENCH_GATEWAY_RUNTIME="wrangler dev"
+else
+  ADMIN_TOKEN="$TOKEN" setsid node bench/gateway-server.mjs "$PORT" "$TMP/state" >"$TMP/wrangler.log" 2>&1 &
+  WRANGLER_PID=$!
+  echo "bench: starting the gateway (the built Worker in workerd) on $GATEWAY (log: $TMP/wrangler.log)"
+  export BENCH_GATEWAY_RUNTIME="workerd (Miniflare, no wrangler dev proxy)"
+fi
 for _ in $(seq 1 240); do
   curl -fsS "$GATEWAY/healthz" >/dev/null 2>&1 && break
   if ! kill -0 "$WRANGLER_PID" 2>/dev/null; then

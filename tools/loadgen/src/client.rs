@@ -42,6 +42,8 @@ pub struct StreamResult {
     pub backend: Option<String>,
     /// `x-gateway-decision` response header.
     pub decision: Option<String>,
+    /// `server-timing` response header (the gateway's `route;dur=.., upstream;dur=..`).
+    pub server_timing: Option<String>,
 }
 
 impl StreamResult {
@@ -162,6 +164,7 @@ impl Http {
         };
         out.backend = header("x-gateway-backend");
         out.decision = header("x-gateway-decision");
+        out.server_timing = header("server-timing");
         let mut body = resp.into_body();
         if out.status != 200 {
             let bytes = body

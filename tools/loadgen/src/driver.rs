@@ -88,6 +88,18 @@ pub struct Record {
     pub backend: Option<String>,
     /// `x-gateway-decision`.
     pub decision: Option<String>,
+    /// `server-timing`: where the gateway's time to first byte went (routing, upstream).
+    pub server_timing: Option<String>,
+}
+
+/// Writes records as JSON lines (`loadgen run --records`, and every bench run's records in its
+/// tmp dir, for looking into a run afterwards).
+pub fn write_records(path: &std::path::Path, records: &[Record]) -> Result<(), String> {
+    let lines: Vec<String> = records
+        .iter()
+        .filter_map(|r| serde_json::to_string(r).ok())
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", path.display()))
 }
 
 impl Record {
@@ -180,6 +192,7 @@ impl Shared {
             cached_tokens: r.cached_tokens,
             backend: r.backend.clone(),
             decision: r.decision.clone(),
+            server_timing: r.server_timing.clone(),
         });
         r
     }

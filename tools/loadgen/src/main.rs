@@ -298,12 +298,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 Some(bound),
             );
             if let Some(p) = records_path {
-                let lines: Vec<String> = records
-                    .iter()
-                    .filter_map(|r| serde_json::to_string(r).ok())
-                    .collect();
-                std::fs::write(&p, lines.join("\n") + "\n")
-                    .map_err(|e| format!("{}: {e}", p.display()))?;
+                driver::write_records(&p, &records)?;
             }
             println!(
                 "{}",

@@ -1,4 +1,5 @@
-//! Where and when a benchmark ran: the machine's CPU and memory, and the UTC date and time
+//! Where and when a benchmark ran: the machine's CPU and memory, how the gateway ran, and the UTC
+//! date and time
 //! (from the system clock, without a date library).
 
 use std::collections::BTreeMap;
@@ -26,6 +27,10 @@ pub fn machine() -> BTreeMap<String, String> {
         .and_then(|v| v.parse::<f64>().ok())
     {
         m.insert("memory".into(), format!("{:.0} GiB", kb / 1024.0 / 1024.0));
+    }
+    // How scripts/bench.sh ran the gateway (the built Worker in workerd, or under wrangler dev).
+    if let Ok(gateway) = std::env::var("BENCH_GATEWAY_RUNTIME") {
+        m.insert("gateway".into(), gateway);
     }
     m
 }

@@ -92,6 +92,14 @@ pub async fn run_one(
         });
     gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
         .await;
+    let records_file = tmp_dir.join(format!(
+        "records-{}-{}-{policy}.jsonl",
+        w.name(),
+        mode.label
+    ));
+    if let Err(e) = crate::driver::write_records(&records_file, &records) {
+        eprintln!("    {e}");
+    }
     let mut report = report::summarize(
         report::RunLabel {
             workload: w.name(),
