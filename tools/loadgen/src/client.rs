@@ -44,6 +44,11 @@ pub struct StreamResult {
     pub decision: Option<String>,
     /// `server-timing` response header (the gateway's `route;dur=.., upstream;dur=..`).
     pub server_timing: Option<String>,
+    /// `x-gateway-predicted-ttft-ms`: the gateway's predicted time to first token there.
+    pub predicted_ttft_ms: Option<f64>,
+    /// vllm-sim's `usage.sim_engine_ttft_ms` (`--report-engine-timing`): the engine's own time
+    /// from the request's arrival to its first token.
+    pub engine_ttft_ms: Option<f64>,
 }
 
 impl StreamResult {
@@ -80,6 +85,7 @@ fn read_event(
             .pointer("/prompt_tokens_details/cached_tokens")
             .and_then(Value::as_u64)
             .map(|x| x as u32);
+        out.engine_ttft_ms = u.get("sim_engine_ttft_ms").and_then(Value::as_f64);
     }
     let mut got_text = false;
     if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
@@ -165,6 +171,7 @@ impl Http {
         out.backend = header("x-gateway-backend");
         out.decision = header("x-gateway-decision");
         out.server_timing = header("server-timing");
+        out.predicted_ttft_ms = header("x-gateway-predicted-ttft-ms").and_then(|v| v.parse().ok());
         let mut body = resp.into_body();
         if out.status != 200 {
             let bytes = body

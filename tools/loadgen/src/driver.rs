@@ -90,6 +90,10 @@ pub struct Record {
     pub decision: Option<String>,
     /// `server-timing`: where the gateway's time to first byte went (routing, upstream).
     pub server_timing: Option<String>,
+    /// The engine's own time to first token (vllm-sim `--report-engine-timing`), ms.
+    pub engine_ttft_ms: Option<f64>,
+    /// `x-gateway-predicted-ttft-ms`: the time model's prediction for the chosen backend.
+    pub predicted_ttft_ms: Option<f64>,
 }
 
 /// Writes records as JSON lines (`loadgen run --records`, and every bench run's records in its
@@ -193,6 +197,8 @@ impl Shared {
             backend: r.backend.clone(),
             decision: r.decision.clone(),
             server_timing: r.server_timing.clone(),
+            engine_ttft_ms: r.engine_ttft_ms,
+            predicted_ttft_ms: r.predicted_ttft_ms,
         });
         r
     }

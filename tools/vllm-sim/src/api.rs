@@ -277,6 +277,7 @@ async fn generate(
             handoff,
         );
         encoder.prompt_tokens_details = details;
+        encoder.engine_timing = state.config.report_engine_timing;
         return Ok(body::event_stream(SseStream::new(
             events,
             encoder,

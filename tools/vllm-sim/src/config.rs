@@ -121,6 +121,11 @@ pub struct Config {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set)]
     pub enable_prompt_tokens_details: bool,
 
+    /// Put each streamed request's engine-side time to first token (arrival to first token, ms)
+    /// in its usage chunk as `usage.sim_engine_ttft_ms`: a sim-only extension for benchmarks.
+    #[arg(long)]
+    pub report_engine_timing: bool,
+
     /// Start in a loading phase: /health and /v1/* answer 503 for this many seconds (wall-clock).
     #[arg(long, default_value_t = 0.0)]
     pub startup_delay_s: f64,

@@ -217,7 +217,10 @@ impl Engine {
                     })
                     .is_ok();
             }
-            if let Some(finish) = output.finish {
+            if let Some(mut finish) = output.finish {
+                finish.engine_ttft_ms = client
+                    .first_token
+                    .map(|first| secs(client.arrival, first) * 1e3);
                 observed.e2e.push(secs(client.arrival, now));
                 if let (Some(scheduled), Some(first), Some(last)) =
                     (client.scheduled, client.first_token, client.last_token)

@@ -125,6 +125,11 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Cached prompt tokens (vLLM with `--enable-prompt-tokens-details`).
     pub prompt_tokens_details: Option<PromptTokensDetails>,
+    /// The sim's own extension with `--report-engine-timing` (vLLM has no such field): arrival
+    /// at the engine to the first token, ms, so a benchmark can read each request's engine-side
+    /// time to first token exactly instead of from the histogram's coarse buckets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_ttft_ms: Option<f64>,
 }
 
 impl Usage {
@@ -136,6 +141,7 @@ impl Usage {
             completion_tokens,
             prompt_tokens_details: cached_tokens
                 .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
+            sim_engine_ttft_ms: None,
         }
     }
 }

@@ -128,6 +128,8 @@ pub struct Finish {
     pub cached_tokens: u32,
     /// The blocks holding the sequence, when [`SequenceSpec::report_blocks`] was set.
     pub block_ids: Vec<BlockId>,
+    /// Arrival at the engine to the first token, ms (set by the engine, which times its clients).
+    pub engine_ttft_ms: Option<f64>,
 }
 
 /// What one sequence produced in a step.
@@ -507,6 +509,7 @@ impl Scheduler {
                     } else {
                         Vec::new()
                     },
+                    engine_ttft_ms: None,
                 }
             });
             outputs.push(SeqOutput {
@@ -568,6 +571,7 @@ impl Scheduler {
                 output_tokens: seq.output_tokens,
                 cached_tokens: seq.cached_tokens,
                 block_ids: Vec::new(),
+                engine_ttft_ms: None,
             }),
         });
     }

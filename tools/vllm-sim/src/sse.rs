@@ -90,6 +90,8 @@ pub struct ChunkEncoder {
     /// Put `prompt_tokens_details.cached_tokens` in the usage chunk (`--enable-prompt-tokens-details`;
     /// on unless changed after [`ChunkEncoder::new`]).
     pub prompt_tokens_details: bool,
+    /// Put the engine's time to first token in the usage chunk (`--report-engine-timing`).
+    pub engine_timing: bool,
     role_sent: bool,
 }
 
@@ -116,6 +118,7 @@ impl ChunkEncoder {
             prompt_tokens,
             handoff,
             prompt_tokens_details: true,
+            engine_timing: false,
             role_sent: false,
         }
     }
@@ -173,11 +176,11 @@ impl ChunkEncoder {
         );
         if self.include_usage {
             let cached = self.prompt_tokens_details.then_some(finish.cached_tokens);
-            let usage = Some(Usage::new(
-                finish.prompt_tokens,
-                finish.output_tokens,
-                cached,
-            ));
+            let mut usage = Usage::new(finish.prompt_tokens, finish.output_tokens, cached);
+            if self.engine_timing {
+                usage.sim_engine_ttft_ms = finish.engine_ttft_ms;
+            }
+            let usage = Some(usage);
             match self.endpoint {
                 Endpoint::Chat => write_event(
                     out,
@@ -399,6 +402,7 @@ mod tests {
             output_tokens: 2,
             cached_tokens: 0,
             block_ids: vec![],
+            engine_ttft_ms: None,
         }
     }
 
@@ -627,5 +631,33 @@ mod tests {
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
         assert!(events(&out).pop().unwrap()["usage"]["prompt_tokens_details"].is_null());
+    }
+
+    #[test]
+    fn usage_chunk_carries_the_engine_ttft_only_when_asked() {
+        let mut f = finish(" cat");
+        f.engine_ttft_ms = Some(42.5);
+        let mut enc = ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        );
+        let mut out = Vec::new();
+        enc.finish(&mut out, &f);
+        assert!(events(&out).pop().unwrap()["usage"]
+            .get("sim_engine_ttft_ms")
+            .is_none());
+        enc.engine_timing = true;
+        let mut out = Vec::new();
+        enc.finish(&mut out, &f);
+        assert_eq!(
+            events(&out).pop().unwrap()["usage"]["sim_engine_ttft_ms"],
+            42.5
+        );
     }
 }

@@ -84,7 +84,7 @@ impl Fleet {
                     "--time-scale",
                     &self.config.time_scale.to_string(),
                 ])
-                .args(["--seed", &port.to_string()])
+                .args(["--seed", &port.to_string(), "--report-engine-timing"])
                 .args(&self.config.extra_args)
                 .stdout(Stdio::null())
                 .stderr(log)

@@ -62,8 +62,11 @@ pub struct RunReport {
     pub ttft_short_ms: Option<Summary>,
     /// `long-short` only: end-to-end latency of the short requests.
     pub e2e_short_ms: Option<Summary>,
-    /// Time to first token as the backends measured it (vLLM's histogram, interpolated inside its
-    /// coarse buckets), ms: the client's figure minus this is the gateway's and the network's share.
+    /// Time to first token as the backends measured it, ms: from each request's own engine-side
+    /// figure when the sims report it (vllm-sim `--report-engine-timing`, which `loadgen bench`
+    /// turns on), else from vLLM's histogram, interpolated inside its coarse buckets (100 to
+    /// 250 ms is one bucket). The client's figure minus this is the gateway's and the network's
+    /// share.
     pub backend_ttft_ms: Option<Quantiles>,
     /// Per backend.
     pub backends: BTreeMap<String, BackendShare>,

@@ -19,6 +19,9 @@ pub fn rec(backend: &str, ttft: f64) -> Record {
         cached_tokens: Some(50),
         backend: Some(backend.into()),
         decision: None,
+        server_timing: None,
+        engine_ttft_ms: None,
+        predicted_ttft_ms: None,
     }
 }
 
