@@ -196,6 +196,10 @@ impl Forward<'_> {
                 set("x-gateway-decision", &s)?;
             }
         }
+        // What the time model expected of the backend it chose (not of a fallback).
+        if let (Some(p), true) = (self.grant.predicted_ttft_ms, c.id == self.grant.backend) {
+            set("x-gateway-predicted-ttft-ms", &p.to_string())?;
+        }
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);

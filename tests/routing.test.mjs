@@ -62,7 +62,14 @@ async function chat(messages, { stream = false, max_tokens = 4 } = {}) {
   });
   const text = await r.text();
   assert.equal(r.status, 200, text);
-  return { backend: r.headers.get("x-gateway-backend"), decision: r.headers.get("x-gateway-decision"), text };
+  const predicted = r.headers.get("x-gateway-predicted-ttft-ms");
+  assert.match(predicted ?? "", /^\d+$/, "x-gateway-predicted-ttft-ms is whole milliseconds");
+  return {
+    backend: r.headers.get("x-gateway-backend"),
+    decision: r.headers.get("x-gateway-decision"),
+    predicted: Number(predicted),
+    text,
+  };
 }
 
 /** Deterministic filler of about `tokens` tokens (the gateway estimates 4 bytes a token). */
@@ -99,10 +106,12 @@ test("predicted_latency: a hot prefix gains a replica once its holder is backed 
   const warm = await chat([{ role: "system", content: hot }, { role: "user", content: "warm up" }]);
   const holder = warm.backend;
   // Sequential requests behind the hot prefix stay on its holder: nothing is queued there.
+  let idlePrediction = 0;
   for (let i = 0; i < 3; i++) {
     const r = await chat([{ role: "system", content: hot }, { role: "user", content: `quick question ${i}` }]);
     assert.equal(r.backend, holder, "an idle holder keeps its prefix's traffic");
     assert.equal(r.decision, "cache_hit");
+    idlePrediction = Math.max(idlePrediction, r.predicted);
   }
   // A burst of requests with long unique tails: each adds its tail's prefill to the holder's
   // queue until waiting there costs more than the whole prompt elsewhere.
@@ -111,6 +120,10 @@ test("predicted_latency: a hot prefix gains a replica once its holder is backed 
       chat([{ role: "system", content: hot }, { role: "user", content: `long question ${i}: ${words(500 + i, 500)}` }], { stream: true })),
   );
   const served = new Set(burst.map((r) => r.backend));
+  // The queue shows in the predictions the responses carry: the burst's slowest predicted start
+  // on the holder is well above an idle holder's.
+  const onHolder = burst.filter((r) => r.backend === holder).map((r) => r.predicted);
+  assert.ok(Math.max(...onHolder) > 2 * idlePrediction + 20, `predicted ${onHolder} ms on the holder, ${idlePrediction} ms idle`);
   assert.ok(served.size >= 2, `the burst all went to ${[...served]}`);
   assert.ok(burst.some((r) => r.decision === "spill"), `decisions: ${burst.map((r) => r.decision)}`);
   assert.ok(burst.filter((r) => r.backend === holder).length >= 2, "the holder kept part of the burst");

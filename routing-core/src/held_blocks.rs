@@ -13,57 +13,122 @@
 //! minus the longest prefix it shares with those still held. Either costs a binary search per
 //! running request on the backend (one comparison for an unrelated prompt), not a hash-map update
 //! per block.
+//!
+//! A prefix is shared only once it is computed: vLLM enters a block into its prefix cache when the
+//! block's tokens have been computed, so requests admitted while the first request behind a new
+//! prefix is still waiting for or running its prefill each compute, and hold, their own copy. Each
+//! held prompt therefore also carries how much of it was computed when it started (its cache hit)
+//! and when its prefill should be done (the time model's predicted first token); before then,
+//! only that computed part is shared with later requests ([`HeldBlocks::computed_prefix`]), and a
+//! request starting meanwhile counts the rest of what it shares as copies of its own
+//! ([`HeldBlocks::in_use`]).
 
 use crate::lease::LeaseId;
+
+/// One live lease's prompt on a backend.
+#[derive(Debug, Clone)]
+struct Held {
+    lease: LeaseId,
+    blocks: Vec<u64>,
+    /// Leading blocks already computed when it started (its cache hit there).
+    computed: usize,
+    /// When all of its blocks should be computed (pool time, ms).
+    ready_ms: u64,
+    /// Blocks it shares with prompts held before it but holds as its own copy, since they were
+    /// not computed yet when it started.
+    copies: usize,
+}
 
 /// The prompt blocks live leases hold on one backend.
 #[derive(Debug, Clone, Default)]
 pub struct HeldBlocks {
-    prompts: Vec<(LeaseId, Vec<u64>)>,
+    prompts: Vec<Held>,
     distinct: usize,
+    copies: usize,
 }
 
 impl HeldBlocks {
-    /// Lease `lease` started holding the chain `blocks`.
-    pub fn hold(&mut self, lease: LeaseId, blocks: Vec<u64>) {
-        self.distinct += blocks.len() - self.shared(&blocks, blocks.len());
-        self.prompts.push((lease, blocks));
+    /// Lease `lease` started holding the chain `blocks`, of which the first `computed` were
+    /// computed already; its prefill should be done at `ready_ms`.
+    pub fn hold(
+        &mut self,
+        lease: LeaseId,
+        blocks: Vec<u64>,
+        computed: usize,
+        ready_ms: u64,
+        now_ms: u64,
+    ) {
+        let shared = self.shared(&blocks, blocks.len(), None);
+        let really = self
+            .shared(&blocks, blocks.len(), Some(now_ms))
+            .max(computed.min(blocks.len()));
+        let copies = shared.saturating_sub(really);
+        self.distinct += blocks.len() - shared;
+        self.copies += copies;
+        self.prompts.push(Held {
+            lease,
+            blocks,
+            computed,
+            ready_ms,
+            copies,
+        });
     }
 
     /// Lease `lease` ended: its blocks, or `None` if it held none here.
     pub fn release(&mut self, lease: LeaseId) -> Option<Vec<u64>> {
-        let i = self.prompts.iter().position(|(id, _)| *id == lease)?;
-        let (_, blocks) = self.prompts.swap_remove(i);
+        let i = self.prompts.iter().position(|h| h.lease == lease)?;
+        let held = self.prompts.swap_remove(i);
         // Saturating: only a list that is not a chain could make the counts disagree.
         self.distinct = self
             .distinct
-            .saturating_sub(blocks.len() - self.shared(&blocks, blocks.len()));
-        Some(blocks)
+            .saturating_sub(held.blocks.len() - self.shared(&held.blocks, held.blocks.len(), None));
+        self.copies = self.copies.saturating_sub(held.copies);
+        Some(held.blocks)
     }
 
     /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold.
     pub fn held_prefix(&self, blocks: &[u64], limit: usize) -> usize {
-        self.shared(blocks, limit.min(blocks.len()))
+        self.shared(blocks, limit.min(blocks.len()), None)
     }
 
-    /// Distinct blocks held.
+    /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold and
+    /// have computed by `now_ms`, as far as the gateway can tell: a prompt's whole chain once its
+    /// prefill should be done, before that only what was cached when it started.
+    pub fn computed_prefix(&self, blocks: &[u64], limit: usize, now_ms: u64) -> usize {
+        self.shared(blocks, limit.min(blocks.len()), Some(now_ms))
+    }
+
+    /// Distinct blocks held, counting a shared prefix once.
     pub fn distinct(&self) -> usize {
         self.distinct
     }
 
-    /// Each live lease's blocks.
-    pub fn prompts(&self) -> impl Iterator<Item = (LeaseId, &[u64])> {
-        self.prompts.iter().map(|(id, b)| (*id, b.as_slice()))
+    /// Blocks in use: the distinct blocks plus the copies requests hold of prefixes that were
+    /// not computed when they started.
+    pub fn in_use(&self) -> usize {
+        self.distinct + self.copies
     }
 
-    /// The longest prefix of `blocks`, up to `limit`, that a held prompt shares.
-    fn shared(&self, blocks: &[u64], limit: usize) -> usize {
+    /// Each live lease's blocks.
+    pub fn prompts(&self) -> impl Iterator<Item = (LeaseId, &[u64])> {
+        self.prompts.iter().map(|h| (h.lease, h.blocks.as_slice()))
+    }
+
+    /// The longest prefix of `blocks`, up to `limit`, that a held prompt shares; with `now_ms`,
+    /// only the part of each prompt computed by then.
+    fn shared(&self, blocks: &[u64], limit: usize, now_ms: Option<u64>) -> usize {
         let mut longest = 0;
-        for (_, held) in &self.prompts {
+        for held in &self.prompts {
             if longest == limit {
                 break;
             }
-            longest = longest.max(common_prefix(&blocks[..limit], held));
+            let mut common = common_prefix(&blocks[..limit], &held.blocks);
+            if let Some(now) = now_ms {
+                if held.ready_ms > now {
+                    common = common.min(held.computed);
+                }
+            }
+            longest = longest.max(common);
         }
         longest
     }
@@ -97,8 +162,8 @@ mod tests {
     #[test]
     fn shared_blocks_count_once_until_the_last_holder_ends() {
         let mut h = HeldBlocks::default();
-        h.hold(1, vec![1, 2, 3]);
-        h.hold(2, vec![1, 2, 4, 5]);
+        h.hold(1, vec![1, 2, 3], 0, 0, 0);
+        h.hold(2, vec![1, 2, 4, 5], 0, 0, 0);
         assert_eq!(h.distinct(), 5);
         assert_eq!(h.release(1), Some(vec![1, 2, 3]));
         assert_eq!(h.distinct(), 4);
@@ -106,7 +171,7 @@ mod tests {
         assert_eq!(h.held_prefix(&[1, 2, 4, 7, 8], 2), 2);
         assert_eq!(h.held_prefix(&[6, 7], 2), 0);
         assert_eq!(h.release(9), None);
-        h.hold(3, vec![]);
+        h.hold(3, vec![], 0, 0, 0);
         assert_eq!(h.release(2), Some(vec![1, 2, 4, 5]));
         assert_eq!(h.release(3), Some(vec![]));
         assert_eq!(h.distinct(), 0);
@@ -115,13 +180,50 @@ mod tests {
     #[test]
     fn the_same_prompt_twice_counts_once() {
         let mut h = HeldBlocks::default();
-        h.hold(1, vec![1, 2, 3]);
-        h.hold(2, vec![1, 2, 3]);
+        h.hold(1, vec![1, 2, 3], 0, 0, 0);
+        h.hold(2, vec![1, 2, 3], 0, 0, 0);
         assert_eq!(h.distinct(), 3);
         h.release(1);
         assert_eq!((h.distinct(), h.held_prefix(&[1, 2, 3, 4], 4)), (3, 3));
         h.release(2);
         assert_eq!(h.distinct(), 0);
+    }
+
+    #[test]
+    fn a_prefix_is_shared_once_computed() {
+        let mut h = HeldBlocks::default();
+        // A new prefix [1, 2, 3], nothing cached, prefill done at 100 ms.
+        h.hold(1, vec![1, 2, 3], 0, 100, 0);
+        assert_eq!(
+            (
+                h.held_prefix(&[1, 2, 3, 9], 4),
+                h.computed_prefix(&[1, 2, 3, 9], 4, 50)
+            ),
+            (3, 0)
+        );
+        // A request starting at 50 ms behind the same prefix computes and holds its own copy.
+        h.hold(2, vec![1, 2, 3, 9], 0, 150, 50);
+        assert_eq!((h.distinct(), h.in_use()), (4, 7));
+        // One starting at 120 ms shares it.
+        assert_eq!(h.computed_prefix(&[1, 2, 3, 8], 4, 120), 3);
+        h.hold(3, vec![1, 2, 3, 8], 3, 130, 120);
+        assert_eq!((h.distinct(), h.in_use()), (5, 8));
+        // What was cached when a prompt started is shared at once: [1, 2] was a hit for lease 4,
+        // its block 7 is shared only once its prefill is done.
+        h.hold(4, vec![1, 2, 7], 2, 500, 130);
+        assert_eq!(h.computed_prefix(&[1, 2, 7, 6], 4, 140), 2);
+        assert_eq!(h.computed_prefix(&[1, 2, 7, 6], 4, 600), 3);
+        assert_eq!(h.release(3), Some(vec![1, 2, 3, 8]));
+        assert_eq!(h.release(1), Some(vec![1, 2, 3]));
+        assert_eq!(
+            h.computed_prefix(&[1, 2, 3, 6], 4, 140),
+            2,
+            "lease 2's copy is not done"
+        );
+        assert_eq!(h.computed_prefix(&[1, 2, 3, 6], 4, 160), 3);
+        h.release(2);
+        h.release(4);
+        assert_eq!((h.distinct(), h.in_use()), (0, 0));
     }
 
     /// Per-block reference counts, the straightforward way to count the same thing.
@@ -165,7 +267,7 @@ mod tests {
                     for b in &blocks {
                         *counts.0.entry(*b).or_default() += 1;
                     }
-                    h.hold(lease, blocks.clone());
+                    h.hold(lease, blocks.clone(), 0, 0, 0);
                     live.push((lease, blocks.clone()));
                 } else if let Some(i) = live.iter().position(|(id, _)| *id == lease) {
                     let (_, held) = live.swap_remove(i);

@@ -181,6 +181,19 @@ pub struct SharePrediction {
 }
 
 impl SharePrediction {
+    /// When its prefill should be under way, in ms of pool time: its place in the virtual
+    /// prefill queue plus the predicted wait for room, plus one engine step (the engine admits a
+    /// request at the end of the step running when it arrives). A request arriving after that
+    /// is scheduled after the step that computes this one's prompt, so it finds that prompt
+    /// cached; one arriving before is admitted beside it and computes its own copy.
+    pub fn start_ms(&self) -> u64 {
+        self.prefill_end_us
+            .saturating_sub(self.prefill_us)
+            .saturating_add(self.extra_wait_us)
+            .saturating_add(self.first_step_us)
+            / 1000
+    }
+
     /// Adds a wait predicted beyond the prefill queue (for room, for other clients' requests) to
     /// what the request's time to first byte will be compared with.
     pub fn add_wait(&mut self, wait_ms: f64) {

@@ -44,7 +44,7 @@ fn compare_through(
     let speeds = [SIM_SPEED; 8];
     let mut out = HashMap::new();
     for policy in COMPARED {
-        let r = averaged(policy, make, &speeds, kv_blocks, gateway, 3);
+        let r = averaged(policy, make, &speeds, kv_blocks, gateway, 6);
         println!(
             "{name:>13} {:>17}: TTFT p50 {:7.1} p99 {:7.1} ms | e2e p50 {:7.1} p99 {:7.1} ms | \
              {:6.2} req/s | hit {:5.1}% | busiest/mean {:.2} | preempted {:.1}%",
@@ -128,8 +128,8 @@ fn multi_turn_chat_on_time() {
             let mut rng = SplitMix64::new(1 + seed);
             Box::new(MultiTurn::new(32, 10, &mut rng))
         });
-        // Measured: 0.90x and 0.74x the best baseline's p99 (least load) with 2,048 and 512
-        // blocks; the floor is a cold system-prompt prefill, which no policy avoids on a user's
+        // Measured (6 seeds): 0.90x and 0.97x the best baseline's p99 (least load) with 2,048
+        // and 512 blocks; the floor is a cold system-prompt prefill, which no policy avoids on a user's
         // first turn.
         check("multi-turn", &r, 1.0);
     }
@@ -142,7 +142,7 @@ fn shared_prefix_groups_on_time() {
             let mut rng = SplitMix64::new(2 + 10 * seed);
             Box::new(Groups::new(96, 32, 1_500, &mut rng))
         });
-        // Measured: 0.96x the best baseline's p99 (least load), 0.59x round robin's; 6% of the
+        // Measured (6 seeds): 0.81x the best baseline's p99 (least load), 0.60x round robin's; 6% of the
         // requests open a new group, whose cold prefill (about 130 ms) floors every policy's p99.
         check("shared-prefix", &r, 1.0);
         let (ours, rr) = (
@@ -274,8 +274,8 @@ fn chat_beyond_memory() {
 }
 
 /// Shared-prefix groups arriving open loop (Poisson) at about 75% and 90% of what the fleet serves
-/// closed loop: the default keeps the best tail (measured 0.96x the best baseline's TTFT p99 at
-/// both rates; the floor is a new group's cold prefill) and the best median, hit rate and e2e.
+/// closed loop: the default keeps the best tail (measured 0.93x and 0.91x the best baseline's TTFT
+/// p99; the floor is a new group's cold prefill) and the best median, hit rate and e2e.
 #[test]
 fn shared_prefix_groups_open_loop() {
     for rate in [40.0, 48.0] {
@@ -295,8 +295,12 @@ fn shared_prefix_groups_open_loop() {
 /// 512 blocks. Before decode timing took out interleaved prefill (and at decode weight 0.6), chat
 /// piled first turns on the backends that held the system prompt and then moved half the
 /// conversations on their second turn: TTFT p99 1.68x the best baseline (195 against 116 ms).
-/// Measured now: chat 1.11x (the floor is the system prompt's cold prefill on every backend, which
-/// a balanced placement pays 8 times in 320 requests: over 1%), prefix groups 0.46x.
+/// Measured now (6 seeds): chat 1.04x (the floor is the system prompt's cold prefill on every
+/// backend, which a balanced placement pays 8 times in 320 requests: over 1%), prefix groups 0.39x.
+/// The engines share a prefix only once it is computed, as vllm-sim does: the pool treating a
+/// prefix recorded by a request still queued as a hit took prefix groups from 0.46x (engines
+/// that shared at admission) to 0.87x, and counting it as computed only once that request's
+/// prefill has started brought it to 0.39x.
 #[test]
 fn bench_shapes_closed_64() {
     let closed = Conditions {

@@ -192,6 +192,10 @@ pub struct Candidate {
     pub benefit: f64,
     /// Leading prompt blocks it probably holds.
     pub cached_blocks: u32,
+    /// Of those, the ones computed by now as far as the pool can tell: blocks recorded by a
+    /// request still in its prefill there are not cached yet ([`crate::held_blocks`]); what the
+    /// time model prices as cached.
+    pub computed_blocks: u32,
     /// Predicted time to first token there, in ms ([`crate::time_model`]).
     pub ttft_ms: f64,
     /// Predicted decode time of the request there, in ms.

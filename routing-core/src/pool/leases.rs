@@ -50,8 +50,16 @@ impl Pool {
         let blocks = self.drop_blocks(lease_id, old.backend);
         self.settle(&old, failure, lease_id, acquired_ms, now_ms);
         let share = self.admit(slot, prompt_tokens, output, now_ms);
-        if let (Some(_), Some(blocks)) = (&share, blocks) {
-            self.hold_blocks(lease_id, slot, blocks);
+        if let (Some(share), Some(blocks)) = (&share, blocks) {
+            // Nothing of it is known to be cached on the new backend.
+            self.hold_blocks(
+                lease_id,
+                slot,
+                blocks,
+                0,
+                share.predicted.start_ms(),
+                now_ms,
+            );
         }
         let Some(share) = share else {
             // Retrying on the backend that just failed can open its breaker: the lease has
@@ -241,10 +249,21 @@ impl Pool {
         self.unshare(share, outcome.kind, lease_id, now_ms);
     }
 
-    /// Counts `blocks` as held on `slot` by lease `lease_id`.
-    pub(super) fn hold_blocks(&mut self, lease_id: LeaseId, slot: u32, blocks: Vec<u64>) {
+    /// Counts `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
+    /// cached there already, the rest computed at `ready_ms`.
+    pub(super) fn hold_blocks(
+        &mut self,
+        lease_id: LeaseId,
+        slot: u32,
+        blocks: Vec<u64>,
+        computed: usize,
+        ready_ms: u64,
+        now_ms: u64,
+    ) {
         if let Some(entry) = self.entry_mut(slot) {
-            entry.held.hold(lease_id, blocks);
+            entry
+                .held
+                .hold(lease_id, blocks, computed, ready_ms, now_ms);
         }
     }
 

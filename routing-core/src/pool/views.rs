@@ -69,6 +69,10 @@ pub struct Grant {
     pub cached_blocks: u32,
     /// When the lease expires unless released.
     pub deadline_ms: u64,
+    /// The time model's predicted time to first token on the chosen backend, in whole ms (the
+    /// Worker shows it as `x-gateway-predicted-ttft-ms`, to set against what was measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft_ms: Option<u32>,
 }
 
 /// One health probe's findings, as the Durable Object's alarm gathers them.

@@ -7,7 +7,10 @@
 //! up to a token budget from the queue; a step lasts `base + per_seq × decoding + per_token ×
 //! prefill tokens`. A request's uncached prompt is what its engine's prefix cache (an LRU over
 //! block hashes, as large as the KV cache) does not hold when its prefill starts. Running
-//! sequences hold KV blocks (shared prompt blocks once); a sequence is admitted only when its blocks
+//! sequences hold KV blocks; a prompt block is shared only once it is computed: blocks enter the
+//! prefix cache when their sequence's prefill completes, as in vllm-sim, so requests admitted
+//! together behind a prefix no one has computed yet each compute and hold their own copy (and
+//! the first to finish makes it shared for later ones). A sequence is admitted only when its blocks
 //! fit, and when generated tokens overflow the cache the newest running sequence is preempted and
 //! later recomputed, as vLLM does. The pool sees
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
@@ -53,6 +56,9 @@ pub struct Seq {
     arrival_ms: f64,
     ttft_ms: Option<f64>,
     uncached: u64,
+    /// The prompt blocks this sequence counts in its engine's shared `held` map; the rest of
+    /// `blocks` are its own copies.
+    shared: Vec<u64>,
 }
 
 impl Seq {
@@ -98,15 +104,23 @@ impl Engine {
 
     /// KV blocks the running sequences hold.
     fn used_blocks(&self) -> usize {
-        self.held.len() + self.running.iter().map(Seq::tail_blocks).sum::<usize>()
+        self.held.len()
+            + self
+                .running
+                .iter()
+                .map(|s| s.blocks.len() - s.shared.len() + s.tail_blocks())
+                .sum::<usize>()
     }
 
-    /// Blocks `s` would add to the running batch.
+    /// Blocks `s` would add to the running batch: its cached prefix's blocks no running sequence
+    /// holds, and its own copies of the rest.
     fn new_blocks(&self, s: &Seq) -> usize {
-        s.blocks
+        let hits = self.cache.hits(&s.blocks);
+        s.blocks[..hits]
             .iter()
             .filter(|b| !self.held.contains_key(b))
             .count()
+            + (s.blocks.len() - hits)
             + s.tail_blocks()
             + 1
     }
@@ -139,8 +153,9 @@ impl Engine {
                     a.arrival_ms.partial_cmp(&b.arrival_ms).unwrap()
                 })
                 .unwrap();
-            let s = self.running.swap_remove(newest);
-            self.unhold(&s.blocks);
+            let mut s = self.running.swap_remove(newest);
+            let shared = std::mem::take(&mut s.shared);
+            self.unhold(&shared);
             self.preempted += 1;
             self.waiting.push_front(s);
         }
@@ -154,7 +169,8 @@ impl Engine {
                 break;
             }
             let mut s = self.waiting.pop_front().unwrap();
-            let hits = (self.cache.hits(&s.blocks) as u64 * BLOCK).min(s.prompt.saturating_sub(1));
+            let hit_blocks = self.cache.hits(&s.blocks);
+            let hits = (hit_blocks as u64 * BLOCK).min(s.prompt.saturating_sub(1));
             // A preempted sequence recomputes what it had generated too.
             let first = !s.started;
             if first {
@@ -165,8 +181,10 @@ impl Engine {
                 s.uncached = s.prefill_left;
             }
             self.computed_tokens += s.prefill_left;
-            self.cache.prefill(&s.blocks);
-            self.hold(&s.blocks);
+            // The cached prefix is shared now; the rest is this sequence's own until computed.
+            self.cache.prefill(&s.blocks[..hit_blocks]);
+            s.shared = s.blocks[..hit_blocks].to_vec();
+            self.hold(&s.blocks[..hit_blocks]);
             s.started = true;
             self.running.push(s);
         }
@@ -197,8 +215,22 @@ impl Engine {
 
     /// Applies the step that ends at `now`; returns finished sequences.
     fn finish_step(&mut self, now: f64) -> Vec<Seq> {
-        for &(i, take) in &self.in_step {
+        for k in 0..self.in_step.len() {
+            let (i, take) = self.in_step[k];
             self.running[i].prefill_left -= take;
+            if self.running[i].prefill_left == 0 {
+                // Computed: its blocks enter the prefix cache, and those no one else holds
+                // become shared (a copy computed alongside another's stays its own).
+                let blocks = self.running[i].blocks.clone();
+                self.cache.prefill(&blocks);
+                let from = self.running[i].shared.len();
+                for &b in &blocks[from..] {
+                    if let std::collections::hash_map::Entry::Vacant(e) = self.held.entry(b) {
+                        e.insert(1);
+                        self.running[i].shared.push(b);
+                    }
+                }
+            }
         }
         for s in self.running.iter_mut() {
             if s.prefill_left > 0 {
@@ -218,7 +250,7 @@ impl Engine {
                 && self.running[i].produced >= self.running[i].output
             {
                 let s = self.running.swap_remove(i);
-                self.unhold(&s.blocks);
+                self.unhold(&s.shared);
                 done.push(s);
             } else {
                 i += 1;
@@ -593,6 +625,7 @@ pub fn simulate(
                     arrival_ms: now,
                     ttft_ms: None,
                     uncached: 0,
+                    shared: Vec::new(),
                 };
                 let delay = conditions.dispatch_jitter_ms * drng.unit();
                 if delay > 0.0 {

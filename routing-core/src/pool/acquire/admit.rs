@@ -32,7 +32,7 @@ impl Pool {
         let output_tokens = features.max_tokens;
         let scratch = &self.scratch;
         let chosen = scratch.primary[scratch.order[0]];
-        let cached_tokens = (u64::from(chosen.cached_blocks) * block_tokens as u64)
+        let cached_tokens = (u64::from(chosen.computed_blocks) * block_tokens as u64)
             .min(u64::from(features.prompt_tokens));
         let uncached = u64::from(features.prompt_tokens) - cached_tokens;
         self.mean_uncached_tokens += (uncached as f64 - self.mean_uncached_tokens) * 0.05;

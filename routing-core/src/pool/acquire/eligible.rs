@@ -67,10 +67,28 @@ impl Pool {
             let backend_capacity = entry.capacity();
             let capacity = backend_capacity.capacity_tokens();
             let cached_blocks = scratch.lengths.get(slot).copied().unwrap_or(0);
+            // Blocks a running request recorded but has not computed yet are no hit: a request
+            // admitted meanwhile computes them again. Blocks past what running requests hold were
+            // computed by earlier ones.
+            let computed_blocks = if (entry
+                .held
+                .held_prefix(&features.block_hashes, cached_blocks as usize)
+                as u32)
+                < cached_blocks
+            {
+                cached_blocks
+            } else {
+                entry
+                    .held
+                    .computed_prefix(&features.block_hashes, cached_blocks as usize, now_ms)
+                    as u32
+            };
             let cached_tokens = (u64::from(cached_blocks) * block_tokens as u64)
                 .min(u64::from(features.prompt_tokens));
-            let mut uncached = u64::from(features.prompt_tokens) - cached_tokens;
-            if cached_blocks > 0 && cached_blocks == longest {
+            let computed_tokens = (u64::from(computed_blocks) * block_tokens as u64)
+                .min(u64::from(features.prompt_tokens));
+            let mut uncached = u64::from(features.prompt_tokens) - computed_tokens;
+            if computed_blocks > 0 && computed_blocks == longest {
                 uncached = uncached.saturating_sub(answer_credit).max(1);
             }
             if let Some(headroom) = headroom {
@@ -110,7 +128,7 @@ impl Pool {
                 .map_or(0, |u| (u.clamp(0.0, 1.0) * capacity as f64) as u64);
             // Prompt memory: the distinct blocks this coordinator's leases hold, or their
             // uncached tokens (with the siblings'), whichever is more.
-            let held_tokens = entry.held.distinct() as u64 * block_tokens as u64;
+            let held_tokens = entry.held.in_use() as u64 * block_tokens as u64;
             let prompt_memory = held_tokens
                 .saturating_add(entry.remote.prompt_tokens)
                 .max(in_flight.prompt_tokens);
@@ -120,10 +138,11 @@ impl Pool {
                 // Memory for the prompt is needed wherever it is cached, except for the blocks
                 // running requests hold already.
                 (u64::from(features.prompt_tokens).saturating_sub(
-                    entry
-                        .held
-                        .held_prefix(&features.block_hashes, cached_blocks as usize)
-                        as u64
+                    entry.held.computed_prefix(
+                        &features.block_hashes,
+                        computed_blocks as usize,
+                        now_ms,
+                    ) as u64
                         * block_tokens as u64,
                 )) + expected_output as u64,
                 capacity,
@@ -145,6 +164,7 @@ impl Pool {
                     / capacity.max(1) as f64,
                 benefit: cache_benefit(cached_tokens, capacity),
                 cached_blocks,
+                computed_blocks,
                 ttft_ms: predicted.ttft_ms,
                 decode_ms: predicted.decode_ms,
                 harm_ms: predicted.harm_ms,

@@ -32,6 +32,7 @@ impl Pool {
             }
         };
         let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
+        let primary_ready_ms = primary.predicted.start_ms();
         let lease = Lease {
             id: lease_id,
             request_id: features.request_id.clone(),
@@ -58,7 +59,14 @@ impl Pool {
         let candidates = views(&scratch.primary, &scratch.order, &self.slots);
         let decode_candidates = views(&scratch.decode, &scratch.decode_order, &self.slots);
         self.affinity.record(chosen.slot, &features.block_hashes);
-        self.hold_blocks(lease_id, chosen.slot, features.block_hashes.clone());
+        self.hold_blocks(
+            lease_id,
+            chosen.slot,
+            features.block_hashes.clone(),
+            chosen.computed_blocks as usize,
+            primary_ready_ms,
+            now_ms,
+        );
         self.stats.record_decision(self.config.policy, decision);
         self.stats.prompt_blocks += features.block_hashes.len() as u64;
         self.stats.cached_blocks += u64::from(chosen.cached_blocks);
@@ -71,6 +79,10 @@ impl Pool {
             decision: Some(decision),
             cached_blocks: chosen.cached_blocks,
             deadline_ms,
+            predicted_ttft_ms: chosen
+                .ttft_ms
+                .is_finite()
+                .then(|| chosen.ttft_ms.round().clamp(0.0, f64::from(u32::MAX)) as u32),
         }
     }
 }

@@ -150,3 +150,51 @@ fn a_backend_busy_with_other_clients_is_avoided() {
         assert!(pool.release(g.lease_id, &Outcome::from_status(200), 3));
     }
 }
+
+/// A prefix recorded by a request whose prefill has not started is no hit yet: a request the
+/// engine admits beside it (queued with it, or arriving within the same engine step) computes
+/// the prefix again. Once the first request's prefill is under way, later ones find it cached.
+#[test]
+fn a_prefix_still_queued_is_no_hit_yet() {
+    let prefix = "the group prompt, ".repeat(150);
+    let other = "an unrelated prompt ".repeat(135);
+    // Predicted TTFT of a request behind `prefix` sent at `at` ms, after `first` (at 0) on one
+    // backend, optionally behind a queue of cold prompts granted first.
+    let predicted = |first: &str, queued: bool, at: u64| {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+        let mut rng = SplitMix64::new(5);
+        if queued {
+            for i in 0..4 {
+                let cold = format!("{i} cold filler ").repeat(400);
+                pool.acquire(&features(&cold), 0, &mut rng).unwrap();
+            }
+        }
+        let a = pool.acquire(&features(first), 0, &mut rng).unwrap();
+        let b = pool
+            .acquire(&features(&format!("{prefix} and a question")), at, &mut rng)
+            .unwrap();
+        (
+            a.cached_blocks,
+            b.cached_blocks,
+            b.predicted_ttft_ms.unwrap(),
+        )
+    };
+    // Behind a queue: the prefix's first request has not started, so the second computes it as
+    // if it had never been seen (the table still says it is there).
+    let (_, cached, behind_queue) = predicted(&prefix, true, 1);
+    assert!(cached > 30, "{cached}");
+    let (_, _, unseen) = predicted(&other, true, 1);
+    assert!(
+        behind_queue.abs_diff(unseen) <= 1,
+        "{behind_queue} vs {unseen}"
+    );
+    // Within the engine step the first one arrives in, the second is admitted beside it.
+    let (_, _, same_step) = predicted(&prefix, false, 1);
+    let (_, _, unseen_same_step) = predicted(&other, false, 1);
+    assert!(same_step.abs_diff(unseen_same_step) <= 1);
+    // No queue: the first request's prefill starts with the next step, so a second one sent
+    // after that shares it.
+    let (_, _, started) = predicted(&prefix, false, 40);
+    let (_, _, unseen_idle) = predicted(&other, false, 40);
+    assert!(started + 20 < unseen_idle, "{started} vs {unseen_idle}");
+}
