@@ -128,7 +128,7 @@ fn multi_turn_chat_on_time() {
             let mut rng = SplitMix64::new(1 + seed);
             Box::new(MultiTurn::new(32, 10, &mut rng))
         });
-        // Measured (6 seeds): 0.90x and 0.97x the best baseline's p99 (least load) with 2,048
+        // Measured (6 seeds): 0.90x and 0.91x the best baseline's p99 (least load) with 2,048
         // and 512 blocks; the floor is a cold system-prompt prefill, which no policy avoids on a user's
         // first turn.
         check("multi-turn", &r, 1.0);
@@ -142,7 +142,7 @@ fn shared_prefix_groups_on_time() {
             let mut rng = SplitMix64::new(2 + 10 * seed);
             Box::new(Groups::new(96, 32, 1_500, &mut rng))
         });
-        // Measured (6 seeds): 0.81x the best baseline's p99 (least load), 0.60x round robin's; 6% of the
+        // Measured (6 seeds): 0.78x the best baseline's p99 (least load), 0.58x round robin's; 6% of the
         // requests open a new group, whose cold prefill (about 130 ms) floors every policy's p99.
         check("shared-prefix", &r, 1.0);
         let (ours, rr) = (
@@ -274,7 +274,7 @@ fn chat_beyond_memory() {
 }
 
 /// Shared-prefix groups arriving open loop (Poisson) at about 75% and 90% of what the fleet serves
-/// closed loop: the default keeps the best tail (measured 0.93x and 0.91x the best baseline's TTFT
+/// closed loop: the default keeps the best tail (measured 0.93x and 0.90x the best baseline's TTFT
 /// p99; the floor is a new group's cold prefill) and the best median, hit rate and e2e.
 #[test]
 fn shared_prefix_groups_open_loop() {
@@ -295,12 +295,12 @@ fn shared_prefix_groups_open_loop() {
 /// 512 blocks. Before decode timing took out interleaved prefill (and at decode weight 0.6), chat
 /// piled first turns on the backends that held the system prompt and then moved half the
 /// conversations on their second turn: TTFT p99 1.68x the best baseline (195 against 116 ms).
-/// Measured now (6 seeds): chat 1.04x (the floor is the system prompt's cold prefill on every
-/// backend, which a balanced placement pays 8 times in 320 requests: over 1%), prefix groups 0.39x.
+/// Measured now (6 seeds): chat 1.06x (the floor is the system prompt's cold prefill on every
+/// backend, which a balanced placement pays 8 times in 320 requests: over 1%), prefix groups 0.33x.
 /// The engines share a prefix only once it is computed, as vllm-sim does: the pool treating a
 /// prefix recorded by a request still queued as a hit took prefix groups from 0.46x (engines
 /// that shared at admission) to 0.87x, and counting it as computed only once that request's
-/// prefill has started brought it to 0.39x.
+/// prefill is under way (one engine step after its predicted start) brought it to 0.33x.
 #[test]
 fn bench_shapes_closed_64() {
     let closed = Conditions {
