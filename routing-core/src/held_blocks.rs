@@ -98,6 +98,25 @@ impl HeldBlocks {
         self.shared(blocks, limit.min(blocks.len()), Some(now_ms))
     }
 
+    /// Both at once, in one pass over the held prompts: `(held_prefix, computed_prefix)`.
+    pub fn prefixes(&self, blocks: &[u64], limit: usize, now_ms: u64) -> (usize, usize) {
+        let limit = limit.min(blocks.len());
+        let (mut held, mut computed) = (0, 0);
+        for h in &self.prompts {
+            if computed == limit {
+                break;
+            }
+            let common = common_prefix(&blocks[..limit], &h.blocks);
+            held = held.max(common);
+            computed = computed.max(if h.ready_ms > now_ms {
+                common.min(h.computed)
+            } else {
+                common
+            });
+        }
+        (held.max(computed), computed)
+    }
+
     /// Distinct blocks held, counting a shared prefix once.
     pub fn distinct(&self) -> usize {
         self.distinct
@@ -221,6 +240,8 @@ mod tests {
             "lease 2's copy is not done"
         );
         assert_eq!(h.computed_prefix(&[1, 2, 3, 6], 4, 160), 3);
+        assert_eq!(h.prefixes(&[1, 2, 3, 6], 4, 140), (3, 2));
+        assert_eq!(h.prefixes(&[1, 2, 3, 6], 1, 140), (1, 1));
         h.release(2);
         h.release(4);
         assert_eq!((h.distinct(), h.in_use()), (0, 0));
@@ -286,6 +307,7 @@ mod tests {
                 for limit in [0, shared, blocks.len()] {
                     let expected = counts.held_prefix(&blocks, limit);
                     prop_assert_eq!(h.held_prefix(&blocks, limit), expected);
+                    prop_assert_eq!(h.prefixes(&blocks, limit, 0), (expected, expected));
                 }
             }
         }

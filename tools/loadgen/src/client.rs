@@ -156,11 +156,16 @@ impl Http {
             req = req.header(k.as_str(), v.as_str());
         }
         let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
-        let resp = self
-            .inner
-            .request(req)
-            .await
-            .map_err(|e| format!("request failed: {e}"))?;
+        let resp = self.inner.request(req).await.map_err(|e| {
+            // hyper-util's error says only its kind (`SendRequest`); its sources say why.
+            let mut text = format!("request failed: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                text.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            text
+        })?;
         out.status = resp.status().as_u16();
         let header = |name: &str| {
             resp.headers()

@@ -70,18 +70,14 @@ impl Pool {
             // Blocks a running request recorded but has not computed yet are no hit: a request
             // admitted meanwhile computes them again. Blocks past what running requests hold were
             // computed by earlier ones.
-            let computed_blocks = if (entry
-                .held
-                .held_prefix(&features.block_hashes, cached_blocks as usize)
-                as u32)
-                < cached_blocks
-            {
-                cached_blocks
-            } else {
+            let (held_blocks, computed_held) =
                 entry
                     .held
-                    .computed_prefix(&features.block_hashes, cached_blocks as usize, now_ms)
-                    as u32
+                    .prefixes(&features.block_hashes, cached_blocks as usize, now_ms);
+            let computed_blocks = if (held_blocks as u32) < cached_blocks {
+                cached_blocks
+            } else {
+                computed_held as u32
             };
             let cached_tokens = (u64::from(cached_blocks) * block_tokens as u64)
                 .min(u64::from(features.prompt_tokens));
@@ -137,14 +133,9 @@ impl Pool {
                     .max(scraped_tokens),
                 // Memory for the prompt is needed wherever it is cached, except for the blocks
                 // running requests hold already.
-                (u64::from(features.prompt_tokens).saturating_sub(
-                    entry.held.computed_prefix(
-                        &features.block_hashes,
-                        computed_blocks as usize,
-                        now_ms,
-                    ) as u64
-                        * block_tokens as u64,
-                )) + expected_output as u64,
+                (u64::from(features.prompt_tokens)
+                    .saturating_sub(computed_held as u64 * block_tokens as u64))
+                    + expected_output as u64,
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,

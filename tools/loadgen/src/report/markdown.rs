@@ -10,8 +10,12 @@ use crate::driver::Load;
 use std::fmt::Write as _;
 
 /// Target labels and the column headings of the targets table.
-const TAIL_COLUMNS: [(&str, &str); 6] = [
+const TAIL_COLUMNS: [(&str, &str); 7] = [
     ("ttft_p99_vs_best", "TTFT p99 / best baseline"),
+    (
+        "engine_ttft_p99_vs_best",
+        "engine-side TTFT p99 / best baseline",
+    ),
     ("ttft_p99_vs_round_robin", "TTFT p99 / round_robin"),
     ("e2e_p50_vs_best", "E2E p50 / best baseline"),
     ("throughput_vs_best", "req/s / best baseline"),
