@@ -70,8 +70,22 @@ for i in "${!SIM_PORTS[@]}"; do
     *) echo "dev: registering sim-$((i + 1)) failed with HTTP $code" >&2 ;;
   esac
 done
-# Fire the cron trigger once so the pools probe their backends now rather than within a minute.
+# Fire the cron trigger once so the pools probe their backends now rather than within a minute,
+# and wait until each is ready (probed healthy, models listed): a request sent before that gets
+# 404 model_not_found, so the instructions below would fail if printed earlier.
 curl -fsS "$GATEWAY/__scheduled?cron=*+*+*+*+*" >/dev/null || true
+for i in "${!SIM_PORTS[@]}"; do
+  ready=""
+  for _ in $(seq 1 60); do
+    if curl -fsS "$GATEWAY/admin/backends/sim-$((i + 1))" -H "authorization: Bearer $ADMIN_TOKEN" 2>/dev/null |
+      grep -q '"lifecycle":"ready"'; then
+      ready=1
+      break
+    fi
+    sleep 0.5
+  done
+  [ -n "$ready" ] || echo "dev: sim-$((i + 1)) is not ready yet (see .wrangler/sim-${SIM_PORTS[$i]}.log)" >&2
+done
 
 cat <<EOF
 

@@ -123,8 +123,16 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             require_reachable_url(env, &reg.url)?;
             let body = Some(encode(&reg)?);
             let shards = shard_count(env, &pool).await?;
-            let resp = to_every_shard(env, &pool, shards, &Route::RegisterBackend, body).await?;
-            if !list_pools(env).await?.iter().any(|p| p.name == pool) {
+            let resp = to_every_shard(env, &pool, shards, &Route::RegisterBackend, body).await;
+            // The directory lists the pool once it holds a backend. A 409 says it already does:
+            // list it too, so a directory that lost the pool (local state kept across the v3
+            // rename of its class: under wrangler dev the renamed class started empty) finds its
+            // backends again.
+            let holds_backends = match &resp {
+                Ok(_) => true,
+                Err(e) => e.status == 409,
+            };
+            if holds_backends && !list_pools(env).await?.iter().any(|p| p.name == pool) {
                 remember_pool(
                     env,
                     &PoolEntry {
@@ -137,7 +145,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                 )
                 .await?;
             }
-            Ok(resp)
+            resp
         }
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();

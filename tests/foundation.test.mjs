@@ -3,6 +3,8 @@
 // completion that reaches the client before the backend has finished (no buffering).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
+import { readdirSync, rmSync } from "node:fs";
+import path from "node:path";
 import { startGateway, startSseServer, tempDir, waitFor, waitReady, errorBody, ADMIN_TOKEN } from "./lib/harness.mjs";
 
 let gw, sse, persist;
@@ -152,4 +154,24 @@ test("the registry survives a restart of the gateway", async () => {
   const list = await (await gw.admin("/admin/backends")).json();
   assert.equal(list.data.length, 1);
   assert.equal(list.data[0].url, sse.url);
+});
+
+test("a directory that lost its pools finds them again when a backend is registered anew", async () => {
+  // Local state kept across a rename of the directory's class starts the directory empty while
+  // the pools keep their backends: the listing is empty, and registering answers 409.
+  const before = (await (await gw.admin("/admin/backends")).json()).data[0];
+  await gw.close();
+  const dirs = readdirSync(persist.dir).filter((d) => d.includes("GatewayDirectory"));
+  assert.equal(dirs.length, 1, `persisted objects: ${readdirSync(persist.dir)}`);
+  rmSync(path.join(persist.dir, dirs[0]), { recursive: true, force: true });
+  gw = await startGateway({ persistDir: persist.dir });
+  assert.deepEqual((await (await gw.admin("/admin/backends")).json()).data, []);
+  const again = await gw.admin("/admin/backends", {
+    method: "POST",
+    body: { id: before.id, url: before.url, models: before.models, pool: before.pool },
+  });
+  assert.equal(again.status, 409, await again.text());
+  const list = (await (await gw.admin("/admin/backends")).json()).data;
+  assert.deepEqual(list.map((b) => [b.id, b.url]), [[before.id, sse.url]]);
+  assert.equal((await gw.admin(`/admin/backends/${before.id}`)).status, 200);
 });
