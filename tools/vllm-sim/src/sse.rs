@@ -599,34 +599,30 @@ mod tests {
         );
     }
 
+    /// A chat encoder that sends the usage chunk.
+    fn usage_encoder() -> ChunkEncoder {
+        ChunkEncoder::new(
+            Endpoint::Chat,
+            "c".into(),
+            0,
+            "m".into(),
+            true,
+            false,
+            5,
+            None,
+        )
+    }
+
     #[test]
     fn usage_chunk_reports_cached_tokens_unless_details_are_off() {
         let mut f = finish(" cat");
         f.cached_tokens = 3;
-        let mut enc = ChunkEncoder::new(
-            Endpoint::Chat,
-            "c".into(),
-            0,
-            "m".into(),
-            true,
-            false,
-            5,
-            None,
-        );
+        let mut enc = usage_encoder();
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
         let usage = events(&out).pop().unwrap()["usage"].clone();
         assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 3);
-        let mut enc = ChunkEncoder::new(
-            Endpoint::Chat,
-            "c".into(),
-            0,
-            "m".into(),
-            true,
-            false,
-            5,
-            None,
-        );
+        let mut enc = usage_encoder();
         enc.prompt_tokens_details = false;
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
@@ -637,16 +633,7 @@ mod tests {
     fn usage_chunk_carries_the_engine_ttft_only_when_asked() {
         let mut f = finish(" cat");
         f.engine_ttft_ms = Some(42.5);
-        let mut enc = ChunkEncoder::new(
-            Endpoint::Chat,
-            "c".into(),
-            0,
-            "m".into(),
-            true,
-            false,
-            5,
-            None,
-        );
+        let mut enc = usage_encoder();
         let mut out = Vec::new();
         enc.finish(&mut out, &f);
         assert!(events(&out).pop().unwrap()["usage"]
