@@ -19,7 +19,7 @@
 //! prefix is still waiting for or running its prefill each compute, and hold, their own copy. Each
 //! held prompt therefore also carries how much of it was computed when it started (its cache hit)
 //! and when its prefill should be done (the time model's predicted first token); before then,
-//! only that computed part is shared with later requests ([`HeldBlocks::computed_prefix`]), and a
+//! only that computed part is shared with later requests ([`HeldBlocks::prefixes`]), and a
 //! request starting meanwhile counts the rest of what it shares as copies of its own
 //! ([`HeldBlocks::in_use`]).
 
@@ -86,19 +86,10 @@ impl HeldBlocks {
         Some(held.blocks)
     }
 
-    /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold.
-    pub fn held_prefix(&self, blocks: &[u64], limit: usize) -> usize {
-        self.shared(blocks, limit.min(blocks.len()), None)
-    }
-
-    /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold and
-    /// have computed by `now_ms`, as far as the gateway can tell: a prompt's whole chain once its
-    /// prefill should be done, before that only what was cached when it started.
-    pub fn computed_prefix(&self, blocks: &[u64], limit: usize, now_ms: u64) -> usize {
-        self.shared(blocks, limit.min(blocks.len()), Some(now_ms))
-    }
-
-    /// Both at once, in one pass over the held prompts: `(held_prefix, computed_prefix)`.
+    /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold, and
+    /// how many of those they have computed by `now_ms` as far as the gateway can tell (a
+    /// prompt's whole chain once its prefill should be under way, before that only what was
+    /// cached when it started), in one pass over the held prompts.
     pub fn prefixes(&self, blocks: &[u64], limit: usize, now_ms: u64) -> (usize, usize) {
         let limit = limit.min(blocks.len());
         let (mut held, mut computed) = (0, 0);
@@ -186,9 +177,9 @@ mod tests {
         assert_eq!(h.distinct(), 5);
         assert_eq!(h.release(1), Some(vec![1, 2, 3]));
         assert_eq!(h.distinct(), 4);
-        assert_eq!(h.held_prefix(&[1, 2, 4, 7, 8], 5), 3);
-        assert_eq!(h.held_prefix(&[1, 2, 4, 7, 8], 2), 2);
-        assert_eq!(h.held_prefix(&[6, 7], 2), 0);
+        assert_eq!(h.prefixes(&[1, 2, 4, 7, 8], 5, 0).0, 3);
+        assert_eq!(h.prefixes(&[1, 2, 4, 7, 8], 2, 0).0, 2);
+        assert_eq!(h.prefixes(&[6, 7], 2, 0).0, 0);
         assert_eq!(h.release(9), None);
         h.hold(3, vec![], 0, 0, 0);
         assert_eq!(h.release(2), Some(vec![1, 2, 4, 5]));
@@ -203,7 +194,7 @@ mod tests {
         h.hold(2, vec![1, 2, 3], 0, 0, 0);
         assert_eq!(h.distinct(), 3);
         h.release(1);
-        assert_eq!((h.distinct(), h.held_prefix(&[1, 2, 3, 4], 4)), (3, 3));
+        assert_eq!((h.distinct(), h.prefixes(&[1, 2, 3, 4], 4, 0).0), (3, 3));
         h.release(2);
         assert_eq!(h.distinct(), 0);
     }
@@ -215,8 +206,8 @@ mod tests {
         h.hold(1, vec![1, 2, 3], 0, 100, 0);
         assert_eq!(
             (
-                h.held_prefix(&[1, 2, 3, 9], 4),
-                h.computed_prefix(&[1, 2, 3, 9], 4, 50)
+                h.prefixes(&[1, 2, 3, 9], 4, 0).0,
+                h.prefixes(&[1, 2, 3, 9], 4, 50).1
             ),
             (3, 0)
         );
@@ -224,22 +215,22 @@ mod tests {
         h.hold(2, vec![1, 2, 3, 9], 0, 150, 50);
         assert_eq!((h.distinct(), h.in_use()), (4, 7));
         // One starting at 120 ms shares it.
-        assert_eq!(h.computed_prefix(&[1, 2, 3, 8], 4, 120), 3);
+        assert_eq!(h.prefixes(&[1, 2, 3, 8], 4, 120).1, 3);
         h.hold(3, vec![1, 2, 3, 8], 3, 130, 120);
         assert_eq!((h.distinct(), h.in_use()), (5, 8));
         // What was cached when a prompt started is shared at once: [1, 2] was a hit for lease 4,
         // its block 7 is shared only once its prefill is done.
         h.hold(4, vec![1, 2, 7], 2, 500, 130);
-        assert_eq!(h.computed_prefix(&[1, 2, 7, 6], 4, 140), 2);
-        assert_eq!(h.computed_prefix(&[1, 2, 7, 6], 4, 600), 3);
+        assert_eq!(h.prefixes(&[1, 2, 7, 6], 4, 140).1, 2);
+        assert_eq!(h.prefixes(&[1, 2, 7, 6], 4, 600).1, 3);
         assert_eq!(h.release(3), Some(vec![1, 2, 3, 8]));
         assert_eq!(h.release(1), Some(vec![1, 2, 3]));
         assert_eq!(
-            h.computed_prefix(&[1, 2, 3, 6], 4, 140),
+            h.prefixes(&[1, 2, 3, 6], 4, 140).1,
             2,
             "lease 2's copy is not done"
         );
-        assert_eq!(h.computed_prefix(&[1, 2, 3, 6], 4, 160), 3);
+        assert_eq!(h.prefixes(&[1, 2, 3, 6], 4, 160).1, 3);
         assert_eq!(h.prefixes(&[1, 2, 3, 6], 4, 140), (3, 2));
         assert_eq!(h.prefixes(&[1, 2, 3, 6], 1, 140), (1, 1));
         h.release(2);
@@ -306,7 +297,6 @@ mod tests {
                 prop_assert_eq!(h.distinct(), counts.distinct());
                 for limit in [0, shared, blocks.len()] {
                     let expected = counts.held_prefix(&blocks, limit);
-                    prop_assert_eq!(h.held_prefix(&blocks, limit), expected);
                     prop_assert_eq!(h.prefixes(&blocks, limit, 0), (expected, expected));
                 }
             }
