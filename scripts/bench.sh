@@ -44,16 +44,16 @@ trap stop_all EXIT INT TERM
 echo "bench: building the Worker (make build)"
 make --no-print-directory build >/dev/null
 
-# A snapshot of the built Worker with a config that has no build step.
 rm -rf "$TMP/worker" "$TMP/state"
-mkdir -p "$TMP/worker"
-cp -r build "$TMP/worker/build"
-awk '/^\[build\]/ { skip = 1; next } /^\[/ { skip = 0 } !skip' wrangler.toml >"$TMP/worker/wrangler.toml"
 TOKEN="bench-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 
 # The gateway: the built Worker in one workerd through Miniflare (bench/gateway-server.mjs), or with
 # BENCH_GATEWAY=wrangler under `wrangler dev` (which adds its proxy worker's hop to every request).
 if [ "${BENCH_GATEWAY:-workerd}" = wrangler ]; then
+  # A snapshot of the built Worker with a config that has no build step.
+  mkdir -p "$TMP/worker"
+  cp -r build "$TMP/worker/build"
+  awk '/^\[build\]/ { skip = 1; next } /^\[/ { skip = 0 } !skip' wrangler.toml >"$TMP/worker/wrangler.toml"
   setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
     --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
     --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &

@@ -18,7 +18,8 @@
 //! block's tokens have been computed, so requests admitted while the first request behind a new
 //! prefix is still waiting for or running its prefill each compute, and hold, their own copy. Each
 //! held prompt therefore also carries how much of it was computed when it started (its cache hit)
-//! and when its prefill should be done (the time model's predicted first token); before then,
+//! and from when later requests find the rest computed (its prefill under way, as the time model
+//! predicts it: [`crate::time_model::SharePrediction::start_ms`]); before then,
 //! only that computed part is shared with later requests ([`HeldBlocks::prefixes`]), and a
 //! request starting meanwhile counts the rest of what it shares as copies of its own
 //! ([`HeldBlocks::in_use`]).
@@ -32,7 +33,7 @@ struct Held {
     blocks: Vec<u64>,
     /// Leading blocks already computed when it started (its cache hit there).
     computed: usize,
-    /// When all of its blocks should be computed (pool time, ms).
+    /// From when a request admitted after it finds all of its blocks computed (pool time, ms).
     ready_ms: u64,
     /// Blocks it shares with prompts held before it but holds as its own copy, since they were
     /// not computed yet when it started.
@@ -49,7 +50,7 @@ pub struct HeldBlocks {
 
 impl HeldBlocks {
     /// Lease `lease` started holding the chain `blocks`, of which the first `computed` were
-    /// computed already; its prefill should be done at `ready_ms`.
+    /// computed already; requests admitted from `ready_ms` on find the rest computed too.
     pub fn hold(
         &mut self,
         lease: LeaseId,
@@ -58,10 +59,8 @@ impl HeldBlocks {
         ready_ms: u64,
         now_ms: u64,
     ) {
-        let shared = self.shared(&blocks, blocks.len(), None);
-        let really = self
-            .shared(&blocks, blocks.len(), Some(now_ms))
-            .max(computed.min(blocks.len()));
+        let (shared, computed_shared) = self.prefixes(&blocks, blocks.len(), now_ms);
+        let really = computed_shared.max(computed.min(blocks.len()));
         let copies = shared.saturating_sub(really);
         self.distinct += blocks.len() - shared;
         self.copies += copies;
@@ -81,7 +80,7 @@ impl HeldBlocks {
         // Saturating: only a list that is not a chain could make the counts disagree.
         self.distinct = self
             .distinct
-            .saturating_sub(held.blocks.len() - self.shared(&held.blocks, held.blocks.len(), None));
+            .saturating_sub(held.blocks.len() - self.held_prefix(&held.blocks));
         self.copies = self.copies.saturating_sub(held.copies);
         Some(held.blocks)
     }
@@ -124,23 +123,9 @@ impl HeldBlocks {
         self.prompts.iter().map(|h| (h.lease, h.blocks.as_slice()))
     }
 
-    /// The longest prefix of `blocks`, up to `limit`, that a held prompt shares; with `now_ms`,
-    /// only the part of each prompt computed by then.
-    fn shared(&self, blocks: &[u64], limit: usize, now_ms: Option<u64>) -> usize {
-        let mut longest = 0;
-        for held in &self.prompts {
-            if longest == limit {
-                break;
-            }
-            let mut common = common_prefix(&blocks[..limit], &held.blocks);
-            if let Some(now) = now_ms {
-                if held.ready_ms > now {
-                    common = common.min(held.computed);
-                }
-            }
-            longest = longest.max(common);
-        }
-        longest
+    /// The longest prefix of the chain `blocks` that a held prompt shares, computed or not.
+    fn held_prefix(&self, blocks: &[u64]) -> usize {
+        self.prefixes(blocks, blocks.len(), u64::MAX).0
     }
 }
 

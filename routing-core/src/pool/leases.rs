@@ -250,7 +250,7 @@ impl Pool {
     }
 
     /// Counts `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
-    /// cached there already, the rest computed at `ready_ms`.
+    /// cached there already, the rest found computed by requests admitted from `ready_ms` on.
     pub(super) fn hold_blocks(
         &mut self,
         lease_id: LeaseId,

@@ -117,14 +117,9 @@ pub async fn run_one(
     );
     // Each request's engine-side figure when (nearly) every answer carried one; else the
     // backends' histograms.
-    let ok = records.iter().filter(|r| r.error.is_none()).count();
-    let engine = Summary::of(
-        records
-            .iter()
-            .filter(|r| r.error.is_none())
-            .filter_map(|r| r.engine_ttft_ms),
-    );
-    report.backend_ttft_ms = Some(if ok > 0 && engine.count * 100 >= ok * 99 {
+    let ok: Vec<&crate::driver::Record> = records.iter().filter(|r| r.error.is_none()).collect();
+    let engine = Summary::of(ok.iter().filter_map(|r| r.engine_ttft_ms));
+    report.backend_ttft_ms = Some(if !ok.is_empty() && engine.count * 100 >= ok.len() * 99 {
         report::Quantiles {
             p50: engine.p50,
             p90: engine.p90,
