@@ -9,10 +9,12 @@
 //! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
 //! exactly as long as its request. When the request ends it releases the lease with the outcome,
 //! writes the access log line, and settles the client's token reservation with the backend's
-//! reported usage. Nothing on the response path waits for any of this.
+//! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
+//! what the client received. Nothing on the response path waits for any of this.
 
 use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
+use crate::relay::Metered;
 use crate::ApiError;
 use coordinator_protocol::messages::{
     PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
@@ -48,6 +50,8 @@ struct Record {
     resumed_from: Vec<String>,
     /// Wakes the task (the request ended, or its prefill stage did); taken when called.
     wake: Option<js_sys::Function>,
+    /// What the client received of a streamed answer, once it started streaming.
+    meter: Option<Box<dyn Fn() -> Metered>>,
 }
 
 impl Record {
@@ -121,6 +125,7 @@ impl LeaseGuard {
             prefill: None,
             resumed_from: Vec::new(),
             wake: Some(wake),
+            meter: None,
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -176,6 +181,12 @@ impl LeaseGuard {
             r.prefill = Some((outcome, prefill_backend));
             r.wake();
         }
+    }
+
+    /// The answer started streaming: `meter` says what the client received, which is what it is
+    /// charged when no usage is reported (it hung up, or the stream broke before the usage).
+    pub fn meter(&self, meter: Box<dyn Fn() -> Metered>) {
+        self.shared.record.borrow_mut().meter = Some(meter);
     }
 
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
@@ -298,7 +309,9 @@ impl Task {
             crate::releases::release(&self.env, &self.pool, self.shard, req).await;
         }
         if let Some(reservation) = &self.reservation {
-            if let Some(actual) = used_tokens(&ending.outcome) {
+            let metered = self.record.borrow().meter.as_ref().map(|m| m());
+            let prompt_estimate = self.record.borrow().terms.prompt_tokens;
+            if let Some(actual) = used_tokens(&ending.outcome, metered, prompt_estimate) {
                 keys::settle(&self.env, reservation, actual).await;
             }
         }
@@ -357,12 +370,22 @@ impl Task {
     }
 }
 
-/// The tokens to settle a reservation with: what the backend reported; nothing for a request that
-/// failed before any answer; `None` (keep the estimate) when an answer started but its usage is
-/// unknown (the stream was cut before the usage event).
-fn used_tokens(outcome: &Outcome) -> Option<u64> {
-    match (outcome.prompt_tokens, outcome.completion_tokens) {
-        (Some(p), Some(c)) => Some(u64::from(p) + u64::from(c)),
+/// The tokens to settle a reservation with: what the backend reported; for a stream without
+/// that (the client hung up, or the stream broke before the usage event), what the client
+/// received (`metered`: its answer events, about a token each, plus the prompt's estimate, or
+/// the usage the stream reported so far); nothing for a request that failed before any answer;
+/// `None` (keep the estimate) for an answer whose usage is unknown otherwise.
+fn used_tokens(outcome: &Outcome, metered: Option<Metered>, prompt_estimate: u32) -> Option<u64> {
+    if let (Some(p), Some(c)) = (outcome.prompt_tokens, outcome.completion_tokens) {
+        return Some(u64::from(p) + u64::from(c));
+    }
+    match metered {
+        Some(Metered {
+            reported: Some(u), ..
+        }) => Some(u.total()),
+        Some(m) if m.answer_events > 0 => {
+            Some(u64::from(prompt_estimate) + u64::from(m.answer_events))
+        }
         _ if !outcome.status.is_some_and(|s| (200..300).contains(&s)) => Some(0),
         _ => None,
     }
