@@ -457,7 +457,11 @@ impl Relay {
                 if queued > 0.0 && since >= bound {
                     return;
                 }
-                let wait = if queued > 0.0 { bound - since } else { bound };
+                let wait = if queued > 0.0 {
+                    bound - since
+                } else {
+                    bound / 2
+                };
                 Delay::from(Duration::from_millis(wait.max(10))).await;
             }
         });
@@ -501,7 +505,9 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
     let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
         let now = Date::now().as_millis();
-        let mut wait = idle_ms;
+        // The relay may fill at any moment: look again within half the slow-client bound, so a
+        // stalled client is cut off at most half a bound late.
+        let mut wait = idle_ms.min(slow_ms / 2);
         if let Some(full_since) = relay.full_since_ms() {
             let stalled = now.saturating_sub(full_since);
             if stalled >= slow_ms {
