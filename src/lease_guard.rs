@@ -7,7 +7,9 @@
 //! client hanging up (on the edge, the request's own work may never run again after a disconnect),
 //! reports the prefill stage of a disaggregated request as soon as it ends,
 //! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
-//! exactly as long as its request. When the request ends it releases the lease with the outcome,
+//! exactly as long as its request (every 20 s at most for its first five minutes, then at a third
+//! of what the pool's deadline leaves, up to ten minutes: each renewal is a subrequest, and a
+//! pool with a long `lease_ttl_ms` keeps an hours-long stream's count low). When the request ends it releases the lease with the outcome,
 //! writes the access log line, and settles the client's token reservation with the backend's
 //! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
 //! what the client received. Nothing on the response path waits for any of this.
@@ -30,6 +32,12 @@ use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
 use worker::{AbortSignal, Context, Date, Delay, Env};
+
+/// After this long a request renews its lease at a third of what the pool's deadline leaves
+/// instead of at the grant's interval.
+const STEADY_AFTER_MS: u64 = 5 * 60_000;
+/// The longest time between two renewals, whatever the pool's lease TTL.
+const MAX_RENEW_EVERY: Duration = Duration::from_secs(10 * 60);
 
 /// How a request ended.
 struct Ending {
@@ -246,8 +254,9 @@ impl Task {
     async fn run(self, woken: js_sys::Promise, hung_up: js_sys::Promise) {
         let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
+        let mut renew_every = self.renew_every;
         loop {
-            let tick = Delay::from(self.renew_every);
+            let tick = Delay::from(renew_every);
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
                     if self.record.borrow().ending.is_some() {
@@ -271,7 +280,10 @@ impl Task {
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
                 }
-                Either::Right(_) => self.renew().await,
+                Either::Right(_) => {
+                    let deadline_ms = self.renew().await;
+                    renew_every = self.next_renewal(deadline_ms);
+                }
             }
         }
         // A prefill stage that ended in the same turn as the request is reported first.
@@ -344,8 +356,24 @@ impl Task {
         }
     }
 
-    /// Pushes the lease's deadline out; a pool that lost the lease counts it again.
-    async fn renew(&self) {
+    /// The time to the next renewal: `renew_every` for the first [`STEADY_AFTER_MS`] (most
+    /// requests end by then, and a pool that lost the lease counts it again soon), then a third of
+    /// what the pool's deadline leaves, so a long stream on a pool with a long `lease_ttl_ms`
+    /// makes few subrequests (each renewal is one).
+    fn next_renewal(&self, deadline_ms: Option<u64>) -> Duration {
+        let now = Date::now().as_millis();
+        match deadline_ms {
+            Some(deadline) if now.saturating_sub(self.started_ms) >= STEADY_AFTER_MS => {
+                let third = Duration::from_millis(deadline.saturating_sub(now) / 3);
+                third.clamp(self.renew_every, MAX_RENEW_EVERY)
+            }
+            _ => self.renew_every,
+        }
+    }
+
+    /// Pushes the lease's deadline out; a pool that lost the lease counts it again. Returns the
+    /// new deadline, when the pool answered.
+    async fn renew(&self) -> Option<u64> {
         let req = {
             let r = self.record.borrow();
             RenewRequest {
@@ -356,16 +384,23 @@ impl Task {
         let renewed =
             pool_json::<RenewAnswer>(&self.env, &self.pool, self.shard, &Route::Renew, Some(&req));
         match renewed.await {
-            Ok(a) if a.reestablished => worker::console_log!(
-                "{}",
-                serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
-            ),
-            Ok(_) => {}
-            Err(e) => worker::console_error!(
-                "renewing lease {} in pool {} failed: {e}",
-                req.lease_id,
-                self.pool
-            ),
+            Ok(a) => {
+                if a.reestablished {
+                    worker::console_log!(
+                        "{}",
+                        serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
+                    );
+                }
+                Some(a.deadline_ms)
+            }
+            Err(e) => {
+                worker::console_error!(
+                    "renewing lease {} in pool {} failed: {e}",
+                    req.lease_id,
+                    self.pool
+                );
+                None
+            }
         }
     }
 }
