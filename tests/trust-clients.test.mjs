@@ -189,7 +189,7 @@ test("a hang-up while waiting for the first byte, and one mid-stream, leave leas
   const fits = await waitFor(async () => {
     const again = await chat(limited, p.model, { key, max_tokens: 900 });
     return again.status === 200 ? again : null;
-  }, { timeoutMs: 4000, intervalMs: 300, what: "the reservations settled" });
+  }, { timeoutMs: 8000, intervalMs: 300, what: "the reservations settled" });
   assert.equal(fits.status, 200);
   await drained(limited, p.name);
 });
