@@ -12,7 +12,11 @@
 //! `data: [DONE]`) or idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first byte (the
 //! upstream is then aborted). Idle time counts only while the client keeps up: a client that stops
 //! reading holds up to [`QUEUED_CHUNKS`] chunks in the relay and the backend is not blamed for the
-//! pause. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
+//! pause; one that takes nothing for `SLOW_CLIENT_TIMEOUT_MS` while the relay is full is cut off
+//! (the upstream aborted, the client's side failed, nobody blamed). A stream whose scanner saw
+//! `data: [DONE]` is complete whatever the upstream socket does next (a reset after the end is
+//! not a failure). A complete stream is handed back at once, so its lease ends with the backend's
+//! work; [`Relay::drain`] then waits for the client to read what is queued. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
 //! or ended with [`Relay::fail`]: an SSE error event, always at an event boundary, and
 //! `data: [DONE]`.
 //!
