@@ -259,6 +259,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let keys: Vec<StoredKey> = directory_json(env, &Route::ListKeys, None::<&()>).await?;
             let data: Vec<KeyListing> = keys
                 .into_iter()
+                .filter(|k| !crate::keys::is_seal(k))
                 .map(|k| KeyListing {
                     id: k.id,
                     name: k.name,

@@ -2,11 +2,15 @@
 //!
 //! Keys come from two places: the `CLIENT_API_KEYS` secret (comma-separated, for a fixed set) and
 //! keys minted through the admin API, of which only a SHA-256 hash is stored (in the pool
-//! directory). When neither holds a key, the OpenAI surface is open (local development). A
-//! presented key is hashed and compared against every known hash in constant time. The set of
-//! minted keys (hashes, ids and admission priorities) is cached in the isolate and refreshed in
-//! the background every few seconds. Rate limits charge an estimate when a request is admitted and
-//! settle it with the backend's reported usage when it ends.
+//! directory). The OpenAI surface is open only while neither holds a key, no key was ever minted
+//! (the directory then lists a seal, an entry with no hash, once the last minted key is deleted)
+//! and `REQUIRE_CLIENT_KEYS` is off: local development. A presented key is hashed and compared
+//! against every known hash in constant time. The set of minted keys (hashes, ids and admission
+//! priorities) is cached in the isolate and refreshed in the background every few seconds; while
+//! the directory cannot be read the cached set is served for at most `KEY_LIST_MAX_STALE_MS`,
+//! after which keyed requests get a 503 (a revoked key must not keep working indefinitely). Rate
+//! limits charge an estimate when a request is admitted and settle it with the tokens the request
+//! really used when it ends.
 
 use crate::auth::{bearer, constant_time_eq};
 use crate::do_client::{stale_while_revalidate, CacheSlot};
@@ -16,13 +20,15 @@ use coordinator_protocol::Route;
 use routing_core::rate_limit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
-use worker::{Context, Env, Request};
+use worker::{Context, Date, Env, Request};
 
 /// How long minted-key hashes are cached in an isolate.
 const CACHE_MS: u64 = 5_000;
 
 thread_local! {
     static MINTED: RefCell<CacheSlot<Vec<StoredKey>>> = const { RefCell::new(CacheSlot::new()) };
+    /// When the directory last answered with the minted keys (ms since the epoch).
+    static MINTED_READ_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Hex SHA-256 of a key.
@@ -36,7 +42,32 @@ pub fn invalidate() {
 }
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
-    crate::do_client::directory_json(&env, &Route::ListKeys, None::<&()>).await
+    let keys = crate::do_client::directory_json(&env, &Route::ListKeys, None::<&()>).await?;
+    MINTED_READ_MS.with(|t| t.set(Date::now().as_millis()));
+    Ok(keys)
+}
+
+/// The answer when the minted keys cannot be read: the key cannot be checked, so the request is
+/// refused (never let through), and told to come back.
+fn key_list_unavailable(e: ApiError) -> ApiError {
+    worker::console_error!("reading the minted keys failed: {e}");
+    ApiError::unavailable(
+        "API keys cannot be checked right now (the key directory is unreachable); retry shortly.",
+        5,
+    )
+    .with_code("key_list_unavailable")
+}
+
+/// Whether a listed key is the directory's seal (keys were minted once; none is left): it has no
+/// hash, so no presented key matches it, and it keeps the surface closed.
+pub fn is_seal(key: &StoredKey) -> bool {
+    key.hash.is_empty()
+}
+
+/// Whether the cached list of minted keys, last read at `read_ms`, is too old to check keys
+/// against at `now_ms`.
+fn too_stale(read_ms: u64, now_ms: u64, max_stale_ms: u64) -> bool {
+    read_ms > 0 && now_ms.saturating_sub(read_ms) > max_stale_ms
 }
 
 async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
@@ -64,8 +95,19 @@ pub async fn identify(
 ) -> Result<Option<ClientKey>, ApiError> {
     let settings = crate::settings::settings(env);
     let configured = &settings.client_key_hashes;
-    let minted = minted_keys(env, ctx).await?;
-    if configured.is_empty() && minted.is_empty() {
+    let mut minted = minted_keys(env, ctx).await.map_err(key_list_unavailable)?;
+    let read_ms = MINTED_READ_MS.with(|t| t.get());
+    if too_stale(
+        read_ms,
+        Date::now().as_millis(),
+        settings.key_list_max_stale_ms,
+    ) {
+        // The copy is older than the bound (the isolate was idle, or the background refreshes
+        // fail): read the directory now, and refuse rather than trust the old copy if it fails.
+        invalidate();
+        minted = minted_keys(env, ctx).await.map_err(key_list_unavailable)?;
+    }
+    if !settings.require_client_keys && configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
     let Some(given) = bearer(req) else {
@@ -85,7 +127,7 @@ pub async fn identify(
             });
         }
     }
-    for k in &minted {
+    for k in minted.iter().filter(|k| !is_seal(k)) {
         if constant_time_eq(given.as_bytes(), k.hash.as_bytes()) {
             found = Some(ClientKey {
                 hash: given.clone(),

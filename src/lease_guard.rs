@@ -7,12 +7,16 @@
 //! client hanging up (on the edge, the request's own work may never run again after a disconnect),
 //! reports the prefill stage of a disaggregated request as soon as it ends,
 //! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
-//! exactly as long as its request. When the request ends it releases the lease with the outcome,
+//! exactly as long as its request (every 20 s at most for its first five minutes, then at a third
+//! of what the pool's deadline leaves, up to ten minutes: each renewal is a subrequest, and a
+//! pool with a long `lease_ttl_ms` keeps an hours-long stream's count low). When the request ends it releases the lease with the outcome,
 //! writes the access log line, and settles the client's token reservation with the backend's
-//! reported usage. Nothing on the response path waits for any of this.
+//! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
+//! what the client received. Nothing on the response path waits for any of this.
 
 use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
+use crate::relay::Metered;
 use crate::ApiError;
 use coordinator_protocol::messages::{
     PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
@@ -28,6 +32,12 @@ use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
 use worker::{AbortSignal, Context, Date, Delay, Env};
+
+/// After this long a request renews its lease at a third of what the pool's deadline leaves
+/// instead of at the grant's interval.
+const STEADY_AFTER_MS: u64 = 5 * 60_000;
+/// The longest time between two renewals, whatever the pool's lease TTL.
+const MAX_RENEW_EVERY: Duration = Duration::from_secs(10 * 60);
 
 /// How a request ended.
 struct Ending {
@@ -48,6 +58,8 @@ struct Record {
     resumed_from: Vec<String>,
     /// Wakes the task (the request ended, or its prefill stage did); taken when called.
     wake: Option<js_sys::Function>,
+    /// What the client received of a streamed answer, once it started streaming.
+    meter: Option<Box<dyn Fn() -> Metered>>,
 }
 
 impl Record {
@@ -121,6 +133,7 @@ impl LeaseGuard {
             prefill: None,
             resumed_from: Vec::new(),
             wake: Some(wake),
+            meter: None,
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -176,6 +189,12 @@ impl LeaseGuard {
             r.prefill = Some((outcome, prefill_backend));
             r.wake();
         }
+    }
+
+    /// The answer started streaming: `meter` says what the client received, which is what it is
+    /// charged when no usage is reported (it hung up, or the stream broke before the usage).
+    pub fn meter(&self, meter: Box<dyn Fn() -> Metered>) {
+        self.shared.record.borrow_mut().meter = Some(meter);
     }
 
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
@@ -235,8 +254,9 @@ impl Task {
     async fn run(self, woken: js_sys::Promise, hung_up: js_sys::Promise) {
         let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
+        let mut renew_every = self.renew_every;
         loop {
-            let tick = Delay::from(self.renew_every);
+            let tick = Delay::from(renew_every);
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
                     if self.record.borrow().ending.is_some() {
@@ -260,7 +280,10 @@ impl Task {
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
                 }
-                Either::Right(_) => self.renew().await,
+                Either::Right(_) => {
+                    let deadline_ms = self.renew().await;
+                    renew_every = self.next_renewal(deadline_ms);
+                }
             }
         }
         // A prefill stage that ended in the same turn as the request is reported first.
@@ -298,7 +321,9 @@ impl Task {
             crate::releases::release(&self.env, &self.pool, self.shard, req).await;
         }
         if let Some(reservation) = &self.reservation {
-            if let Some(actual) = used_tokens(&ending.outcome) {
+            let metered = self.record.borrow().meter.as_ref().map(|m| m());
+            let prompt_estimate = self.record.borrow().terms.prompt_tokens;
+            if let Some(actual) = used_tokens(&ending.outcome, metered, prompt_estimate) {
                 keys::settle(&self.env, reservation, actual).await;
             }
         }
@@ -331,8 +356,24 @@ impl Task {
         }
     }
 
-    /// Pushes the lease's deadline out; a pool that lost the lease counts it again.
-    async fn renew(&self) {
+    /// The time to the next renewal: `renew_every` for the first [`STEADY_AFTER_MS`] (most
+    /// requests end by then, and a pool that lost the lease counts it again soon), then a third of
+    /// what the pool's deadline leaves, so a long stream on a pool with a long `lease_ttl_ms`
+    /// makes few subrequests (each renewal is one).
+    fn next_renewal(&self, deadline_ms: Option<u64>) -> Duration {
+        let now = Date::now().as_millis();
+        match deadline_ms {
+            Some(deadline) if now.saturating_sub(self.started_ms) >= STEADY_AFTER_MS => {
+                let third = Duration::from_millis(deadline.saturating_sub(now) / 3);
+                third.clamp(self.renew_every, MAX_RENEW_EVERY)
+            }
+            _ => self.renew_every,
+        }
+    }
+
+    /// Pushes the lease's deadline out; a pool that lost the lease counts it again. Returns the
+    /// new deadline, when the pool answered.
+    async fn renew(&self) -> Option<u64> {
         let req = {
             let r = self.record.borrow();
             RenewRequest {
@@ -343,26 +384,43 @@ impl Task {
         let renewed =
             pool_json::<RenewAnswer>(&self.env, &self.pool, self.shard, &Route::Renew, Some(&req));
         match renewed.await {
-            Ok(a) if a.reestablished => worker::console_log!(
-                "{}",
-                serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
-            ),
-            Ok(_) => {}
-            Err(e) => worker::console_error!(
-                "renewing lease {} in pool {} failed: {e}",
-                req.lease_id,
-                self.pool
-            ),
+            Ok(a) => {
+                if a.reestablished {
+                    worker::console_log!(
+                        "{}",
+                        serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
+                    );
+                }
+                Some(a.deadline_ms)
+            }
+            Err(e) => {
+                worker::console_error!(
+                    "renewing lease {} in pool {} failed: {e}",
+                    req.lease_id,
+                    self.pool
+                );
+                None
+            }
         }
     }
 }
 
-/// The tokens to settle a reservation with: what the backend reported; nothing for a request that
-/// failed before any answer; `None` (keep the estimate) when an answer started but its usage is
-/// unknown (the stream was cut before the usage event).
-fn used_tokens(outcome: &Outcome) -> Option<u64> {
-    match (outcome.prompt_tokens, outcome.completion_tokens) {
-        (Some(p), Some(c)) => Some(u64::from(p) + u64::from(c)),
+/// The tokens to settle a reservation with: what the backend reported; for a stream without
+/// that (the client hung up, or the stream broke before the usage event), what the client
+/// received (`metered`: its answer events, about a token each, plus the prompt's estimate, or
+/// the usage the stream reported so far); nothing for a request that failed before any answer;
+/// `None` (keep the estimate) for an answer whose usage is unknown otherwise.
+fn used_tokens(outcome: &Outcome, metered: Option<Metered>, prompt_estimate: u32) -> Option<u64> {
+    if let (Some(p), Some(c)) = (outcome.prompt_tokens, outcome.completion_tokens) {
+        return Some(u64::from(p) + u64::from(c));
+    }
+    match metered {
+        Some(Metered {
+            reported: Some(u), ..
+        }) => Some(u.total()),
+        Some(m) if m.answer_events > 0 => {
+            Some(u64::from(prompt_estimate) + u64::from(m.answer_events))
+        }
         _ if !outcome.status.is_some_and(|s| (200..300).contains(&s)) => Some(0),
         _ => None,
     }

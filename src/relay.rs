@@ -12,7 +12,11 @@
 //! `data: [DONE]`) or idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first byte (the
 //! upstream is then aborted). Idle time counts only while the client keeps up: a client that stops
 //! reading holds up to [`QUEUED_CHUNKS`] chunks in the relay and the backend is not blamed for the
-//! pause. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
+//! pause; one that takes nothing for `SLOW_CLIENT_TIMEOUT_MS` while the relay is full is cut off
+//! (the upstream aborted, the client's side failed, nobody blamed). A stream whose scanner saw
+//! `data: [DONE]` is complete whatever the upstream socket does next (a reset after the end is
+//! not a failure). A complete stream is handed back at once, so its lease ends with the backend's
+//! work; [`Relay::drain`] then waits for the client to read what is queued. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
 //! or ended with [`Relay::fail`]: an SSE error event, always at an event boundary, and
 //! `data: [DONE]`.
 //!
@@ -43,9 +47,12 @@ const QUEUED_CHUNKS: u32 = 16;
 /// body into it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
 /// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
 /// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
-/// when the client's side fails (the upstream is then cancelled). It resolves when the upstream
-/// ends (with whether the client's side failed), and rejects when the upstream fails or is
-/// aborted (the client's side stays open).
+/// when the client's side fails (the upstream is then cancelled). `status.full_since` is when the
+/// relay last filled (0 while it is not full), `status.held` whether it ever did (the backend was
+/// then paused by the client), and `status.progress` when the client last took a chunk. It
+/// resolves when the upstream ends (with whether the client's side failed), and rejects when the
+/// upstream fails or is aborted (the client's side stays open). `relay_cut` fails the client's
+/// side (a client cut off for not reading).
 #[wasm_bindgen(inline_js = r#"
 export function relay_stream() {
   return typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
@@ -61,7 +68,15 @@ export function relay_pump(reader, writer, transform, status, first, limit) {
     const out = transform(chunk);
     if (out === undefined) return;
     status.queued += 1;
-    pending.push(writer.write(out).then(() => { status.queued -= 1; }, gone));
+    if (status.queued >= limit && !status.full_since) {
+      status.full_since = Date.now();
+      status.held = true;
+    }
+    pending.push(writer.write(out).then(() => {
+      status.queued -= 1;
+      status.full_since = 0;
+      status.progress = Date.now();
+    }, gone));
   };
   const run = async () => {
     if (first !== undefined) send(first);
@@ -77,6 +92,9 @@ export function relay_pump(reader, writer, transform, status, first, limit) {
   done.catch(() => {});
   return done;
 }
+export function relay_cut(writer) {
+  writer.abort(new Error("the client stopped reading")).catch(() => {});
+}
 "#)]
 extern "C" {
     fn relay_stream() -> web_sys::TransformStream;
@@ -88,6 +106,7 @@ extern "C" {
         first: &JsValue,
         limit: u32,
     ) -> js_sys::Promise;
+    fn relay_cut(writer: &web_sys::WritableStreamDefaultWriter);
 }
 
 type TransformFn = dyn FnMut(JsValue) -> JsValue;
@@ -101,6 +120,8 @@ struct State {
     partial: Option<Partial>,
     /// Rewrites a continuation's events into the client's stream.
     splice: Option<Splice>,
+    /// Answer events the earlier upstreams of a resumed stream passed (their scanners are gone).
+    answers_before: u32,
 }
 
 impl State {
@@ -165,6 +186,17 @@ pub struct Relay {
     state: Rc<RefCell<State>>,
     // The pump calls it until the stream ends; it lives as long as the relay.
     transform: Closure<TransformFn>,
+    /// `SLOW_CLIENT_TIMEOUT_MS`.
+    slow_client_timeout: Duration,
+}
+
+/// What the client received of a streamed answer so far, to charge it by.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Metered {
+    /// The usage the current upstream reported, if it did.
+    pub reported: Option<Usage>,
+    /// Answer events passed to the client (about one token each), every upstream included.
+    pub answer_events: u32,
 }
 
 impl Relay {
@@ -177,6 +209,7 @@ impl Relay {
             last_chunk_ms: Date::now().as_millis(),
             partial: None,
             splice: None,
+            answers_before: 0,
         }));
         let s = state.clone();
         let transform =
@@ -186,12 +219,16 @@ impl Relay {
         let status = js_sys::Object::new();
         js_sys::Reflect::set(&status, &"queued".into(), &0.into())?;
         js_sys::Reflect::set(&status, &"gone".into(), &false.into())?;
+        js_sys::Reflect::set(&status, &"full_since".into(), &0.into())?;
+        js_sys::Reflect::set(&status, &"held".into(), &false.into())?;
+        js_sys::Reflect::set(&status, &"progress".into(), &Date::now().as_millis().into())?;
         Ok(Relay {
             readable: stream.readable(),
             writer,
             status,
             state,
             transform,
+            slow_client_timeout: crate::settings::slow_client_timeout(),
         })
     }
 
@@ -222,10 +259,31 @@ impl Relay {
         self.state.borrow_mut().scanner.abandon()
     }
 
+    /// What the client received so far, read by the lease guard when it settles the request (a
+    /// client that hangs up mid-stream is charged what it got).
+    pub fn meter(&self) -> impl Fn() -> Metered + 'static {
+        // The state, not the relay: the guard may settle after the relay is gone.
+        let state = self.state.clone();
+        move || {
+            let st = state.borrow();
+            Metered {
+                reported: st.scanner.usage(),
+                answer_events: st.answers_before + st.scanner.answer_events(),
+            }
+        }
+    }
+
+    /// Whether the client held the stream up: it stopped reading until the relay filled, so the
+    /// backend was paused by backpressure.
+    pub fn held(&self) -> bool {
+        self.status("held").as_bool().unwrap_or(false)
+    }
+
     /// The next upstream is a continuation: its events are rewritten by `splice`, and it is read
     /// as a stream of its own (its own usage and `data: [DONE]`).
     pub fn splice(&self, splice: Splice) {
         let mut st = self.state.borrow_mut();
+        st.answers_before += st.scanner.answer_events();
         st.scanner = StreamScanner::new(st.strip_usage_event);
         st.splice = Some(splice);
     }
@@ -261,10 +319,14 @@ impl Relay {
 
 /// How one upstream body ended.
 pub enum Piped {
-    /// Whole, `data: [DONE]` included, and the client's side closed.
+    /// Whole, `data: [DONE]` included: the backend's work is done. The client may still be
+    /// reading what the relay queued; [`Relay::drain`] ends its side.
     Complete,
     /// The client went away.
     Cancelled,
+    /// The client stopped reading for longer than `SLOW_CLIENT_TIMEOUT_MS` while the relay was
+    /// full: the upstream was aborted and the client's side failed.
+    CutOff,
     /// The backend failed after the first byte; the client's side is still open.
     Failed(StreamFailure),
 }
@@ -293,10 +355,18 @@ pub struct Upstream {
     pub idle_timeout: Duration,
 }
 
+/// Why a watchdog fired.
+enum Watched {
+    /// The backend sent nothing for the idle timeout while the client kept up.
+    BackendIdle,
+    /// The client took nothing for the slow-client timeout while the relay was full.
+    ClientStalled,
+}
+
 impl Relay {
     /// Pipes one upstream body through the relay to the client and says how it ended. A complete
-    /// stream closes the client's side; a failed one leaves it open for a continuation or
-    /// [`Relay::fail`].
+    /// stream is handed to [`Relay::drain`]; a failed one leaves the client's side open for a
+    /// continuation or [`Relay::fail`].
     pub async fn pipe(&self, up: Upstream, client_signal: &AbortSignal) -> Piped {
         let first = up.first_chunk.clone().unwrap_or(JsValue::UNDEFINED);
         let pump = Box::pin(JsFuture::from(relay_pump(
@@ -307,7 +377,7 @@ impl Relay {
             &first,
             QUEUED_CHUNKS,
         )));
-        let watchdog = Box::pin(idle_watchdog(self, up.idle_timeout));
+        let watchdog = Box::pin(watchdog(self, up.idle_timeout));
         let backend = &up.backend;
         match select(pump, watchdog).await {
             Either::Left((pumped, _)) => match pumped {
@@ -328,8 +398,15 @@ impl Relay {
                         message: format!("The backend ({backend}) ended the stream early; the response is incomplete."),
                     })
                 }
-                Ok(_) if !close(self, None).await || client_signal.aborted() => Piped::Cancelled,
                 Ok(_) => Piped::Complete,
+                // The whole answer, `data: [DONE]` included, arrived before the connection was
+                // reset: what the socket does after the end changes nothing for the client.
+                Err(_) if self.state.borrow().scanner.complete() => {
+                    worker::console_log!(
+                        "stream from backend {backend} was reset after data: [DONE]; it is complete"
+                    );
+                    Piped::Complete
+                }
                 Err(e) => {
                     let reason = e
                         .as_string()
@@ -344,12 +421,16 @@ impl Relay {
                     })
                 }
             },
-            Either::Right(((), pump)) => {
+            Either::Right((watched, pump)) => {
                 up.abort.abort();
                 // The aborted upstream fails the pump's read, which then stops.
                 let _ = with_timeout(pump, Duration::from_secs(2)).await;
                 if client_signal.aborted() || self.client_gone() {
                     return Piped::Cancelled;
+                }
+                if let Watched::ClientStalled = watched {
+                    self.cut_off(backend);
+                    return Piped::CutOff;
                 }
                 let idle = up.idle_timeout.as_millis();
                 worker::console_error!("stream from backend {backend} idle for {idle} ms: aborted");
@@ -362,23 +443,88 @@ impl Relay {
         }
     }
 
+    /// Ends the client's side of a complete stream once the client has read what the relay
+    /// queued; a client that takes nothing for `SLOW_CLIENT_TIMEOUT_MS` meanwhile is cut off.
+    /// The lease is released before this (the backend's work is done). Returns whether the
+    /// client got it all.
+    pub async fn drain(&self) -> bool {
+        let closed = Box::pin(close(self, None));
+        let stalled = Box::pin(async {
+            let started = Date::now().as_millis();
+            let bound = self.slow_client_timeout.as_millis() as u64;
+            loop {
+                let queued = self.status("queued").as_f64().unwrap_or(0.0);
+                let progress = self.status("progress").as_f64().unwrap_or(0.0) as u64;
+                let since = Date::now()
+                    .as_millis()
+                    .saturating_sub(progress.max(started));
+                if queued > 0.0 && since >= bound {
+                    return;
+                }
+                let wait = if queued > 0.0 {
+                    bound - since
+                } else {
+                    bound / 2
+                };
+                Delay::from(Duration::from_millis(wait.max(10))).await;
+            }
+        });
+        match select(closed, stalled).await {
+            Either::Left((complete, _)) => complete,
+            Either::Right(((), _)) => {
+                self.cut_off("(finished)");
+                false
+            }
+        }
+    }
+
+    /// Fails the client's side: it stopped reading for longer than the bound.
+    fn cut_off(&self, backend: &str) {
+        let ms = self.slow_client_timeout.as_millis();
+        worker::console_log!(
+            "{}",
+            json!({ "event": "slow_client_cut_off", "backend": backend, "stalled_ms": ms })
+        );
+        relay_cut(&self.writer);
+    }
+
     /// Ends a failed stream: the error event (at an event boundary), `data: [DONE]`, and the
     /// client's side closed.
     pub async fn fail(&self, failure: &StreamFailure) {
         let event = error_event(failure.code, &failure.message);
         close(self, Some(&event)).await;
     }
+
+    /// When the relay last filled and the client has taken nothing since (`None`: not full).
+    fn full_since_ms(&self) -> Option<u64> {
+        let since = self.status("full_since").as_f64().unwrap_or(0.0);
+        (since > 0.0).then_some(since as u64)
+    }
 }
 
-/// Resolves once no chunk has passed for `idle` while the client kept up.
-async fn idle_watchdog(relay: &Relay, idle: Duration) {
+/// Resolves when the backend has sent nothing for `idle` while the client kept up, or the client
+/// has taken nothing for the slow-client bound while the relay was full.
+async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
     let idle_ms = idle.as_millis() as u64;
+    let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
+        let now = Date::now().as_millis();
+        // The relay may fill at any moment: look again within half the slow-client bound, so a
+        // stalled client is cut off at most half a bound late.
+        let mut wait = idle_ms.min(slow_ms / 2);
+        if let Some(full_since) = relay.full_since_ms() {
+            let stalled = now.saturating_sub(full_since);
+            if stalled >= slow_ms {
+                return Watched::ClientStalled;
+            }
+            wait = wait.min(slow_ms - stalled);
+        }
         let since = relay.idle_ms();
         if since >= idle_ms {
-            return;
+            return Watched::BackendIdle;
         }
-        Delay::from(Duration::from_millis(idle_ms - since)).await;
+        wait = wait.min(idle_ms - since);
+        Delay::from(Duration::from_millis(wait.max(10))).await;
     }
 }
 

@@ -12,6 +12,10 @@
 //! `MAX_STREAM_RESUMES` times per request. Whatever cannot be resumed ends as before: an SSE error
 //! event and `data: [DONE]`.
 //!
+//! A complete stream ends its lease as soon as the backend's body has been read to its end; the
+//! client then drains what the relay queued (`Relay::drain`). A client cut off for not reading
+//! (`SLOW_CLIENT_TIMEOUT_MS`) ends it as cancelled: nobody is blamed.
+//!
 //! Each share the lease ends with says what became of the stream (`Outcome::resume`), which the
 //! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
 //! backends the stream was resumed from.
@@ -85,17 +89,23 @@ pub(crate) async fn stream(
     client_signal: AbortSignal,
 ) {
     let guard = attempts.guard.clone();
+    // A client that hangs up mid-stream is charged what it received (the guard reads this).
+    guard.meter(Box::new(relay.meter()));
     loop {
         let backend = upstream.backend.clone();
         let piped = relay.pipe(upstream, &client_signal).await;
         with_usage(&mut outcome, relay.usage());
+        outcome.held_by_client = relay.held();
         let failure = match piped {
             Piped::Complete => {
+                // The backend's work is done: its share of the pool ends now, whatever the
+                // client still has to read of what the relay queued.
                 outcome.kind = OutcomeKind::Success;
                 guard.finish(outcome);
+                relay.drain().await;
                 return;
             }
-            Piped::Cancelled => {
+            Piped::Cancelled | Piped::CutOff => {
                 outcome.kind = OutcomeKind::Cancelled;
                 guard.finish(outcome);
                 return;

@@ -29,6 +29,17 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// SHA-256 hashes (hex) of the `CLIENT_API_KEYS` keys.
     pub client_key_hashes: Vec<String>,
+    /// `REQUIRE_CLIENT_KEYS`: the OpenAI surface stays closed (401) even with no key configured
+    /// or minted (production); off, it is open until the first key exists (local development).
+    pub require_client_keys: bool,
+    /// `KEY_LIST_MAX_STALE_MS`: how long a cached list of minted keys may be served while the
+    /// directory cannot be read; past it, keyed requests get a 503 rather than a check against a
+    /// list that may still hold revoked keys.
+    pub key_list_max_stale_ms: u64,
+    /// `SLOW_CLIENT_TIMEOUT_MS`: how long a client may make no progress reading while the relay
+    /// holds all it may queue (or, once the backend finished, while anything is still queued)
+    /// before it is cut off.
+    pub slow_client_timeout_ms: u64,
     /// `RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`.
     pub rate_limits: RateLimits,
     /// `ALLOW_REGION_HEADER`: whether `x-gateway-region` is trusted.
@@ -62,6 +73,9 @@ impl Settings {
                         .collect()
                 })
                 .unwrap_or_default(),
+            require_client_keys: var_or(env, "REQUIRE_CLIENT_KEYS", String::new()) == "true",
+            key_list_max_stale_ms: var_or(env, "KEY_LIST_MAX_STALE_MS", 300_000u64).max(1_000),
+            slow_client_timeout_ms: var_or(env, "SLOW_CLIENT_TIMEOUT_MS", 30_000u64).max(100),
             rate_limits: RateLimits {
                 requests_per_minute: var_or(env, "RATE_LIMIT_RPM", 0),
                 tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
@@ -78,6 +92,13 @@ impl Settings {
 
 thread_local! {
     static SETTINGS: std::cell::OnceCell<Rc<Settings>> = const { std::cell::OnceCell::new() };
+}
+
+/// `SLOW_CLIENT_TIMEOUT_MS` as this isolate read it (the default before any request read the
+/// settings), for the relay, which has no `Env`.
+pub fn slow_client_timeout() -> std::time::Duration {
+    let ms = SETTINGS.with(|s| s.get().map(|s| s.slow_client_timeout_ms));
+    std::time::Duration::from_millis(ms.unwrap_or(30_000))
 }
 
 /// This isolate's settings, read from `env` on first use.

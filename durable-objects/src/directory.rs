@@ -7,7 +7,10 @@
 //! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]).
 //! - `GET /keys`, `POST /keys`, `PATCH /keys/{id}`, `DELETE /keys/{id}`: client API keys, stored as
 //!   SHA-256 hashes (the Worker mints a key, shows it once, and sends only its hash here), each
-//!   with the admission priority of its requests.
+//!   with the admission priority of its requests. Once a key has been minted the directory
+//!   remembers it (`meta.keys_minted`): when no key is left, `GET /keys` lists a seal, an entry
+//!   with an empty hash that no presented key matches, so deleting the last key closes the
+//!   OpenAI surface instead of opening it.
 
 use crate::call::{answer, parse_route, read_body};
 use coordinator_protocol::messages::{
@@ -18,6 +21,16 @@ use worker::*;
 
 /// The name of the single directory instance.
 pub const DIRECTORY_NAME: &str = "directory";
+
+/// What `GET /keys` lists when keys were minted and every one was deleted: no hash, so no key
+/// matches it, and the Worker keeps the surface closed.
+const SEAL_KEY: StoredKey = StoredKey {
+    id: String::new(),
+    name: String::new(),
+    hash: String::new(),
+    created_ms: 0,
+    priority: 0,
+};
 
 /// Every pool and every minted client key, in the object's SQLite database.
 #[durable_object]
@@ -35,6 +48,9 @@ impl DurableObject for GatewayDirectory {
             "ALTER TABLE pools ADD COLUMN shard_objects INTEGER NOT NULL DEFAULT 1",
             "CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL UNIQUE, created_ms INTEGER NOT NULL)",
             "ALTER TABLE keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+            "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+            // A directory whose keys predate the seal remembers them too.
+            "INSERT OR IGNORE INTO meta (name, value) SELECT 'keys_minted', 1 WHERE EXISTS (SELECT 1 FROM keys)",
         ] {
             // An ALTER fails harmlessly once its column exists.
             let _ = sql.exec(ddl, None);
@@ -74,6 +90,9 @@ impl GatewayDirectory {
                         vec![],
                     )?
                     .to_array()?;
+                if keys.is_empty() && self.keys_minted()? {
+                    return answer(200, &[SEAL_KEY]);
+                }
                 answer(200, &keys)
             }
             Route::AddKey => {
@@ -87,6 +106,10 @@ impl GatewayDirectory {
                         (k.created_ms as i64).into(),
                         (k.priority as i64).into(),
                     ],
+                )?;
+                self.sql(
+                    "INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_minted', 1)",
+                    vec![],
                 )?;
                 answer(201, &k)
             }
@@ -129,6 +152,19 @@ impl GatewayDirectory {
         bindings: Vec<SqlStorageValue>,
     ) -> std::result::Result<SqlCursor, ApiError> {
         Ok(self.state.storage().sql().exec(query, bindings)?)
+    }
+
+    /// Whether a client key was ever minted here.
+    fn keys_minted(&self) -> std::result::Result<bool, ApiError> {
+        #[derive(serde::Deserialize)]
+        struct Row {
+            #[allow(dead_code)]
+            value: i64,
+        }
+        let rows: Vec<Row> = self
+            .sql("SELECT value FROM meta WHERE name = 'keys_minted'", vec![])?
+            .to_array()?;
+        Ok(!rows.is_empty())
     }
 
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {

@@ -4,8 +4,9 @@
 //! `POST /take {"limits": {...}, "tokens": N}` answers 200 when the request fits (charging the
 //! estimate `N`) and 429 with `Retry-After` when it does not; `POST /settle {"limits": {...},
 //! "reserved": N, "actual": M}` settles an admitted request with the tokens the backend reported
-//! (see `routing_core::rate_limit`). The buckets live in memory: an evicted object starts full
-//! again, which errs towards serving.
+//! (see `routing_core::rate_limit`). The buckets are kept in the object's storage (one JSON value,
+//! written after every change and read on the object's first request), so neither an eviction nor
+//! a deploy hands a client a fresh minute's allowance.
 
 use crate::call::{parse_route, read_body};
 use coordinator_protocol::messages::{SettleRequest, TakeRequest};
@@ -14,16 +15,22 @@ use routing_core::rate_limit::RateLimiter as Buckets;
 use std::cell::RefCell;
 use worker::*;
 
+/// The storage key of the buckets.
+const BUCKETS_KEY: &str = "buckets";
+
 /// One client's buckets.
 #[durable_object]
 pub struct ClientRateLimiter {
-    buckets: RefCell<Buckets>,
+    state: State,
+    /// `None` until read from storage (on the first request after the object started).
+    buckets: RefCell<Option<Buckets>>,
 }
 
 impl DurableObject for ClientRateLimiter {
-    fn new(_state: State, _env: Env) -> Self {
+    fn new(state: State, _env: Env) -> Self {
         ClientRateLimiter {
-            buckets: RefCell::new(Buckets::new()),
+            state,
+            buckets: RefCell::new(None),
         }
     }
 
@@ -38,11 +45,43 @@ impl DurableObject for ClientRateLimiter {
 }
 
 impl ClientRateLimiter {
+    /// The buckets, read from storage the first time (full ones when nothing was stored, or what
+    /// was stored cannot be read).
+    async fn load(&self) -> std::result::Result<(), ApiError> {
+        if self.buckets.borrow().is_some() {
+            return Ok(());
+        }
+        let stored: Option<String> = self.state.storage().get(BUCKETS_KEY).await?;
+        let buckets = stored
+            .and_then(|s| serde_json::from_str::<Buckets>(&s).ok())
+            .unwrap_or_default();
+        // Another request may have loaded them while this one read: keep the first.
+        self.buckets.borrow_mut().get_or_insert(buckets);
+        Ok(())
+    }
+
+    /// Applies `change` to the buckets and stores them.
+    async fn change<T>(
+        &self,
+        change: impl FnOnce(&mut Buckets) -> T,
+    ) -> std::result::Result<T, ApiError> {
+        self.load().await?;
+        let (result, stored) = {
+            let mut slot = self.buckets.borrow_mut();
+            let buckets = slot.get_or_insert_with(Buckets::new);
+            let result = change(buckets);
+            (result, serde_json::to_string(&*buckets))
+        };
+        let stored = stored.map_err(|e| ApiError::internal(e.to_string()))?;
+        self.state.storage().put(BUCKETS_KEY, stored).await?;
+        Ok(result)
+    }
+
     async fn settle(&self, req: &mut Request) -> std::result::Result<Response, ApiError> {
         let s: SettleRequest = read_body(req, "settle request").await?;
-        self.buckets
-            .borrow_mut()
-            .settle(&s.limits, s.reserved, s.actual, Date::now().as_millis());
+        let now = Date::now().as_millis();
+        self.change(|b| b.settle(&s.limits, s.reserved, s.actual, now))
+            .await?;
         Ok(Response::ok("ok")?)
     }
 
@@ -50,9 +89,8 @@ impl ClientRateLimiter {
         let take: TakeRequest = read_body(req, "take request").await?;
         let now = Date::now().as_millis();
         let result = self
-            .buckets
-            .borrow_mut()
-            .try_take(&take.limits, take.tokens, now);
+            .change(|b| b.try_take(&take.limits, take.tokens, now))
+            .await?;
         match result {
             Ok(()) => Ok(Response::ok("ok")?),
             Err(refusal) => Err(match refusal.retry_after_ms {

@@ -104,6 +104,10 @@ pub struct Outcome {
     /// `llm_gateway_stream_resumes_total`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<StreamResume>,
+    /// A stream the client held up: it stopped reading until the relay filled, so the backend
+    /// was paused; its timing says nothing about the engine's decode speed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub held_by_client: bool,
 }
 
 /// What became of a stream that failed after its first byte, as told with the share it concerns.

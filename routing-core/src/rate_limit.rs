@@ -6,7 +6,9 @@
 //! bucket, both or neither. When refused, the answer says how long until both would have room,
 //! for `Retry-After`. A request is charged an estimate when admitted and settled with the tokens
 //! the backend reported when it ends ([`RateLimiter::settle`]): the difference is refunded or
-//! charged, so the bucket may go below zero and later requests wait for it. Time is passed in.
+//! charged, so the bucket may go below zero and later requests wait for it. Time is passed in. The
+//! buckets serialize (the rate limiter's Durable Object stores them after every change, so an
+//! eviction or a deploy does not refill them).
 
 use serde::{Deserialize, Serialize};
 
@@ -20,7 +22,7 @@ pub struct RateLimits {
     pub tokens_per_minute: u64,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 struct Bucket {
     level: f64,
     last_ms: u64,
@@ -67,7 +69,7 @@ pub struct Refusal {
 }
 
 /// The two buckets of one client.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RateLimiter {
     requests: Bucket,
     tokens: Bucket,
@@ -224,5 +226,20 @@ mod tests {
                 retry_after_ms: None
             })
         );
+    }
+
+    #[test]
+    fn buckets_round_trip_through_json() {
+        let limits = RateLimits {
+            requests_per_minute: 10,
+            tokens_per_minute: 1000,
+        };
+        let mut l = RateLimiter::new();
+        assert!(l.try_take(&limits, 900, 5_000).is_ok());
+        let stored = serde_json::to_string(&l).unwrap();
+        let mut restored: RateLimiter = serde_json::from_str(&stored).unwrap();
+        assert_eq!(restored, l);
+        // The restored buckets remember the 900 taken: a second 900 does not fit.
+        assert!(restored.try_take(&limits, 900, 5_000).is_err());
     }
 }

@@ -225,6 +225,10 @@ pub struct Observation {
     pub completion_tokens: Option<u32>,
     /// Whether the answer was streamed (a non-streamed answer's first byte is its last).
     pub streamed: bool,
+    /// Whether the client held the stream up (it stopped reading and the relay filled, so the
+    /// backend was paused by backpressure): its duration measures the client, not the engine,
+    /// and does not teach decode speed.
+    pub held_by_client: bool,
 }
 
 /// One backend's learned rates and virtual prefill queue.
@@ -410,7 +414,7 @@ impl BackendTiming {
             learned = x >= MIN_LEARN_PREFILL_MS;
         }
         let tokens = seen.completion_tokens.unwrap_or(0);
-        if tokens >= 2 && share.tpot_us > 0 {
+        if tokens >= 2 && share.tpot_us > 0 && !(seen.streamed && seen.held_by_client) {
             let predicted_tpot_ms = share.tpot_us as f64 / 1000.0;
             // A stream's decode is what follows its first byte; a non-streamed answer arrives
             // whole, so its decode is what the prediction leaves after the first token.
@@ -649,6 +653,7 @@ mod tests {
                 duration_ms: ttfb + 99 * 30,
                 completion_tokens: Some(100),
                 streamed: true,
+                held_by_client: false,
             };
             t.leave(&share, now + seen.duration_ms);
             t.learn(&c, &share, &seen);
@@ -665,6 +670,7 @@ mod tests {
                 duration_ms: 10_000_000,
                 completion_tokens: Some(1),
                 streamed: true,
+                held_by_client: false,
             };
             wild.leave(&share, 0);
             wild.learn(&c, &share, &seen);
@@ -689,6 +695,7 @@ mod tests {
                     duration_ms: 10 + 990 + extra,
                     completion_tokens: Some(100),
                     streamed: true,
+                    held_by_client: false,
                 };
                 t.leave(&share, now + seen.duration_ms);
                 t.learn(&c, &share, &seen);
@@ -718,6 +725,7 @@ mod tests {
                 duration_ms: ttfb,
                 completion_tokens: Some(1),
                 streamed: true,
+                held_by_client: false,
             };
             t.leave(&share, now + ttfb);
             t.learn(&c, &share, &seen);
@@ -725,6 +733,32 @@ mod tests {
         let v = t.view(&c, 0);
         assert!((v.prefill_us_per_token - 100.0).abs() < 5.0, "{v:?}");
         assert!((v.overhead_ms - 40.0).abs() < 3.0, "{v:?}");
+    }
+
+    #[test]
+    fn a_stream_the_client_held_up_does_not_teach_decode_speed() {
+        let c = cfg();
+        let (mut held, mut engine_slow) = (BackendTiming::default(), BackendTiming::default());
+        // 100 tokens over 30 s: a client that stopped reading (the relay filled and the backend
+        // was paused) on one backend, a backend really that slow on the other.
+        for i in 0..40u64 {
+            let now = i * 100_000;
+            for (t, held_by_client) in [(&mut held, true), (&mut engine_slow, false)] {
+                let share = t.admit(&c, 0, 0.0, now);
+                let seen = Observation {
+                    ttfb_ms: Some(10),
+                    duration_ms: 30_000,
+                    completion_tokens: Some(100),
+                    streamed: true,
+                    held_by_client,
+                };
+                t.leave(&share, now + seen.duration_ms);
+                t.learn(&c, &share, &seen);
+            }
+        }
+        let configured = BackendTiming::default().view(&c, 0).decode_ms_per_step;
+        assert_eq!(held.view(&c, 0).decode_ms_per_step, configured);
+        assert!(engine_slow.view(&c, 0).decode_ms_per_step > 2.0 * configured);
     }
 
     #[test]
@@ -737,6 +771,7 @@ mod tests {
             duration_ms: 500,
             completion_tokens: Some(1),
             streamed: true,
+            held_by_client: false,
         };
         t.learn(&c, &share, &seen);
         assert_eq!(t.view(&c, 0).observations, 0);

@@ -101,6 +101,8 @@ pub struct StreamScanner {
     usage: Option<Usage>,
     stripped: bool,
     done: bool,
+    /// Events seen that carry an answer (neither `data: [DONE]` nor a usage-only event).
+    answer_events: u32,
 }
 
 impl StreamScanner {
@@ -115,6 +117,12 @@ impl StreamScanner {
     /// The last usage the stream reported.
     pub fn usage(&self) -> Option<Usage> {
         self.usage
+    }
+
+    /// How many events carrying an answer passed (each of vLLM's holds one token; the first and
+    /// last may hold none): what a stream cut before its usage event is charged by.
+    pub fn answer_events(&self) -> u32 {
+        self.answer_events
     }
 
     /// Whether a usage event was taken out of the stream.
@@ -137,6 +145,7 @@ impl StreamScanner {
             // The common chunk: whole events, none of them usage or the end. Nothing to parse.
             let whole_events = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\n\r\n");
             if whole_events && !contains(chunk, b"usage\"") && !contains(chunk, b"[DONE]") {
+                self.answer_events = self.answer_events.saturating_add(event_ends(chunk));
                 return Emit::Whole;
             }
             let (end, drop) = self.scan(chunk);
@@ -178,6 +187,7 @@ impl StreamScanner {
             return emit;
         }
         self.passing_long_event = true;
+        self.answer_events = self.answer_events.saturating_add(1);
         self.tail = last_two(rest);
         match emit {
             Emit::Prefix(_) if !chunk.is_empty() => Emit::Whole,
@@ -259,23 +269,52 @@ impl StreamScanner {
             return false;
         }
         if !contains(event, b"usage\"") {
+            self.answer_events = self.answer_events.saturating_add(1);
             return false;
         }
         let data = event_data(event);
         let Ok(envelope) = serde_json::from_slice::<Envelope>(&data) else {
+            self.answer_events = self.answer_events.saturating_add(1);
             return false;
         };
+        let usage_only = envelope.choices.as_ref().is_some_and(|c| c.is_empty());
+        if !usage_only {
+            self.answer_events = self.answer_events.saturating_add(1);
+        }
         let Some(usage) = envelope.usage else {
             return false;
         };
         self.usage = Some(usage.into());
-        let usage_only = envelope.choices.is_some_and(|c| c.is_empty());
         if self.strip_usage_event && usage_only {
             self.stripped = true;
             return true;
         }
         false
     }
+}
+
+/// How many events end in `chunk` (blank lines, `\n\n` or `\n\r\n`), for a chunk of whole events.
+fn event_ends(chunk: &[u8]) -> u32 {
+    let mut n = 0u32;
+    let mut i = 0;
+    while let Some(off) = chunk[i..].iter().position(|&b| b == b'\n') {
+        let lf = i + off;
+        match (chunk.get(lf + 1), chunk.get(lf + 2)) {
+            (Some(b'\n'), _) => {
+                n += 1;
+                i = lf + 2;
+            }
+            (Some(b'\r'), Some(b'\n')) => {
+                n += 1;
+                i = lf + 3;
+            }
+            _ => i = lf + 1,
+        }
+        if i >= chunk.len() {
+            break;
+        }
+    }
+    n
 }
 
 /// `bytes` without the given ranges (sorted, disjoint).
@@ -513,5 +552,35 @@ mod tests {
         let mut s = StreamScanner::new(true);
         assert_eq!(run(&mut s, &[bad.as_bytes()]), bad.as_bytes());
         assert_eq!(s.usage(), None);
+    }
+
+    #[test]
+    fn answer_events_are_counted_whatever_the_chunking() {
+        let stream = format!("{TOKEN}{TOKEN}{TOKEN}{USAGE}{DONE}");
+        // Whole, then split at every byte, then in chunks of 7 bytes: the same three answer
+        // events each time (the usage-only event and [DONE] carry no answer).
+        let mut whole = StreamScanner::new(true);
+        run(&mut whole, &[stream.as_bytes()]);
+        assert_eq!(whole.answer_events(), 3);
+        let bytes: Vec<&[u8]> = stream.as_bytes().chunks(1).collect();
+        let mut split = StreamScanner::new(true);
+        run(&mut split, &bytes);
+        assert_eq!(split.answer_events(), 3);
+        let sevens: Vec<&[u8]> = stream.as_bytes().chunks(7).collect();
+        let mut seven = StreamScanner::new(false);
+        run(&mut seven, &sevens);
+        assert_eq!(seven.answer_events(), 3);
+        // A stream cut after two tokens, before any usage: two answer events, no usage.
+        let mut cut = StreamScanner::new(true);
+        run(&mut cut, &[TOKEN.as_bytes(), TOKEN.as_bytes()]);
+        assert_eq!((cut.answer_events(), cut.usage()), (2, None));
+        // Per-token usage (`continuous_usage_stats`): each event carries an answer and usage.
+        let continuous = TOKEN.replace(
+            "}]}",
+            "}],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}",
+        );
+        let mut c = StreamScanner::new(false);
+        run(&mut c, &[continuous.as_bytes(), continuous.as_bytes()]);
+        assert_eq!(c.answer_events(), 2);
     }
 }

@@ -191,6 +191,7 @@ impl Pool {
             duration_ms: now_ms.saturating_sub(lease.acquired_ms),
             completion_tokens: outcome.completion_tokens,
             streamed: lease.stream,
+            held_by_client: outcome.held_by_client,
         };
         if let Some(tokens) = outcome.completion_tokens {
             self.output_ratio.observe(tokens, lease.max_tokens);

@@ -278,11 +278,10 @@ async fn generate(
         );
         encoder.prompt_tokens_details = details;
         encoder.engine_timing = state.config.report_engine_timing;
-        return Ok(body::event_stream(SseStream::new(
-            events,
-            encoder,
-            faults.stream_cut(),
-        )));
+        return Ok(body::event_stream(
+            SseStream::new(events, encoder, faults.stream_cut())
+                .reset_after_done(faults.resets_after_done()),
+        ));
     }
     let finish = loop {
         match events.recv().await {

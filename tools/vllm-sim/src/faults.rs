@@ -47,6 +47,10 @@ pub struct FaultSettings {
     pub disconnect_mid_event_after_tokens: Option<u32>,
     /// `/health` answers 503.
     pub health_fail: bool,
+    /// Streams only: the whole stream goes out, `data: [DONE]` included, and then the connection
+    /// is reset instead of closed cleanly (no terminating chunk): a server or proxy that dies
+    /// right after the end.
+    pub reset_after_done: bool,
 }
 
 impl Default for FaultSettings {
@@ -62,6 +66,7 @@ impl Default for FaultSettings {
             truncate_body: false,
             disconnect_mid_event_after_tokens: None,
             health_fail: false,
+            reset_after_done: false,
         }
     }
 }
@@ -90,6 +95,8 @@ pub struct FaultUpdate {
     pub disconnect_mid_event_after_tokens: Option<u32>,
     /// See [`FaultSettings::health_fail`].
     pub health_fail: Option<bool>,
+    /// See [`FaultSettings::reset_after_done`].
+    pub reset_after_done: Option<bool>,
     /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
     pub loading_s: Option<f64>,
     /// Exit the process right after answering.
@@ -137,6 +144,7 @@ impl FaultUpdate {
             truncate_body: self.truncate_body.unwrap_or(false),
             disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
             health_fail: self.health_fail.unwrap_or(false),
+            reset_after_done: self.reset_after_done.unwrap_or(false),
         };
         settings.validate()?;
         if let Some(s) = self.loading_s {
@@ -188,6 +196,7 @@ impl FaultSettings {
             stall_after_tokens: self.stall_after_tokens,
             truncate_body: self.truncate_body,
             disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
+            reset_after_done: self.reset_after_done,
         }
     }
 }
@@ -209,6 +218,8 @@ pub struct FaultDecision {
     pub truncate_body: bool,
     /// Cut a stream in the middle of the event after this many output tokens.
     pub disconnect_mid_event_after_tokens: Option<u32>,
+    /// Reset a whole stream's connection after its `data: [DONE]`.
+    pub reset_after_done: bool,
 }
 
 impl FaultDecision {
@@ -229,6 +240,14 @@ impl FaultDecision {
             (Some(c), Some(p)) => Some(if p.after <= c.after { p } else { c }),
             (c, p) => p.or(c),
         }
+    }
+}
+
+impl FaultDecision {
+    /// Whether a stream that ends normally (`data: [DONE]` sent) is then reset rather than closed,
+    /// unless a cut ends it first.
+    pub fn resets_after_done(&self) -> bool {
+        self.reset_after_done
     }
 }
 
@@ -343,6 +362,19 @@ mod tests {
                 .stream_cut(),
             None
         );
+    }
+
+    #[test]
+    fn passes_a_reset_after_done_through() {
+        let d = update(r#"{"reset_after_done":true}"#)
+            .unwrap()
+            .decide(&mut SplitMix64::new(0));
+        assert!(d.resets_after_done());
+        assert_eq!(d.stream_cut(), None);
+        assert!(!update("{}")
+            .unwrap()
+            .decide(&mut SplitMix64::new(0))
+            .resets_after_done());
     }
 
     #[test]

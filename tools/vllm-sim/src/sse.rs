@@ -303,6 +303,8 @@ pub struct SseStream {
     events: mpsc::UnboundedReceiver<SeqEvent>,
     encoder: ChunkEncoder,
     cut: Option<StreamCutAt>,
+    /// Reset the connection after `data: [DONE]` instead of ending cleanly.
+    reset_after_done: bool,
     state: State,
 }
 
@@ -317,8 +319,15 @@ impl SseStream {
             events,
             encoder,
             cut,
+            reset_after_done: false,
             state: State::Open,
         }
+    }
+
+    /// The stream is reset after its `data: [DONE]` (fault `reset_after_done`) when `reset`.
+    pub fn reset_after_done(mut self, reset: bool) -> Self {
+        self.reset_after_done = reset;
+        self
     }
 
     fn closing(grace: Duration) -> State {
@@ -366,7 +375,12 @@ impl SseStream {
                         }
                         Poll::Ready(Some(SeqEvent::Finished(finish))) => {
                             self.encoder.finish(&mut out, &finish);
-                            self.state = State::Done;
+                            self.state = if self.reset_after_done {
+                                // The end goes out first, then the connection is cut.
+                                Self::closing(DISCONNECT_GRACE)
+                            } else {
+                                State::Done
+                            };
                             break;
                         }
                         Poll::Ready(None) => {

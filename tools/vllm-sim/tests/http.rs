@@ -406,6 +406,34 @@ fn a_stream_can_be_cut_in_the_middle_of_an_event() {
     assert_eq!(whole.json()["usage"]["completion_tokens"], 5);
 }
 
+#[test]
+fn a_stream_can_be_reset_after_its_done() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"reset_after_done": true}));
+    let mut body = chat(user("hello"), 4, true);
+    body["stream_options"] = json!({"include_usage": true});
+    let reply = sim.post("/v1/chat/completions", body);
+    assert_eq!(reply.status, 200);
+    // Every event arrived, the end included, but not the terminating chunk: the connection was
+    // reset instead of closed.
+    assert!(!reply.complete, "no terminating chunk");
+    let (events, tail) = reply.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert_eq!(tail, "");
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 4);
+    // Non-streamed answers are untouched; without the fault a stream ends cleanly.
+    let whole = sim.post("/v1/chat/completions", chat(user("hello"), 4, false));
+    assert_eq!(whole.json()["usage"]["completion_tokens"], 4);
+    sim.faults(json!({}));
+    let clean = sim.post("/v1/chat/completions", chat(user("hello"), 4, true));
+    assert!(clean.complete);
+}
+
 /// The text of a stream's whole events: chat deltas or completion texts, in order.
 fn streamed_text(events: &[String]) -> String {
     events
