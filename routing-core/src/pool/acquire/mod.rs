@@ -11,6 +11,7 @@ mod admit;
 mod eligible;
 mod lease;
 mod rank;
+mod time_card;
 #[cfg(test)]
 mod tests;
 
