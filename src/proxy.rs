@@ -66,6 +66,8 @@ pub struct Forward<'a> {
     pub routing_header: Option<String>,
     /// Time spent choosing a backend (pool lookup and lease), for `Server-Timing`.
     pub route_ms: u64,
+    /// Headers the pool walk adds (the pool choice, the queue wait).
+    pub extra_headers: Vec<(&'static str, String)>,
 }
 
 impl Forward<'_> {
@@ -180,6 +182,9 @@ impl Forward<'_> {
         set("x-gateway-shard", &self.shard.to_string())?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.count.to_string())?;
+        for (k, v) in &self.extra_headers {
+            set(k, v)?;
+        }
         // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
         set(
             "server-timing",

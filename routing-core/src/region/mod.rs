@@ -14,9 +14,11 @@
 pub mod choice;
 pub mod home;
 pub mod network;
+pub mod routed;
 pub mod time_card;
 
 pub use choice::{order_pools, ChoiceConfig, ChoiceReason, PoolChoice, PoolOption};
 pub use home::HomePools;
 pub use network::NetworkModel;
+pub use routed::{ChoiceNote, RoutedCounts};
 pub use time_card::TimeCard;

@@ -11,9 +11,9 @@ mod admit;
 mod eligible;
 mod lease;
 mod rank;
-mod time_card;
 #[cfg(test)]
 mod tests;
+mod time_card;
 
 use super::{AcquireError, Grant, Pool};
 use crate::policy::Candidate;

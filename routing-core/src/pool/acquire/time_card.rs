@@ -43,7 +43,11 @@ impl Pool {
                 }
             }
         }
-        let Some(model) = counts.iter().max_by_key(|(_, n)| *n).map(|(m, _)| m.clone()) else {
+        let Some(model) = counts
+            .iter()
+            .max_by_key(|(_, n)| *n)
+            .map(|(m, _)| m.clone())
+        else {
             return card;
         };
         card.models = counts.into_iter().map(|(m, _)| m).collect();
@@ -88,8 +92,8 @@ impl Pool {
 
 #[cfg(test)]
 mod tests {
-    use crate::pool::test_support::{features, pool_with};
     use crate::policy::PolicyKind;
+    use crate::pool::test_support::{features, pool_with};
     use crate::random::SplitMix64;
 
     #[test]
@@ -127,7 +131,10 @@ mod tests {
             busy.short_ms.unwrap() > idle.short_ms.unwrap() + 500,
             "{idle:?} {busy:?}"
         );
-        assert_eq!(busy.predict_ms(0).unwrap(), u64::from(busy.cached_ms.unwrap()) + 250);
+        assert_eq!(
+            busy.predict_ms(0).unwrap(),
+            u64::from(busy.cached_ms.unwrap()) + 250
+        );
         let mut empty = pool_with(PolicyKind::PredictedLatency, 0);
         let card = empty.time_card(0, 0, 0);
         assert_eq!((card.cached_ms, card.ready), (None, 0));
