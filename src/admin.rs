@@ -219,7 +219,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let Some(entry) = list_pools(env).await?.into_iter().find(|p| p.name == *pool) else {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             };
-            let summary = pool_summary(env, pool, entry.all_shards()).await?;
+            let mut summary = pool_summary(env, pool, entry.all_shards()).await?;
+            summary.jurisdiction = entry.jurisdiction;
+            summary.time_card = entry.card;
             let config: PoolSettings =
                 pool_json(env, pool, 0, &Route::GetConfig, None::<&()>).await?;
             json_ok(&PoolDetail { summary, config })

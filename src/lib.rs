@@ -461,7 +461,7 @@ async fn completion(
     }
     refund(ctx, env, reservation);
     // A restricted request never leaves its jurisdictions: say so when none of them could take it.
-    if !plan.allowed.is_empty() && last_err.status == 503 {
+    if plan.excluded > 0 && matches!(last_err.status, 404 | 503) {
         return Err(regions::residency_error(&plan.allowed));
     }
     Err(last_err)

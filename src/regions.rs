@@ -115,6 +115,8 @@ pub struct Plan {
     pub predicted_ms: Option<u64>,
     /// The jurisdictions the request may be served in (empty: anywhere).
     pub allowed: Vec<String>,
+    /// Pools left out because they are outside those jurisdictions.
+    pub excluded: usize,
     /// The client's region, when known.
     pub client_region: Option<String>,
 }
@@ -157,12 +159,14 @@ pub fn plan(
         .find(|p| region.as_deref() == Some(p.region.as_str()) && !p.residency.is_empty())
         .map(|p| p.residency.clone())
         .unwrap_or_default();
+    let listed = pools.len();
     if !allowed.is_empty() {
         pools.retain(|p| allowed_in(&p.jurisdiction, &allowed));
         if pools.is_empty() {
             return Err(residency_error(&allowed));
         }
     }
+    let excluded = listed - pools.len();
     // Pools whose card says they lack the model go last.
     pools.sort_by_key(|p| p.card.as_ref().is_some_and(|c| !c.serves(&features.model)));
     let config = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).choice);
@@ -200,6 +204,7 @@ pub fn plan(
         reason: choice.reason,
         predicted_ms,
         allowed,
+        excluded,
         client_region: region,
     })
 }

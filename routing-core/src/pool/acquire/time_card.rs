@@ -140,4 +140,23 @@ mod tests {
         assert_eq!((card.cached_ms, card.ready), (None, 0));
         assert_eq!(card.predict_ms(10), None);
     }
+
+    #[test]
+    fn a_backend_whose_sequences_are_all_taken_predicts_the_wait_behind_them() {
+        // The case: a backend running 2 sequences at a time with 10 long streams on it.
+        let mut pool = Pool::new("p", PoolConfig::default());
+        let mut s = spec("b0");
+        s.capacity.max_num_seqs = 2;
+        add_ready(&mut pool, s);
+        let mut rng = SplitMix64::new(1);
+        for i in 0..10 {
+            let mut f = features(&format!("long {i}"));
+            f.max_tokens = 4000;
+            pool.acquire(&f, 0, &mut rng).unwrap();
+        }
+        let card = pool.time_card(100, 0, 0);
+        assert_eq!((card.running, card.max_seqs), (10, 2));
+        // Eight streams wait for one of two slots, each 4,000 tokens of decode away.
+        assert!(card.cached_ms.unwrap() > 5_000, "{card:?}");
+    }
 }
