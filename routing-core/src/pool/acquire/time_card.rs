@@ -93,7 +93,8 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use crate::policy::PolicyKind;
-    use crate::pool::test_support::{features, pool_with};
+    use crate::pool::test_support::{add_ready, features, pool_with, spec};
+    use crate::pool::{Pool, PoolConfig};
     use crate::random::SplitMix64;
 
     #[test]
