@@ -344,7 +344,11 @@ async fn completion(
         let shard = shard_of_request(pool.shards, &features);
         let note = note_for(&pool);
         acquire_body.set_choice(&note);
+        let network_delay_ms = regions::simulated_rtt_ms(env, plan.client_region.as_deref(), &pool);
         let asked_ms = Date::now().as_millis();
+        if network_delay_ms > 0 {
+            Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
+        }
         let admitted = admission::acquire(
             env,
             ctx,
@@ -414,6 +418,7 @@ async fn completion(
                     routing_header: settings.features.routing_header.clone(),
                     route_ms,
                     extra_headers: extra,
+                    network_delay_ms,
                 };
                 let resp = if disaggregated {
                     forward.run_disaggregated().await?

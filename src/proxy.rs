@@ -68,12 +68,18 @@ pub struct Forward<'a> {
     pub route_ms: u64,
     /// Headers the pool walk adds (the pool choice, the queue wait).
     pub extra_headers: Vec<(&'static str, String)>,
+    /// A modelled edge-to-pool round trip waited out before the first attempt (local runs with
+    /// `SIMULATE_NETWORK` only; 0 on the platform).
+    pub network_delay_ms: u64,
 }
 
 impl Forward<'_> {
     /// Runs the attempts and returns the client's response.
     pub async fn run(self) -> Result<Response, ApiError> {
         let client_signal: AbortSignal = self.client.inner().signal().into();
+        if self.network_delay_ms > 0 {
+            worker::Delay::from(std::time::Duration::from_millis(self.network_delay_ms)).await;
+        }
         let mut attempts = self.attempts()?;
         let mut candidate = self
             .grant

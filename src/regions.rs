@@ -36,6 +36,8 @@ const DEFAULT_HOME_POOLS: usize = 8192;
 struct RegionSettings {
     choice: ChoiceConfig,
     home_capacity: usize,
+    /// `SIMULATE_NETWORK`: local runs wait out the configured round trips themselves.
+    simulate_network: bool,
 }
 
 thread_local! {
@@ -55,6 +57,7 @@ fn read_settings(env: &Env) -> RegionSettings {
             round_trips: var_or(env, "POOL_ROUND_TRIPS", d.round_trips).min(4),
         },
         home_capacity: var_or(env, "HOME_POOLS_MAX", DEFAULT_HOME_POOLS).clamp(1, 1 << 20),
+        simulate_network: var_or(env, "SIMULATE_NETWORK", String::new()) == "true",
     }
 }
 
@@ -226,6 +229,21 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
 pub fn served(env: &Env, pool: &str, features: &RequestFeatures) {
     let key = features.routing_key.as_deref().map(key_hash);
     with_homes(env, |h| h.record(&features.block_hashes, key, pool));
+}
+
+/// With `SIMULATE_NETWORK=true` (local benchmarks and tests only: every pool of a local run is on
+/// this machine), the round trip the platform would add between the client's colo and `pool`,
+/// from `REGION_RTT_MS`: the Worker waits it out before the lease call and again before the
+/// backend fetch, so what the client measures, and what this isolate learns of the network,
+/// include the modelled network. 0 otherwise.
+pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry) -> u64 {
+    let on = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network);
+    if !on {
+        return 0;
+    }
+    with_network(env, |n| {
+        u64::from(n.configured_ms(client_region, &pool.region).unwrap_or(0))
+    })
 }
 
 /// Records one measured round trip to `pool` (an acquire that did not wait in a queue).
