@@ -141,6 +141,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                         location_hint: None,
                         shards: 1,
                         shard_objects: 1,
+                        jurisdiction: String::new(),
+                        residency: Vec::new(),
+                        card: None,
                     },
                 )
                 .await?;
@@ -205,6 +208,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                 if state.region.is_empty() {
                     state.region = pool.region;
                 }
+                state.jurisdiction = pool.jurisdiction;
+                state.time_card = pool.card;
                 data.push(state);
             }
             json_ok(&list(data))
@@ -214,7 +219,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let Some(entry) = list_pools(env).await?.into_iter().find(|p| p.name == *pool) else {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             };
-            let summary = pool_summary(env, pool, entry.all_shards()).await?;
+            let mut summary = pool_summary(env, pool, entry.all_shards()).await?;
+            summary.jurisdiction = entry.jurisdiction;
+            summary.time_card = entry.card;
             let config: PoolSettings =
                 pool_json(env, pool, 0, &Route::GetConfig, None::<&()>).await?;
             json_ok(&PoolDetail { summary, config })
@@ -231,6 +238,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                 location_hint: settings.location_hint.clone(),
                 shards: settings.routing.shards,
                 shard_objects: old_shards.max(settings.routing.shards),
+                jurisdiction: settings.jurisdiction.clone(),
+                residency: settings.residency.clone(),
+                card: None,
             };
             // A Durable Object stays where it was created, near the first call or at the location
             // hint that call carries: record the hint first, so a new pool's first call has it.

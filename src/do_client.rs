@@ -22,7 +22,7 @@ use worker::{Context, Date, Env, Response, Stub};
 /// Binding name of the client rate limiter namespace (wrangler.toml).
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
-pub const DIRECTORY_BINDING: &str = "DIRECTORY";
+pub use coordinator_protocol::names::DIRECTORY_BINDING;
 
 fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
     Ok(env

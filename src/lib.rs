@@ -32,6 +32,7 @@ use coordinator_protocol::Route;
 use lease_guard::{GuardSetup, LeaseGuard};
 use routing_core::endpoint::{endpoint_features, Endpoint};
 use routing_core::lease::LeaseTerms;
+use routing_core::region::ChoiceNote;
 use routing_core::shard::shard_of_request;
 use serde_json::{json, Value};
 use wasm_bindgen::JsCast;
@@ -301,11 +302,24 @@ async fn completion(
     let client_signal: AbortSignal = req.inner().signal().into();
     let hung_up = lease_guard::hang_up(&client_signal);
     let started = Date::now().as_millis();
-    let pools = regions::order_pools(
-        &req,
-        &settings,
-        do_client::list_pools_cached(env, ctx).await?,
-    );
+    let listed = do_client::list_pools_cached(env, ctx).await?;
+    let plan = match regions::plan(&req, env, &settings, listed, &features, started) {
+        Ok(plan) => plan,
+        Err(e) => {
+            refund(ctx, env, reservation);
+            return Err(e);
+        }
+    };
+    let first_pool = plan.pools.first().map(|p| p.name.clone());
+    let note_for = |pool: &PoolEntry| ChoiceNote {
+        reason: match first_pool.as_deref() == Some(pool.name.as_str()) {
+            true => plan.reason.as_str(),
+            false => "spill",
+        }
+        .to_string(),
+        cross_region: plan.cross_region(pool),
+    };
+    let pools = plan.pools.clone();
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -316,7 +330,7 @@ async fn completion(
     let mut queue_at: Option<PoolEntry> = None;
     let mut order = pools.into_iter().enumerate();
     // Serialised once, whichever pools are asked and however often a queued request asks again.
-    let acquire_body = AcquireBody::new(&features);
+    let mut acquire_body = AcquireBody::new(&features);
     loop {
         let (pool, spill_ok) = match order.next() {
             // A saturated or full pool refuses work only when a further pool could take it.
@@ -328,6 +342,13 @@ async fn completion(
         };
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
         let shard = shard_of_request(pool.shards, &features);
+        let note = note_for(&pool);
+        acquire_body.set_choice(&note);
+        let network_delay_ms = regions::simulated_rtt_ms(env, plan.client_region.as_deref(), &pool);
+        let asked_ms = Date::now().as_millis();
+        if network_delay_ms > 0 {
+            Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
+        }
         let admitted = admission::acquire(
             env,
             ctx,
@@ -343,6 +364,22 @@ async fn completion(
                 let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = Date::now().as_millis();
+                if queued_ms == 0 {
+                    regions::observe_rtt(env, &pool.name, now.saturating_sub(asked_ms));
+                }
+                regions::served(env, &pool.name, &features);
+                let mut extra = vec![("x-gateway-pool-choice", note.reason.clone())];
+                if let (Some(ms), "nearest" | "home" | "faster" | "anchor_full") =
+                    (plan.predicted_ms, note.reason.as_str())
+                {
+                    extra.push(("x-gateway-pool-predicted-ms", ms.to_string()));
+                }
+                if queued_ms > 0 {
+                    extra.push((
+                        coordinator_protocol::messages::QUEUE_WAIT_HEADER,
+                        queued_ms.to_string(),
+                    ));
+                }
                 let route_ms = now.saturating_sub(started);
                 let guard = LeaseGuard::start(GuardSetup {
                     env,
@@ -380,13 +417,15 @@ async fn completion(
                     prefill_backend: None,
                     routing_header: settings.features.routing_header.clone(),
                     route_ms,
+                    extra_headers: extra,
+                    network_delay_ms,
                 };
                 let resp = if disaggregated {
                     forward.run_disaggregated().await?
                 } else {
                     forward.run().await?
                 };
-                return with_queue_wait(resp, queued_ms);
+                return Ok(resp);
             }
             // This pool does not serve the model: look further.
             Err(e) if e.status == 404 => continue,
@@ -426,22 +465,11 @@ async fn completion(
         }
     }
     refund(ctx, env, reservation);
+    // A restricted request never leaves its jurisdictions: say so when none of them could take it.
+    if plan.excluded > 0 && matches!(last_err.status, 404 | 503) {
+        return Err(regions::residency_error(&plan.allowed));
+    }
     Err(last_err)
-}
-
-/// Adds how long the request waited in a pool's queue, when it did.
-fn with_queue_wait(resp: Response, queued_ms: u64) -> std::result::Result<Response, ApiError> {
-    if queued_ms == 0 {
-        return Ok(resp);
-    }
-    // Headers of a proxied response may be immutable: copy them.
-    let headers = Headers::new();
-    for (k, v) in resp.headers().entries() {
-        headers.append(&k, &v)?;
-    }
-    let wait = queued_ms.to_string();
-    headers.set(coordinator_protocol::messages::QUEUE_WAIT_HEADER, &wait)?;
-    Ok(resp.with_headers(headers))
 }
 
 /// Gives back a token reservation of a request no pool took.

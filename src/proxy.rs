@@ -66,12 +66,20 @@ pub struct Forward<'a> {
     pub routing_header: Option<String>,
     /// Time spent choosing a backend (pool lookup and lease), for `Server-Timing`.
     pub route_ms: u64,
+    /// Headers the pool walk adds (the pool choice, the queue wait).
+    pub extra_headers: Vec<(&'static str, String)>,
+    /// A modelled edge-to-pool round trip waited out before the first attempt (local runs with
+    /// `SIMULATE_NETWORK` only; 0 on the platform).
+    pub network_delay_ms: u64,
 }
 
 impl Forward<'_> {
     /// Runs the attempts and returns the client's response.
     pub async fn run(self) -> Result<Response, ApiError> {
         let client_signal: AbortSignal = self.client.inner().signal().into();
+        if self.network_delay_ms > 0 {
+            worker::Delay::from(std::time::Duration::from_millis(self.network_delay_ms)).await;
+        }
         let mut attempts = self.attempts()?;
         let mut candidate = self
             .grant
@@ -180,6 +188,9 @@ impl Forward<'_> {
         set("x-gateway-shard", &self.shard.to_string())?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.count.to_string())?;
+        for (k, v) in &self.extra_headers {
+            set(k, v)?;
+        }
         // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
         set(
             "server-timing",

@@ -1,14 +1,91 @@
-//! Which pool a client should try first: the nearest region, then the others.
+//! Which pool a request tries first: the one where it will see its first token soonest, the
+//! network included, within the jurisdictions it may be served in.
 //!
 //! The client's region comes from, in order: the `x-gateway-region` header when
 //! `ALLOW_REGION_HEADER` is `"true"` (tests, or a trusted front proxy), then the platform's view of
 //! the client (`request.cf` continent or colo) mapped through the `REGION_MAP` var, a JSON object
 //! such as `{"NA": "us-east", "EU": "eu-west", "LHR": "eu-west"}` (colo codes win over
-//! continents). Pools in that region come first; the rest keep their directory order.
+//! continents). Pools are put in proximity order (the client's region, then by configured round
+//! trip), restricted to the allowed jurisdictions (the nearest pool's `residency` setting), and
+//! then ordered on predicted time by `routing_core::region::order_pools`: each pool's time card
+//! (from the directory, with the cached pool list) plus the round trips to it, measured by this
+//! isolate or configured in `REGION_RTT_MS`; a conversation whose history this isolate sent to a
+//! pool counts that history as cached there. `TIME_ROUTING=false` keeps proximity order.
+//!
+//! The isolate's memory holds the network measurements and the conversations' home pools, both
+//! bounded (`routing_core::region`).
 
 use crate::settings::Settings;
+use crate::var_or;
 use coordinator_protocol::messages::PoolEntry;
-use worker::Request;
+use coordinator_protocol::ApiError;
+use routing_core::prompt::RequestFeatures;
+use routing_core::region::choice::allowed_in;
+use routing_core::region::{
+    order_pools, ChoiceConfig, ChoiceReason, HomePools, NetworkModel, PoolOption,
+};
+use routing_core::ring::key_hash;
+use std::cell::{OnceCell, RefCell};
+use std::collections::HashMap;
+use worker::{Env, Request};
+
+/// Conversations an isolate remembers the home pool of, unless `HOME_POOLS_MAX` says otherwise.
+const DEFAULT_HOME_POOLS: usize = 8192;
+
+/// The choice's settings, read once per isolate.
+struct RegionSettings {
+    choice: ChoiceConfig,
+    home_capacity: usize,
+    /// `SIMULATE_NETWORK`: local runs wait out the configured round trips themselves.
+    simulate_network: bool,
+}
+
+thread_local! {
+    static SETTINGS: OnceCell<RegionSettings> = const { OnceCell::new() };
+    static NETWORK: OnceCell<RefCell<NetworkModel>> = const { OnceCell::new() };
+    static HOMES: OnceCell<RefCell<HomePools>> = const { OnceCell::new() };
+}
+
+fn read_settings(env: &Env) -> RegionSettings {
+    let d = ChoiceConfig::default();
+    RegionSettings {
+        choice: ChoiceConfig {
+            enabled: var_or(env, "TIME_ROUTING", "true".to_string()) != "false",
+            margin_ms: var_or(env, "POOL_CHOICE_MARGIN_MS", d.margin_ms),
+            margin_ratio: var_or(env, "POOL_CHOICE_MARGIN_RATIO", d.margin_ratio).clamp(0.0, 10.0),
+            card_max_age_ms: var_or(env, "TIME_CARD_MAX_AGE_MS", d.card_max_age_ms),
+            round_trips: var_or(env, "POOL_ROUND_TRIPS", d.round_trips).min(4),
+        },
+        home_capacity: var_or(env, "HOME_POOLS_MAX", DEFAULT_HOME_POOLS).clamp(1, 1 << 20),
+        simulate_network: var_or(env, "SIMULATE_NETWORK", String::new()) == "true",
+    }
+}
+
+fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
+    NETWORK.with(|n| {
+        let cell = n.get_or_init(|| {
+            let table: HashMap<String, HashMap<String, u32>> = env
+                .var("REGION_RTT_MS")
+                .ok()
+                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
+                .unwrap_or_default();
+            RefCell::new(NetworkModel::new(
+                &table,
+                var_or(env, "REGION_RTT_DEFAULT_MS", 100),
+            ))
+        });
+        f(&mut cell.borrow_mut())
+    })
+}
+
+fn with_homes<R>(env: &Env, f: impl FnOnce(&mut HomePools) -> R) -> R {
+    let capacity = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).home_capacity);
+    HOMES.with(|h| {
+        f(&mut h
+            .get_or_init(|| RefCell::new(HomePools::new(capacity)))
+            .borrow_mut())
+    })
+}
 
 /// The client's region, if it can be told.
 pub fn client_region(req: &Request, settings: &Settings) -> Option<String> {
@@ -31,17 +108,145 @@ pub fn client_region(req: &Request, settings: &Settings) -> Option<String> {
         .cloned()
 }
 
-/// Orders pools nearest first.
-pub fn order_pools(
+/// The pools to try, in order, and why the first one is first.
+pub struct Plan {
+    /// Pools to try, first first.
+    pub pools: Vec<PoolEntry>,
+    /// Why the first is first.
+    pub reason: ChoiceReason,
+    /// The predicted cost of the first pool (round trips plus time to first token), if known.
+    pub predicted_ms: Option<u64>,
+    /// The jurisdictions the request may be served in (empty: anywhere).
+    pub allowed: Vec<String>,
+    /// Pools left out because they are outside those jurisdictions.
+    pub excluded: usize,
+    /// The client's region, when known.
+    pub client_region: Option<String>,
+}
+
+impl Plan {
+    /// Whether `pool` is in another region than the client's.
+    pub fn cross_region(&self, pool: &PoolEntry) -> bool {
+        self.client_region
+            .as_deref()
+            .is_some_and(|r| !pool.region.is_empty() && pool.region != r)
+    }
+}
+
+/// Orders `pools` for the request with `features`; a 503 when residency leaves no pool.
+pub fn plan(
     req: &Request,
+    env: &Env,
     settings: &Settings,
-    mut pools: Vec<PoolEntry>,
-) -> Vec<PoolEntry> {
-    if pools.len() < 2 {
-        return pools;
+    pools: Vec<PoolEntry>,
+    features: &RequestFeatures,
+    now_ms: u64,
+) -> Result<Plan, ApiError> {
+    let region = client_region(req, settings);
+    let mut pools = pools;
+    // Proximity: the client's region first, then by configured round trip (directory order for
+    // ties and unknowns).
+    with_network(env, |net| {
+        pools.sort_by_key(|p| {
+            let own = region.as_deref() == Some(p.region.as_str());
+            (
+                !own,
+                net.configured_ms(region.as_deref(), &p.region)
+                    .unwrap_or(u32::MAX),
+            )
+        })
+    });
+    // Residency: the nearest pool's rule, when the client is in its region.
+    let allowed: Vec<String> = pools
+        .iter()
+        .find(|p| region.as_deref() == Some(p.region.as_str()) && !p.residency.is_empty())
+        .map(|p| p.residency.clone())
+        .unwrap_or_default();
+    let listed = pools.len();
+    if !allowed.is_empty() {
+        pools.retain(|p| allowed_in(&p.jurisdiction, &allowed));
+        if pools.is_empty() {
+            return Err(residency_error(&allowed));
+        }
     }
-    if let Some(region) = client_region(req, settings) {
-        pools.sort_by_key(|p| p.region != region);
+    let excluded = listed - pools.len();
+    // Pools whose card says they lack the model go last.
+    pools.sort_by_key(|p| p.card.as_ref().is_some_and(|c| !c.serves(&features.model)));
+    let config = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).choice);
+    let key = features.routing_key.as_deref().map(key_hash);
+    let home = with_homes(env, |h| {
+        h.lookup(&features.block_hashes, key)
+            .map(|(pool, blocks)| (pool.to_string(), blocks))
+    });
+    let block_tokens = features.block_tokens.max(1);
+    let options: Vec<PoolOption<'_>> = with_network(env, |net| {
+        pools
+            .iter()
+            .map(|p| {
+                let at_home = home.as_ref().filter(|(h, _)| *h == p.name);
+                PoolOption {
+                    card: p.card.as_ref(),
+                    rtt_ms: net.rtt_ms(region.as_deref(), &p.name, &p.region),
+                    cached_tokens: at_home.map_or(0, |(_, b)| b.saturating_mul(block_tokens)),
+                    home: at_home.is_some(),
+                }
+            })
+            .collect()
+    });
+    let u = js_sys::Math::random();
+    let choice = order_pools(&options, features.prompt_tokens, now_ms, u, &config);
+    let predicted_ms = choice.order.first().and_then(|&i| choice.predicted_ms[i]);
+    let mut slots: Vec<Option<PoolEntry>> = pools.into_iter().map(Some).collect();
+    let ordered = choice
+        .order
+        .iter()
+        .filter_map(|&i| slots.get_mut(i).and_then(Option::take))
+        .collect();
+    Ok(Plan {
+        pools: ordered,
+        reason: choice.reason,
+        predicted_ms,
+        allowed,
+        excluded,
+        client_region: region,
+    })
+}
+
+/// The answer when no pool in the allowed jurisdictions can take a request.
+pub fn residency_error(allowed: &[String]) -> ApiError {
+    ApiError::unavailable(
+        format!(
+            "No pool in the allowed jurisdictions ({}) can take the request now; it is not sent \
+             elsewhere.",
+            allowed.join(", ")
+        ),
+        1,
+    )
+    .with_code("residency_unavailable")
+}
+
+/// Records that `pool` served the request: its home for the conversation's next turn.
+pub fn served(env: &Env, pool: &str, features: &RequestFeatures) {
+    let key = features.routing_key.as_deref().map(key_hash);
+    with_homes(env, |h| h.record(&features.block_hashes, key, pool));
+}
+
+/// With `SIMULATE_NETWORK=true` (local benchmarks and tests only: every pool of a local run is on
+/// this machine), the round trip the platform would add between the client's colo and `pool`,
+/// from `REGION_RTT_MS`: the Worker waits it out before the lease call and again before the
+/// backend fetch, so what the client measures, and what this isolate learns of the network,
+/// include the modelled network. 0 otherwise.
+pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry) -> u64 {
+    let on = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network);
+    if !on {
+        return 0;
     }
-    pools
+    with_network(env, |n| {
+        u64::from(n.configured_ms(client_region, &pool.region).unwrap_or(0))
+    })
+}
+
+/// Records one measured round trip to `pool` (an acquire that did not wait in a queue).
+pub fn observe_rtt(env: &Env, pool: &str, ms: u64) {
+    with_network(env, |n| n.observe(pool, ms.min(u64::from(u32::MAX)) as u32));
 }

@@ -170,6 +170,11 @@ test("the page asks for the token, refuses a wrong one, then shows regions, pool
   assert.equal(east[1], "predicted_latency");
   assert.equal(east[2], "2 / 2");
   assert.match(east[6], /^\d+$/, "desired replicas");
+  // Each pool's time card: predicted TTFT with 0, 1,024 and 8,192 tokens to prefill.
+  await page.waitForFunction(
+    () => /^\d+ \/ \d+ \/ \d+ ms/.test(document.querySelector('#pools tr[data-pool="gpu-east"] [data-field="card"]')?.textContent ?? ""),
+    { timeout: 30000 },
+  );
 });
 
 test("after traffic the charts and traffic shares have data", async () => {

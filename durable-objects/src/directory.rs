@@ -5,6 +5,9 @@
 //! Routes (internal, see `coordinator_protocol::Route`):
 //! - `GET /pools`: every [`PoolEntry`], ordered by name.
 //! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]).
+//! - `PUT /pools/{name}/card`: a pool's latest time card (body: `TimeCard`), pushed by the pool's
+//!   shard 0 after each probe round and listed with its entry; kept in memory only (a restarted
+//!   directory lists no cards until the next round, and the Worker then orders pools nearest first).
 //! - `GET /keys`, `POST /keys`, `PATCH /keys/{id}`, `DELETE /keys/{id}`: client API keys, stored as
 //!   SHA-256 hashes (the Worker mints a key, shows it once, and sends only its hash here), each
 //!   with the admission priority of its requests. Once a key has been minted the directory
@@ -14,13 +17,16 @@
 
 use crate::call::{answer, parse_route, read_body};
 use coordinator_protocol::messages::{
-    DeleteAnswer, KeyPatch, KeyPatchAnswer, PoolEntry, StoredKey,
+    CardAnswer, DeleteAnswer, KeyPatch, KeyPatchAnswer, PoolEntry, StoredKey,
 };
 use coordinator_protocol::{ApiError, Object, Route};
+use routing_core::region::TimeCard;
+use serde::Deserialize;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use worker::*;
 
-/// The name of the single directory instance.
-pub const DIRECTORY_NAME: &str = "directory";
+pub use coordinator_protocol::names::DIRECTORY_NAME;
 
 /// What `GET /keys` lists when keys were minted and every one was deleted: no hash, so no key
 /// matches it, and the Worker keeps the surface closed.
@@ -36,6 +42,20 @@ const SEAL_KEY: StoredKey = StoredKey {
 #[durable_object]
 pub struct GatewayDirectory {
     state: State,
+    /// Each pool's latest time card.
+    cards: RefCell<HashMap<String, TimeCard>>,
+}
+
+/// A row of the `pools` table (residency as comma-separated names).
+#[derive(Deserialize)]
+struct PoolRow {
+    name: String,
+    region: String,
+    location_hint: Option<String>,
+    shards: u32,
+    shard_objects: u32,
+    jurisdiction: Option<String>,
+    residency: Option<String>,
 }
 
 impl DurableObject for GatewayDirectory {
@@ -51,11 +71,16 @@ impl DurableObject for GatewayDirectory {
             "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
             // A directory whose keys predate the seal remembers them too.
             "INSERT OR IGNORE INTO meta (name, value) SELECT 'keys_minted', 1 WHERE EXISTS (SELECT 1 FROM keys)",
+            "ALTER TABLE pools ADD COLUMN jurisdiction TEXT",
+            "ALTER TABLE pools ADD COLUMN residency TEXT",
         ] {
             // An ALTER fails harmlessly once its column exists.
             let _ = sql.exec(ddl, None);
         }
-        GatewayDirectory { state }
+        GatewayDirectory {
+            state,
+            cards: RefCell::new(HashMap::new()),
+        }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
@@ -82,6 +107,14 @@ impl GatewayDirectory {
                 }
                 self.upsert(&entry)?;
                 answer(200, &entry)
+            }
+            Route::PutCard(name) => {
+                let card: TimeCard = read_body(req, "time card").await?;
+                let known = self.list()?.iter().any(|p| p.name == name);
+                if known {
+                    self.cards.borrow_mut().insert(name, card);
+                }
+                answer(200, &CardAnswer { known })
             }
             Route::ListKeys => {
                 let keys: Vec<StoredKey> = self
@@ -169,10 +202,31 @@ impl GatewayDirectory {
 
     fn list(&self) -> std::result::Result<Vec<PoolEntry>, ApiError> {
         let cursor = self.state.storage().sql().exec(
-            "SELECT name, region, location_hint, shards, shard_objects FROM pools ORDER BY name",
+            "SELECT name, region, location_hint, shards, shard_objects, jurisdiction, residency \
+             FROM pools ORDER BY name",
             None,
         )?;
-        Ok(cursor.to_array::<PoolEntry>()?)
+        let cards = self.cards.borrow();
+        Ok(cursor
+            .to_array::<PoolRow>()?
+            .into_iter()
+            .map(|r| PoolEntry {
+                card: cards.get(&r.name).cloned(),
+                name: r.name,
+                region: r.region,
+                location_hint: r.location_hint,
+                shards: r.shards,
+                shard_objects: r.shard_objects,
+                jurisdiction: r.jurisdiction.unwrap_or_default(),
+                residency: r
+                    .residency
+                    .unwrap_or_default()
+                    .split(',')
+                    .filter(|j| !j.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+            })
+            .collect())
     }
 
     fn upsert(&self, entry: &PoolEntry) -> std::result::Result<(), ApiError> {
@@ -180,15 +234,19 @@ impl GatewayDirectory {
             .storage()
             .sql()
             .exec(
-                "INSERT INTO pools (name, region, location_hint, shards, shard_objects) VALUES (?, ?, ?, ?, ?) \
+                "INSERT INTO pools (name, region, location_hint, shards, shard_objects, jurisdiction, residency) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?) \
                  ON CONFLICT(name) DO UPDATE SET region = excluded.region, location_hint = excluded.location_hint, \
-                 shards = excluded.shards, shard_objects = excluded.shard_objects",
+                 shards = excluded.shards, shard_objects = excluded.shard_objects, \
+                 jurisdiction = excluded.jurisdiction, residency = excluded.residency",
                 vec![
                     entry.name.clone().into(),
                     entry.region.clone().into(),
                     entry.location_hint.clone().map_or(SqlStorageValue::Null, SqlStorageValue::from),
                     i64::from(entry.shards.max(1)).into(),
                     i64::from(entry.all_shards()).into(),
+                    entry.jurisdiction.clone().into(),
+                    entry.residency.join(",").into(),
                 ],
             )?;
         Ok(())

@@ -9,6 +9,7 @@
 
 use routing_core::admission::AdmissionRequest;
 use routing_core::prompt::RequestFeatures;
+use routing_core::region::ChoiceNote;
 use serde::{Deserialize, Serialize};
 
 /// The body of `POST /acquire`: `{"features": {...}, "admission": {...}}`.
@@ -20,6 +21,9 @@ pub struct AcquireRequest {
     /// never queues the request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admission: Option<AdmissionRequest>,
+    /// Why the Worker asked this pool (counted by the pool; absent from older Workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub choice: Option<ChoiceNote>,
 }
 
 /// A request's acquire body, serialised once; each call adds only its admission part.
@@ -27,6 +31,8 @@ pub struct AcquireRequest {
 pub struct AcquireBody {
     /// `{"features":{...}` without the closing brace.
     head: String,
+    /// `,"choice":{...}` for the pool being asked, when set.
+    note: String,
 }
 
 impl AcquireBody {
@@ -35,15 +41,24 @@ impl AcquireBody {
         let features = serde_json::to_string(features).unwrap_or_else(|_| "{}".to_string());
         AcquireBody {
             head: format!("{{\"features\":{features}"),
+            note: String::new(),
         }
+    }
+
+    /// Says why the next calls ask the pool they go to (the Worker sets it per pool).
+    pub fn set_choice(&mut self, note: &ChoiceNote) {
+        self.note = serde_json::to_string(note)
+            .map(|n| format!(",\"choice\":{n}"))
+            .unwrap_or_default();
     }
 
     /// The body of one call: the features, plus `admission` when given.
     pub fn call(&self, admission: Option<&AdmissionRequest>) -> String {
         let admission = admission.and_then(|a| serde_json::to_string(a).ok());
         let extra = admission.as_ref().map_or(0, |a| a.len() + 14);
-        let mut body = String::with_capacity(self.head.len() + extra + 1);
+        let mut body = String::with_capacity(self.head.len() + self.note.len() + extra + 1);
         body.push_str(&self.head);
+        body.push_str(&self.note);
         if let Some(a) = admission {
             body.push_str(",\"admission\":");
             body.push_str(&a);

@@ -10,6 +10,7 @@ use routing_core::outcome::Outcome;
 use routing_core::policy::PolicyKind;
 use routing_core::pool::{BackendView, ProbeResult};
 use routing_core::rate_limit::RateLimits;
+use routing_core::region::TimeCard;
 use routing_core::scrape::VllmMetrics;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -321,6 +322,13 @@ pub struct PoolSummary {
     pub probe_rounds: u64,
     /// Retries the retry budget refused.
     pub retry_budget_exhausted: u64,
+    /// The pool's jurisdiction (from the directory; the admin listing fills it in).
+    #[serde(default)]
+    pub jurisdiction: String,
+    /// The pool's latest time card as the Worker routes on it (from the directory; the admin
+    /// listing fills it in).
+    #[serde(default)]
+    pub time_card: Option<TimeCard>,
 }
 
 impl PoolSummary {
@@ -447,6 +455,13 @@ pub struct ShardAck {
 
 // ---- The directory -------------------------------------------------------------------------
 
+/// The directory's answer to a pool's published time card.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CardAnswer {
+    /// Whether the directory knows the pool (a card of an unknown pool is dropped).
+    pub known: bool,
+}
+
 /// A pool as the directory knows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PoolEntry {
@@ -466,6 +481,16 @@ pub struct PoolEntry {
     /// cover it.
     #[serde(default = "one_shard")]
     pub shard_objects: u32,
+    /// Jurisdiction of the pool's GPUs (for example `eu`); empty when none is set.
+    #[serde(default)]
+    pub jurisdiction: String,
+    /// Jurisdictions that may serve the requests whose nearest pool this is (empty: any).
+    #[serde(default)]
+    pub residency: Vec<String>,
+    /// The pool's latest time card (shard 0's), as the directory last heard it; kept in the
+    /// directory's memory only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub card: Option<TimeCard>,
 }
 
 impl PoolEntry {
@@ -623,6 +648,8 @@ mod tests {
             spills: 2,
             last_probe_ms: Some(7),
             probe_rounds: 9,
+            jurisdiction: String::new(),
+            time_card: None,
             retry_budget_exhausted: 0,
         };
         let mut total = summary(2, queue(1, 5));

@@ -16,3 +16,7 @@ pub const QUEUE_WAIT_HEADER: &str = "x-gateway-queue-wait-ms";
 pub const QUEUE_DROP_HEADER: &str = "x-gateway-queue-drop";
 /// The name a pool gets when a registration names none.
 pub const DEFAULT_POOL: &str = "default";
+/// Binding name of the directory namespace (wrangler.toml).
+pub const DIRECTORY_BINDING: &str = "DIRECTORY";
+/// The name of the single directory instance.
+pub const DIRECTORY_NAME: &str = "directory";

@@ -122,6 +122,8 @@ pub enum Route {
     ListPools,
     /// `PUT /pools/{name}` (directory): `PoolEntry` -> `PoolEntry`.
     PutPool(String),
+    /// `PUT /pools/{name}/card` (pool shard 0 to the directory): `TimeCard` -> `CardAnswer`.
+    PutCard(String),
     /// `GET /keys` (directory): -> `Vec<StoredKey>`.
     ListKeys,
     /// `POST /keys` (directory): `StoredKey` -> `StoredKey` (201).
@@ -151,6 +153,7 @@ impl Route {
         match self {
             Route::ListPools
             | Route::PutPool(_)
+            | Route::PutCard(_)
             | Route::ListKeys
             | Route::AddKey
             | Route::PatchKey(_)
@@ -173,7 +176,7 @@ impl Route {
             | Route::History
             | Route::ListPools
             | Route::ListKeys => Get,
-            Route::PutConfig | Route::PutPool(_) => Put,
+            Route::PutConfig | Route::PutPool(_) | Route::PutCard(_) => Put,
             Route::PatchBackend(_) | Route::PatchKey(_) => Patch,
             Route::DeleteBackend { .. } | Route::DeleteKey(_) => Delete,
             _ => Post,
@@ -207,6 +210,7 @@ impl Route {
             Route::ShardRegistry => "/shard/registry".into(),
             Route::ListPools => "/pools".into(),
             Route::PutPool(name) => format!("/pools/{name}"),
+            Route::PutCard(name) => format!("/pools/{name}/card"),
             Route::ListKeys | Route::AddKey => "/keys".into(),
             Route::PatchKey(id) | Route::DeleteKey(id) => format!("/keys/{id}"),
             Route::TakeTokens => "/take".into(),
@@ -285,6 +289,7 @@ impl Route {
             (["shard", "registry"], Post) => Route::ShardRegistry,
             (["pools"], Get) => Route::ListPools,
             (["pools", name], Put) => Route::PutPool(owned(name)),
+            (["pools", name, "card"], Put) => Route::PutCard(owned(name)),
             (["keys"], Get) => Route::ListKeys,
             (["keys"], Post) => Route::AddKey,
             (["keys", id], Patch) => Route::PatchKey(owned(id)),
@@ -299,6 +304,7 @@ impl Route {
                 | ["probe", "ensure" | "now"]
                 | ["shard", "load" | "probes" | "registry"]
                 | ["pools", _]
+                | ["pools", _, "card"]
                 | ["keys", _]
                 | ["take" | "settle"],
                 _,
@@ -364,6 +370,7 @@ mod tests {
             Route::ShardRegistry,
             Route::ListPools,
             Route::PutPool("eu".into()),
+            Route::PutCard("eu".into()),
             Route::ListKeys,
             Route::AddKey,
             Route::PatchKey("key-1".into()),

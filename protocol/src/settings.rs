@@ -56,6 +56,12 @@ pub struct PoolSettings {
     /// Durable Object location hint for this pool (for example `enam`, `weur`); used when the
     /// Worker first addresses the pool.
     pub location_hint: Option<String>,
+    /// Jurisdiction of the pool's GPUs (for example `eu`): a request restricted to some
+    /// jurisdictions is served only by pools in them.
+    pub jurisdiction: String,
+    /// Jurisdictions that may serve the requests whose nearest pool this is (empty: any): with
+    /// `["eu"]`, requests from this pool's region never leave the EU, even when it is full.
+    pub residency: Vec<String>,
 }
 
 impl Default for PoolSettings {
@@ -68,6 +74,8 @@ impl Default for PoolSettings {
             saturation_waiting_per_backend: 16.0,
             autoscale_target_waiting: 4.0,
             location_hint: None,
+            jurisdiction: String::new(),
+            residency: Vec::new(),
         }
     }
 }
@@ -89,6 +97,18 @@ impl PoolSettings {
         }
         if !self.routing.region.is_empty() {
             validate_name("region", &self.routing.region)?;
+        }
+        if !self.jurisdiction.is_empty() {
+            validate_name("jurisdiction", &self.jurisdiction)?;
+        }
+        if self.residency.len() > 16 {
+            return Err(
+                ApiError::bad_request("residency lists at most 16 jurisdictions")
+                    .with_param("residency"),
+            );
+        }
+        for j in &self.residency {
+            validate_name("residency", j)?;
         }
         if !(self.saturation_waiting_per_backend.is_finite()
             && self.saturation_waiting_per_backend >= 0.0)

@@ -45,6 +45,7 @@ pub mod prompt;
 pub mod random;
 pub mod rate_limit;
 pub mod reassign;
+pub mod region;
 pub mod resume;
 pub mod retry_budget;
 pub mod ring;

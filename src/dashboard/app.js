@@ -194,6 +194,14 @@ function render(pools, backends, histories) {
   renderCharts(histories);
 }
 
+/** A pool's time card: predicted TTFT (ms) with nothing, 1,024 and 8,192 tokens to prefill, plus its queue. */
+function timeCard(card) {
+  if (!card) return "—";
+  if (card.cached_ms == null) return "full";
+  const queue = card.queued ? ` · ${card.queued} queued (+${card.queue_wait_ms} ms)` : "";
+  return `${card.cached_ms} / ${card.short_ms} / ${card.long_ms} ms${queue}`;
+}
+
 function renderPools(pools) {
   const body = $("pools").tBodies[0];
   const byRegion = new Map();
@@ -214,7 +222,7 @@ function renderPools(pools) {
         el("td", {}, fmt.num(sum((p) => p.waiting))),
         el("td", {}, fmt.num(sum((p) => p.running))),
         el("td", {}, fmt.num(sum((p) => p.autoscaling?.desired_replicas))),
-        el("td", { colspan: 2 }),
+        el("td", { colspan: 3 }),
       ),
     );
     for (const p of list.sort((a, b) => String(a.pool).localeCompare(String(b.pool)))) {
@@ -231,13 +239,14 @@ function renderPools(pools) {
           el("td", {}, fmt.num(p.waiting)),
           el("td", {}, fmt.num(p.running)),
           el("td", { "data-field": "desired" }, fmt.num(p.autoscaling?.desired_replicas)),
+          el("td", { "data-field": "card" }, timeCard(p.time_card), p.jurisdiction ? badge(p.jurisdiction, "") : null),
           el("td", {}, fmt.age(p.last_probe_ms)),
           el("td", {}, probe),
         ),
       );
     }
   }
-  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 9, class: "empty" }, "No pools yet: register a backend.")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 10, class: "empty" }, "No pools yet: register a backend.")));
   body.replaceChildren(...rows);
 }
 

@@ -13,9 +13,14 @@ impl PoolCoordinator {
         let AcquireRequest {
             features,
             admission,
+            choice,
         } = req;
         let step = self.with(|l| {
             let now = now_ms();
+            let first_call = admission.as_ref().is_none_or(|a| a.ticket.is_none());
+            if let (Some(note), true) = (&choice, first_call) {
+                l.routed.count(note);
+            }
             let admission_config = l.settings.routing.admission;
             let queueing =
                 admission_config.enabled || l.room.knows(admission.as_ref().and_then(|a| a.ticket));

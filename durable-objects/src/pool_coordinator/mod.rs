@@ -23,6 +23,7 @@
 
 mod acquire;
 mod backends;
+mod card;
 mod leases;
 mod probing;
 mod reports;
@@ -117,6 +118,8 @@ struct Live {
     persisted: HashMap<BackendId, BackendSnapshot>,
     /// Per-minute aggregates of the last hour, for the dashboard.
     history: History,
+    /// Acquires by why the Worker chose this pool.
+    routed: routing_core::region::RoutedCounts,
 }
 
 /// The pool's load, measured now.
@@ -337,6 +340,7 @@ impl PoolCoordinator {
             history: History::default(),
             load: PoolLoad::default(),
             persisted: HashMap::new(),
+            routed: Default::default(),
         });
         self.with(|l| {
             shards::apply_shard_settings(l);

@@ -101,5 +101,6 @@ impl PoolCoordinator {
         });
         self.settle_queue();
         self.push_probe_round().await;
+        self.publish_card().await;
     }
 }

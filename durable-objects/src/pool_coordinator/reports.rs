@@ -35,6 +35,7 @@ impl PoolCoordinator {
             let mut out = String::new();
             l.pool.render_metrics(&mut out);
             render_pool_metrics(l, &mut out);
+            l.routed.render(&l.name, &mut out);
             l.room.queue.render_metrics(&l.name, &mut out);
             out
         });
@@ -122,6 +123,8 @@ pub(super) fn summary(l: &Live) -> PoolSummary {
         last_probe_ms: l.last_probe_ms,
         probe_rounds: l.probe_rounds,
         retry_budget_exhausted: l.budget.exhausted_total(),
+        jurisdiction: l.settings.jurisdiction.clone(),
+        time_card: None,
     }
 }
 

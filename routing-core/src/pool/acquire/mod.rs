@@ -13,6 +13,7 @@ mod lease;
 mod rank;
 #[cfg(test)]
 mod tests;
+mod time_card;
 
 use super::{AcquireError, Grant, Pool};
 use crate::policy::Candidate;

@@ -1,0 +1,219 @@
+// The cross-region benchmark (issue 25): three regions, each with its own pool of vllm-sim
+// processes, modelled round trips between them, and a skewed load: one region's clients send about
+// 1.5x what its pool can serve, the other two regions are light. Run once with nearest-first
+// routing (TIME_ROUTING=false: a request leaves its region only when its pool refuses it) and once
+// with routing on predicted time (the default); then a light phase with time routing, where every
+// pool is lightly loaded and no request should leave its region.
+//
+// The network: every pool runs on this machine, so the gateway runs with SIMULATE_NETWORK=true and
+// waits out the configured round trip between the client's region and the pool's before the lease
+// call and again before the backend fetch (the two edge-to-pool round trips a request pays today),
+// so the client's times include the modelled network and the Worker's own RTT measurements see it.
+// The round trips (REGION_RTT below) are assumed figures of the size of inter-region RTTs (US East
+// to EU West about 70-90 ms, to Asia 150-200 ms), not measurements.
+//
+// Reports per client region TTFT p50/p99 and e2e p50/p99 for each mode, the share of requests served
+// in another region, and the light phase's cross-region count. Writes
+// bench/results/regions-<date>.{json,md}.
+//
+//   node bench/regions.mjs [--seconds 30] [--load 1.5] [--light 0.3] [--sims 2] [--seqs 4]
+import { startGateway, startSim, waitReady, waitFor, ROOT } from "../tests/lib/harness.mjs";
+import { writeFileSync, mkdirSync } from "node:fs";
+import path from "node:path";
+import { machine, pct } from "./overhead-lib.mjs";
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
+);
+const SECONDS = Number(args.seconds ?? 30);
+const LOAD = Number(args.load ?? 1.5);
+const LIGHT = Number(args.light ?? 0.3);
+const SIMS = Number(args.sims ?? 2);
+const SEQS = Number(args.seqs ?? 4);
+const SEED = Number(args.seed ?? 11);
+const REGIONS = ["r-a", "r-b", "r-c"];
+/** Assumed round trips between the regions, in ms. */
+const REGION_RTT = { "r-a": { "r-b": 70, "r-c": 150 }, "r-b": { "r-c": 90 } };
+const rtt = (a, b) => (a === b ? 0 : REGION_RTT[a]?.[b] ?? REGION_RTT[b]?.[a]);
+const PROMPT_TOKENS = 200;
+const MAX_TOKENS = 60;
+// vllm-sim's model: 10 ms per decode step plus 0.15 ms per running sequence, 100 us per prompt token.
+const SERVICE_S = (PROMPT_TOKENS * 0.1 + MAX_TOKENS * (10 + 0.15 * SEQS)) / 1000;
+const POOL_RATE = (SIMS * SEQS) / SERVICE_S;
+
+function rng(seed) {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+/** Seeded Poisson arrivals per region (`loads[region]` x a pool's capacity) over `seconds`. */
+function schedule(loads, seconds, seed) {
+  const rand = rng(seed);
+  const out = [];
+  for (const region of REGIONS) {
+    const rate = loads[region] * POOL_RATE;
+    for (let t = 0; ; ) {
+      t += -Math.log(1 - rand()) / rate;
+      if (t >= seconds) break;
+      out.push({ region, at: t * 1000, nonce: Math.floor(rand() * 1e9) });
+    }
+  }
+  return out.sort((a, b) => a.at - b.at);
+}
+
+function prompt(nonce) {
+  const words = [];
+  for (let i = 0; words.join(" ").length < PROMPT_TOKENS * 4; i++) words.push(`w${(nonce + i * 7919) % 100000}`);
+  return words.join(" ").slice(0, PROMPT_TOKENS * 4);
+}
+
+async function one(gw, model, req) {
+  const started = performance.now();
+  const rec = { region: req.region, status: 0, pool: null, choice: null, ttft: null, e2e: null };
+  try {
+    const r = await gw.fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "content-type": "application/json", "x-gateway-region": req.region },
+      body: JSON.stringify({ model, stream: true, max_tokens: MAX_TOKENS, ignore_eos: true, messages: [{ role: "user", content: prompt(req.nonce) }] }),
+    });
+    rec.status = r.status;
+    rec.pool = r.headers.get("x-gateway-pool");
+    rec.choice = r.headers.get("x-gateway-pool-choice");
+    const reader = r.body.getReader();
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      if (rec.ttft === null && value?.length) rec.ttft = performance.now() - started;
+    }
+    rec.e2e = performance.now() - started;
+  } catch (e) {
+    rec.error = e.name;
+  }
+  return rec;
+}
+
+/** One gateway, three pools of fresh sims; `phases` are [{ name, loads, seconds }]. */
+async function run(label, timeRouting, phases) {
+  const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
+  const gw = await startGateway({
+    bindings: {
+      PROBE_INTERVAL_MS: "1000",
+      FIRST_BYTE_TIMEOUT_MS: "120000",
+      ALLOW_REGION_HEADER: "true",
+      REGION_RTT_MS: JSON.stringify(REGION_RTT),
+      SIMULATE_NETWORK: "true",
+      TIME_ROUTING: timeRouting ? "true" : "false",
+    },
+    options: quiet,
+  });
+  const sims = [];
+  const model = "bench-regions";
+  const poolOf = {};
+  try {
+    for (const region of REGIONS) {
+      const name = `pool-${region}`;
+      poolOf[name] = region;
+      const r = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { region } });
+      if (r.status !== 200) throw new Error(await r.text());
+      for (let i = 0; i < SIMS; i++) {
+        const sim = await startSim(["--model", model, "--max-num-seqs", String(SEQS), "--seed", String(SEED + sims.length)]);
+        sims.push(sim);
+        const id = `${name}-${i}`;
+        const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: name, models: [model], id, max_num_seqs: SEQS } });
+        if (reg.status !== 201) throw new Error(await reg.text());
+        await waitReady(gw, id);
+      }
+    }
+    // Every pool's card published and in the Worker's copy of the pool list.
+    await new Promise((r) => setTimeout(r, 5000));
+    const out = {};
+    for (const [k, phase] of phases.entries()) {
+      const arrivals = schedule(phase.loads, phase.seconds, SEED + 100 * k);
+      const t0 = performance.now();
+      const pending = [];
+      for (const a of arrivals) {
+        const wait = a.at - (performance.now() - t0);
+        if (wait > 0) await new Promise((res) => setTimeout(res, wait));
+        pending.push(one(gw, model, a));
+      }
+      const recs = await Promise.all(pending);
+      for (const name of Object.keys(poolOf)) {
+        await waitFor(async () => (await (await gw.admin(`/admin/pools/${name}`)).json()).in_flight === 0, { timeoutMs: 30000, what: "leases back" });
+      }
+      out[phase.name] = summarise(recs, poolOf);
+      console.error(`${label} ${phase.name}: ${JSON.stringify(out[phase.name])}`);
+    }
+    return out;
+  } finally {
+    await Promise.all(sims.map((s) => s.close()));
+    await gw.close();
+  }
+}
+
+function summarise(recs, poolOf) {
+  const by = {};
+  for (const region of REGIONS) {
+    const mine = recs.filter((r) => r.region === region);
+    const ok = mine.filter((r) => r.status === 200 && r.ttft !== null && !r.error);
+    const away = ok.filter((r) => poolOf[r.pool] !== region);
+    by[region] = {
+      requests: mine.length,
+      failed: mine.length - ok.length,
+      ttft_p50_ms: pct(ok.map((r) => r.ttft), 50),
+      ttft_p99_ms: pct(ok.map((r) => r.ttft), 99),
+      e2e_p50_ms: pct(ok.map((r) => r.e2e), 50),
+      e2e_p99_ms: pct(ok.map((r) => r.e2e), 99),
+      cross_region: away.length,
+      served_by: Object.fromEntries(Object.keys(poolOf).map((p) => [p, ok.filter((r) => r.pool === p).length])),
+    };
+  }
+  return by;
+}
+
+const skew = { "r-a": LOAD, "r-b": LIGHT, "r-c": LIGHT };
+const light = { "r-a": LIGHT, "r-b": LIGHT, "r-c": LIGHT };
+console.error(`3 regions x ${SIMS} sims x ${SEQS} seqs; a pool serves ~${POOL_RATE.toFixed(1)} req/s; skew ${JSON.stringify(skew)} for ${SECONDS} s`);
+const nearest = await run("nearest-first", false, [{ name: "skew", loads: skew, seconds: SECONDS }]);
+const timed = await run("time", true, [
+  { name: "skew", loads: skew, seconds: SECONDS },
+  { name: "light", loads: light, seconds: Math.max(10, SECONDS / 2) },
+]);
+
+const ratio = (a, b) => (a && b ? a / b : null);
+const verdict = {
+  overloaded_ttft_p99_improvement: ratio(nearest.skew["r-a"].ttft_p99_ms, timed.skew["r-a"].ttft_p99_ms),
+  worse_by_more_than_rtt: REGIONS.filter((r) => {
+    const worst = Math.max(...REGIONS.filter((x) => x !== r).map((x) => rtt(r, x)));
+    return timed.skew[r].ttft_p99_ms > nearest.skew[r].ttft_p99_ms + 2 * worst;
+  }),
+  light_cross_region: REGIONS.reduce((n, r) => n + timed.light[r].cross_region, 0),
+};
+const date = new Date().toISOString().slice(0, 10);
+const result = { date: new Date().toISOString(), machine: machine(), method: { seconds: SECONDS, load: LOAD, light: LIGHT, sims: SIMS, seqs: SEQS, pool_rate: POOL_RATE, region_rtt_ms: REGION_RTT, prompt_tokens: PROMPT_TOKENS, max_tokens: MAX_TOKENS }, nearest, timed, verdict };
+const dir = path.join(ROOT, "bench/results");
+mkdirSync(dir, { recursive: true });
+writeFileSync(path.join(dir, `regions-${date}.json`), JSON.stringify(result, null, 2));
+const f = (x) => (x === null || x === undefined ? "-" : Math.round(x).toLocaleString("en-US"));
+const lines = [
+  `# Cross-region routing, ${date}`,
+  "",
+  `3 regions, ${SIMS} vllm-sim x ${SEQS} sequences each (a pool serves about ${POOL_RATE.toFixed(1)} requests/s of ${PROMPT_TOKENS}-token prompts and ${MAX_TOKENS}-token answers); r-a's clients at ${LOAD}x its pool, r-b and r-c at ${LIGHT}x, ${SECONDS} s of seeded Poisson arrivals; modelled round trips ${JSON.stringify(REGION_RTT)} ms, paid twice per request (lease and fetch). Machine: ${result.machine.cpu ?? ""}.`,
+  "",
+  "| client region | mode | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | served elsewhere | failed |",
+  "|---|---|---|---|---|---|---|---|",
+];
+for (const r of REGIONS) {
+  for (const [mode, res] of [["nearest-first", nearest.skew], ["time", timed.skew]]) {
+    const x = res[r];
+    lines.push(`| ${r} | ${mode} | ${f(x.ttft_p50_ms)} | ${f(x.ttft_p99_ms)} | ${f(x.e2e_p50_ms)} | ${f(x.e2e_p99_ms)} | ${x.cross_region} of ${x.requests} | ${x.failed} |`);
+  }
+}
+lines.push("", `Overloaded region's TTFT p99, nearest-first over time routing: ${verdict.overloaded_ttft_p99_improvement?.toFixed(2)}x. Regions worse by more than their round trip: ${verdict.worse_by_more_than_rtt.length ? verdict.worse_by_more_than_rtt.join(", ") : "none"}. Light phase (every region at ${LIGHT}x): ${verdict.light_cross_region} requests served in another region.`);
+writeFileSync(path.join(dir, `regions-${date}.md`), lines.join("\n") + "\n");
+console.log(lines.join("\n"));
