@@ -161,8 +161,9 @@ test("a retry onto a full backend is refused and the lease moves to one with roo
   assert.equal(full.leases_in_flight, 1, "the full backend was not overfilled");
   // The Worker tries the next candidate: it has room.
   const moved = await call("reassign", { lease_id: a.lease_id, to: free, failure: { kind: "transport" } });
-  assert.equal(moved.status, 200, await moved.text());
-  assert.equal((await moved.json()).id, free);
+  const movedBody = await moved.text();
+  assert.equal(moved.status, 200, movedBody);
+  assert.equal(JSON.parse(movedBody).id, free);
   assert.equal((await (await gw.admin(`/admin/backends/${free}`)).json()).leases_in_flight, 1);
   assert.equal((await (await gw.admin(`/admin/backends/${a.backend}`)).json()).leases_in_flight, 0);
   for (const g of grants) await call("release", { lease_id: g.lease_id, outcome: { kind: "success" } });
