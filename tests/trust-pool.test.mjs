@@ -95,6 +95,42 @@ test("a mixed-model queue: a request for a model with an idle backend is granted
   for (const r of await Promise.all(waitersA)) assert.equal(r.status, 200, r.body);
 });
 
+test("keyless clients are told apart by a salted hash of their address, never the address itself, and share the queue fairly", async () => {
+  const name = "tp-keyless";
+  await putPool(gw, name, { admission: { enabled: true, poll_ms: 1000, max_wait_ms: 30000, max_queue_per_tenant: 0 } });
+  pools.push(name);
+  const model = "tp-model-k";
+  await register(gw, name, "tp-keyless-0", model, await sim(model));
+  const call = await poolObjectCall(gw, name);
+  const held = await call("acquire", { features: features(model, "tp-k-hold"), admission: { tenant: "holder" } });
+  assert.equal(held.status, 200);
+  const { lease_id } = await held.json();
+  const done = [];
+  const ask = (ip, label) => gw.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json", "cf-connecting-ip": ip },
+    body: JSON.stringify({ model, max_tokens: 2, ignore_eos: true, messages: [{ role: "user", content: `${label} ${Math.random()}` }] }),
+  }).then(async (r) => { await r.text(); done.push(label); return r.status; });
+  // One address sends three, then another sends one.
+  const asks = [];
+  for (const i of [1, 2, 3]) {
+    asks.push(ask("203.0.113.7", `x${i}`));
+    await waitFor(async () => ((await poolState(gw, name)).queue.length >= i ? true : null), { intervalMs: 20, what: `${i} queued` });
+  }
+  asks.push(ask("2001:db8::9", "y1"));
+  await waitFor(async () => ((await poolState(gw, name)).queue.length >= 4 ? true : null), { intervalMs: 20, what: "4 queued" });
+  const summary = await poolState(gw, name);
+  assert.equal(summary.queue.tenants, 2, "two addresses, two tenants");
+  const metrics = await (await gw.admin("/metrics")).text();
+  for (const text of [JSON.stringify(summary), metrics]) {
+    assert.ok(!text.includes("203.0.113.7") && !text.includes("2001:db8::9"), "an address leaked");
+  }
+  await call("release", { lease_id, outcome: { kind: "success" } });
+  for (const status of await Promise.all(asks)) assert.equal(status, 200);
+  // Fair shares: the second address is served second, not after every request of the first.
+  assert.deepEqual(done, ["x1", "y1", "x2", "x3"]);
+});
+
 test("a grant whose Worker gave up on it (before any answer, or while it was on its way back) is released at once", async () => {
   const name = "tp-hangup";
   // Long leases: a leaked one would stay for a minute, far past this test's waits.
