@@ -36,6 +36,8 @@ mod fair_share;
 mod queue;
 mod render;
 mod request;
+#[cfg(test)]
+mod shard_priority;
 mod stats;
 #[cfg(test)]
 mod test_support;
