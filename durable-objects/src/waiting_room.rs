@@ -19,7 +19,7 @@
 //! - a grant answered to a call whose Worker had already given up on it (its client hung up while
 //!   the answer was on its way, or before any answer): the Worker names the wait in a dequeue
 //!   (its `wait_id`, which is the ticket), and the lease of a grant delivered under that ticket in
-//!   the last [`DELIVERED_KEEP_MS`] goes back at once, not after `lease_ttl_ms`.
+//!   the last `DELIVERED_KEEP_MS` goes back at once, not after `lease_ttl_ms`.
 //!
 //! **When the queue is dispatched.** Only when room may have appeared: a lease share ended (the
 //! pool's freed list), or the Durable Object [`WaitingRoom::wake`]s it (a probe, a registry or
@@ -30,7 +30,8 @@
 
 use futures_channel::oneshot;
 use routing_core::admission::{
-    AdmissionConfig, AdmissionQueue, AdmissionRequest, Departure, DropReason, Ticket, Waiting,
+    AdmissionConfig, AdmissionQueue, AdmissionRequest, DeliveredGrants, Departure, DropReason,
+    Ticket, Waiting,
 };
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{AcquireError, Grant, Pool};
@@ -43,11 +44,6 @@ use std::collections::HashMap;
 pub const POLL_GRACE_MS: u64 = 3_000;
 /// Least time between two sweeps.
 const SWEEP_EVERY_MS: u64 = 250;
-/// How long a delivered grant stays known by its ticket, for a dequeue from a Worker that never
-/// got it (sent the moment its client hangs up, so milliseconds later).
-pub const DELIVERED_KEEP_MS: u64 = 30_000;
-/// Most delivered grants remembered (the oldest are forgotten first).
-const DELIVERED_MAX: usize = 4_096;
 
 /// How a queued request's wait ended.
 #[derive(Debug)]
@@ -135,11 +131,8 @@ pub struct WaitingRoom {
     last_sweep_ms: u64,
     /// Room may have appeared without a lease ending (a probe, a config change): dispatch.
     dirty: bool,
-    /// Grants answered recently, by ticket: (lease, when), for a dequeue of a wait whose
-    /// Worker never read its answer.
-    delivered: HashMap<Ticket, (u64, u64)>,
-    /// The same tickets in delivery order, to forget the old ones.
-    delivered_order: std::collections::VecDeque<(u64, Ticket)>,
+    /// Grants answered recently, for a dequeue of a wait whose Worker never read its answer.
+    delivered: DeliveredGrants,
 }
 
 impl WaitingRoom {
@@ -156,26 +149,7 @@ impl WaitingRoom {
 
     /// Remembers a grant answered under `ticket`, so a dequeue naming it releases its lease.
     pub fn record_delivered(&mut self, ticket: Ticket, lease_id: u64, now_ms: u64) {
-        self.forget_delivered(now_ms);
-        if self.delivered.len() >= DELIVERED_MAX {
-            if let Some((_, old)) = self.delivered_order.pop_front() {
-                self.delivered.remove(&old);
-            }
-        }
-        self.delivered.insert(ticket, (lease_id, now_ms));
-        self.delivered_order.push_back((now_ms, ticket));
-    }
-
-    fn forget_delivered(&mut self, now_ms: u64) {
-        while let Some(&(at, ticket)) = self.delivered_order.front() {
-            if now_ms < at.saturating_add(DELIVERED_KEEP_MS) {
-                break;
-            }
-            self.delivered_order.pop_front();
-            if self.delivered.get(&ticket).is_some_and(|(_, t)| *t == at) {
-                self.delivered.remove(&ticket);
-            }
-        }
+        self.delivered.record(ticket, lease_id, now_ms);
     }
 
     /// A verdict about to be answered under `ticket`: a grant is remembered (see
@@ -325,7 +299,7 @@ impl WaitingRoom {
         now_ms: u64,
         rng: &mut dyn RandomSource,
     ) {
-        self.forget_delivered(now_ms);
+        self.delivered.forget_old(now_ms);
         if self.is_idle() {
             pool.take_freed();
             self.dirty = false;
@@ -472,7 +446,7 @@ impl WaitingRoom {
     /// does the lease of a grant answered under this ticket that the Worker never read.
     pub fn dequeue(&mut self, pool: &mut Pool, ticket: Ticket, now_ms: u64) -> bool {
         let Some(w) = self.waiters.remove(&ticket) else {
-            let Some((lease_id, _)) = self.delivered.remove(&ticket) else {
+            let Some(lease_id) = self.delivered.take(ticket) else {
                 return false;
             };
             let cancelled = Outcome::of_kind(OutcomeKind::Cancelled);

@@ -24,13 +24,15 @@
 //! **Leaving.** A request leaves the queue granted, or dropped for a [`DropReason`]: the queue or
 //! its tenant's share of it is full, it was evicted to make room for a tenant under its share,
 //! its wait passed its deadline, or its client left. Time is passed in; nothing here does I/O.//!
-//! The files: `request` (what waits and how it leaves), `fair_share` (one priority band's
+//! The files: `request` (what waits and how it leaves), `delivered` (grants answered recently,
+//! for a dequeue from a Worker that never read its grant), `fair_share` (one priority band's
 //! deficit round robin between tenants), `queue` (the [`AdmissionQueue`]: bands, limits,
 //! eviction, the service plan), `dispatch` (granting leases from the [`Pool`](crate::pool::Pool)
 //! as backends free up), `stats` and `render` (the queue's counters and their Prometheus text).
 //! The capacity rule ([`has_room`]) and the knobs ([`AdmissionConfig`]) are the pool's, since a
 //! pool applies them even to a request that never queues; they are re-exported here.
 
+mod delivered;
 mod dispatch;
 mod fair_share;
 mod queue;
@@ -43,6 +45,7 @@ mod stats;
 mod test_support;
 
 pub use crate::pool::{has_room, AdmissionConfig, MAX_QUEUE};
+pub use delivered::{DeliveredGrants, DELIVERED_KEEP_MS, DELIVERED_MAX};
 pub use queue::AdmissionQueue;
 pub use request::{
     AdmissionRequest, Departure, DropReason, Ticket, Waiting, MAX_TICKET, PRIORITY_RANGE,
