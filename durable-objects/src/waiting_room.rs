@@ -315,6 +315,9 @@ impl WaitingRoom {
                 self.deliver(pool, departure, now_ms);
             }
         }
+        // With admission control turned off, leases that end are not reported as freed room:
+        // the requests still queued from before are dispatched on every settle until gone.
+        self.dirty |= !config.enabled;
         loop {
             let freed = pool.take_freed();
             if freed.is_empty() && !std::mem::take(&mut self.dirty) {
