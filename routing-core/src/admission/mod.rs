@@ -14,12 +14,19 @@
 //! sending short ones, not the same number of requests. Within a tenant, arrival order. A round in
 //! which nobody could pay is skipped in one step, so a small quantum costs no time.
 //!
+//! **No head-of-line blocking.** The dispatcher walks the whole queue in that order and places
+//! every request it can: a request whose backends are full is passed over together with every
+//! later one for the same model (and role), so a request for a model with idle backends is placed
+//! at once behind any number waiting for a saturated one, and a lower band's request is placed
+//! only when no higher-band request could use the room. It runs only when room may have appeared
+//! (a lease share ended, a probe, a registry or configuration change), never per call.
+//!
 //! **Look-ahead.** When a lease ends on backend X, the dispatcher looks at the next `lookahead`
-//! requests that order would serve and serves first the one whose prefix X holds longest. The
-//! window only ever holds requests of the band being served, and a request served early is charged
-//! to its tenant's credit at once (which may go negative), so no request is overtaken by more than
-//! `lookahead - 1` others that the order would have served after it, and tenants' long-run shares
-//! are unchanged.
+//! placeable requests that order would serve and serves first the one whose prefix X holds
+//! longest. The window only ever holds requests of the band being served, and a request served
+//! early is charged to its tenant's credit at once (which may go negative), so no request is
+//! overtaken by more than `lookahead - 1` others of placeable models that the order would have
+//! served after it, and tenants' long-run shares are unchanged.
 //!
 //! **Leaving.** A request leaves the queue granted, or dropped for a [`DropReason`]: the queue or
 //! its tenant's share of it is full, it was evicted to make room for a tenant under its share,

@@ -16,7 +16,8 @@ pub const MAX_TICKET: u64 = (1 << 53) - 1;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AdmissionRequest {
-    /// The tenant (client key id, else `x-tenant-id`, else `anonymous`).
+    /// The tenant (client key id, else `x-tenant-id`, else a salted hash of the client's
+    /// address, else `anonymous`).
     pub tenant: String,
     /// Priority band; higher is served first (default 0).
     pub priority: i32,
