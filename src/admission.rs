@@ -2,7 +2,11 @@
 //! pool's queue.
 //!
 //! The tenant is the client key (a minted key's id, or a `CLIENT_API_KEYS` key's hash prefix),
-//! else the `x-tenant-id` header, else `anonymous`. The priority is the key's configured
+//! else the `x-tenant-id` header, else the client's address: `ip-` and 16 hex digits of
+//! SHA-256(salt, `cf-connecting-ip`), so keyless clients share fairly by address while the address
+//! itself is never kept, logged or shown (the salt is the `TENANT_SALT` secret; without it, a
+//! random salt per isolate, which tells addresses apart within an isolate but not across them);
+//! `anonymous` only when no address is known. The priority is the key's configured
 //! `priority`; `x-gateway-priority` may lower it, or set it when the client has no key.
 //! `x-gateway-max-wait-ms` may shorten the pool's `max_wait_ms`.
 //!
@@ -11,7 +15,10 @@
 //! ticket and the time already waited. If the Durable Object fails or restarts mid-call, the next
 //! call re-enters the queue with that ticket and time (so the deadline holds); after a few failed
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
-//! as the platform reports it), the wait is abandoned and the pool told at once.
+//! as the platform reports it), the wait is abandoned and the pool told at once, under the wait's
+//! own id (chosen here before the first call, and the ticket the pool files it under): so a
+//! hang-up before any answer, or while a grant is on its way back, releases that grant's lease at
+//! once instead of after `lease_ttl_ms`.
 
 use crate::do_client::{error_from_web, pool_call_web, pool_json, read_json};
 use crate::keys::ClientKey;
@@ -22,7 +29,7 @@ use coordinator_protocol::messages::{
 };
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
-use routing_core::admission::{AdmissionRequest, PRIORITY_RANGE};
+use routing_core::admission::{AdmissionRequest, MAX_TICKET, PRIORITY_RANGE};
 use routing_core::pool::Grant;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
@@ -50,10 +57,32 @@ pub fn validate_priority(p: i32) -> Result<(), ApiError> {
     }
 }
 
-/// The admission part of an acquire: tenant, priority and wait limit of this request.
+/// The salt of keyless tenants' address hashes: the `TENANT_SALT` secret, else a random one per
+/// isolate.
+pub fn tenant_salt(env: &Env) -> String {
+    thread_local! {
+        static RANDOM_SALT: String = format!("{:016x}", (js_sys::Math::random() * 2f64.powi(53)) as u64);
+    }
+    env.secret("TENANT_SALT")
+        .map(|s| s.to_string())
+        .or_else(|_| env.var("TENANT_SALT").map(|s| s.to_string()))
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| RANDOM_SALT.with(String::clone))
+}
+
+/// A keyless client's tenant, from its address: never the address itself.
+fn address_tenant(salt: &str, address: &str) -> String {
+    let digest = crate::keys::hash_key(&format!("{salt}\n{address}"));
+    format!("ip-{}", &digest[..16])
+}
+
+/// The admission part of an acquire: tenant, priority and wait limit of this request
+/// (`salt`: [`tenant_salt`]).
 pub fn admission_request(
     req: &Request,
     key: Option<&ClientKey>,
+    salt: &str,
 ) -> Result<AdmissionRequest, ApiError> {
     let header = |name: &str| {
         req.headers()
@@ -82,6 +111,11 @@ pub fn admission_request(
         None => (
             header("x-tenant-id")
                 .map(|t| tenant_name(&t))
+                .or_else(|| {
+                    header("cf-connecting-ip")
+                        .filter(|a| !a.is_empty())
+                        .map(|a| address_tenant(salt, &a))
+                })
                 .unwrap_or_else(|| "anonymous".to_string()),
             asked.unwrap_or(0),
         ),
@@ -106,6 +140,7 @@ pub fn admission_request(
         max_wait_ms,
         ticket: None,
         waited_ms: 0,
+        wait_id: None,
     })
 }
 
@@ -143,6 +178,9 @@ pub async fn acquire(
 ) -> Result<Admitted, ApiError> {
     let started = Date::now().as_millis();
     let mut who = who.clone();
+    // This wait's own id, so a dequeue can name it before the pool answered anything.
+    let wait_id = ((js_sys::Math::random() * 2f64.powi(53)) as u64 & MAX_TICKET).max(1);
+    who.wait_id = Some(wait_id);
     let mut failures = 0;
     let mut gone = JsFuture::from(hung_up.clone());
     // Made at the first 202, once the request holds a ticket between calls.
@@ -160,12 +198,12 @@ pub async fn acquire(
         let answer = match select(call, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
             Either::Right((Either::Left(_), _)) => {
-                if let Some(ticket) = who.ticket {
-                    // Tell the pool at once; `wait_until` lets the call finish after the response.
-                    let env = env.clone();
-                    let pool = pool.to_string();
-                    ctx.wait_until(async move { dequeue(&env, &pool, shard, ticket).await });
-                }
+                // Tell the pool at once, even before any answer (a grant may be on its way back);
+                // `wait_until` lets the call finish after the response.
+                let ticket = who.ticket.unwrap_or(wait_id);
+                let env = env.clone();
+                let pool = pool.to_string();
+                ctx.wait_until(async move { dequeue(&env, &pool, shard, ticket).await });
                 let mut e = ApiError::bad_request("The client closed the request.")
                     .with_code("client_closed_request");
                 e.status = 499;

@@ -264,7 +264,7 @@ async fn completion(
     let settings = settings::settings(env);
     let key = keys::identify(&req, env, ctx).await?;
     let client = key.as_ref().map(|k| k.hash.clone());
-    let who = admission::admission_request(&req, key.as_ref())?;
+    let who = admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?;
     let body = read_body_limited(&mut req, settings.max_body_bytes).await?;
     let parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;

@@ -15,11 +15,23 @@
 //! - a verdict reached while no call was open is parked for the next call; a parked lease nobody
 //!   picks up within the grace is released;
 //! - the Durable Object restarted: the Worker's call fails or its ticket is unknown here, and the
-//!   request re-enters the queue with the time it already waited (so its deadline holds).
+//!   request re-enters the queue with the time it already waited (so its deadline holds);
+//! - a grant answered to a call whose Worker had already given up on it (its client hung up while
+//!   the answer was on its way, or before any answer): the Worker names the wait in a dequeue
+//!   (its `wait_id`, which is the ticket), and the lease of a grant delivered under that ticket in
+//!   the last `DELIVERED_KEEP_MS` goes back at once, not after `lease_ttl_ms`.
+//!
+//! **When the queue is dispatched.** Only when room may have appeared: a lease share ended (the
+//! pool's freed list), or the Durable Object [`WaitingRoom::wake`]s it (a probe, a registry or
+//! configuration change, a sibling's load); deadlines are enforced when they pass. A renewal or a
+//! new request queued behind others costs no dispatch, so a call's work does not grow with the
+//! queue. A new request whose model has nobody waiting is tried at once, whatever waits for other
+//! models.
 
 use futures_channel::oneshot;
 use routing_core::admission::{
-    AdmissionConfig, AdmissionQueue, AdmissionRequest, Departure, DropReason, Ticket, Waiting,
+    AdmissionConfig, AdmissionQueue, AdmissionRequest, DeliveredGrants, Departure, DropReason,
+    Ticket, Waiting,
 };
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{AcquireError, Grant, Pool};
@@ -117,12 +129,36 @@ pub struct WaitingRoom {
     waiters: HashMap<Ticket, Waiter>,
     next_call: u64,
     last_sweep_ms: u64,
+    /// Room may have appeared without a lease ending (a probe, a config change): dispatch.
+    dirty: bool,
+    /// Grants answered recently, for a dequeue of a wait whose Worker never read its answer.
+    delivered: DeliveredGrants,
 }
 
 impl WaitingRoom {
     /// Whether no request waits and no verdict is parked.
     pub fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.waiters.is_empty()
+    }
+
+    /// Room may have appeared other than by a lease ending (a probe, a registry or configuration
+    /// change, a sibling's load report): the next settle dispatches.
+    pub fn wake(&mut self) {
+        self.dirty = true;
+    }
+
+    /// Remembers a grant answered under `ticket`, so a dequeue naming it releases its lease.
+    pub fn record_delivered(&mut self, ticket: Ticket, lease_id: u64, now_ms: u64) {
+        self.delivered.record(ticket, lease_id, now_ms);
+    }
+
+    /// A verdict about to be answered under `ticket`: a grant is remembered (see
+    /// [`Self::record_delivered`]).
+    fn answered(&mut self, ticket: Ticket, verdict: Verdict, now_ms: u64) -> Verdict {
+        if let Verdict::Granted { grant, .. } = &verdict {
+            self.record_delivered(ticket, grant.lease_id, now_ms);
+        }
+        verdict
     }
 
     /// Whether `ticket` belongs to a wait in progress here.
@@ -148,7 +184,7 @@ impl WaitingRoom {
             if let Some(w) = self.waiters.get_mut(&ticket) {
                 if let Some(verdict) = w.parked.take() {
                     self.waiters.remove(&ticket);
-                    return Step::Done(verdict);
+                    return Step::Done(self.answered(ticket, verdict, now_ms));
                 }
                 if self.queue.contains(ticket) {
                     return self.open_call(ticket, signal, config, now_ms);
@@ -157,18 +193,33 @@ impl WaitingRoom {
             }
             self.queue.record_reentry();
         }
+        let free = |t: Ticket| !self.queue.contains(t) && !self.waiters.contains_key(&t);
         let ticket = who
             .ticket
-            .filter(|t| !self.queue.contains(*t) && !self.waiters.contains_key(t))
+            .filter(|t| free(*t))
+            .or_else(|| who.chosen_ticket(free))
             .unwrap_or_else(|| self.queue.new_ticket(rng));
         let request = Waiting::new(ticket, features, who, config, now_ms);
-        if self.queue.is_empty() {
-            let headroom = config.enabled.then_some(config.overcommit);
-            match pool.acquire_within(&request.features, now_ms, rng, headroom) {
+        // Nobody waits for this model: whatever waits for others cannot use its backends' room
+        // (or it would have been granted when that room appeared), so it is tried at once.
+        if self.queue.waiting_for_model(&request.features.model) == 0 {
+            // Overcommit only for a request that has the queue to itself.
+            let headroom = if self.queue.is_empty() {
+                config.overcommit
+            } else {
+                0.0
+            };
+            match pool.acquire_within(
+                &request.features,
+                now_ms,
+                rng,
+                config.enabled.then_some(headroom),
+            ) {
                 Ok(grant) => {
                     self.queue.record_immediate();
                     let waited_ms = who.waited_ms;
-                    return Step::Done(Verdict::Granted { grant, waited_ms });
+                    let verdict = Verdict::Granted { grant, waited_ms };
+                    return Step::Done(self.answered(ticket, verdict, now_ms));
                 }
                 Err(AcquireError::AtCapacity) => {}
                 Err(e) => return Step::Refused(e),
@@ -201,9 +252,8 @@ impl WaitingRoom {
             }
             Ok(None) => {}
         }
-        let step = self.open_call(ticket, signal, config, now_ms);
-        self.settle(pool, config, now_ms, rng);
-        step
+        // Nothing freed room: the new request waits behind its model's without a dispatch.
+        self.open_call(ticket, signal, config, now_ms)
     }
 
     fn open_call(
@@ -239,9 +289,9 @@ impl WaitingRoom {
         }
     }
 
-    /// Drops waiters whose client left, then grants leases while backends have room. Call after
-    /// anything that may free room or change the queue (a lease ended, a probe, a config change,
-    /// a call's timer).
+    /// Drops waiters whose client left and requests past their deadline, then, if room may have
+    /// appeared (a lease share ended, or [`Self::wake`]), grants leases while backends have room.
+    /// Cheap when nothing changed: call after every call.
     pub fn settle(
         &mut self,
         pool: &mut Pool,
@@ -249,16 +299,30 @@ impl WaitingRoom {
         now_ms: u64,
         rng: &mut dyn RandomSource,
     ) {
+        self.delivered.forget_old(now_ms);
         if self.is_idle() {
             pool.take_freed();
+            self.dirty = false;
             return;
         }
         if now_ms >= self.last_sweep_ms.saturating_add(SWEEP_EVERY_MS) {
             self.sweep(pool, now_ms);
         }
         let mut out = Vec::new();
+        if self.queue.next_deadline().is_some_and(|d| d <= now_ms) {
+            self.queue.expire(now_ms, &mut out);
+            for departure in out.drain(..) {
+                self.deliver(pool, departure, now_ms);
+            }
+        }
+        // With admission control turned off, leases that end are not reported as freed room:
+        // the requests still queued from before are dispatched on every settle until gone.
+        self.dirty |= !config.enabled;
         loop {
             let freed = pool.take_freed();
+            if freed.is_empty() && !std::mem::take(&mut self.dirty) {
+                break;
+            }
             out.clear();
             self.queue
                 .dispatch(pool, config, &freed, now_ms, rng, &mut out);
@@ -288,8 +352,17 @@ impl WaitingRoom {
         match w.call.take() {
             Some(tx) => {
                 self.waiters.remove(&ticket);
+                let lease = match &verdict {
+                    Verdict::Granted { grant, .. } => Some(grant.lease_id),
+                    Verdict::Dropped { .. } => None,
+                };
                 match tx.send(verdict) {
-                    Ok(()) => true,
+                    Ok(()) => {
+                        if let Some(lease) = lease {
+                            self.record_delivered(ticket, lease, now_ms);
+                        }
+                        true
+                    }
                     Err(verdict) => self.refuse(pool, verdict, now_ms),
                 }
             }
@@ -364,7 +437,7 @@ impl WaitingRoom {
         }
         if let Some(verdict) = w.parked.take() {
             self.waiters.remove(&ticket);
-            return Some(verdict);
+            return Some(self.answered(ticket, verdict, now_ms));
         }
         w.call = None;
         w.signal = None;
@@ -372,10 +445,18 @@ impl WaitingRoom {
         None
     }
 
-    /// Leaves the queue at the client's request (it hung up); a parked lease goes back.
+    /// Leaves the queue at the client's request (it hung up); a parked lease goes back, and so
+    /// does the lease of a grant answered under this ticket that the Worker never read.
     pub fn dequeue(&mut self, pool: &mut Pool, ticket: Ticket, now_ms: u64) -> bool {
         let Some(w) = self.waiters.remove(&ticket) else {
-            return false;
+            let Some(lease_id) = self.delivered.take(ticket) else {
+                return false;
+            };
+            let cancelled = Outcome::of_kind(OutcomeKind::Cancelled);
+            if pool.release(lease_id, &cancelled, now_ms) {
+                self.queue.record_drop(DropReason::ClientGone);
+            }
+            return true;
         };
         match w.parked {
             Some(verdict) => {

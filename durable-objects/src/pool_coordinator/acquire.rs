@@ -37,10 +37,16 @@ impl PoolCoordinator {
             } = l;
             if !queueing {
                 return Ok(match pool.acquire(&features, now, rng) {
-                    Ok(grant) => Step::Done(Verdict::Granted {
-                        grant,
-                        waited_ms: 0,
-                    }),
+                    Ok(grant) => {
+                        // Known by the Worker's wait id, for a dequeue if it never reads this.
+                        if let Some(id) = admission.as_ref().and_then(|a| a.wait_id) {
+                            room.record_delivered(id, grant.lease_id, now);
+                        }
+                        Step::Done(Verdict::Granted {
+                            grant,
+                            waited_ms: 0,
+                        })
+                    }
                     Err(e) => Step::Refused(e),
                 });
             }

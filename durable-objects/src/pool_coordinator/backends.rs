@@ -82,11 +82,13 @@ impl PoolCoordinator {
                     l.pool
                         .set_lifecycle(&id, Lifecycle::Draining, now)
                         .map_err(pool_error)?;
+                    record_drain(l, &id, Some(now))?;
                 }
                 Some(false) => {
                     l.pool
                         .set_lifecycle(&id, Lifecycle::Ready, now)
                         .map_err(pool_error)?;
+                    record_drain(l, &id, None)?;
                     l.pending_delete.remove(&id);
                     l.registry.set_meta("pending_delete", &l.pending_delete)?;
                 }
@@ -113,7 +115,9 @@ impl PoolCoordinator {
                 .pool
                 .backend(&id)
                 .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
-            if force || view.leases_in_flight == 0 {
+            // Within a restart's hold, a backend showing no leases may still run streams the
+            // pool forgot: it drains like a busy one, and goes once they renewed and ended.
+            if force || (view.leases_in_flight == 0 && now >= drain_hold(l, &id)) {
                 remove_backend(l, &id)?;
                 return answer(
                     200,
@@ -128,6 +132,7 @@ impl PoolCoordinator {
             l.pool
                 .set_lifecycle(&id, Lifecycle::Draining, now)
                 .map_err(pool_error)?;
+            record_drain(l, &id, Some(now))?;
             l.pending_delete.insert(id.clone());
             l.registry.set_meta("pending_delete", &l.pending_delete)?;
             persist_snapshots(l);
@@ -167,15 +172,24 @@ pub(super) fn admin_backend(l: &Live, view: routing_core::pool::BackendView) -> 
     }
 }
 
-/// Removes drained backends whose `DELETE` was waiting for the drain.
+/// Removes drained backends whose `DELETE` was waiting for the drain; once a restart's hold is
+/// over, marks drained the draining backends none of whose streams came back.
 pub(super) fn finish_drains(l: &mut Live) {
+    let now = now_ms();
+    if l.drain_hold_until_ms != 0 && now >= l.drain_hold_until_ms {
+        l.drain_hold_until_ms = 0;
+        l.restored.clear();
+        if !l.pool.finish_idle_drains().is_empty() {
+            persist_snapshots(l);
+        }
+    }
     if l.pending_delete.is_empty() {
         return;
     }
     let done: Vec<BackendId> = l
         .pending_delete
         .iter()
-        .filter(|id| drain_finished(l.pool.backend(id).as_ref()))
+        .filter(|id| drain_finished(l.pool.backend(id).as_ref(), now, drain_hold(l, id)))
         .cloned()
         .collect();
     for id in done {
@@ -185,12 +199,45 @@ pub(super) fn finish_drains(l: &mut Live) {
     }
 }
 
+/// Until when `id`'s drain is held after a restart (0: not held).
+pub(super) fn drain_hold(l: &Live, id: &BackendId) -> u64 {
+    if l.restored.contains(id) {
+        l.drain_hold_until_ms
+    } else {
+        0
+    }
+}
+
+/// Records when a backend's drain started (`Some`) or that it no longer drains (`None`).
+pub(super) fn record_drain(
+    l: &mut Live,
+    id: &BackendId,
+    started_ms: Option<u64>,
+) -> std::result::Result<(), ApiError> {
+    let changed = match started_ms {
+        Some(at) => {
+            if l.drain_started.contains_key(id) {
+                false
+            } else {
+                l.drain_started.insert(id.clone(), at);
+                true
+            }
+        }
+        None => l.drain_started.remove(id).is_some(),
+    };
+    if changed {
+        l.registry.set_meta("drain_started", &l.drain_started)?;
+    }
+    Ok(())
+}
+
 pub(super) fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiError> {
     let _ = l.pool.remove_backend(id, now_ms());
     l.registry.delete(&id.0)?;
     l.probes.remove(id);
     l.persisted.remove(id);
     l.load = pool_load(l);
+    record_drain(l, id, None)?;
     if l.pending_delete.remove(id) {
         l.registry.set_meta("pending_delete", &l.pending_delete)?;
     }

@@ -101,6 +101,13 @@ struct Live {
     probes: HashMap<BackendId, ProbeReport>,
     /// Backends whose `DELETE` waits for their drain to finish.
     pending_delete: HashSet<BackendId>,
+    /// When each draining backend's drain started (persisted, so a restart knows it drains).
+    drain_started: HashMap<BackendId, u64>,
+    /// After a restart: until when no drain of a backend restored from storage may finish, so
+    /// the streams still running on it renew first (`routing_core::drain`); 0 once over.
+    drain_hold_until_ms: u64,
+    /// The backends restored at the restart (those whose streams the pool may have forgotten).
+    restored: HashSet<BackendId>,
     probe_rounds: u64,
     last_probe_ms: Option<u64>,
     /// Leases moved to another backend after a failure (retries).
@@ -176,7 +183,23 @@ impl DurableObject for PoolCoordinator {
         let result = match parse_route(&req, Object::Pool) {
             Ok(route) => {
                 let moves_load = route.moves_load();
+                // A lease that ends frees room through the pool's freed list; a registry, probe,
+                // configuration or sibling change may free room too: it wakes the queue. Reads
+                // and renewals cost no dispatch.
+                let read_only = matches!(
+                    route,
+                    Route::Summary
+                        | Route::Metrics
+                        | Route::History
+                        | Route::GetConfig
+                        | Route::ListBackends
+                        | Route::ShowBackend(_)
+                        | Route::Models
+                );
                 let result = self.handle(route, &mut req).await;
+                if !moves_load && !read_only {
+                    self.with(|l| l.room.wake());
+                }
                 if moves_load {
                     self.load_changed();
                 }
@@ -185,7 +208,7 @@ impl DurableObject for PoolCoordinator {
             Err(e) => Err(e),
         };
         // Whatever the call changed (a lease ended, a backend came back, settings) may let a
-        // queued request in.
+        // queued request in; a call that changed nothing costs no dispatch.
         self.settle_queue();
         result.or_else(|e| e.to_response())
     }
@@ -319,6 +342,22 @@ impl PoolCoordinator {
         }
         let pending_delete: HashSet<BackendId> =
             registry.meta("pending_delete").unwrap_or_default();
+        let drain_started: HashMap<BackendId, u64> =
+            registry.meta("drain_started").unwrap_or_default();
+        // Leases are memory only: a restored backend may still run streams that renew within a
+        // lease lifetime, so its drain (and any delete waiting for it) waits that long.
+        let restored: HashSet<BackendId> = pool.backends().map(|v| v.id).collect();
+        let drain_hold_until_ms = if restored.is_empty() {
+            0
+        } else {
+            routing_core::drain::restart_hold_until(now, settings.routing.lease_ttl_ms)
+        };
+        for (id, at) in &drain_started {
+            console_log!(
+                "pool {name}: backend {} has drained since {at}; held until {drain_hold_until_ms}",
+                id.0
+            );
+        }
         let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
         *self.live.borrow_mut() = Some(Live {
             name,
@@ -331,6 +370,9 @@ impl PoolCoordinator {
             budget: RetryBudget::new(),
             probes: HashMap::new(),
             pending_delete,
+            drain_started,
+            drain_hold_until_ms,
+            restored,
             probe_rounds: 0,
             last_probe_ms: None,
             retries: 0,

@@ -98,6 +98,8 @@ impl PoolCoordinator {
             finish_drains(l);
             persist_snapshots(l);
             record_history(l);
+            // A round may bring a backend back or learn a larger capacity: dispatch the queue.
+            l.room.wake();
         });
         self.settle_queue();
         self.push_probe_round().await;

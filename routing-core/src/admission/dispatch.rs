@@ -1,18 +1,27 @@
-//! Granting queued requests: [`AdmissionQueue::dispatch`] asks the pool for a lease for each
-//! waiting request in the queue's order while backends have room, a freed backend preferring a
-//! request whose prefix it holds.
+//! Granting queued requests: [`AdmissionQueue::dispatch`] asks the pool for a lease for every
+//! waiting request it can place, in the queue's order, a freed backend preferring a request whose
+//! prefix it holds.
+//!
+//! **Nothing blocks on what it cannot place.** The whole queue is walked in service order, not
+//! just its head: a request whose backends are full is passed over, and so is every later request
+//! for the same model (and role), which those full backends would refuse too, so each model costs
+//! one failed try per dispatch and a request for a model with idle backends is placed at once
+//! behind any number waiting for a saturated one. Bands keep their order: a lower band's request
+//! is placed only when no request of a higher band could use the room (every higher one before it
+//! in the walk was tried, or passed over as its model's were refused).
 
 use super::request::{Departure, DropReason};
 use super::AdmissionQueue;
-use crate::backend::BackendId;
+use crate::backend::{BackendId, Role};
 use crate::pool::{AcquireError, AdmissionConfig, Pool};
 use crate::random::RandomSource;
+use std::collections::HashSet;
 
 impl AdmissionQueue {
-    /// Grants leases to waiting requests while backends have room: in the queue's order, the
+    /// Grants leases to every waiting request the pool can place: in the queue's order, the
     /// look-ahead preferring a request whose prefix a `freed` backend holds (one freed backend per
-    /// grant), skipping requests whose backends are all full. Expired requests are dropped first.
-    /// Departures are appended to `out`.
+    /// grant), passing over requests whose model's backends are full (see the module
+    /// documentation). Expired requests are dropped first. Departures are appended to `out`.
     pub fn dispatch(
         &mut self,
         pool: &mut Pool,
@@ -24,25 +33,32 @@ impl AdmissionQueue {
     ) {
         self.expire(now_ms, out);
         let quantum = config.quantum_tokens.clamp(1, i64::MAX as u64) as i64;
+        let lookahead = config.lookahead.max(1);
         let mut freed = freed.iter();
         let mut plan = std::mem::take(&mut self.plan);
         let mut order: Vec<usize> = Vec::new();
+        // Models (and roles) whose backends refused a request in this dispatch.
+        let mut full: HashSet<(String, Option<Role>)> = HashSet::new();
+        let blocked = |q: &AdmissionQueue, full: &HashSet<(String, Option<Role>)>, t| {
+            q.waiting
+                .get(&t)
+                .is_none_or(|w| full.contains(&(w.features.model.clone(), w.features.role_hint)))
+        };
         while !self.is_empty() {
-            self.plan(config.lookahead.max(1), config.quantum_tokens, &mut plan);
+            self.plan(self.len(), config.quantum_tokens, &mut plan);
             order.clear();
-            order.extend(0..plan.len());
+            order.extend((0..plan.len()).filter(|&i| !blocked(self, &full, plan[i].0)));
+            let Some(&head) = order.first() else { break };
             if let Some(backend) = freed.next() {
-                // Only the band being served competes for the freed backend's prefix.
-                let band = plan
-                    .first()
-                    .and_then(|(t, _)| self.waiting.get(t))
-                    .map(|w| w.priority);
-                let best = plan
+                // Only the band being served competes for the freed backend's prefix, among the
+                // next `lookahead` requests that could be placed.
+                let band = self.waiting.get(&plan[head].0).map(|w| w.priority);
+                let best = order
                     .iter()
-                    .enumerate()
-                    .filter(|(_, (t, _))| self.waiting.get(t).map(|w| w.priority) == band)
-                    .filter_map(|(i, (t, _))| {
-                        let w = self.waiting.get(t)?;
+                    .take(lookahead)
+                    .filter_map(|&i| {
+                        let w = self.waiting.get(&plan[i].0)?;
+                        (w.priority == band?).then_some(())?;
                         Some((pool.cached_blocks_on(backend, &w.features.block_hashes), i))
                     })
                     .filter(|(blocks, _)| *blocks > 0)
@@ -52,8 +68,12 @@ impl AdmissionQueue {
                     order.insert(0, i);
                 }
             }
-            // Overcommit only for a request that has the queue to itself.
+            // Overcommit only for a request that has the queue to itself (which may then fit
+            // where it was refused a moment ago with others waiting).
             let headroom = if self.len() == 1 {
+                if config.overcommit > 0.0 {
+                    full.clear();
+                }
                 config.overcommit
             } else {
                 0.0
@@ -61,6 +81,9 @@ impl AdmissionQueue {
             let mut served = false;
             for &i in &order {
                 let (ticket, in_turn) = plan[i];
+                if blocked(self, &full, ticket) {
+                    continue;
+                }
                 let Some(w) = self.waiting.get(&ticket) else {
                     continue;
                 };
@@ -91,8 +114,11 @@ impl AdmissionQueue {
                         served = true;
                         break;
                     }
-                    // Full, or no backend up: it waits for a lease to end or a backend to recover.
-                    Err(_) => continue,
+                    // Full, or no backend up: it (and its model's) waits for a lease to end or a
+                    // backend to recover; the walk goes on to the next model.
+                    Err(_) => {
+                        full.insert((w.features.model.clone(), w.features.role_hint));
+                    }
                 }
             }
             if !served {
@@ -301,5 +327,117 @@ mod tests {
                 ..
             }]
         ));
+    }
+
+    /// A pool with `a` one-sequence backends for model `llama` and `b` for model `other`.
+    fn two_model_pool(a: usize, b: usize) -> Pool {
+        let mut pool = Pool::new(
+            "p",
+            PoolConfig {
+                policy: crate::policy::PolicyKind::LeastLoad,
+                admission: config(),
+                ..PoolConfig::default()
+            },
+        );
+        for (i, model) in std::iter::repeat_n("llama", a)
+            .chain(std::iter::repeat_n("other", b))
+            .enumerate()
+        {
+            let mut spec = BackendSpec {
+                id: format!("b{i}").into(),
+                url: format!("http://b{i}:8000"),
+                models: vec![model.into()],
+                ..BackendSpec::default()
+            };
+            spec.capacity.max_num_seqs = 1;
+            add_ready(&mut pool, spec);
+        }
+        pool
+    }
+
+    fn enqueue_model(q: &mut AdmissionQueue, ticket: Ticket, model: &str, priority: i32) {
+        let who = AdmissionRequest {
+            tenant: format!("t{ticket}"),
+            priority,
+            ..AdmissionRequest::default()
+        };
+        let body = json!({"model": model, "max_tokens": 8,
+                          "messages": [{"role": "user", "content": format!("q{ticket}")}]});
+        let f = request_features(&body, &|_| None, &FeatureConfig::default()).unwrap();
+        q.offer(Waiting::new(ticket, f, &who, &config(), 0), &config())
+            .unwrap();
+    }
+
+    #[test]
+    fn a_request_for_an_idle_model_is_placed_behind_any_number_for_a_full_one() {
+        let mut pool = two_model_pool(1, 1);
+        let mut rng = SplitMix64::new(9);
+        let mut q = AdmissionQueue::new();
+        let mut out = Vec::new();
+        // Model llama's one backend is busy; far more than `lookahead` wait for it.
+        enqueue_model(&mut q, 1, "llama", 0);
+        q.dispatch(&mut pool, &config(), &[], 0, &mut rng, &mut out);
+        assert_eq!(admitted(&out).len(), 1);
+        for t in 2..=40 {
+            enqueue_model(&mut q, t, "llama", 0);
+        }
+        assert!(config().lookahead < 39);
+        enqueue_model(&mut q, 100, "other", 0);
+        out.clear();
+        q.dispatch(&mut pool, &config(), &[], 1, &mut rng, &mut out);
+        assert_eq!(admitted(&out), vec![(100, "b1".to_string())]);
+        assert_eq!(q.len(), 39, "llama's waiters still wait");
+        assert_eq!(q.waiting_for_model("llama"), 39);
+        assert_eq!(q.waiting_for_model("other"), 0);
+        pool.check_counters().unwrap();
+    }
+
+    #[test]
+    fn a_lower_band_is_placed_when_no_higher_band_request_can_use_the_room() {
+        let mut pool = two_model_pool(1, 1);
+        let mut rng = SplitMix64::new(10);
+        let mut q = AdmissionQueue::new();
+        let mut out = Vec::new();
+        enqueue_model(&mut q, 1, "llama", 0);
+        q.dispatch(&mut pool, &config(), &[], 0, &mut rng, &mut out);
+        let (held, _) = lease_of(&out, 1);
+        // High priority waits for the full model; low priority for the idle one is placed.
+        enqueue_model(&mut q, 2, "llama", 9);
+        enqueue_model(&mut q, 3, "llama", 0);
+        enqueue_model(&mut q, 4, "other", -5);
+        out.clear();
+        q.dispatch(&mut pool, &config(), &[], 1, &mut rng, &mut out);
+        assert_eq!(admitted(&out), vec![(4, "b1".to_string())]);
+        // The room that frees goes to the higher band first, then in order.
+        pool.release(held, &ok(), 2);
+        let freed = pool.take_freed();
+        out.clear();
+        q.dispatch(&mut pool, &config(), &freed, 2, &mut rng, &mut out);
+        assert_eq!(admitted(&out), vec![(2, "b0".to_string())]);
+        assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn one_dispatch_places_every_request_that_fits_across_models() {
+        let mut pool = two_model_pool(2, 3);
+        let mut rng = SplitMix64::new(11);
+        let mut q = AdmissionQueue::new();
+        for t in 1..=6 {
+            enqueue_model(&mut q, t, "llama", 0);
+        }
+        for t in 11..=16 {
+            enqueue_model(&mut q, t, "other", 0);
+        }
+        let mut out = Vec::new();
+        q.dispatch(&mut pool, &config(), &[], 0, &mut rng, &mut out);
+        let granted = admitted(&out);
+        let llama = granted.iter().filter(|(t, _)| *t < 10).count();
+        let other = granted.iter().filter(|(t, _)| *t > 10).count();
+        assert_eq!((llama, other), (2, 3), "{granted:?}");
+        // Within each model, arrival order: the first ones were served.
+        let mut tickets: Vec<Ticket> = granted.iter().map(|g| g.0).collect();
+        tickets.sort();
+        assert_eq!(tickets, vec![1, 2, 11, 12, 13]);
+        pool.check_counters().unwrap();
     }
 }

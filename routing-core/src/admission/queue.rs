@@ -18,6 +18,9 @@ pub struct AdmissionQueue {
     deadlines: BTreeSet<(u64, Ticket)>,
     /// Requests waiting per tenant (hash), across bands.
     per_tenant: HashMap<u64, usize>,
+    /// Requests waiting per model, across bands (a new request for a model nobody waits for is
+    /// tried at once).
+    per_model: HashMap<String, usize>,
     pub(super) stats: AdmissionStats,
     pub(super) plan: Vec<(Ticket, bool)>,
 }
@@ -55,6 +58,11 @@ impl AdmissionQueue {
             .rev()
             .map(|(p, b)| (*p, b.len()))
             .collect()
+    }
+
+    /// Requests waiting for `model`.
+    pub fn waiting_for_model(&self, model: &str) -> usize {
+        self.per_model.get(model).copied().unwrap_or(0)
     }
 
     /// Distinct tenants with requests waiting.
@@ -170,6 +178,10 @@ impl AdmissionQueue {
         }
         flow.queue.push_back(request.ticket);
         *self.per_tenant.entry(key).or_default() += 1;
+        *self
+            .per_model
+            .entry(request.features.model.clone())
+            .or_default() += 1;
         self.deadlines.insert((request.deadline_ms, request.ticket));
         self.waiting.insert(request.ticket, request);
     }
@@ -209,6 +221,12 @@ impl AdmissionQueue {
             *n -= 1;
             if *n == 0 {
                 self.per_tenant.remove(&key);
+            }
+        }
+        if let Some(n) = self.per_model.get_mut(&w.features.model) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_model.remove(&w.features.model);
             }
         }
         self.deadlines.remove(&(w.deadline_ms, w.ticket));
@@ -295,6 +313,7 @@ mod tests {
         assert_eq!(serve(&mut q, 5), vec![3, 5, 1, 2, 4]);
         assert!(q.is_empty());
         assert!(q.bands.is_empty() && q.per_tenant.is_empty() && q.deadlines.is_empty());
+        assert!(q.per_model.is_empty());
     }
 
     #[test]
@@ -399,6 +418,7 @@ mod tests {
             let in_bands: usize = q.bands.values().map(Band::len).sum();
             assert_eq!(in_bands, q.len());
             assert_eq!(q.per_tenant.values().sum::<usize>(), q.len());
+            assert_eq!(q.per_model.values().sum::<usize>(), q.len());
             assert_eq!(q.deadlines.len(), q.len());
             for band in q.bands.values() {
                 assert_eq!(band.active.len(), band.flows.len());

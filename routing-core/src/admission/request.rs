@@ -16,7 +16,8 @@ pub const MAX_TICKET: u64 = (1 << 53) - 1;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AdmissionRequest {
-    /// The tenant (client key id, else `x-tenant-id`, else `anonymous`).
+    /// The tenant (client key id, else `x-tenant-id`, else a salted hash of the client's
+    /// address, else `anonymous`).
     pub tenant: String,
     /// Priority band; higher is served first (default 0).
     pub priority: i32,
@@ -28,6 +29,20 @@ pub struct AdmissionRequest {
     /// How long the Worker has already waited for this request, ms (so a request re-entering a
     /// restarted Durable Object keeps its place in time and its deadline).
     pub waited_ms: u64,
+    /// The Worker's own id for this wait (random, 1 to [`MAX_TICKET`]), chosen before the first
+    /// call: the pool files the request under it as its ticket when it is free, so a Worker whose
+    /// client hangs up before any answer can still name the wait (and a grant already on its
+    /// way) in a dequeue.
+    pub wait_id: Option<Ticket>,
+}
+
+impl AdmissionRequest {
+    /// The ticket a new request from this caller is filed under, if the caller chose a usable
+    /// one: its `wait_id`, when in range and `free`.
+    pub fn chosen_ticket(&self, free: impl Fn(Ticket) -> bool) -> Option<Ticket> {
+        self.wait_id
+            .filter(|t| (1..=MAX_TICKET).contains(t) && free(*t))
+    }
 }
 
 /// Lowest and highest accepted priority.
@@ -193,5 +208,18 @@ mod tests {
             9_500 + config().max_wait_ms,
             "the pool's limit caps the client's"
         );
+    }
+
+    #[test]
+    fn a_wait_id_is_the_ticket_only_when_in_range_and_free() {
+        let mut who = AdmissionRequest::default();
+        assert_eq!(who.chosen_ticket(|_| true), None);
+        who.wait_id = Some(77);
+        assert_eq!(who.chosen_ticket(|_| true), Some(77));
+        assert_eq!(who.chosen_ticket(|t| t != 77), None, "in use");
+        who.wait_id = Some(0);
+        assert_eq!(who.chosen_ticket(|_| true), None);
+        who.wait_id = Some(MAX_TICKET + 1);
+        assert_eq!(who.chosen_ticket(|_| true), None);
     }
 }

@@ -4,7 +4,7 @@
 
 use super::entry::BackendEntry;
 use super::errors::unknown;
-use super::{CandidateView, Pool, PoolError};
+use super::{has_room, CandidateView, Pool, PoolError};
 use crate::backend::{BackendId, BackendKey, Lifecycle};
 use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
 use crate::outcome::{Outcome, OutcomeKind};
@@ -42,8 +42,23 @@ impl Pool {
         let old = lease.primary;
         let slot = self.slot_of(to)?;
         let breaker_config = self.config.breaker;
+        let echo = self.echo();
+        let admission = self.config.admission;
         let target = self.entry_mut(slot).ok_or_else(|| unknown(to))?;
         if !target.available(now_ms, &breaker_config) {
+            return Err(PoolError::BackendUnavailable { id: to.clone() });
+        }
+        // A move is a new request for the target: it must have room, as an acquire would need
+        // (the lease's own share counts only when it stays where it is).
+        if admission.enabled
+            && old.backend != target.key
+            && !has_room(
+                &target.all_in_flight(echo),
+                &target.capacity(),
+                prompt_tokens.saturating_add(output),
+                admission.overcommit,
+            )
+        {
             return Err(PoolError::BackendUnavailable { id: to.clone() });
         }
         // The lease stops holding its blocks on the old backend here (its settle finds them gone).
@@ -443,5 +458,86 @@ mod tests {
             Ok(Lifecycle::Ready)
         );
         assert!(pool.acquire(&features("x"), 4, &mut rng).is_ok());
+    }
+
+    /// A pool of `n` backends of one sequence each, admission control on.
+    fn strict_pool(n: usize) -> crate::pool::Pool {
+        let mut pool = crate::pool::Pool::new(
+            "p1",
+            crate::pool::PoolConfig {
+                policy: PolicyKind::LeastLoad,
+                admission: crate::pool::AdmissionConfig {
+                    enabled: true,
+                    ..crate::pool::AdmissionConfig::default()
+                },
+                ..crate::pool::PoolConfig::default()
+            },
+        );
+        for i in 0..n {
+            let mut s = spec(&format!("b{i}"));
+            s.capacity.max_num_seqs = 1;
+            crate::pool::test_support::add_ready(&mut pool, s);
+        }
+        pool
+    }
+
+    #[test]
+    fn a_move_onto_a_full_backend_is_refused_and_one_with_room_is_taken() {
+        let mut pool = strict_pool(3);
+        let mut rng = SplitMix64::new(0);
+        let a = pool.acquire(&features("a"), 0, &mut rng).unwrap();
+        let b = pool.acquire(&features("b"), 0, &mut rng).unwrap();
+        let free: Vec<BackendId> = ["b0", "b1", "b2"]
+            .iter()
+            .map(|id| BackendId::from(*id))
+            .filter(|id| *id != a.backend && *id != b.backend)
+            .collect();
+        let failure = Outcome::of_kind(OutcomeKind::Transport);
+        // b's backend is full: the retry of a there is refused and nothing moves.
+        assert_eq!(
+            pool.reassign(a.lease_id, &b.backend, &failure, 1),
+            Err(PoolError::BackendUnavailable {
+                id: b.backend.clone()
+            })
+        );
+        assert_eq!(pool.in_flight(&a.backend).unwrap().leases, 1);
+        assert_eq!(pool.in_flight(&b.backend).unwrap().leases, 1);
+        // The next candidate has room: the lease goes there.
+        let view = pool.reassign(a.lease_id, &free[0], &failure, 2).unwrap();
+        assert_eq!(view.id, free[0]);
+        assert_eq!(pool.in_flight(&a.backend).unwrap().leases, 0);
+        assert_eq!(pool.in_flight(&free[0]).unwrap().leases, 1);
+        // A retry on the backend it already holds adds nothing, so it is not refused as full.
+        assert!(pool.reassign(a.lease_id, &free[0], &failure, 3).is_ok());
+        pool.check_counters().unwrap();
+    }
+
+    #[test]
+    fn a_lost_lease_is_readmitted_even_over_capacity_but_a_move_of_it_is_checked() {
+        let mut pool = strict_pool(2);
+        let mut rng = SplitMix64::new(0);
+        let a = pool.acquire(&features("a"), 0, &mut rng).unwrap();
+        let b = pool.acquire(&features("b"), 0, &mut rng).unwrap();
+        // The pool forgot a stream that still runs on a's backend (say, a restart) while that
+        // backend took another request: readmitting it is counted, never refused, because the
+        // stream runs there whatever the pool says.
+        let terms = crate::lease::LeaseTerms {
+            backend: a.backend.clone(),
+            prompt_tokens: 10,
+            max_tokens: 10,
+            ..crate::lease::LeaseTerms::default()
+        };
+        let lost = 999;
+        assert!(pool.readmit(lost, &terms, 5).is_ok());
+        assert_eq!(pool.in_flight(&a.backend).unwrap().leases, 2);
+        // It now counts: no new request and no move may land on either full backend.
+        assert!(pool.acquire(&features("c"), 6, &mut rng).is_err());
+        let failure = Outcome::of_kind(OutcomeKind::Transport);
+        assert!(pool.reassign(lost, &b.backend, &failure, 7).is_err());
+        pool.check_counters().unwrap();
+        pool.release(lost, &Outcome::from_status(200), 8);
+        pool.release(a.lease_id, &Outcome::from_status(200), 8);
+        pool.release(b.lease_id, &Outcome::from_status(200), 8);
+        assert_eq!(pool.in_flight_total(), 0);
     }
 }
