@@ -59,16 +59,27 @@ pub fn validate_priority(p: i32) -> Result<(), ApiError> {
 
 /// The salt of keyless tenants' address hashes: the `TENANT_SALT` secret, else a random one per
 /// isolate.
-pub fn tenant_salt(env: &Env) -> String {
+/// Read once per isolate (an isolate's bindings do not change while it lives).
+pub fn tenant_salt(env: &Env) -> std::rc::Rc<str> {
     thread_local! {
-        static RANDOM_SALT: String = format!("{:016x}", (js_sys::Math::random() * 2f64.powi(53)) as u64);
+        static SALT: std::cell::OnceCell<std::rc::Rc<str>> = const { std::cell::OnceCell::new() };
     }
-    env.secret("TENANT_SALT")
-        .map(|s| s.to_string())
-        .or_else(|_| env.var("TENANT_SALT").map(|s| s.to_string()))
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| RANDOM_SALT.with(String::clone))
+    SALT.with(|s| {
+        s.get_or_init(|| {
+            let configured = env
+                .secret("TENANT_SALT")
+                .map(|s| s.to_string())
+                .or_else(|_| env.var("TENANT_SALT").map(|s| s.to_string()))
+                .ok()
+                .filter(|s| !s.is_empty());
+            configured
+                .unwrap_or_else(|| {
+                    format!("{:016x}", (js_sys::Math::random() * 2f64.powi(53)) as u64)
+                })
+                .into()
+        })
+        .clone()
+    })
 }
 
 /// A keyless client's tenant, from its address: never the address itself.
