@@ -147,6 +147,11 @@ async function run(label, timeRouting, phases) {
         await waitFor(async () => (await (await gw.admin(`/admin/pools/${name}`)).json()).in_flight === 0, { timeoutMs: 30000, what: "leases back" });
       }
       out[phase.name] = summarise(recs, poolOf);
+      // What each pool's card and backends' learned timing said at the end of the phase.
+      const pools = (await (await gw.admin("/admin/pools")).json()).data;
+      const backends = (await (await gw.admin("/admin/backends")).json()).data;
+      out[phase.name].cards = Object.fromEntries(pools.map((p) => [p.pool, p.time_card]));
+      out[phase.name].timing = Object.fromEntries(backends.map((b) => [b.id, b.timing]));
       console.error(`${label} ${phase.name}: ${JSON.stringify(out[phase.name])}`);
     }
     return out;

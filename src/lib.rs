@@ -365,7 +365,8 @@ async fn completion(
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = Date::now().as_millis();
                 if queued_ms == 0 {
-                    regions::observe_rtt(env, &pool.name, now.saturating_sub(asked_ms));
+                    let rtt = now.saturating_sub(asked_ms);
+                    regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);
                 }
                 regions::served(env, &pool.name, &features);
                 let mut extra = vec![("x-gateway-pool-choice", note.reason.clone())];

@@ -246,7 +246,9 @@ pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry
     })
 }
 
-/// Records one measured round trip to `pool` (an acquire that did not wait in a queue).
-pub fn observe_rtt(env: &Env, pool: &str, ms: u64) {
-    with_network(env, |n| n.observe(pool, ms.min(u64::from(u32::MAX)) as u32));
+/// Records one measured round trip to `pool` from a client in `client_region` (an acquire that
+/// did not wait in a queue).
+pub fn observe_rtt(env: &Env, client_region: Option<&str>, pool: &str, ms: u64) {
+    let ms = ms.min(u64::from(u32::MAX)) as u32;
+    with_network(env, |n| n.observe(client_region, pool, ms));
 }

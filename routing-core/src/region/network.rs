@@ -4,10 +4,12 @@
 //! is, so the model starts from a configured table of round trips between regions (the
 //! `REGION_RTT_MS` var, symmetric: `{"us-east": {"eu-west": 80}}`) and refines it with what the
 //! isolate measures itself: the wall time of its calls to each pool's coordinator, which runs near
-//! the pool's GPUs. An isolate keeps the last [`SAMPLES`] measurements of at most [`MAX_POOLS`]
-//! pools (the least recently measured is forgotten first) and, once it has [`MIN_SAMPLES`] of a
-//! pool, uses their median, which a few slow calls (a busy coordinator) do not move. Measurements
-//! live in isolate memory only: a new isolate starts from the table.
+//! the pool's GPUs. Measurements are kept per client region and pool (an isolate serves one colo,
+//! so one region, unless a trusted front proxy names the region per request): the last
+//! [`SAMPLES`] of at most [`MAX_POOLS`] such pairs (the least recently measured is forgotten
+//! first), and once there are [`MIN_SAMPLES`] of a pair, their median, which a few slow calls (a
+//! busy coordinator) do not move. Measurements live in isolate memory only: a new isolate starts
+//! from the table.
 
 use std::collections::HashMap;
 
@@ -67,8 +69,9 @@ impl NetworkModel {
         }
     }
 
-    /// Records one measured round trip to `pool`.
-    pub fn observe(&mut self, pool: &str, rtt_ms: u32) {
+    /// Records one measured round trip to `pool` from a client in `client_region`.
+    pub fn observe(&mut self, client_region: Option<&str>, pool: &str, rtt_ms: u32) {
+        let pool = &pair(client_region, pool);
         self.observations += 1;
         let touched = self.observations;
         if !self.measured.contains_key(pool) && self.measured.len() >= MAX_POOLS {
@@ -114,23 +117,28 @@ impl NetworkModel {
     /// The round trip to `pool` in `pool_region` from a client in `client_region`: measured when
     /// there are enough measurements, else configured, else 0 (nothing known: every pool alike).
     pub fn rtt_ms(&self, client_region: Option<&str>, pool: &str, pool_region: &str) -> u32 {
-        match self.measured.get(pool) {
+        match self.measured.get(&pair(client_region, pool)) {
             Some(s) if s.len >= MIN_SAMPLES => s.median(),
             _ => self.configured_ms(client_region, pool_region).unwrap_or(0),
         }
     }
 
-    /// Whether the round trip to `pool` comes from measurements.
-    pub fn is_measured(&self, pool: &str) -> bool {
+    /// Whether the round trip to `pool` from `client_region` comes from measurements.
+    pub fn is_measured(&self, client_region: Option<&str>, pool: &str) -> bool {
         self.measured
-            .get(pool)
+            .get(&pair(client_region, pool))
             .is_some_and(|s| s.len >= MIN_SAMPLES)
     }
 
-    /// Pools with measurements kept.
+    /// Client region and pool pairs with measurements kept.
     pub fn measured_pools(&self) -> usize {
         self.measured.len()
     }
+}
+
+/// The key of a client region and pool's measurements.
+fn pair(client_region: Option<&str>, pool: &str) -> String {
+    format!("{}>{pool}", client_region.unwrap_or(""))
 }
 
 #[cfg(test)]
@@ -155,42 +163,37 @@ mod tests {
     #[test]
     fn measurements_replace_the_table_once_there_are_enough_and_slow_calls_do_not_move_them() {
         let mut m = NetworkModel::new(&table(), 150);
+        let us = Some("us-east");
         for ms in [52, 49, 51] {
-            m.observe("eu", ms);
+            m.observe(us, "eu", ms);
         }
-        assert_eq!(
-            m.rtt_ms(Some("us-east"), "eu", "eu-west"),
-            80,
-            "3 samples: the table"
-        );
-        m.observe("eu", 50);
-        assert!(m.is_measured("eu"));
-        let median = m.rtt_ms(Some("us-east"), "eu", "eu-west");
+        assert_eq!(m.rtt_ms(us, "eu", "eu-west"), 80, "3 samples: the table");
+        m.observe(us, "eu", 50);
+        assert!(m.is_measured(us, "eu"));
+        let median = m.rtt_ms(us, "eu", "eu-west");
         assert!((50..=52).contains(&median), "{median}");
+        // Clients of another region have their own measurements (here none yet).
+        assert!(!m.is_measured(Some("eu-west"), "eu"));
+        assert_eq!(m.rtt_ms(Some("eu-west"), "eu", "eu-west"), 0);
         // A few calls that queued behind a busy coordinator leave the median where it was.
         for _ in 0..3 {
-            m.observe("eu", 900);
+            m.observe(us, "eu", 900);
         }
-        assert!(m.rtt_ms(Some("us-east"), "eu", "eu-west") <= 52);
-        m.observe("eu", u32::MAX);
-        assert!(m
-            .measured
-            .get("eu")
-            .unwrap()
-            .ms
-            .iter()
-            .all(|&v| v <= MAX_RTT_MS));
+        assert!(m.rtt_ms(us, "eu", "eu-west") <= 52);
+        m.observe(us, "eu", u32::MAX);
+        let kept = m.measured.get(&pair(us, "eu")).unwrap();
+        assert!(kept.ms.iter().all(|&v| v <= MAX_RTT_MS));
     }
 
     #[test]
     fn memory_is_bounded_and_the_least_recent_pool_goes_first() {
         let mut m = NetworkModel::new(&HashMap::new(), 100);
         for i in 0..(MAX_POOLS + 10) {
-            m.observe(&format!("p{i}"), 10);
-            m.observe("hot", 20);
+            m.observe(None, &format!("p{i}"), 10);
+            m.observe(None, "hot", 20);
         }
         assert_eq!(m.measured_pools(), MAX_POOLS);
-        assert!(m.measured.contains_key("hot"));
-        assert!(!m.measured.contains_key("p0"));
+        assert!(m.measured.contains_key(&pair(None, "hot")));
+        assert!(!m.measured.contains_key(&pair(None, "p0")));
     }
 }
