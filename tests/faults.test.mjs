@@ -128,7 +128,8 @@ test("connection refused (backend killed): retried on another backend, no client
 
 test("500 and 503: retried elsewhere and counted by the breaker until it opens", async () => {
   const p = await freshPool(3, "round_robin", {
-    settings: { breaker: { failure_threshold: 3, base_cooldown_ms: 60000, max_cooldown_ms: 60000, jitter_ratio: 0 } },
+    // max_open_ratio 1: this test lets both failing breakers open (the cap has its own test).
+    settings: { breaker: { failure_threshold: 3, base_cooldown_ms: 60000, max_cooldown_ms: 60000, jitter_ratio: 0, max_open_ratio: 1 } },
   });
   await only(p.name);
   const [b500, b503, good] = p.backends;

@@ -90,6 +90,10 @@ pub struct Health {
     pub last_probe_ms: Option<u64>,
     /// Number of state changes so far.
     pub transitions: u64,
+    /// A model the backend answered "does not exist" for since its last successful probe, when
+    /// it was the only one it served: it is not chosen for it until a probe lists it again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub missing_model: Option<String>,
 }
 
 impl Health {
@@ -109,6 +113,8 @@ impl Health {
         let from = self.state;
         let to = match verdict {
             ProbeVerdict::Up => {
+                // The probe's model list is the news now.
+                self.missing_model = None;
                 self.consecutive_failures = 0;
                 self.consecutive_successes = self.consecutive_successes.saturating_add(1);
                 match from {

@@ -5,11 +5,7 @@ use super::*;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
-        if req.missing_model.is_some() {
-            // Its served models changed: probe now rather than at the next round.
-            self.probe_soon().await;
-        }
-        self.with(|l| {
+        let (result, forgot_model) = self.with(|l| {
             let attempt = FailedAttempt {
                 lease_id: req.lease_id,
                 to: &req.to,
@@ -35,7 +31,7 @@ impl PoolCoordinator {
                     backend.0
                 );
             }
-            match done.result {
+            let result = match done.result {
                 Ok(candidate) => {
                     l.retries += 1;
                     persist_backends(l, &[failed, Some(&req.to)]);
@@ -52,8 +48,16 @@ impl PoolCoordinator {
                     persist_backends(l, &[failed, Some(&req.to)]);
                     Err(pool_error(e))
                 }
-            }
-        })
+            };
+            (result, done.forgot_model)
+        });
+        if forgot_model {
+            // Its served models changed: probe now rather than at the next round. Asked once per
+            // backend and model between probes (a model already forgotten is not forgotten again),
+            // so a stream of 404s cannot keep the pool probing.
+            self.probe_soon().await;
+        }
+        result
     }
 
     pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {

@@ -268,6 +268,8 @@ impl Config {
             truncate_body: self.fault_truncate_body,
             disconnect_mid_event_after_tokens: self.fault_disconnect_mid_event_after_tokens,
             health_fail: self.fault_health_fail,
+            // Set at run time only (POST /sim/faults).
+            ..FaultSettings::default()
         }
     }
 
