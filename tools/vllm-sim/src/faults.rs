@@ -12,7 +12,8 @@
 //! (a request whose body contains the marker gets vLLM's 500, on every server with the fault set:
 //! a request-specific engine error), `login_page` (every request but `/sim/*` gets a 200
 //! `text/html` login page, as from a proxy in front of the server) and `redirect_to` (every
-//! request but `/sim/*` gets a 307 to that URL). See [`FaultSettings::front_door`] and
+//! request but `/sim/*` gets a 307 to that URL); and `route_not_found` makes the generation
+//! endpoints answer a plain 404, as a server without the route does. See [`FaultSettings::front_door`] and
 //! [`FaultSettings::poisons`].
 //!
 //! Each request draws exactly three numbers from one generator seeded by `--seed` (hang, 429, error, in
@@ -61,6 +62,9 @@ pub struct FaultSettings {
     pub login_page: bool,
     /// Every request but `/sim/*` gets a 307 redirect to this URL (`Location`).
     pub redirect_to: Option<String>,
+    /// Generation endpoints answer 404 `{"detail":"Not Found"}`, as a server without the route
+    /// does (a backend registered with a wrong base URL): not vLLM's model-not-found answer.
+    pub route_not_found: bool,
 }
 
 impl Default for FaultSettings {
@@ -79,6 +83,7 @@ impl Default for FaultSettings {
             poison_marker: None,
             login_page: false,
             redirect_to: None,
+            route_not_found: false,
         }
     }
 }
@@ -113,6 +118,8 @@ pub struct FaultUpdate {
     pub login_page: Option<bool>,
     /// See [`FaultSettings::redirect_to`].
     pub redirect_to: Option<String>,
+    /// See [`FaultSettings::route_not_found`].
+    pub route_not_found: Option<bool>,
     /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
     pub loading_s: Option<f64>,
     /// Exit the process right after answering.
@@ -174,6 +181,7 @@ impl FaultUpdate {
             poison_marker: self.poison_marker.clone(),
             login_page: self.login_page.unwrap_or(false),
             redirect_to: self.redirect_to.clone(),
+            route_not_found: self.route_not_found.unwrap_or(false),
         };
         settings.validate()?;
         if let Some(s) = self.loading_s {

@@ -141,6 +141,14 @@ async fn v1(
         _ if generation => return Err(ApiError::MethodNotAllowed),
         _ => return Err(ApiError::RouteNotFound),
     }
+    let unrouted = state
+        .faults
+        .lock()
+        .map(|f| f.settings.route_not_found)
+        .unwrap_or(false);
+    if unrouted {
+        return Err(ApiError::RouteNotFound);
+    }
     let request_id = request
         .headers()
         .get("x-request-id")

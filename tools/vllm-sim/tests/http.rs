@@ -824,3 +824,24 @@ fn a_redirect_sends_every_request_but_the_sims_own_elsewhere() {
     sim.faults(json!({}));
     assert_eq!(sim.exchange("GET", "/health", &Value::Null).status, 200);
 }
+
+#[test]
+fn route_not_found_answers_a_plain_404_that_is_not_model_not_found() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"route_not_found": true}));
+    let reply = sim.post("/v1/chat/completions", chat(user("hi"), 5, false));
+    assert_eq!(reply.status, 404);
+    assert_eq!(reply.json(), json!({"detail": "Not Found"}));
+    // Probes still pass: the server is up, only the route is missing.
+    assert_eq!(sim.exchange("GET", "/health", &Value::Null).status, 200);
+    let models = sim.exchange("GET", "/v1/models", &Value::Null);
+    assert_eq!(models.json()["data"][0]["id"], "m");
+    // vLLM's own model-not-found answer, for comparison, names the model and its type.
+    sim.faults(json!({}));
+    let missing = sim.post(
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["type"], "NotFoundError");
+}
