@@ -250,7 +250,7 @@ impl Attempts {
                 FetchFailure::Transport(e) => {
                     // The platform's text stays in the log: it is not the client's business.
                     console_error!(
-                        "request {}: backend {} unreachable: {e}",
+                        "request {}: backend {} could not be reached: {e}",
                         self.request_id,
                         c.id.0
                     );

@@ -320,7 +320,7 @@ impl Forward<'_> {
                         ),
                         FetchFailure::Transport(e) => {
                             worker::console_error!(
-                                "request {}: prefill backend {} unreachable: {e}",
+                                "request {}: prefill backend {} could not be reached: {e}",
                                 self.request_id,
                                 prefill.id.0
                             );
