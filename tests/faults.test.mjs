@@ -450,7 +450,9 @@ test("health flapping (/health answering 503 on and off) is absorbed by the prob
 });
 
 test("every backend down: 502/503 within a bounded time, then 503 with Retry-After; never a hang", async () => {
-  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000 } } });
+  // max_open_ratio 1: every breaker may open (by default at most half of them do, see
+  // tests/trust-backends.test.mjs), so the pool can say 503 before probes find the backends down.
+  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000, max_open_ratio: 1 } } });
   await only(p.name);
   for (const b of p.backends) await b.sim.close();
   const answers = [];
