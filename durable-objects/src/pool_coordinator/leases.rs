@@ -14,6 +14,8 @@ impl PoolCoordinator {
                 block_hashes: &req.block_hashes,
                 missing_model: req.missing_model.as_deref(),
             };
+            // A 5xx the lease left earlier may be charged by this move: persist that backend too.
+            let deferred = l.pool.deferred_failure(req.lease_id);
             let Live {
                 pool,
                 budget,
@@ -34,18 +36,18 @@ impl PoolCoordinator {
             let result = match done.result {
                 Ok(candidate) => {
                     l.retries += 1;
-                    persist_backends(l, &[failed, Some(&req.to)]);
+                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
                     answer(200, &candidate)
                 }
                 Err(RetryRefused::BudgetExhausted) => {
-                    persist_backends(l, &[failed]);
+                    persist_backends(l, &[failed, deferred.as_ref()]);
                     Err(
                         ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                             .with_code("retry_budget_exhausted"),
                     )
                 }
                 Err(RetryRefused::Pool(e)) => {
-                    persist_backends(l, &[failed, Some(&req.to)]);
+                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
                     Err(pool_error(e))
                 }
             };
@@ -112,9 +114,11 @@ impl PoolCoordinator {
 
 /// Ends one lease with its outcome; persists its backend's state when the lease was live.
 fn release_one(l: &mut Live, req: &ReleaseRequest) -> bool {
+    // A backend whose 5xx the lease left is charged (or not) now: its state changes too.
+    let deferred = l.pool.deferred_failure(req.lease_id);
     let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
     if released {
-        persist_backends(l, &[req.backend.as_ref()]);
+        persist_backends(l, &[req.backend.as_ref(), deferred.as_ref()]);
     }
     released
 }

@@ -430,6 +430,13 @@ impl Pool {
 }
 
 impl Pool {
+    /// The backend whose 5xx lease `lease_id` moved away from, its breaker charge still deferred
+    /// (the release settles it, so the caller persists that backend's state too).
+    pub fn deferred_failure(&self, lease_id: LeaseId) -> Option<BackendId> {
+        let key = self.leases.get(lease_id)?.deferred_failure?;
+        self.entries_key(key).map(|e| e.spec.id.clone())
+    }
+
     /// The entry `key` names, if it is still that backend's.
     fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
         let s = self.slots.get(key.slot as usize)?;
