@@ -15,6 +15,9 @@
 use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
+pub(crate) use crate::upstream_body::{
+    is_model_not_found, not_an_answer, read_first_chunk, read_whole,
+};
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
 use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
@@ -25,8 +28,7 @@ use routing_core::pool::CandidateView;
 use routing_core::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::time::Duration;
-use wasm_bindgen::{JsCast, JsValue};
-use wasm_bindgen_futures::JsFuture;
+use wasm_bindgen::JsValue;
 use worker::{console_error, AbortSignal, Date, Delay, Env, Headers};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
@@ -54,7 +56,8 @@ pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
 /// Largest non-streamed answer read from a backend (embeddings of large batches included).
 pub(crate) const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
 
-/// Most of a 404 body read to tell vLLM's model-not-found answer from any other 404.
+/// Most of a 4xx body read: enough for vLLM's error message, and to tell its model-not-found
+/// answer from any other 404.
 const MAX_NOT_FOUND_BYTES: usize = 64 * 1024;
 
 /// Proxy timing and retry knobs (wrangler.toml vars).
@@ -339,10 +342,19 @@ impl Attempts {
             });
         }
         if !(200..300).contains(&status) {
-            // A client error the backend reported: pass it on in the OpenAI shape.
-            let text = match select(Box::pin(response_text(&resp)), &mut deadline).await {
-                Either::Left((text, _)) => text.unwrap_or_default(),
-                Either::Right(_) => String::new(),
+            // A client error the backend reported: pass it on in the OpenAI shape (its body read
+            // with a bound: only its message is kept).
+            let text = match resp.body() {
+                Some(stream) => {
+                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
+                    match select(read, &mut deadline).await {
+                        Either::Left((Ok(bytes), _)) => {
+                            String::from_utf8_lossy(&bytes).into_owned()
+                        }
+                        _ => String::new(),
+                    }
+                }
+                None => String::new(),
             };
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
@@ -526,146 +538,6 @@ pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
         outcome.cached_tokens = u.cached_tokens;
         outcome.completion_tokens = Some(u.completion_tokens);
     }
-}
-
-/// A response's whole body as text; `None` when it breaks off.
-pub(crate) async fn response_text(resp: &web_sys::Response) -> Option<String> {
-    let text = JsFuture::from(resp.text().ok()?).await.ok()?;
-    text.as_string()
-}
-
-/// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
-/// over the limit is not retried (another backend would send as much).
-pub(crate) async fn read_whole(
-    stream: &web_sys::ReadableStream,
-    limit: usize,
-    backend: &str,
-) -> Result<Vec<u8>, AttemptFailure> {
-    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
-    let mut out = Vec::new();
-    loop {
-        let chunk = JsFuture::from(reader.read()).await.map_err(|_| {
-            AttemptFailure::new(
-                OutcomeKind::Transport,
-                format!("backend {backend} broke off its answer"),
-            )
-        })?;
-        let done = js_sys::Reflect::get(&chunk, &"done".into())
-            .ok()
-            .and_then(|v| v.as_bool())
-            .unwrap_or(true);
-        if done {
-            return Ok(out);
-        }
-        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into())
-            .and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
-        else {
-            return Err(AttemptFailure::new(
-                OutcomeKind::Transport,
-                format!("backend {backend} sent an unreadable chunk"),
-            ));
-        };
-        let n = bytes.length() as usize;
-        if out.len() + n > limit {
-            let _ = reader.cancel();
-            return Err(AttemptFailure {
-                outcome: Outcome::from_status(200),
-                reason: format!("backend {backend} answered more than {limit} bytes"),
-                retryable: false,
-                missing_model: false,
-            });
-        }
-        let at = out.len();
-        out.resize(at + n, 0);
-        bytes.copy_to(&mut out[at..]);
-    }
-}
-
-/// Reads the first chunk of a stream before `deadline` (the attempt's, of `timeout`); the reader,
-/// still holding the stream, reads the rest.
-pub(crate) async fn read_first_chunk(
-    stream: &web_sys::ReadableStream,
-    deadline: &mut Delay,
-    timeout: Duration,
-    backend: &str,
-) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
-    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
-    let read = JsFuture::from(reader.read());
-    let result = match select(read, deadline).await {
-        Either::Left((r, _)) => Some(r),
-        Either::Right(_) => None,
-    };
-    let fail = AttemptFailure::new;
-    let chunk = match result {
-        None => {
-            let _ = reader.cancel();
-            return Err(fail(
-                OutcomeKind::Timeout,
-                format!(
-                    "backend {backend} sent no first token within {} ms",
-                    timeout.as_millis()
-                ),
-            ));
-        }
-        Some(Err(_)) => {
-            return Err(fail(
-                OutcomeKind::Transport,
-                format!("backend {backend} failed before its first token"),
-            ))
-        }
-        Some(Ok(r)) => r,
-    };
-    let done = js_sys::Reflect::get(&chunk, &"done".into())
-        .ok()
-        .and_then(|v| v.as_bool())
-        .unwrap_or(true);
-    if done {
-        return Err(fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} closed the stream before its first token"),
-        ));
-    }
-    let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
-        fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} sent an unreadable chunk"),
-        )
-    })?;
-    Ok((reader, value))
-}
-
-/// A 2xx whose content type is not what the request asked for (`wanted`): the backend's failure,
-/// retried elsewhere, never passed on as a success.
-fn not_an_answer(backend: &str, content_type: &str, wanted: &str) -> AttemptFailure {
-    let shown: String = content_type
-        .chars()
-        .take(64)
-        .filter(|c| c.is_ascii_graphic() || *c == ' ')
-        .collect();
-    let shown = if shown.is_empty() { "none" } else { &shown };
-    AttemptFailure {
-        outcome: Outcome {
-            kind: OutcomeKind::ServerError,
-            ..Outcome::from_status(200)
-        },
-        ..AttemptFailure::new(
-            OutcomeKind::ServerError,
-            format!("backend {backend} answered with content type {shown}, not {wanted}"),
-        )
-    }
-}
-
-/// Whether a 404 body is vLLM's "model does not exist" answer: an OpenAI-style error (nested
-/// under `error` or, in older vLLM, at the top) of type `NotFoundError` or whose message says
-/// the model does not exist. A bare `{"detail":"Not Found"}` (no such route) is not.
-pub(crate) fn is_model_not_found(body: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        return false;
-    };
-    let inner = v.get("error").filter(|e| e.is_object()).unwrap_or(&v);
-    let kind = inner.get("type").and_then(Value::as_str).unwrap_or("");
-    let message = inner.get("message").and_then(Value::as_str).unwrap_or("");
-    kind == "NotFoundError" || (message.contains("model") && message.contains("does not exist"))
 }
 
 /// The client's error when the request failed with a 5xx on two backends: the request's own
