@@ -295,7 +295,8 @@ export async function runSoak(options = {}) {
     // Every fault setting keeps the poison marker: a poison request fails on every backend.
     const applyFaults = (sim, faults) => setFaults(sim, { poison_marker: SOAK_POISON, ...faults });
     for (let i = 0; i < o.sims; i++) {
-      const args = ["--model", SOAK_MODEL, "--time-scale", String(o.timeScale), "--seed", String(1000 + i), "--mean-output-tokens", "16"];
+      // The marker from the start, so a sim restarted after a crash fails poison requests at once.
+      const args = ["--model", SOAK_MODEL, "--time-scale", String(o.timeScale), "--seed", String(1000 + i), "--mean-output-tokens", "16", "--fault-poison-marker", SOAK_POISON];
       const sim = await startSim(args);
       await applyFaults(sim, {});
       sims.push({ i, args, sim, faulted: null, crashed: false });
@@ -380,7 +381,7 @@ export async function runSoak(options = {}) {
         if (name === "crash") {
           s.crashed = true;
           s.faulted = name;
-          await setFaults(s.sim, faults).catch(() => {}); // answers, then exits
+          await applyFaults(s.sim, faults).catch(() => {}); // answers, then exits
           restartSim(s);
         } else {
           await applyFaults(s.sim, faults).catch((e) => violation("harness", `setting ${name} on soak-${s.i}: ${e.message}`));

@@ -326,11 +326,7 @@ impl Pool {
         if predicted_ms.saturating_mul(2) >= waited_ms {
             return true;
         }
-        let Some(entry) = self.slots.get(share.backend.slot as usize).and_then(|s| {
-            (s.generation == share.backend.generation)
-                .then_some(s.entry.as_ref())
-                .flatten()
-        }) else {
+        let Some(entry) = self.entries_key(share.backend) else {
             return false;
         };
         let waiting = entry.scraped.waiting.unwrap_or(0.0);

@@ -760,6 +760,12 @@ fn a_poison_marker_gets_vllms_500_on_every_endpoint_and_only_for_its_requests() 
     assert_eq!(ok.status, 200, "{}", ok.text());
     assert_eq!(ok.json()["usage"]["completion_tokens"], 5);
     sim.faults(json!({}));
+    let from_flag = Sim::start(&["--fault-poison-marker", "POISON-7f3"]);
+    let poisoned = from_flag.post(
+        "/v1/completions",
+        json!({"prompt": "POISON-7f3", "max_tokens": 2}),
+    );
+    assert_eq!(poisoned.status, 500, "{}", poisoned.text());
     let cleared = sim.post(
         "/v1/chat/completions",
         chat(user("POISON-7f3 again"), 5, false),
