@@ -47,6 +47,9 @@ pub struct Reassignment {
     pub result: Result<CandidateView, RetryRefused>,
     /// The failed backend no longer lists the model.
     pub forgot_model: bool,
+    /// The caller should probe the pool now: the failed backend's models changed, and it did
+    /// not ask for a probe in the last [`crate::health::PROBE_SOON_MIN_INTERVAL_MS`].
+    pub probe_soon: bool,
 }
 
 /// Retries `attempt` on its next candidate if the budget allows.
@@ -62,11 +65,16 @@ pub fn reassign(
         (Some(model), Some(terms)) => pool.forget_model(&terms.backend, model).unwrap_or(false),
         _ => false,
     };
+    let probe_soon = match attempt.terms {
+        Some(terms) if forgot_model => pool.ask_probe_soon(&terms.backend, now_ms),
+        _ => false,
+    };
     if !budget.try_retry(now_ms, budget_config) {
         pool.release(attempt.lease_id, attempt.failure, now_ms);
         return Reassignment {
             result: Err(RetryRefused::BudgetExhausted),
             forgot_model,
+            probe_soon,
         };
     }
     let (lease, to, failure) = (attempt.lease_id, attempt.to, attempt.failure);
@@ -82,6 +90,7 @@ pub fn reassign(
     Reassignment {
         result: result.map_err(RetryRefused::Pool),
         forgot_model,
+        probe_soon,
     }
 }
 
@@ -240,7 +249,7 @@ mod tests {
         let config = RetryBudgetConfig::default();
         let mut budget = RetryBudget::new();
         let done = reassign(&mut pool, &mut budget, &config, &attempt, 2);
-        assert!(done.forgot_model, "probe it soon");
+        assert!(done.forgot_model && done.probe_soon, "probe it soon");
         assert_eq!(done.result.unwrap().id, to);
         pool.release(grant.lease_id, &Outcome::from_status(200), 3);
         for t in 0..20 {
@@ -269,5 +278,40 @@ mod tests {
             pool.release(g.lease_id, &Outcome::from_status(200), 200 + t);
         }
         assert!(chosen.contains(&from), "{chosen:?}");
+        // It says "no such model" again right away: forgotten again, but no second probe yet.
+        let g = (0..50)
+            .find_map(|seed| {
+                let g = pool
+                    .acquire(&features(), 300, &mut SplitMix64::new(seed))
+                    .unwrap();
+                if g.backend == from {
+                    return Some(g);
+                }
+                pool.release(g.lease_id, &Outcome::from_status(200), 300);
+                None
+            })
+            .expect("the restored backend is chosen again");
+        let other = g
+            .candidates
+            .iter()
+            .find(|c| c.id != g.backend)
+            .unwrap()
+            .id
+            .clone();
+        let terms_now = LeaseTerms {
+            backend: g.backend.clone(),
+            ..terms.clone()
+        };
+        let again = FailedAttempt {
+            lease_id: g.lease_id,
+            to: &other,
+            terms: Some(&terms_now),
+            ..attempt
+        };
+        let done = reassign(&mut pool, &mut budget, &config, &again, 300);
+        assert!(done.forgot_model);
+        assert!(!done.probe_soon, "a second probe within the interval");
+        pool.release(g.lease_id, &Outcome::from_status(200), 301);
+        assert!(pool.ask_probe_soon(&g.backend, 300 + crate::health::PROBE_SOON_MIN_INTERVAL_MS));
     }
 }

@@ -5,7 +5,7 @@ use super::*;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
-        let (result, forgot_model) = self.with(|l| {
+        let (result, probe_soon) = self.with(|l| {
             let attempt = FailedAttempt {
                 lease_id: req.lease_id,
                 to: &req.to,
@@ -51,12 +51,13 @@ impl PoolCoordinator {
                     Err(pool_error(e))
                 }
             };
-            (result, done.forgot_model)
+            (result, done.probe_soon)
         });
-        if forgot_model {
+        if probe_soon {
             // Its served models changed: probe now rather than at the next round. Asked once per
-            // backend and model between probes (a model already forgotten is not forgotten again),
-            // so a stream of 404s cannot keep the pool probing.
+            // backend and model between probes (a model already forgotten is not forgotten again)
+            // and at most once per PROBE_SOON_MIN_INTERVAL_MS per backend, so a stream of 404s
+            // cannot keep the pool probing.
             self.probe_soon().await;
         }
         result

@@ -426,6 +426,15 @@ impl Pool {
 }
 
 impl Pool {
+    /// Whether backend `id` may be probed out of turn now (see [`crate::health::Health::ask_probe_soon`]).
+    pub fn ask_probe_soon(&mut self, id: &BackendId, now_ms: u64) -> bool {
+        let Ok(slot) = self.slot_of(id) else {
+            return false;
+        };
+        self.entry_mut(slot)
+            .is_some_and(|e| e.health.ask_probe_soon(now_ms))
+    }
+
     /// The backend whose 5xx lease `lease_id` moved away from, its breaker charge still deferred
     /// (the release settles it, so the caller persists that backend's state too).
     pub fn deferred_failure(&self, lease_id: LeaseId) -> Option<BackendId> {
