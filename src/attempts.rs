@@ -2,12 +2,22 @@
 //! the backend's key), calling a backend with the first-byte or response timeout, reading a
 //! stream's first chunk or a whole non-streamed answer (bounded, and only whole JSON passes), and
 //! moving the lease to the next candidate after a failure, within the pool's retry budget.
+//!
+//! Only real answers pass: redirects are not followed (a 3xx is the backend's failure: the prompt
+//! never goes to a host the operator did not register), a stream must be `text/event-stream` and
+//! a whole answer JSON (a login page's 200 `text/html` is a failure, retried elsewhere), and a 404
+//! means "model unloaded" only when it is vLLM's model-not-found answer (any other 404 is a
+//! misconfigured URL, the backend's failure). Transport error text goes to the log, never to the
+//! client.
 //! [`Attempts`] owns what that takes, so the proxy (`proxy.rs`) makes the first attempts and a
 //! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
+pub(crate) use crate::upstream_body::{
+    is_model_not_found, not_an_answer, read_first_chunk, read_whole,
+};
 use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
 use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
@@ -18,9 +28,8 @@ use routing_core::pool::CandidateView;
 use routing_core::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::time::Duration;
-use wasm_bindgen::{JsCast, JsValue};
-use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Delay, Env, Headers};
+use wasm_bindgen::JsValue;
+use worker::{console_error, AbortSignal, Date, Delay, Env, Headers};
 
 /// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
@@ -46,6 +55,10 @@ pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
 
 /// Largest non-streamed answer read from a backend (embeddings of large batches included).
 pub(crate) const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+
+/// Most of a 4xx body read: enough for vLLM's error message, and to tell its model-not-found
+/// answer from any other 404.
+const MAX_NOT_FOUND_BYTES: usize = 64 * 1024;
 
 /// Proxy timing and retry knobs (wrangler.toml vars).
 #[derive(Debug, Clone, Copy)]
@@ -85,7 +98,7 @@ pub(crate) struct AttemptFailure {
     pub(crate) reason: String,
     /// Whether another candidate may be tried.
     pub(crate) retryable: bool,
-    /// The backend answered 404: it does not serve the model (any more).
+    /// The backend answered vLLM's model-not-found 404: it does not serve the model (any more).
     pub(crate) missing_model: bool,
 }
 
@@ -201,13 +214,15 @@ impl Attempts {
         let started = Date::now().as_millis();
         let elapsed = || Date::now().as_millis().saturating_sub(started);
         let req = self.request(c, body).map_err(|e| {
+            console_error!(
+                "request {}: cannot build the request to backend {}: {}",
+                self.request_id,
+                c.id.0,
+                worker::Error::from(e)
+            );
             AttemptFailure::new(
                 OutcomeKind::Transport,
-                format!(
-                    "cannot build the request to backend {}: {}",
-                    c.id.0,
-                    worker::Error::from(e)
-                ),
+                format!("the request to backend {} could not be built", c.id.0),
             )
         })?;
         let timeout = if self.stream {
@@ -220,18 +235,33 @@ impl Attempts {
         let (resp, abort) = fetch_web_until(&req, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
-                FetchFailure::Timeout => AttemptFailure::new(
-                    OutcomeKind::Timeout,
-                    format!(
-                        "backend {} sent no response within {} ms",
-                        c.id.0,
-                        timeout.as_millis()
-                    ),
-                ),
-                FetchFailure::Transport(e) => AttemptFailure::new(
-                    OutcomeKind::Transport,
-                    format!("backend {} unreachable: {e}", c.id.0),
-                ),
+                FetchFailure::Timeout => AttemptFailure {
+                    // How long it waited, for the pool to weigh against the backend's queue.
+                    outcome: Outcome {
+                        ttfb_ms: Some(elapsed()),
+                        ..Outcome::of_kind(OutcomeKind::Timeout)
+                    },
+                    ..AttemptFailure::new(
+                        OutcomeKind::Timeout,
+                        format!(
+                            "backend {} sent no response within {} ms",
+                            c.id.0,
+                            timeout.as_millis()
+                        ),
+                    )
+                },
+                FetchFailure::Transport(e) => {
+                    // The platform's text stays in the log: it is not the client's business.
+                    console_error!(
+                        "request {}: backend {} could not be reached: {e}",
+                        self.request_id,
+                        c.id.0
+                    );
+                    AttemptFailure::new(
+                        OutcomeKind::Transport,
+                        format!("backend {} could not be reached", c.id.0),
+                    )
+                }
             })?;
         let status = resp.status();
         let kind = OutcomeKind::from_status(status);
@@ -256,25 +286,75 @@ impl Attempts {
                 ..AttemptFailure::new(kind, String::new())
             });
         }
-        if status == 404 {
-            // vLLM answers 404 only for a model it does not serve: unloaded since the last probe.
-            // Not the backend's fault, and another backend may have it.
+        if (300..400).contains(&status) {
+            // Redirects are not followed: the prompt goes only to registered backends.
             abort.abort();
             return Err(AttemptFailure {
                 outcome: Outcome {
+                    kind: OutcomeKind::ServerError,
                     ttfb_ms: Some(elapsed()),
-                    ..Outcome::from_status(404)
+                    ..Outcome::from_status(status)
                 },
-                reason: format!("backend {} does not serve the model", c.id.0),
-                missing_model: true,
-                ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+                reason: format!(
+                    "backend {} answered a {status} redirect, which the gateway does not follow",
+                    c.id.0
+                ),
+                ..AttemptFailure::new(OutcomeKind::ServerError, String::new())
+            });
+        }
+        if status == 404 {
+            let text = match resp.body() {
+                Some(stream) => {
+                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
+                    match select(read, &mut deadline).await {
+                        Either::Left((Ok(bytes), _)) => bytes,
+                        _ => Vec::new(),
+                    }
+                }
+                None => Vec::new(),
+            };
+            abort.abort();
+            let outcome = Outcome {
+                ttfb_ms: Some(elapsed()),
+                ..Outcome::from_status(404)
+            };
+            if is_model_not_found(&text) {
+                // The model was unloaded since the last probe: not the backend's fault, and
+                // another backend may have it.
+                return Err(AttemptFailure {
+                    outcome,
+                    reason: format!("backend {} does not serve the model", c.id.0),
+                    missing_model: true,
+                    ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+                });
+            }
+            // Any other 404 is a backend that does not have the endpoint: a misconfigured URL.
+            return Err(AttemptFailure {
+                outcome: Outcome {
+                    kind: OutcomeKind::ServerError,
+                    ..outcome
+                },
+                reason: format!(
+                    "backend {} answered 404 for {} (not a model-not-found answer: its URL may be wrong)",
+                    c.id.0, self.path
+                ),
+                ..AttemptFailure::new(OutcomeKind::ServerError, String::new())
             });
         }
         if !(200..300).contains(&status) {
-            // A client error the backend reported: pass it on in the OpenAI shape.
-            let text = match select(Box::pin(response_text(&resp)), &mut deadline).await {
-                Either::Left((text, _)) => text.unwrap_or_default(),
-                Either::Right(_) => String::new(),
+            // A client error the backend reported: pass it on in the OpenAI shape (its body read
+            // with a bound: only its message is kept).
+            let text = match resp.body() {
+                Some(stream) => {
+                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
+                    match select(read, &mut deadline).await {
+                        Either::Left((Ok(bytes), _)) => {
+                            String::from_utf8_lossy(&bytes).into_owned()
+                        }
+                        _ => String::new(),
+                    }
+                }
+                None => String::new(),
             };
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
@@ -311,7 +391,18 @@ impl Attempts {
         timeout: Duration,
         backend: &str,
     ) -> Result<(), AttemptFailure> {
+        let content_type = answer
+            .headers
+            .get("content-type")
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
         if self.stream {
+            // Only an event stream is a stream (a login page's 200 text/html is not).
+            if !content_type.starts_with("text/event-stream") {
+                return Err(not_an_answer(backend, &content_type, "text/event-stream"));
+            }
             let Some(stream) = body else {
                 return Err(AttemptFailure::new(
                     OutcomeKind::Transport,
@@ -341,22 +432,18 @@ impl Attempts {
             }
             None => Vec::new(),
         };
-        // Never a 200 with broken JSON: a body that says it is JSON (as every vLLM answer does) but
-        // is not one whole document is the backend's failure. Other content types pass as sent.
-        let content_type = answer
-            .headers
-            .get("content-type")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        if content_type.is_empty() || content_type.contains("json") {
-            answer.usage = body_usage(&bytes).map_err(|e| {
-                AttemptFailure::new(
-                    OutcomeKind::Transport,
-                    format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"),
-                )
-            })?;
+        // Never a 200 with broken JSON or with something else: every vLLM answer is JSON, so a
+        // body that is not one whole JSON document (or says it is something else, such as a
+        // login page) is the backend's failure.
+        if !(content_type.is_empty() || content_type.contains("json")) {
+            return Err(not_an_answer(backend, &content_type, "JSON"));
         }
+        answer.usage = body_usage(&bytes).map_err(|e| {
+            AttemptFailure::new(
+                OutcomeKind::Transport,
+                format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"),
+            )
+        })?;
         answer.whole = Some(bytes);
         Ok(())
     }
@@ -378,6 +465,8 @@ impl Attempts {
         }
         let init = web_sys::RequestInit::new();
         init.set_method("POST");
+        // A 3xx comes back as it is, and counts as the backend's failure.
+        init.set_redirect(web_sys::RequestRedirect::Manual);
         init.set_headers(&headers);
         init.set_body(&js_sys::Uint8Array::from(body));
         web_sys::Request::new_with_str_and_init(&format!("{}{}", c.url, self.path), &init)
@@ -451,110 +540,16 @@ pub(crate) fn with_usage(outcome: &mut Outcome, usage: Option<Usage>) {
     }
 }
 
-/// A response's whole body as text; `None` when it breaks off.
-pub(crate) async fn response_text(resp: &web_sys::Response) -> Option<String> {
-    let text = JsFuture::from(resp.text().ok()?).await.ok()?;
-    text.as_string()
-}
-
-/// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
-/// over the limit is not retried (another backend would send as much).
-pub(crate) async fn read_whole(
-    stream: &web_sys::ReadableStream,
-    limit: usize,
-    backend: &str,
-) -> Result<Vec<u8>, AttemptFailure> {
-    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
-    let mut out = Vec::new();
-    loop {
-        let chunk = JsFuture::from(reader.read()).await.map_err(|_| {
-            AttemptFailure::new(
-                OutcomeKind::Transport,
-                format!("backend {backend} broke off its answer"),
-            )
-        })?;
-        let done = js_sys::Reflect::get(&chunk, &"done".into())
-            .ok()
-            .and_then(|v| v.as_bool())
-            .unwrap_or(true);
-        if done {
-            return Ok(out);
-        }
-        let Ok(bytes) = js_sys::Reflect::get(&chunk, &"value".into())
-            .and_then(|v| v.dyn_into::<js_sys::Uint8Array>())
-        else {
-            return Err(AttemptFailure::new(
-                OutcomeKind::Transport,
-                format!("backend {backend} sent an unreadable chunk"),
-            ));
-        };
-        let n = bytes.length() as usize;
-        if out.len() + n > limit {
-            let _ = reader.cancel();
-            return Err(AttemptFailure {
-                outcome: Outcome::from_status(200),
-                reason: format!("backend {backend} answered more than {limit} bytes"),
-                retryable: false,
-                missing_model: false,
-            });
-        }
-        let at = out.len();
-        out.resize(at + n, 0);
-        bytes.copy_to(&mut out[at..]);
-    }
-}
-
-/// Reads the first chunk of a stream before `deadline` (the attempt's, of `timeout`); the reader,
-/// still holding the stream, reads the rest.
-pub(crate) async fn read_first_chunk(
-    stream: &web_sys::ReadableStream,
-    deadline: &mut Delay,
-    timeout: Duration,
-    backend: &str,
-) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
-    let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
-    let read = JsFuture::from(reader.read());
-    let result = match select(read, deadline).await {
-        Either::Left((r, _)) => Some(r),
-        Either::Right(_) => None,
-    };
-    let fail = AttemptFailure::new;
-    let chunk = match result {
-        None => {
-            let _ = reader.cancel();
-            return Err(fail(
-                OutcomeKind::Timeout,
-                format!(
-                    "backend {backend} sent no first token within {} ms",
-                    timeout.as_millis()
-                ),
-            ));
-        }
-        Some(Err(_)) => {
-            return Err(fail(
-                OutcomeKind::Transport,
-                format!("backend {backend} failed before its first token"),
-            ))
-        }
-        Some(Ok(r)) => r,
-    };
-    let done = js_sys::Reflect::get(&chunk, &"done".into())
-        .ok()
-        .and_then(|v| v.as_bool())
-        .unwrap_or(true);
-    if done {
-        return Err(fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} closed the stream before its first token"),
-        ));
-    }
-    let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
-        fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} sent an unreadable chunk"),
-        )
-    })?;
-    Ok((reader, value))
+/// The client's error when the request failed with a 5xx on two backends: the request's own
+/// failure (vLLM answers 500 for a request-specific engine error), so another backend would fail
+/// it the same way. A 5xx-class answer without the backends' internals.
+pub(crate) fn request_error(status: u16, attempts: u32) -> ApiError {
+    ApiError::bad_gateway(format!(
+        "The request failed on {attempts} backends, each answering {}xx: the failure is specific \
+         to this request, so it was not retried further.",
+        status / 100
+    ))
+    .with_code("upstream_request_error")
 }
 
 /// The client's error after every allowed attempt failed.

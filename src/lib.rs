@@ -19,6 +19,7 @@ mod relay;
 mod releases;
 mod resume;
 mod settings;
+mod upstream_body;
 
 pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.

@@ -9,13 +9,18 @@
 //! the way; a stream that fails after its first byte is resumed on the next candidate when the
 //! request allows it (`resume.rs`), and otherwise ended with an SSE error event. The attempts
 //! themselves (the upstream request, the first chunk, moving the lease) are `attempts.rs`'s.
+//!
+//! Blame goes to what failed: a 5xx that a second backend repeats (the same status) for the same
+//! request is the request's (a request-specific engine error), so it is not retried on a third, the client gets a
+//! 5xx-class error that says so, and the release tells the pool (`Outcome::request_fault`) to
+//! charge neither backend's breaker (the first one's charge was deferred at the move).
 //! Every exit reports its outcome to the lease's guard (`lease_guard.rs`), which releases the
 //! lease from `wait_until`. A client that hangs up aborts the upstream fetch through its signal.
 
 use crate::attempts::{
-    final_error, read_whole, stream_upstream, with_usage, Answer, AttemptFailure, Attempts, Moved,
-    ProxySettings, FORWARDED_REQUEST_HEADERS, MAX_ANSWER_BYTES, MAX_FORWARDED_HEADER_BYTES,
-    PASSED_RESPONSE_HEADERS,
+    final_error, read_whole, request_error, stream_upstream, with_usage, Answer, AttemptFailure,
+    Attempts, Moved, ProxySettings, FORWARDED_REQUEST_HEADERS, MAX_ANSWER_BYTES,
+    MAX_FORWARDED_HEADER_BYTES, PASSED_RESPONSE_HEADERS,
 };
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
@@ -87,9 +92,11 @@ impl Forward<'_> {
             .first()
             .cloned()
             .ok_or_else(|| ApiError::internal("grant without candidates"))?;
+        // The 5xx status an earlier attempt of this request got from its backend, if any.
+        let mut earlier_5xx: Option<u16> = None;
         loop {
             attempts.count += 1;
-            let failure = match attempts
+            let mut failure = match attempts
                 .attempt(&candidate, &self.body, &client_signal)
                 .await
             {
@@ -102,6 +109,17 @@ impl Forward<'_> {
                 self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
                 return Err(ApiError::bad_request("The client closed the request.")
                     .with_code("client_closed_request"));
+            }
+            if failure.outcome.is_suspect_5xx() {
+                if earlier_5xx.is_some() && earlier_5xx == failure.outcome.status {
+                    // The second backend fails it the same way: the request's failure. Neither
+                    // breaker is charged, and a third backend would fail it too.
+                    failure.outcome.request_fault = true;
+                    self.guard.finish(failure.outcome.clone());
+                    let status = failure.outcome.status.unwrap_or(500);
+                    return Err(request_error(status, attempts.count));
+                }
+                earlier_5xx = failure.outcome.status;
             }
             let moved = if failure.retryable && attempts.count <= self.settings.max_retries {
                 attempts
@@ -290,7 +308,19 @@ impl Forward<'_> {
                     a.request(&prefill, &bytes)
                         .map_err(|e| ApiError::from(worker::Error::from(e)))
                 })
-                .map_err(|e| fail(OutcomeKind::Transport, e.to_string()))?;
+                .map_err(|e| {
+                    worker::console_error!(
+                        "request {}: cannot build the prefill request: {e}",
+                        self.request_id
+                    );
+                    fail(
+                        OutcomeKind::Transport,
+                        format!(
+                            "the request to prefill backend {} could not be built",
+                            prefill.id.0
+                        ),
+                    )
+                })?;
             let (resp, _abort) =
                 fetch_web_with_timeout(&req, self.settings.response_timeout, Some(&client_signal))
                     .await
@@ -299,10 +329,17 @@ impl Forward<'_> {
                             OutcomeKind::Timeout,
                             format!("prefill backend {} timed out", prefill.id.0),
                         ),
-                        FetchFailure::Transport(e) => fail(
-                            OutcomeKind::Transport,
-                            format!("prefill backend {} unreachable: {e}", prefill.id.0),
-                        ),
+                        FetchFailure::Transport(e) => {
+                            worker::console_error!(
+                                "request {}: prefill backend {} could not be reached: {e}",
+                                self.request_id,
+                                prefill.id.0
+                            );
+                            fail(
+                                OutcomeKind::Transport,
+                                format!("prefill backend {} could not be reached", prefill.id.0),
+                            )
+                        }
                     })?;
             let status = resp.status();
             if !(200..300).contains(&status) {
@@ -317,10 +354,13 @@ impl Forward<'_> {
                 Some(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
                 None => Vec::new(),
             };
-            let answer: Value = serde_json::from_slice(&bytes).map_err(|e| {
+            let answer: Value = serde_json::from_slice(&bytes).map_err(|_| {
                 fail(
                     OutcomeKind::Transport,
-                    format!("prefill backend {}: answer unreadable: {e}", prefill.id.0),
+                    format!(
+                        "prefill backend {} sent an answer that is not JSON",
+                        prefill.id.0
+                    ),
                 )
             })?;
             let params = answer

@@ -128,7 +128,8 @@ test("connection refused (backend killed): retried on another backend, no client
 
 test("500 and 503: retried elsewhere and counted by the breaker until it opens", async () => {
   const p = await freshPool(3, "round_robin", {
-    settings: { breaker: { failure_threshold: 3, base_cooldown_ms: 60000, max_cooldown_ms: 60000, jitter_ratio: 0 } },
+    // max_open_ratio 1: this test lets both failing breakers open (the cap has its own test).
+    settings: { breaker: { failure_threshold: 3, base_cooldown_ms: 60000, max_cooldown_ms: 60000, jitter_ratio: 0, max_open_ratio: 1 } },
   });
   await only(p.name);
   const [b500, b503, good] = p.backends;
@@ -449,7 +450,9 @@ test("health flapping (/health answering 503 on and off) is absorbed by the prob
 });
 
 test("every backend down: 502/503 within a bounded time, then 503 with Retry-After; never a hang", async () => {
-  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000 } } });
+  // max_open_ratio 1: every breaker may open (by default at most half of them do, see
+  // tests/trust-backends.test.mjs), so the pool can say 503 before probes find the backends down.
+  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000, max_open_ratio: 1 } } });
   await only(p.name);
   for (const b of p.backends) await b.sim.close();
   const answers = [];

@@ -168,7 +168,9 @@ test("a breaker opens on 5xx, sheds traffic, then admits a trial and closes", as
 });
 
 test("every backend down: a clear error quickly, then 503 with Retry-After", async () => {
-  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000 } } });
+  // max_open_ratio 1: every breaker may open (by default at most half of them do, see
+  // tests/trust-backends.test.mjs), so the pool can say 503 before probes find the backends down.
+  const p = await freshPool(2, "least_load", { settings: { breaker: { failure_threshold: 1, base_cooldown_ms: 30000, max_cooldown_ms: 30000, max_open_ratio: 1 } } });
   await only(p.name);
   for (const b of p.backends) await b.sim.close();
   const started = Date.now();

@@ -45,7 +45,9 @@ const chat = (key, extra = {}) =>
   record(gw.fetch("/v1/chat/completions", {
     method: "POST",
     headers: { "content-type": "application/json", ...(key ? { authorization: `Bearer ${key}` } : {}), cookie: "session=planted-cookie" },
-    body: JSON.stringify({ model: "sse-model", messages: [{ role: "user", content: "hi" }], max_tokens: 16, ...extra }),
+    // stream: the SSE test server answers every request with an event stream, which only a
+    // streamed request may get (a whole answer must be JSON).
+    body: JSON.stringify({ model: "sse-model", messages: [{ role: "user", content: "hi" }], max_tokens: 16, stream: true, ...extra }),
   }));
 
 test("client keys: none or a wrong one is refused with 401; the backend gets its own key, never the client's", async () => {

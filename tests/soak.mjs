@@ -7,6 +7,13 @@
 // never answered 500;
 // every lease came back (`in_flight` and `in_flight_tokens` of every pool return to 0).
 //
+// Besides the random faults, the mix holds requests that make the backends fail and clients that
+// misbehave: poison requests (a marker every backend answers with vLLM's 500: each must get a
+// 5xx-class OpenAI error, never a 200, and must not take the pool from the others), slow readers
+// (streams read a chunk at a time with pauses), a backend that redirects to another local listener
+// (which must never receive a request) and a backend behind a login page (its HTML must never
+// reach a client).
+//
 //   node tests/soak.mjs [--url http://127.0.0.1:PORT --admin-token T] [--requests 5000]
 //        [--concurrency 200] [--sims 4] [--seconds-limit 240] [--seed 1] [--time-scale 50]
 //        [--fault-interval-ms 500] [--no-crash] [--keep-backends] [--max-stream-resumes N]
@@ -18,6 +25,7 @@
 // ended with the error event (`--max-stream-resumes 0` gives the figures without resumption).
 //
 // `runSoak(options)` is the same run as a function (tests/soak.test.mjs runs a reduced one).
+import http from "node:http";
 import path from "node:path";
 import { pathToFileURL } from "node:url";
 import { startGatewayServer, startSim, adminFetch, setFaults, parseMetrics, ADMIN_TOKEN } from "./lib/harness.mjs";
@@ -55,6 +63,9 @@ const DEFAULTS = {
   log: (msg) => process.stderr.write(`soak: ${msg}\n`),
 };
 
+/** The text that makes every backend answer vLLM's 500 (each sim's `poison_marker` fault). */
+export const SOAK_POISON = "SOAK-POISON-7d1e";
+
 /** The codes of the SSE error event that ends a stream whose backend failed after its first byte. */
 const STREAM_ERROR_CODES = ["upstream_stream_error", "upstream_idle_timeout"];
 
@@ -71,6 +82,9 @@ const FAULTS = [
   ["stall", { stall_after_tokens: 2 }],
   ["truncated_body", { truncate_body: true }],
   ["disconnect_mid_event", { disconnect_mid_event_after_tokens: 2 }],
+  // `redirect_to` is filled in with the run's redirect target (a listener that must see nothing).
+  ["redirect", { redirect_to: null }],
+  ["login_page", { login_page: true }],
 ];
 
 /** A small seeded PRNG (mulberry32), so the request mix and the fault schedule are reproducible. */
@@ -98,18 +112,50 @@ const SYSTEMS = [
   "You translate English into French, faithfully and without commentary. ".repeat(8),
 ];
 
-/** The i-th request of the run: kind, stream, body. */
+/** The i-th request of the run: kind, stream, body, and whether it is poison or read slowly. */
 function makeRequest(i, rand) {
   const r = rand();
   const chat = r < 0.7;
   const stream = rand() < 0.5;
   const max_tokens = 1 + Math.floor(rand() * 24);
   const system = SYSTEMS[Math.floor(rand() * SYSTEMS.length)];
-  const user = `Request ${i}: ${"tell me about topic ".repeat(1 + Math.floor(rand() * 8))}${Math.floor(rand() * 1e6)}`;
+  // Drawn from the request's own figures, so the rest of the mix stays what it was.
+  const poison = Math.floor(r * 1e6) % 40 === 7;
+  const slowReader = stream && !poison && Math.floor(r * 1e6) % 25 === 3;
+  const user = `Request ${i}: ${"tell me about topic ".repeat(1 + Math.floor(rand() * 8))}${Math.floor(rand() * 1e6)}${poison ? ` ${SOAK_POISON}` : ""}`;
   const body = chat
     ? { model: SOAK_MODEL, stream, max_tokens, messages: [{ role: "system", content: system }, { role: "user", content: user }] }
     : { model: SOAK_MODEL, stream, max_tokens, prompt: system + user };
-  return { path: chat ? "/v1/chat/completions" : "/v1/completions", chat, stream, body };
+  return { path: chat ? "/v1/chat/completions" : "/v1/completions", chat, stream, body, poison, slowReader };
+}
+
+/** Reads a response body a chunk at a time with a pause after each (a slow client). */
+async function readSlowly(resp) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let text = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return text + decoder.decode();
+    text += decoder.decode(value, { stream: true });
+    await sleep(40);
+  }
+}
+
+/** A local listener that counts what reaches it: the redirecting backend's target. */
+async function redirectTarget() {
+  const state = { hits: 0, samples: [] };
+  const server = http.createServer((req, res) => {
+    state.hits += 1;
+    if (state.samples.length < 5) state.samples.push(`${req.method} ${req.url}`);
+    req.resume();
+    res.writeHead(200, { "content-type": "application/json" });
+    res.end("{}");
+  });
+  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  state.url = `http://127.0.0.1:${server.address().port}`;
+  state.close = () => new Promise((r) => { server.closeAllConnections(); server.close(r); });
+  return state;
 }
 
 function isOpenAIError(json) {
@@ -122,6 +168,14 @@ function isOpenAIError(json) {
  * `error_<status>` (a well-formed OpenAI error).
  */
 function classify(req, status, headers, text) {
+  if (req.poison) {
+    if (status === 200) return { outcome: "poison_served", violation: `a poison request got 200: ${text.slice(0, 160)}` };
+    const verdict = classifyError(status, headers, text);
+    if (verdict.violation) return verdict;
+    let code = null;
+    try { code = JSON.parse(text).error.code; } catch { /* classified above */ }
+    return { outcome: code === "upstream_request_error" ? "poison_request_error" : `poison_${verdict.outcome}` };
+  }
   const ct = headers.get("content-type") ?? "";
   if (status === 200) {
     if (!req.stream) {
@@ -176,6 +230,12 @@ function classify(req, status, headers, text) {
     if (chunks === 0) return { outcome: "bad_body", violation: "a stream with no chunks" };
     return { outcome: "ok_stream" };
   }
+  return classifyError(status, headers, text);
+}
+
+/** Classifies an error answer: a well-formed OpenAI error with a status a client may get. */
+function classifyError(status, headers, text) {
+  const ct = headers.get("content-type") ?? "";
   let json = null;
   try { json = JSON.parse(text); } catch { /* below */ }
   if (!isOpenAIError(json) || !ct.startsWith("application/json")) {
@@ -206,6 +266,7 @@ export async function runSoak(options = {}) {
   const sims = [];
   const restarts = new Set();
   const summary = { ok: false };
+  let target = null;
   try {
     // --- the gateway ---
     let base = o.url;
@@ -230,9 +291,15 @@ export async function runSoak(options = {}) {
     if (health.status !== 200) throw new Error(`gateway ${base} /healthz answered ${health.status}`);
 
     // --- the backends ---
+    target = await redirectTarget();
+    // Every fault setting keeps the poison marker: a poison request fails on every backend.
+    const applyFaults = (sim, faults) => setFaults(sim, { poison_marker: SOAK_POISON, ...faults });
     for (let i = 0; i < o.sims; i++) {
-      const args = ["--model", SOAK_MODEL, "--time-scale", String(o.timeScale), "--seed", String(1000 + i), "--mean-output-tokens", "16"];
-      sims.push({ i, args, sim: await startSim(args), faulted: null, crashed: false });
+      // The marker from the start, so a sim restarted after a crash fails poison requests at once.
+      const args = ["--model", SOAK_MODEL, "--time-scale", String(o.timeScale), "--seed", String(1000 + i), "--mean-output-tokens", "16", "--fault-poison-marker", SOAK_POISON];
+      const sim = await startSim(args);
+      await applyFaults(sim, {});
+      sims.push({ i, args, sim, faulted: null, crashed: false });
     }
     // Stale soak backends of an earlier run (persisted state) are removed first.
     const listed = await admin("/admin/backends");
@@ -269,6 +336,7 @@ export async function runSoak(options = {}) {
         for (let tries = 0; tries < 20; tries++) {
           try {
             s.sim = await startSim(s.args, { port: old.port });
+            await applyFaults(s.sim, {});
             break;
           } catch (e) {
             if (tries === 19) violation("harness", `cannot restart soak-${s.i}: ${e.message}`);
@@ -290,9 +358,9 @@ export async function runSoak(options = {}) {
         if (faultRand() < 0.015) {
           faultCounts.storm = (faultCounts.storm ?? 0) + 1;
           const live = sims.filter((x) => !x.crashed);
-          await Promise.all(live.map((x) => setFaults(x.sim, { error_rate: 1.0, error_status: 503 }).catch(() => {})));
+          await Promise.all(live.map((x) => applyFaults(x.sim, { error_rate: 1.0, error_status: 503 }).catch(() => {})));
           await sleep(300);
-          await Promise.all(live.filter((x) => !x.crashed).map((x) => setFaults(x.sim, {}).catch(() => {})));
+          await Promise.all(live.filter((x) => !x.crashed).map((x) => applyFaults(x.sim, {}).catch(() => {})));
           for (const x of live) if (!x.crashed) x.faulted = null;
           continue;
         }
@@ -301,21 +369,22 @@ export async function runSoak(options = {}) {
         const healthyLeft = sims.filter((x) => !x.faulted && !x.crashed).length;
         // Clear a fault half the time; never fault the last fault-free backend.
         if (s.faulted && faultRand() < 0.5) {
-          await setFaults(s.sim, {}).catch(() => {});
+          await applyFaults(s.sim, {}).catch(() => {});
           s.faulted = null;
           continue;
         }
         if (!s.faulted && healthyLeft <= 1) continue;
         const choices = FAULTS.filter(([name]) => o.crash || name !== "crash");
-        const [name, faults] = choices[Math.floor(faultRand() * choices.length)];
+        const [name, profile] = choices[Math.floor(faultRand() * choices.length)];
+        const faults = name === "redirect" ? { redirect_to: `${target.url}/v1/chat/completions` } : profile;
         faultCounts[name] = (faultCounts[name] ?? 0) + 1;
         if (name === "crash") {
           s.crashed = true;
           s.faulted = name;
-          await setFaults(s.sim, faults).catch(() => {}); // answers, then exits
+          await applyFaults(s.sim, faults).catch(() => {}); // answers, then exits
           restartSim(s);
         } else {
-          await setFaults(s.sim, faults).catch((e) => violation("harness", `setting ${name} on soak-${s.i}: ${e.message}`));
+          await applyFaults(s.sim, faults).catch((e) => violation("harness", `setting ${name} on soak-${s.i}: ${e.message}`));
           s.faulted = name;
         }
       }
@@ -324,6 +393,7 @@ export async function runSoak(options = {}) {
     // --- the load ---
     const byStatus = {};
     const byOutcome = {};
+    const mix = { poison: 0, slow_readers: 0 };
     const latencies = [];
     let next = 0;
     let sent = 0;
@@ -339,7 +409,10 @@ export async function runSoak(options = {}) {
           signal: o.signal ? AbortSignal.any([o.signal, AbortSignal.timeout(o.requestTimeoutMs)]) : AbortSignal.timeout(o.requestTimeoutMs),
         });
         status = resp.status;
-        const text = await resp.text();
+        if (req.poison) mix.poison += 1;
+        const slow = req.slowReader && status === 200;
+        if (slow) mix.slow_readers += 1;
+        const text = slow ? await readSlowly(resp) : await resp.text();
         const { outcome, violation: v } = classify(req, status, resp.headers, text);
         byOutcome[outcome] = (byOutcome[outcome] ?? 0) + 1;
         if (v) violation(outcome, `request ${i} (${req.path}, stream ${req.stream}): ${v}`);
@@ -367,6 +440,7 @@ export async function runSoak(options = {}) {
     loadDone = true;
     await chaos;
     await Promise.all([...restarts]);
+    if (target.hits > 0) violation("redirect_followed", `the redirect target got ${target.hits} request(s): ${target.samples.join(", ")}`);
     if (sent < o.requests) violation("time_limit", `only ${sent} of ${o.requests} requests were sent within ${o.secondsLimit} s`);
 
     // --- afterwards: faults off, every lease back ---
@@ -440,6 +514,7 @@ export async function runSoak(options = {}) {
       by_status: byStatus,
       by_outcome: byOutcome,
       gateway_500s: byStatus[500] ?? 0,
+      mix: { ...mix, redirect_target_hits: target.hits },
       latency_ms: {
         p50: Math.round(percentile(latencies, 50)),
         p90: Math.round(percentile(latencies, 90)),
@@ -467,6 +542,7 @@ export async function runSoak(options = {}) {
   } finally {
     await Promise.all([...restarts]).catch(() => {});
     await Promise.all(sims.map((s) => s.sim.close()));
+    await target?.close();
     await gateway?.close();
   }
 }

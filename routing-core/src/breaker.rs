@@ -8,6 +8,12 @@
 //! trial success counts towards `success_threshold`, after which it closes; any trial failure
 //! reopens it with a longer cooldown.
 //!
+//! Breakers never take more than `max_open_ratio` of a pool's ready backends out of rotation at
+//! once (Envoy's `max_ejection_percent` has the same job): the pool tells [`CircuitBreaker::record_gated`]
+//! whether an opening would pass that cap, and a breaker refused its opening stays closed at its
+//! threshold, so the next failure asks again. Failures a bad request causes on every backend it
+//! touches cannot empty a pool this way.
+//!
 //! Outcomes of requests admitted before the breaker opened are ignored while it is open or
 //! half-open: they describe the past, not the trial. A 429 leaves the breaker alone and marks the
 //! backend saturated for `saturation_ms` instead.
@@ -33,6 +39,10 @@ pub struct BreakerConfig {
     pub jitter_ratio: f64,
     /// How long a 429 keeps the backend out of rotation, in ms (default 2,000).
     pub saturation_ms: u64,
+    /// Largest share of the pool's ready, healthy backends whose breakers may be out of rotation
+    /// (open or half-open) at once, in `[0, 1]` (default 0.5). At least one breaker may always
+    /// open unless it is 0, which keeps every breaker closed.
+    pub max_open_ratio: f64,
 }
 
 impl Default for BreakerConfig {
@@ -45,6 +55,7 @@ impl Default for BreakerConfig {
             max_cooldown_ms: 120_000,
             jitter_ratio: 0.2,
             saturation_ms: 2_000,
+            max_open_ratio: 0.5,
         }
     }
 }
@@ -69,7 +80,19 @@ impl BreakerConfig {
         if !(0.0..=1.0).contains(&self.jitter_ratio) {
             return Err("breaker.jitter_ratio must be within [0, 1]".into());
         }
+        if !(0.0..=1.0).contains(&self.max_open_ratio) {
+            return Err("breaker.max_open_ratio must be within [0, 1]".into());
+        }
         Ok(())
+    }
+
+    /// How many of `ready` backends' breakers may be out of rotation at once: the
+    /// `max_open_ratio` share, rounded down, but at least one (unless the ratio is 0).
+    pub fn max_open(&self, ready: usize) -> usize {
+        if self.max_open_ratio <= 0.0 || ready == 0 {
+            return 0;
+        }
+        ((ready as f64 * self.max_open_ratio.min(1.0)).floor() as usize).max(1)
     }
 
     /// The cooldown for the `streak`-th consecutive opening (1-based), given a uniform `u` in
@@ -159,6 +182,7 @@ pub struct CircuitBreaker {
     trial_successes: u32,
     saturated_until_ms: u64,
     transitions: [u64; 3],
+    openings_held: u64,
 }
 
 impl CircuitBreaker {
@@ -278,6 +302,39 @@ impl CircuitBreaker {
         config: &BreakerConfig,
         jitter: f64,
     ) -> Option<BreakerTransition> {
+        self.record_gated(kind, trial, now_ms, config, jitter, true)
+    }
+
+    /// Whether recording a failure of `kind` now would open this closed breaker.
+    pub fn would_open(&self, kind: OutcomeKind, config: &BreakerConfig) -> bool {
+        self.state == BreakerState::Closed
+            && kind.is_backend_failure()
+            && self.consecutive_failures.saturating_add(1) >= config.failure_threshold.max(1)
+    }
+
+    /// Openings refused because the pool's cap on open breakers was reached.
+    pub fn openings_held(&self) -> u64 {
+        self.openings_held
+    }
+
+    /// [`CircuitBreaker::record`], with `may_open` saying whether the pool's cap on open breakers
+    /// lets a closed breaker open now. Refused, the breaker stays closed one failure short of
+    /// its threshold (so the next failure asks again). A half-open trial's failure reopens it
+    /// whatever the cap: it was out of rotation already.
+    pub fn record_gated(
+        &mut self,
+        kind: OutcomeKind,
+        trial: bool,
+        now_ms: u64,
+        config: &BreakerConfig,
+        jitter: f64,
+        may_open: bool,
+    ) -> Option<BreakerTransition> {
+        if !may_open && !trial && self.would_open(kind, config) {
+            self.consecutive_failures = config.failure_threshold.max(1) - 1;
+            self.openings_held += 1;
+            return None;
+        }
         let is_current_trial = trial && self.state == BreakerState::HalfOpen;
         if is_current_trial {
             self.trials_in_flight = self.trials_in_flight.saturating_sub(1);
@@ -372,6 +429,7 @@ mod tests {
             max_cooldown_ms: 8_000,
             jitter_ratio: 0.0,
             saturation_ms: 500,
+            max_open_ratio: 0.5,
         }
     }
 
@@ -535,6 +593,55 @@ mod tests {
         assert_eq!(r.state(), BreakerState::HalfOpen);
         assert_eq!(r.trials_in_flight(), 0);
         assert_eq!(r.snapshot(), snap);
+    }
+
+    #[test]
+    fn a_refused_opening_keeps_the_breaker_closed_at_its_threshold() {
+        let c = cfg();
+        let mut b = CircuitBreaker::new();
+        b.record(OutcomeKind::ServerError, false, 0, &c, 0.0);
+        b.record(OutcomeKind::ServerError, false, 0, &c, 0.0);
+        assert!(b.would_open(OutcomeKind::ServerError, &c));
+        assert!(!b.would_open(OutcomeKind::ClientError, &c));
+        for _ in 0..10 {
+            let t = b.record_gated(OutcomeKind::ServerError, false, 1, &c, 0.0, false);
+            assert_eq!(t, None);
+        }
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(b.consecutive_failures(), 2);
+        assert_eq!(b.openings_held(), 10);
+        let t = b.record_gated(OutcomeKind::Timeout, false, 2, &c, 0.0, true);
+        assert_eq!(
+            t.map(|t| t.to),
+            Some(BreakerState::Open),
+            "room again: it opens"
+        );
+    }
+
+    #[test]
+    fn the_open_cap_is_a_share_of_the_ready_backends_but_at_least_one() {
+        let c = BreakerConfig::default();
+        assert_eq!(c.max_open(0), 0);
+        assert_eq!(c.max_open(1), 1);
+        assert_eq!(c.max_open(2), 1);
+        assert_eq!(c.max_open(3), 1);
+        assert_eq!(c.max_open(4), 2);
+        assert_eq!(c.max_open(10), 5);
+        let all = BreakerConfig {
+            max_open_ratio: 1.0,
+            ..c
+        };
+        assert_eq!(all.max_open(3), 3);
+        let none = BreakerConfig {
+            max_open_ratio: 0.0,
+            ..c
+        };
+        assert_eq!(none.max_open(3), 0);
+        let bad = BreakerConfig {
+            max_open_ratio: 1.5,
+            ..c
+        };
+        assert!(bad.validate().is_err());
     }
 
     #[test]

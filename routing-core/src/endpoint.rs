@@ -1,7 +1,9 @@
 //! The request features of each OpenAI endpoint the gateway routes, with one set of errors for
 //! all of them: chat and completions through [`crate::prompt::request_features`] (a chat needs
 //! `messages`, a completion `prompt`), embeddings from their `input` alone (no prefix reuse, no
-//! output).
+//! output). The model id is checked the same way everywhere: an absurd one (over
+//! [`MAX_MODEL_BYTES`], or with control characters) is refused before it reaches a pool, a log
+//! line or a backend.
 
 use crate::prompt::{
     estimate_tokens, invalid, object_and_model, request_features, FeatureConfig, PromptError,
@@ -31,9 +33,35 @@ impl Endpoint {
     }
 }
 
+/// Longest model id accepted, in bytes (vLLM's served names are paths or repository ids, far
+/// shorter).
+pub const MAX_MODEL_BYTES: usize = 256;
+
+/// Refuses a model id no backend could serve: longer than [`MAX_MODEL_BYTES`] or holding control
+/// characters (which would also reach log lines and headers).
+fn check_model(features: RequestFeatures) -> Result<RequestFeatures, PromptError> {
+    let model = &features.model;
+    if model.len() > MAX_MODEL_BYTES || model.chars().any(char::is_control) {
+        return Err(invalid(
+            "model",
+            "a model id of at most 256 bytes without control characters",
+        ));
+    }
+    Ok(features)
+}
+
 /// The routing features of a request to `endpoint`, with one set of errors for every endpoint: a
 /// chat needs `messages`, a completion `prompt`, an embedding `input`.
 pub fn endpoint_features(
+    endpoint: Endpoint,
+    body: &Value,
+    header: &dyn Fn(&str) -> Option<String>,
+    config: &FeatureConfig,
+) -> Result<RequestFeatures, PromptError> {
+    endpoint_features_unchecked(endpoint, body, header, config).and_then(check_model)
+}
+
+fn endpoint_features_unchecked(
     endpoint: Endpoint,
     body: &Value,
     header: &dyn Fn(&str) -> Option<String>,
@@ -129,6 +157,36 @@ mod tests {
             &config,
         );
         assert_eq!(bad_input, Err(invalid("input", "a string or an array")));
+    }
+
+    #[test]
+    fn absurd_model_ids_are_refused_on_every_endpoint() {
+        let config = FeatureConfig::default();
+        let none = |_: &str| None;
+        let long = "m".repeat(MAX_MODEL_BYTES + 1);
+        let longest = "m".repeat(MAX_MODEL_BYTES);
+        for endpoint in [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings] {
+            let call = |model: &str| {
+                let body = match endpoint {
+                    Endpoint::Chat => {
+                        json!({"model": model, "messages": [{"role": "user", "content": "x"}]})
+                    }
+                    Endpoint::Completions => json!({"model": model, "prompt": "x"}),
+                    Endpoint::Embeddings => json!({"model": model, "input": "x"}),
+                };
+                endpoint_features(endpoint, &body, &none, &config)
+            };
+            for bad in [long.as_str(), "llama\n", "a\u{0}b", "x\u{7f}"] {
+                let e = call(bad).unwrap_err();
+                assert_eq!(
+                    (e.param(), e.code()),
+                    (Some("model"), "invalid_type"),
+                    "{bad:?}"
+                );
+            }
+            assert!(call(&longest).is_ok());
+            assert!(call("meta-llama/Llama-3.1-8B-Instruct").is_ok());
+        }
     }
 
     #[test]

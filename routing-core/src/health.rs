@@ -90,9 +90,32 @@ pub struct Health {
     pub last_probe_ms: Option<u64>,
     /// Number of state changes so far.
     pub transitions: u64,
+    /// A model the backend answered "does not exist" for since its last successful probe, when
+    /// it was the only one it served: it is not chosen for it until a probe lists it again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub missing_model: Option<String>,
+    /// When a request's answer last asked for a probe of this backend out of turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe_soon_ms: Option<u64>,
 }
 
+/// Shortest time between two out-of-turn probes one backend's answers may ask for, in ms.
+pub const PROBE_SOON_MIN_INTERVAL_MS: u64 = 5_000;
+
 impl Health {
+    /// Whether an answer of the backend may ask for a probe out of turn now: at most one per
+    /// [`PROBE_SOON_MIN_INTERVAL_MS`], so a backend that keeps contradicting its probes cannot
+    /// keep the pool probing. Records the ask when it is granted.
+    pub fn ask_probe_soon(&mut self, now_ms: u64) -> bool {
+        let due = self
+            .probe_soon_ms
+            .is_none_or(|at| now_ms.saturating_sub(at) >= PROBE_SOON_MIN_INTERVAL_MS);
+        if due {
+            self.probe_soon_ms = Some(now_ms);
+        }
+        due
+    }
+
     /// Whether the backend may serve, as far as probes know.
     pub fn is_serving(&self) -> bool {
         self.state == HealthState::Healthy
@@ -109,6 +132,8 @@ impl Health {
         let from = self.state;
         let to = match verdict {
             ProbeVerdict::Up => {
+                // The probe's model list is the news now.
+                self.missing_model = None;
                 self.consecutive_failures = 0;
                 self.consecutive_successes = self.consecutive_successes.saturating_add(1);
                 match from {

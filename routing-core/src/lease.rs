@@ -58,6 +58,10 @@ pub struct Lease {
     pub acquired_ms: u64,
     /// When it expires unless released.
     pub deadline_ms: u64,
+    /// A backend whose 5xx the lease moved away from, its breaker charge deferred to the release:
+    /// withdrawn if the request turns out to fail on the next backend too (the request's fault),
+    /// charged otherwise.
+    pub deferred_failure: Option<BackendKey>,
 }
 
 /// What the Worker knows of its lease: enough for the pool to count it again if it lost it.
@@ -192,6 +196,7 @@ mod tests {
             decode: None,
             acquired_ms: 0,
             deadline_ms,
+            deferred_failure: None,
         }
     }
 

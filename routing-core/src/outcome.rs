@@ -108,6 +108,11 @@ pub struct Outcome {
     /// was paused; its timing says nothing about the engine's decode speed.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub held_by_client: bool,
+    /// The Worker found the failure to be the request's, not a backend's: the same 5xx class
+    /// came back from a second backend for it. No breaker is charged for it, and the pool
+    /// withdraws the charge it deferred for the first backend's 5xx.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub request_fault: bool,
 }
 
 /// What became of a stream that failed after its first byte, as told with the share it concerns.
@@ -167,6 +172,14 @@ impl Outcome {
         }
     }
 
+    /// Whether this is a backend's 5xx answer: a failure that may be the request's own (vLLM
+    /// answers 500 for a request-specific engine error), so its breaker charge waits until the
+    /// request shows whether another backend fails it too.
+    pub fn is_suspect_5xx(&self) -> bool {
+        self.kind == OutcomeKind::ServerError
+            && self.status.is_some_and(|s| (500..=599).contains(&s))
+    }
+
     /// An outcome of the given kind with no status, timing or token figures.
     pub fn of_kind(kind: OutcomeKind) -> Outcome {
         Outcome {
@@ -224,6 +237,27 @@ mod tests {
         assert_eq!(o.resume, Some(StreamResume::Continuation));
         let plain = serde_json::to_string(&Outcome::default()).unwrap();
         assert!(!plain.contains("resume"), "{plain}");
+    }
+
+    #[test]
+    fn only_answered_5xx_are_suspects_and_request_faults_round_trip() {
+        assert!(Outcome::from_status(500).is_suspect_5xx());
+        assert!(Outcome::from_status(503).is_suspect_5xx());
+        assert!(!Outcome::of_kind(OutcomeKind::ServerError).is_suspect_5xx());
+        let rewritten = Outcome {
+            kind: OutcomeKind::ServerError,
+            ..Outcome::from_status(403)
+        };
+        assert!(
+            !rewritten.is_suspect_5xx(),
+            "a rejected key is the backend's"
+        );
+        let plain = serde_json::to_string(&Outcome::from_status(500)).unwrap();
+        assert!(!plain.contains("request_fault"), "{plain}");
+        let o: Outcome =
+            serde_json::from_str(r#"{"kind":"server_error","status":500,"request_fault":true}"#)
+                .unwrap();
+        assert!(o.request_fault);
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! Refused by the budget, the failure still counts against the failed backend and the lease ends
 //! with it. Allowed, the lease moves to the next candidate; a pool that lost the lease (it expired
 //! while the attempt hung, or the Durable Object restarted) counts it again from the Worker's
-//! terms first. A backend that answered 404 for the model stops being offered it, and the new
-//! backend records the request's prefix once it takes the request.
+//! terms first. A backend that answered vLLM's "model does not exist" 404 stops being offered the
+//! model (a backend serving only that model leaves rotation for it) until its next probe; the
+//! new backend records the request's prefix once it takes the request.
 
 use crate::backend::BackendId;
 use crate::lease::{LeaseId, LeaseTerms};
@@ -46,6 +47,9 @@ pub struct Reassignment {
     pub result: Result<CandidateView, RetryRefused>,
     /// The failed backend no longer lists the model.
     pub forgot_model: bool,
+    /// The caller should probe the pool now: the failed backend's models changed, and it did
+    /// not ask for a probe in the last [`crate::health::PROBE_SOON_MIN_INTERVAL_MS`].
+    pub probe_soon: bool,
 }
 
 /// Retries `attempt` on its next candidate if the budget allows.
@@ -56,11 +60,21 @@ pub fn reassign(
     attempt: &FailedAttempt<'_>,
     now_ms: u64,
 ) -> Reassignment {
+    // The backend said it lacks the model: true whether or not the request may go on.
+    let forgot_model = match (attempt.missing_model, attempt.terms) {
+        (Some(model), Some(terms)) => pool.forget_model(&terms.backend, model).unwrap_or(false),
+        _ => false,
+    };
+    let probe_soon = match attempt.terms {
+        Some(terms) if forgot_model => pool.ask_probe_soon(&terms.backend, now_ms),
+        _ => false,
+    };
     if !budget.try_retry(now_ms, budget_config) {
         pool.release(attempt.lease_id, attempt.failure, now_ms);
         return Reassignment {
             result: Err(RetryRefused::BudgetExhausted),
-            forgot_model: false,
+            forgot_model,
+            probe_soon,
         };
     }
     let (lease, to, failure) = (attempt.lease_id, attempt.to, attempt.failure);
@@ -70,16 +84,13 @@ pub fn reassign(
             result = pool.reassign(lease, to, failure, now_ms);
         }
     }
-    let forgot_model = match (attempt.missing_model, attempt.terms) {
-        (Some(model), Some(terms)) => pool.forget_model(&terms.backend, model).unwrap_or(false),
-        _ => false,
-    };
     if result.is_ok() && !attempt.block_hashes.is_empty() {
         let _ = pool.record_prefix(to, attempt.block_hashes);
     }
     Reassignment {
         result: result.map_err(RetryRefused::Pool),
         forgot_model,
+        probe_soon,
     }
 }
 
@@ -202,5 +213,105 @@ mod tests {
             .unwrap()
             .served_models
             .contains(&"m".to_string()));
+    }
+
+    #[test]
+    fn a_one_model_backend_that_lost_its_model_stops_being_chosen_until_probed() {
+        let mut pool = Pool::new("p", PoolConfig::default());
+        for i in 0..2 {
+            let spec = BackendSpec {
+                id: format!("b{i}").as_str().into(),
+                url: format!("http://b{i}:8000"),
+                models: vec!["m".into()],
+                ..BackendSpec::default()
+            };
+            add_ready(&mut pool, spec);
+        }
+        let grant = pool
+            .acquire(&features(), 1, &mut SplitMix64::new(1))
+            .unwrap();
+        let (from, to) = (grant.backend.clone(), grant.candidates[1].id.clone());
+        let terms = LeaseTerms {
+            backend: from.clone(),
+            prompt_tokens: 10,
+            max_tokens: 10,
+            stream: false,
+            request_id: "r".into(),
+        };
+        let attempt = FailedAttempt {
+            lease_id: grant.lease_id,
+            to: &to,
+            failure: &Outcome::from_status(404),
+            terms: Some(&terms),
+            block_hashes: &[],
+            missing_model: Some("m"),
+        };
+        let config = RetryBudgetConfig::default();
+        let mut budget = RetryBudget::new();
+        let done = reassign(&mut pool, &mut budget, &config, &attempt, 2);
+        assert!(done.forgot_model && done.probe_soon, "probe it soon");
+        assert_eq!(done.result.unwrap().id, to);
+        pool.release(grant.lease_id, &Outcome::from_status(200), 3);
+        for t in 0..20 {
+            let g = pool
+                .acquire(&features(), 10 + t, &mut SplitMix64::new(t))
+                .unwrap();
+            assert_eq!(g.backend, to, "the backend without the model is not chosen");
+            assert!(g.candidates.iter().all(|c| c.id != from));
+            pool.release(g.lease_id, &Outcome::from_status(200), 10 + t);
+        }
+        // A second report of the same 404 asks for no second probe.
+        assert_eq!(pool.forget_model(&from, "m"), Ok(false));
+        // The next probe that lists the model brings it back.
+        let probe = crate::pool::ProbeResult {
+            ok: true,
+            models: Some(vec!["m".into()]),
+            ..Default::default()
+        };
+        pool.record_probe(&from, &probe, 100).unwrap();
+        let mut chosen = std::collections::HashSet::new();
+        for t in 0..20 {
+            let g = pool
+                .acquire(&features(), 200 + t, &mut SplitMix64::new(t))
+                .unwrap();
+            chosen.insert(g.backend.clone());
+            pool.release(g.lease_id, &Outcome::from_status(200), 200 + t);
+        }
+        assert!(chosen.contains(&from), "{chosen:?}");
+        // It says "no such model" again right away: forgotten again, but no second probe yet.
+        let g = (0..50)
+            .find_map(|seed| {
+                let g = pool
+                    .acquire(&features(), 300, &mut SplitMix64::new(seed))
+                    .unwrap();
+                if g.backend == from {
+                    return Some(g);
+                }
+                pool.release(g.lease_id, &Outcome::from_status(200), 300);
+                None
+            })
+            .expect("the restored backend is chosen again");
+        let other = g
+            .candidates
+            .iter()
+            .find(|c| c.id != g.backend)
+            .unwrap()
+            .id
+            .clone();
+        let terms_now = LeaseTerms {
+            backend: g.backend.clone(),
+            ..terms.clone()
+        };
+        let again = FailedAttempt {
+            lease_id: g.lease_id,
+            to: &other,
+            terms: Some(&terms_now),
+            ..attempt
+        };
+        let done = reassign(&mut pool, &mut budget, &config, &again, 300);
+        assert!(done.forgot_model);
+        assert!(!done.probe_soon, "a second probe within the interval");
+        pool.release(g.lease_id, &Outcome::from_status(200), 301);
+        assert!(pool.ask_probe_soon(&g.backend, 300 + crate::health::PROBE_SOON_MIN_INTERVAL_MS));
     }
 }

@@ -195,9 +195,10 @@ fn a_backend_that_no_longer_serves_a_model_stops_getting_it() {
         );
         p.release(g.lease_id, &Outcome::from_status(200), 10 + i);
     }
-    // Its only model is kept (an empty list would mean "as registered"): a probe decides.
+    // A backend whose only model it was leaves rotation for it too (until its next probe).
     let b1: BackendId = "b1".into();
-    assert_eq!(p.forget_model(&b1, "m"), Ok(false));
+    assert_eq!(p.forget_model(&b1, "m"), Ok(true));
+    assert!(p.acquire(&features(), 30, &mut SplitMix64::new(0)).is_err());
     assert_eq!(p.forget_model(&b0, "not-there"), Ok(false));
     // The next probe restores what the backend says it serves.
     p.record_probe(&b0, &both, 20).unwrap();

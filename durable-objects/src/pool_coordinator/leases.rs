@@ -5,11 +5,7 @@ use super::*;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
-        if req.missing_model.is_some() {
-            // Its served models changed: probe now rather than at the next round.
-            self.probe_soon().await;
-        }
-        self.with(|l| {
+        let (result, probe_soon) = self.with(|l| {
             let attempt = FailedAttempt {
                 lease_id: req.lease_id,
                 to: &req.to,
@@ -18,6 +14,8 @@ impl PoolCoordinator {
                 block_hashes: &req.block_hashes,
                 missing_model: req.missing_model.as_deref(),
             };
+            // A 5xx the lease left earlier may be charged by this move: persist that backend too.
+            let deferred = l.pool.deferred_failure(req.lease_id);
             let Live {
                 pool,
                 budget,
@@ -35,25 +33,34 @@ impl PoolCoordinator {
                     backend.0
                 );
             }
-            match done.result {
+            let result = match done.result {
                 Ok(candidate) => {
                     l.retries += 1;
-                    persist_backends(l, &[failed, Some(&req.to)]);
+                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
                     answer(200, &candidate)
                 }
                 Err(RetryRefused::BudgetExhausted) => {
-                    persist_backends(l, &[failed]);
+                    persist_backends(l, &[failed, deferred.as_ref()]);
                     Err(
                         ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                             .with_code("retry_budget_exhausted"),
                     )
                 }
                 Err(RetryRefused::Pool(e)) => {
-                    persist_backends(l, &[failed, Some(&req.to)]);
+                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
                     Err(pool_error(e))
                 }
-            }
-        })
+            };
+            (result, done.probe_soon)
+        });
+        if probe_soon {
+            // Its served models changed: probe now rather than at the next round. Asked once per
+            // backend and model between probes (a model already forgotten is not forgotten again)
+            // and at most once per PROBE_SOON_MIN_INTERVAL_MS per backend, so a stream of 404s
+            // cannot keep the pool probing.
+            self.probe_soon().await;
+        }
+        result
     }
 
     pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {
@@ -108,9 +115,11 @@ impl PoolCoordinator {
 
 /// Ends one lease with its outcome; persists its backend's state when the lease was live.
 fn release_one(l: &mut Live, req: &ReleaseRequest) -> bool {
+    // A backend whose 5xx the lease left is charged (or not) now: its state changes too.
+    let deferred = l.pool.deferred_failure(req.lease_id);
     let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
     if released {
-        persist_backends(l, &[req.backend.as_ref()]);
+        persist_backends(l, &[req.backend.as_ref(), deferred.as_ref()]);
     }
     released
 }

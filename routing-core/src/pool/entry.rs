@@ -46,6 +46,9 @@ pub(super) struct BackendEntry {
 
 impl BackendEntry {
     pub(super) fn serves(&self, model: &str) -> bool {
+        if self.health.missing_model.as_deref() == Some(model) {
+            return false;
+        }
         match &self.probed_models {
             Some(models) if !models.is_empty() => models.iter().any(|m| m == model),
             _ => self.spec.models.iter().any(|m| m == model),

@@ -1,11 +1,19 @@
 //! A lease's life after the grant: moved to another backend ([`Pool::reassign`]), its prefill
 //! stage ended ([`Pool::finish_prefill`]), renewed, readmitted after the pool lost it, released
 //! with its outcome (feeding the breaker, the statistics and the time model) or expired.
+//!
+//! Blame goes to what failed. A 5xx the lease moves away from is only a suspicion: its breaker
+//! charge waits on the lease ([`Lease::deferred_failure`]) until the release says whether the
+//! request failed on the next backend too (then it was the request's, and neither backend is
+//! charged) or not (then the first backend is charged). A first-byte timeout the backend's queue
+//! explains (the wait the time model predicted, or the queue vLLM reported) counts as load, like
+//! a 429, not as a failure. And no breaker opens past the pool's `breaker.max_open_ratio` cap.
 
 use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{has_room, CandidateView, Pool, PoolError};
 use crate::backend::{BackendId, BackendKey, Lifecycle};
+use crate::breaker::BreakerState;
 use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
 use crate::outcome::{Outcome, OutcomeKind};
 use crate::time_model::{Observation, SharePrediction};
@@ -14,7 +22,8 @@ use xxhash_rust::xxh3::xxh3_64;
 impl Pool {
     /// Moves a lease to another backend after its backend failed before the first byte (the
     /// Worker's retry on the next candidate). The failure is recorded on the old backend's
-    /// breaker; the counters move with the lease; the new backend is admitted through its
+    /// breaker (a 5xx's charge deferred to the release, see the module doc); the counters move
+    /// with the lease; the new backend is admitted through its
     /// breaker. If the new backend cannot take it, nothing changes and
     /// [`PoolError::BackendUnavailable`] is returned (the Worker may try the next candidate).
     /// The one exception is a retry on the same backend whose recorded failure opens its
@@ -40,6 +49,8 @@ impl Pool {
             },
         );
         let old = lease.primary;
+        // A trial's outcome decides its breaker at once; other 5xx wait for the release.
+        let defer = failure.is_suspect_5xx() && !old.trial;
         let slot = self.slot_of(to)?;
         let breaker_config = self.config.breaker;
         let echo = self.echo();
@@ -63,7 +74,26 @@ impl Pool {
         }
         // The lease stops holding its blocks on the old backend here (its settle finds them gone).
         let blocks = self.drop_blocks(lease_id, old.backend);
-        self.settle(&old, failure, lease_id, acquired_ms, now_ms);
+        if defer {
+            // The statistics see the failure now; the breaker waits.
+            self.settle_charging(
+                &old,
+                failure,
+                OutcomeKind::Cancelled,
+                (lease_id, acquired_ms),
+                now_ms,
+            );
+        } else {
+            self.settle(&old, failure, lease_id, acquired_ms, now_ms);
+        }
+        let earlier = match self.leases.get_mut(lease_id) {
+            Some(lease) if defer => lease.deferred_failure.replace(old.backend),
+            _ => None,
+        };
+        if let Some(earlier) = earlier {
+            // A second suspect before any release: the first one is charged after all.
+            self.charge_deferred(earlier, lease_id, now_ms);
+        }
         let share = self.admit(slot, prompt_tokens, output, now_ms);
         if let (Some(share), Some(blocks)) = (&share, blocks) {
             // Nothing of it is known to be cached on the new backend.
@@ -83,6 +113,9 @@ impl Pool {
                 if let Some(decode) = &lease.decode {
                     self.unshare(decode, OutcomeKind::Cancelled, lease_id, now_ms);
                 }
+                if let Some(first) = lease.deferred_failure {
+                    self.charge_deferred(first, lease_id, now_ms);
+                }
             }
             return Err(PoolError::BackendUnavailable { id: to.clone() });
         };
@@ -100,7 +133,9 @@ impl Pool {
     /// live: already released, expired, or unknown, so a double release is harmless.
     ///
     /// The outcome feeds the breaker of the lease's backend (both backends of a pair) and the
-    /// statistics; 4xx, cancellations and 429s never count as failures.
+    /// statistics; 4xx, cancellations and 429s never count as failures, and neither does a
+    /// failure the Worker found to be the request's ([`Outcome::request_fault`]), which also
+    /// withdraws the deferred charge of the backend the lease moved away from.
     pub fn release(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
         let Some(lease) = self.leases.remove(lease_id) else {
             self.stats.unknown_releases += 1;
@@ -114,6 +149,9 @@ impl Pool {
         self.settle(&lease.primary, outcome, lease_id, lease.acquired_ms, now_ms);
         if let Some(decode) = &lease.decode {
             self.settle(decode, outcome, lease_id, lease.acquired_ms, now_ms);
+        }
+        if let (Some(first), false) = (lease.deferred_failure, outcome.request_fault) {
+            self.charge_deferred(first, lease_id, now_ms);
         }
         true
     }
@@ -192,6 +230,7 @@ impl Pool {
             decode: None,
             acquired_ms: now_ms,
             deadline_ms,
+            deferred_failure: None,
         };
         // `renew` failed just above, so the id is free.
         let _ = self.leases.insert(lease);
@@ -257,12 +296,90 @@ impl Pool {
         acquired_ms: u64,
         now_ms: u64,
     ) {
+        let charge = self.breaker_charge(share, outcome);
+        self.settle_charging(share, outcome, charge, (lease_id, acquired_ms), now_ms);
+    }
+
+    /// Settles `share` with `outcome` in the statistics and `charge` on the breaker.
+    fn settle_charging(
+        &mut self,
+        share: &LeaseShare,
+        outcome: &Outcome,
+        charge: OutcomeKind,
+        (lease_id, acquired_ms): (LeaseId, u64),
+        now_ms: u64,
+    ) {
         if let Some(entry) = self.entry_for_key_mut(share.backend) {
             entry
                 .stats
                 .record_outcome(outcome, now_ms.saturating_sub(acquired_ms));
         }
-        self.unshare(share, outcome.kind, lease_id, now_ms);
+        self.unshare(share, charge, lease_id, now_ms);
+    }
+
+    /// What `outcome` charges the breaker of the backend `share` is on: nothing for the request's
+    /// own fault, load (a short saturation mark, as for a 429) for a first-byte timeout its queue
+    /// explains, and otherwise the outcome's kind.
+    fn breaker_charge(&self, share: &LeaseShare, outcome: &Outcome) -> OutcomeKind {
+        if outcome.request_fault {
+            return OutcomeKind::Cancelled;
+        }
+        if outcome.kind == OutcomeKind::Timeout && self.queue_explains(share, outcome) {
+            return OutcomeKind::RateLimited;
+        }
+        outcome.kind
+    }
+
+    /// Whether the backend's queue explains a timeout after `outcome.ttfb_ms`: the wait the time
+    /// model predicted for the share was at least half of it, or vLLM's last scrape found
+    /// requests waiting behind a full batch.
+    fn queue_explains(&self, share: &LeaseShare, outcome: &Outcome) -> bool {
+        let Some(waited_ms) = outcome.ttfb_ms.filter(|&w| w > 0) else {
+            return false;
+        };
+        let predicted_ms =
+            (share.predicted.queued_prefill_us + share.predicted.extra_wait_us) / 1000;
+        if predicted_ms.saturating_mul(2) >= waited_ms {
+            return true;
+        }
+        let Some(entry) = self.entries_key(share.backend) else {
+            return false;
+        };
+        let waiting = entry.scraped.waiting.unwrap_or(0.0);
+        let running = entry.scraped.running.unwrap_or(0.0);
+        waiting >= 1.0 && running >= f64::from(entry.capacity().max_num_seqs.max(1))
+    }
+
+    /// Charges a deferred 5xx to `backend`'s breaker (the request went on without failing again).
+    fn charge_deferred(&mut self, backend: BackendKey, lease_id: LeaseId, now_ms: u64) {
+        let breaker_config = self.config.breaker;
+        let may_open = self.breaker_may_open(now_ms);
+        let jitter = breaker_jitter(lease_id, now_ms);
+        if let Some(entry) = self.entry_for_key_mut(backend) {
+            entry.breaker.record_gated(
+                OutcomeKind::ServerError,
+                false,
+                now_ms,
+                &breaker_config,
+                jitter,
+                may_open,
+            );
+        }
+    }
+
+    /// Whether one more breaker may open now: fewer of the ready, healthy backends' breakers are
+    /// out of rotation than `breaker.max_open_ratio` allows.
+    pub(super) fn breaker_may_open(&self, now_ms: u64) -> bool {
+        let (mut ready, mut out) = (0usize, 0usize);
+        for e in self.entries() {
+            if e.lifecycle == Lifecycle::Ready && e.health.is_serving() {
+                ready += 1;
+                if e.breaker.state_at(now_ms) != BreakerState::Closed {
+                    out += 1;
+                }
+            }
+        }
+        out < self.config.breaker.max_open(ready)
     }
 
     /// Counts `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
@@ -302,6 +419,11 @@ impl Pool {
             self.freed.push(share.backend.slot);
         }
         let breaker_config = self.config.breaker;
+        // Only an opening needs the pool-wide count.
+        let opens = self
+            .entries_key(share.backend)
+            .is_some_and(|e| e.breaker.would_open(kind, &breaker_config));
+        let may_open = !opens || self.breaker_may_open(now_ms);
         let Some(entry) = self.entry_for_key_mut(share.backend) else {
             return;
         };
@@ -309,15 +431,45 @@ impl Pool {
             .in_flight
             .remove(share.prompt_tokens, share.output_tokens);
         entry.timing.leave(&share.predicted, now_ms);
-        let jitter = (xxh3_64(&(lease_id ^ now_ms.rotate_left(32)).to_le_bytes()) >> 11) as f64
-            / (1u64 << 53) as f64;
+        let jitter = breaker_jitter(lease_id, now_ms);
         entry
             .breaker
-            .record(kind, share.trial, now_ms, &breaker_config, jitter);
+            .record_gated(kind, share.trial, now_ms, &breaker_config, jitter, may_open);
         if entry.lifecycle == Lifecycle::Draining && entry.in_flight.leases == 0 {
             entry.lifecycle = Lifecycle::Drained;
         }
     }
+}
+
+impl Pool {
+    /// Whether backend `id` may be probed out of turn now (see [`crate::health::Health::ask_probe_soon`]).
+    pub fn ask_probe_soon(&mut self, id: &BackendId, now_ms: u64) -> bool {
+        let Ok(slot) = self.slot_of(id) else {
+            return false;
+        };
+        self.entry_mut(slot)
+            .is_some_and(|e| e.health.ask_probe_soon(now_ms))
+    }
+
+    /// The backend whose 5xx lease `lease_id` moved away from, its breaker charge still deferred
+    /// (the release settles it, so the caller persists that backend's state too).
+    pub fn deferred_failure(&self, lease_id: LeaseId) -> Option<BackendId> {
+        let key = self.leases.get(lease_id)?.deferred_failure?;
+        self.entries_key(key).map(|e| e.spec.id.clone())
+    }
+
+    /// The entry `key` names, if it is still that backend's.
+    fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
+        let s = self.slots.get(key.slot as usize)?;
+        (s.generation == key.generation)
+            .then_some(s.entry.as_ref())
+            .flatten()
+    }
+}
+
+/// A uniform value in `[0, 1)` for a breaker's cooldown jitter, from the lease and the time.
+fn breaker_jitter(lease_id: LeaseId, now_ms: u64) -> f64 {
+    (xxh3_64(&(lease_id ^ now_ms.rotate_left(32)).to_le_bytes()) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 #[cfg(test)]

@@ -226,21 +226,26 @@ impl Pool {
         Ok(())
     }
 
-    /// Backend `id` answered that it does not serve `model` (404: the model was unloaded): stop
-    /// routing the model there until its next probe reports its models again. A backend whose
-    /// only model it was keeps its list (an empty list means "as registered"); the caller should
-    /// probe it soon. Returns whether the model was removed.
+    /// Backend `id` answered that it does not serve `model` (vLLM's 404 "The model ... does not
+    /// exist."): stop routing the model there until its next probe reports its models again. A
+    /// backend whose only model it was is marked in its health instead (an empty list would mean
+    /// "as registered"), so it stops being chosen for it all the same. Returns whether the model
+    /// was forgotten now (not already), which is when the caller should probe it soon: so the
+    /// probe-soon is asked at most once per backend and model between probes.
     pub fn forget_model(&mut self, id: &BackendId, model: &str) -> Result<bool, PoolError> {
         let slot = self.slot_of(id)?;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
+        if !entry.serves(model) {
+            return Ok(false);
+        }
         let mut served = match &entry.probed_models {
             Some(m) if !m.is_empty() => m.clone(),
             _ => entry.spec.models.clone(),
         };
-        let before = served.len();
         served.retain(|m| m != model);
-        if served.len() == before || served.is_empty() {
-            return Ok(false);
+        if served.is_empty() {
+            entry.health.missing_model = Some(model.to_string());
+            return Ok(true);
         }
         entry.probed_models = Some(served);
         Ok(true)

@@ -170,6 +170,10 @@ pub struct Config {
     /// Fault: /health answers 503.
     #[arg(long, default_value_t = false)]
     pub fault_health_fail: bool,
+
+    /// Fault: generation requests whose body contains this text get vLLM's 500.
+    #[arg(long)]
+    pub fault_poison_marker: Option<String>,
 }
 
 /// Why the configuration is unusable.
@@ -268,7 +272,9 @@ impl Config {
             truncate_body: self.fault_truncate_body,
             disconnect_mid_event_after_tokens: self.fault_disconnect_mid_event_after_tokens,
             health_fail: self.fault_health_fail,
-            // Faults without a flag (`reset_after_done`) start off.
+            poison_marker: self.fault_poison_marker.clone().filter(|m| !m.is_empty()),
+            // Faults without a flag (`reset_after_done`, and those set at run time only with
+            // POST /sim/faults) start off.
             ..FaultSettings::default()
         }
     }

@@ -8,6 +8,14 @@
 //! of `/v1` too). Fault timings are wall-clock and **not** divided by `--time-scale`: they model the
 //! network and the process, not the GPU.
 //!
+//! Three faults model a backend that answers something other than vLLM's answer: `poison_marker`
+//! (a request whose body contains the marker gets vLLM's 500, on every server with the fault set:
+//! a request-specific engine error), `login_page` (every request but `/sim/*` gets a 200
+//! `text/html` login page, as from a proxy in front of the server) and `redirect_to` (every
+//! request but `/sim/*` gets a 307 to that URL); and `route_not_found` makes the generation
+//! endpoints answer a plain 404, as a server without the route does. See [`FaultSettings::front_door`] and
+//! [`FaultSettings::poisons`].
+//!
 //! Each request draws exactly three numbers from one generator seeded by `--seed` (hang, 429, error, in
 //! that order), whatever the rates, so a run is reproducible; rates 0.0 and 1.0 are exact.
 
@@ -51,6 +59,16 @@ pub struct FaultSettings {
     /// is reset instead of closed cleanly (no terminating chunk): a server or proxy that dies
     /// right after the end.
     pub reset_after_done: bool,
+    /// Generation requests whose raw body contains this text get vLLM's 500 (a request-specific
+    /// engine error), whatever the other faults say.
+    pub poison_marker: Option<String>,
+    /// Every request but `/sim/*` gets a 200 `text/html` login page.
+    pub login_page: bool,
+    /// Every request but `/sim/*` gets a 307 redirect to this URL (`Location`).
+    pub redirect_to: Option<String>,
+    /// Generation endpoints answer 404 `{"detail":"Not Found"}`, as a server without the route
+    /// does (a backend registered with a wrong base URL): not vLLM's model-not-found answer.
+    pub route_not_found: bool,
 }
 
 impl Default for FaultSettings {
@@ -67,6 +85,10 @@ impl Default for FaultSettings {
             disconnect_mid_event_after_tokens: None,
             health_fail: false,
             reset_after_done: false,
+            poison_marker: None,
+            login_page: false,
+            redirect_to: None,
+            route_not_found: false,
         }
     }
 }
@@ -97,6 +119,14 @@ pub struct FaultUpdate {
     pub health_fail: Option<bool>,
     /// See [`FaultSettings::reset_after_done`].
     pub reset_after_done: Option<bool>,
+    /// See [`FaultSettings::poison_marker`].
+    pub poison_marker: Option<String>,
+    /// See [`FaultSettings::login_page`].
+    pub login_page: Option<bool>,
+    /// See [`FaultSettings::redirect_to`].
+    pub redirect_to: Option<String>,
+    /// See [`FaultSettings::route_not_found`].
+    pub route_not_found: Option<bool>,
     /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
     pub loading_s: Option<f64>,
     /// Exit the process right after answering.
@@ -114,6 +144,10 @@ pub enum FaultError {
     Status(u16),
     /// A negative or non-finite loading time.
     Loading(f64),
+    /// A poison marker that is empty or longer than 256 bytes.
+    Marker,
+    /// A redirect target that is not an `http://` or `https://` URL.
+    RedirectTarget(String),
 }
 
 impl std::fmt::Display for FaultError {
@@ -122,6 +156,13 @@ impl std::fmt::Display for FaultError {
             FaultError::Rate(name, v) => write!(f, "{name} must be between 0 and 1, got {v}"),
             FaultError::Status(s) => write!(f, "error_status must be a 5xx status, got {s}"),
             FaultError::Loading(s) => write!(f, "loading_s must be a non-negative number, got {s}"),
+            FaultError::Marker => f.write_str("poison_marker must be 1 to 256 bytes"),
+            FaultError::RedirectTarget(u) => {
+                write!(
+                    f,
+                    "redirect_to must be an http:// or https:// URL, got {u:?}"
+                )
+            }
         }
     }
 }
@@ -145,6 +186,10 @@ impl FaultUpdate {
             disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
             health_fail: self.health_fail.unwrap_or(false),
             reset_after_done: self.reset_after_done.unwrap_or(false),
+            poison_marker: self.poison_marker.clone(),
+            login_page: self.login_page.unwrap_or(false),
+            redirect_to: self.redirect_to.clone(),
+            route_not_found: self.route_not_found.unwrap_or(false),
         };
         settings.validate()?;
         if let Some(s) = self.loading_s {
@@ -171,7 +216,36 @@ impl FaultSettings {
         if !(500..=599).contains(&self.error_status) {
             return Err(FaultError::Status(self.error_status));
         }
+        if let Some(m) = &self.poison_marker {
+            if m.is_empty() || m.len() > 256 {
+                return Err(FaultError::Marker);
+            }
+        }
+        if let Some(u) = &self.redirect_to {
+            let scheme_ok = u.starts_with("http://") || u.starts_with("https://");
+            if !scheme_ok || u.chars().any(|c| c.is_control() || c == ' ') {
+                return Err(FaultError::RedirectTarget(u.clone()));
+            }
+        }
         Ok(())
+    }
+
+    /// What stands in front of the server for every request but `/sim/*`, if anything: a redirect
+    /// (it wins over a login page when both are set) or a login page.
+    pub fn front_door(&self) -> Option<FrontDoor> {
+        match (&self.redirect_to, self.login_page) {
+            (Some(url), _) => Some(FrontDoor::Redirect(url.clone())),
+            (None, true) => Some(FrontDoor::LoginPage),
+            (None, false) => None,
+        }
+    }
+
+    /// Whether a generation request with this raw body gets the poison 500.
+    pub fn poisons(&self, body: &[u8]) -> bool {
+        let Some(marker) = self.poison_marker.as_deref().map(str::as_bytes) else {
+            return false;
+        };
+        !marker.is_empty() && body.windows(marker.len()).any(|w| w == marker)
     }
 
     /// What happens to one generation request, drawing three numbers from `rng`.
@@ -250,6 +324,18 @@ impl FaultDecision {
         self.reset_after_done
     }
 }
+
+/// What answers instead of the server (see [`FaultSettings::front_door`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrontDoor {
+    /// A 200 `text/html` login page.
+    LoginPage,
+    /// A 307 to this URL.
+    Redirect(String),
+}
+
+/// The body of the [`FrontDoor::LoginPage`] answer.
+pub const LOGIN_PAGE_HTML: &str = "<!doctype html>\n<html><head><title>Sign in</title></head>\n<body><form method=\"post\" action=\"/login\"><input name=\"user\"><input name=\"password\" type=\"password\"><button>Sign in</button></form></body></html>\n";
 
 /// Where and how a stream is cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -375,6 +461,31 @@ mod tests {
             .unwrap()
             .decide(&mut SplitMix64::new(0))
             .resets_after_done());
+    }
+
+    #[test]
+    fn poison_markers_login_pages_and_redirects_are_checked_and_applied() {
+        let s = update(r#"{"poison_marker":"POISON-1"}"#).unwrap();
+        assert!(s.poisons(br#"{"prompt":"a POISON-1 b"}"#));
+        assert!(!s.poisons(br#"{"prompt":"a POISON-2 b"}"#));
+        assert!(!FaultSettings::default().poisons(b"POISON-1"));
+        assert_eq!(s.front_door(), None);
+        let login = update(r#"{"login_page":true}"#).unwrap();
+        assert_eq!(login.front_door(), Some(FrontDoor::LoginPage));
+        let both = update(r#"{"login_page":true,"redirect_to":"http://127.0.0.1:9/x"}"#).unwrap();
+        assert_eq!(
+            both.front_door(),
+            Some(FrontDoor::Redirect("http://127.0.0.1:9/x".into()))
+        );
+        assert_eq!(update(r#"{"poison_marker":""}"#), Err(FaultError::Marker));
+        assert!(matches!(
+            update(r#"{"redirect_to":"ftp://x"}"#),
+            Err(FaultError::RedirectTarget(_))
+        ));
+        assert_eq!(
+            update(r#"{"reset":true,"login_page":true}"#).unwrap(),
+            FaultSettings::default()
+        );
     }
 
     #[test]

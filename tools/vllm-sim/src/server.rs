@@ -4,7 +4,9 @@
 //!
 //! As in vLLM, only `/v1/*` paths require the API key. Generation requests read their body, then wait
 //! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served; a served
-//! non-streamed answer may then be cut in half (`truncate_body`).
+//! non-streamed answer may then be cut in half (`truncate_body`). A request whose body holds the
+//! `poison_marker` gets vLLM's 500 after those. A `login_page` or `redirect_to` fault answers
+//! every request but `/sim/*` before anything else.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +24,7 @@ use tokio::net::TcpListener;
 use crate::api;
 use crate::body::{self, SimBody};
 use crate::error::ApiError;
-use crate::faults::FaultUpdate;
+use crate::faults::{FaultUpdate, FrontDoor, LOGIN_PAGE_HTML};
 use crate::metrics::render;
 use crate::state::AppState;
 
@@ -77,6 +79,11 @@ pub async fn handle(
 ) -> Result<Response<SimBody>, Dropped> {
     let path = request.uri().path().to_string();
     let method = request.method().clone();
+    if !path.starts_with("/sim/") {
+        if let Some(door) = front_door(&state) {
+            return Ok(door);
+        }
+    }
     let response = match (path.as_str(), &method) {
         ("/health", &Method::GET) => health(&state),
         ("/metrics", &Method::GET) => metrics(&state),
@@ -134,6 +141,14 @@ async fn v1(
         _ if generation => return Err(ApiError::MethodNotAllowed),
         _ => return Err(ApiError::RouteNotFound),
     }
+    let unrouted = state
+        .faults
+        .lock()
+        .map(|f| f.settings.route_not_found)
+        .unwrap_or(false);
+    if unrouted {
+        return Err(ApiError::RouteNotFound);
+    }
     let request_id = request
         .headers()
         .get("x-request-id")
@@ -153,6 +168,14 @@ async fn v1(
         Some(429) => return Err(ApiError::RateLimited),
         Some(status) => return Err(ApiError::Injected(status)),
         None => {}
+    }
+    let poisoned = state
+        .faults
+        .lock()
+        .map(|f| f.settings.poisons(&bytes))
+        .unwrap_or(false);
+    if poisoned {
+        return Err(ApiError::Injected(500));
     }
     let response = match path {
         "/v1/chat/completions" => {
@@ -179,6 +202,27 @@ async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
             "could not read the request body: {e}"
         ))),
     }
+}
+
+/// The answer of a `login_page` or `redirect_to` fault, if one is set.
+fn front_door(state: &AppState) -> Option<Response<SimBody>> {
+    let door = state.faults.lock().ok()?.settings.front_door()?;
+    Some(match door {
+        FrontDoor::LoginPage => body::full(
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            LOGIN_PAGE_HTML.to_string(),
+        ),
+        FrontDoor::Redirect(url) => {
+            let mut response = body::empty(StatusCode::TEMPORARY_REDIRECT);
+            if let Ok(location) = hyper::header::HeaderValue::from_str(&url) {
+                response
+                    .headers_mut()
+                    .insert(hyper::header::LOCATION, location);
+            }
+            response
+        }
+    })
 }
 
 /// `GET /health`: 200 with an empty body, 503 while loading or when failing on purpose.

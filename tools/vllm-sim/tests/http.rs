@@ -754,3 +754,128 @@ fn latency_histograms_count_requests_and_tokens() {
         + sim.metric("vllm:request_decode_time_seconds_sum", "");
     assert!((inference - parts).abs() < 1e-9, "{inference} vs {parts}");
 }
+
+#[test]
+fn a_poison_marker_gets_vllms_500_on_every_endpoint_and_only_for_its_requests() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"poison_marker": "POISON-7f3"}));
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            chat(user("please POISON-7f3 now"), 5, false),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(user("streamed POISON-7f3"), 5, true),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x POISON-7f3", "max_tokens": 3}),
+        ),
+    ] {
+        let reply = sim.post(path, body);
+        assert_eq!(reply.status, 500, "{path}: {}", reply.text());
+        let error = &reply.json()["error"];
+        assert_eq!(error["type"], "InternalServerError");
+        assert_eq!(error["code"], 500);
+        assert!(error["message"].is_string());
+    }
+    // Everything else is served as usual.
+    let ok = sim.post(
+        "/v1/chat/completions",
+        chat(user("a clean prompt"), 5, false),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert_eq!(ok.json()["usage"]["completion_tokens"], 5);
+    sim.faults(json!({}));
+    let from_flag = Sim::start(&["--fault-poison-marker", "POISON-7f3"]);
+    let poisoned = from_flag.post(
+        "/v1/completions",
+        json!({"prompt": "POISON-7f3", "max_tokens": 2}),
+    );
+    assert_eq!(poisoned.status, 500, "{}", poisoned.text());
+    let cleared = sim.post(
+        "/v1/chat/completions",
+        chat(user("POISON-7f3 again"), 5, false),
+    );
+    assert_eq!(cleared.status, 200);
+    // Refused settings say why.
+    let bad = sim.post("/sim/faults", json!({"poison_marker": ""}));
+    assert_eq!(bad.status, 400, "{}", bad.text());
+}
+
+#[test]
+fn a_login_page_answers_every_request_but_the_sims_own_with_html() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"login_page": true}));
+    for (method, path, body) in [
+        ("POST", "/v1/chat/completions", chat(user("hi"), 5, false)),
+        ("POST", "/v1/chat/completions", chat(user("hi"), 5, true)),
+        ("GET", "/v1/models", Value::Null),
+        ("GET", "/health", Value::Null),
+    ] {
+        let reply = sim.exchange(method, path, &body);
+        assert_eq!(reply.status, 200, "{path}");
+        assert!(
+            reply
+                .header("content-type")
+                .unwrap()
+                .starts_with("text/html"),
+            "{path}: {:?}",
+            reply.header("content-type")
+        );
+        assert!(reply.text().contains("<form"), "{path}: {}", reply.text());
+    }
+    // The sim's own routes still answer, so the fault can be cleared.
+    let settings = sim.exchange("GET", "/sim/faults", &Value::Null).json();
+    assert_eq!(settings["settings"]["login_page"], true);
+    sim.faults(json!({}));
+    let models = sim.exchange("GET", "/v1/models", &Value::Null);
+    assert_eq!(models.json()["data"][0]["id"], "m");
+}
+
+#[test]
+fn a_redirect_sends_every_request_but_the_sims_own_elsewhere() {
+    let sim = Sim::start(&[]);
+    let target = "http://127.0.0.1:9/elsewhere";
+    sim.faults(json!({"redirect_to": target}));
+    for (method, path, body) in [
+        ("POST", "/v1/chat/completions", chat(user("hi"), 5, false)),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 2}),
+        ),
+        ("GET", "/health", Value::Null),
+    ] {
+        let reply = sim.exchange(method, path, &body);
+        assert_eq!(reply.status, 307, "{path}");
+        assert_eq!(reply.header("location"), Some(target), "{path}");
+        assert!(reply.body.is_empty());
+    }
+    let bad = sim.post("/sim/faults", json!({"redirect_to": "javascript:alert(1)"}));
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    sim.faults(json!({}));
+    assert_eq!(sim.exchange("GET", "/health", &Value::Null).status, 200);
+}
+
+#[test]
+fn route_not_found_answers_a_plain_404_that_is_not_model_not_found() {
+    let sim = Sim::start(&[]);
+    sim.faults(json!({"route_not_found": true}));
+    let reply = sim.post("/v1/chat/completions", chat(user("hi"), 5, false));
+    assert_eq!(reply.status, 404);
+    assert_eq!(reply.json(), json!({"detail": "Not Found"}));
+    // Probes still pass: the server is up, only the route is missing.
+    assert_eq!(sim.exchange("GET", "/health", &Value::Null).status, 200);
+    let models = sim.exchange("GET", "/v1/models", &Value::Null);
+    assert_eq!(models.json()["data"][0]["id"], "m");
+    // vLLM's own model-not-found answer, for comparison, names the model and its type.
+    sim.faults(json!({}));
+    let missing = sim.post(
+        "/v1/chat/completions",
+        json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["type"], "NotFoundError");
+}

@@ -43,6 +43,7 @@ impl Pool {
             decode,
             acquired_ms: now_ms,
             deadline_ms,
+            deferred_failure: None,
         };
         // The id was checked to be free just above.
         let _ = self.leases.insert(lease);
