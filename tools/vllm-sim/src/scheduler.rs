@@ -130,6 +130,28 @@ pub struct Finish {
     pub block_ids: Vec<BlockId>,
     /// Arrival at the engine to the first token, ms (set by the engine, which times its clients).
     pub engine_ttft_ms: Option<f64>,
+    /// Where that time went (set by the engine with `engine_ttft_ms`).
+    pub engine_split: Option<EngineSplit>,
+}
+
+/// A sequence's engine time to first token in three parts that add up to it, ms (wall clock):
+///
+/// - `queue_ms`: arrival at the engine to the start of the first step that computed any of it
+///   (waiting for a free slot, KV blocks, or the token budget of the steps before);
+/// - `decode_interference_ms`: in each step that computed its prompt, up to and including the one
+///   that sampled its first token, the share of the step's duration the decoding sequences in the
+///   batch cost (`decode_ms_per_seq x decodes` over the step's modelled duration, times the step's
+///   wall time);
+/// - `prefill_ms`: the rest: its own prompt tokens, other prompts' tokens in the same steps,
+///   each step's fixed cost, and any step between its chunks that left it out (preemption).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineSplit {
+    /// Arrival to the first step that computed it, ms.
+    pub queue_ms: f64,
+    /// Its prefill steps, less the decode interference, ms.
+    pub prefill_ms: f64,
+    /// Decoding sequences' share of its prefill steps, ms.
+    pub decode_interference_ms: f64,
 }
 
 /// What one sequence produced in a step.
@@ -510,6 +532,7 @@ impl Scheduler {
                         Vec::new()
                     },
                     engine_ttft_ms: None,
+                    engine_split: None,
                 }
             });
             outputs.push(SeqOutput {
@@ -572,6 +595,7 @@ impl Scheduler {
                 cached_tokens: seq.cached_tokens,
                 block_ids: Vec::new(),
                 engine_ttft_ms: None,
+                engine_split: None,
             }),
         });
     }
