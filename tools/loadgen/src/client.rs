@@ -13,6 +13,14 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
+/// How long an idle pooled connection is kept for reuse: under the 5 s after which workerd (the
+/// local gateway's runtime: KJ's HTTP server, whose idle "pipeline" timeout is fixed at 5 s and not
+/// configurable) closes an idle keep-alive connection without warning. A client that keeps idle
+/// connections longer (aiohttp's default is 15 s) sometimes sends a request on a connection the
+/// server is closing at that moment and gets "server disconnected" / a reset; the more connections
+/// a burst opened (the longer the waits), the more sit idle past 5 s in the next lull.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// A shared keep-alive client.
 #[derive(Clone)]
 pub struct Http {
@@ -184,7 +192,7 @@ impl Http {
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let inner = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(4096)
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
         Http { inner }
     }

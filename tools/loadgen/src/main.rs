@@ -243,6 +243,9 @@ enum Cmd {
         /// (default: the config's).
         #[arg(long, value_delimiter = ',')]
         closed_loop: Vec<usize>,
+        /// Trace replay speed-ups, e.g. 8,16, for trace workloads (default: the config's).
+        #[arg(long, value_delimiter = ',')]
+        speedups: Vec<f64>,
     },
 }
 
@@ -480,6 +483,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             capacity_rps,
             levels,
             closed_loop,
+            speedups,
         } => {
             let cfg = bench::BenchConfig::load(&config)?;
             let opts = bench::BenchOptions {
@@ -493,6 +497,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 capacity_rps: bench::parse_capacities(&capacity_rps)?,
                 levels,
                 closed_loop,
+                speedups,
                 default_policy,
             };
             let path = bench::bench(cfg, opts).await?;
