@@ -65,15 +65,17 @@ pub struct StreamResult {
 }
 
 /// Where a request's engine time to first token went, as vllm-sim reports it in the usage chunk
-/// (`usage.sim_engine_queue_ms`, `sim_engine_prefill_ms`, `sim_engine_decode_interference_ms`):
-/// the three add up to `sim_engine_ttft_ms`.
+/// (`usage.sim_engine_queue_ms`, `sim_engine_prefill_ms`, `sim_engine_shared_prefill_ms`,
+/// `sim_engine_decode_interference_ms`): the parts add up to `sim_engine_ttft_ms`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct EngineSplit {
     /// Arrival at the engine to the first step that computed it.
     pub queue_ms: f64,
-    /// Its prefill steps, less the decode interference (its own tokens, other prefills sharing
-    /// the steps, each step's fixed cost, and any pause between its chunks).
+    /// Its own share of its prefill steps (its tokens, each step's fixed cost, any pause between
+    /// its chunks).
     pub prefill_ms: f64,
+    /// Other prompts' share of its prefill steps (0 when the sim does not report it).
+    pub shared_prefill_ms: f64,
     /// The share of its prefill steps that decoding sequences batched with it cost.
     pub decode_interference_ms: f64,
 }
@@ -164,6 +166,7 @@ fn read_event(
             out.engine_split = Some(EngineSplit {
                 queue_ms: q,
                 prefill_ms: p,
+                shared_prefill_ms: ms("sim_engine_shared_prefill_ms").unwrap_or(0.0),
                 decode_interference_ms: d,
             });
         }
@@ -399,7 +402,7 @@ mod tests {
         let mut out = StreamResult::default();
         let (mut n, mut usage) = (0, None);
         read_event(
-            r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1,"sim_engine_ttft_ms":30.5,"sim_engine_queue_ms":10.0,"sim_engine_prefill_ms":18.0,"sim_engine_decode_interference_ms":2.5}}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1,"sim_engine_ttft_ms":30.5,"sim_engine_queue_ms":10.0,"sim_engine_prefill_ms":15.0,"sim_engine_shared_prefill_ms":3.0,"sim_engine_decode_interference_ms":2.5}}"#,
             &mut out,
             &mut n,
             &mut usage,
@@ -409,7 +412,8 @@ mod tests {
             out.engine_split,
             Some(EngineSplit {
                 queue_ms: 10.0,
-                prefill_ms: 18.0,
+                prefill_ms: 15.0,
+                shared_prefill_ms: 3.0,
                 decode_interference_ms: 2.5
             })
         );

@@ -106,6 +106,8 @@ struct Client {
     tokens: u32,
     /// Until the first token: the decoding sequences' share of its steps so far, seconds.
     decode_interference_s: f64,
+    /// Until the first token: other prompts' share of its steps so far, seconds.
+    shared_prefill_s: f64,
 }
 
 /// Starts the engine task; `metrics` is updated after every step.
@@ -188,7 +190,7 @@ impl Engine {
                 tokio::task::yield_now().await;
             }
             deadline = Some(end);
-            self.charge_decode_interference(&plan, now.elapsed());
+            self.charge_shared_steps(&plan, now.elapsed());
 
             let outputs = self.scheduler.complete(plan);
             let observed = self.deliver(outputs, Instant::now());
@@ -197,20 +199,24 @@ impl Engine {
     }
 
     /// Charges every sequence still waiting for its first token that computed in this step
-    /// (`wall` long) with the decoding sequences' share of the step.
-    fn charge_decode_interference(&mut self, plan: &crate::scheduler::StepPlan, wall: Duration) {
-        if plan.decode_seqs == 0 || plan.duration_us <= 0.0 {
+    /// (`wall` long) with the decoding sequences' share of the step and the other prompts' share.
+    fn charge_shared_steps(&mut self, plan: &crate::scheduler::StepPlan, wall: Duration) {
+        if plan.duration_us <= 0.0 {
             return;
         }
-        let share = (self.timing.per_decode_seq_us * plan.decode_seqs as f64 / plan.duration_us)
-            .clamp(0.0, 1.0);
-        let charge = wall.as_secs_f64() * share;
-        for &(id, _) in &plan.work {
-            if let Some(client) = self.clients.get_mut(&id) {
-                if client.first_token.is_none() {
-                    client.decode_interference_s += charge;
-                }
+        let wall = wall.as_secs_f64();
+        let share = |us: f64| wall * (us / plan.duration_us).clamp(0.0, 1.0);
+        let decodes = share(self.timing.per_decode_seq_us * plan.decode_seqs as f64);
+        for &(id, tokens) in &plan.work {
+            let Some(client) = self.clients.get_mut(&id) else {
+                continue;
+            };
+            if client.first_token.is_some() {
+                continue;
             }
+            let others = plan.prefill_tokens.saturating_sub(tokens);
+            client.decode_interference_s += decodes;
+            client.shared_prefill_s += share(self.timing.per_prefill_token_us * f64::from(others));
         }
     }
 
@@ -252,9 +258,11 @@ impl Engine {
                     (Some(scheduled), Some(first)) => {
                         let to_first = secs(scheduled, first);
                         let interference = client.decode_interference_s.min(to_first);
+                        let shared = client.shared_prefill_s.min(to_first - interference);
                         Some(EngineSplit {
                             queue_ms: secs(client.arrival, scheduled) * 1e3,
-                            prefill_ms: (to_first - interference) * 1e3,
+                            prefill_ms: (to_first - interference - shared) * 1e3,
+                            shared_prefill_ms: shared * 1e3,
                             decode_interference_ms: interference * 1e3,
                         })
                     }
@@ -296,6 +304,7 @@ impl Engine {
                 last_token: None,
                 tokens: 0,
                 decode_interference_s: 0.0,
+                shared_prefill_s: 0.0,
             },
         );
     }

@@ -134,9 +134,12 @@ pub struct Usage {
     /// ([`crate::scheduler::EngineSplit`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_engine_queue_ms: Option<f64>,
-    /// With `sim_engine_ttft_ms`: its prefill steps less the decode interference, ms.
+    /// With `sim_engine_ttft_ms`: its own share of its prefill steps, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_engine_prefill_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: other prompts' share of its prefill steps, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_shared_prefill_ms: Option<f64>,
     /// With `sim_engine_ttft_ms`: the decoding sequences' share of its prefill steps, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_engine_decode_interference_ms: Option<f64>,
@@ -154,6 +157,7 @@ impl Usage {
             sim_engine_ttft_ms: None,
             sim_engine_queue_ms: None,
             sim_engine_prefill_ms: None,
+            sim_engine_shared_prefill_ms: None,
             sim_engine_decode_interference_ms: None,
         }
     }

@@ -134,22 +134,27 @@ pub struct Finish {
     pub engine_split: Option<EngineSplit>,
 }
 
-/// A sequence's engine time to first token in three parts that add up to it, ms (wall clock):
+/// A sequence's engine time to first token in four parts that add up to it, ms (wall clock). Its
+/// *prefill steps* are the steps that computed its prompt, up to and including the one that
+/// sampled its first token; a step's cost is shared out as the step model adds it up
+/// (`StepTiming`), each part's share of the modelled duration times the step's wall time:
 ///
-/// - `queue_ms`: arrival at the engine to the start of the first step that computed any of it
-///   (waiting for a free slot, KV blocks, or the token budget of the steps before);
-/// - `decode_interference_ms`: in each step that computed its prompt, up to and including the one
-///   that sampled its first token, the share of the step's duration the decoding sequences in the
-///   batch cost (`decode_ms_per_seq x decodes` over the step's modelled duration, times the step's
-///   wall time);
-/// - `prefill_ms`: the rest: its own prompt tokens, other prompts' tokens in the same steps,
-///   each step's fixed cost, and any step between its chunks that left it out (preemption).
+/// - `queue_ms`: arrival at the engine to the start of its first prefill step (waiting for a free
+///   slot, KV blocks, or the token budget of the steps before);
+/// - `decode_interference_ms`: the decoding sequences' share of its prefill steps
+///   (`decode_ms_per_seq x decodes`);
+/// - `shared_prefill_ms`: other prompts' tokens' share of its prefill steps
+///   (`prefill_us_per_token x their tokens`): head-of-line prefill in the same batch;
+/// - `prefill_ms`: the rest: its own prompt tokens, each step's fixed cost, and any step between
+///   its chunks that left it out (preemption).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineSplit {
-    /// Arrival to the first step that computed it, ms.
+    /// Arrival to its first prefill step, ms.
     pub queue_ms: f64,
-    /// Its prefill steps, less the decode interference, ms.
+    /// Its own share of its prefill steps (and any pause between them), ms.
     pub prefill_ms: f64,
+    /// Other prompts' share of its prefill steps, ms.
+    pub shared_prefill_ms: f64,
     /// Decoding sequences' share of its prefill steps, ms.
     pub decode_interference_ms: f64,
 }

@@ -182,6 +182,7 @@ impl ChunkEncoder {
                 if let Some(split) = finish.engine_split {
                     usage.sim_engine_queue_ms = Some(split.queue_ms);
                     usage.sim_engine_prefill_ms = Some(split.prefill_ms);
+                    usage.sim_engine_shared_prefill_ms = Some(split.shared_prefill_ms);
                     usage.sim_engine_decode_interference_ms = Some(split.decode_interference_ms);
                 }
             }

@@ -1,9 +1,9 @@
 //! End-to-end checks of `--report-engine-timing`'s split of each streamed request's engine time
-//! to first token (queue wait, prefill, decode interference; `usage.sim_engine_*_ms`), over real
-//! HTTP on 127.0.0.1 against the built `vllm-sim` binary: the parts add up to the engine TTFT, a
-//! request alone has no decode interference, one that waits for a slot has its wait as queue time,
-//! one whose prefill shares steps with decoding sequences is charged for them, and without the
-//! flag nothing is reported.
+//! to first token (queue wait, own prefill, shared prefill, decode interference;
+//! `usage.sim_engine_*_ms`), over real HTTP on 127.0.0.1 against the built `vllm-sim` binary: the
+//! parts add up to the engine TTFT, a request alone shares nothing, one that waits for a slot has
+//! its wait as queue time, one whose prefill shares steps with decoding sequences or with another
+//! prompt is charged for them, and without the flag nothing is reported.
 //!
 //! Each test starts its own sim (`--port 0`) and speaks HTTP/1.1 over `std::net::TcpStream` with
 //! `Connection: close`. The assertions compare the sim's own figures with each other (sums,
@@ -147,7 +147,7 @@ fn dechunk(mut rest: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The three parts and the total, ms.
+/// Queue, own prefill, decode interference and the total, ms.
 fn split(usage: &Value) -> (f64, f64, f64, f64) {
     let get = |k: &str| {
         usage
@@ -163,10 +163,22 @@ fn split(usage: &Value) -> (f64, f64, f64, f64) {
     )
 }
 
+/// Other prompts' share of its prefill steps, ms.
+fn shared(usage: &Value) -> f64 {
+    usage
+        .get("sim_engine_shared_prefill_ms")
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("no sim_engine_shared_prefill_ms in {usage}"))
+}
+
 fn assert_adds_up(usage: &Value) {
     let (q, p, d, ttft) = split(usage);
-    assert!(q >= 0.0 && p >= 0.0 && d >= 0.0, "{usage}");
-    assert!((q + p + d - ttft).abs() < 1e-6 * ttft.max(1.0), "{usage}");
+    let s = shared(usage);
+    assert!(q >= 0.0 && p >= 0.0 && d >= 0.0 && s >= 0.0, "{usage}");
+    assert!(
+        (q + p + s + d - ttft).abs() < 1e-6 * ttft.max(1.0),
+        "{usage}"
+    );
 }
 
 #[test]
@@ -176,6 +188,7 @@ fn a_request_alone_has_prefill_and_no_decode_interference() {
     assert_adds_up(&usage);
     let (q, p, d, _) = split(&usage);
     assert_eq!(d, 0.0, "nothing else decoded: {usage}");
+    assert_eq!(shared(&usage), 0.0, "no other prompt: {usage}");
     assert!(p > q, "an idle engine starts it at once: {usage}");
 }
 
@@ -235,6 +248,30 @@ fn prefill_sharing_steps_with_decodes_is_charged_to_them() {
 }
 
 #[test]
+fn a_prompt_that_joins_another_prompts_last_chunk_shares_its_step() {
+    // Chunks of 64 tokens: the long prompt (4,000 tokens and the chat template, some 63 steps)
+    // takes every step's whole budget until its last chunk, whose leftover budget starts the
+    // short prompt that waited for it.
+    let sim = Sim::start(&["--report-engine-timing", "--max-num-batched-tokens", "64"]);
+    let client = sim.client.clone();
+    let long = std::thread::spawn(move || client.stream_usage(4000, 2, "long"));
+    sim.client.wait_running(1.0);
+    let short = sim.client.stream_usage(16, 2, "short");
+    let long = long.join().expect("the long request");
+    assert_adds_up(&long);
+    assert_adds_up(&short);
+    assert!(
+        shared(&short) > 0.0,
+        "its first step was the long prompt's last: {short}"
+    );
+    assert!(split(&short).0 > 0.0, "it waited for the budget: {short}");
+    assert!(
+        shared(&long) > 0.0,
+        "its last step carried the short prompt: {long}"
+    );
+}
+
+#[test]
 fn without_the_flag_no_split_is_reported() {
     let sim = Sim::start(&[]);
     let usage = sim.client.stream_usage(16, 2, "x");
@@ -242,6 +279,7 @@ fn without_the_flag_no_split_is_reported() {
         "sim_engine_ttft_ms",
         "sim_engine_queue_ms",
         "sim_engine_prefill_ms",
+        "sim_engine_shared_prefill_ms",
         "sim_engine_decode_interference_ms",
     ] {
         assert!(usage.get(k).is_none(), "{k} in {usage}");

@@ -126,7 +126,8 @@ pub struct TraceFigures {
     pub slowdown: TailQuantiles,
     /// Engine-side TTFT, ms (answered requests that carried it).
     pub engine_ttft_ms: TailQuantiles,
-    /// Median queue / prefill / decode-interference split over the answered requests, ms
+    /// Median queue / prefill / shared prefill / decode-interference split over the answered
+    /// requests, ms
     /// (each part's own median).
     pub split_p50: Option<EngineSplit>,
     /// Mean split of the slowest 1% of requests by client TTFT.
@@ -154,6 +155,7 @@ fn split_of(splits: &[EngineSplit], pick: impl Fn(&[f64]) -> f64) -> Option<Engi
     Some(EngineSplit {
         queue_ms: col(|s| s.queue_ms),
         prefill_ms: col(|s| s.prefill_ms),
+        shared_prefill_ms: col(|s| s.shared_prefill_ms),
         decode_interference_ms: col(|s| s.decode_interference_ms),
     })
 }
@@ -234,8 +236,8 @@ fn ratio(x: Option<f64>) -> String {
 fn split(s: Option<EngineSplit>) -> String {
     s.map_or("-".into(), |s| {
         format!(
-            "{:.0} / {:.0} / {:.0}",
-            s.queue_ms, s.prefill_ms, s.decode_interference_ms
+            "{:.0} / {:.0} / {:.0} / {:.0}",
+            s.queue_ms, s.prefill_ms, s.shared_prefill_ms, s.decode_interference_ms
         )
     })
 }
@@ -255,7 +257,7 @@ pub fn markdown_section(runs: &[&super::RunReport], s: &mut String) {
         s,
         "\nTrace figures: failed requests count as infinitely slow (*failed*: the percentile falls among them). \
          Slowdown: TTFT over the request's uncached prefill on an idle backend (prefill rate x prompt tokens + one step). \
-         Split: the engine's time to first token as queue / prefill / decode interference, ms (vllm-sim `--report-engine-timing`).\n"
+         Split: the engine's time to first token as queue / own prefill / shared prefill (other prompts in its steps) / decode interference, ms (vllm-sim `--report-engine-timing`).\n"
     );
     let _ = writeln!(
         s,
@@ -290,7 +292,7 @@ pub fn markdown_section(runs: &[&super::RunReport], s: &mut String) {
         let _ = writeln!(
             s,
             "\n<details><summary>{}: the {} slowest requests by TTFT</summary>\n\n\
-             | request | sent, s | TTFT | engine TTFT | queue / prefill / decode interference | prompt / cached tokens | slowdown | backend | predicted there | runner-up (predicted) | error |\n|---|---|---|---|---|---|---|---|---|---|---|",
+             | request | sent, s | TTFT | engine TTFT | queue / prefill / shared / decode | prompt / cached tokens | slowdown | backend | predicted there | runner-up (predicted) | error |\n|---|---|---|---|---|---|---|---|---|---|---|",
             r.policy,
             t.slowest.len()
         );
@@ -353,6 +355,7 @@ mod tests {
         records[8].engine_split = Some(EngineSplit {
             queue_ms: 150.0,
             prefill_ms: 20.0,
+            shared_prefill_ms: 0.0,
             decode_interference_ms: 5.0,
         });
         records.push(Record {
