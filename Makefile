@@ -10,7 +10,8 @@ help:
 	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
-	@echo "make bench  - the tail-latency routing benchmark (under 30 min); make bench-quick: under 8 min"
+	@echo "make bench  - the tail-latency routing benchmark and the trace replays (under 45 min); make bench-quick: under 8 min"
+	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
@@ -63,13 +64,14 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-admission bench-overhead
+.PHONY: bench bench-quick bench-traces bench-admission bench-overhead
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
 bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
+	@scripts/bench.sh traces
 	@$(MAKE) --no-print-directory bench-admission
 	@$(MAKE) --no-print-directory bench-overhead
 
@@ -77,6 +79,13 @@ bench: setup
 bench-quick: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh quick
+
+# Only the production-trace replays (bench/traces/: Mooncake's conversation and synthetic traces, two
+# speed-ups each, every policy on 8 backends); writes bench/results/<date>-traces.{json,md} and a TTFT
+# CDF chart per trace and speed-up. Extra flags: ARGS="--only mooncake-conversation --policies ...".
+bench-traces: setup
+	@cargo build --release -q -p loadgen -p vllm-sim
+	@scripts/bench.sh traces $(ARGS)
 
 .PHONY: soak
 # Soak: 5,000 requests, 200 at a time, 4 vllm-sim backends with random faults, bounded to 240 s.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make bench` / `make bench-quick`: the routing benchmark of bench/README.md
-# (`scripts/bench.sh full|quick|classic [loadgen bench flags]`; the mode names bench/config/<mode>.json).
+# `make bench` / `make bench-quick` / `make bench-traces`: the routing benchmark of bench/README.md
+# (`scripts/bench.sh full|quick|traces|classic [loadgen bench flags]`; the mode names
+# bench/config/<mode>.json).
 #
 # Builds the Worker once and runs it in one workerd process through Miniflare
 # (bench/gateway-server.mjs: loaded once, so edits to src/ during a run cannot reload it), or with
@@ -23,8 +24,9 @@ PORT="${BENCH_PORT:-8799}"
 GATEWAY="http://127.0.0.1:$PORT"
 TMP="bench/tmp"
 LOADGEN="${LOADGEN_BIN:-target/release/loadgen}"
-# Bounds of the whole run (the quick one is meant to take under 8 minutes, the full one under 30).
-case "$MODE" in quick) LIMIT=600 ;; *) LIMIT=2700 ;; esac
+# Bounds of the whole run (the quick one is meant to take under 8 minutes, the full one under 30,
+# the trace replays under 15).
+case "$MODE" in quick) LIMIT=600 ;; traces) LIMIT=1500 ;; *) LIMIT=2700 ;; esac
 
 if curl -fsS "$GATEWAY/healthz" >/dev/null 2>&1; then
   echo "bench: port $PORT is already serving; set BENCH_PORT to a free port" >&2

@@ -13,6 +13,14 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
+/// How long an idle pooled connection is kept for reuse: under the 5 s after which workerd (the
+/// local gateway's runtime: KJ's HTTP server, whose idle "pipeline" timeout is fixed at 5 s and not
+/// configurable) closes an idle keep-alive connection without warning. A client that keeps idle
+/// connections longer (aiohttp's default is 15 s) sometimes sends a request on a connection the
+/// server is closing at that moment and gets "server disconnected" / a reset; the more connections
+/// a burst opened (the longer the waits), the more sit idle past 5 s in the next lull.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// A shared keep-alive client.
 #[derive(Clone)]
 pub struct Http {
@@ -49,6 +57,69 @@ pub struct StreamResult {
     /// vllm-sim's `usage.sim_engine_ttft_ms` (`--report-engine-timing`): the engine's own time
     /// from the request's arrival to its first token.
     pub engine_ttft_ms: Option<f64>,
+    /// vllm-sim's split of that time (`--report-engine-timing`).
+    pub engine_split: Option<EngineSplit>,
+    /// `x-gateway-route-receipt`: what the router predicted for the chosen backend and the
+    /// runner-up.
+    pub route_receipt: Option<RouteReceipt>,
+}
+
+/// Where a request's engine time to first token went, as vllm-sim reports it in the usage chunk
+/// (`usage.sim_engine_queue_ms`, `sim_engine_prefill_ms`, `sim_engine_shared_prefill_ms`,
+/// `sim_engine_decode_interference_ms`): the parts add up to `sim_engine_ttft_ms`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct EngineSplit {
+    /// Arrival at the engine to the first step that computed it.
+    pub queue_ms: f64,
+    /// Its own share of its prefill steps (its tokens, each step's fixed cost, any pause between
+    /// its chunks).
+    pub prefill_ms: f64,
+    /// Other prompts' share of its prefill steps (0 when the sim does not report it).
+    pub shared_prefill_ms: f64,
+    /// The share of its prefill steps that decoding sequences batched with it cost.
+    pub decode_interference_ms: f64,
+}
+
+/// The gateway's `x-gateway-route-receipt` header:
+/// `backend=<id>;predicted_ttft_ms=<n>;alt=<id>;alt_predicted_ttft_ms=<n>`, read leniently (any
+/// order, unknown keys ignored, a missing or unparsable part left out).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RouteReceipt {
+    /// The chosen backend.
+    pub backend: Option<String>,
+    /// Its predicted time to first token, ms.
+    pub predicted_ttft_ms: Option<f64>,
+    /// The runner-up.
+    pub alt: Option<String>,
+    /// The runner-up's predicted time to first token, ms.
+    pub alt_predicted_ttft_ms: Option<f64>,
+}
+
+impl RouteReceipt {
+    /// Parses the header; `None` when it names nothing.
+    pub fn parse(header: &str) -> Option<RouteReceipt> {
+        let mut r = RouteReceipt::default();
+        for part in header.split([';', ',']) {
+            let Some((k, v)) = part.split_once('=') else {
+                continue;
+            };
+            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim().trim_matches('"'));
+            let num = || {
+                v.trim_end_matches("ms")
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+            };
+            match k.as_str() {
+                "backend" if !v.is_empty() => r.backend = Some(v.to_string()),
+                "predicted_ttft_ms" => r.predicted_ttft_ms = num(),
+                "alt" if !v.is_empty() && v != "none" => r.alt = Some(v.to_string()),
+                "alt_predicted_ttft_ms" => r.alt_predicted_ttft_ms = num(),
+                _ => {}
+            }
+        }
+        (r != RouteReceipt::default()).then_some(r)
+    }
 }
 
 impl StreamResult {
@@ -86,6 +157,19 @@ fn read_event(
             .and_then(Value::as_u64)
             .map(|x| x as u32);
         out.engine_ttft_ms = u.get("sim_engine_ttft_ms").and_then(Value::as_f64);
+        let ms = |k: &str| u.get(k).and_then(Value::as_f64);
+        if let (Some(q), Some(p), Some(d)) = (
+            ms("sim_engine_queue_ms"),
+            ms("sim_engine_prefill_ms"),
+            ms("sim_engine_decode_interference_ms"),
+        ) {
+            out.engine_split = Some(EngineSplit {
+                queue_ms: q,
+                prefill_ms: p,
+                shared_prefill_ms: ms("sim_engine_shared_prefill_ms").unwrap_or(0.0),
+                decode_interference_ms: d,
+            });
+        }
     }
     let mut got_text = false;
     if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
@@ -111,7 +195,7 @@ impl Http {
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let inner = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(4096)
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .build(connector);
         Http { inner }
     }
@@ -177,6 +261,7 @@ impl Http {
         out.decision = header("x-gateway-decision");
         out.server_timing = header("server-timing");
         out.predicted_ttft_ms = header("x-gateway-predicted-ttft-ms").and_then(|v| v.parse().ok());
+        out.route_receipt = header("x-gateway-route-receipt").and_then(|v| RouteReceipt::parse(&v));
         let mut body = resp.into_body();
         if out.status != 200 {
             let bytes = body
@@ -310,5 +395,55 @@ mod tests {
             &mut usage,
         );
         assert!(out.error.is_some());
+    }
+
+    #[test]
+    fn the_engine_split_comes_from_the_usage_chunk() {
+        let mut out = StreamResult::default();
+        let (mut n, mut usage) = (0, None);
+        read_event(
+            r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1,"sim_engine_ttft_ms":30.5,"sim_engine_queue_ms":10.0,"sim_engine_prefill_ms":15.0,"sim_engine_shared_prefill_ms":3.0,"sim_engine_decode_interference_ms":2.5}}"#,
+            &mut out,
+            &mut n,
+            &mut usage,
+        );
+        assert_eq!(out.engine_ttft_ms, Some(30.5));
+        assert_eq!(
+            out.engine_split,
+            Some(EngineSplit {
+                queue_ms: 10.0,
+                prefill_ms: 15.0,
+                shared_prefill_ms: 3.0,
+                decode_interference_ms: 2.5
+            })
+        );
+    }
+
+    #[test]
+    fn route_receipts_parse_leniently() {
+        let r = RouteReceipt::parse(
+            "backend=b-3;predicted_ttft_ms=41.5;alt=b-7;alt_predicted_ttft_ms=58",
+        )
+        .unwrap();
+        assert_eq!(r.backend.as_deref(), Some("b-3"));
+        assert_eq!(r.predicted_ttft_ms, Some(41.5));
+        assert_eq!(r.alt.as_deref(), Some("b-7"));
+        assert_eq!(r.alt_predicted_ttft_ms, Some(58.0));
+        // Any order, spaces, unknown keys, a unit suffix, a part missing or broken.
+        let r = RouteReceipt::parse(
+            " alt = x ; extra=1; backend=y; predicted_ttft_ms=12ms; alt_predicted_ttft_ms=oops",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                r.backend.as_deref(),
+                r.predicted_ttft_ms,
+                r.alt.as_deref(),
+                r.alt_predicted_ttft_ms
+            ),
+            (Some("y"), Some(12.0), Some("x"), None)
+        );
+        assert_eq!(RouteReceipt::parse("nothing here"), None);
+        assert_eq!(RouteReceipt::parse("backend=a;alt=none").unwrap().alt, None);
     }
 }

@@ -13,9 +13,13 @@
 //!   turns one after the other, each as soon as the previous answer arrived (after an optional think
 //!   time), then take the next session.
 //!
-//! The arrival times come from the seed, so two runs offer the same load at the same moments.
+//! - **Replay** (`speedup`): each session (a trace's request) is sent at its trace arrival time
+//!   divided by the speed-up, whatever the server does.
+//!
+//! The arrival times come from the seed (or the trace), so two runs offer the same load at the
+//! same moments.
 
-use crate::client::{Http, StreamResult};
+use crate::client::{EngineSplit, Http, RouteReceipt, StreamResult};
 use crate::rng::Rng;
 use crate::workload::{messages, Plan};
 use bytes::Bytes;
@@ -33,6 +37,8 @@ pub enum Load {
     Rate(f64),
     /// Closed loop: clients each with one request in flight.
     Concurrency(usize),
+    /// Open loop at a trace's own arrival times ([`Plan::trace_ms`]), this many times faster.
+    Replay(f64),
 }
 
 /// Where requests go.
@@ -94,6 +100,12 @@ pub struct Record {
     pub engine_ttft_ms: Option<f64>,
     /// `x-gateway-predicted-ttft-ms`: the time model's prediction for the chosen backend.
     pub predicted_ttft_ms: Option<f64>,
+    /// Where the engine's time to first token went (vllm-sim `--report-engine-timing`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_split: Option<EngineSplit>,
+    /// `x-gateway-route-receipt`: the predictions for the chosen backend and the runner-up.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route_receipt: Option<RouteReceipt>,
 }
 
 /// Writes records as JSON lines (`loadgen run --records`, and every bench run's records in its
@@ -199,6 +211,8 @@ impl Shared {
             server_timing: r.server_timing.clone(),
             engine_ttft_ms: r.engine_ttft_ms,
             predicted_ttft_ms: r.predicted_ttft_ms,
+            engine_split: r.engine_split,
+            route_receipt: r.route_receipt.clone(),
         });
         r
     }
@@ -265,6 +279,17 @@ pub async fn drive(
                         .random_turn_gaps
                         .then(|| Rng::new(seed ^ i as u64, 0x6761_7073));
                     s.session(i, gap, gaps, Duration::ZERO).await;
+                }));
+            }
+        }
+        Load::Replay(speedup) => {
+            let speedup = speedup.max(1e-9);
+            for (i, &at_ms) in shared.plan.trace_ms.iter().enumerate().take(n) {
+                let s = shared.clone();
+                tasks.push(tokio::spawn(async move {
+                    let at = Duration::from_secs_f64(at_ms.max(0.0) / 1e3 / speedup);
+                    tokio::time::sleep_until((s.start + at).into()).await;
+                    s.session(i, Duration::ZERO, None, Duration::ZERO).await;
                 }));
             }
         }

@@ -18,6 +18,7 @@ mod oracle;
 mod report;
 mod rng;
 mod stats;
+mod trace;
 mod workload;
 
 use clap::{Args, Parser, Subcommand};
@@ -51,6 +52,31 @@ struct WorkloadArgs {
     /// Seed (default: the config's).
     #[arg(long)]
     seed: Option<u64>,
+    /// Replay this request trace instead (JSON lines, `.gz` for gzipped; Mooncake's format,
+    /// bench/traces/README.md).
+    #[arg(long, conflicts_with_all = ["workload", "spec"])]
+    trace: Option<String>,
+    /// Trace: prompt (and block) lengths are divided by this.
+    #[arg(long, default_value_t = 16.0)]
+    trace_scale: f64,
+    /// Trace: output lengths are divided by this (default: --trace-scale).
+    #[arg(long)]
+    trace_output_scale: Option<f64>,
+    /// Trace: index of the first request replayed.
+    #[arg(long, default_value_t = 0)]
+    trace_start: usize,
+    /// Trace: requests replayed (0: all, or up to --trace-duration-s).
+    #[arg(long, default_value_t = 0)]
+    trace_requests: usize,
+    /// Trace: trace-time length of the window, seconds (0: no limit).
+    #[arg(long, default_value_t = 0.0)]
+    trace_duration_s: f64,
+    /// Trace: tokens one hash id stands for.
+    #[arg(long, default_value_t = 512)]
+    trace_block_tokens: u64,
+    /// Trace: scaled prompts longer than this are cut to it, keeping the prefix (0: no cap).
+    #[arg(long, default_value_t = 0)]
+    trace_max_input_tokens: usize,
 }
 
 impl WorkloadArgs {
@@ -67,8 +93,23 @@ impl WorkloadArgs {
     > {
         let cfg = bench::BenchConfig::load(&self.config)?;
         let seed = self.seed.unwrap_or(cfg.seed);
+        if let Some(path) = &self.trace {
+            let w = Workload::Trace {
+                path: path.clone(),
+                scale: self.trace_scale,
+                output_scale: self.trace_output_scale,
+                start: self.trace_start,
+                requests: self.trace_requests,
+                duration_s: self.trace_duration_s,
+                block_tokens: self.trace_block_tokens,
+                max_input_tokens: self.trace_max_input_tokens,
+            };
+            w.check()?;
+            return Ok((w, None, cfg, seed));
+        }
         if let Some(spec) = &self.spec {
             let w: Workload = serde_json::from_str(spec).map_err(|e| format!("--spec: {e}"))?;
+            w.check()?;
             return Ok((w, None, cfg, seed));
         }
         let name = self
@@ -101,6 +142,9 @@ enum Cmd {
         /// Open loop: Poisson arrivals per second.
         #[arg(long, conflicts_with = "concurrency")]
         rate: Option<f64>,
+        /// Trace replay: arrival times divided by this (the default load of a trace workload).
+        #[arg(long, conflicts_with_all = ["rate", "concurrency"])]
+        trace_speedup: Option<f64>,
         /// Closed loop: concurrent clients.
         #[arg(long)]
         concurrency: Option<usize>,
@@ -199,6 +243,9 @@ enum Cmd {
         /// (default: the config's).
         #[arg(long, value_delimiter = ',')]
         closed_loop: Vec<usize>,
+        /// Trace replay speed-ups, e.g. 8,16, for trace workloads (default: the config's).
+        #[arg(long, value_delimiter = ',')]
+        speedups: Vec<f64>,
     },
 }
 
@@ -223,6 +270,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             url,
             model,
             rate,
+            trace_speedup,
             concurrency,
             think_ms,
             max_duration,
@@ -234,8 +282,16 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let (workload, run, cfg, seed) = w.resolve()?;
             let default_load = run.as_ref().and_then(|r| {
                 r.load
+                    .or(r.replay_speedups.first().map(|&x| Load::Replay(x)))
                     .or(r.closed_loop.first().map(|&c| driver::Load::Concurrency(c)))
             });
+            let is_trace = workload.trace_window().is_some();
+            let default_load = match trace_speedup {
+                Some(x) if x > 0.0 && x.is_finite() => Some(Load::Replay(x)),
+                Some(x) => return Err(format!("--trace-speedup {x}: must be positive")),
+                None if is_trace => default_load.or(Some(Load::Replay(1.0))),
+                None => default_load,
+            };
             let load = load_of(rate, concurrency, default_load)?;
             let think = think_ms.or(run.as_ref().map(|r| r.think_ms)).unwrap_or(0.0);
             let plan = workload.generate(seed);
@@ -282,7 +338,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             // `run` sends no warm-up, so the bound counts every request.
             let fleet_blocks = cfg.fleet.backends * cfg.fleet.kv_blocks;
             let bound = oracle::bound(&oracle::requests_of(&plan, seed), 0, 16, fleet_blocks);
-            let report = report::summarize(
+            let mut report = report::summarize(
                 report::RunLabel {
                     workload: run.as_ref().map_or(workload.kind(), |r| r.name()),
                     kind: workload.kind(),
@@ -297,6 +353,10 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 &deltas,
                 Some(bound),
             );
+            if is_trace {
+                let idle = report::IdleModel::of_fleet(&cfg.fleet.extra_args, time_scale);
+                report.trace = Some(report::trace_figures(&records, &idle));
+            }
             if let Some(p) = records_path {
                 driver::write_records(&p, &records)?;
             }
@@ -423,6 +483,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             capacity_rps,
             levels,
             closed_loop,
+            speedups,
         } => {
             let cfg = bench::BenchConfig::load(&config)?;
             let opts = bench::BenchOptions {
@@ -436,6 +497,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 capacity_rps: bench::parse_capacities(&capacity_rps)?,
                 levels,
                 closed_loop,
+                speedups,
                 default_policy,
             };
             let path = bench::bench(cfg, opts).await?;

@@ -11,12 +11,15 @@
 //! | `multi-turn` | vLLM production-stack's multi-round QA: U users x R rounds, one shared system prompt, the history resent each turn, `x-user-id` | session affinity as the history grows |
 //! | `long-short` | a few very long prompts among many short ones | load imbalance (head-of-line prefill) |
 //! | `no-sharing` | unique prompts | pure load balance |
+//! | `trace` | a production trace (Mooncake's FAST'25 traces, `bench/traces/`): its lengths, prefix sharing and arrival times ([`crate::trace`]) | all of it, as a real service sees it |
 //!
 //! Text is made of four-byte words (`" abc"`), so a content of N tokens is exactly N x 4 bytes under
 //! the 4-bytes-per-token approximation the gateway and vllm-sim share.
 
 use crate::rng::{Rng, Zipf};
+use crate::trace::TraceWindow;
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 
 /// A workload and its parameters (JSON: `{"kind": "shared-prefix", ...}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -110,6 +113,42 @@ pub enum Workload {
         /// Output tokens per request.
         output_tokens: u32,
     },
+    /// A window of a request trace, replayed at its own arrival times (divided by the mode's
+    /// speed-up, [`crate::driver::Load::Replay`]); see [`crate::trace`].
+    Trace {
+        /// The trace file (JSON lines, `.gz` for gzipped), relative to the working directory.
+        path: String,
+        /// Prompt lengths (and the trace's blocks) are divided by this: 16 makes a 512-token
+        /// block 32 tokens.
+        #[serde(default = "default_trace_scale")]
+        scale: f64,
+        /// Output lengths are divided by this (default: `scale`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output_scale: Option<f64>,
+        /// Index of the first request replayed, in timestamp order.
+        #[serde(default)]
+        start: usize,
+        /// Requests replayed (0: to the end of the trace or of `duration_s`).
+        #[serde(default)]
+        requests: usize,
+        /// Trace-time length of the window, seconds (0: no limit).
+        #[serde(default)]
+        duration_s: f64,
+        /// Tokens one hash id stands for in the trace (Mooncake: 512).
+        #[serde(default = "default_trace_block_tokens")]
+        block_tokens: u64,
+        /// Scaled prompts longer than this are cut to it, keeping the prefix (0: no cap).
+        #[serde(default)]
+        max_input_tokens: usize,
+    },
+}
+
+fn default_trace_scale() -> f64 {
+    16.0
+}
+
+fn default_trace_block_tokens() -> u64 {
+    512
 }
 
 /// One user message and the answer length asked for it.
@@ -137,6 +176,9 @@ pub struct Session {
 pub struct Plan {
     /// The sessions, in the order they start.
     pub sessions: Vec<Session>,
+    /// A trace's arrival times, ms from its first request, one per session (empty for the
+    /// generated workloads, whose arrivals the driver draws).
+    pub trace_ms: Vec<f64>,
 }
 
 impl Plan {
@@ -192,6 +234,7 @@ impl Workload {
             Workload::MultiTurn { .. } => "multi-turn",
             Workload::LongShort { .. } => "long-short",
             Workload::NoSharing { .. } => "no-sharing",
+            Workload::Trace { .. } => "trace",
         }
     }
 
@@ -229,7 +272,10 @@ impl Workload {
                     }],
                 })
                 .collect();
-            return Some(Plan { sessions });
+            return Some(Plan {
+                sessions,
+                trace_ms: Vec::new(),
+            });
         }
         let (groups, system_tokens, question_tokens, output_tokens, warmup_per_group, warm) =
             match *self {
@@ -293,11 +339,20 @@ impl Workload {
                 });
             }
         }
-        Some(Plan { sessions })
+        Some(Plan {
+            sessions,
+            trace_ms: Vec::new(),
+        })
     }
 
     /// Generates the plan; the same workload and seed always give the same plan.
     pub fn generate(&self, seed: u64) -> Plan {
+        if let Some((path, window)) = self.trace_window() {
+            // Read when the config was loaded ([`Workload::check`]); a file gone since is fatal.
+            let trace = crate::trace::read(Path::new(path))
+                .unwrap_or_else(|e| panic!("trace workload: {e}"));
+            return window.plan(&trace);
+        }
         let mut rng = Rng::new(seed, PLAN_STREAM);
         let sessions = match *self {
             Workload::SharedPrefix {
@@ -437,8 +492,48 @@ impl Workload {
                     }],
                 })
                 .collect(),
+            Workload::Trace { .. } => unreachable!("handled above"),
         };
-        Plan { sessions }
+        Plan {
+            sessions,
+            trace_ms: Vec::new(),
+        }
+    }
+
+    /// The trace window of a `trace` workload.
+    pub fn trace_window(&self) -> Option<(&str, TraceWindow)> {
+        match self {
+            Workload::Trace {
+                path,
+                scale,
+                output_scale,
+                start,
+                requests,
+                duration_s,
+                block_tokens,
+                max_input_tokens,
+            } => Some((
+                path,
+                TraceWindow {
+                    scale: *scale,
+                    output_scale: output_scale.unwrap_or(*scale),
+                    start: *start,
+                    requests: *requests,
+                    duration_s: *duration_s,
+                    block_tokens: *block_tokens,
+                    max_input_tokens: *max_input_tokens,
+                },
+            )),
+            _ => None,
+        }
+    }
+
+    /// Checks what generating needs beyond the parameters: a `trace` workload's file can be read.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some((path, _)) = self.trace_window() {
+            crate::trace::read(Path::new(path))?;
+        }
+        Ok(())
     }
 }
 

@@ -122,7 +122,10 @@ pub struct Config {
     pub enable_prompt_tokens_details: bool,
 
     /// Put each streamed request's engine-side time to first token (arrival to first token, ms)
-    /// in its usage chunk as `usage.sim_engine_ttft_ms`: a sim-only extension for benchmarks.
+    /// in its usage chunk as `usage.sim_engine_ttft_ms`, with its split into
+    /// `sim_engine_queue_ms`, `sim_engine_prefill_ms`, `sim_engine_shared_prefill_ms` and
+    /// `sim_engine_decode_interference_ms`
+    /// (they add up to it; see `scheduler::EngineSplit`): a sim-only extension for benchmarks.
     #[arg(long)]
     pub report_engine_timing: bool,
 

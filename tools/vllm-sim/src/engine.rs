@@ -7,7 +7,9 @@
 //! events, such as queued or non-streamed ones) and aborts the sequence, freeing its blocks.
 //!
 //! The engine also times each sequence (arrival, first scheduled step, first and last token) for the
-//! latency histograms, in wall-clock seconds, like the scraper-visible latencies of a real server.
+//! latency histograms, in wall-clock seconds, like the scraper-visible latencies of a real server,
+//! and splits each one's time to first token into queue, prefill and decode interference
+//! ([`EngineSplit`], reported with `--report-engine-timing`).
 //! When no sequence can compute (only stalled ones, see the `stall_after_tokens` fault), the engine
 //! waits for a submission or the next sweep instead of spinning.
 //!
@@ -22,7 +24,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use crate::metrics::{MetricsState, Observations};
-use crate::scheduler::{Finish, Scheduler, SchedulerConfig, SeqId, SeqOutput, SequenceSpec};
+use crate::scheduler::{
+    EngineSplit, Finish, Scheduler, SchedulerConfig, SeqId, SeqOutput, SequenceSpec, StepTiming,
+};
 
 /// How far behind schedule the engine may fall before it stops catching up.
 const MAX_LAG: Duration = Duration::from_millis(5);
@@ -100,6 +104,10 @@ struct Client {
     last_token: Option<Instant>,
     /// Output tokens seen so far.
     tokens: u32,
+    /// Until the first token: the decoding sequences' share of its steps so far, seconds.
+    decode_interference_s: f64,
+    /// Until the first token: other prompts' share of its steps so far, seconds.
+    shared_prefill_s: f64,
 }
 
 /// Starts the engine task; `metrics` is updated after every step.
@@ -110,6 +118,7 @@ pub fn spawn(
 ) -> EngineHandle {
     let (submissions, receiver) = mpsc::unbounded_channel();
     let engine = Engine {
+        timing: config.timing,
         scheduler: Scheduler::new(config),
         clients: HashMap::new(),
         next_id: 0,
@@ -121,6 +130,7 @@ pub fn spawn(
 }
 
 struct Engine {
+    timing: StepTiming,
     scheduler: Scheduler,
     clients: HashMap<SeqId, Client>,
     next_id: SeqId,
@@ -180,10 +190,33 @@ impl Engine {
                 tokio::task::yield_now().await;
             }
             deadline = Some(end);
+            self.charge_shared_steps(&plan, now.elapsed());
 
             let outputs = self.scheduler.complete(plan);
             let observed = self.deliver(outputs, Instant::now());
             self.publish(&observed);
+        }
+    }
+
+    /// Charges every sequence still waiting for its first token that computed in this step
+    /// (`wall` long) with the decoding sequences' share of the step and the other prompts' share.
+    fn charge_shared_steps(&mut self, plan: &crate::scheduler::StepPlan, wall: Duration) {
+        if plan.duration_us <= 0.0 {
+            return;
+        }
+        let wall = wall.as_secs_f64();
+        let share = |us: f64| wall * (us / plan.duration_us).clamp(0.0, 1.0);
+        let decodes = share(self.timing.per_decode_seq_us * plan.decode_seqs as f64);
+        for &(id, tokens) in &plan.work {
+            let Some(client) = self.clients.get_mut(&id) else {
+                continue;
+            };
+            if client.first_token.is_some() {
+                continue;
+            }
+            let others = plan.prefill_tokens.saturating_sub(tokens);
+            client.decode_interference_s += decodes;
+            client.shared_prefill_s += share(self.timing.per_prefill_token_us * f64::from(others));
         }
     }
 
@@ -221,6 +254,20 @@ impl Engine {
                 finish.engine_ttft_ms = client
                     .first_token
                     .map(|first| secs(client.arrival, first) * 1e3);
+                finish.engine_split = match (client.scheduled, client.first_token) {
+                    (Some(scheduled), Some(first)) => {
+                        let to_first = secs(scheduled, first);
+                        let interference = client.decode_interference_s.min(to_first);
+                        let shared = client.shared_prefill_s.min(to_first - interference);
+                        Some(EngineSplit {
+                            queue_ms: secs(client.arrival, scheduled) * 1e3,
+                            prefill_ms: (to_first - interference - shared) * 1e3,
+                            shared_prefill_ms: shared * 1e3,
+                            decode_interference_ms: interference * 1e3,
+                        })
+                    }
+                    _ => None,
+                };
                 observed.e2e.push(secs(client.arrival, now));
                 if let (Some(scheduled), Some(first), Some(last)) =
                     (client.scheduled, client.first_token, client.last_token)
@@ -256,6 +303,8 @@ impl Engine {
                 first_token: None,
                 last_token: None,
                 tokens: 0,
+                decode_interference_s: 0.0,
+                shared_prefill_s: 0.0,
             },
         );
     }

@@ -130,6 +130,19 @@ pub struct Usage {
     /// time to first token exactly instead of from the histogram's coarse buckets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_engine_ttft_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: arrival to the first step that computed the request, ms
+    /// ([`crate::scheduler::EngineSplit`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_queue_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: its own share of its prefill steps, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_prefill_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: other prompts' share of its prefill steps, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_shared_prefill_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: the decoding sequences' share of its prefill steps, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_decode_interference_ms: Option<f64>,
 }
 
 impl Usage {
@@ -142,6 +155,10 @@ impl Usage {
             prompt_tokens_details: cached_tokens
                 .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
             sim_engine_ttft_ms: None,
+            sim_engine_queue_ms: None,
+            sim_engine_prefill_ms: None,
+            sim_engine_shared_prefill_ms: None,
+            sim_engine_decode_interference_ms: None,
         }
     }
 }

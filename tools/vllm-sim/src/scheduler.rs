@@ -130,6 +130,33 @@ pub struct Finish {
     pub block_ids: Vec<BlockId>,
     /// Arrival at the engine to the first token, ms (set by the engine, which times its clients).
     pub engine_ttft_ms: Option<f64>,
+    /// Where that time went (set by the engine with `engine_ttft_ms`).
+    pub engine_split: Option<EngineSplit>,
+}
+
+/// A sequence's engine time to first token in four parts that add up to it, ms (wall clock). Its
+/// *prefill steps* are the steps that computed its prompt, up to and including the one that
+/// sampled its first token; a step's cost is shared out as the step model adds it up
+/// (`StepTiming`), each part's share of the modelled duration times the step's wall time:
+///
+/// - `queue_ms`: arrival at the engine to the start of its first prefill step (waiting for a free
+///   slot, KV blocks, or the token budget of the steps before);
+/// - `decode_interference_ms`: the decoding sequences' share of its prefill steps
+///   (`decode_ms_per_seq x decodes`);
+/// - `shared_prefill_ms`: other prompts' tokens' share of its prefill steps
+///   (`prefill_us_per_token x their tokens`): head-of-line prefill in the same batch;
+/// - `prefill_ms`: the rest: its own prompt tokens, each step's fixed cost, and any step between
+///   its chunks that left it out (preemption).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineSplit {
+    /// Arrival to its first prefill step, ms.
+    pub queue_ms: f64,
+    /// Its own share of its prefill steps (and any pause between them), ms.
+    pub prefill_ms: f64,
+    /// Other prompts' share of its prefill steps, ms.
+    pub shared_prefill_ms: f64,
+    /// Decoding sequences' share of its prefill steps, ms.
+    pub decode_interference_ms: f64,
 }
 
 /// What one sequence produced in a step.
@@ -510,6 +537,7 @@ impl Scheduler {
                         Vec::new()
                     },
                     engine_ttft_ms: None,
+                    engine_split: None,
                 }
             });
             outputs.push(SeqOutput {
@@ -572,6 +600,7 @@ impl Scheduler {
                 cached_tokens: seq.cached_tokens,
                 block_ids: Vec::new(),
                 engine_ttft_ms: None,
+                engine_split: None,
             }),
         });
     }

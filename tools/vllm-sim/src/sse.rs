@@ -179,6 +179,12 @@ impl ChunkEncoder {
             let mut usage = Usage::new(finish.prompt_tokens, finish.output_tokens, cached);
             if self.engine_timing {
                 usage.sim_engine_ttft_ms = finish.engine_ttft_ms;
+                if let Some(split) = finish.engine_split {
+                    usage.sim_engine_queue_ms = Some(split.queue_ms);
+                    usage.sim_engine_prefill_ms = Some(split.prefill_ms);
+                    usage.sim_engine_shared_prefill_ms = Some(split.shared_prefill_ms);
+                    usage.sim_engine_decode_interference_ms = Some(split.decode_interference_ms);
+                }
             }
             let usage = Some(usage);
             match self.endpoint {
@@ -417,6 +423,7 @@ mod tests {
             cached_tokens: 0,
             block_ids: vec![],
             engine_ttft_ms: None,
+            engine_split: None,
         }
     }
 

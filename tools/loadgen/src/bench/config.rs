@@ -46,6 +46,10 @@ pub struct WorkloadRun {
     /// Open-loop modes: seeded Poisson arrivals at fractions of the workload's capacity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub open_loop: Option<OpenLoopSweep>,
+    /// Trace replays (`trace` workloads): the speed-ups of the trace's arrival times, one mode
+    /// each (`replay-x8`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replay_speedups: Vec<f64>,
     /// Closed loop: a client's think time between a conversation's turns, ms.
     #[serde(default)]
     pub think_ms: f64,
@@ -84,6 +88,11 @@ impl WorkloadRun {
             .map(|&c| Mode::of(Load::Concurrency(c), None))
             .collect();
         out.extend(self.load.map(|l| Mode::of(l, None)));
+        out.extend(
+            self.replay_speedups
+                .iter()
+                .map(|&x| Mode::of(Load::Replay(x), None)),
+        );
         out
     }
 
@@ -120,6 +129,7 @@ impl Mode {
             (Load::Concurrency(c), _) => format!("closed-{c}"),
             (Load::Rate(_), Some(f)) => format!("open-{f}"),
             (Load::Rate(r), None) => format!("open-{r}rps"),
+            (Load::Replay(x), _) => format!("replay-x{x}"),
         };
         Mode { label, load, level }
     }
@@ -222,7 +232,31 @@ impl BenchConfig {
     /// Reads a config file.
     pub fn load(path: &Path) -> Result<BenchConfig, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let cfg: BenchConfig =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        for w in &cfg.workloads {
+            w.workload
+                .check()
+                .map_err(|e| format!("{}: workload {}: {e}", path.display(), w.name()))?;
+            if w.replay_speedups
+                .iter()
+                .any(|x| !(x.is_finite() && *x > 0.0))
+            {
+                return Err(format!(
+                    "{}: workload {}: replay_speedups must be positive",
+                    path.display(),
+                    w.name()
+                ));
+            }
+            if !w.replay_speedups.is_empty() && w.workload.trace_window().is_none() {
+                return Err(format!(
+                    "{}: workload {}: replay_speedups need a trace workload",
+                    path.display(),
+                    w.name()
+                ));
+            }
+        }
+        Ok(cfg)
     }
 
     /// The oracle's bound for one workload on this fleet.

@@ -55,6 +55,8 @@ pub struct BenchOptions {
     pub levels: Vec<f64>,
     /// Closed-loop concurrencies instead of the config's (empty: the config's).
     pub closed_loop: Vec<usize>,
+    /// Trace replay speed-ups instead of the config's (empty: the config's).
+    pub speedups: Vec<f64>,
     /// The policy the targets are about, instead of the config's.
     pub default_policy: Option<String>,
 }
@@ -94,6 +96,9 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         let mut w = w.clone();
         if !opts.closed_loop.is_empty() && !w.closed_loop.is_empty() {
             w.closed_loop = opts.closed_loop.clone();
+        }
+        if !opts.speedups.is_empty() && !w.replay_speedups.is_empty() {
+            w.replay_speedups = opts.speedups.clone();
         }
         let mut modes = w.fixed_modes();
         let mut sweep_pending = w.open_loop.is_some();
@@ -210,6 +215,7 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
                 "policies": policies,
                 "levels": opts.levels,
                 "closed_loop": opts.closed_loop,
+                "speedups": opts.speedups,
                 "capacity_rps": opts.capacity_rps,
                 "default_policy": opts.default_policy,
             });

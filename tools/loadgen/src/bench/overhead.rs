@@ -36,7 +36,7 @@ pub async fn overhead(
     for (i, &load) in loads.iter().enumerate() {
         let c = match load {
             Load::Concurrency(c) => c,
-            Load::Rate(_) => 0,
+            Load::Rate(_) | Load::Replay(_) => 0,
         };
         let n = oc
             .requests

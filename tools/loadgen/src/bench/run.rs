@@ -132,6 +132,10 @@ pub async fn run_one(
             p99: backend_ttft.quantile(0.99) * 1e3,
         }
     });
+    if w.workload.trace_window().is_some() {
+        let idle = report::IdleModel::of_fleet(&cfg.fleet.extra_args, cfg.fleet.time_scale);
+        report.trace = Some(report::trace_figures(&records, &idle));
+    }
     if let Workload::LongShort { long_tokens, .. } = w.workload {
         let short: Vec<&crate::driver::Record> = records
             .iter()

@@ -30,10 +30,84 @@ pub fn chart_files(result: &BenchResult) -> Vec<(String, String)> {
             format!("{w}: p99 time to first token against offered load"),
         ));
     }
+    for (w, m) in trace_modes(&result.runs) {
+        out.push((
+            format!("{w}-{m}-ttft-cdf.svg"),
+            format!("{w} {m}: TTFT distribution per policy"),
+        ));
+    }
     if !result.overhead.is_empty() {
         out.push(("overhead.svg".into(), "gateway added latency".into()));
     }
     out
+}
+
+/// (workload, mode) pairs of trace replays, in run order.
+fn trace_modes(runs: &[RunReport]) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for r in runs.iter().filter(|r| r.trace.is_some()) {
+        let key = (r.workload.clone(), r.mode.clone());
+        if !out.contains(&key) {
+            out.push(key);
+        }
+    }
+    out
+}
+
+/// The TTFT distribution of each policy (fraction of sent requests answered within x ms, x on a
+/// log scale): a line that ends below 1 is a policy whose requests failed.
+pub fn ttft_cdf(
+    path: &Path,
+    title: &str,
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let xs = || lines.iter().flat_map(|(_, v)| v.iter().map(|p| p.0));
+    let x_min = xs().fold(f64::INFINITY, f64::min).clamp(1.0, 1e6) * 0.8;
+    let x_max = xs().fold(0.0f64, f64::max).max(x_min * 2.0) * 1.2;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x_min..x_max).log_scale(), 0f64..1.02f64)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT, ms (wall clock, log scale)")
+        .y_desc("fraction of requests sent")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        // A step function: the fraction rises at each sample.
+        let mut steps: Vec<(f64, f64)> = Vec::with_capacity(pts.len() * 2);
+        let mut last = 0.0;
+        for &(x, y) in pts {
+            steps.push((x.max(x_min), last));
+            steps.push((x.max(x_min), y));
+            last = y;
+        }
+        steps.push((x_max, last));
+        chart
+            .draw_series(LineSeries::new(steps, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
 }
 
 /// Workloads with open-loop sweep runs (levels of a capacity).
@@ -288,7 +362,7 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
                     .filter(|r| r.workload == w && &r.policy == p && r.level.is_some() && r.ok > 0)
                     .filter_map(|r| match r.load {
                         Load::Rate(x) => Some((x, r.ttft_ms.p99)),
-                        Load::Concurrency(_) => None,
+                        Load::Concurrency(_) | Load::Replay(_) => None,
                     })
                     .collect();
                 (p.clone(), pts)
@@ -302,6 +376,19 @@ pub fn charts(result: &BenchResult, dir: &Path, prefix: &str) -> Result<(), Stri
         ttft_vs_load(
             &dir.join(format!("{prefix}{w}-ttft-p99-vs-load.svg")),
             &format!("{w}: TTFT p99 vs offered load{cap}"),
+            &lines,
+        )?;
+    }
+    for (w, m) in trace_modes(&result.runs) {
+        let lines: Vec<(String, Vec<(f64, f64)>)> = result
+            .runs
+            .iter()
+            .filter(|r| r.workload == w && r.mode == m)
+            .filter_map(|r| Some((r.policy.clone(), r.trace.as_ref()?.ttft_cdf.clone())))
+            .collect();
+        ttft_cdf(
+            &dir.join(format!("{prefix}{w}-{m}-ttft-cdf.svg")),
+            &format!("{w} {m}: TTFT CDF (failed requests never arrive)"),
             &lines,
         )?;
     }

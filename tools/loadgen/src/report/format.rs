@@ -7,6 +7,7 @@ pub fn load_label(l: Load) -> String {
     match l {
         Load::Concurrency(c) => format!("{c} concurrent streams"),
         Load::Rate(r) => format!("open loop {r} req/s"),
+        Load::Replay(x) => format!("trace replay x{x}"),
     }
 }
 

@@ -46,7 +46,17 @@ fn mode_description(r: &RunReport, capacity: Option<f64>) -> String {
             format!("open loop, Poisson {x} req/s = {f} x {cap:.1} req/s capacity")
         }
         (Load::Rate(x), _, _) => format!("open loop, Poisson {x} req/s"),
+        (Load::Replay(x), _, _) => format!("trace replay at {x}x its arrival rate"),
     }
+}
+
+/// The runs of one workload and mode.
+fn runs_of<'a>(result: &'a BenchResult, w: &str, m: &str) -> Vec<&'a RunReport> {
+    result
+        .runs
+        .iter()
+        .filter(|r| r.workload == w && r.mode == m)
+        .collect()
 }
 
 /// The issue-11 targets as one table per workload: a row per mode, a column per target.
@@ -266,6 +276,7 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
                     r.sent
                 );
             }
+            super::trace::markdown_section(&runs_of(result, w, m), &mut s);
         }
     }
     if !result.overhead.is_empty() {

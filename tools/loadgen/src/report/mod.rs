@@ -14,12 +14,14 @@ mod run;
 mod targets;
 #[cfg(test)]
 mod test_support;
+mod trace;
 
 pub use charts::charts;
 pub use markdown::markdown;
 pub use result::{BenchResult, OverheadPoint, Skipped};
 pub use run::{summarize, Quantiles, RunLabel, RunReport};
 pub use targets::{tail_targets, verdicts};
+pub use trace::{trace_figures, IdleModel};
 
 #[cfg(test)]
 mod tests {

@@ -87,6 +87,9 @@ pub struct RunReport {
     pub oracle: Option<OracleBound>,
     /// `hit_rate / oracle.hit_rate`.
     pub fraction_of_oracle: Option<f64>,
+    /// Trace replays only: failures counted in the percentiles, slowdown, the slowest requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace: Option<super::trace::TraceFigures>,
 }
 
 /// What a run was: workload, mode, policy, load and the backends' time scale.
@@ -228,6 +231,7 @@ pub fn summarize(
         },
         oracle,
         fraction_of_oracle,
+        trace: None,
     }
 }
 

@@ -22,6 +22,8 @@ pub fn rec(backend: &str, ttft: f64) -> Record {
         server_timing: None,
         engine_ttft_ms: None,
         predicted_ttft_ms: None,
+        engine_split: None,
+        route_receipt: None,
     }
 }
 

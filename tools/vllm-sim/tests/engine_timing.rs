@@ -1,0 +1,287 @@
+//! End-to-end checks of `--report-engine-timing`'s split of each streamed request's engine time
+//! to first token (queue wait, own prefill, shared prefill, decode interference;
+//! `usage.sim_engine_*_ms`), over real HTTP on 127.0.0.1 against the built `vllm-sim` binary: the
+//! parts add up to the engine TTFT, a request alone shares nothing, one that waits for a slot has
+//! its wait as queue time, one whose prefill shares steps with decoding sequences or with another
+//! prompt is charged for them, and without the flag nothing is reported.
+//!
+//! Each test starts its own sim (`--port 0`) and speaks HTTP/1.1 over `std::net::TcpStream` with
+//! `Connection: close`. The assertions compare the sim's own figures with each other (sums,
+//! zero / non-zero, which part dominates), never against a clock.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A running sim, killed when dropped.
+struct Sim {
+    child: Child,
+    client: Client,
+}
+
+/// Talks to a sim (cloneable into the threads that send concurrent requests).
+#[derive(Clone)]
+struct Client {
+    address: String,
+}
+
+impl Sim {
+    fn start(extra: &[&str]) -> Sim {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
+            .args(["--port", "0", "--model", "m", "--time-scale", "4"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the sim starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the sim prints its address");
+        let address = line
+            .trim()
+            .strip_prefix("vllm-sim listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Sim {
+            child,
+            client: Client { address },
+        }
+    }
+}
+
+impl Client {
+    /// One request, read until the server closes; returns the de-chunked body.
+    fn exchange(&self, method: &str, path: &str, body: &str) -> String {
+        let mut stream = TcpStream::connect(&self.address).expect("connects");
+        stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
+            self.address,
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).expect("writes");
+        stream.write_all(body.as_bytes()).expect("writes");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).expect("reads to the end");
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head");
+        let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+        let rest = &raw[split + 4..];
+        let body = if head.contains("transfer-encoding: chunked") {
+            dechunk(rest)
+        } else {
+            rest.to_vec()
+        };
+        String::from_utf8_lossy(&body).into_owned()
+    }
+
+    /// A streamed chat completion of `prompt_tokens` tokens and exactly `max_tokens` output
+    /// tokens; returns its usage object.
+    fn stream_usage(&self, prompt_tokens: usize, max_tokens: u32, salt: &str) -> Value {
+        let content: String = format!("{salt:>4}") + &" abc".repeat(prompt_tokens);
+        let body = json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string();
+        let text = self.exchange("POST", "/v1/chat/completions", &body);
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        text.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+            .expect("a usage chunk")
+    }
+
+    fn running(&self) -> f64 {
+        let text = self.exchange("GET", "/metrics", "");
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("vllm:num_requests_running{model_name=\"m\",engine=\"0\"} ")
+            })
+            .and_then(|v| v.parse().ok())
+            .expect("vllm:num_requests_running")
+    }
+
+    fn wait_running(&self, n: f64) {
+        let deadline = Instant::now() + PATIENCE;
+        while self.running() < n {
+            assert!(Instant::now() < deadline, "gave up waiting for {n} running");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap_or("0").trim(), 16)
+                .unwrap_or(0);
+        if size == 0 || rest.len() < eol + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+        rest = &rest[(eol + 4 + size).min(rest.len())..];
+    }
+    out
+}
+
+/// Queue, own prefill, decode interference and the total, ms.
+fn split(usage: &Value) -> (f64, f64, f64, f64) {
+    let get = |k: &str| {
+        usage
+            .get(k)
+            .and_then(Value::as_f64)
+            .unwrap_or_else(|| panic!("no {k} in {usage}"))
+    };
+    (
+        get("sim_engine_queue_ms"),
+        get("sim_engine_prefill_ms"),
+        get("sim_engine_decode_interference_ms"),
+        get("sim_engine_ttft_ms"),
+    )
+}
+
+/// Other prompts' share of its prefill steps, ms.
+fn shared(usage: &Value) -> f64 {
+    usage
+        .get("sim_engine_shared_prefill_ms")
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("no sim_engine_shared_prefill_ms in {usage}"))
+}
+
+fn assert_adds_up(usage: &Value) {
+    let (q, p, d, ttft) = split(usage);
+    let s = shared(usage);
+    assert!(q >= 0.0 && p >= 0.0 && d >= 0.0 && s >= 0.0, "{usage}");
+    assert!(
+        (q + p + s + d - ttft).abs() < 1e-6 * ttft.max(1.0),
+        "{usage}"
+    );
+}
+
+#[test]
+fn a_request_alone_has_prefill_and_no_decode_interference() {
+    let sim = Sim::start(&["--report-engine-timing", "--prefill-us-per-token", "200"]);
+    let usage = sim.client.stream_usage(400, 4, "a");
+    assert_adds_up(&usage);
+    let (q, p, d, _) = split(&usage);
+    assert_eq!(d, 0.0, "nothing else decoded: {usage}");
+    assert_eq!(shared(&usage), 0.0, "no other prompt: {usage}");
+    assert!(p > q, "an idle engine starts it at once: {usage}");
+}
+
+#[test]
+fn waiting_for_a_slot_is_queue_time() {
+    // One sequence at a time: the second request waits for the whole first answer.
+    let sim = Sim::start(&[
+        "--report-engine-timing",
+        "--max-num-seqs",
+        "1",
+        "--decode-ms-per-step",
+        "4",
+    ]);
+    let client = sim.client.clone();
+    let first = std::thread::spawn(move || client.stream_usage(16, 120, "one"));
+    sim.client.wait_running(1.0);
+    let second = sim.client.stream_usage(16, 2, "two");
+    let first = first.join().expect("the first request");
+    assert_adds_up(&first);
+    assert_adds_up(&second);
+    let (q, p, d, _) = split(&second);
+    assert!(
+        q > p + d,
+        "it waited for a slot more than it computed: {second}"
+    );
+    assert!(q > split(&first).0, "{second} vs {first}");
+}
+
+#[test]
+fn prefill_sharing_steps_with_decodes_is_charged_to_them() {
+    // Chunked prefill (64 tokens a step) next to decoding sequences that are costly per step.
+    let sim = Sim::start(&[
+        "--report-engine-timing",
+        "--max-num-batched-tokens",
+        "64",
+        "--decode-ms-per-seq",
+        "3",
+        "--decode-ms-per-step",
+        "1",
+    ]);
+    let decoders: Vec<_> = (0..3)
+        .map(|i| {
+            let client = sim.client.clone();
+            std::thread::spawn(move || client.stream_usage(8, 400, &format!("d{i}")))
+        })
+        .collect();
+    sim.client.wait_running(3.0);
+    let long = sim.client.stream_usage(640, 2, "long");
+    for d in decoders {
+        assert_adds_up(&d.join().expect("a decoder"));
+    }
+    assert_adds_up(&long);
+    let (_, p, d, _) = split(&long);
+    assert!(d > 0.0, "its prefill steps carried decodes: {long}");
+    // 3 decodes x 3 ms against 1 ms + 64 x 0.1 ms of prefill per step: the decodes cost more.
+    assert!(d > p * 0.5, "{long}");
+}
+
+#[test]
+fn a_prompt_that_joins_another_prompts_last_chunk_shares_its_step() {
+    // Chunks of 64 tokens: the long prompt (4,000 tokens and the chat template, some 63 steps)
+    // takes every step's whole budget until its last chunk, whose leftover budget starts the
+    // short prompt that waited for it.
+    let sim = Sim::start(&["--report-engine-timing", "--max-num-batched-tokens", "64"]);
+    let client = sim.client.clone();
+    let long = std::thread::spawn(move || client.stream_usage(4000, 2, "long"));
+    sim.client.wait_running(1.0);
+    let short = sim.client.stream_usage(16, 2, "short");
+    let long = long.join().expect("the long request");
+    assert_adds_up(&long);
+    assert_adds_up(&short);
+    assert!(
+        shared(&short) > 0.0,
+        "its first step was the long prompt's last: {short}"
+    );
+    assert!(split(&short).0 > 0.0, "it waited for the budget: {short}");
+    assert!(
+        shared(&long) > 0.0,
+        "its last step carried the short prompt: {long}"
+    );
+}
+
+#[test]
+fn without_the_flag_no_split_is_reported() {
+    let sim = Sim::start(&[]);
+    let usage = sim.client.stream_usage(16, 2, "x");
+    for k in [
+        "sim_engine_ttft_ms",
+        "sim_engine_queue_ms",
+        "sim_engine_prefill_ms",
+        "sim_engine_shared_prefill_ms",
+        "sim_engine_decode_interference_ms",
+    ] {
+        assert!(usage.get(k).is_none(), "{k} in {usage}");
+    }
+}
