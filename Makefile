@@ -12,6 +12,7 @@ help:
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark and the trace replays (under 45 min); make bench-quick: under 8 min"
 	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
+	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
@@ -64,7 +65,7 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-traces bench-admission bench-overhead
+.PHONY: bench bench-quick bench-traces bench-regions bench-admission bench-overhead
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -72,6 +73,7 @@ bench: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh full
 	@scripts/bench.sh traces
+	@$(MAKE) --no-print-directory bench-regions
 	@$(MAKE) --no-print-directory bench-admission
 	@$(MAKE) --no-print-directory bench-overhead
 
@@ -92,6 +94,12 @@ bench-traces: setup
 # Against the Worker under Miniflare, or against a running gateway with SOAK_URL and SOAK_TOKEN.
 soak: setup sim build
 	@source scripts/env.sh && node tests/soak.mjs --requests 5000 --concurrency 200 --sims 4 --seconds-limit 240 $(if $(SOAK_URL),--url $(SOAK_URL) --admin-token $(SOAK_TOKEN))
+
+# Routing across regions (bench/regions.mjs, issue 25): three regions of vllm-sim pools with modelled round
+# trips and a skewed load, nearest-first against routing on predicted time, then a light phase; writes
+# bench/results/regions-<date>.{json,md} (~3 min).
+bench-regions: setup sim build
+	@source scripts/env.sh && node bench/regions.mjs $(ARGS)
 
 # Admission control under overload (bench/admission.mjs): a batch and an interactive tenant at 1.5x the
 # fleet's capacity, with and without the gateway's queue; writes bench/results/admission-<date>.json (~3 min).

@@ -44,6 +44,17 @@ thread_local! {
     static SETTINGS: OnceCell<RegionSettings> = const { OnceCell::new() };
     static NETWORK: OnceCell<RefCell<NetworkModel>> = const { OnceCell::new() };
     static HOMES: OnceCell<RefCell<HomePools>> = const { OnceCell::new() };
+    /// Per pool: the card this isolate last sent a request under (its `at_ms`) and how many it
+    /// sent since that card was computed (one entry per pool).
+    static SENT: RefCell<HashMap<String, (u64, u32)>> = RefCell::new(HashMap::new());
+}
+
+/// Requests this isolate sent `pool` since its card of `card_at_ms`.
+fn sent_since(pool: &str, card_at_ms: u64) -> u32 {
+    SENT.with(|s| match s.borrow().get(pool) {
+        Some(&(at, n)) if at == card_at_ms => n,
+        _ => 0,
+    })
 }
 
 fn read_settings(env: &Env) -> RegionSettings {
@@ -189,6 +200,7 @@ pub fn plan(
                     rtt_ms: net.rtt_ms(region.as_deref(), &p.name, &p.region),
                     cached_tokens: at_home.map_or(0, |(_, b)| b.saturating_mul(block_tokens)),
                     home: at_home.is_some(),
+                    sent_since_card: p.card.as_ref().map_or(0, |c| sent_since(&p.name, c.at_ms)),
                 }
             })
             .collect()
@@ -225,10 +237,21 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
     .with_code("residency_unavailable")
 }
 
-/// Records that `pool` served the request: its home for the conversation's next turn.
-pub fn served(env: &Env, pool: &str, features: &RequestFeatures) {
+/// Records that `pool` (listed with `card`) took the request: its home for the conversation's
+/// next turn, and one more request the pool's card does not know of.
+pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures) {
     let key = features.routing_key.as_deref().map(key_hash);
-    with_homes(env, |h| h.record(&features.block_hashes, key, pool));
+    with_homes(env, |h| h.record(&features.block_hashes, key, &pool.name));
+    if let Some(at) = pool.card.as_ref().map(|c| c.at_ms) {
+        SENT.with(|s| {
+            let mut s = s.borrow_mut();
+            let entry = s.entry(pool.name.clone()).or_insert((at, 0));
+            if entry.0 != at {
+                *entry = (at, 0);
+            }
+            entry.1 += 1;
+        });
+    }
 }
 
 /// With `SIMULATE_NETWORK=true` (local benchmarks and tests only: every pool of a local run is on

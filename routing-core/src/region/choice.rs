@@ -12,7 +12,10 @@
 //! is cheaper by more than the margin (`max(margin_ms, margin_ratio x anchor's cost)`); between one
 //! and two margins a request moves with a probability that grows from 0 to 1, so a whole colo's
 //! traffic does not move at once on one card and back on the next. An anchor whose fresh card says
-//! it cannot take a request now gives way to the cheapest pool that can.
+//! it cannot take a request now gives way to the cheapest pool that can. A card is a few seconds
+//! old when it is read, and every request this Worker sent the pool since then adds its wait
+//! ([`TimeCard::backlog_ms`]), so the Worker does not send a whole card's interval of traffic to
+//! the pool that looked idle when the card was made.
 
 use super::time_card::TimeCard;
 
@@ -54,6 +57,8 @@ pub struct PoolOption<'a> {
     pub cached_tokens: u32,
     /// Whether it is the request's home pool.
     pub home: bool,
+    /// Requests this Worker sent the pool since its card was computed (their wait is added).
+    pub sent_since_card: u32,
 }
 
 /// Why the first pool was chosen.
@@ -120,7 +125,7 @@ pub fn order_pools(
         .map(|o| {
             let card = o.card.filter(|_| fresh(o))?;
             let uncached = prompt_tokens.saturating_sub(o.cached_tokens);
-            let ttft = card.predict_ms(uncached)?;
+            let ttft = card.predict_ms(uncached)? + card.backlog_ms(o.sent_since_card);
             Some(u64::from(config.round_trips) * u64::from(o.rtt_ms) + ttft)
         })
         .collect();
@@ -194,6 +199,7 @@ mod tests {
             rtt_ms,
             cached_tokens: 0,
             home: false,
+            sent_since_card: 0,
         }
     }
 
@@ -324,6 +330,26 @@ mod tests {
         );
         assert_eq!(c.order, vec![3, 0, 2, 1]);
         assert_eq!(c.reason, ChoiceReason::AnchorFull);
+    }
+
+    #[test]
+    fn what_this_worker_sent_since_the_card_counts_against_the_pool_it_went_to() {
+        let near = card(NOW, 600, 600, 600);
+        let mut far = card(NOW, 100, 100, 100);
+        far.running = 8;
+        far.max_seqs = 8;
+        far.decode_ms = Some(800);
+        let mut opts = [opt(Some(&near), 0), opt(Some(&far), 0)];
+        let config = ChoiceConfig {
+            round_trips: 0,
+            ..ChoiceConfig::default()
+        };
+        assert_eq!(order_pools(&opts, 10, NOW, 0.0, &config).order[0], 1);
+        // Five requests later the far pool's slots are five requests more behind: 100 + 500.
+        opts[1].sent_since_card = 5;
+        let c = order_pools(&opts, 10, NOW, 0.0, &config);
+        assert_eq!(c.predicted_ms[1], Some(600));
+        assert_eq!(c.order[0], 0);
     }
 
     #[test]

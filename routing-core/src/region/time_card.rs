@@ -42,6 +42,9 @@ pub struct TimeCard {
     pub max_seqs: u32,
     /// Models the pool's ready backends serve.
     pub models: Vec<String>,
+    /// Predicted decode time of the card's made-up request (256 output tokens) on the best
+    /// backend, in ms: about how long one more request holds a sequence slot.
+    pub decode_ms: Option<u32>,
 }
 
 impl TimeCard {
@@ -60,6 +63,18 @@ impl TimeCard {
             s + (l - s) * (u - short) / (long - short)
         };
         Some(ttft.max(0.0).round() as u64 + u64::from(self.queue_wait_ms))
+    }
+
+    /// The wait `sent` more requests add, those this Worker sent the pool since the card was
+    /// computed (the card cannot know them): each beyond the free sequence slots waits about a
+    /// decode for a slot to free, shared by every slot.
+    pub fn backlog_ms(&self, sent: u32) -> u64 {
+        let (Some(decode), true) = (self.decode_ms, self.max_seqs > 0) else {
+            return 0;
+        };
+        let over = (self.running + sent).saturating_sub(self.max_seqs.max(self.running));
+        let over = over.min(sent);
+        u64::from(over) * u64::from(decode) / u64::from(self.max_seqs)
     }
 
     /// Whether the card says the pool serves `model` (a card that lists no models says nothing).
@@ -121,13 +136,35 @@ mod tests {
     }
 
     #[test]
+    fn requests_sent_since_the_card_add_their_wait_once_the_slots_are_full() {
+        let c = TimeCard {
+            running: 6,
+            max_seqs: 8,
+            decode_ms: Some(800),
+            ..card(10, 110, 810)
+        };
+        assert_eq!(c.backlog_ms(0), 0);
+        assert_eq!(c.backlog_ms(2), 0, "two free slots");
+        assert_eq!(
+            c.backlog_ms(4),
+            200,
+            "two beyond them wait a quarter decode in all"
+        );
+        assert_eq!(
+            TimeCard::default().backlog_ms(100),
+            0,
+            "nothing known, nothing added"
+        );
+    }
+
+    #[test]
     fn the_wire_form_is_compact_and_tolerant() {
         let c = TimeCard {
             at_ms: 5,
             ..card(1, 2, 3)
         };
         let text = serde_json::to_string(&c).unwrap();
-        assert!(text.len() < 160, "{text}");
+        assert!(text.len() < 180, "{text}");
         let back: TimeCard = serde_json::from_str(&text).unwrap();
         assert_eq!(back, c);
         let old: TimeCard = serde_json::from_str("{}").unwrap();

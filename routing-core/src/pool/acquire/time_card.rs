@@ -54,6 +54,7 @@ impl Pool {
         card.models.sort();
         let admission = self.config.admission;
         let headroom = admission.enabled.then_some(admission.overcommit);
+        let mut decode_ms = None;
         let mut predict = |tokens: u32| -> Option<u32> {
             let features = RequestFeatures {
                 request_id: String::new(),
@@ -72,16 +73,20 @@ impl Pool {
                 .scratch
                 .primary
                 .iter()
-                .map(|c| c.ttft_ms)
-                .filter(|t| t.is_finite())
-                .fold(f64::INFINITY, f64::min);
-            best.is_finite()
-                .then(|| best.round().clamp(0.0, f64::from(u32::MAX)) as u32)
+                .filter(|c| c.ttft_ms.is_finite())
+                .min_by(|a, b| a.ttft_ms.total_cmp(&b.ttft_ms))?;
+            let ms = |v: f64| v.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+            if tokens == SHORT_TOKENS && best.decode_ms.is_finite() {
+                decode_ms = Some(ms(best.decode_ms));
+            }
+            Some(ms(best.ttft_ms))
         };
         card.cached_ms = predict(0);
         card.short_ms = predict(SHORT_TOKENS);
         card.long_ms = predict(LONG_TOKENS);
+        card.decode_ms = decode_ms;
         if card.cached_ms.is_none() || card.short_ms.is_none() || card.long_ms.is_none() {
+            card.decode_ms = None;
             card.cached_ms = None;
             card.short_ms = None;
             card.long_ms = None;
