@@ -25,9 +25,10 @@ use serde::{Deserialize, Serialize};
 pub struct PredictedLatencyConfig {
     /// Weight of the predicted time to first token (default 1).
     pub ttft_weight: f64,
-    /// Weight of the request's own decode time plus the time it costs running sequences
-    /// (default 1).
+    /// Weight of the request's own decode time (default 0.8).
     pub decode_weight: f64,
+    /// Weight of the time the request costs the sequences running there (default 0.8).
+    pub harm_weight: f64,
 }
 
 impl Default for PredictedLatencyConfig {
@@ -35,6 +36,7 @@ impl Default for PredictedLatencyConfig {
         PredictedLatencyConfig {
             ttft_weight: 1.0,
             decode_weight: 0.8,
+            harm_weight: 0.8,
         }
     }
 }
@@ -43,7 +45,7 @@ impl PredictedLatencyConfig {
     /// Checks the knobs.
     pub fn validate(&self) -> Result<(), String> {
         let ok = |x: f64| x.is_finite() && (0.0..=1e6).contains(&x);
-        if !ok(self.ttft_weight) || !ok(self.decode_weight) {
+        if !ok(self.ttft_weight) || !ok(self.decode_weight) || !ok(self.harm_weight) {
             return Err("predicted_latency weights must be within [0, 1e6]".into());
         }
         if self.ttft_weight == 0.0 && self.decode_weight == 0.0 {
@@ -86,7 +88,9 @@ impl RoutingPolicy for PredictedLatency {
         let cfg = &self.config;
         let score = |i: usize| {
             let c = &cands[i];
-            cfg.ttft_weight * c.ttft_ms + cfg.decode_weight * (c.decode_ms + c.harm_ms)
+            cfg.ttft_weight * c.ttft_ms
+                + cfg.decode_weight * c.decode_ms
+                + cfg.harm_weight * c.harm_ms
         };
         let start = rng.below(n as u64) as usize;
         smallest_by(n, input.limit, start, &[], score, order);
@@ -159,6 +163,7 @@ mod tests {
         let bad = PredictedLatencyConfig {
             ttft_weight: 0.0,
             decode_weight: 0.0,
+            harm_weight: 0.0,
         };
         assert!(bad.validate().is_err());
         let bad = PredictedLatencyConfig {

@@ -198,3 +198,43 @@ fn a_prefix_still_queued_is_no_hit_yet() {
     let (_, _, unseen_idle) = predicted(&other, false, 40);
     assert!(started + 20 < unseen_idle, "{started} vs {unseen_idle}");
 }
+
+/// The grant's receipt names the chosen backend's predicted time to first token (the same figure
+/// as `predicted_ttft_ms`) and the lowest predicted among the others: behind a queue on `b0`,
+/// the alternative `b1` is predicted faster than `b0` would have been.
+#[test]
+fn the_receipt_names_the_choice_and_the_best_alternative() {
+    let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
+    let mut rng = SplitMix64::new(9);
+    let first = pool
+        .acquire(&features(&"cold filler ".repeat(400)), 0, &mut rng)
+        .unwrap();
+    let second = pool
+        .acquire(&features(&"other filler ".repeat(400)), 0, &mut rng)
+        .unwrap();
+    assert_ne!(first.backend, second.backend);
+    let r = second.receipt.clone().unwrap();
+    assert_eq!(Some(r.predicted_ttft_ms), second.predicted_ttft_ms);
+    assert_eq!(r.alt.as_ref(), Some(&first.backend));
+    // The alternative holds the first request's prefill queue: it is predicted slower.
+    assert!(
+        r.alt_predicted_ttft_ms.unwrap() > r.predicted_ttft_ms,
+        "{r:?}"
+    );
+    assert_eq!(
+        r.header_value(&second.backend),
+        format!(
+            "backend={};predicted_ttft_ms={};alt={};alt_predicted_ttft_ms={}",
+            second.backend.0,
+            r.predicted_ttft_ms,
+            first.backend.0,
+            r.alt_predicted_ttft_ms.unwrap()
+        )
+    );
+    let lone = pool_with(PolicyKind::PredictedLatency, 1)
+        .acquire(&features("a question"), 0, &mut rng)
+        .unwrap();
+    let r = lone.receipt.unwrap();
+    assert_eq!((&r.alt, r.alt_predicted_ttft_ms), (&None, None));
+    assert!(!r.header_value(&lone.backend).contains("alt="));
+}
