@@ -293,6 +293,11 @@ impl BackendTiming {
         (c.decode_ms_per_step + running.max(0.0) * c.decode_ms_per_seq) * self.decode_scale
     }
 
+    /// Predicted time of one engine step with `running` sequences decoding, in milliseconds.
+    pub fn step_ms_with(&self, c: &TimeModelConfig, running: f64) -> f64 {
+        self.step_ms(c, running)
+    }
+
     fn per_seq_ms(&self, c: &TimeModelConfig) -> f64 {
         c.decode_ms_per_seq * self.decode_scale
     }

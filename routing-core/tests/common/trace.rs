@@ -8,8 +8,9 @@
 //! simulation's 16-token block hashes in order, so requests that share their first k trace ids
 //! share the first k × `512 / scale` tokens of prefix, as in the trace. Arrivals are sped up by
 //! `speedup` (the trace's time divided by it) to set the load.
-use super::timed::{Workload, BLOCK};
+use super::timed::{Speed, Workload, BLOCK};
 use routing_core::{RequestFeatures, SplitMix64};
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader};
 
 /// One trace request, unscaled.
@@ -98,6 +99,28 @@ impl Trace {
     pub fn rate(&self) -> f64 {
         let span = self.requests.last().map_or(0.0, |r| r.0);
         self.requests.len() as f64 / (span / 1000.0).max(1e-9)
+    }
+
+    /// Each request's floor: its time to first token alone on an engine of `speed` that caches
+    /// every block seen before in the window (its uncached prefill and one step). No policy
+    /// beats it, so its p99 bounds what any can reach.
+    pub fn floors(&self, speed: Speed) -> Vec<f64> {
+        let mut seen = HashSet::new();
+        self.requests
+            .iter()
+            .map(|(_, f, _)| {
+                let hits = f
+                    .block_hashes
+                    .iter()
+                    .take_while(|b| seen.contains(*b))
+                    .count();
+                seen.extend(f.block_hashes.iter().copied());
+                let uncached = u64::from(f.prompt_tokens)
+                    .saturating_sub(hits as u64 * BLOCK)
+                    .max(1);
+                uncached as f64 * speed.prefill_us_per_token / 1000.0 + speed.step_ms
+            })
+            .collect()
     }
 
     /// Mean scaled prompt and output tokens.

@@ -128,9 +128,26 @@ impl Pool {
             let prompt_memory = held_tokens
                 .saturating_add(entry.remote.prompt_tokens)
                 .max(in_flight.prompt_tokens);
+            let memory_tokens = (prompt_memory
+                + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
+                .max(scraped_tokens);
+            // How long the backend takes to free its whole capacity: the sequences that fill it
+            // prefill one after another and then decode together. (The request's own decode, used
+            // before, priced a 1-token answer queued behind 20 others for memory at 12 ms.)
+            let drain_ms = if in_flight.leases == 0 {
+                predicted.decode_ms
+            } else {
+                let leases = f64::from(in_flight.leases);
+                let running = entry.running(echo);
+                let mean_prefill = in_flight.prompt_tokens as f64 / leases
+                    * entry.timing.prefill_ms_per_token(&time_model);
+                let mean_decode = in_flight.output_tokens as f64 * self.output_ratio.get() / leases
+                    * entry.timing.step_ms_with(&time_model, running);
+                let per_capacity = capacity as f64 / (memory_tokens as f64 / leases).max(1.0);
+                per_capacity.max(1.0) * mean_prefill + mean_decode
+            };
             let room_wait = room_wait_ms(
-                (prompt_memory + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
-                    .max(scraped_tokens),
+                memory_tokens,
                 // Memory for the prompt is needed wherever it is cached, except for the blocks
                 // running requests hold already.
                 (u64::from(features.prompt_tokens)
@@ -139,12 +156,15 @@ impl Pool {
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,
-                predicted.decode_ms,
+                drain_ms,
                 (
                     entry.scraped.waiting.unwrap_or(0.0),
                     entry.scraped.running.unwrap_or(0.0),
                 ),
             );
+            // The prefill queue already counts the prefills of the requests ahead; a wait for
+            // room counts them too (they run as room frees), so the longer of the two counts.
+            let room_wait = (room_wait - entry.timing.backlog_ms(now_ms)).max(0.0);
             predicted.ttft_ms += room_wait;
             let candidate = Candidate {
                 slot: slot as u32,
@@ -160,6 +180,7 @@ impl Pool {
                 decode_ms: predicted.decode_ms,
                 harm_ms: predicted.harm_ms,
                 wait_ms: room_wait + external_queue_ms,
+                queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             };
             let list = match (pair_policy, role) {
                 (true, Role::Prefill) => &mut scratch.primary,

@@ -6,7 +6,7 @@ use crate::backend::{BackendSpec, Role};
 use crate::cost::InFlight;
 use crate::outcome::Outcome;
 use crate::policy::{DecisionKind, PolicyKind};
-use crate::pool::test_support::{features, pool_with, spec, up};
+use crate::pool::test_support::{add_ready, features, pool_with, spec, up};
 use crate::pool::{AcquireError, Pool, PoolConfig, ProbeResult};
 use crate::random::SplitMix64;
 use crate::scrape::{ScrapedGauges, VllmMetrics};
@@ -237,4 +237,41 @@ fn the_receipt_names_the_choice_and_the_best_alternative() {
     let r = lone.receipt.unwrap();
     assert_eq!((&r.alt, r.alt_predicted_ttft_ms), (&None, None));
     assert!(!r.header_value(&lone.backend).contains("alt="));
+}
+
+/// A backend whose KV cache is full of long answers admits a new request only as they finish,
+/// however idle its prefill queue looks: the wait for room is priced at how long the backend
+/// takes to free its memory (its sequences' prefills one after another, then their decodes),
+/// not at the new request's own decode. Priced at a 1-token answer's decode, as before, a request
+/// behind 10 sequences on a 2-sequence cache was predicted 272 ms (its own prefill); now 31 s
+/// (five more rounds of two 500-token answers, about 5 s each, and their prefills).
+#[test]
+fn a_request_queued_for_memory_is_predicted_to_wait_for_it() {
+    let mut pool = Pool::new("p1", PoolConfig::default());
+    add_ready(
+        &mut pool,
+        BackendSpec {
+            capacity: crate::backend::Capacity {
+                kv_blocks: 256,
+                block_size: 16,
+                max_num_seqs: 64,
+            },
+            ..spec("b0")
+        },
+    );
+    let mut rng = SplitMix64::new(4);
+    let long_answer = |i: usize| {
+        let mut f = features(&format!("{i} a long prompt ").repeat(450));
+        f.max_tokens = 500;
+        f
+    };
+    for i in 0..10 {
+        pool.acquire(&long_answer(i), 0, &mut rng).unwrap();
+    }
+    // Five seconds on, the virtual prefill queue has drained, but none has finished.
+    let mut short = features(&"one more prompt ".repeat(500));
+    short.max_tokens = 1;
+    let g = pool.acquire(&short, 5_000, &mut rng).unwrap();
+    let predicted = g.predicted_ttft_ms.unwrap();
+    assert!(predicted > 2_000, "{predicted} ms");
 }
