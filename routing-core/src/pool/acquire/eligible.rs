@@ -131,10 +131,18 @@ impl Pool {
             let memory_tokens = (prompt_memory
                 + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
                 .max(scraped_tokens);
+            let request_memory = (u64::from(features.prompt_tokens)
+                .saturating_sub(computed_held as u64 * block_tokens as u64))
+                + expected_output as u64;
+            let engine_waiting = entry.scraped.waiting.unwrap_or(0.0);
+            let short_of_room = memory_tokens + request_memory > capacity
+                || in_flight.leases >= backend_capacity.max_num_seqs.max(1)
+                || engine_waiting > 0.0;
             // How long the backend takes to free its whole capacity: the sequences that fill it
             // prefill one after another and then decode together. (The request's own decode, used
-            // before, priced a 1-token answer queued behind 20 others for memory at 12 ms.)
-            let drain_ms = if in_flight.leases == 0 {
+            // before, priced a 1-token answer's wait for memory at about one engine step.) Only
+            // needed when the request must wait for room.
+            let drain_ms = if in_flight.leases == 0 || !short_of_room {
                 predicted.decode_ms
             } else {
                 let leases = f64::from(in_flight.leases);
@@ -150,17 +158,12 @@ impl Pool {
                 memory_tokens,
                 // Memory for the prompt is needed wherever it is cached, except for the blocks
                 // running requests hold already.
-                (u64::from(features.prompt_tokens)
-                    .saturating_sub(computed_held as u64 * block_tokens as u64))
-                    + expected_output as u64,
+                request_memory,
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,
                 drain_ms,
-                (
-                    entry.scraped.waiting.unwrap_or(0.0),
-                    entry.scraped.running.unwrap_or(0.0),
-                ),
+                (engine_waiting, entry.scraped.running.unwrap_or(0.0)),
             );
             // The prefill queue already counts the prefills of the requests ahead; a wait for
             // room counts them too (they run as room frees), so the longer of the two counts.
