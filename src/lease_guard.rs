@@ -26,6 +26,7 @@ use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
+use routing_core::pool::RouteReceipt;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -60,6 +61,8 @@ struct Record {
     wake: Option<js_sys::Function>,
     /// What the client received of a streamed answer, once it started streaming.
     meter: Option<Box<dyn Fn() -> Metered>>,
+    /// The decision's receipt (the chosen backend and the best alternative, predicted), logged.
+    receipt: Option<(BackendId, RouteReceipt)>,
 }
 
 impl Record {
@@ -134,6 +137,7 @@ impl LeaseGuard {
             resumed_from: Vec::new(),
             wake: Some(wake),
             meter: None,
+            receipt: None,
         }));
         let task = Task {
             env: setup.env.clone(),
@@ -158,6 +162,11 @@ impl LeaseGuard {
     /// The lease as the Worker knows it now.
     pub fn terms(&self) -> LeaseTerms {
         self.shared.record.borrow().terms.clone()
+    }
+
+    /// The decision's receipt, for the access log line.
+    pub fn note_receipt(&self, chosen: &BackendId, receipt: &RouteReceipt) {
+        self.shared.record.borrow_mut().receipt = Some((chosen.clone(), receipt.clone()));
     }
 
     /// The lease moved to `backend` for another attempt.
@@ -299,6 +308,7 @@ impl Task {
             (r.lease_id, backend, r.attempts, ending, resumed_from)
         };
         let request_id = self.record.borrow().terms.request_id.clone();
+        let receipt = self.record.borrow_mut().receipt.take();
         access_log(
             &Served {
                 request_id: &request_id,
@@ -306,6 +316,7 @@ impl Task {
                 backend: &backend,
                 resumed_from: &resumed_from,
                 attempts,
+                receipt: receipt.as_ref(),
             },
             &ending.outcome,
             Date::now().as_millis().saturating_sub(self.started_ms),
@@ -435,6 +446,8 @@ struct Served<'a> {
     /// Backends whose stream failed mid-answer and was resumed on the next.
     resumed_from: &'a [String],
     attempts: u32,
+    /// The decision's receipt: the backend chosen first, and what was predicted.
+    receipt: Option<&'a (BackendId, RouteReceipt)>,
 }
 
 /// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
@@ -454,6 +467,10 @@ fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
         prompt_tokens: outcome.prompt_tokens,
         request_id: served.request_id,
         resumed_from: resumed.then_some(served.resumed_from),
+        route_receipt: served.receipt.map(|(chosen, r)| RouteLog {
+            backend: chosen.as_str(),
+            receipt: r,
+        }),
         status: outcome.status,
         stream_resume: resumed.then_some(outcome.resume),
         ttfb_ms: outcome.ttfb_ms,
@@ -478,8 +495,19 @@ struct AccessLine<'a> {
     request_id: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     resumed_from: Option<&'a [String]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    route_receipt: Option<RouteLog<'a>>,
     status: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_resume: Option<Option<StreamResume>>,
     ttfb_ms: Option<u64>,
+}
+
+/// The access log's `route_receipt`: `{"backend", "predicted_ttft_ms", "alt",
+/// "alt_predicted_ttft_ms"}`, as the `x-gateway-route-receipt` header says it.
+#[derive(serde::Serialize)]
+struct RouteLog<'a> {
+    backend: &'a str,
+    #[serde(flatten)]
+    receipt: &'a RouteReceipt,
 }

@@ -229,6 +229,14 @@ impl Forward<'_> {
         if let (Some(p), true) = (self.grant.predicted_ttft_ms, c.id == self.grant.backend) {
             set("x-gateway-predicted-ttft-ms", &p.to_string())?;
         }
+        // What the router weighed: the chosen backend's prediction and the best alternative's.
+        if let Some(r) = &self.grant.receipt {
+            set(
+                "x-gateway-route-receipt",
+                &r.header_value(&self.grant.backend),
+            )?;
+            self.guard.note_receipt(&self.grant.backend, r);
+        }
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);

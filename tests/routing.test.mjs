@@ -64,12 +64,30 @@ async function chat(messages, { stream = false, max_tokens = 4 } = {}) {
   assert.equal(r.status, 200, text);
   const predicted = r.headers.get("x-gateway-predicted-ttft-ms");
   assert.match(predicted ?? "", /^\d+$/, "x-gateway-predicted-ttft-ms is whole milliseconds");
+  const backend = r.headers.get("x-gateway-backend");
+  const receipt = parseReceipt(r.headers.get("x-gateway-route-receipt"));
+  // The receipt names the backend chosen (which served: no fallback here) and the same prediction.
+  assert.equal(receipt.backend, backend, JSON.stringify(receipt));
+  assert.equal(receipt.predicted_ttft_ms, Number(predicted), JSON.stringify(receipt));
   return {
-    backend: r.headers.get("x-gateway-backend"),
+    backend,
     decision: r.headers.get("x-gateway-decision"),
     predicted: Number(predicted),
+    receipt,
     text,
   };
+}
+
+/** `backend=<id>;predicted_ttft_ms=<n>[;alt=<id>;alt_predicted_ttft_ms=<n>]` as an object. */
+function parseReceipt(header) {
+  assert.match(
+    header ?? "",
+    /^backend=[^;]+;predicted_ttft_ms=\d+(;alt=[^;]+;alt_predicted_ttft_ms=\d+)?$/,
+    `x-gateway-route-receipt: ${header}`,
+  );
+  const out = Object.fromEntries(header.split(";").map((kv) => kv.split("=")));
+  for (const k of ["predicted_ttft_ms", "alt_predicted_ttft_ms"]) if (k in out) out[k] = Number(out[k]);
+  return out;
 }
 
 /** Deterministic filler of about `tokens` tokens (the gateway estimates 4 bytes a token). */
@@ -152,4 +170,20 @@ test("predicted_latency: rates are learned from a backend of a different speed",
     learned.prefill_us_per_token > 220 && learned.prefill_us_per_token < 400,
     `learned ${learned.prefill_us_per_token.toFixed(0)} us/token for a 300 us/token backend`,
   );
+});
+
+test("predicted_latency: the route receipt names the best alternative and what it was predicted", async () => {
+  const p = await freshPool(2, { args: () => ["--time-scale", "20"] });
+  await only(p.name);
+  const ids = p.backends.map((b) => b.id);
+  // A cold prompt: the receipt names the other backend as the alternative.
+  const first = await chat([{ role: "user", content: words(501, 2000) }], { max_tokens: 2 });
+  assert.ok(ids.includes(first.backend), first.backend);
+  assert.ok(ids.includes(first.receipt.alt), JSON.stringify(first.receipt));
+  assert.notEqual(first.receipt.alt, first.backend);
+  assert.ok(first.receipt.alt_predicted_ttft_ms >= 0);
+  const again = await chat([{ role: "user", content: words(501, 2000) }], { max_tokens: 2 });
+  // The same prompt again: its holder is chosen, and the alternative (a cold prefill) is slower.
+  assert.equal(again.backend, first.backend);
+  assert.ok(again.receipt.alt_predicted_ttft_ms > again.receipt.predicted_ttft_ms, JSON.stringify(again.receipt));
 });

@@ -162,6 +162,12 @@ mod tests {
             candidates: (0..3).map(candidate).collect(),
             deadline_ms: 1_764_547_200_000,
             cached_blocks: 900,
+            predicted_ttft_ms: Some(4_000_000),
+            receipt: Some(routing_core::pool::RouteReceipt {
+                predicted_ttft_ms: 4_000_000,
+                alt: Some(candidate(1).id),
+                alt_predicted_ttft_ms: Some(4_000_001),
+            }),
             ..Grant::default()
         };
         let grant_bytes = serde_json::to_string(&grant).unwrap().len();

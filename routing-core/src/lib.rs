@@ -62,7 +62,7 @@ pub use outcome::{Outcome, OutcomeKind};
 pub use policy::{DecisionKind, PolicyKind};
 pub use pool::{
     AcquireError, BackendSnapshot, BackendView, CandidateView, ConfigError, Grant, Pool,
-    PoolConfig, PoolError, ProbeResult,
+    PoolConfig, PoolError, ProbeResult, RouteReceipt,
 };
 pub use prompt::{FeatureConfig, PromptError, RequestFeatures, RequestKind};
 pub use random::{RandomSource, SplitMix64};

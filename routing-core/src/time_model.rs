@@ -297,6 +297,11 @@ impl BackendTiming {
         (c.decode_ms_per_step + running.max(0.0) * c.decode_ms_per_seq) * self.decode_scale
     }
 
+    /// Predicted time of one engine step with `running` sequences decoding, in milliseconds.
+    pub fn step_ms_with(&self, c: &TimeModelConfig, running: f64) -> f64 {
+        self.step_ms(c, running)
+    }
+
     fn per_seq_ms(&self, c: &TimeModelConfig) -> f64 {
         c.decode_ms_per_seq * self.decode_scale
     }
@@ -478,13 +483,19 @@ impl BackendTiming {
 
 /// How long a request waits for room on a backend that is out of KV-cache space or sequence
 /// slots: vLLM admits it only when running sequences finish and free theirs. A full backend frees
-/// its whole capacity about once per decode (`decode_ms`), so a shortfall of `s` tokens (or
-/// sequences) takes that fraction of a decode to free, however many requests are queued ahead:
+/// its whole capacity once per `drain_ms` (the pool passes the time its sequences take: their
+/// prefills one after another, `capacity / mean tokens per sequence × mean prefill`, then their
+/// decode together, `mean expected output × step`), so a shortfall of `s` tokens (or sequences)
+/// takes that fraction of a drain to free, however many requests are queued ahead:
 ///
 /// ```text
-/// memory wait = decode_ms × max(tokens + request − capacity, 0) / capacity
-/// slot wait   = decode_ms × max(sequences + 1 − max_num_seqs, 0) / max_num_seqs
+/// memory wait = drain_ms × max(tokens + request − capacity, 0) / capacity
+/// slot wait   = drain_ms × max(sequences + 1 − max_num_seqs, 0) / max_num_seqs
 /// ```
+///
+/// The drain was the request's own decode until the Mooncake traces showed what that costs: a
+/// 1-token request behind 20 others queued for memory was predicted 91 ms and waited 4.3 s (the
+/// timed simulation's receipts); short answers went to the backends stalled for memory.
 ///
 /// and the larger of the two counts. `tokens` are the backend's in-flight tokens (the distinct
 /// prompt blocks its leases hold plus their expected output, or what vLLM reports pinned, if
@@ -494,7 +505,7 @@ impl BackendTiming {
 ///
 /// A server that queues requests itself (vLLM's `num_requests_waiting` at the last probe, while
 /// `running` run) makes a new one wait behind them too, priced at
-/// `decode_ms / 4 × waiting / running`. At twice that weight the figure, a probe interval old, sent
+/// `drain_ms / 4 × waiting / running`. At twice that weight the figure, a probe interval old, sent
 /// conversations away from their caches under KV pressure, and their recomputation filled the
 /// caches further (`make bench`'s chat workload at 64 clients: hit rate 80%, TTFT p99 tripled);
 /// without it a hot prefix's holder kept its queue (prefix-groups near saturation: TTFT p99
@@ -505,10 +516,10 @@ pub fn room_wait_ms(
     capacity_tokens: u64,
     sequences: u32,
     max_num_seqs: u32,
-    decode_ms: f64,
+    drain_ms: f64,
     engine_queue: (f64, f64),
 ) -> f64 {
-    let decode = decode_ms.max(0.0);
+    let decode = drain_ms.max(0.0);
     let half = decode / 2.0;
     let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
     let memory = decode * short_tokens as f64 / capacity_tokens.max(1) as f64;

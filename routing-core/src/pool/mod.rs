@@ -38,7 +38,7 @@ pub use capacity::has_room;
 pub use config::{AdmissionConfig, ConfigError, PoolConfig, MAX_CANDIDATES, MAX_QUEUE};
 pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
 pub use stats::{BackendReport, BackendStats, PoolStats};
-pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult};
+pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, RouteReceipt};
 
 use crate::affinity::PrefixAffinity;
 use crate::backend::{BackendId, BackendKey, BackendSpec};

@@ -73,6 +73,41 @@ pub struct Grant {
     /// Worker shows it as `x-gateway-predicted-ttft-ms`, to set against what was measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_ttft_ms: Option<u32>,
+    /// What the router weighed: the chosen backend's predicted time to first token and the best
+    /// alternative's (the Worker shows it as `x-gateway-route-receipt` and logs it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<RouteReceipt>,
+}
+
+/// A decision's compact receipt: what the time model predicted for the backend chosen and for the
+/// best alternative (the other eligible backend with the lowest predicted time to first token),
+/// to set against what was measured. Times in whole milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouteReceipt {
+    /// The chosen backend's predicted time to first token.
+    pub predicted_ttft_ms: u32,
+    /// The best alternative, if another backend was eligible.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alt: Option<BackendId>,
+    /// Its predicted time to first token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alt_predicted_ttft_ms: Option<u32>,
+}
+
+impl RouteReceipt {
+    /// The header form, `backend=<id>;predicted_ttft_ms=<n>;alt=<id>;alt_predicted_ttft_ms=<n>`
+    /// (the `alt` pair left out when no other backend was eligible).
+    pub fn header_value(&self, backend: &BackendId) -> String {
+        let mut s = format!(
+            "backend={};predicted_ttft_ms={}",
+            backend.0, self.predicted_ttft_ms
+        );
+        if let (Some(alt), Some(ms)) = (&self.alt, self.alt_predicted_ttft_ms) {
+            s.push_str(&format!(";alt={};alt_predicted_ttft_ms={ms}", alt.0));
+        }
+        s
+    }
 }
 
 /// One health probe's findings, as the Durable Object's alarm gathers them.

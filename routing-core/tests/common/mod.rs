@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod timed;
+pub mod trace;
 
 use routing_core::{
     BackendId, BackendSpec, Capacity, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource,
@@ -18,6 +19,7 @@ pub fn fleet(policy: PolicyKind, backends: usize, capacity: Capacity) -> Pool {
         "sim",
         PoolConfig {
             policy,
+            predicted_latency: screened_knobs(),
             ..PoolConfig::default()
         },
     );
@@ -32,6 +34,15 @@ pub fn fleet(policy: PolicyKind, backends: usize, capacity: Capacity) -> Pool {
         add_ready(&mut pool, spec);
     }
     pool
+}
+
+/// The default policy's knobs, or (for screening ideas without a rebuild) those in
+/// `SIM_PREDICTED_LATENCY` as JSON, e.g. `{"harm_weight": 0.2}`.
+pub fn screened_knobs() -> routing_core::policy::PredictedLatencyConfig {
+    std::env::var("SIM_PREDICTED_LATENCY")
+        .ok()
+        .map(|v| serde_json::from_str(&v).expect("SIM_PREDICTED_LATENCY"))
+        .unwrap_or_default()
 }
 
 /// Adds `spec` to `pool` at time 0 and has it probed healthy, so it takes requests.

@@ -59,6 +59,10 @@ pub struct Seq {
     /// The prompt blocks this sequence counts in its engine's shared `held` map; the rest of
     /// `blocks` are its own copies.
     shared: Vec<u64>,
+    /// When its engine first admitted it to the running batch.
+    admitted_ms: Option<f64>,
+    /// When its first token came.
+    first_token_ms: Option<f64>,
 }
 
 impl Seq {
@@ -175,6 +179,7 @@ impl Engine {
             let first = !s.started;
             if first {
                 *hit_tokens += hits;
+                s.admitted_ms = Some(now);
             }
             s.prefill_left = s.prompt - hits + u64::from(s.produced);
             if first {
@@ -241,6 +246,7 @@ impl Engine {
             s.produced += 1;
             if s.ttft_ms.is_none() {
                 s.ttft_ms = Some(now - s.arrival_ms);
+                s.first_token_ms = Some(now);
             }
         }
         let mut done = Vec::new();
@@ -267,6 +273,11 @@ pub trait Workload {
     fn next(&mut self, client: usize, rng: &mut SplitMix64) -> Option<(RequestFeatures, u32)>;
     /// The answer to `client`'s last request (multi-turn appends it to the history).
     fn answered(&mut self, _client: usize, _rng: &mut SplitMix64) {}
+    /// A replayed trace's arrival times (ms), one per client, each client sending one request
+    /// then; `None` for closed or Poisson loops.
+    fn arrivals(&self) -> Option<Vec<f64>> {
+        None
+    }
 }
 
 /// About `tokens` tokens of filler.
@@ -433,9 +444,35 @@ impl Workload for Groups {
     }
 }
 
-#[derive(Debug)]
+/// What happened to one request, and what the router predicted for it (the grant's receipt):
+/// where its time to first token went and what the engines it chose between held when it came.
+#[derive(Debug, Clone, Default)]
+pub struct Record {
+    pub arrival_ms: f64,
+    pub backend: usize,
+    pub ttft_ms: f64,
+    pub e2e_ms: f64,
+    /// From the grant until its engine admitted it to the running batch (vLLM's queue).
+    pub queue_ms: f64,
+    /// From admission to its first token: its prefill, sharing steps with others'.
+    pub prefill_ms: f64,
+    /// From its first token to its last.
+    pub decode_ms: f64,
+    pub prompt: u64,
+    pub uncached: u64,
+    pub output: u32,
+    /// The receipt: predicted TTFT on the chosen backend, the best alternative and its.
+    pub predicted_ttft_ms: f64,
+    pub alt: Option<usize>,
+    pub alt_predicted_ttft_ms: f64,
+    /// The chosen and the alternative engine's queue and running batch when it was granted.
+    pub chosen_state: (usize, usize),
+    pub alt_state: (usize, usize),
+}
+
 pub struct Report {
     pub ttft_p50: f64,
+    pub ttft_p90: f64,
     pub ttft_p99: f64,
     pub e2e_p50: f64,
     pub e2e_p99: f64,
@@ -444,6 +481,27 @@ pub struct Report {
     pub busiest_over_mean: f64,
     /// Preemptions per 100 requests.
     pub preempted: f64,
+    /// Every request, for the receipts' analysis (left out of `Debug`).
+    pub records: Vec<Record>,
+}
+
+impl std::fmt::Debug for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TTFT p50 {:.1} p90 {:.1} p99 {:.1} | e2e p50 {:.1} p99 {:.1} | {:.2} req/s | \
+             hit {:.3} | busiest/mean {:.2} | preempted {:.1}%",
+            self.ttft_p50,
+            self.ttft_p90,
+            self.ttft_p99,
+            self.e2e_p50,
+            self.e2e_p99,
+            self.throughput,
+            self.hit_rate,
+            self.busiest_over_mean,
+            self.preempted
+        )
+    }
 }
 
 pub fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -513,9 +571,19 @@ pub fn simulate(
     let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
     let mut rng = SplitMix64::new(seed);
     let mut wrng = SplitMix64::new(seed ^ 0x77);
-    let open = conditions.open_rate > 0.0;
+    let scheduled = workload.arrivals();
+    let open = conditions.open_rate > 0.0 || scheduled.is_some();
     let mut arrivals = SplitMix64::new(seed ^ 0x0a11);
-    let mut pending: Vec<(f64, usize)> = if open {
+    let mut pending: Vec<(f64, usize)> = if let Some(times) = &scheduled {
+        // Reversed, so the earliest is at the end (popped first).
+        times
+            .iter()
+            .copied()
+            .enumerate()
+            .map(|(c, t)| (t, c))
+            .rev()
+            .collect()
+    } else if open {
         vec![(0.0, 0)]
     } else {
         (0..workload.clients())
@@ -538,11 +606,18 @@ pub fn simulate(
     // Granted requests on their way to an engine: (arrival, engine, sequence).
     let mut in_transit: Vec<(f64, usize, Seq)> = Vec::new();
     let mut drng = SplitMix64::new(seed ^ 0xd15a);
+    let mut records: HashMap<u64, Record> = HashMap::new();
+    let mut done_records: Vec<Record> = Vec::new();
     loop {
-        let next_arrival = pending
-            .iter()
-            .enumerate()
-            .min_by(|a, b| a.1 .0.partial_cmp(&b.1 .0).unwrap());
+        // A replayed trace's arrivals are sorted (the earliest last): no scan over thousands.
+        let next_arrival = if scheduled.is_some() {
+            pending.len().checked_sub(1).map(|i| (i, &pending[i]))
+        } else {
+            pending
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1 .0.partial_cmp(&b.1 .0).unwrap())
+        };
         let next_step = engines
             .iter()
             .enumerate()
@@ -593,12 +668,16 @@ pub fn simulate(
         }
         match (next_arrival, next_step) {
             (Some((pi, &(at, client))), step) if step.is_none_or(|(t, _)| at <= t) => {
-                pending.swap_remove(pi);
+                if scheduled.is_some() {
+                    pending.pop();
+                } else {
+                    pending.swap_remove(pi);
+                }
                 now = at;
                 let Some((f, output)) = workload.next(client, &mut wrng) else {
                     continue;
                 };
-                if open {
+                if open && scheduled.is_none() {
                     // The next arrival, whoever it is: exponential gaps at the open rate.
                     let gap = -(1.0 - arrivals.unit()).ln() * 1000.0 / conditions.open_rate;
                     pending.push((now + gap, (client + 1) % workload.clients()));
@@ -613,6 +692,24 @@ pub fn simulate(
                 lease_shard.insert(grant.lease_id, s);
                 let b = index[&grant.backend];
                 prompt_tokens += u64::from(f.prompt_tokens);
+                let state = |e: &Engine| (e.waiting.len(), e.running.len());
+                let receipt = grant.receipt.clone().unwrap_or_default();
+                let alt = receipt.alt.as_ref().map(|a| index[a]);
+                records.insert(
+                    grant.lease_id,
+                    Record {
+                        arrival_ms: now,
+                        backend: b,
+                        prompt: u64::from(f.prompt_tokens),
+                        output,
+                        predicted_ttft_ms: f64::from(receipt.predicted_ttft_ms),
+                        alt,
+                        alt_predicted_ttft_ms: receipt.alt_predicted_ttft_ms.map_or(0.0, f64::from),
+                        chosen_state: state(&engines[b]),
+                        alt_state: alt.map_or((0, 0), |a| state(&engines[a])),
+                        ..Record::default()
+                    },
+                );
                 let seq = Seq {
                     client,
                     lease: grant.lease_id,
@@ -626,6 +723,8 @@ pub fn simulate(
                     ttft_ms: None,
                     uncached: 0,
                     shared: Vec::new(),
+                    admitted_ms: None,
+                    first_token_ms: None,
                 };
                 let delay = conditions.dispatch_jitter_ms * drng.unit();
                 if delay > 0.0 {
@@ -646,6 +745,17 @@ pub fn simulate(
                     let e2e = now - s.arrival_ms;
                     ttfts.push(ttft);
                     e2es.push(e2e);
+                    if let Some(mut r) = records.remove(&s.lease) {
+                        let admitted = s.admitted_ms.unwrap_or(s.arrival_ms);
+                        let first = s.first_token_ms.unwrap_or(now);
+                        r.ttft_ms = ttft;
+                        r.e2e_ms = e2e;
+                        r.queue_ms = admitted - s.arrival_ms;
+                        r.prefill_ms = first - admitted;
+                        r.decode_ms = now - first;
+                        r.uncached = s.uncached;
+                        done_records.push(r);
+                    }
                     // The gateway measures the first byte a network hop later than the engine,
                     // and a busy gateway later still (its own delay, the same on the last byte).
                     let delay = jitter_ms * jrng.unit();
@@ -681,6 +791,7 @@ pub fn simulate(
     let n = ttfts.len() as f64;
     let report = Report {
         ttft_p50: pct(&mut ttfts, 0.5),
+        ttft_p90: pct(&mut ttfts, 0.9),
         ttft_p99: pct(&mut ttfts, 0.99),
         e2e_p50: pct(&mut e2es, 0.5),
         e2e_p99: pct(&mut e2es, 0.99),
@@ -688,6 +799,7 @@ pub fn simulate(
         hit_rate: hit_tokens as f64 / prompt_tokens as f64,
         busiest_over_mean: computed.iter().cloned().fold(0.0, f64::max) / mean,
         preempted: 100.0 * engines.iter().map(|e| e.preempted).sum::<u64>() as f64 / n,
+        records: done_records,
     };
     (report, pools)
 }
@@ -719,6 +831,7 @@ pub fn averaged(
     let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
     Report {
         ttft_p50: mean(&|r| r.ttft_p50),
+        ttft_p90: mean(&|r| r.ttft_p90),
         ttft_p99: mean(&|r| r.ttft_p99),
         e2e_p50: mean(&|r| r.e2e_p50),
         e2e_p99: mean(&|r| r.e2e_p99),
@@ -726,5 +839,6 @@ pub fn averaged(
         hit_rate: mean(&|r| r.hit_rate),
         busiest_over_mean: mean(&|r| r.busiest_over_mean),
         preempted: mean(&|r| r.preempted),
+        records: runs.into_iter().flat_map(|r| r.records).collect(),
     }
 }

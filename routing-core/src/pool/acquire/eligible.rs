@@ -128,23 +128,46 @@ impl Pool {
             let prompt_memory = held_tokens
                 .saturating_add(entry.remote.prompt_tokens)
                 .max(in_flight.prompt_tokens);
+            let memory_tokens = (prompt_memory
+                + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
+                .max(scraped_tokens);
+            let request_memory = (u64::from(features.prompt_tokens)
+                .saturating_sub(computed_held as u64 * block_tokens as u64))
+                + expected_output as u64;
+            let engine_waiting = entry.scraped.waiting.unwrap_or(0.0);
+            let short_of_room = memory_tokens + request_memory > capacity
+                || in_flight.leases >= backend_capacity.max_num_seqs.max(1)
+                || engine_waiting > 0.0;
+            // How long the backend takes to free its whole capacity: the sequences that fill it
+            // prefill one after another and then decode together. (The request's own decode, used
+            // before, priced a 1-token answer's wait for memory at about one engine step.) Only
+            // needed when the request must wait for room.
+            let drain_ms = if in_flight.leases == 0 || !short_of_room {
+                predicted.decode_ms
+            } else {
+                let leases = f64::from(in_flight.leases);
+                let running = entry.running(echo);
+                let mean_prefill = in_flight.prompt_tokens as f64 / leases
+                    * entry.timing.prefill_ms_per_token(&time_model);
+                let mean_decode = in_flight.output_tokens as f64 * self.output_ratio.get() / leases
+                    * entry.timing.step_ms_with(&time_model, running);
+                let per_capacity = capacity as f64 / (memory_tokens as f64 / leases).max(1.0);
+                per_capacity.max(1.0) * mean_prefill + mean_decode
+            };
             let room_wait = room_wait_ms(
-                (prompt_memory + (in_flight.output_tokens as f64 * self.output_ratio.get()) as u64)
-                    .max(scraped_tokens),
+                memory_tokens,
                 // Memory for the prompt is needed wherever it is cached, except for the blocks
                 // running requests hold already.
-                (u64::from(features.prompt_tokens)
-                    .saturating_sub(computed_held as u64 * block_tokens as u64))
-                    + expected_output as u64,
+                request_memory,
                 capacity,
                 in_flight.leases,
                 backend_capacity.max_num_seqs,
-                predicted.decode_ms,
-                (
-                    entry.scraped.waiting.unwrap_or(0.0),
-                    entry.scraped.running.unwrap_or(0.0),
-                ),
+                drain_ms,
+                (engine_waiting, entry.scraped.running.unwrap_or(0.0)),
             );
+            // The prefill queue already counts the prefills of the requests ahead; a wait for
+            // room counts them too (they run as room frees), so the longer of the two counts.
+            let room_wait = (room_wait - entry.timing.backlog_ms(now_ms)).max(0.0);
             predicted.ttft_ms += room_wait;
             let candidate = Candidate {
                 slot: slot as u32,
@@ -160,6 +183,7 @@ impl Pool {
                 decode_ms: predicted.decode_ms,
                 harm_ms: predicted.harm_ms,
                 wait_ms: room_wait + external_queue_ms,
+                queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             };
             let list = match (pair_policy, role) {
                 (true, Role::Prefill) => &mut scratch.primary,

@@ -6,7 +6,7 @@ use super::admit::Admitted;
 use crate::lease::{Lease, MAX_LEASE_ID};
 use crate::policy::{Candidate, DecisionKind};
 use crate::pool::entry::{BackendEntry, Slot};
-use crate::pool::{CandidateView, Grant, Pool};
+use crate::pool::{CandidateView, Grant, Pool, RouteReceipt};
 use crate::prompt::RequestFeatures;
 use crate::random::RandomSource;
 
@@ -58,6 +58,7 @@ impl Pool {
         };
         let scratch = &self.scratch;
         let candidates = views(&scratch.primary, &scratch.order, &self.slots);
+        let receipt = self.receipt(&chosen);
         let decode_candidates = views(&scratch.decode, &scratch.decode_order, &self.slots);
         self.affinity.record(chosen.slot, &features.block_hashes);
         self.hold_blocks(
@@ -80,10 +81,34 @@ impl Pool {
             decision: Some(decision),
             cached_blocks: chosen.cached_blocks,
             deadline_ms,
-            predicted_ttft_ms: chosen
-                .ttft_ms
-                .is_finite()
-                .then(|| chosen.ttft_ms.round().clamp(0.0, f64::from(u32::MAX)) as u32),
+            predicted_ttft_ms: whole_ms(chosen.ttft_ms),
+            receipt,
         }
     }
+
+    /// The decision's receipt: the chosen candidate's predicted time to first token and the
+    /// lowest among the others (one pass over the candidates).
+    fn receipt(&self, chosen: &Candidate) -> Option<RouteReceipt> {
+        let predicted_ttft_ms = whole_ms(chosen.ttft_ms)?;
+        let alt = self
+            .scratch
+            .primary
+            .iter()
+            .filter(|c| c.slot != chosen.slot && c.ttft_ms.is_finite())
+            .min_by(|a, b| a.ttft_ms.total_cmp(&b.ttft_ms));
+        let alt_id = alt
+            .and_then(|c| self.slots[c.slot as usize].entry.as_ref())
+            .map(|e| e.spec.id.clone());
+        Some(RouteReceipt {
+            predicted_ttft_ms,
+            alt_predicted_ttft_ms: alt_id.as_ref().and(alt).and_then(|c| whole_ms(c.ttft_ms)),
+            alt: alt_id,
+        })
+    }
+}
+
+/// A predicted time in whole milliseconds, if finite.
+fn whole_ms(ms: f64) -> Option<u32> {
+    ms.is_finite()
+        .then(|| ms.round().clamp(0.0, f64::from(u32::MAX)) as u32)
 }

@@ -6,7 +6,7 @@ use crate::backend::{BackendSpec, Role};
 use crate::cost::InFlight;
 use crate::outcome::Outcome;
 use crate::policy::{DecisionKind, PolicyKind};
-use crate::pool::test_support::{features, pool_with, spec, up};
+use crate::pool::test_support::{add_ready, features, pool_with, spec, up};
 use crate::pool::{AcquireError, Pool, PoolConfig, ProbeResult};
 use crate::random::SplitMix64;
 use crate::scrape::{ScrapedGauges, VllmMetrics};
@@ -197,4 +197,81 @@ fn a_prefix_still_queued_is_no_hit_yet() {
     let (_, _, started) = predicted(&prefix, false, 40);
     let (_, _, unseen_idle) = predicted(&other, false, 40);
     assert!(started + 20 < unseen_idle, "{started} vs {unseen_idle}");
+}
+
+/// The grant's receipt names the chosen backend's predicted time to first token (the same figure
+/// as `predicted_ttft_ms`) and the lowest predicted among the others: behind a queue on `b0`,
+/// the alternative `b1` is predicted faster than `b0` would have been.
+#[test]
+fn the_receipt_names_the_choice_and_the_best_alternative() {
+    let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
+    let mut rng = SplitMix64::new(9);
+    let first = pool
+        .acquire(&features(&"cold filler ".repeat(400)), 0, &mut rng)
+        .unwrap();
+    let second = pool
+        .acquire(&features(&"other filler ".repeat(400)), 0, &mut rng)
+        .unwrap();
+    assert_ne!(first.backend, second.backend);
+    let r = second.receipt.clone().unwrap();
+    assert_eq!(Some(r.predicted_ttft_ms), second.predicted_ttft_ms);
+    assert_eq!(r.alt.as_ref(), Some(&first.backend));
+    // The alternative holds the first request's prefill queue: it is predicted slower.
+    assert!(
+        r.alt_predicted_ttft_ms.unwrap() > r.predicted_ttft_ms,
+        "{r:?}"
+    );
+    assert_eq!(
+        r.header_value(&second.backend),
+        format!(
+            "backend={};predicted_ttft_ms={};alt={};alt_predicted_ttft_ms={}",
+            second.backend.0,
+            r.predicted_ttft_ms,
+            first.backend.0,
+            r.alt_predicted_ttft_ms.unwrap()
+        )
+    );
+    let lone = pool_with(PolicyKind::PredictedLatency, 1)
+        .acquire(&features("a question"), 0, &mut rng)
+        .unwrap();
+    let r = lone.receipt.unwrap();
+    assert_eq!((&r.alt, r.alt_predicted_ttft_ms), (&None, None));
+    assert!(!r.header_value(&lone.backend).contains("alt="));
+}
+
+/// A backend whose KV cache is full of long answers admits a new request only as they finish,
+/// however idle its prefill queue looks: the wait for room is priced at how long the backend
+/// takes to free its memory (its sequences' prefills one after another, then their decodes),
+/// not at the new request's own decode. Priced at a 1-token answer's decode, as before, a request
+/// behind 10 sequences on a 2-sequence cache was predicted 272 ms (its own prefill); now 31 s
+/// (five more rounds of two 500-token answers, about 5 s each, and their prefills).
+#[test]
+fn a_request_queued_for_memory_is_predicted_to_wait_for_it() {
+    let mut pool = Pool::new("p1", PoolConfig::default());
+    add_ready(
+        &mut pool,
+        BackendSpec {
+            capacity: crate::backend::Capacity {
+                kv_blocks: 256,
+                block_size: 16,
+                max_num_seqs: 64,
+            },
+            ..spec("b0")
+        },
+    );
+    let mut rng = SplitMix64::new(4);
+    let long_answer = |i: usize| {
+        let mut f = features(&format!("{i} a long prompt ").repeat(450));
+        f.max_tokens = 500;
+        f
+    };
+    for i in 0..10 {
+        pool.acquire(&long_answer(i), 0, &mut rng).unwrap();
+    }
+    // Five seconds on, the virtual prefill queue has drained, but none has finished.
+    let mut short = features(&"one more prompt ".repeat(500));
+    short.max_tokens = 1;
+    let g = pool.acquire(&short, 5_000, &mut rng).unwrap();
+    let predicted = g.predicted_ttft_ms.unwrap();
+    assert!(predicted > 2_000, "{predicted} ms");
 }
