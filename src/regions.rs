@@ -26,7 +26,7 @@ use routing_core::region::{
 };
 use routing_core::ring::key_hash;
 use std::cell::{OnceCell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use worker::{Env, Request};
 
 /// Conversations an isolate remembers the home pool of, unless `HOME_POOLS_MAX` says otherwise.
@@ -44,16 +44,42 @@ thread_local! {
     static SETTINGS: OnceCell<RegionSettings> = const { OnceCell::new() };
     static NETWORK: OnceCell<RefCell<NetworkModel>> = const { OnceCell::new() };
     static HOMES: OnceCell<RefCell<HomePools>> = const { OnceCell::new() };
-    /// Per pool: the card this isolate last sent a request under (its `at_ms`) and how many it
-    /// sent since that card was computed (one entry per pool).
-    static SENT: RefCell<HashMap<String, (u64, u32)>> = RefCell::new(HashMap::new());
+    /// Per pool, the requests this isolate sent it lately: when, until when they should hold a
+    /// sequence slot, and the output tokens they asked for (at most [`SENT_KEPT`] a pool).
+    static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
 }
 
-/// Requests this isolate sent `pool` since its card of `card_at_ms`.
-fn sent_since(pool: &str, card_at_ms: u64) -> u32 {
-    SENT.with(|s| match s.borrow().get(pool) {
-        Some(&(at, n)) if at == card_at_ms => n,
-        _ => 0,
+/// Sends remembered per pool.
+const SENT_KEPT: usize = 512;
+
+/// One request this isolate sent a pool.
+#[derive(Clone, Copy)]
+struct Sent {
+    at_ms: u64,
+    holds_until_ms: u64,
+    tokens: u32,
+}
+
+/// Of the requests this isolate sent `pool` after its card was computed (`card_at_ms`), how many
+/// should still hold a slot at `now_ms`, and their mean output tokens.
+fn sent_since(pool: &str, card_at_ms: u64, now_ms: u64) -> (u32, u32) {
+    SENT.with(|s| {
+        let s = s.borrow();
+        let Some(list) = s.get(pool) else {
+            return (0, 0);
+        };
+        let live = list
+            .iter()
+            .filter(|x| x.at_ms >= card_at_ms && x.holds_until_ms > now_ms);
+        let (n, tokens) = live.fold((0u32, 0u64), |(n, t), x| (n + 1, t + u64::from(x.tokens)));
+        (
+            n,
+            if n == 0 {
+                0
+            } else {
+                (tokens / u64::from(n)) as u32
+            },
+        )
     })
 }
 
@@ -195,12 +221,17 @@ pub fn plan(
             .iter()
             .map(|p| {
                 let at_home = home.as_ref().filter(|(h, _)| *h == p.name);
+                let sent = p
+                    .card
+                    .as_ref()
+                    .map_or((0, 0), |c| sent_since(&p.name, c.at_ms, now_ms));
                 PoolOption {
                     card: p.card.as_ref(),
                     rtt_ms: net.rtt_ms(region.as_deref(), &p.name, &p.region),
                     cached_tokens: at_home.map_or(0, |(_, b)| b.saturating_mul(block_tokens)),
                     home: at_home.is_some(),
-                    sent_since_card: p.card.as_ref().map_or(0, |c| sent_since(&p.name, c.at_ms)),
+                    sent_since_card: sent.0,
+                    sent_tokens: sent.1,
                 }
             })
             .collect()
@@ -237,21 +268,36 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
     .with_code("residency_unavailable")
 }
 
-/// Records that `pool` (listed with `card`) took the request: its home for the conversation's
-/// next turn, and one more request the pool's card does not know of.
-pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures) {
+/// Records that `pool` took the request at `now_ms`: its home for the conversation's next turn,
+/// and one more request its card does not know of, holding a slot for about its own decode (at
+/// the card's rate) after its predicted time to first token.
+pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, now_ms: u64) {
     let key = features.routing_key.as_deref().map(key_hash);
     with_homes(env, |h| h.record(&features.block_hashes, key, &pool.name));
-    if let Some(at) = pool.card.as_ref().map(|c| c.at_ms) {
-        SENT.with(|s| {
-            let mut s = s.borrow_mut();
-            let entry = s.entry(pool.name.clone()).or_insert((at, 0));
-            if entry.0 != at {
-                *entry = (at, 0);
-            }
-            entry.1 += 1;
+    let Some(card) = &pool.card else {
+        return;
+    };
+    let per_token_ms = card.decode_ms.map_or(0.0, |d| {
+        f64::from(d) / f64::from(routing_core::region::time_card::CARD_OUTPUT_TOKENS)
+    });
+    let ttft = card
+        .predict_ms(features.prompt_tokens)
+        .unwrap_or(0)
+        .min(60_000);
+    let hold = ttft + (per_token_ms * f64::from(features.max_tokens)) as u64;
+    SENT.with(|s| {
+        let mut s = s.borrow_mut();
+        let list = s.entry(pool.name.clone()).or_default();
+        // Those sent before this card are counted in it.
+        while list.front().is_some_and(|x| x.at_ms < card.at_ms) || list.len() >= SENT_KEPT {
+            list.pop_front();
+        }
+        list.push_back(Sent {
+            at_ms: now_ms,
+            holds_until_ms: now_ms + hold,
+            tokens: features.max_tokens,
         });
-    }
+    });
 }
 
 /// With `SIMULATE_NETWORK=true` (local benchmarks and tests only: every pool of a local run is on

@@ -57,8 +57,11 @@ pub struct PoolOption<'a> {
     pub cached_tokens: u32,
     /// Whether it is the request's home pool.
     pub home: bool,
-    /// Requests this Worker sent the pool since its card was computed (their wait is added).
+    /// Requests this Worker sent the pool since its card was computed that still hold a slot
+    /// (their wait is added).
     pub sent_since_card: u32,
+    /// Their mean output tokens asked for.
+    pub sent_tokens: u32,
 }
 
 /// Why the first pool was chosen.
@@ -125,7 +128,8 @@ pub fn order_pools(
         .map(|o| {
             let card = o.card.filter(|_| fresh(o))?;
             let uncached = prompt_tokens.saturating_sub(o.cached_tokens);
-            let ttft = card.predict_ms(uncached)? + card.backlog_ms(o.sent_since_card);
+            let ttft =
+                card.predict_ms(uncached)? + card.backlog_ms(o.sent_since_card, o.sent_tokens);
             Some(u64::from(config.round_trips) * u64::from(o.rtt_ms) + ttft)
         })
         .collect();
@@ -200,6 +204,7 @@ mod tests {
             cached_tokens: 0,
             home: false,
             sent_since_card: 0,
+            sent_tokens: 0,
         }
     }
 
@@ -347,6 +352,7 @@ mod tests {
         assert_eq!(order_pools(&opts, 10, NOW, 0.0, &config).order[0], 1);
         // Five requests later the far pool's slots are five requests more behind: 100 + 500.
         opts[1].sent_since_card = 5;
+        opts[1].sent_tokens = 256;
         let c = order_pools(&opts, 10, NOW, 0.0, &config);
         assert_eq!(c.predicted_ms[1], Some(600));
         assert_eq!(c.order[0], 0);

@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 pub const SHORT_TOKENS: u32 = 1024;
 /// Uncached prompt tokens of the card's long class.
 pub const LONG_TOKENS: u32 = 8192;
+/// Output tokens the card's made-up requests ask for ([`TimeCard::decode_ms`] is their decode).
+pub const CARD_OUTPUT_TOKENS: u32 = 256;
 
 /// A pool's published prediction (compact: it travels with every pool listing).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -42,7 +44,7 @@ pub struct TimeCard {
     pub max_seqs: u32,
     /// Models the pool's ready backends serve.
     pub models: Vec<String>,
-    /// Predicted decode time of the card's made-up request (256 output tokens) on the best
+    /// Predicted decode time of the card's made-up request ([`CARD_OUTPUT_TOKENS`]) on the best
     /// backend, in ms: about how long one more request holds a sequence slot.
     pub decode_ms: Option<u32>,
 }
@@ -66,15 +68,17 @@ impl TimeCard {
     }
 
     /// The wait `sent` more requests add, those this Worker sent the pool since the card was
-    /// computed (the card cannot know them): each beyond the free sequence slots waits about a
-    /// decode for a slot to free, shared by every slot.
-    pub fn backlog_ms(&self, sent: u32) -> u64 {
+    /// computed and that still hold a sequence slot (the card cannot know them), each asking for
+    /// `tokens` output tokens on average: each beyond the free slots waits for a slot to free, and
+    /// the slots free about once per decode between them.
+    pub fn backlog_ms(&self, sent: u32, tokens: u32) -> u64 {
         let (Some(decode), true) = (self.decode_ms, self.max_seqs > 0) else {
             return 0;
         };
         let over = (self.running + sent).saturating_sub(self.max_seqs.max(self.running));
         let over = over.min(sent);
-        u64::from(over) * u64::from(decode) / u64::from(self.max_seqs)
+        let decode = u64::from(decode) * u64::from(tokens) / u64::from(CARD_OUTPUT_TOKENS);
+        u64::from(over) * decode / u64::from(self.max_seqs)
     }
 
     /// Whether the card says the pool serves `model` (a card that lists no models says nothing).
@@ -143,18 +147,12 @@ mod tests {
             decode_ms: Some(800),
             ..card(10, 110, 810)
         };
-        assert_eq!(c.backlog_ms(0), 0);
-        assert_eq!(c.backlog_ms(2), 0, "two free slots");
-        assert_eq!(
-            c.backlog_ms(4),
-            200,
-            "two beyond them wait a quarter decode in all"
-        );
-        assert_eq!(
-            TimeCard::default().backlog_ms(100),
-            0,
-            "nothing known, nothing added"
-        );
+        assert_eq!(c.backlog_ms(0, 256), 0);
+        assert_eq!(c.backlog_ms(2, 256), 0, "two free slots");
+        // Two beyond them wait a quarter decode in all; short answers free their slots sooner.
+        assert_eq!(c.backlog_ms(4, 256), 200);
+        assert_eq!(c.backlog_ms(4, 64), 50);
+        assert_eq!(TimeCard::default().backlog_ms(100, 256), 0);
     }
 
     #[test]

@@ -12,10 +12,7 @@ use super::super::Pool;
 use crate::backend::Lifecycle;
 use crate::health::HealthState;
 use crate::prompt::{RequestFeatures, RequestKind};
-use crate::region::time_card::{TimeCard, LONG_TOKENS, SHORT_TOKENS};
-
-/// Output tokens the card's made-up requests ask for.
-const CARD_MAX_TOKENS: u32 = 256;
+use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
 
 impl Pool {
     /// The pool's time card at `now_ms`, with the admission queue's length and predicted wait.
@@ -62,7 +59,7 @@ impl Pool {
                 model: model.clone(),
                 stream: true,
                 prompt_tokens: tokens,
-                max_tokens: CARD_MAX_TOKENS,
+                max_tokens: CARD_OUTPUT_TOKENS,
                 routing_key: None,
                 block_tokens: 0,
                 block_hashes: Vec::new(),
