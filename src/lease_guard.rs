@@ -321,6 +321,8 @@ impl Task {
             &ending.outcome,
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
+        // The pool choice stops counting this request against the pool (src/regions.rs).
+        crate::regions::finished(&self.pool, lease_id);
         if !ending.released {
             // Returned to the shard that granted it (with other requests' releases when this
             // isolate has several); failures are logged, and the lease's deadline is the backstop.

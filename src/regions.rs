@@ -44,8 +44,9 @@ thread_local! {
     static SETTINGS: OnceCell<RegionSettings> = const { OnceCell::new() };
     static NETWORK: OnceCell<RefCell<NetworkModel>> = const { OnceCell::new() };
     static HOMES: OnceCell<RefCell<HomePools>> = const { OnceCell::new() };
-    /// Per pool, the requests this isolate sent it lately: when, until when they should hold a
-    /// sequence slot, and the output tokens they asked for (at most [`SENT_KEPT`] a pool).
+    /// Per pool, the requests this isolate sent it that have not ended: when, their lease, and
+    /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
+    /// pool's card are counted in it and dropped).
     static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
 }
 
@@ -56,21 +57,19 @@ const SENT_KEPT: usize = 512;
 #[derive(Clone, Copy)]
 struct Sent {
     at_ms: u64,
-    holds_until_ms: u64,
+    lease: u64,
     tokens: u32,
 }
 
 /// Of the requests this isolate sent `pool` after its card was computed (`card_at_ms`), how many
-/// should still hold a slot at `now_ms`, and their mean output tokens.
-fn sent_since(pool: &str, card_at_ms: u64, now_ms: u64) -> (u32, u32) {
+/// have not ended (they hold a slot or wait for one), and their mean output tokens.
+fn sent_since(pool: &str, card_at_ms: u64) -> (u32, u32) {
     SENT.with(|s| {
         let s = s.borrow();
         let Some(list) = s.get(pool) else {
             return (0, 0);
         };
-        let live = list
-            .iter()
-            .filter(|x| x.at_ms >= card_at_ms && x.holds_until_ms > now_ms);
+        let live = list.iter().filter(|x| x.at_ms >= card_at_ms);
         let (n, tokens) = live.fold((0u32, 0u64), |(n, t), x| (n + 1, t + u64::from(x.tokens)));
         (
             n,
@@ -224,7 +223,7 @@ pub fn plan(
                 let sent = p
                     .card
                     .as_ref()
-                    .map_or((0, 0), |c| sent_since(&p.name, c.at_ms, now_ms));
+                    .map_or((0, 0), |c| sent_since(&p.name, c.at_ms));
                 PoolOption {
                     card: p.card.as_ref(),
                     rtt_ms: net.rtt_ms(region.as_deref(), &p.name, &p.region),
@@ -268,23 +267,15 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
     .with_code("residency_unavailable")
 }
 
-/// Records that `pool` took the request at `now_ms`: its home for the conversation's next turn,
-/// and one more request its card does not know of, holding a slot for about its own decode (at
-/// the card's rate) after its predicted time to first token.
-pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, now_ms: u64) {
+/// Records that `pool` took the request (its lease `lease`) at `now_ms`: its home for the
+/// conversation's next turn, and one more request its card does not know of, until it ends
+/// ([`finished`]).
+pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, lease: u64, now_ms: u64) {
     let key = features.routing_key.as_deref().map(key_hash);
     with_homes(env, |h| h.record(&features.block_hashes, key, &pool.name));
     let Some(card) = &pool.card else {
         return;
     };
-    let per_token_ms = card.decode_ms.map_or(0.0, |d| {
-        f64::from(d) / f64::from(routing_core::region::time_card::CARD_OUTPUT_TOKENS)
-    });
-    let ttft = card
-        .predict_ms(features.prompt_tokens)
-        .unwrap_or(0)
-        .min(60_000);
-    let hold = ttft + (per_token_ms * f64::from(features.max_tokens)) as u64;
     SENT.with(|s| {
         let mut s = s.borrow_mut();
         let list = s.entry(pool.name.clone()).or_default();
@@ -294,9 +285,18 @@ pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, now_ms: u
         }
         list.push_back(Sent {
             at_ms: now_ms,
-            holds_until_ms: now_ms + hold,
+            lease,
             tokens: features.max_tokens,
         });
+    });
+}
+
+/// The request of `lease` on `pool` ended: it no longer counts against the pool.
+pub fn finished(pool: &str, lease: u64) {
+    SENT.with(|s| {
+        if let Some(list) = s.borrow_mut().get_mut(pool) {
+            list.retain(|x| x.lease != lease);
+        }
     });
 }
 
