@@ -237,13 +237,17 @@ pub fn served(env: &Env, pool: &str, features: &RequestFeatures) {
 /// backend fetch, so what the client measures, and what this isolate learns of the network,
 /// include the modelled network. 0 otherwise.
 pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry) -> u64 {
-    let on = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network);
-    if !on {
+    if !simulating(env) {
         return 0;
     }
     with_network(env, |n| {
         u64::from(n.configured_ms(client_region, &pool.region).unwrap_or(0))
     })
+}
+
+/// Whether `SIMULATE_NETWORK` is on (local benchmarks and tests).
+pub fn simulating(env: &Env) -> bool {
+    SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network)
 }
 
 /// Records one measured round trip to `pool` (an acquire that did not wait in a queue).
