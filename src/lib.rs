@@ -352,7 +352,12 @@ async fn completion(
                     }
                     return Ok(resp);
                 }
-                // The regional Worker never answered: serve from here, as without the hop.
+                // The client left: the regional side saw the same abort and settles the rest.
+                Err(_) if client_signal.aborted() => {
+                    return Err(ApiError::bad_request("The client closed the request.")
+                        .with_code("client_closed_request"));
+                }
+                // The regional Worker never answered (it threw): serve from here, as without it.
                 Err(e) => console_error!("regional hop failed, serving from the edge: {e}"),
             }
         }
