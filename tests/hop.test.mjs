@@ -106,9 +106,10 @@ test("through the regional Worker a request gets the same answer and headers as 
 
 test("a hang-up at the edge mid-stream reaches the regional Worker and its lease is released", async () => {
   const ctl = new AbortController();
-  const r = await chat(hopGw, { model: "hop-slow", stream: true, maxTokens: 400, signal: ctl.signal });
+  const r = await chat(hopGw, { model: "hop-slow", stream: true, maxTokens: 400, signal: ctl.signal, headers: { "x-gateway-region": "us-east" } });
   assert.equal(r.status, 200);
   assert.equal(r.headers.get("x-gateway-pool"), "hop-eu-slow");
+  assert.equal(r.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
   const reader = r.body.getReader();
   assert.ok(!(await reader.read()).done);
   const pool = await (await hopGw.admin("/admin/pools/hop-eu-slow")).json();
@@ -123,19 +124,21 @@ test("a hang-up at the edge mid-stream reaches the regional Worker and its lease
 });
 
 test("a reservation is charged once at the edge and settled once; the limit still holds through the hop", async () => {
-  const fresh = await startWithHop({ region: REGION, bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000" } });
+  const fresh = await startWithHop({ region: REGION, bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", ...NETWORK } });
   closers.push(fresh);
   await addPool(fresh, "hop-eu", [sim], ["hop-model"]);
   // About 450 tokens each: a second fits in 1,000 only if the first was charged once.
-  const first = await chat(fresh, { maxTokens: 440 });
+  const via = { "x-gateway-region": "us-east" };
+  const first = await chat(fresh, { maxTokens: 440, headers: via });
   assert.equal(first.status, 200, await first.clone().text());
+  assert.equal(first.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
   const used = (await first.json()).usage.total_tokens;
   assert.ok(used > 400, `usage ${used}`);
-  const second = await chat(fresh, { maxTokens: 440 });
+  const second = await chat(fresh, { maxTokens: 440, headers: via });
   assert.equal(second.status, 200, `charged twice? ${await second.clone().text()}`);
   await second.text();
   // Both were settled at their real usage, not refunded: a third does not fit.
-  const third = await chat(fresh, { maxTokens: 440 });
+  const third = await chat(fresh, { maxTokens: 440, headers: via });
   assert.equal(third.status, 429, await third.text());
 });
 
