@@ -235,7 +235,9 @@ pub fn served(env: &Env, pool: &str, features: &RequestFeatures) {
 /// this machine), the round trip the platform would add between the client's colo and `pool`,
 /// from `REGION_RTT_MS`: the Worker waits it out before the lease call and again before the
 /// backend fetch, so what the client measures, and what this isolate learns of the network,
-/// include the modelled network. 0 otherwise.
+/// include the modelled network. With the regional hop (`hop.rs`) the edge waits it out once,
+/// before the hand-over, and the regional Worker measures from the pool's region (0 for its own
+/// pools). 0 otherwise.
 pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry) -> u64 {
     if !simulating(env) {
         return 0;
