@@ -19,6 +19,7 @@ use crate::regions::{self, Plan};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::admission::AdmissionRequest;
+use routing_core::prompt::RequestFeatures;
 use routing_core::region::ChoiceReason;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -155,6 +156,38 @@ fn withheld(name: &str) -> bool {
 }
 
 impl Regional {
+    /// Hands the request over (see [`Regional::forward`]) and takes what the edge still owes it:
+    /// the conversation's home pool, recorded here so its next turn is sent home as without the
+    /// hop. `None` when the regional Worker never answered (it threw): the edge serves the request
+    /// itself, with the reservation it still holds.
+    pub async fn hand_over(
+        &self,
+        h: Handoff<'_>,
+        features: &RequestFeatures,
+    ) -> Option<Result<Response, ApiError>> {
+        let (env, client) = (h.env, h.client);
+        match self.forward(h).await {
+            Ok(resp) => {
+                if let (true, Ok(Some(pool))) = (
+                    resp.status_code() < 300,
+                    resp.headers().get("x-gateway-pool"),
+                ) {
+                    regions::served(env, &pool, features);
+                }
+                Some(Ok(resp))
+            }
+            // The client left: the regional side saw the same abort and settles what it took.
+            Err(_) if client.inner().signal().aborted() => {
+                Some(Err(ApiError::bad_request("The client closed the request.")
+                    .with_code("client_closed_request")))
+            }
+            Err(e) => {
+                worker::console_error!("regional hop failed, serving from the edge: {e}");
+                None
+            }
+        }
+    }
+
     /// Sends the request to the regional Worker and returns its response, streaming. An `Err`
     /// means the regional Worker never answered (the caller may serve the request itself).
     pub async fn forward(&self, h: Handoff<'_>) -> worker::Result<Response> {

@@ -341,24 +341,8 @@ async fn completion(
                 strip_usage_event,
                 body: &body,
             };
-            match regional.forward(handoff).await {
-                Ok(resp) => {
-                    // The conversation's next turn is sent home from here, as without the hop.
-                    if let (true, Ok(Some(pool))) = (
-                        resp.status_code() < 300,
-                        resp.headers().get("x-gateway-pool"),
-                    ) {
-                        regions::served(env, &pool, &features);
-                    }
-                    return Ok(resp);
-                }
-                // The client left: the regional side saw the same abort and settles the rest.
-                Err(_) if client_signal.aborted() => {
-                    return Err(ApiError::bad_request("The client closed the request.")
-                        .with_code("client_closed_request"));
-                }
-                // The regional Worker never answered (it threw): serve from here, as without it.
-                Err(e) => console_error!("regional hop failed, serving from the edge: {e}"),
+            if let Some(answer) = regional.hand_over(handoff, &features).await {
+                return answer;
             }
         }
     }
