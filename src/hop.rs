@@ -11,7 +11,9 @@
 //! streams (the edge never reads its body).
 //!
 //! A Worker with `GATEWAY_ROLE = "regional"` (no public route) trusts that header, and only it
-//! does: at the edge the header is ignored and always overwritten. The regional side walks the
+//! does: at the edge the header is ignored and always overwritten. With the `HOP_SECRET` secret
+//! set on both, the regional Worker also requires the secret with the hop (defence in depth, in
+//! case it is ever given a route); without it, a hop is an ordinary request. The regional side walks the
 //! plan's pools (lease, fetch, relay, lease guard) and settles the reservation, as the edge would.
 
 use crate::keys::Reservation;
@@ -28,6 +30,9 @@ use worker::{Env, Fetcher, Headers, Request, Response};
 /// The internal header carrying a [`HopContext`] (hex-encoded JSON) from the edge to a regional
 /// Worker.
 pub const HOP_HEADER: &str = "x-gateway-hop";
+/// The shared `HOP_SECRET`, from the edge: a regional Worker that has the secret trusts a hop
+/// only when this header carries it.
+const HOP_AUTH_HEADER: &str = "x-gateway-hop-auth";
 /// With `SIMULATE_NETWORK=true` only: how many modelled round trips the request waited out, edge
 /// and regional side together (tests count them instead of timing them).
 pub const SIMULATED_WAITS_HEADER: &str = "x-gateway-simulated-waits";
@@ -36,6 +41,15 @@ pub const SIMULATED_WAITS_HEADER: &str = "x-gateway-simulated-waits";
 fn is_regional(env: &Env) -> bool {
     env.var("GATEWAY_ROLE")
         .is_ok_and(|v| v.to_string().trim() == "regional")
+}
+
+/// The `HOP_SECRET` secret (or var) both roles share, if set.
+fn hop_secret(env: &Env) -> Option<String> {
+    env.secret("HOP_SECRET")
+        .map(|s| s.to_string())
+        .or_else(|_| env.var("HOP_SECRET").map(|s| s.to_string()))
+        .ok()
+        .filter(|s| !s.is_empty())
 }
 
 /// What the edge decided, for the regional Worker that carries it out.
@@ -83,15 +97,23 @@ fn reason_named(name: &str) -> ChoiceReason {
     }
 }
 
-/// The hop a regional Worker was handed, when this deployment is one and the request carries it;
-/// `None` at the edge whatever the request says (a public request cannot set it).
+/// The hop a regional Worker was handed, when this deployment is one and the request carries it
+/// (with `HOP_SECRET` set: and the secret); `None` at the edge whatever the request says, and for
+/// a hop without the secret, which is then an ordinary request (its key is checked).
 pub fn incoming(req: &Request, env: &Env) -> Result<Option<HopContext>, ApiError> {
     if !is_regional(env) {
         return Ok(None);
     }
-    let Some(value) = req.headers().get(HOP_HEADER).ok().flatten() else {
+    let header = |name: &str| req.headers().get(name).ok().flatten();
+    let Some(value) = header(HOP_HEADER) else {
         return Ok(None);
     };
+    if let Some(secret) = hop_secret(env) {
+        let given = header(HOP_AUTH_HEADER).unwrap_or_default();
+        if !crate::auth::constant_time_eq(given.as_bytes(), secret.as_bytes()) {
+            return Ok(None);
+        }
+    }
     unhex(&value)
         .and_then(|json| serde_json::from_slice(&json).ok())
         .map(Some)
@@ -151,7 +173,12 @@ pub struct Handoff<'a> {
 fn withheld(name: &str) -> bool {
     matches!(
         name,
-        "authorization" | "content-length" | "transfer-encoding" | "host" | HOP_HEADER
+        "authorization"
+            | "content-length"
+            | "transfer-encoding"
+            | "host"
+            | HOP_HEADER
+            | HOP_AUTH_HEADER
     )
 }
 
@@ -211,6 +238,9 @@ impl Regional {
             }
         }
         headers.set(HOP_HEADER, &crate::hex(&json))?;
+        if let Some(secret) = hop_secret(h.env) {
+            headers.set(HOP_AUTH_HEADER, &secret)?;
+        }
         headers.set("x-request-id", h.request_id)?;
         let init = web_sys::RequestInit::new();
         init.set_method("POST");

@@ -3,8 +3,9 @@
 // through a service binding named in REGIONAL_WORKERS; real vllm-sim backends on 127.0.0.1. A
 // request through the hop gets the same answer and headers as without it; a hang-up mid-stream
 // releases the lease; a token reservation is charged once and settled; hop headers from a public
-// request are not trusted; and with SIMULATE_NETWORK the hop waits out one modelled round trip
-// where the edge alone waits two (counted, never timed).
+// request are not trusted (at the edge, and at a regional Worker without the HOP_SECRET); and with
+// SIMULATE_NETWORK the hop waits out one modelled round trip where the edge alone waits two
+// (counted, never timed).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
 import { startGateway, startSim, waitFor, waitReady } from "./lib/harness.mjs";
@@ -12,6 +13,7 @@ import { startWithHop } from "./lib/hop.mjs";
 
 const REGION = "eu-west";
 const KEY = "sk-hop-client-1";
+const HOP_SECRET = "hop-secret-test-7d2e";
 const NETWORK = {
   ALLOW_REGION_HEADER: "true",
   SIMULATE_NETWORK: "true",
@@ -26,7 +28,7 @@ let sim; // fast
 let slow; // real-time, for the hang-up
 
 before(async () => {
-  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", ...NETWORK };
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", HOP_SECRET, ...NETWORK };
   hopGw = await startWithHop({ region: REGION, bindings });
   plainGw = await startGateway({ bindings });
   closers.push(hopGw, plainGw);
@@ -168,6 +170,35 @@ test("hop headers on a public request to the edge are not trusted", async () => 
   assert.equal(withKey.headers.get("x-gateway-pool"), "hop-eu");
   assert.equal(withKey.headers.get("x-gateway-simulated-waits"), "1");
   await withKey.text();
+});
+
+test("with HOP_SECRET, a hop that reaches the regional Worker without the secret is an ordinary request", async () => {
+  const forged = {
+    pools: [],
+    reason: "nearest",
+    predicted_ms: null,
+    allowed: [],
+    excluded: 0,
+    client_region: REGION,
+    region: REGION,
+    who: { tenant: "forged", priority: 100 },
+    reservation: null,
+    strip_usage_event: false,
+  };
+  const hop = Buffer.from(JSON.stringify(forged)).toString("hex");
+  const regional = await hopGw.mf.getWorker(`regional-${REGION}`);
+  const body = JSON.stringify({ model: "hop-model", messages: [{ role: "user", content: "hi" }], max_tokens: 4 });
+  for (const auth of [undefined, "wrong-secret"]) {
+    const headers = { "content-type": "application/json", "x-gateway-hop": hop, ...(auth ? { "x-gateway-hop-auth": auth } : {}) };
+    const r = await regional.fetch("http://regional.test/v1/chat/completions", { method: "POST", headers, body });
+    // Not trusted: the key is checked as for any request, and there is none.
+    assert.equal(r.status, 401, `${auth}: ${await r.text()}`);
+  }
+  // The edge, which has the secret, still hands over (one modelled wait).
+  const ok = await chat(hopGw, { headers: { "x-gateway-region": "us-east" } });
+  assert.equal(ok.status, 200);
+  assert.equal(ok.headers.get("x-gateway-simulated-waits"), "1");
+  await ok.text();
 });
 
 test("with SIMULATE_NETWORK the hop waits out one round trip, the edge alone two", async () => {
