@@ -14,6 +14,7 @@ help:
 	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
 	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
+	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop (~2 min)"
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
@@ -65,7 +66,7 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-traces bench-regions bench-admission bench-overhead
+.PHONY: bench bench-quick bench-traces bench-regions bench-admission bench-overhead bench-round-trips
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -76,6 +77,7 @@ bench: setup
 	@$(MAKE) --no-print-directory bench-regions
 	@$(MAKE) --no-print-directory bench-admission
 	@$(MAKE) --no-print-directory bench-overhead
+	@$(MAKE) --no-print-directory bench-round-trips
 
 # The same, smaller (5 policies, 3 modes, fewer requests): under 8 minutes.
 bench-quick: setup
@@ -112,3 +114,9 @@ bench-admission: setup sim build
 # bench/results/overhead-<date>.{json,md} (~4 min). Parts: ARGS="--only coordinator,worker-cpu,latency".
 bench-overhead: setup sim build
 	@source scripts/env.sh && node bench/overhead.mjs $(ARGS)
+
+# The gateway's own round trips on the platform (bench/round-trips.mjs, issue 27): TTFB at one request at a
+# time with a modelled 50 and 150 ms client-to-pool round trip, without and with the regional hop, against
+# the unavoidable path (direct vllm-sim + one round trip); writes bench/results/round-trips-<date>.{json,md} (~2 min).
+bench-round-trips: setup sim build
+	@source scripts/env.sh && node bench/round-trips.mjs $(ARGS)

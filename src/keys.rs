@@ -151,8 +151,9 @@ pub async fn require_client(
     Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
-/// Tokens charged to a client at admission, to settle when the request ends.
-#[derive(Debug, Clone)]
+/// Tokens charged to a client at admission, to settle when the request ends. Serialisable: the
+/// regional hop (`hop.rs`) hands it to the Worker that settles it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Reservation {
     client: String,
     limits: RateLimits,

@@ -10,6 +10,7 @@ mod attempts;
 mod auth;
 mod dashboard;
 mod do_client;
+mod hop;
 mod keys;
 mod lease_guard;
 mod metrics;
@@ -263,9 +264,18 @@ async fn completion(
         ));
     }
     let settings = settings::settings(env);
-    let key = keys::identify(&req, env, ctx).await?;
+    // A request the edge Worker handed over (regional role only): keys, limits and the pool
+    // order were decided there.
+    let hop_in = hop::incoming(&req, env)?;
+    let key = match hop_in {
+        Some(_) => None,
+        None => keys::identify(&req, env, ctx).await?,
+    };
     let client = key.as_ref().map(|k| k.hash.clone());
-    let who = admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?;
+    let who = match &hop_in {
+        Some(h) => h.who.clone(),
+        None => admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?,
+    };
     let body = read_body_limited(&mut req, settings.max_body_bytes).await?;
     let parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
@@ -283,8 +293,9 @@ async fn completion(
             }
         })?;
     features.request_id = request_id.to_string();
-    let reservation = match &client {
-        Some(client) => {
+    let reservation = match (&hop_in, &client) {
+        (Some(h), _) => h.reservation.clone(),
+        (None, Some(client)) => {
             keys::reserve(
                 env,
                 client,
@@ -292,25 +303,57 @@ async fn completion(
             )
             .await?
         }
-        None => None,
+        (None, None) => None,
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
-    let (body, strip_usage_event) = match stream && endpoint != Endpoint::Embeddings {
-        true => ask_for_usage(parsed, body)?,
-        false => (body, false),
+    let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
+        (Some(h), _) => (body, h.strip_usage_event),
+        (None, true) => ask_for_usage(parsed, body)?,
+        (None, false) => (body, false),
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let hung_up = lease_guard::hang_up(&client_signal);
     let started = Date::now().as_millis();
-    let listed = do_client::list_pools_cached(env, ctx).await?;
-    let plan = match regions::plan(&req, env, &settings, listed, &features, started) {
+    let planned = match &hop_in {
+        Some(h) => Ok(h.plan()),
+        None => {
+            let listed = do_client::list_pools_cached(env, ctx).await?;
+            regions::plan(&req, env, &settings, listed, &features, started)
+        }
+    };
+    let plan = match planned {
         Ok(plan) => plan,
         Err(e) => {
             refund(ctx, env, reservation);
             return Err(e);
         }
     };
+    // The edge hands the request to the chosen pool's regional Worker when one is bound.
+    if hop_in.is_none() {
+        if let Some(regional) = hop::regional_for(env, &plan) {
+            let handoff = hop::Handoff {
+                client: &req,
+                env,
+                plan: &plan,
+                who: &who,
+                reservation: reservation.as_ref(),
+                request_id,
+                strip_usage_event,
+                body: &body,
+            };
+            if let Some(answer) = regional.hand_over(handoff, &features).await {
+                return answer;
+            }
+        }
+    }
+    // The region the Worker runs in, for the modelled network: the client's at the edge, the
+    // pool's region at a regional Worker.
+    let simulate_from = match &hop_in {
+        Some(h) => Some(h.region.clone()),
+        None => plan.client_region.clone(),
+    };
+    let mut simulated_waits = 0u32;
     let first_pool = plan.pools.first().map(|p| p.name.clone());
     let note_for = |pool: &PoolEntry| ChoiceNote {
         reason: match first_pool.as_deref() == Some(pool.name.as_str()) {
@@ -345,9 +388,10 @@ async fn completion(
         let shard = shard_of_request(pool.shards, &features);
         let note = note_for(&pool);
         acquire_body.set_choice(&note);
-        let network_delay_ms = regions::simulated_rtt_ms(env, plan.client_region.as_deref(), &pool);
+        let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), &pool);
         let asked_ms = Date::now().as_millis();
         if network_delay_ms > 0 {
+            simulated_waits += 1;
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
         }
         let admitted = admission::acquire(
@@ -381,6 +425,11 @@ async fn completion(
                         coordinator_protocol::messages::QUEUE_WAIT_HEADER,
                         queued_ms.to_string(),
                     ));
+                }
+                if regions::simulating(env) {
+                    // The proxy waits once more, before the backend fetch.
+                    let waits = simulated_waits + u32::from(network_delay_ms > 0);
+                    extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
                 }
                 let route_ms = now.saturating_sub(started);
                 let guard = LeaseGuard::start(GuardSetup {

@@ -271,8 +271,7 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
 /// conversation's next turn, and one more request its card does not know of, until it ends
 /// ([`finished`]).
 pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, lease: u64, now_ms: u64) {
-    let key = features.routing_key.as_deref().map(key_hash);
-    with_homes(env, |h| h.record(&features.block_hashes, key, &pool.name));
+    record_home(env, &pool.name, features);
     let Some(card) = &pool.card else {
         return;
     };
@@ -291,6 +290,12 @@ pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, lease: u6
     });
 }
 
+/// Records `pool` as the home of the request's conversation (its next turn extends this prompt).
+pub fn record_home(env: &Env, pool: &str, features: &RequestFeatures) {
+    let key = features.routing_key.as_deref().map(key_hash);
+    with_homes(env, |h| h.record(&features.block_hashes, key, pool));
+}
+
 /// The request of `lease` on `pool` ended: it no longer counts against the pool.
 pub fn finished(pool: &str, lease: u64) {
     SENT.with(|s| {
@@ -304,15 +309,21 @@ pub fn finished(pool: &str, lease: u64) {
 /// this machine), the round trip the platform would add between the client's colo and `pool`,
 /// from `REGION_RTT_MS`: the Worker waits it out before the lease call and again before the
 /// backend fetch, so what the client measures, and what this isolate learns of the network,
-/// include the modelled network. 0 otherwise.
+/// include the modelled network. With the regional hop (`hop.rs`) the edge waits it out once,
+/// before the hand-over, and the regional Worker measures from the pool's region (0 for its own
+/// pools). 0 otherwise.
 pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry) -> u64 {
-    let on = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network);
-    if !on {
+    if !simulating(env) {
         return 0;
     }
     with_network(env, |n| {
         u64::from(n.configured_ms(client_region, &pool.region).unwrap_or(0))
     })
+}
+
+/// Whether `SIMULATE_NETWORK` is on (local benchmarks and tests).
+pub fn simulating(env: &Env) -> bool {
+    SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network)
 }
 
 /// Records one measured round trip to `pool` from a client in `client_region` (an acquire that

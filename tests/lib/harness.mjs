@@ -15,9 +15,10 @@ export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
 /**
  * Starts the Worker under Miniflare. `persistDir` keeps Durable Object state across restarts.
  * `extraWorkers` (Miniflare worker options, each with a `name`) run beside it in the same workerd;
- * the gateway is then the worker named `gateway`, and still the one `fetch` reaches.
+ * the gateway is then the worker named `gateway`, and still the one `fetch` reaches. `workerOptions`
+ * are more Miniflare options of the gateway worker itself (e.g. `serviceBindings`).
  */
-export async function startGateway({ bindings = {}, persistDir, options = {}, extraWorkers = [] } = {}) {
+export async function startGateway({ bindings = {}, persistDir, options = {}, extraWorkers = [], workerOptions = {} } = {}) {
   const worker = {
     scriptPath: path.join(ROOT, "build/index.js"),
     modules: true,
@@ -31,6 +32,8 @@ export async function startGateway({ bindings = {}, persistDir, options = {}, ex
     },
     // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
     bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...bindings },
+    // More of the gateway's own Miniflare options (e.g. `serviceBindings`).
+    ...workerOptions,
   };
   const shared = { durableObjectsPersist: persistDir ?? false, ...options };
   const mf = new Miniflare(

@@ -1,0 +1,163 @@
+// The gateway's own round trips on the platform (issue 27): how much of a request's time to first
+// byte the gateway adds beyond the one round trip and the backend's own time that no router can
+// avoid, without and with the regional hop.
+//
+// One fast vllm-sim (--time-scale 1000) stands for the pool's GPUs; the client is in region
+// "client-r", the pool in "pool-r", and the gateway runs with SIMULATE_NETWORK=true, so it waits out
+// the configured round trip (REGION_RTT_MS) where the platform would pay one: without the hop,
+// before the lease call and again before the backend fetch (the edge Worker talks to the pool's
+// Durable Object and then to its backend, both near the GPUs); with the hop, once, before the
+// hand-over to the regional Worker, which is in the pool's region and waits nothing. The round
+// trips (50 and 150 ms) are assumed figures, not measurements. One request at a time.
+//
+// Per round trip it measures: the direct TTFB (the client calling vllm-sim itself, on this
+// machine) and adds the round trip: the unavoidable path; then the gateway without the hop and
+// with it. Reports TTFB p50/p99 and the excess over the unavoidable path (the target: <= 10 ms at
+// p50 with the hop), then a local breakdown of the gateway's own time without any modelled network
+// (from its Server-Timing parts). Writes bench/results/round-trips-<date>.{json,md}.
+//
+//   node bench/round-trips.mjs [--requests 150] [--warmup 20] [--rtts 50,150]
+import { startSim, adminFetch, waitReady, ROOT } from "../tests/lib/harness.mjs";
+import { startWithHop } from "../tests/lib/hop.mjs";
+import { writeFileSync, mkdirSync } from "node:fs";
+import path from "node:path";
+import { chatBody, machine, pct, rounded, streamClient } from "./overhead-lib.mjs";
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
+);
+const REQUESTS = Number(args.requests ?? 150);
+const WARMUP = Number(args.warmup ?? 20);
+const RTTS = String(args.rtts ?? "50,150").split(",").map(Number);
+const MODEL = "rt-model";
+const CLIENT = "client-r";
+const POOL_REGION = "pool-r";
+const PROMPT_TOKENS = 64;
+const MAX_TOKENS = 16;
+
+/** `n` sequential streamed requests to `url` (after `warmup` unmeasured ones): their TTFBs. */
+async function ttfbs(url, n, headers = {}) {
+  return (await records(url, n, headers)).map((r) => r.ttfb_ms);
+}
+
+/** `n` sequential streamed requests to `url` (after `warmup` unmeasured ones): their records. */
+async function records(url, n, headers = {}) {
+  const client = streamClient(1);
+  const out = [];
+  try {
+    for (let i = 0; i < WARMUP + n; i++) {
+      const r = await client.post(url, chatBody(MODEL, PROMPT_TOKENS, MAX_TOKENS, `${Date.now()}-${i}`), { headers });
+      if (r.status !== 200 || r.error) throw new Error(`request ${i} to ${url}: ${r.status} ${r.error ?? ""}`);
+      if (i >= WARMUP) out.push(r);
+    }
+  } finally {
+    client.close();
+  }
+  return out;
+}
+
+async function gateway(rtt, hop, sim) {
+  const quiet = { handleRuntimeStdio: (o, e) => (o.resume(), e.resume()) };
+  const bindings = {
+    PROBE_INTERVAL_MS: "1000",
+    ALLOW_REGION_HEADER: "true",
+    SIMULATE_NETWORK: rtt > 0 ? "true" : "false",
+    REGION_RTT_MS: JSON.stringify({ [CLIENT]: { [POOL_REGION]: rtt } }),
+  };
+  const gw = await startWithHop({ region: POOL_REGION, bindings, hop, options: { host: "127.0.0.1", port: 0, ...quiet } });
+  const url = new URL(await gw.mf.ready).origin;
+  const admin = (p, o) => adminFetch(url, p, o);
+  const put = await admin("/admin/pools/rt", { method: "PUT", body: { region: POOL_REGION, probe_interval_ms: 60000 } });
+  if (put.status !== 200) throw new Error(`pool: ${put.status} ${await put.text()}`);
+  const reg = await admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: "rt", models: [MODEL], id: "rt-sim" } });
+  if (reg.status !== 201) throw new Error(`register: ${reg.status} ${await reg.text()}`);
+  await waitReady({ admin }, "rt-sim");
+  return { url, close: () => gw.close() };
+}
+
+const summary = (xs, plus = 0) => ({ p50: pct(xs, 50) + plus, p99: pct(xs, 99) + plus, n: xs.length });
+
+const sim = await startSim(["--model", MODEL, "--max-num-seqs", "256", "--time-scale", "1000"]);
+const rows = [];
+let breakdown = null;
+try {
+  for (const rtt of RTTS) {
+    const direct = await ttfbs(`${sim.url}/v1/chat/completions`, REQUESTS);
+    const row = { rtt_ms: rtt, unavoidable: summary(direct, rtt), direct: summary(direct) };
+    for (const [name, hop] of [["without_hop", false], ["with_hop", true]]) {
+      const g = await gateway(rtt, hop, sim);
+      try {
+        const t = await ttfbs(`${g.url}/v1/chat/completions`, REQUESTS, { "x-gateway-region": CLIENT });
+        const s = summary(t);
+        row[name] = { ...s, excess_p50: s.p50 - row.unavoidable.p50, excess_p99: s.p99 - row.unavoidable.p99 };
+      } finally {
+        await g.close();
+      }
+    }
+    rows.push(row);
+    console.log(JSON.stringify(rounded(row)));
+  }
+  // The local breakdown (no modelled network, no hop): where the gateway's own time goes, from
+  // the Server-Timing parts the Worker reports (route: pool list and the lease call to the pool's
+  // Durable Object; upstream: the backend fetch to its first byte) and the client's TTFB. The rest
+  // (Worker CPU before the acquire, the first-chunk path and the relay, the HTTP hop into workerd)
+  // is what is left: workerd's clock does not advance during pure computation, so CPU-only parts
+  // cannot be timed from inside the Worker.
+  const direct = await ttfbs(`${sim.url}/v1/chat/completions`, REQUESTS);
+  const g = await gateway(0, false, sim);
+  try {
+    const recs = await records(`${g.url}/v1/chat/completions`, REQUESTS);
+    const part = (name) => recs.map((r) => Number(new RegExp(`${name};dur=([0-9.]+)`).exec(r.server_timing ?? "")?.[1] ?? NaN));
+    const route = part("route");
+    const upstream = part("upstream");
+    const ttfb = recs.map((r) => r.ttfb_ms);
+    const rest = ttfb.map((t, i) => t - route[i] - upstream[i]);
+    breakdown = {
+      direct_ttfb: summary(direct),
+      gateway_ttfb: summary(ttfb),
+      excess_p50: pct(ttfb, 50) - pct(direct, 50),
+      route_ms: summary(route),
+      upstream_ms: summary(upstream),
+      upstream_over_direct_p50: pct(upstream, 50) - pct(direct, 50),
+      rest_ms: summary(rest),
+    };
+    console.log(JSON.stringify(rounded(breakdown)));
+  } finally {
+    await g.close();
+  }
+} finally {
+  await sim.close();
+}
+
+const date = new Date().toISOString().slice(0, 10);
+const dir = path.join(ROOT, "bench/results");
+mkdirSync(dir, { recursive: true });
+const result = { bench: "round-trips", date, requests: REQUESTS, warmup: WARMUP, machine: machine(), rows, breakdown };
+writeFileSync(path.join(dir, `round-trips-${date}.json`), JSON.stringify(rounded(result), null, 2) + "\n");
+const f = (x) => x.toFixed(1);
+const md = [
+  `# The gateway's own round trips (bench/round-trips.mjs), ${date}`,
+  "",
+  `One request at a time, ${REQUESTS} measured after ${WARMUP} warm-up, streamed, ${PROMPT_TOKENS} prompt tokens; one vllm-sim at --time-scale 1000; ` +
+    "SIMULATE_NETWORK=true with the client-to-pool round trip below (assumed, not measured). Unavoidable = direct TTFB + one round trip. TTFB in ms.",
+  "",
+  "| round trip | unavoidable p50 / p99 | without hop p50 / p99 | excess p50 / p99 | with hop p50 / p99 | excess p50 / p99 |",
+  "|---|---|---|---|---|---|",
+  ...rows.map((r) =>
+    `| ${r.rtt_ms} ms | ${f(r.unavoidable.p50)} / ${f(r.unavoidable.p99)} | ${f(r.without_hop.p50)} / ${f(r.without_hop.p99)} | ${f(r.without_hop.excess_p50)} / ${f(r.without_hop.excess_p99)} | ${f(r.with_hop.p50)} / ${f(r.with_hop.p99)} | ${f(r.with_hop.excess_p50)} / ${f(r.with_hop.excess_p99)} |`),
+  "",
+  "Locally, no modelled network, without the hop (ms, p50 / p99; route and upstream from the Worker's Server-Timing, whole ms):",
+  "",
+  "| part | p50 / p99 |",
+  "|---|---|",
+  `| direct vllm-sim TTFB | ${f(breakdown.direct_ttfb.p50)} / ${f(breakdown.direct_ttfb.p99)} |`,
+  `| gateway TTFB | ${f(breakdown.gateway_ttfb.p50)} / ${f(breakdown.gateway_ttfb.p99)} (excess p50 ${f(breakdown.excess_p50)}) |`,
+  `| route (pool list + lease call to the pool's Durable Object) | ${f(breakdown.route_ms.p50)} / ${f(breakdown.route_ms.p99)} |`,
+  `| upstream (backend fetch to first byte, from the Worker) | ${f(breakdown.upstream_ms.p50)} / ${f(breakdown.upstream_ms.p99)} |`,
+  `| rest (CPU before the acquire, first chunk, relay, HTTP into workerd) | ${f(breakdown.rest_ms.p50)} / ${f(breakdown.rest_ms.p99)} |`,
+  "",
+  `Machine: ${result.machine.nproc} cores, ${result.machine.model_name ?? "unknown CPU"}, load at start ${result.machine.loadavg_at_start.join(" ")}.`,
+  "",
+];
+writeFileSync(path.join(dir, `round-trips-${date}.md`), md.join("\n"));
+console.log(md.join("\n"));

@@ -1,0 +1,295 @@
+//! The regional hop: the edge Worker hands a planned request to a second deployment of this same
+//! Worker placed next to the chosen pool's GPUs, so the lease call and the backend fetch are local
+//! to the pool and the client pays one edge-to-pool round trip instead of two.
+//!
+//! At the edge (the default role), everything that must be decided once stays there: the client
+//! key, the rate limits (the token reservation), the body checks, the features, residency and the
+//! pool order (`regions::plan`). When the first pool's region names a service binding in the
+//! `REGIONAL_WORKERS` var (`{"eu-west": "REGIONAL_EU_WEST"}`), the request goes to that binding
+//! with the plan, the client's admission identity and the reservation in the `x-gateway-hop`
+//! header, sharing the client's abort signal, and the regional Worker's response is returned as it
+//! streams (the edge never reads its body).
+//!
+//! A Worker with `GATEWAY_ROLE = "regional"` (no public route) trusts that header, and only it
+//! does: at the edge the header is ignored and always overwritten. With the `HOP_SECRET` secret
+//! set on both, the regional Worker also requires the secret with the hop (defence in depth, in
+//! case it is ever given a route); without it, a hop is an ordinary request. The regional side walks the
+//! plan's pools (lease, fetch, relay, lease guard) and settles the reservation, as the edge would.
+
+use crate::keys::Reservation;
+use crate::regions::{self, Plan};
+use coordinator_protocol::messages::PoolEntry;
+use coordinator_protocol::ApiError;
+use routing_core::admission::AdmissionRequest;
+use routing_core::prompt::RequestFeatures;
+use routing_core::region::ChoiceReason;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use worker::{Env, Fetcher, Headers, Request, Response};
+
+/// The internal header carrying a [`HopContext`] (hex-encoded JSON) from the edge to a regional
+/// Worker.
+pub const HOP_HEADER: &str = "x-gateway-hop";
+/// The shared `HOP_SECRET`, from the edge: a regional Worker that has the secret trusts a hop
+/// only when this header carries it.
+const HOP_AUTH_HEADER: &str = "x-gateway-hop-auth";
+/// With `SIMULATE_NETWORK=true` only: how many modelled round trips the request waited out, edge
+/// and regional side together (tests count them instead of timing them).
+pub const SIMULATED_WAITS_HEADER: &str = "x-gateway-simulated-waits";
+
+/// Whether this deployment is a regional Worker (`GATEWAY_ROLE = "regional"`).
+fn is_regional(env: &Env) -> bool {
+    env.var("GATEWAY_ROLE")
+        .is_ok_and(|v| v.to_string().trim() == "regional")
+}
+
+/// The `HOP_SECRET` secret (or var) both roles share, if set.
+fn hop_secret(env: &Env) -> Option<String> {
+    env.secret("HOP_SECRET")
+        .map(|s| s.to_string())
+        .or_else(|_| env.var("HOP_SECRET").map(|s| s.to_string()))
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+/// What the edge decided, for the regional Worker that carries it out.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct HopContext {
+    /// The pools to try, in the edge's order, as the edge listed them (so a regional Worker whose
+    /// cached list is older still finds a pool created since).
+    pools: Vec<PoolEntry>,
+    /// Why the first is first (`ChoiceReason::as_str`).
+    reason: String,
+    predicted_ms: Option<u64>,
+    allowed: Vec<String>,
+    excluded: usize,
+    client_region: Option<String>,
+    /// The region the regional Worker serves (its first pool's region).
+    pub region: String,
+    /// The client's tenant, priority and wait limit, for admission.
+    pub who: AdmissionRequest,
+    /// The tokens the edge charged, for the regional side to settle (or refund).
+    pub reservation: Option<Reservation>,
+    /// The edge asked the stream for its usage event on the client's behalf: take it out again.
+    pub strip_usage_event: bool,
+}
+
+impl HopContext {
+    /// The edge's plan.
+    pub fn plan(&self) -> Plan {
+        Plan {
+            pools: self.pools.clone(),
+            reason: reason_named(&self.reason),
+            predicted_ms: self.predicted_ms,
+            allowed: self.allowed.clone(),
+            excluded: self.excluded,
+            client_region: self.client_region.clone(),
+        }
+    }
+}
+
+fn reason_named(name: &str) -> ChoiceReason {
+    match name {
+        "home" => ChoiceReason::Home,
+        "faster" => ChoiceReason::Faster,
+        "anchor_full" => ChoiceReason::AnchorFull,
+        _ => ChoiceReason::Nearest,
+    }
+}
+
+/// The hop a regional Worker was handed, when this deployment is one and the request carries it
+/// (with `HOP_SECRET` set: and the secret); `None` at the edge whatever the request says, and for
+/// a hop without the secret, which is then an ordinary request (its key is checked).
+pub fn incoming(req: &Request, env: &Env) -> Result<Option<HopContext>, ApiError> {
+    if !is_regional(env) {
+        return Ok(None);
+    }
+    let header = |name: &str| req.headers().get(name).ok().flatten();
+    let Some(value) = header(HOP_HEADER) else {
+        return Ok(None);
+    };
+    if let Some(secret) = hop_secret(env) {
+        let given = header(HOP_AUTH_HEADER).unwrap_or_default();
+        if !crate::auth::constant_time_eq(given.as_bytes(), secret.as_bytes()) {
+            return Ok(None);
+        }
+    }
+    unhex(&value)
+        .and_then(|json| serde_json::from_slice(&json).ok())
+        .map(Some)
+        .ok_or_else(|| ApiError::bad_request("malformed regional hop"))
+}
+
+/// The regional Worker of a plan's first pool, when this is the edge and one is bound.
+pub fn regional_for(env: &Env, plan: &Plan) -> Option<Regional> {
+    if is_regional(env) {
+        return None;
+    }
+    let first = plan.pools.first()?;
+    let map: HashMap<String, String> = env
+        .var("REGIONAL_WORKERS")
+        .ok()
+        .and_then(|v| serde_json::from_str(&v.to_string()).ok())?;
+    let binding = map.get(&first.region)?;
+    match env.service(binding) {
+        Ok(fetcher) => Some(Regional {
+            fetcher,
+            region: first.region.clone(),
+        }),
+        Err(_) => {
+            worker::console_error!("REGIONAL_WORKERS names {binding}, which is not bound");
+            None
+        }
+    }
+}
+
+/// A regional Worker bound to this edge Worker.
+pub struct Regional {
+    fetcher: Fetcher,
+    region: String,
+}
+
+/// What the edge hands over.
+pub struct Handoff<'a> {
+    /// The client's request (headers, URL and abort signal; its body was read already).
+    pub client: &'a Request,
+    /// The edge's environment.
+    pub env: &'a Env,
+    /// The pool order the edge chose.
+    pub plan: &'a Plan,
+    /// The client's admission identity.
+    pub who: &'a AdmissionRequest,
+    /// The tokens charged at the edge.
+    pub reservation: Option<&'a Reservation>,
+    /// The request's id (the regional Worker uses it too).
+    pub request_id: &'a str,
+    /// Whether the usage event must be taken out of the stream.
+    pub strip_usage_event: bool,
+    /// The body to send upstream.
+    pub body: &'a [u8],
+}
+
+/// Client headers the regional Worker does not get: the key (checked here), framing, the hop.
+fn withheld(name: &str) -> bool {
+    matches!(
+        name,
+        "authorization"
+            | "content-length"
+            | "transfer-encoding"
+            | "host"
+            | HOP_HEADER
+            | HOP_AUTH_HEADER
+    )
+}
+
+impl Regional {
+    /// Hands the request over (see [`Regional::forward`]) and takes what the edge still owes it:
+    /// the conversation's home pool, recorded here so its next turn is sent home as without the
+    /// hop. `None` when the regional Worker never answered (it threw): the edge serves the request
+    /// itself, with the reservation it still holds.
+    pub async fn hand_over(
+        &self,
+        h: Handoff<'_>,
+        features: &RequestFeatures,
+    ) -> Option<Result<Response, ApiError>> {
+        let (env, client) = (h.env, h.client);
+        match self.forward(h).await {
+            Ok(resp) => {
+                if let (true, Ok(Some(pool))) = (
+                    resp.status_code() < 300,
+                    resp.headers().get("x-gateway-pool"),
+                ) {
+                    regions::record_home(env, &pool, features);
+                }
+                Some(Ok(resp))
+            }
+            // The client left: the regional side saw the same abort and settles what it took.
+            Err(_) if client.inner().signal().aborted() => {
+                Some(Err(ApiError::bad_request("The client closed the request.")
+                    .with_code("client_closed_request")))
+            }
+            Err(e) => {
+                worker::console_error!("regional hop failed, serving from the edge: {e}");
+                None
+            }
+        }
+    }
+
+    /// Sends the request to the regional Worker and returns its response, streaming. An `Err`
+    /// means the regional Worker never answered (the caller may serve the request itself).
+    pub async fn forward(&self, h: Handoff<'_>) -> worker::Result<Response> {
+        let context = HopContext {
+            pools: h.plan.pools.clone(),
+            reason: h.plan.reason.as_str().to_string(),
+            predicted_ms: h.plan.predicted_ms,
+            allowed: h.plan.allowed.clone(),
+            excluded: h.plan.excluded,
+            client_region: h.plan.client_region.clone(),
+            region: self.region.clone(),
+            who: h.who.clone(),
+            reservation: h.reservation.cloned(),
+            strip_usage_event: h.strip_usage_event,
+        };
+        let json = serde_json::to_vec(&context).map_err(|e| worker::Error::from(e.to_string()))?;
+        let headers = Headers::new();
+        for (k, v) in h.client.headers().entries() {
+            if !withheld(&k) {
+                headers.append(&k, &v)?;
+            }
+        }
+        headers.set(HOP_HEADER, &crate::hex(&json))?;
+        if let Some(secret) = hop_secret(h.env) {
+            headers.set(HOP_AUTH_HEADER, &secret)?;
+        }
+        headers.set("x-request-id", h.request_id)?;
+        let init = web_sys::RequestInit::new();
+        init.set_method("POST");
+        init.set_headers(&headers.0);
+        init.set_body(&js_sys::Uint8Array::from(h.body));
+        // A hang-up at the edge aborts the hop, and so reaches the regional Worker's request.
+        init.set_signal(Some(&h.client.inner().signal()));
+        let url = h.client.url()?;
+        let request = web_sys::Request::new_with_str_and_init(url.as_str(), &init)?;
+        // The modelled network: one round trip from the client's region to the pool's.
+        let simulating = regions::simulating(h.env);
+        let mut edge_waits = 0u32;
+        if let Some(first) = h.plan.pools.first() {
+            let rtt = regions::simulated_rtt_ms(h.env, h.plan.client_region.as_deref(), first);
+            if rtt > 0 {
+                edge_waits += 1;
+                worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
+            }
+        }
+        let resp = self.fetcher.fetch_request(Request::from(request)).await?;
+        if !simulating {
+            return Ok(resp);
+        }
+        // Responses from a binding have immutable headers: copy them to count the edge's wait.
+        let copied = Headers::new();
+        for (k, v) in resp.headers().entries() {
+            copied.append(&k, &v)?;
+        }
+        let regional: u32 = copied
+            .get(SIMULATED_WAITS_HEADER)?
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        copied.set(SIMULATED_WAITS_HEADER, &(regional + edge_waits).to_string())?;
+        Ok(resp.with_headers(copied))
+    }
+}
+
+/// Bytes of a lower-case hex string, or `None` if it is not one.
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    let b = s.as_bytes();
+    if !b.len().is_multiple_of(2) {
+        return None;
+    }
+    b.chunks(2)
+        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
+        .collect()
+}

@@ -1,0 +1,219 @@
+// The regional hop (issue 27), end to end in one workerd: the built Worker as the edge gateway and
+// a second time as a regional Worker (GATEWAY_ROLE=regional) sharing its Durable Objects, reached
+// through a service binding named in REGIONAL_WORKERS; real vllm-sim backends on 127.0.0.1. A
+// request through the hop gets the same answer and headers as without it; a hang-up mid-stream
+// releases the lease; a token reservation is charged once and settled; hop headers from a public
+// request are not trusted (at the edge, and at a regional Worker without the HOP_SECRET); and with
+// SIMULATE_NETWORK the hop waits out one modelled round trip where the edge alone waits two
+// (counted, never timed).
+import { test, before, after, afterEach } from "node:test";
+import assert from "node:assert/strict";
+import { startGateway, startSim, waitFor, waitReady } from "./lib/harness.mjs";
+import { startWithHop } from "./lib/hop.mjs";
+
+const REGION = "eu-west";
+const KEY = "sk-hop-client-1";
+const HOP_SECRET = "hop-secret-test-7d2e";
+const NETWORK = {
+  ALLOW_REGION_HEADER: "true",
+  SIMULATE_NETWORK: "true",
+  REGION_RTT_MS: JSON.stringify({ "us-east": { [REGION]: 20 } }),
+};
+
+const closers = [];
+const drains = [];
+let hopGw; // edge + regional Worker, with client keys and a token limit
+let plainGw; // the same settings without the hop
+let sim; // fast
+let slow; // real-time, for the hang-up
+
+before(async () => {
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", HOP_SECRET, ...NETWORK };
+  hopGw = await startWithHop({ region: REGION, bindings });
+  plainGw = await startGateway({ bindings });
+  closers.push(hopGw, plainGw);
+  sim = await startSim(["--model", "hop-model", "--time-scale", "1000", "--seed", "7"]);
+  slow = await startSim(["--model", "hop-slow", "--time-scale", "1"]);
+  closers.push(sim, slow);
+  for (const g of [hopGw, plainGw]) {
+    await addPool(g, "hop-eu", [sim], ["hop-model"]);
+    await addPool(g, "hop-eu-slow", [slow], ["hop-slow"]);
+  }
+});
+
+after(async () => {
+  for (const c of closers.reverse()) await c.close();
+});
+
+afterEach(async () => {
+  for (const [g, name] of drains) await drained(g, name);
+});
+
+async function addPool(g, name, sims, models) {
+  const put = await g.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: REGION } });
+  assert.equal(put.status, 200, await put.text());
+  for (const [i, s] of sims.entries()) {
+    const id = `${name}-b${i}`;
+    const reg = await g.admin("/admin/backends", { method: "POST", body: { url: s.url, pool: name, models, id } });
+    assert.equal(reg.status, 201, await reg.text());
+    await waitReady(g, id);
+  }
+  drains.push([g, name]);
+}
+
+async function drained(g, name) {
+  return waitFor(async () => {
+    const r = await g.admin(`/admin/pools/${name}`);
+    return (await r.json()).in_flight === 0 ? true : null;
+  }, { timeoutMs: 20000, what: `pool ${name} leases back to zero` });
+}
+
+function chat(g, { model = "hop-model", key = KEY, stream = false, maxTokens = 8, headers = {}, signal } = {}) {
+  return g.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json", ...(key ? { authorization: `Bearer ${key}` } : {}), ...headers },
+    body: JSON.stringify({ model, messages: [{ role: "user", content: "count to ten" }], stream, max_tokens: maxTokens, ignore_eos: true }),
+    signal,
+  });
+}
+
+const ROUTING_HEADERS = ["x-gateway-pool", "x-gateway-backend", "x-gateway-pool-choice", "x-request-id"];
+
+test("through the regional Worker a request gets the same answer and headers as without the hop", async () => {
+  for (const stream of [false, true]) {
+    const opts = { stream, maxTokens: 12, headers: { "x-request-id": `hop-same-${stream}`, "x-gateway-region": "us-east" } };
+    const [a, b] = [await chat(hopGw, opts), await chat(plainGw, opts)];
+    assert.equal(a.status, 200, await a.clone().text());
+    assert.equal(b.status, 200);
+    for (const h of ROUTING_HEADERS) assert.equal(a.headers.get(h), b.headers.get(h), h);
+    assert.equal(a.headers.get("x-gateway-pool"), "hop-eu");
+    // Served through the hop (one modelled wait), not by the edge's fallback (two).
+    assert.equal(a.headers.get("x-gateway-simulated-waits"), "1");
+    assert.equal(b.headers.get("x-gateway-simulated-waits"), "2");
+    assert.equal(a.headers.get("content-type"), b.headers.get("content-type"));
+    const [ta, tb] = [await a.text(), await b.text()];
+    if (!stream) {
+      const [ja, jb] = [JSON.parse(ta), JSON.parse(tb)];
+      assert.deepEqual(ja.usage, jb.usage);
+      assert.equal(ja.choices[0].message.content, jb.choices[0].message.content);
+    } else {
+      // The client did not ask for usage: neither path lets the gateway's own usage event through.
+      assert.ok(!ta.includes('"usage":{'), "usage event leaked through the hop");
+      assert.ok(ta.trimEnd().endsWith("data: [DONE]"));
+      const events = (t) => t.split("\n\n").filter((e) => e.startsWith("data: ")).length;
+      assert.equal(events(ta), events(tb));
+    }
+  }
+});
+
+test("a hang-up at the edge mid-stream reaches the regional Worker and its lease is released", async () => {
+  const ctl = new AbortController();
+  const r = await chat(hopGw, { model: "hop-slow", stream: true, maxTokens: 400, signal: ctl.signal, headers: { "x-gateway-region": "us-east" } });
+  assert.equal(r.status, 200);
+  assert.equal(r.headers.get("x-gateway-pool"), "hop-eu-slow");
+  assert.equal(r.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  const reader = r.body.getReader();
+  assert.ok(!(await reader.read()).done);
+  const pool = await (await hopGw.admin("/admin/pools/hop-eu-slow")).json();
+  assert.equal(pool.in_flight, 1);
+  ctl.abort();
+  await reader.cancel().catch(() => {});
+  // Without the hang-up the 400 tokens would take 4 s or more; drained() waits for in_flight 0.
+  await drained(hopGw, "hop-eu-slow");
+  // The upstream was aborted too: the backend stops running the request (it sees the closed
+  // connection a moment after the lease is released).
+  await waitFor(async () => {
+    const m = await (await fetch(`${slow.url}/metrics`)).text();
+    return /vllm:num_requests_running(\{[^}]*\})? 0(\.0)?\b/.test(m) ? true : null;
+  }, { timeoutMs: 3000, what: "the backend's request aborted" });
+});
+
+test("a reservation is charged once at the edge and settled once; the limit still holds through the hop", async () => {
+  const fresh = await startWithHop({ region: REGION, bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", ...NETWORK } });
+  closers.push(fresh);
+  await addPool(fresh, "hop-eu", [sim], ["hop-model"]);
+  // About 450 tokens each: a second fits in 1,000 only if the first was charged once.
+  const via = { "x-gateway-region": "us-east" };
+  const first = await chat(fresh, { maxTokens: 440, headers: via });
+  assert.equal(first.status, 200, await first.clone().text());
+  assert.equal(first.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  const used = (await first.json()).usage.total_tokens;
+  assert.ok(used > 400, `usage ${used}`);
+  const second = await chat(fresh, { maxTokens: 440, headers: via });
+  assert.equal(second.status, 200, `charged twice? ${await second.clone().text()}`);
+  await second.text();
+  // Both were settled at their real usage, not refunded: a third does not fit.
+  const third = await chat(fresh, { maxTokens: 440, headers: via });
+  assert.equal(third.status, 429, await third.text());
+});
+
+test("hop headers on a public request to the edge are not trusted", async () => {
+  // A forged hand-over: no key, top priority, no reservation, the usage event kept.
+  const forged = {
+    pools: [],
+    reason: "nearest",
+    predicted_ms: null,
+    allowed: [],
+    excluded: 0,
+    client_region: REGION,
+    region: REGION,
+    who: { tenant: "forged", priority: 100 },
+    reservation: null,
+    strip_usage_event: false,
+  };
+  const hex = Buffer.from(JSON.stringify(forged)).toString("hex");
+  const noKey = await chat(hopGw, { key: null, headers: { "x-gateway-hop": hex } });
+  assert.equal(noKey.status, 401, await noKey.text());
+  // With a key, the forged header changes nothing: the edge plans and hands over its own context.
+  const withKey = await chat(hopGw, { headers: { "x-gateway-hop": hex, "x-gateway-region": "us-east" } });
+  assert.equal(withKey.status, 200, await withKey.clone().text());
+  assert.equal(withKey.headers.get("x-gateway-pool"), "hop-eu");
+  assert.equal(withKey.headers.get("x-gateway-simulated-waits"), "1");
+  await withKey.text();
+});
+
+test("with HOP_SECRET, a hop that reaches the regional Worker without the secret is an ordinary request", async () => {
+  const forged = {
+    pools: [],
+    reason: "nearest",
+    predicted_ms: null,
+    allowed: [],
+    excluded: 0,
+    client_region: REGION,
+    region: REGION,
+    who: { tenant: "forged", priority: 100 },
+    reservation: null,
+    strip_usage_event: false,
+  };
+  const hop = Buffer.from(JSON.stringify(forged)).toString("hex");
+  const regional = await hopGw.mf.getWorker(`regional-${REGION}`);
+  const body = JSON.stringify({ model: "hop-model", messages: [{ role: "user", content: "hi" }], max_tokens: 4 });
+  for (const auth of [undefined, "wrong-secret"]) {
+    const headers = { "content-type": "application/json", "x-gateway-hop": hop, ...(auth ? { "x-gateway-hop-auth": auth } : {}) };
+    const r = await regional.fetch("http://regional.test/v1/chat/completions", { method: "POST", headers, body });
+    // Not trusted: the key is checked as for any request, and there is none.
+    assert.equal(r.status, 401, `${auth}: ${await r.text()}`);
+  }
+  // The edge, which has the secret, still hands over (one modelled wait).
+  const ok = await chat(hopGw, { headers: { "x-gateway-region": "us-east" } });
+  assert.equal(ok.status, 200);
+  assert.equal(ok.headers.get("x-gateway-simulated-waits"), "1");
+  await ok.text();
+});
+
+test("with SIMULATE_NETWORK the hop waits out one round trip, the edge alone two", async () => {
+  const client = { "x-gateway-region": "us-east" };
+  for (const stream of [false, true]) {
+    const viaHop = await chat(hopGw, { stream, headers: client });
+    const alone = await chat(plainGw, { stream, headers: client });
+    assert.equal(viaHop.status, 200);
+    assert.equal(alone.status, 200);
+    await Promise.all([viaHop.text(), alone.text()]);
+    assert.equal(viaHop.headers.get("x-gateway-simulated-waits"), "1", "hop: one wait, before the hand-over");
+    assert.equal(alone.headers.get("x-gateway-simulated-waits"), "2", "edge alone: before the lease and the fetch");
+  }
+  // A client in the pool's own region waits nothing either way.
+  const local = await chat(hopGw, { headers: { "x-gateway-region": REGION } });
+  assert.equal(local.headers.get("x-gateway-simulated-waits"), "0");
+  await local.text();
+});
