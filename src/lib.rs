@@ -413,7 +413,14 @@ async fn completion(
                     let rtt = now.saturating_sub(asked_ms);
                     regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);
                 }
-                regions::served(env, &pool, &features, grant.lease_id, now);
+                if let Some(card) = &grant.card {
+                    regions::fresh_card(&pool.name, card);
+                }
+                let served_by = PoolEntry {
+                    card: grant.card.as_deref().cloned().or(pool.card.clone()),
+                    ..pool.clone()
+                };
+                regions::served(env, &served_by, &features, grant.lease_id, now);
                 let mut extra = vec![("x-gateway-pool-choice", note.reason.clone())];
                 if let (Some(ms), "nearest" | "home" | "faster" | "anchor_full") =
                     (plan.predicted_ms, note.reason.as_str())

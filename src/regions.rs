@@ -22,7 +22,7 @@ use coordinator_protocol::ApiError;
 use routing_core::prompt::RequestFeatures;
 use routing_core::region::choice::allowed_in;
 use routing_core::region::{
-    order_pools, ChoiceConfig, ChoiceReason, HomePools, NetworkModel, PoolOption,
+    order_pools, ChoiceConfig, ChoiceReason, HomePools, NetworkModel, PoolOption, TimeCard,
 };
 use routing_core::ring::key_hash;
 use std::cell::{OnceCell, RefCell};
@@ -48,6 +48,22 @@ thread_local! {
     /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
     /// pool's card are counted in it and dropped).
     static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
+}
+
+thread_local! {
+    /// The newest time card a grant brought from each pool (fresher than the pool list's copy
+    /// for the pools this isolate sends to; one per pool).
+    static GRANT_CARDS: RefCell<HashMap<String, TimeCard>> = RefCell::new(HashMap::new());
+}
+
+/// Keeps the card a grant from `pool` carried, when it is newer than the one kept.
+pub fn fresh_card(pool: &str, card: &TimeCard) {
+    GRANT_CARDS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.get(pool).is_none_or(|kept| kept.at_ms < card.at_ms) {
+            c.insert(pool.to_string(), card.clone());
+        }
+    });
 }
 
 /// Sends remembered per pool.
@@ -180,6 +196,20 @@ pub fn plan(
 ) -> Result<Plan, ApiError> {
     let region = client_region(req, settings);
     let mut pools = pools;
+    // Each pool's newest card: the pool list's, or a later grant's.
+    GRANT_CARDS.with(|c| {
+        let c = c.borrow();
+        for p in &mut pools {
+            if let Some(fresh) = c.get(&p.name) {
+                if p.card
+                    .as_ref()
+                    .is_none_or(|listed| listed.at_ms < fresh.at_ms)
+                {
+                    p.card = Some(fresh.clone());
+                }
+            }
+        }
+    });
     // Proximity: the client's region first, then by configured round trip (directory order for
     // ties and unknowns).
     with_network(env, |net| {

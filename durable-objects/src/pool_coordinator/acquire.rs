@@ -125,8 +125,15 @@ impl PoolCoordinator {
     /// The answer to an acquire whose wait ended.
     pub(super) fn answer(&self, verdict: Verdict) -> ApiResult {
         match verdict {
-            Verdict::Granted { grant, waited_ms } => {
-                self.with(|l| l.budget.record_request(now_ms(), &l.settings.retry_budget));
+            Verdict::Granted {
+                mut grant,
+                waited_ms,
+            } => {
+                self.with(|l| {
+                    let now = now_ms();
+                    l.budget.record_request(now, &l.settings.retry_budget);
+                    grant.card = Some(Box::new(card::grant_card(l, now)));
+                });
                 let mut resp = answer(200, &grant)?;
                 // Absent means no wait (the Worker reads it so); a header costs a call into JS.
                 if waited_ms > 0 {

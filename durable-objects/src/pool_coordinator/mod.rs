@@ -127,6 +127,8 @@ struct Live {
     history: History,
     /// Acquires by why the Worker chose this pool.
     routed: routing_core::region::RoutedCounts,
+    /// The time card grants carry, kept for a quarter second.
+    grant_card: Option<routing_core::region::TimeCard>,
 }
 
 /// The pool's load, measured now.
@@ -383,6 +385,7 @@ impl PoolCoordinator {
             load: PoolLoad::default(),
             persisted: HashMap::new(),
             routed: Default::default(),
+            grant_card: None,
         });
         self.with(|l| {
             shards::apply_shard_settings(l);

@@ -77,6 +77,10 @@ pub struct Grant {
     /// alternative's (the Worker shows it as `x-gateway-route-receipt` and logs it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub receipt: Option<RouteReceipt>,
+    /// The pool's time card, at most a quarter second old, so the Worker's copy of the pools it
+    /// uses is as fresh as its last grant (the directory's copy covers the others).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub card: Option<Box<crate::region::TimeCard>>,
 }
 
 /// A decision's compact receipt: what the time model predicted for the backend chosen and for the

@@ -83,6 +83,8 @@ impl Pool {
             deadline_ms,
             predicted_ttft_ms: whole_ms(chosen.ttft_ms),
             receipt,
+            // The coordinator adds its card (it holds the queue the card counts).
+            card: None,
         }
     }
 
