@@ -208,7 +208,7 @@ const f = (x) => (x === null || x === undefined ? "-" : Math.round(x).toLocaleSt
 const lines = [
   `# Cross-region routing, ${date}`,
   "",
-  `3 regions, ${SIMS} vllm-sim x ${SEQS} sequences each (a pool serves about ${POOL_RATE.toFixed(1)} requests/s of ${PROMPT_TOKENS}-token prompts and ${MAX_TOKENS}-token answers); r-a's clients at ${LOAD}x its pool, r-b and r-c at ${LIGHT}x, ${SECONDS} s of seeded Poisson arrivals; modelled round trips ${JSON.stringify(REGION_RTT)} ms, paid twice per request (lease and fetch). Machine: ${result.machine.cpu ?? ""}.`,
+  `3 regions, ${SIMS} vllm-sim x ${SEQS} sequences each (a pool serves about ${POOL_RATE.toFixed(1)} requests/s of ${PROMPT_TOKENS}-token prompts and ${MAX_TOKENS}-token answers); r-a's clients at ${LOAD}x its pool, r-b and r-c at ${LIGHT}x, ${SECONDS} s of seeded Poisson arrivals; modelled round trips ${JSON.stringify(REGION_RTT)} ms, paid twice per request (lease and fetch). Machine: ${result.machine.nproc} cores, ${result.machine.model_name ?? ""}, load at start ${(result.machine.loadavg_at_start ?? []).join(" ")}.`,
   "",
   "| client region | mode | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | served elsewhere | failed |",
   "|---|---|---|---|---|---|---|---|",
