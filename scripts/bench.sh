@@ -23,6 +23,7 @@ shift || true
 PORT="${BENCH_PORT:-8799}"
 GATEWAY="http://127.0.0.1:$PORT"
 TMP="bench/tmp"
+mkdir -p "$TMP"
 LOADGEN="${LOADGEN_BIN:-target/release/loadgen}"
 # Bounds of the whole run (the quick one is meant to take under 8 minutes, the full one under 30,
 # the trace replays under 15).
