@@ -122,6 +122,8 @@ pub struct GuardSetup<'a> {
     pub renew_every: Duration,
     /// The client's token reservation, settled when the request ends.
     pub reservation: Option<Reservation>,
+    /// Why the Worker asked this pool (`nearest`, `home`, `faster`, `anchor_full`, `spill`).
+    pub pool_choice: &'static str,
 }
 
 impl LeaseGuard {
@@ -142,6 +144,7 @@ impl LeaseGuard {
         let task = Task {
             env: setup.env.clone(),
             pool: setup.pool,
+            pool_choice: setup.pool_choice,
             shard: setup.shard,
             record: record.clone(),
             renew_every: setup.renew_every,
@@ -252,6 +255,7 @@ pub fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
 struct Task {
     env: Env,
     pool: String,
+    pool_choice: &'static str,
     shard: u32,
     record: Rc<RefCell<Record>>,
     renew_every: Duration,
@@ -317,6 +321,7 @@ impl Task {
                 resumed_from: &resumed_from,
                 attempts,
                 receipt: receipt.as_ref(),
+                pool_choice: self.pool_choice,
             },
             &ending.outcome,
             Date::now().as_millis().saturating_sub(self.started_ms),
@@ -450,6 +455,8 @@ struct Served<'a> {
     attempts: u32,
     /// The decision's receipt: the backend chosen first, and what was predicted.
     receipt: Option<&'a (BackendId, RouteReceipt)>,
+    /// Why the Worker asked this pool.
+    pool_choice: &'static str,
 }
 
 /// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
@@ -466,6 +473,7 @@ fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
         event: "request",
         outcome: outcome.kind,
         pool: served.pool,
+        pool_choice: served.pool_choice,
         prompt_tokens: outcome.prompt_tokens,
         request_id: served.request_id,
         resumed_from: resumed.then_some(served.resumed_from),
@@ -493,6 +501,7 @@ struct AccessLine<'a> {
     event: &'static str,
     outcome: OutcomeKind,
     pool: &'a str,
+    pool_choice: &'static str,
     prompt_tokens: Option<u32>,
     request_id: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]

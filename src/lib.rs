@@ -355,13 +355,11 @@ async fn completion(
     };
     let mut simulated_waits = 0u32;
     let first_pool = plan.pools.first().map(|p| p.name.clone());
-    let note_for = |pool: &PoolEntry| ChoiceNote {
-        reason: match first_pool.as_deref() == Some(pool.name.as_str()) {
+    let reason_for = |pool: &PoolEntry| -> &'static str {
+        match first_pool.as_deref() == Some(pool.name.as_str()) {
             true => plan.reason.as_str(),
             false => "spill",
         }
-        .to_string(),
-        cross_region: plan.cross_region(pool),
     };
     let pools = plan.pools.clone();
     let mut last_err = ApiError::model_not_found(&features.model);
@@ -386,7 +384,11 @@ async fn completion(
         };
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
         let shard = shard_of_request(pool.shards, &features);
-        let note = note_for(&pool);
+        let pool_choice = reason_for(&pool);
+        let note = ChoiceNote {
+            reason: pool_choice.to_string(),
+            cross_region: plan.cross_region(&pool),
+        };
         acquire_body.set_choice(&note);
         let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), &pool);
         let asked_ms = Date::now().as_millis();
@@ -454,6 +456,7 @@ async fn completion(
                     },
                     hung_up: &hung_up,
                     renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
+                    pool_choice,
                     reservation,
                 });
                 let forward = proxy::Forward {
