@@ -322,7 +322,7 @@ async fn completion(
             regions::plan(&req, env, &settings, listed, &features, started)
         }
     };
-    let plan = match planned {
+    let mut plan = match planned {
         Ok(plan) => plan,
         Err(e) => {
             refund(ctx, env, reservation);
@@ -361,7 +361,7 @@ async fn completion(
             false => "spill",
         }
     };
-    let pools = plan.pools.clone();
+    let pools = std::mem::take(&mut plan.pools);
     let mut last_err = ApiError::model_not_found(&features.model);
     let count = pools.len();
     // The nearest pool that refused only because it was saturated: the fallback when no later
@@ -418,15 +418,11 @@ async fn completion(
                 if let Some(card) = &grant.card {
                     regions::fresh_card(&pool.name, card);
                 }
-                let served_by = PoolEntry {
-                    card: grant.card.as_deref().cloned().or(pool.card.clone()),
-                    ..pool.clone()
-                };
-                regions::served(env, &served_by, &features, grant.lease_id, now);
-                let mut extra = vec![("x-gateway-pool-choice", note.reason.clone())];
-                if let (Some(ms), "nearest" | "home" | "faster" | "anchor_full") =
-                    (plan.predicted_ms, note.reason.as_str())
-                {
+                let card = grant.card.as_deref().or(pool.card.as_ref());
+                regions::served(env, &pool.name, card, &features, grant.lease_id, now);
+                let mut extra = vec![("x-gateway-pool-choice", pool_choice.to_string())];
+                // The prediction is the planned first pool's, not a spill's.
+                if let (Some(ms), false) = (plan.predicted_ms, pool_choice == "spill") {
                     extra.push(("x-gateway-pool-predicted-ms", ms.to_string()));
                 }
                 if queued_ms > 0 {

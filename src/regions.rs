@@ -48,9 +48,6 @@ thread_local! {
     /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
     /// pool's card are counted in it and dropped).
     static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
-}
-
-thread_local! {
     /// The newest time card a grant brought from each pool (fresher than the pool list's copy
     /// for the pools this isolate sends to; one per pool).
     static GRANT_CARDS: RefCell<HashMap<String, TimeCard>> = RefCell::new(HashMap::new());
@@ -113,6 +110,11 @@ fn read_settings(env: &Env) -> RegionSettings {
     }
 }
 
+/// Reads this isolate's region settings (from `env`, the first time).
+fn with_settings<R>(env: &Env, f: impl FnOnce(&RegionSettings) -> R) -> R {
+    SETTINGS.with(|s| f(s.get_or_init(|| read_settings(env))))
+}
+
 fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
     NETWORK.with(|n| {
         let cell = n.get_or_init(|| {
@@ -131,7 +133,7 @@ fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
 }
 
 fn with_homes<R>(env: &Env, f: impl FnOnce(&mut HomePools) -> R) -> R {
-    let capacity = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).home_capacity);
+    let capacity = with_settings(env, |s| s.home_capacity);
     HOMES.with(|h| {
         f(&mut h
             .get_or_init(|| RefCell::new(HomePools::new(capacity)))
@@ -238,7 +240,7 @@ pub fn plan(
     let excluded = listed - pools.len();
     // Pools whose card says they lack the model go last.
     pools.sort_by_key(|p| p.card.as_ref().is_some_and(|c| !c.serves(&features.model)));
-    let config = SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).choice);
+    let config = with_settings(env, |s| s.choice);
     let key = features.routing_key.as_deref().map(key_hash);
     let home = with_homes(env, |h| {
         h.lookup(&features.block_hashes, key)
@@ -297,17 +299,24 @@ pub fn residency_error(allowed: &[String]) -> ApiError {
     .with_code("residency_unavailable")
 }
 
-/// Records that `pool` took the request (its lease `lease`) at `now_ms`: its home for the
-/// conversation's next turn, and one more request its card does not know of, until it ends
-/// ([`finished`]).
-pub fn served(env: &Env, pool: &PoolEntry, features: &RequestFeatures, lease: u64, now_ms: u64) {
-    record_home(env, &pool.name, features);
-    let Some(card) = &pool.card else {
+/// Records that `pool` (with its newest `card`) took the request (its lease `lease`) at `now_ms`:
+/// its home for the conversation's next turn, and one more request the card does not know of,
+/// until it ends ([`finished`]).
+pub fn served(
+    env: &Env,
+    pool: &str,
+    card: Option<&TimeCard>,
+    features: &RequestFeatures,
+    lease: u64,
+    now_ms: u64,
+) {
+    record_home(env, pool, features);
+    let Some(card) = card else {
         return;
     };
     SENT.with(|s| {
         let mut s = s.borrow_mut();
-        let list = s.entry(pool.name.clone()).or_default();
+        let list = s.entry(pool.to_string()).or_default();
         // Those sent before this card are counted in it.
         while list.front().is_some_and(|x| x.at_ms < card.at_ms) || list.len() >= SENT_KEPT {
             list.pop_front();
@@ -353,7 +362,7 @@ pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry
 
 /// Whether `SIMULATE_NETWORK` is on (local benchmarks and tests).
 pub fn simulating(env: &Env) -> bool {
-    SETTINGS.with(|s| s.get_or_init(|| read_settings(env)).simulate_network)
+    with_settings(env, |s| s.simulate_network)
 }
 
 /// Records one measured round trip to `pool` from a client in `client_region` (an acquire that
