@@ -110,7 +110,7 @@ impl GatewayDirectory {
             }
             Route::PutCard(name) => {
                 let card: TimeCard = read_body(req, "time card").await?;
-                let known = self.list()?.iter().any(|p| p.name == name);
+                let known = self.has_pool(&name)?;
                 if known {
                     self.cards.borrow_mut().insert(name, card);
                 }
@@ -196,6 +196,19 @@ impl GatewayDirectory {
         }
         let rows: Vec<Row> = self
             .sql("SELECT value FROM meta WHERE name = 'keys_minted'", vec![])?
+            .to_array()?;
+        Ok(!rows.is_empty())
+    }
+
+    /// Whether the directory lists `pool`.
+    fn has_pool(&self, pool: &str) -> std::result::Result<bool, ApiError> {
+        #[derive(serde::Deserialize)]
+        struct Row {
+            #[allow(dead_code)]
+            name: String,
+        }
+        let rows: Vec<Row> = self
+            .sql("SELECT name FROM pools WHERE name = ?", vec![pool.into()])?
             .to_array()?;
         Ok(!rows.is_empty())
     }
