@@ -14,6 +14,7 @@ import { startGateway, startSim, waitReady, waitFor } from "../tests/lib/harness
 import { writeFileSync, mkdirSync } from "node:fs";
 import path from "node:path";
 import { ROOT } from "../tests/lib/harness.mjs";
+import { rng } from "./overhead-lib.mjs";
 
 const args = Object.fromEntries(
   process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
@@ -37,17 +38,6 @@ const SLOTS = SIMS * SEQS;
 // Arrival rates: `share` of the sequence-seconds each, together LOAD x the fleet's slots.
 const RATES = Object.fromEntries(Object.entries(TENANTS).map(([k, t]) => [k, (LOAD * SLOTS * t.share) / serviceS(t)]));
 const ADMISSION = { enabled: true, max_wait_ms: 15000, max_queue: 2000, max_queue_per_tenant: 0, poll_ms: 5000 };
-
-function rng(seed) {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 /** Seeded Poisson arrivals of both tenants over SECONDS, in time order. */
 function schedule(seed) {

@@ -1,6 +1,7 @@
 // Shared pieces of the overhead benchmarks (bench/overhead.mjs): the workerd process's CPU time,
 // percentiles, a closed-loop driver, a streaming HTTP client that times the first body byte, the
-// machine's description, and prompts of a given token count.
+// machine's description, prompts of a given token count, and a seeded PRNG (also for bench/admission.mjs
+// and bench/regions.mjs).
 //
 // CPU is read from /proc/<pid>/stat (utime + stime, in clock ticks of 1/CLK_TCK s, 10 ms here):
 // the whole workerd process, every thread, including threads that already exited.
@@ -83,6 +84,18 @@ export async function idleCpuRate(pid, seconds) {
 }
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** A small seeded PRNG (mulberry32): `rng(seed)()` is uniform in [0, 1), the same for a seed. */
+export function rng(seed) {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
 
 /** Percentile `p` (0-100) of `xs`, nearest rank; null when empty. */
 export function pct(xs, p) {

@@ -20,7 +20,7 @@
 import { startGateway, startSim, waitReady, waitFor, ROOT } from "../tests/lib/harness.mjs";
 import { writeFileSync, mkdirSync } from "node:fs";
 import path from "node:path";
-import { machine, pct } from "./overhead-lib.mjs";
+import { machine, pct, rng } from "./overhead-lib.mjs";
 
 const args = Object.fromEntries(
   process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
@@ -40,17 +40,6 @@ const MAX_TOKENS = 60;
 // vllm-sim's model: 10 ms per decode step plus 0.15 ms per running sequence, 100 us per prompt token.
 const SERVICE_S = (PROMPT_TOKENS * 0.1 + MAX_TOKENS * (10 + 0.15 * SEQS)) / 1000;
 const POOL_RATE = (SIMS * SEQS) / SERVICE_S;
-
-function rng(seed) {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 /** Seeded Poisson arrivals per region (`loads[region]` x a pool's capacity) over `seconds`. */
 function schedule(loads, seconds, seed) {
