@@ -9,14 +9,14 @@
 //! `Connection: close`. The assertions compare the sim's own figures with each other (sums,
 //! zero / non-zero, which part dominates), never against a clock.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::io::Read;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-const PATIENCE: Duration = Duration::from_secs(20);
+mod common;
+use common::{Reply, PATIENCE};
 
 /// A running sim, killed when dropped.
 struct Sim {
@@ -32,22 +32,12 @@ struct Client {
 
 impl Sim {
     fn start(extra: &[&str]) -> Sim {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
-            .args(["--port", "0", "--model", "m", "--time-scale", "4"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the sim starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("the sim prints its address");
-        let address = line
-            .trim()
-            .strip_prefix("vllm-sim listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        let args: Vec<&str> = ["--model", "m", "--time-scale", "4"]
+            .iter()
+            .chain(extra)
+            .copied()
+            .collect();
+        let (child, address) = common::spawn(&args);
         Sim {
             child,
             client: Client { address },
@@ -58,30 +48,10 @@ impl Sim {
 impl Client {
     /// One request, read until the server closes; returns the de-chunked body.
     fn exchange(&self, method: &str, path: &str, body: &str) -> String {
-        let mut stream = TcpStream::connect(&self.address).expect("connects");
-        stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n",
-            self.address,
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).expect("writes");
-        stream.write_all(body.as_bytes()).expect("writes");
+        let mut stream = common::send(&self.address, method, path, body);
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).expect("reads to the end");
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a head");
-        let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-        let rest = &raw[split + 4..];
-        let body = if head.contains("transfer-encoding: chunked") {
-            dechunk(rest)
-        } else {
-            rest.to_vec()
-        };
-        String::from_utf8_lossy(&body).into_owned()
+        Reply::parse(&raw).text()
     }
 
     /// A streamed chat completion of `prompt_tokens` tokens and exactly `max_tokens` output
@@ -130,21 +100,6 @@ impl Drop for Sim {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn dechunk(mut rest: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
-        let size =
-            usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap_or("0").trim(), 16)
-                .unwrap_or(0);
-        if size == 0 || rest.len() < eol + 2 + size {
-            break;
-        }
-        out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
-        rest = &rest[(eol + 4 + size).min(rest.len())..];
-    }
-    out
 }
 
 /// Queue, own prefill, decode interference and the total, ms.
