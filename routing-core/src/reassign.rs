@@ -105,12 +105,17 @@ mod tests {
     use crate::random::SplitMix64;
 
     fn pool(n: usize) -> Pool {
+        pool_serving(n, &["m", "other"])
+    }
+
+    /// A pool of `n` ready backends, each serving `models`.
+    fn pool_serving(n: usize, models: &[&str]) -> Pool {
         let mut pool = Pool::new("p", PoolConfig::default());
         for i in 0..n {
             let spec = BackendSpec {
                 id: format!("b{i}").as_str().into(),
                 url: format!("http://b{i}:8000"),
-                models: vec!["m".into(), "other".into()],
+                models: models.iter().map(|m| m.to_string()).collect(),
                 ..BackendSpec::default()
             };
             add_ready(&mut pool, spec);
@@ -217,16 +222,7 @@ mod tests {
 
     #[test]
     fn a_one_model_backend_that_lost_its_model_stops_being_chosen_until_probed() {
-        let mut pool = Pool::new("p", PoolConfig::default());
-        for i in 0..2 {
-            let spec = BackendSpec {
-                id: format!("b{i}").as_str().into(),
-                url: format!("http://b{i}:8000"),
-                models: vec!["m".into()],
-                ..BackendSpec::default()
-            };
-            add_ready(&mut pool, spec);
-        }
+        let mut pool = pool_serving(2, &["m"]);
         let grant = pool
             .acquire(&features(), 1, &mut SplitMix64::new(1))
             .unwrap();
