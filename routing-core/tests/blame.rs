@@ -7,29 +7,17 @@
 mod common;
 
 use routing_core::{
-    BackendId, BackendSpec, BreakerConfig, BreakerState, Outcome, OutcomeKind, PolicyKind, Pool,
-    PoolConfig, RequestFeatures, SplitMix64,
+    BackendId, BreakerConfig, BreakerState, Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig,
+    RequestFeatures, SplitMix64,
 };
 
 fn pool(n: usize, breaker: BreakerConfig) -> Pool {
-    let mut pool = Pool::new(
-        "p",
-        PoolConfig {
-            policy: PolicyKind::RoundRobin,
-            breaker,
-            ..PoolConfig::default()
-        },
-    );
-    for i in 0..n {
-        let spec = BackendSpec {
-            id: format!("b{i}").into(),
-            url: format!("http://b{i}:8000"),
-            models: vec!["m".into()],
-            ..BackendSpec::default()
-        };
-        common::add_ready(&mut pool, spec);
-    }
-    pool
+    let config = PoolConfig {
+        policy: PolicyKind::RoundRobin,
+        breaker,
+        ..PoolConfig::default()
+    };
+    common::small_pool(config, n)
 }
 
 fn features() -> RequestFeatures {

@@ -6,31 +6,19 @@ mod common;
 
 use routing_core::lease::LeaseTerms;
 use routing_core::{
-    BackendId, BackendSpec, Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig, PoolError,
-    ProbeResult, RequestFeatures, SplitMix64,
+    BackendId, Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig, PoolError, ProbeResult,
+    RequestFeatures, SplitMix64,
 };
 
 const TTL: u64 = 10_000;
 
 fn pool(n: usize) -> Pool {
-    let mut pool = Pool::new(
-        "p",
-        PoolConfig {
-            policy: PolicyKind::RoundRobin,
-            lease_ttl_ms: TTL,
-            ..PoolConfig::default()
-        },
-    );
-    for i in 0..n {
-        let spec = BackendSpec {
-            id: format!("b{i}").into(),
-            url: format!("http://b{i}:8000"),
-            models: vec!["m".into()],
-            ..BackendSpec::default()
-        };
-        common::add_ready(&mut pool, spec);
-    }
-    pool
+    let config = PoolConfig {
+        policy: PolicyKind::RoundRobin,
+        lease_ttl_ms: TTL,
+        ..PoolConfig::default()
+    };
+    common::small_pool(config, n)
 }
 
 fn features() -> RequestFeatures {

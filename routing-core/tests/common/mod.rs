@@ -45,6 +45,22 @@ pub fn screened_knobs() -> routing_core::policy::PredictedLatencyConfig {
         .unwrap_or_default()
 }
 
+/// A pool named `p` with `config` and `n` backends `b0`, `b1`, ... serving model `m`, each probed
+/// up at time 0.
+pub fn small_pool(config: PoolConfig, n: usize) -> Pool {
+    let mut pool = Pool::new("p", config);
+    for i in 0..n {
+        let spec = BackendSpec {
+            id: format!("b{i}").into(),
+            url: format!("http://b{i}:8000"),
+            models: vec!["m".into()],
+            ..BackendSpec::default()
+        };
+        add_ready(&mut pool, spec);
+    }
+    pool
+}
+
 /// Adds `spec` to `pool` at time 0 and has it probed healthy, so it takes requests.
 pub fn add_ready(pool: &mut Pool, spec: BackendSpec) -> BackendId {
     let id = pool.add_backend(spec, 0).unwrap();
