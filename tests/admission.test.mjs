@@ -5,7 +5,7 @@
 // errors; leases, queue lengths and in-flight counters return to zero after every test.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, poolObjectCall, ADMIN_TOKEN } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, errorBody, parseMetrics, metricValue, poolObjectCall, ADMIN_TOKEN, drained, poolState } from "./lib/harness.mjs";
 
 let gw;
 const sims = [];
@@ -24,20 +24,6 @@ afterEach(async () => {
   // Whatever a test did, nothing stays queued or leased.
   for (const name of pools) await drained(gw, name);
 });
-
-/** Waits until `pool` has no lease, nothing queued and no in-flight tokens. */
-async function drained(g, name) {
-  return waitFor(async () => {
-    const s = await poolState(g, name);
-    return s.in_flight === 0 && s.in_flight_tokens === 0 && s.queue.length === 0 ? s : null;
-  }, { timeoutMs: 15000, what: `pool ${name} leases and queue back to zero` });
-}
-
-async function poolState(g, name) {
-  const r = await g.admin(`/admin/pools/${name}`);
-  assert.equal(r.status, 200);
-  return r.json();
-}
 
 let poolCount = 0;
 /**

@@ -8,7 +8,7 @@
 // (counted, never timed).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, drained } from "./lib/harness.mjs";
 import { startWithHop } from "./lib/hop.mjs";
 
 const REGION = "eu-west";
@@ -59,13 +59,6 @@ async function addPool(g, name, sims, models) {
     await waitReady(g, id);
   }
   drains.push([g, name]);
-}
-
-async function drained(g, name) {
-  return waitFor(async () => {
-    const r = await g.admin(`/admin/pools/${name}`);
-    return (await r.json()).in_flight === 0 ? true : null;
-  }, { timeoutMs: 20000, what: `pool ${name} leases back to zero` });
 }
 
 function chat(g, { model = "hop-model", key = KEY, stream = false, maxTokens = 8, headers = {}, signal } = {}) {

@@ -5,7 +5,7 @@
 // under overload included; a stale time card is not trusted. Leases return to zero after each test.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, parseMetrics, metricValue, ADMIN_TOKEN } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, parseMetrics, metricValue, ADMIN_TOKEN, drained, poolState } from "./lib/harness.mjs";
 import { startDelayProxy } from "./lib/delay-proxy.mjs";
 
 const RTT_MS = 60;
@@ -33,16 +33,6 @@ after(async () => {
 afterEach(async () => {
   for (const name of pools.splice(0)) await drained(gw, name);
 });
-
-async function poolState(g, name) {
-  const r = await g.admin(`/admin/pools/${name}`);
-  assert.equal(r.status, 200);
-  return r.json();
-}
-
-async function drained(g, name) {
-  return waitFor(async () => ((await poolState(g, name)).in_flight === 0 ? true : null), { timeoutMs: 20000, what: `pool ${name} leases back to zero` });
-}
 
 let seq = 0;
 /**

@@ -9,9 +9,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
-import {
-  startGatewayServer, startSim, waitFor, waitReady, tempDir, setFaults, parseMetrics, metricValue,
-} from "./lib/harness.mjs";
+import { startGatewayServer, startSim, waitFor, waitReady, tempDir, setFaults, parseMetrics, metricValue, drained, poolState } from "./lib/harness.mjs";
 
 const KEYS = ["sk-trust-hangup", "sk-trust-refund", "sk-trust-restart", "sk-trust-steps", "sk-trust-spare"];
 const TPM = 1000;
@@ -67,20 +65,6 @@ async function freshPool(g, simArgs = [], settings = {}) {
   assert.equal(reg.status, 201, await reg.text());
   await waitReady(g, id);
   return { name, model, sim: s, id };
-}
-
-async function poolState(g, name) {
-  const r = await g.admin(`/admin/pools/${name}`);
-  assert.equal(r.status, 200);
-  return r.json();
-}
-
-/** Waits until pool `name` has no lease, no in-flight tokens and nothing queued. */
-async function drained(g, name, timeoutMs = 10000) {
-  return waitFor(async () => {
-    const s = await poolState(g, name);
-    return s.in_flight === 0 && s.in_flight_tokens === 0 && (s.queue?.length ?? 0) === 0 ? s : null;
-  }, { timeoutMs, what: `pool ${name} leases back to zero` });
 }
 
 const client = (g, apiKey = "none") => new OpenAI({ baseURL: `${g.url}/v1`, apiKey, maxRetries: 0 });
@@ -286,7 +270,7 @@ test("a client that stops reading for longer than SLOW_CLIENT_TIMEOUT_MS while t
   closers.push(slow.close);
   await waitFor(async () => (await poolState(open, p.name)).in_flight === 1, { what: "the lease held" });
   // Cut off after the bound: the lease is released while the client's socket is still open.
-  const state = await drained(open, p.name, SLOW_CLIENT_TIMEOUT_MS + 8000);
+  const state = await drained(open, p.name, { timeoutMs: SLOW_CLIENT_TIMEOUT_MS + 8000 });
   assert.equal(state.in_flight, 0);
   // The client's stream was failed, not ended as if complete.
   const rest = await readRest(slow.reader);

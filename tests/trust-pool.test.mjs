@@ -8,7 +8,7 @@
 // counters are back to zero.
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, poolObjectCall, tempDir } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, poolObjectCall, tempDir, drained, poolState } from "./lib/harness.mjs";
 
 let gw;
 const sims = [];
@@ -26,20 +26,6 @@ after(async () => {
 afterEach(async () => {
   for (const name of pools.splice(0)) await drained(gw, name);
 });
-
-async function poolState(g, name) {
-  const r = await g.admin(`/admin/pools/${name}`);
-  assert.equal(r.status, 200);
-  return r.json();
-}
-
-/** Waits until `name` has no lease, no in-flight tokens and nothing queued. */
-async function drained(g, name) {
-  return waitFor(async () => {
-    const s = await poolState(g, name);
-    return s.in_flight === 0 && s.in_flight_tokens === 0 && s.queue.length === 0 ? s : null;
-  }, { timeoutMs: 15000, what: `pool ${name} leases and queue back to zero` });
-}
 
 async function sim(model, args = []) {
   const s = await startSim(["--model", model, "--max-num-seqs", "1", ...args]);

@@ -316,3 +316,18 @@ export function metricValue(samples, name, labels = {}) {
   const s = samples.find((x) => x.name === name && Object.entries(labels).every(([k, v]) => x.labels[k] === v));
   return s?.value;
 }
+
+/** A pool's detail as the admin API shows it (`GET /admin/pools/{name}`); throws unless 200. */
+export async function poolState(g, name) {
+  const r = await g.admin(`/admin/pools/${name}`);
+  if (r.status !== 200) throw new Error(`GET /admin/pools/${name}: ${r.status} ${await r.text()}`);
+  return r.json();
+}
+
+/** Waits until pool `name` has no lease, no in-flight tokens and nothing queued; returns its state. */
+export async function drained(g, name, { timeoutMs = 20000 } = {}) {
+  return waitFor(async () => {
+    const s = await poolState(g, name);
+    return s.in_flight === 0 && s.in_flight_tokens === 0 && (s.queue?.length ?? 0) === 0 ? s : null;
+  }, { timeoutMs, what: `pool ${name} leases, in-flight tokens and queue back to zero` });
+}
