@@ -9,8 +9,9 @@
 //! means "model unloaded" only when it is vLLM's model-not-found answer (any other 404 is a
 //! misconfigured URL, the backend's failure). Transport error text goes to the log, never to the
 //! client.
-//! [`Attempts`] owns what that takes, so the proxy (`proxy.rs`) makes the first attempts and a
-//! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
+//! [`Attempts`] owns what that takes (the candidates, the lease's guard, a share of the request's
+//! context, `request.rs`), so the proxy (`proxy.rs`) makes the first attempts and a stream's
+//! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;

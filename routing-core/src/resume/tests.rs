@@ -247,3 +247,17 @@ fn a_second_resume_reads_the_spliced_stream() {
     assert_eq!((p.text.as_str(), p.tokens_sent()), (" a b c", 3));
     assert_eq!(p.id.as_deref(), Some("chatcmpl-a"));
 }
+
+#[test]
+fn embeddings_are_never_continued() {
+    let body = br#"{"model":"m","input":"hi"}"#;
+    assert_eq!(
+        check(body, Endpoint::Embeddings),
+        Err(NotResumable::Endpoint)
+    );
+    assert_eq!(
+        continuation_body(body, Endpoint::Embeddings, &Partial::new()),
+        Err(NotResumable::Endpoint)
+    );
+    assert_eq!(NotResumable::Endpoint.as_str(), "endpoint");
+}
