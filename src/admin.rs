@@ -20,16 +20,18 @@
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
+use crate::auth::hash_key;
 use crate::do_client::{
     directory_json, encode, error_from_response, list_pools, pool_call, pool_json, remember_pool,
 };
-use crate::keys::{hash_key, invalidate};
-use crate::ApiError;
+use crate::http::{random_hex, read_body_limited, var_or};
+use crate::keys::invalidate;
 use coordinator_protocol::messages::{
     AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch,
     KeyPatchAnswer, PoolDetail, PoolEntry, PoolSummary, StoredKey, DEFAULT_POOL,
 };
 use coordinator_protocol::settings::{validate_name, PoolSettings};
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use gateway_durable_objects::registry::host_is_ip;
 use serde::de::DeserializeOwned;
@@ -90,7 +92,7 @@ const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 /// Reads an admin body: at most 64 KiB (413 beyond) of strict UTF-8 (400 otherwise; workerd's
 /// `text()` would silently replace bad bytes).
 async fn body_text(req: &mut Request) -> Result<String, ApiError> {
-    let bytes = crate::read_body_limited(req, MAX_ADMIN_BODY_BYTES).await?;
+    let bytes = read_body_limited(req, MAX_ADMIN_BODY_BYTES).await?;
     String::from_utf8(bytes).map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))
 }
 
@@ -390,7 +392,7 @@ fn add_shard_backends(list: &mut [AdminBackend], other: &[AdminBackend]) {
 /// Refuses a backend URL whose host is an IP address (a deployed Worker can only fetch hostnames)
 /// unless the `ALLOW_IP_BACKENDS` var is `"true"`, as it is for local development and tests.
 fn require_reachable_url(env: &Env, url: &str) -> Result<(), ApiError> {
-    if !host_is_ip(url) || crate::var_or(env, "ALLOW_IP_BACKENDS", false) {
+    if !host_is_ip(url) || var_or(env, "ALLOW_IP_BACKENDS", false) {
         return Ok(());
     }
     Err(ApiError::bad_request(
@@ -441,9 +443,9 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         );
     }
     crate::admission::validate_priority(mint.priority)?;
-    let key = format!("sk-gw-{}", crate::random_hex(24));
+    let key = format!("sk-gw-{}", random_hex(24));
     let stored = StoredKey {
-        id: format!("key-{}", crate::random_hex(6)),
+        id: format!("key-{}", random_hex(6)),
         name: mint.name,
         hash: hash_key(&key),
         created_ms: Date::now().as_millis(),

@@ -22,11 +22,11 @@
 
 use crate::do_client::{error_from_web, pool_call_web, pool_json, read_json};
 use crate::keys::ClientKey;
-use crate::ApiError;
 use coordinator_protocol::acquire::AcquireBody;
 use coordinator_protocol::messages::{
     DequeueAnswer, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
 };
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::admission::{AdmissionRequest, MAX_TICKET, PRIORITY_RANGE};
@@ -84,7 +84,7 @@ pub fn tenant_salt(env: &Env) -> std::rc::Rc<str> {
 
 /// A keyless client's tenant, from its address: never the address itself.
 fn address_tenant(salt: &str, address: &str) -> String {
-    let digest = crate::keys::hash_key(&format!("{salt}\n{address}"));
+    let digest = crate::auth::hash_key(&format!("{salt}\n{address}"));
     format!("ip-{}", &digest[..16])
 }
 
@@ -161,7 +161,7 @@ fn tenant_name(value: &str) -> String {
     if !value.is_empty() && value.len() <= 128 && value.bytes().all(|b| b.is_ascii_graphic()) {
         value.to_string()
     } else {
-        format!("h-{}", &crate::keys::hash_key(value)[..16])
+        format!("h-{}", &crate::auth::hash_key(value)[..16])
     }
 }
 

@@ -9,45 +9,31 @@
 //! means "model unloaded" only when it is vLLM's model-not-found answer (any other 404 is a
 //! misconfigured URL, the backend's failure). Transport error text goes to the log, never to the
 //! client.
-//! [`Attempts`] owns what that takes, so the proxy (`proxy.rs`) makes the first attempts and a
-//! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
+//! [`Attempts`] owns what that takes (the candidates, the lease's guard, a share of the request's
+//! context, `request.rs`), so the proxy (`proxy.rs`) makes the first attempts and a stream's
+//! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::pool_json;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
-pub(crate) use crate::upstream_body::{
-    is_model_not_found, not_an_answer, read_first_chunk, read_whole,
+use crate::request::RequestContext;
+use crate::settings::ProxySettings;
+use crate::upstream_body::{
+    is_model_not_found, not_an_answer, read_first_chunk, read_whole, AttemptFailure,
 };
-use crate::ApiError;
 use coordinator_protocol::messages::ReassignRequest;
 use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::CandidateView;
 use routing_core::usage::{body_usage, Usage};
 use serde_json::Value;
+use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
-use worker::{console_error, AbortSignal, Date, Delay, Env, Headers};
-
-/// Client request headers forwarded upstream (an allow-list: hop-by-hop headers, credentials,
-/// cookies and platform headers never pass, and neither does an unbounded header set). The
-/// gateway sets `content-type`, `x-request-id` and the backend's own `authorization` itself; the
-/// configured routing-key header is forwarded too.
-pub(crate) const FORWARDED_REQUEST_HEADERS: [&str; 8] = [
-    "accept",
-    "user-agent",
-    "traceparent",
-    "tracestate",
-    "baggage",
-    "x-session-id",
-    "x-user-id",
-    "x-tenant-id",
-];
-
-/// Longest client header value forwarded.
-pub(crate) const MAX_FORWARDED_HEADER_BYTES: usize = 1024;
+use worker::{console_error, AbortSignal, Date, Delay, Headers};
 
 /// Upstream response headers passed to the client.
 pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
@@ -59,59 +45,6 @@ pub(crate) const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
 /// Most of a 4xx body read: enough for vLLM's error message, and to tell its model-not-found
 /// answer from any other 404.
 const MAX_NOT_FOUND_BYTES: usize = 64 * 1024;
-
-/// Proxy timing and retry knobs (wrangler.toml vars).
-#[derive(Debug, Clone, Copy)]
-pub struct ProxySettings {
-    /// Most extra attempts after the first (default 2).
-    pub max_retries: u32,
-    /// A streamed answer must deliver its first chunk within this time (default 30 s).
-    pub first_byte_timeout: Duration,
-    /// A non-streamed answer must arrive whole within this time (default 600 s).
-    pub response_timeout: Duration,
-    /// After its first chunk, a stream may go this long without one (default 60 s).
-    pub stream_idle_timeout: Duration,
-    /// Most times one stream is resumed on another backend after failing mid-answer (default 1;
-    /// 0 turns resumption off).
-    pub max_stream_resumes: u32,
-}
-
-impl ProxySettings {
-    /// Reads the knobs from the environment, with defaults.
-    pub fn from_env(env: &Env) -> Self {
-        let var = |name: &str, default: u64| crate::var_or(env, name, default);
-        ProxySettings {
-            max_retries: var("MAX_RETRIES", 2).min(10) as u32,
-            first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
-            response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
-            stream_idle_timeout: Duration::from_millis(
-                var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10),
-            ),
-            max_stream_resumes: var("MAX_STREAM_RESUMES", 1).min(5) as u32,
-        }
-    }
-}
-
-/// A failure of one attempt, before anything of it reached the client.
-pub(crate) struct AttemptFailure {
-    pub(crate) outcome: Outcome,
-    pub(crate) reason: String,
-    /// Whether another candidate may be tried.
-    pub(crate) retryable: bool,
-    /// The backend answered vLLM's model-not-found 404: it does not serve the model (any more).
-    pub(crate) missing_model: bool,
-}
-
-impl AttemptFailure {
-    pub(crate) fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
-        AttemptFailure {
-            outcome: Outcome::of_kind(kind),
-            reason,
-            retryable: true,
-            missing_model: false,
-        }
-    }
-}
 
 /// A successful (or non-retryable) attempt: headers known, and either the whole body or, for a
 /// stream, its first chunk and the rest of the body.
@@ -182,27 +115,37 @@ pub(crate) enum Moved {
 /// What it takes to make attempts on a grant's candidates and move the lease between them, owned
 /// so a stream's resumption can go on making them from `wait_until`.
 pub(crate) struct Attempts {
-    pub(crate) env: Env,
-    pub(crate) pool: String,
-    /// The shard that granted the lease: its moves go there too.
-    pub(crate) shard: u32,
+    /// The request (its pool and shard: the lease's moves go to the shard that granted it).
+    pub(crate) request: Rc<RequestContext>,
     pub(crate) guard: LeaseGuard,
     pub(crate) candidates: Vec<CandidateView>,
     /// The next candidate in the ranking not tried yet.
     pub(crate) next_index: usize,
     /// Attempts made so far.
     pub(crate) count: u32,
-    pub(crate) path: String,
-    pub(crate) request_id: String,
-    /// The client headers forwarded upstream.
-    pub(crate) headers: Vec<(String, String)>,
-    pub(crate) settings: ProxySettings,
-    pub(crate) stream: bool,
-    pub(crate) block_hashes: Vec<u64>,
-    pub(crate) model: String,
 }
 
 impl Attempts {
+    /// The attempts on `candidates`, the first of which the grant's lease is on.
+    pub(crate) fn new(
+        request: Rc<RequestContext>,
+        guard: LeaseGuard,
+        candidates: Vec<CandidateView>,
+    ) -> Attempts {
+        Attempts {
+            request,
+            guard,
+            candidates,
+            next_index: 1,
+            count: 0,
+        }
+    }
+
+    /// Timeouts, retries and resumptions.
+    pub(crate) fn settings(&self) -> &ProxySettings {
+        &self.request.settings.proxy
+    }
+
     /// One attempt on `c` with `body`: the answer's headers and first chunk (a stream) or whole
     /// body, or why it failed before anything reached the client.
     pub(crate) async fn attempt(
@@ -216,7 +159,7 @@ impl Attempts {
         let req = self.request(c, body).map_err(|e| {
             console_error!(
                 "request {}: cannot build the request to backend {}: {}",
-                self.request_id,
+                self.request.request_id,
                 c.id.0,
                 worker::Error::from(e)
             );
@@ -225,10 +168,10 @@ impl Attempts {
                 format!("the request to backend {} could not be built", c.id.0),
             )
         })?;
-        let timeout = if self.stream {
-            self.settings.first_byte_timeout
+        let timeout = if self.request.stream() {
+            self.settings().first_byte_timeout
         } else {
-            self.settings.response_timeout
+            self.settings().response_timeout
         };
         // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
         let mut deadline = Delay::from(timeout);
@@ -254,7 +197,7 @@ impl Attempts {
                     // The platform's text stays in the log: it is not the client's business.
                     console_error!(
                         "request {}: backend {} could not be reached: {e}",
-                        self.request_id,
+                        self.request.request_id,
                         c.id.0
                     );
                     AttemptFailure::new(
@@ -336,7 +279,7 @@ impl Attempts {
                 },
                 reason: format!(
                     "backend {} answered 404 for {} (not a model-not-found answer: its URL may be wrong)",
-                    c.id.0, self.path
+                    c.id.0, self.request.endpoint.path()
                 ),
                 ..AttemptFailure::new(OutcomeKind::ServerError, String::new())
             });
@@ -398,7 +341,7 @@ impl Attempts {
             .flatten()
             .unwrap_or_default()
             .to_ascii_lowercase();
-        if self.stream {
+        if self.request.stream() {
             // Only an event stream is a stream (a login page's 200 text/html is not).
             if !content_type.starts_with("text/event-stream") {
                 return Err(not_an_answer(backend, &content_type, "text/event-stream"));
@@ -455,11 +398,11 @@ impl Attempts {
         body: &[u8],
     ) -> Result<web_sys::Request, JsValue> {
         let headers = web_sys::Headers::new()?;
-        for (name, value) in &self.headers {
+        for (name, value) in &self.request.forwarded_headers {
             headers.set(name, value)?;
         }
         headers.set("content-type", "application/json")?;
-        headers.set("x-request-id", &self.request_id)?;
+        headers.set("x-request-id", &self.request.request_id)?;
         if let Some(key) = &c.api_key {
             headers.set("authorization", &format!("Bearer {key}"))?;
         }
@@ -469,7 +412,10 @@ impl Attempts {
         init.set_redirect(web_sys::RequestRedirect::Manual);
         init.set_headers(&headers);
         init.set_body(&js_sys::Uint8Array::from(body));
-        web_sys::Request::new_with_str_and_init(&format!("{}{}", c.url, self.path), &init)
+        web_sys::Request::new_with_str_and_init(
+            &format!("{}{}", c.url, self.request.endpoint.path()),
+            &init,
+        )
     }
 
     /// Candidates of the ranking not tried yet.
@@ -488,13 +434,13 @@ impl Attempts {
                 to: to.id.clone(),
                 failure: failure.clone(),
                 terms: Some(self.guard.terms()),
-                block_hashes: self.block_hashes.clone(),
-                missing_model: missing_model.then(|| self.model.clone()),
+                block_hashes: self.request.features.block_hashes.clone(),
+                missing_model: missing_model.then(|| self.request.model().to_string()),
             };
             let moved: Result<CandidateView, ApiError> = pool_json(
-                &self.env,
-                &self.pool,
-                self.shard,
+                &self.request.env,
+                &self.request.pool,
+                self.request.shard,
                 &Route::Reassign,
                 Some(&req),
             )

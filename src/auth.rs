@@ -1,10 +1,19 @@
-//! Bearer-token checks for the admin API, the metrics endpoint and clients.
+//! Bearer-token checks for the admin API, the metrics endpoint and clients, and the hash a client
+//! key is known by.
 //!
 //! Tokens are compared in constant time (independent of where the first difference is, and of the
-//! length of the guess), so response timing reveals nothing about a secret.
+//! length of the guess), so response timing reveals nothing about a secret. Client keys are only
+//! ever stored, cached and compared as their SHA-256 hashes ([`hash_key`]).
 
-use crate::ApiError;
+use crate::http::hex;
+use coordinator_protocol::ApiError;
+use sha2::{Digest, Sha256};
 use worker::{Env, Request};
+
+/// Hex SHA-256 of a key.
+pub fn hash_key(key: &str) -> String {
+    hex(&Sha256::digest(key.as_bytes()))
+}
 
 /// Reads a secret (production: `wrangler secret put`; locally: `.dev.vars`), falling back to a var.
 pub fn secret(env: &Env, name: &str) -> Option<String> {

@@ -10,7 +10,7 @@
 //! Every answer carries a strict Content-Security-Policy (same-origin scripts, styles and fetches
 //! only; no inline code; no framing), on top of the page inserting every string as text.
 
-use crate::ApiError;
+use coordinator_protocol::ApiError;
 use worker::{Method, Response};
 
 const INDEX_HTML: &str = include_str!("dashboard/index.html");

@@ -7,10 +7,10 @@
 //! through as they are. What the directory holds (pools, minted keys) is cached in the isolate and
 //! refreshed in the background.
 
-use crate::ApiError;
 use coordinator_protocol::error::ErrorBody;
 use coordinator_protocol::internal_call::{internal_web_request, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use gateway_durable_objects::directory::DIRECTORY_NAME;
 use serde::de::DeserializeOwned;

@@ -16,6 +16,8 @@
 //! case it is ever given a route); without it, a hop is an ordinary request. The regional side walks the
 //! plan's pools (lease, fetch, relay, lease guard) and settles the reservation, as the edge would.
 
+use crate::auth::{constant_time_eq, secret};
+use crate::http::{hex, unhex};
 use crate::keys::Reservation;
 use crate::regions::{self, Plan};
 use coordinator_protocol::messages::PoolEntry;
@@ -45,11 +47,7 @@ fn is_regional(env: &Env) -> bool {
 
 /// The `HOP_SECRET` secret (or var) both roles share, if set.
 fn hop_secret(env: &Env) -> Option<String> {
-    env.secret("HOP_SECRET")
-        .map(|s| s.to_string())
-        .or_else(|_| env.var("HOP_SECRET").map(|s| s.to_string()))
-        .ok()
-        .filter(|s| !s.is_empty())
+    secret(env, "HOP_SECRET")
 }
 
 /// What the edge decided, for the regional Worker that carries it out.
@@ -110,7 +108,7 @@ pub fn incoming(req: &Request, env: &Env) -> Result<Option<HopContext>, ApiError
     };
     if let Some(secret) = hop_secret(env) {
         let given = header(HOP_AUTH_HEADER).unwrap_or_default();
-        if !crate::auth::constant_time_eq(given.as_bytes(), secret.as_bytes()) {
+        if !constant_time_eq(given.as_bytes(), secret.as_bytes()) {
             return Ok(None);
         }
     }
@@ -237,7 +235,7 @@ impl Regional {
                 headers.append(&k, &v)?;
             }
         }
-        headers.set(HOP_HEADER, &crate::hex(&json))?;
+        headers.set(HOP_HEADER, &hex(&json))?;
         if let Some(secret) = hop_secret(h.env) {
             headers.set(HOP_AUTH_HEADER, &secret)?;
         }
@@ -276,20 +274,4 @@ impl Regional {
         copied.set(SIMULATED_WAITS_HEADER, &(regional + edge_waits).to_string())?;
         Ok(resp.with_headers(copied))
     }
-}
-
-/// Bytes of a lower-case hex string, or `None` if it is not one.
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    let digit = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        _ => None,
-    };
-    let b = s.as_bytes();
-    if !b.len().is_multiple_of(2) {
-        return None;
-    }
-    b.chunks(2)
-        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
-        .collect()
 }

@@ -12,13 +12,11 @@
 //! limits charge an estimate when a request is admitted and settle it with the tokens the request
 //! really used when it ends.
 
-use crate::auth::{bearer, constant_time_eq};
+use crate::auth::{bearer, constant_time_eq, hash_key};
 use crate::do_client::{stale_while_revalidate, CacheSlot};
-use crate::ApiError;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
-use coordinator_protocol::Route;
+use coordinator_protocol::{ApiError, Route};
 use routing_core::rate_limit::RateLimits;
-use sha2::{Digest, Sha256};
 use std::cell::RefCell;
 use worker::{Context, Date, Env, Request};
 
@@ -29,11 +27,6 @@ thread_local! {
     static MINTED: RefCell<CacheSlot<Vec<StoredKey>>> = const { RefCell::new(CacheSlot::new()) };
     /// When the directory last answered with the minted keys (ms since the epoch).
     static MINTED_READ_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Hex SHA-256 of a key.
-pub fn hash_key(key: &str) -> String {
-    crate::hex(&Sha256::digest(key.as_bytes()))
 }
 
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).

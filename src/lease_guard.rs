@@ -17,10 +17,11 @@
 use crate::do_client::pool_json;
 use crate::keys::{self, Reservation};
 use crate::relay::Metered;
-use crate::ApiError;
+use crate::request::RequestContext;
 use coordinator_protocol::messages::{
     PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
 };
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
@@ -32,7 +33,7 @@ use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Date, Delay, Env};
+use worker::{AbortSignal, Context, Date, Delay};
 
 /// After this long a request renews its lease at a third of what the pool's deadline leaves
 /// instead of at the grant's interval.
@@ -102,37 +103,35 @@ pub struct LeaseGuard {
     shared: Rc<Shared>,
 }
 
-/// What [`LeaseGuard::start`] needs.
-pub struct GuardSetup<'a> {
-    /// Worker environment (for the pool and rate-limiter calls).
-    pub env: &'a Env,
-    /// Worker context (for `wait_until`).
-    pub ctx: &'a Context,
-    /// The pool that granted the lease.
-    pub pool: String,
-    /// The pool's coordinator shard that granted it (every later call goes there).
-    pub shard: u32,
+/// The lease [`LeaseGuard::start`] guards (the request's pool, shard and client are its
+/// [`RequestContext`]'s).
+pub struct Lease {
     /// The lease.
     pub lease_id: LeaseId,
-    /// The lease as the Worker knows it (re-established from this if the pool loses it).
-    pub terms: LeaseTerms,
-    /// Resolves when the client hangs up ([`hang_up`]).
-    pub hung_up: &'a js_sys::Promise,
+    /// The backend the pool granted it on.
+    pub backend: BackendId,
     /// Time between renewals.
     pub renew_every: Duration,
     /// The client's token reservation, settled when the request ends.
     pub reservation: Option<Reservation>,
-    /// Why the Worker asked this pool (`nearest`, `home`, `faster`, `anchor_full`, `spill`).
-    pub pool_choice: &'static str,
 }
 
 impl LeaseGuard {
-    /// Starts guarding a lease just granted.
-    pub fn start(setup: GuardSetup<'_>) -> LeaseGuard {
+    /// Starts guarding a lease just granted to `request`, in `ctx`'s `wait_until`.
+    pub(crate) fn start(request: &Rc<RequestContext>, ctx: &Context, lease: Lease) -> LeaseGuard {
         let (woken, wake) = signal_promise();
+        let features = &request.features;
+        // The lease as the Worker knows it (re-established from this if the pool loses it).
+        let terms = LeaseTerms {
+            backend: lease.backend,
+            prompt_tokens: features.prompt_tokens,
+            max_tokens: features.max_tokens,
+            stream: features.stream,
+            request_id: request.request_id.clone(),
+        };
         let record = Rc::new(RefCell::new(Record {
-            lease_id: setup.lease_id,
-            terms: setup.terms,
+            lease_id: lease.lease_id,
+            terms,
             attempts: 1,
             ending: None,
             prefill: None,
@@ -142,16 +141,13 @@ impl LeaseGuard {
             receipt: None,
         }));
         let task = Task {
-            env: setup.env.clone(),
-            pool: setup.pool,
-            pool_choice: setup.pool_choice,
-            shard: setup.shard,
+            request: request.clone(),
             record: record.clone(),
-            renew_every: setup.renew_every,
-            reservation: setup.reservation,
+            renew_every: lease.renew_every,
+            reservation: lease.reservation,
             started_ms: Date::now().as_millis(),
         };
-        setup.ctx.wait_until(task.run(woken, setup.hung_up.clone()));
+        ctx.wait_until(task.run(woken, request.hung_up.clone()));
         LeaseGuard {
             shared: Rc::new(Shared { record }),
         }
@@ -253,10 +249,7 @@ pub fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
 
 /// The guard's work in `wait_until`.
 struct Task {
-    env: Env,
-    pool: String,
-    pool_choice: &'static str,
-    shard: u32,
+    request: Rc<RequestContext>,
     record: Rc<RefCell<Record>>,
     renew_every: Duration,
     reservation: Option<Reservation>,
@@ -316,18 +309,18 @@ impl Task {
         access_log(
             &Served {
                 request_id: &request_id,
-                pool: &self.pool,
+                pool: &self.request.pool,
                 backend: &backend,
                 resumed_from: &resumed_from,
                 attempts,
                 receipt: receipt.as_ref(),
-                pool_choice: self.pool_choice,
+                pool_choice: self.request.pool_choice,
             },
             &ending.outcome,
             Date::now().as_millis().saturating_sub(self.started_ms),
         );
         // The pool choice stops counting this request against the pool (src/regions.rs).
-        crate::regions::finished(&self.pool, lease_id);
+        crate::regions::finished(&self.request.pool, lease_id);
         if !ending.released {
             // Returned to the shard that granted it (with other requests' releases when this
             // isolate has several); failures are logged, and the lease's deadline is the backstop.
@@ -336,13 +329,19 @@ impl Task {
                 outcome: ending.outcome.clone(),
                 backend: Some(backend.as_str().into()),
             };
-            crate::releases::release(&self.env, &self.pool, self.shard, req).await;
+            crate::releases::release(
+                &self.request.env,
+                &self.request.pool,
+                self.request.shard,
+                req,
+            )
+            .await;
         }
         if let Some(reservation) = &self.reservation {
             let metered = self.record.borrow().meter.as_ref().map(|m| m());
             let prompt_estimate = self.record.borrow().terms.prompt_tokens;
             if let Some(actual) = used_tokens(&ending.outcome, metered, prompt_estimate) {
-                keys::settle(&self.env, reservation, actual).await;
+                keys::settle(&self.request.env, reservation, actual).await;
             }
         }
     }
@@ -358,9 +357,9 @@ impl Task {
             backend: Some(backend),
         };
         let result: Result<PrefillDoneAnswer, ApiError> = pool_json(
-            &self.env,
-            &self.pool,
-            self.shard,
+            &self.request.env,
+            &self.request.pool,
+            self.request.shard,
             &Route::PrefillDone,
             Some(&req),
         )
@@ -369,7 +368,7 @@ impl Task {
             worker::console_error!(
                 "reporting the prefill of lease {} in pool {} failed: {e}",
                 req.lease_id,
-                self.pool
+                self.request.pool
             );
         }
     }
@@ -399,14 +398,19 @@ impl Task {
                 terms: r.terms.clone(),
             }
         };
-        let renewed =
-            pool_json::<RenewAnswer>(&self.env, &self.pool, self.shard, &Route::Renew, Some(&req));
+        let renewed = pool_json::<RenewAnswer>(
+            &self.request.env,
+            &self.request.pool,
+            self.request.shard,
+            &Route::Renew,
+            Some(&req),
+        );
         match renewed.await {
             Ok(a) => {
                 if a.reestablished {
                     worker::console_log!(
                         "{}",
-                        serde_json::json!({ "event": "lease_reestablished", "pool": self.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
+                        serde_json::json!({ "event": "lease_reestablished", "pool": self.request.pool, "lease_id": req.lease_id, "request_id": req.terms.request_id })
                     );
                 }
                 Some(a.deadline_ms)
@@ -415,7 +419,7 @@ impl Task {
                 worker::console_error!(
                     "renewing lease {} in pool {} failed: {e}",
                     req.lease_id,
-                    self.pool
+                    self.request.pool
                 );
                 None
             }

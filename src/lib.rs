@@ -1,8 +1,11 @@
 //! The edge Worker: the OpenAI surface, the admin API, the metrics endpoint and the cron trigger.
 //!
-//! Handlers here are thin: they authenticate, parse, extract the request's routing features, ask
-//! the nearest pool's Durable Object for a lease, and hand over to the streaming proxy. The routing
-//! decisions live in `routing-core`, called by the pool coordinator in `durable-objects/`.
+//! Here are the event handlers and the route table; each route's handler is its module's
+//! (`admin.rs`, `metrics.rs`, `dashboard.rs`, `models.rs`), except the OpenAI completions, which
+//! are thin here: they authenticate, parse, extract the request's routing features, ask the
+//! nearest pool's Durable Object for a lease, and hand over to the streaming proxy (`proxy.rs`).
+//! The routing decisions live in `routing-core`, called by the pool coordinator in
+//! `durable-objects/`.
 
 mod admin;
 mod admission;
@@ -11,38 +14,42 @@ mod auth;
 mod dashboard;
 mod do_client;
 mod hop;
+mod http;
 mod keys;
 mod lease_guard;
 mod metrics;
+mod models;
 mod proxy;
 mod regions;
 mod relay;
 mod releases;
+mod request;
 mod resume;
 mod settings;
 mod upstream_body;
 
-pub use coordinator_protocol::ApiError;
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
 pub use gateway_durable_objects::directory::GatewayDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 
 use coordinator_protocol::acquire::AcquireBody;
-use coordinator_protocol::messages::{AlarmAnswer, ModelsAnswer, PoolEntry};
-use coordinator_protocol::Route;
-use lease_guard::{GuardSetup, LeaseGuard};
-use routing_core::endpoint::{endpoint_features, Endpoint};
-use routing_core::lease::LeaseTerms;
+use coordinator_protocol::messages::{AlarmAnswer, PoolEntry};
+use coordinator_protocol::{ApiError, Route};
+use lease_guard::{Lease, LeaseGuard};
+use request::RequestContext;
+use routing_core::endpoint::Endpoint;
+use routing_core::prompt::endpoint_features;
 use routing_core::region::ChoiceNote;
+use routing_core::resume::check_request;
 use routing_core::shard::shard_of_request;
 use serde_json::{json, Value};
-use wasm_bindgen::JsCast;
+use std::rc::Rc;
 use worker::*;
 
 #[event(fetch)]
 async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
-    let request_id = request_id(&req);
+    let request_id = http::request_id(&req);
     let path = req.path();
     let result = route(req, &env, &ctx, &request_id).await;
     let resp = match result {
@@ -89,58 +96,6 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     }
 }
 
-/// The client's `x-request-id` when it is safe to echo (printable ASCII, no separators that
-/// could split a header or a log line), otherwise a fresh one.
-fn request_id(req: &Request) -> String {
-    let given = req.headers().get("x-request-id").ok().flatten();
-    match given {
-        Some(id)
-            if !id.is_empty()
-                && id.len() <= 128
-                && id
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&b)) =>
-        {
-            id
-        }
-        _ => "req-".to_string() + &random_hex(12),
-    }
-}
-
-/// `n` random bytes from the platform's CSPRNG, hex-encoded.
-pub(crate) fn random_hex(n: usize) -> String {
-    thread_local! {
-        // The global `crypto`, looked up once per isolate.
-        static CRYPTO: Option<web_sys::Crypto> = js_sys::Reflect::get(&js_sys::global(), &"crypto".into())
-            .ok()
-            .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok());
-    }
-    let mut bytes = vec![0u8; n];
-    let filled = CRYPTO.with(|c| {
-        c.as_ref()
-            .is_some_and(|c| c.get_random_values_with_u8_array(&mut bytes).is_ok())
-    });
-    if !filled {
-        // workerd always has crypto; this only keeps ids unique if it somehow does not.
-        let t = (Date::now().as_millis() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
-        for (i, b) in bytes.iter_mut().enumerate() {
-            *b = t[i % 8].wrapping_add(i as u8);
-        }
-    }
-    hex(&bytes)
-}
-
-/// Lower-case hex of `bytes`.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(2 * bytes.len());
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 15)]));
-    }
-    out
-}
-
 async fn route(
     req: Request,
     env: &Env,
@@ -174,7 +129,7 @@ async fn route(
                 return Err(ApiError::method_not_allowed(method.as_ref(), &path));
             }
             keys::require_client(&req, env, ctx).await?;
-            list_models(env).await
+            models::list_models(env).await
         }
         ["v1", "chat", "completions"] => {
             completion(req, env, ctx, Endpoint::Chat, request_id).await
@@ -183,71 +138,6 @@ async fn route(
         ["v1", "embeddings"] => completion(req, env, ctx, Endpoint::Embeddings, request_id).await,
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
     }
-}
-
-/// A `wrangler.toml` var parsed as `T`, or `default` when unset or unparsable.
-pub(crate) fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
-    env.var(name)
-        .ok()
-        .and_then(|v| v.to_string().parse().ok())
-        .unwrap_or(default)
-}
-
-/// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
-/// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
-/// before the 413, so the client, still sending, reads the answer instead of a reset connection.
-pub(crate) async fn read_body_limited(
-    req: &mut Request,
-    limit: usize,
-) -> std::result::Result<Vec<u8>, ApiError> {
-    use futures_util::StreamExt;
-    let declared: Option<usize> = req
-        .headers()
-        .get("content-length")
-        .ok()
-        .flatten()
-        .and_then(|v| v.parse().ok());
-    if declared.is_some_and(|n| n > limit) {
-        discard_body(req).await;
-        return Err(ApiError::payload_too_large(limit));
-    }
-    // A body of declared length (framed by it, so it cannot grow) is read in one call.
-    let chunked = req.headers().has("transfer-encoding").unwrap_or(true);
-    if declared.is_some() && !chunked {
-        let unreadable = |_| ApiError::bad_request("unreadable request body");
-        let read = req.inner().array_buffer().map_err(unreadable)?;
-        let buffer = wasm_bindgen_futures::JsFuture::from(read)
-            .await
-            .map_err(unreadable)?;
-        let bytes = js_sys::Uint8Array::new(&buffer);
-        if bytes.length() as usize > limit {
-            return Err(ApiError::payload_too_large(limit));
-        }
-        return Ok(bytes.to_vec());
-    }
-    let mut body = Vec::with_capacity(declared.unwrap_or(0).min(limit));
-    let Ok(mut stream) = req.stream() else {
-        return Ok(body);
-    };
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|_| ApiError::bad_request("unreadable request body"))?;
-        if body.len() + chunk.len() > limit {
-            return Err(ApiError::payload_too_large(limit));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
-
-/// Reads and drops the request body in JS (no wasm copies), for at most 5 seconds.
-async fn discard_body(req: &Request) {
-    let (Some(body), Ok(sink)) = (req.inner().body(), web_sys::WritableStream::new()) else {
-        return;
-    };
-    let drained = wasm_bindgen_futures::JsFuture::from(body.pipe_to(&sink));
-    let _ =
-        coordinator_protocol::timed_fetch::with_timeout(drained, std::time::Duration::from_secs(5))
-            .await;
 }
 
 async fn completion(
@@ -276,7 +166,7 @@ async fn completion(
         Some(h) => h.who.clone(),
         None => admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?,
     };
-    let body = read_body_limited(&mut req, settings.max_body_bytes).await?;
+    let body = http::read_body_limited(&mut req, settings.max_body_bytes).await?;
     let parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
     if !parsed.is_object() {
@@ -293,6 +183,11 @@ async fn completion(
             }
         })?;
     features.request_id = request_id.to_string();
+    // Decided from the body read once here: whether a broken stream may be resumed, and the
+    // client headers the backend gets.
+    let resumable = check_request(&parsed, endpoint);
+    let forwarded_headers =
+        request::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
     let reservation = match (&hop_in, &client) {
         (Some(h), _) => h.reservation.clone(),
         (None, Some(client)) => {
@@ -309,7 +204,7 @@ async fn completion(
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
     let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
         (Some(h), _) => (body, h.strip_usage_event),
-        (None, true) => ask_for_usage(parsed, body)?,
+        (None, true) => request::ask_for_usage(parsed, body)?,
         (None, false) => (body, false),
     };
     let client_signal: AbortSignal = req.inner().signal().into();
@@ -437,42 +332,34 @@ async fn completion(
                     extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
                 }
                 let route_ms = now.saturating_sub(started);
-                let guard = LeaseGuard::start(GuardSetup {
-                    env,
-                    ctx,
-                    pool: pool.name.clone(),
-                    shard,
-                    lease_id: grant.lease_id,
-                    terms: LeaseTerms {
-                        backend: grant.backend.clone(),
-                        prompt_tokens: features.prompt_tokens,
-                        max_tokens: features.max_tokens,
-                        stream,
-                        request_id: request_id.to_string(),
-                    },
-                    hung_up: &hung_up,
-                    renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
-                    pool_choice,
-                    reservation,
-                });
-                let forward = proxy::Forward {
-                    client: &req,
-                    env,
-                    ctx,
+                let request = Rc::new(RequestContext {
+                    env: env.clone(),
+                    endpoint,
+                    request_id: request_id.to_string(),
+                    settings,
+                    features,
+                    strip_usage_event,
+                    resumable,
                     pool: pool.name,
                     shard,
+                    pool_choice,
+                    forwarded_headers,
+                    client_signal,
+                    hung_up,
+                });
+                let lease = Lease {
+                    lease_id: grant.lease_id,
+                    backend: grant.backend.clone(),
+                    renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
+                    reservation,
+                };
+                let guard = LeaseGuard::start(&request, ctx, lease);
+                let forward = proxy::Forward {
+                    request,
+                    ctx,
                     grant,
                     guard,
-                    path: endpoint.path(),
                     body,
-                    stream,
-                    model: features.model.clone(),
-                    block_hashes: features.block_hashes.clone(),
-                    strip_usage_event,
-                    request_id,
-                    settings: settings.proxy,
-                    prefill_backend: None,
-                    routing_header: settings.features.routing_header.clone(),
                     route_ms,
                     extra_headers: extra,
                     network_delay_ms,
@@ -541,57 +428,4 @@ fn refund(ctx: &Context, env: &Env, reservation: Option<keys::Reservation>) {
 /// never lets it expire.
 fn renew_interval(ttl_ms: u64) -> std::time::Duration {
     std::time::Duration::from_millis((ttl_ms / 3).clamp(300, 20_000))
-}
-
-/// Makes a streamed request ask for the usage event (`stream_options.include_usage`). Returns the
-/// body to send upstream and whether the event must be taken out again (the client did not ask).
-/// vLLM's `continuous_usage_stats` only applies with `include_usage`, so a client that set it
-/// without asking for usage gets neither, as before.
-fn ask_for_usage(
-    mut parsed: Value,
-    body: Vec<u8>,
-) -> std::result::Result<(Vec<u8>, bool), ApiError> {
-    let asked = parsed
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
-    if asked {
-        return Ok((body, false));
-    }
-    let Some(obj) = parsed.as_object_mut() else {
-        return Ok((body, false));
-    };
-    let options = obj.entry("stream_options").or_insert_with(|| json!({}));
-    if !options.is_object() {
-        *options = json!({});
-    }
-    if let Some(o) = options.as_object_mut() {
-        o.insert("include_usage".into(), Value::Bool(true));
-        o.remove("continuous_usage_stats");
-    }
-    let bytes = serde_json::to_vec(&parsed).map_err(|e| ApiError::internal(e.to_string()))?;
-    Ok((bytes, true))
-}
-
-/// `GET /v1/models`: every model some pool has a ready backend for. A pool that cannot answer is
-/// skipped (and logged), never turned into an error for the client.
-async fn list_models(env: &Env) -> std::result::Result<Response, ApiError> {
-    let mut models: Vec<String> = Vec::new();
-    for pool in do_client::list_pools(env).await? {
-        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, 0, &Route::Models, None::<&()>)
-            .await
-        {
-            Ok(answer) => models.extend(answer.models),
-            Err(e) => console_error!("models: pool {}: {e}", pool.name),
-        }
-    }
-    models.sort();
-    models.dedup();
-    let data: Vec<Value> = models
-        .iter()
-        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
-        .collect();
-    Ok(Response::from_json(
-        &json!({ "object": "list", "data": data }),
-    )?)
 }

@@ -9,7 +9,7 @@
 //! family by family rather than concatenated.
 
 use crate::do_client;
-use crate::ApiError;
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use routing_core::metrics::sum_shard_pages;
 use worker::{Env, Response};

@@ -18,57 +18,36 @@
 //! lease from `wait_until`. A client that hangs up aborts the upstream fetch through its signal.
 
 use crate::attempts::{
-    final_error, read_whole, request_error, stream_upstream, with_usage, Answer, AttemptFailure,
-    Attempts, Moved, ProxySettings, FORWARDED_REQUEST_HEADERS, MAX_ANSWER_BYTES,
-    MAX_FORWARDED_HEADER_BYTES, PASSED_RESPONSE_HEADERS,
+    final_error, request_error, stream_upstream, with_usage, Answer, Attempts, Moved,
+    MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
+use crate::request::RequestContext;
 use crate::resume::Resumption;
-use crate::ApiError;
+use crate::upstream_body::{read_whole, AttemptFailure};
 use coordinator_protocol::timed_fetch::{fetch_web_with_timeout, FetchFailure};
+use coordinator_protocol::ApiError;
 use routing_core::outcome::{Outcome, OutcomeKind};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::usage::body_usage;
 use serde_json::{json, Value};
+use std::rc::Rc;
 use wasm_bindgen::JsCast;
-use worker::{AbortSignal, Context, Env, Headers, Request, Response};
-/// Everything one proxied request needs.
+use worker::{Context, Headers, Response};
+
+/// One proxied request's run on the lease a pool granted it.
 pub struct Forward<'a> {
-    /// The client's request (for its headers and abort signal).
-    pub client: &'a Request,
-    /// Worker environment.
-    pub env: &'a Env,
+    /// The request, as every stage sees it.
+    pub(crate) request: Rc<RequestContext>,
     /// Worker context, for `wait_until`.
     pub ctx: &'a Context,
-    /// Pool that granted the lease.
-    pub pool: String,
-    /// The pool's coordinator shard that granted it.
-    pub shard: u32,
     /// The lease and its ranked candidates.
     pub grant: Grant,
     /// The lease's guard: every exit reports to it.
     pub guard: LeaseGuard,
-    /// Upstream path, such as `/v1/chat/completions`.
-    pub path: &'a str,
     /// The request body as sent upstream.
     pub body: Vec<u8>,
-    /// Whether the client asked for a stream.
-    pub stream: bool,
-    /// The model asked for.
-    pub model: String,
-    /// The prompt's prefix-block hashes (recorded on the backend that ends up serving).
-    pub block_hashes: Vec<u64>,
-    /// Whether the gateway asked for the stream's usage event and the client did not.
-    pub strip_usage_event: bool,
-    /// The request id, forwarded and echoed.
-    pub request_id: &'a str,
-    /// Timeouts and retries.
-    pub settings: ProxySettings,
-    /// The prefill backend of a disaggregated request, for the response headers.
-    pub prefill_backend: Option<String>,
-    /// The configured routing-key header (`ROUTING_KEY_HEADER`), forwarded with the standard ones.
-    pub routing_header: Option<String>,
     /// Time spent choosing a backend (pool lookup and lease), for `Server-Timing`.
     pub route_ms: u64,
     /// Headers the pool walk adds (the pool choice, the queue wait).
@@ -81,11 +60,21 @@ pub struct Forward<'a> {
 impl Forward<'_> {
     /// Runs the attempts and returns the client's response.
     pub async fn run(self) -> Result<Response, ApiError> {
-        let client_signal: AbortSignal = self.client.inner().signal().into();
+        self.run_on(None).await
+    }
+
+    /// Runs the attempts on the grant's candidates (the decode candidates of a disaggregated
+    /// request whose prefill ran on `prefill_backend`: those are not retried elsewhere).
+    async fn run_on(self, prefill_backend: Option<String>) -> Result<Response, ApiError> {
+        let client_signal = self.request.client_signal.clone();
         if self.network_delay_ms > 0 {
             worker::Delay::from(std::time::Duration::from_millis(self.network_delay_ms)).await;
         }
-        let mut attempts = self.attempts()?;
+        let max_retries = match prefill_backend {
+            None => self.request.settings.proxy.max_retries,
+            Some(_) => 0,
+        };
+        let mut attempts = self.attempts();
         let mut candidate = self
             .grant
             .candidates
@@ -101,7 +90,7 @@ impl Forward<'_> {
                 .await
             {
                 Ok(answer) => {
-                    return self.respond(answer, &candidate, attempts, client_signal);
+                    return self.respond(answer, &candidate, attempts, prefill_backend);
                 }
                 Err(f) => f,
             };
@@ -121,7 +110,7 @@ impl Forward<'_> {
                 }
                 earlier_5xx = failure.outcome.status;
             }
-            let moved = if failure.retryable && attempts.count <= self.settings.max_retries {
+            let moved = if failure.retryable && attempts.count <= max_retries {
                 attempts
                     .move_on(&failure.outcome, failure.missing_model)
                     .await
@@ -142,7 +131,7 @@ impl Forward<'_> {
                 Moved::Nowhere => {
                     self.guard.finish(failure.outcome.clone());
                     if failure.missing_model {
-                        return Err(ApiError::model_not_found(&self.model));
+                        return Err(ApiError::model_not_found(self.request.model()));
                     }
                     return Err(final_error(&failure, attempts.count, ""));
                 }
@@ -151,40 +140,12 @@ impl Forward<'_> {
     }
 
     /// What it takes to make attempts on the grant's candidates, owned.
-    fn attempts(&self) -> Result<Attempts, ApiError> {
-        let mut headers = Vec::new();
-        let routing_header = self.routing_header.as_deref();
-        for name in FORWARDED_REQUEST_HEADERS
-            .iter()
-            .copied()
-            .chain(routing_header)
-        {
-            if let Some(value) = self
-                .client
-                .headers()
-                .get(name)
-                .map_err(ApiError::from)?
-                .filter(|v| v.len() <= MAX_FORWARDED_HEADER_BYTES)
-            {
-                headers.push((name.to_string(), value));
-            }
-        }
-        Ok(Attempts {
-            env: self.env.clone(),
-            pool: self.pool.clone(),
-            shard: self.shard,
-            guard: self.guard.clone(),
-            candidates: self.grant.candidates.clone(),
-            next_index: 1,
-            count: 0,
-            path: self.path.to_string(),
-            request_id: self.request_id.to_string(),
-            headers,
-            settings: self.settings,
-            stream: self.stream,
-            block_hashes: self.block_hashes.clone(),
-            model: self.model.clone(),
-        })
+    fn attempts(&self) -> Attempts {
+        Attempts::new(
+            self.request.clone(),
+            self.guard.clone(),
+            self.grant.candidates.clone(),
+        )
     }
 
     fn respond(
@@ -192,8 +153,9 @@ impl Forward<'_> {
         answer: Answer,
         c: &CandidateView,
         attempts: Attempts,
-        client_signal: AbortSignal,
+        prefill_backend: Option<String>,
     ) -> Result<Response, ApiError> {
+        let request = &self.request;
         let out = Headers::new();
         let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from);
         for name in PASSED_RESPONSE_HEADERS {
@@ -201,9 +163,9 @@ impl Forward<'_> {
                 set(name, &v)?;
             }
         }
-        set("x-request-id", self.request_id)?;
-        set("x-gateway-pool", &self.pool)?;
-        set("x-gateway-shard", &self.shard.to_string())?;
+        set("x-request-id", &request.request_id)?;
+        set("x-gateway-pool", &request.pool)?;
+        set("x-gateway-shard", &request.shard.to_string())?;
         set("x-gateway-backend", &c.id.0)?;
         set("x-gateway-attempts", &attempts.count.to_string())?;
         for (k, v) in &self.extra_headers {
@@ -217,7 +179,7 @@ impl Forward<'_> {
                 self.route_ms, answer.ttfb_ms
             ),
         )?;
-        if let Some(p) = &self.prefill_backend {
+        if let Some(p) = &prefill_backend {
             set("x-gateway-prefill-backend", p)?;
         }
         if let Some(d) = self.grant.decision {
@@ -240,7 +202,7 @@ impl Forward<'_> {
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
-        let (Some(reader), true) = (answer.reader, self.stream) else {
+        let (Some(reader), true) = (answer.reader, request.stream()) else {
             with_usage(&mut outcome, answer.usage);
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
@@ -249,25 +211,26 @@ impl Forward<'_> {
                 .with_headers(out)
                 .fixed(bytes));
         };
-        let relay = Relay::new(self.strip_usage_event)
+        let relay = Relay::new(request.strip_usage_event)
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
-        let upstream = stream_upstream(reader, answer.first_chunk, answer.abort, c, &self.settings);
+        let upstream = stream_upstream(
+            reader,
+            answer.first_chunk,
+            answer.abort,
+            c,
+            attempts.settings(),
+        );
         // A disaggregated request's decode share cannot move: its stream is never resumed.
-        let resumption = match self.prefill_backend {
-            None => Resumption::of(self.path, self.body, self.settings.max_stream_resumes),
+        let resumption = match prefill_backend {
+            None => Resumption::of(request, self.body),
             Some(_) => Resumption::never(),
         };
         if resumption.collects() {
             relay.collect();
         }
         self.ctx.wait_until(crate::resume::stream(
-            relay,
-            upstream,
-            attempts,
-            resumption,
-            outcome,
-            client_signal,
+            relay, upstream, attempts, resumption, outcome,
         ));
         Ok(Response::builder()
             .with_status(status)
@@ -307,48 +270,46 @@ impl Forward<'_> {
         }
         let bytes =
             serde_json::to_vec(&prefill_body).map_err(|e| ApiError::internal(e.to_string()))?;
-        let client_signal: AbortSignal = self.client.inner().signal().into();
+        let client_signal = self.request.client_signal.clone();
         let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
-            let req = self
-                .attempts()
-                .and_then(|a| {
-                    a.request(&prefill, &bytes)
-                        .map_err(|e| ApiError::from(worker::Error::from(e)))
-                })
-                .map_err(|e| {
+            let req = self.attempts().request(&prefill, &bytes).map_err(|e| {
+                worker::console_error!(
+                    "request {}: cannot build the prefill request: {}",
+                    self.request.request_id,
+                    ApiError::from(worker::Error::from(e))
+                );
+                fail(
+                    OutcomeKind::Transport,
+                    format!(
+                        "the request to prefill backend {} could not be built",
+                        prefill.id.0
+                    ),
+                )
+            })?;
+            let (resp, _abort) = fetch_web_with_timeout(
+                &req,
+                self.request.settings.proxy.response_timeout,
+                Some(&client_signal),
+            )
+            .await
+            .map_err(|f| match f {
+                FetchFailure::Timeout => fail(
+                    OutcomeKind::Timeout,
+                    format!("prefill backend {} timed out", prefill.id.0),
+                ),
+                FetchFailure::Transport(e) => {
                     worker::console_error!(
-                        "request {}: cannot build the prefill request: {e}",
-                        self.request_id
+                        "request {}: prefill backend {} could not be reached: {e}",
+                        self.request.request_id,
+                        prefill.id.0
                     );
                     fail(
                         OutcomeKind::Transport,
-                        format!(
-                            "the request to prefill backend {} could not be built",
-                            prefill.id.0
-                        ),
+                        format!("prefill backend {} could not be reached", prefill.id.0),
                     )
-                })?;
-            let (resp, _abort) =
-                fetch_web_with_timeout(&req, self.settings.response_timeout, Some(&client_signal))
-                    .await
-                    .map_err(|f| match f {
-                        FetchFailure::Timeout => fail(
-                            OutcomeKind::Timeout,
-                            format!("prefill backend {} timed out", prefill.id.0),
-                        ),
-                        FetchFailure::Transport(e) => {
-                            worker::console_error!(
-                                "request {}: prefill backend {} could not be reached: {e}",
-                                self.request_id,
-                                prefill.id.0
-                            );
-                            fail(
-                                OutcomeKind::Transport,
-                                format!("prefill backend {} could not be reached", prefill.id.0),
-                            )
-                        }
-                    })?;
+                }
+            })?;
             let status = resp.status();
             if !(200..300).contains(&status) {
                 return Err(AttemptFailure {
@@ -415,8 +376,6 @@ impl Forward<'_> {
         self.body =
             serde_json::to_vec(&decode_body).map_err(|e| ApiError::internal(e.to_string()))?;
         self.grant.candidates = std::mem::take(&mut self.grant.decode_candidates);
-        self.settings.max_retries = 0;
-        self.prefill_backend = Some(prefill.id.0);
-        self.run().await
+        self.run_on(Some(prefill.id.0)).await
     }
 }

@@ -15,8 +15,8 @@
 //! The isolate's memory holds the network measurements and the conversations' home pools, both
 //! bounded (`routing_core::region`).
 
+use crate::http::var_or;
 use crate::settings::Settings;
-use crate::var_or;
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::prompt::RequestFeatures;

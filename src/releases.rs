@@ -15,8 +15,8 @@
 //! per lease, and a lease's deadline stays the backstop, as for a single release.
 
 use crate::do_client::pool_ok;
-use crate::ApiError;
 use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
+use coordinator_protocol::ApiError;
 use coordinator_protocol::Route;
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -22,8 +22,10 @@
 
 use crate::attempts::{stream_upstream, with_usage, Attempts, Moved};
 use crate::relay::{Piped, Relay, Upstream};
+use crate::request::RequestContext;
+use routing_core::endpoint::Endpoint;
 use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
-use routing_core::resume::{check_request, continuation_body, Endpoint, NotResumable, Splice};
+use routing_core::resume::{continuation_body, NotResumable, Splice};
 use worker::AbortSignal;
 
 /// Whether and how a stream may be resumed, decided before its answer flows.
@@ -37,17 +39,15 @@ pub(crate) struct Resumption {
 }
 
 impl Resumption {
-    /// The resumption of a stream sent to `path` with `body`, allowed `max` times.
-    pub(crate) fn of(path: &str, body: Vec<u8>, max: u32) -> Resumption {
-        let endpoint = match path {
-            "/v1/chat/completions" => Endpoint::Chat,
-            "/v1/completions" => Endpoint::Completion,
-            _ => return Resumption::never(),
-        };
-        if max == 0 {
+    /// The resumption of `request`'s stream, sent upstream with `body`, allowed
+    /// `MAX_STREAM_RESUMES` times; whether its body allows one was decided when its features were
+    /// read (`RequestContext::resumable`).
+    pub(crate) fn of(request: &RequestContext, body: Vec<u8>) -> Resumption {
+        let (endpoint, max) = (request.endpoint, request.settings.proxy.max_stream_resumes);
+        if endpoint == Endpoint::Embeddings || max == 0 {
             return Resumption::never();
         }
-        let ruled_out = check_request(&body, endpoint).err();
+        let ruled_out = request.resumable.err();
         Resumption {
             plan: Some((endpoint, body)),
             ruled_out,
@@ -86,8 +86,8 @@ pub(crate) async fn stream(
     mut attempts: Attempts,
     mut resumption: Resumption,
     mut outcome: Outcome,
-    client_signal: AbortSignal,
 ) {
+    let client_signal = attempts.request.client_signal.clone();
     let guard = attempts.guard.clone();
     // A client that hangs up mid-stream is charged what it received (the guard reads this).
     guard.meter(Box::new(relay.meter()));
@@ -231,7 +231,7 @@ async fn resume(
             answer.first_chunk,
             answer.abort,
             &candidate,
-            &attempts.settings,
+            attempts.settings(),
         );
         return Next::Continue(upstream, answer.ttfb_ms);
     }

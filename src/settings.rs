@@ -7,13 +7,13 @@
 //! lookup crosses into JavaScript, and together they were a measurable share of a request's CPU.
 //! The admin API and the cron handler still read the environment directly.
 
-use crate::attempts::ProxySettings;
-use crate::auth::secret;
-use crate::var_or;
+use crate::auth::{hash_key, secret};
+use crate::http::var_or;
 use routing_core::prompt::FeatureConfig;
 use routing_core::rate_limit::RateLimits;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::time::Duration;
 use worker::Env;
 
 /// Largest request body accepted unless `MAX_BODY_BYTES` says otherwise.
@@ -69,7 +69,7 @@ impl Settings {
                     s.split(',')
                         .map(str::trim)
                         .filter(|k| !k.is_empty())
-                        .map(crate::keys::hash_key)
+                        .map(hash_key)
                         .collect()
                 })
                 .unwrap_or_default(),
@@ -90,15 +90,47 @@ impl Settings {
     }
 }
 
+/// Proxy timing and retry knobs (wrangler.toml vars).
+#[derive(Debug, Clone, Copy)]
+pub struct ProxySettings {
+    /// Most extra attempts after the first (default 2).
+    pub max_retries: u32,
+    /// A streamed answer must deliver its first chunk within this time (default 30 s).
+    pub first_byte_timeout: Duration,
+    /// A non-streamed answer must arrive whole within this time (default 600 s).
+    pub response_timeout: Duration,
+    /// After its first chunk, a stream may go this long without one (default 60 s).
+    pub stream_idle_timeout: Duration,
+    /// Most times one stream is resumed on another backend after failing mid-answer (default 1;
+    /// 0 turns resumption off).
+    pub max_stream_resumes: u32,
+}
+
+impl ProxySettings {
+    /// Reads the knobs from the environment, with defaults.
+    pub fn from_env(env: &Env) -> Self {
+        let var = |name: &str, default: u64| var_or(env, name, default);
+        ProxySettings {
+            max_retries: var("MAX_RETRIES", 2).min(10) as u32,
+            first_byte_timeout: Duration::from_millis(var("FIRST_BYTE_TIMEOUT_MS", 30_000).max(10)),
+            response_timeout: Duration::from_millis(var("RESPONSE_TIMEOUT_MS", 600_000).max(10)),
+            stream_idle_timeout: Duration::from_millis(
+                var("STREAM_IDLE_TIMEOUT_MS", 60_000).max(10),
+            ),
+            max_stream_resumes: var("MAX_STREAM_RESUMES", 1).min(5) as u32,
+        }
+    }
+}
+
 thread_local! {
     static SETTINGS: std::cell::OnceCell<Rc<Settings>> = const { std::cell::OnceCell::new() };
 }
 
 /// `SLOW_CLIENT_TIMEOUT_MS` as this isolate read it (the default before any request read the
 /// settings), for the relay, which has no `Env`.
-pub fn slow_client_timeout() -> std::time::Duration {
+pub fn slow_client_timeout() -> Duration {
     let ms = SETTINGS.with(|s| s.get().map(|s| s.slow_client_timeout_ms));
-    std::time::Duration::from_millis(ms.unwrap_or(30_000))
+    Duration::from_millis(ms.unwrap_or(30_000))
 }
 
 /// This isolate's settings, read from `env` on first use.

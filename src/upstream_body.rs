@@ -3,7 +3,6 @@
 //! answer the request asked for, and whether a 404 is vLLM's model-not-found answer. Each failure
 //! is an [`AttemptFailure`] the attempts (`attempts.rs`) retry on the next candidate.
 
-use crate::attempts::AttemptFailure;
 use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
 use serde_json::Value;
@@ -11,6 +10,27 @@ use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::Delay;
+
+/// A failure of one attempt, before anything of it reached the client.
+pub(crate) struct AttemptFailure {
+    pub(crate) outcome: Outcome,
+    pub(crate) reason: String,
+    /// Whether another candidate may be tried.
+    pub(crate) retryable: bool,
+    /// The backend answered vLLM's model-not-found 404: it does not serve the model (any more).
+    pub(crate) missing_model: bool,
+}
+
+impl AttemptFailure {
+    pub(crate) fn new(kind: OutcomeKind, reason: String) -> AttemptFailure {
+        AttemptFailure {
+            outcome: Outcome::of_kind(kind),
+            reason,
+            retryable: true,
+            missing_model: false,
+        }
+    }
+}
 
 /// Reads a whole body, up to `limit` bytes. A body that breaks off is a transport failure; one
 /// over the limit is not retried (another backend would send as much).

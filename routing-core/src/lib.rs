@@ -57,6 +57,7 @@ pub mod usage;
 
 pub use backend::{BackendId, BackendPatch, BackendSpec, Capacity, Lifecycle, Role};
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
+pub use endpoint::Endpoint;
 pub use health::{HealthConfig, HealthState};
 pub use outcome::{Outcome, OutcomeKind};
 pub use policy::{DecisionKind, PolicyKind};
@@ -64,5 +65,5 @@ pub use pool::{
     AcquireError, BackendSnapshot, BackendView, CandidateView, ConfigError, Grant, Pool,
     PoolConfig, PoolError, ProbeResult, RouteReceipt,
 };
-pub use prompt::{FeatureConfig, PromptError, RequestFeatures, RequestKind};
+pub use prompt::{FeatureConfig, PromptError, RequestFeatures};
 pub use random::{RandomSource, SplitMix64};

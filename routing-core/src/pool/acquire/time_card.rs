@@ -10,8 +10,9 @@
 
 use super::super::Pool;
 use crate::backend::Lifecycle;
+use crate::endpoint::Endpoint;
 use crate::health::HealthState;
-use crate::prompt::{RequestFeatures, RequestKind};
+use crate::prompt::RequestFeatures;
 use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
 
 impl Pool {
@@ -55,7 +56,7 @@ impl Pool {
         let mut predict = |tokens: u32| -> Option<u32> {
             let features = RequestFeatures {
                 request_id: String::new(),
-                kind: RequestKind::Completion,
+                kind: Endpoint::Completions,
                 model: model.clone(),
                 stream: true,
                 prompt_tokens: tokens,

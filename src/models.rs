@@ -1,0 +1,30 @@
+//! `GET /v1/models`: the models the pools serve, as the OpenAI model list.
+
+use crate::do_client;
+use coordinator_protocol::messages::ModelsAnswer;
+use coordinator_protocol::{ApiError, Route};
+use serde_json::{json, Value};
+use worker::{console_error, Env, Response};
+
+/// Every model some pool has a ready backend for. A pool that cannot answer is skipped (and
+/// logged), never turned into an error for the client.
+pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
+    let mut models: Vec<String> = Vec::new();
+    for pool in do_client::list_pools(env).await? {
+        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, 0, &Route::Models, None::<&()>)
+            .await
+        {
+            Ok(answer) => models.extend(answer.models),
+            Err(e) => console_error!("models: pool {}: {e}", pool.name),
+        }
+    }
+    models.sort();
+    models.dedup();
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
+        .collect();
+    Ok(Response::from_json(
+        &json!({ "object": "list", "data": data }),
+    )?)
+}
