@@ -15,7 +15,9 @@
 //! it cannot take a request now gives way to the cheapest pool that can. A card is a few seconds
 //! old when it is read, and every request this Worker sent the pool since then adds its wait
 //! ([`TimeCard::backlog_ms`]), so the Worker does not send a whole card's interval of traffic to
-//! the pool that looked idle when the card was made.
+//! the pool that looked idle when the card was made; and the card's waiting drains with its age
+//! ([`TimeCard::drained_ms`]), so a pool that was backed up when its card was made is not avoided
+//! after its backlog is gone.
 
 use super::time_card::TimeCard;
 
@@ -128,8 +130,10 @@ pub fn order_pools(
         .map(|o| {
             let card = o.card.filter(|_| fresh(o))?;
             let uncached = prompt_tokens.saturating_sub(o.cached_tokens);
-            let ttft =
-                card.predict_ms(uncached)? + card.backlog_ms(o.sent_since_card, o.sent_tokens);
+            let ttft = card
+                .predict_ms(uncached)?
+                .saturating_sub(card.drained_ms(card.age_ms(now_ms)))
+                + card.backlog_ms(o.sent_since_card, o.sent_tokens);
             Some(u64::from(config.round_trips) * u64::from(o.rtt_ms) + ttft)
         })
         .collect();
@@ -311,6 +315,27 @@ mod tests {
         );
         assert_eq!(c.order, vec![0, 1]);
         assert_eq!(c.reason, ChoiceReason::Nearest);
+    }
+
+    #[test]
+    fn an_anchor_backed_up_when_its_card_was_made_keeps_its_traffic_once_that_has_drained() {
+        // Two seconds of backlog on the nearest pool; the far pool idle, 80 ms away.
+        let far = card(NOW, 10, 60, 400);
+        let cases = [
+            (NOW, vec![1, 0], ChoiceReason::Faster),
+            (NOW - 10_000, vec![0, 1], ChoiceReason::Nearest),
+        ];
+        for (at, order, reason) in cases {
+            let near = card(at, 2000, 2050, 2400);
+            let c = order_pools(
+                &[opt(Some(&near), 0), opt(Some(&far), 80)],
+                100,
+                NOW,
+                0.0,
+                &ChoiceConfig::default(),
+            );
+            assert_eq!((c.order, c.reason), (order, reason), "card made at {at}");
+        }
     }
 
     #[test]

@@ -81,6 +81,17 @@ impl TimeCard {
         u64::from(over) * decode / u64::from(self.max_seqs)
     }
 
+    /// How much of the card's predictions has drained `age_ms` after it was computed: the waiting
+    /// part of a prediction (the queue's wait and what a request with nothing to prefill waits
+    /// for a slot, `cached_ms`) shrinks in real time while nobody adds to it, up to all of it;
+    /// the prefill part does not. What others sent the pool since is unknown here, which is why
+    /// a card older than the choice's `card_max_age_ms` is not used at all; what this Worker sent
+    /// is added back by [`Self::backlog_ms`].
+    pub fn drained_ms(&self, age_ms: u64) -> u64 {
+        let waiting = u64::from(self.queue_wait_ms) + u64::from(self.cached_ms.unwrap_or(0));
+        age_ms.min(waiting)
+    }
+
     /// Whether the card says the pool serves `model` (a card that lists no models says nothing).
     pub fn serves(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
@@ -153,6 +164,19 @@ mod tests {
         assert_eq!(c.backlog_ms(4, 256), 200);
         assert_eq!(c.backlog_ms(4, 64), 50);
         assert_eq!(TimeCard::default().backlog_ms(100, 256), 0);
+    }
+
+    #[test]
+    fn a_cards_wait_drains_with_its_age_but_not_its_prefill() {
+        let mut c = card(900, 1000, 1700);
+        c.queue_wait_ms = 600;
+        assert_eq!(c.drained_ms(0), 0);
+        assert_eq!(c.drained_ms(1000), 1000);
+        // All 1,500 ms of waiting gone; the 100 ms of a short prompt's prefill stays.
+        assert_eq!(c.drained_ms(60_000), 1500);
+        let aged = c.predict_ms(SHORT_TOKENS).unwrap() - c.drained_ms(60_000);
+        assert_eq!(aged, 100);
+        assert_eq!(TimeCard::default().drained_ms(5000), 0);
     }
 
     #[test]
