@@ -10,8 +10,8 @@
 //! page) makes the backend unhealthy too, and every body is read with a bound (1 MiB for
 //! `/metrics`, 64 KiB for the others), so a backend cannot make the pool read without end.
 
-pub use coordinator_protocol::messages::ProbeReport;
 use coordinator_protocol::timed_fetch::{fetch_with_timeout, with_timeout};
+use routing_core::coordinator::ProbeReport;
 
 use futures_util::StreamExt;
 use routing_core::scrape::parse_vllm_metrics;

@@ -4,14 +4,14 @@
 
 use routing_core::admission::Ticket;
 use routing_core::backend::{BackendId, BackendPatch, BackendSpec};
-use routing_core::history::HistoryReport;
+use routing_core::coordinator::history::HistoryReport;
+use routing_core::coordinator::ProbeReport;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::Outcome;
 use routing_core::policy::PolicyKind;
-use routing_core::pool::{BackendView, ProbeResult};
+use routing_core::pool::BackendView;
 use routing_core::rate_limit::RateLimits;
 use routing_core::region::TimeCard;
-use routing_core::scrape::VllmMetrics;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -201,25 +201,6 @@ pub struct AdminPatch {
     /// `true` drains the backend, `false` puts it back in service.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drain: Option<bool>,
-}
-
-/// What one probe round found out about a backend, kept for the admin view and metrics.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct ProbeReport {
-    /// When the probe started (ms since the epoch).
-    pub at_ms: u64,
-    /// How long the whole probe took.
-    pub duration_ms: u64,
-    /// HTTP status of `/health`, if it answered.
-    pub health_status: Option<u16>,
-    /// Why the probe failed, if it did.
-    pub error: Option<String>,
-    /// Models listed by `/v1/models`.
-    pub models: Option<Vec<String>>,
-    /// Gauges read from `/metrics`.
-    pub metrics: VllmMetrics,
-    /// The result fed to the pool.
-    pub result: ProbeResult,
 }
 
 /// A backend as the admin API shows it: the core's view plus the last probe report.

@@ -3,8 +3,8 @@
 //! Worker before a new pool's first call carries its location hint, the pool before applying.
 
 use crate::error::ApiError;
+use routing_core::coordinator::retry_budget::RetryBudgetConfig;
 use routing_core::pool::PoolConfig;
-use routing_core::retry_budget::RetryBudgetConfig;
 use serde::{Deserialize, Serialize};
 
 /// Default timeout of each probe request.

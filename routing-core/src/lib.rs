@@ -9,13 +9,12 @@
 //! prefix-affinity table ([`affinity`]), the LLM cost model ([`cost`]), leases ([`lease`]), the
 //! policies ([`policy`]), admission control and its fair queue ([`admission`]) and Prometheus
 //! rendering ([`metrics`]); the probe's reading of vLLM's `/metrics` page ([`scrape`]), the
-//! pool-wide retry budget ([`retry_budget`]), the per-minute history the dashboard draws
-//! ([`history`]), the reading of backends' token usage ([`usage`]) and each endpoint's request
-//! features ([`endpoint`]) too. The pool coordinator's
-//! own decisions live here as well: the pool's load, saturation and desired replicas
-//! ([`pool_load`]), what a probe's 503 means ([`probe_verdict`]), when a drain is finished
-//! ([`drain`]), a failed attempt's retry ([`reassign`]) and its metric families
-//! ([`coordinator_metrics`]).
+//! reading of backends' token usage ([`usage`]) and each endpoint's request features
+//! ([`endpoint`]) too. The pool coordinator's own rules live in [`coordinator`]: one
+//! [`coordinator::Coordinator`] per coordinator shard owns the pool, the retry budget, the drains,
+//! the probe reports, the admission queue's waits, the load summary and the history, and answers
+//! every call with the effects its Durable Object performs (rows to write, calls to wake, probes,
+//! pushes to sibling shards).
 //!
 //! Time and randomness are inputs: every function that needs the time takes `now_ms: u64`, and every
 //! random choice draws from a [`random::RandomSource`] handed in by the caller. The crate has no
@@ -27,27 +26,21 @@ pub mod affinity;
 pub mod backend;
 pub mod block_hash_encoding;
 pub mod breaker;
-pub mod coordinator_metrics;
+pub mod coordinator;
 pub mod cost;
-pub mod drain;
 pub mod endpoint;
 pub mod health;
 pub mod held_blocks;
-pub mod history;
 pub mod lease;
 pub mod metrics;
 pub mod outcome;
 pub mod policy;
 pub mod pool;
-pub mod pool_load;
-pub mod probe_verdict;
 pub mod prompt;
 pub mod random;
 pub mod rate_limit;
-pub mod reassign;
 pub mod region;
 pub mod resume;
-pub mod retry_budget;
 pub mod ring;
 pub mod routing_key;
 pub mod scrape;

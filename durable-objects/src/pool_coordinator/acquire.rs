@@ -1,7 +1,19 @@
 //! Acquiring a lease: at once, or after a wait in the pool's admission queue, and the
 //! error a request gets when it leaves the queue without one.
 
-use super::*;
+use super::{now_ms, ApiResult, PoolCoordinator};
+use crate::call::answer;
+use coordinator_protocol::acquire::AcquireRequest;
+use coordinator_protocol::messages::{
+    DequeueAnswer, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
+};
+use coordinator_protocol::ApiError;
+use futures_util::future::{select, Either};
+use routing_core::admission::DropReason;
+use routing_core::coordinator::{Coordinator, Step, Verdict};
+use routing_core::pool::AcquireError;
+use std::time::Duration;
+use worker::Delay;
 
 impl PoolCoordinator {
     pub(super) async fn acquire(
@@ -15,57 +27,29 @@ impl PoolCoordinator {
             admission,
             choice,
         } = req;
-        let step = self.with(|l| {
+        let step = self.with(|shard| {
             let now = now_ms();
-            let first_call = admission.as_ref().is_none_or(|a| a.ticket.is_none());
-            if let (Some(note), true) = (&choice, first_call) {
-                l.routed.count(note);
-            }
-            let admission_config = l.settings.routing.admission;
-            let queueing =
-                admission_config.enabled || l.room.knows(admission.as_ref().and_then(|a| a.ticket));
-            let continuing = admission.as_ref().is_some_and(|a| a.ticket.is_some());
-            if l.load.spills(spill_ok, continuing) {
-                l.spills += 1;
+            let (step, effects) = shard.coordinator.acquire(
+                features,
+                admission,
+                choice.as_ref(),
+                spill_ok,
+                now,
+                &shard.calls,
+            );
+            // An evicted request's call hears of it.
+            let _ = shard.perform(effects, now);
+            step
+        });
+        let (ticket, call_id, rx, until_ms) = match step {
+            Step::Done(verdict) => return self.answer(verdict),
+            Step::Saturated => {
                 return Err(
                     ApiError::unavailable("This pool is saturated; try the next pool.", 1)
                         .with_code("pool_saturated"),
                 );
             }
-            let Live {
-                pool, rng, room, ..
-            } = l;
-            if !queueing {
-                return Ok(match pool.acquire(&features, now, rng) {
-                    Ok(grant) => {
-                        // Known by the Worker's wait id, for a dequeue if it never reads this.
-                        if let Some(id) = admission.as_ref().and_then(|a| a.wait_id) {
-                            room.record_delivered(id, grant.lease_id, now);
-                        }
-                        Step::Done(Verdict::Granted {
-                            grant,
-                            waited_ms: 0,
-                        })
-                    }
-                    Err(e) => Step::Refused(e),
-                });
-            }
-            let who = admission.unwrap_or_default();
-            Ok(room.enter(
-                pool,
-                &admission_config,
-                features,
-                &who,
-                spill_ok,
-                Some(signal),
-                now,
-                rng,
-            ))
-        })?;
-        let (ticket, call_id, rx, until_ms) = match step {
-            Step::Done(verdict) => return self.answer(verdict),
             Step::Spill => {
-                self.with(|l| l.spills += 1);
                 return Err(ApiError::unavailable(
                     "Every backend of this pool is at capacity; try the next pool.",
                     1,
@@ -90,9 +74,11 @@ impl PoolCoordinator {
             Step::Wait {
                 ticket,
                 call_id,
-                rx,
                 until_ms,
-            } => (ticket, call_id, rx, until_ms),
+            } => {
+                let rx = self.with(|shard| shard.calls.open(ticket, call_id, Some(signal)));
+                (ticket, call_id, rx, until_ms)
+            }
         };
         let timer = Delay::from(Duration::from_millis(
             until_ms.saturating_sub(now_ms()).max(1),
@@ -101,16 +87,22 @@ impl PoolCoordinator {
             Either::Left((Ok(verdict), _)) => Some(verdict),
             // A newer call with the same ticket took over.
             Either::Left((Err(_), _)) => None,
-            Either::Right((_, mut rx)) => self.with(|l| {
+            Either::Right((_, mut rx)) => self.with(|shard| {
                 let now = now_ms();
-                l.settle_queue(now);
-                l.room.pause(ticket, call_id, &mut rx, now)
+                shard.settle_queue(now);
+                // A verdict that arrived meanwhile, else one parked for this call.
+                if let Ok(Some(verdict)) = rx.try_recv() {
+                    return Some(verdict);
+                }
+                let verdict = shard.coordinator.pause(ticket, call_id, now);
+                shard.calls.close(ticket, call_id);
+                verdict
             }),
         };
         match verdict {
             Some(verdict) => self.answer(verdict),
             None => {
-                let queue_length = self.with(|l| l.room.queue.len());
+                let queue_length = self.with(|shard| shard.coordinator.room().queue.len());
                 answer(
                     202,
                     &Queued {
@@ -129,11 +121,7 @@ impl PoolCoordinator {
                 mut grant,
                 waited_ms,
             } => {
-                self.with(|l| {
-                    let now = now_ms();
-                    l.budget.record_request(now, &l.settings.retry_budget);
-                    grant.card = Some(Box::new(card::grant_card(l, now)));
-                });
+                self.with(|shard| shard.coordinator.hand_out(&mut grant, now_ms()));
                 let mut resp = answer(200, &grant)?;
                 // Absent means no wait (the Worker reads it so); a header costs a call into JS.
                 if waited_ms > 0 {
@@ -143,33 +131,33 @@ impl PoolCoordinator {
                 Ok(resp)
             }
             Verdict::Dropped { reason, waited_ms } => {
-                Err(self.with(|l| drop_error(l, reason, waited_ms)))
+                Err(self.with(|shard| drop_error(&shard.coordinator, reason, waited_ms)))
             }
         }
     }
 
     /// `POST /dequeue`: a queued request's client left.
     pub(super) fn dequeue(&self, req: DequeueRequest) -> ApiResult {
-        self.with(|l| {
-            let Live { pool, room, .. } = l;
-            let left = room.dequeue(pool, req.ticket, now_ms());
+        self.with(|shard| {
+            let now = now_ms();
+            let (left, effects) = shard.coordinator.dequeue(req.ticket, now);
+            let _ = shard.perform(effects, now);
             answer(200, &DequeueAnswer { dequeued: left })
         })
-    }
-
-    /// Lets queued requests in if backends have room (and drops those whose client left).
-    pub(super) fn settle_queue(&self) {
-        self.with(|l| l.settle_queue(now_ms()));
     }
 }
 
 /// The error a client gets for a request that left the queue without a lease.
-pub(super) fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiError {
+pub(super) fn drop_error(
+    coordinator: &Coordinator,
+    reason: DropReason,
+    waited_ms: u64,
+) -> ApiError {
     let seconds = |ms: u64| ms.div_ceil(1000).clamp(1, 60) as u32;
     match reason {
         DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => {
-            let oldest = l
-                .room
+            let oldest = coordinator
+                .room()
                 .queue
                 .oldest_arrival_ms()
                 .map_or(0, |a| now_ms().saturating_sub(a));
@@ -185,19 +173,5 @@ pub(super) fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiErr
         DropReason::ModelGone => {
             ApiError::model_not_found("").with_header(QUEUE_DROP_HEADER, reason.as_str())
         }
-    }
-}
-
-impl Live {
-    /// Lets queued requests in if backends have room (and drops those whose client left).
-    fn settle_queue(&mut self, now: u64) {
-        let Live {
-            pool,
-            rng,
-            room,
-            settings,
-            ..
-        } = self;
-        room.settle(pool, &settings.routing.admission, now, rng);
     }
 }

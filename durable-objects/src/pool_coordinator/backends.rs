@@ -1,42 +1,63 @@
-//! The admin side of the registry: registering, listing, changing and removing backends,
-//! finishing drains, and writing backend state to SQLite when it changes.
+//! The admin side of the registry: registering, listing, changing and removing backends. The
+//! rules (and what to write) are the coordinator's; this file validates, checks the URL against
+//! SQLite, and answers.
 
-use super::*;
+use super::{now_ms, pool_error, ApiResult, PoolCoordinator};
+use crate::call::answer;
+use crate::registry::{validate_models, validate_name, validate_registration, validate_url};
+use coordinator_protocol::messages::{
+    AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, ModelsAnswer,
+};
+use coordinator_protocol::ApiError;
+use routing_core::backend::{BackendId, Lifecycle};
+use routing_core::coordinator::{Coordinator, Deletion};
+use routing_core::health::HealthState;
+use routing_core::pool::BackendView;
 
 impl PoolCoordinator {
     pub(super) async fn register(&self, reg: BackendRegistration) -> ApiResult {
         let spec = validate_registration(reg)?;
-        let view = self.with(|l| {
-            if l.registry.url_taken(&spec.url, &spec.id.0)? {
+        let (view, performed) = self.with(|shard| {
+            if shard.registry.url_taken(&spec.url, &spec.id.0)? {
                 return Err(ApiError::conflict(
                     "a backend with this URL is already registered",
                 ));
             }
-            l.pool
-                .add_backend(spec.clone(), now_ms())
+            let now = now_ms();
+            let effects = shard
+                .coordinator
+                .register(spec.clone(), now)
                 .map_err(pool_error)?;
-            if let Err(e) = l.registry.put_spec(&spec) {
-                let _ = l.pool.remove_backend(&spec.id, now_ms());
+            let mut performed = shard.perform(effects, now);
+            if let Err(e) = performed.check() {
+                shard.coordinator.unregister(&spec.id, now);
                 return Err(e);
             }
-            persist_snapshots(l);
-            l.pool
+            let view = shard
+                .coordinator
+                .pool()
                 .backend(&spec.id)
-                .ok_or_else(|| ApiError::internal("backend vanished"))
+                .ok_or_else(|| ApiError::internal("backend vanished"))?;
+            Ok((view, performed))
         })?;
         // A new backend serves nothing until probed: probe now rather than at the next round.
-        self.probe_soon().await;
+        self.follow_up(performed).await;
         answer(201, &view)
     }
 
     pub(super) fn list(&self) -> ApiResult {
-        self.with(|l| {
-            let data: Vec<AdminBackend> = l.pool.backends().map(|v| admin_backend(l, v)).collect();
+        self.with(|shard| {
+            let coordinator = &shard.coordinator;
+            let data: Vec<AdminBackend> = coordinator
+                .pool()
+                .backends()
+                .map(|v| admin_backend(coordinator, v))
+                .collect();
             answer(
                 200,
                 &BackendList {
                     object: "list".into(),
-                    pool: Some(l.name.clone()),
+                    pool: Some(shard.name.clone()),
                     data,
                 },
             )
@@ -44,20 +65,20 @@ impl PoolCoordinator {
     }
 
     pub(super) fn show(&self, id: &str) -> ApiResult {
-        self.with(|l| {
+        self.with(|shard| {
             let id = BackendId(id.to_string());
-            let view = l
-                .pool
+            let view = shard
+                .coordinator
+                .pool()
                 .backend(&id)
                 .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
-            answer(200, &admin_backend(l, view))
+            answer(200, &admin_backend(&shard.coordinator, view))
         })
     }
 
-    pub(super) fn patch(&self, id: &str, req: AdminPatch) -> ApiResult {
+    pub(super) async fn patch(&self, id: &str, req: AdminPatch) -> ApiResult {
         let id = BackendId(id.to_string());
-        self.with(|l| {
-            let now = now_ms();
+        let (backend, performed) = self.with(|shard| {
             let mut patch = req.patch;
             if let Some(models) = &patch.models {
                 validate_models(models)?;
@@ -67,59 +88,45 @@ impl PoolCoordinator {
             }
             if let Some(url) = &patch.url {
                 let url = validate_url(url)?;
-                if l.registry.url_taken(&url, &id.0)? {
+                if shard.registry.url_taken(&url, &id.0)? {
                     return Err(ApiError::conflict(
                         "a backend with this URL is already registered",
                     ));
                 }
                 patch.url = Some(url);
             }
-            l.pool
-                .update_backend(&id, &patch, now)
+            let now = now_ms();
+            let effects = shard
+                .coordinator
+                .patch(&id, &patch, req.drain, now)
                 .map_err(pool_error)?;
-            match req.drain {
-                Some(true) => {
-                    l.pool
-                        .set_lifecycle(&id, Lifecycle::Draining, now)
-                        .map_err(pool_error)?;
-                    record_drain(l, &id, Some(now))?;
-                }
-                Some(false) => {
-                    l.pool
-                        .set_lifecycle(&id, Lifecycle::Ready, now)
-                        .map_err(pool_error)?;
-                    record_drain(l, &id, None)?;
-                    l.pending_delete.remove(&id);
-                    l.registry.set_meta("pending_delete", &l.pending_delete)?;
-                }
-                None => {}
-            }
-            finish_drains(l);
-            if let Some(spec) = l.pool.spec(&id) {
-                l.registry.put_spec(spec)?;
-            }
-            persist_snapshots(l);
-            let view = l
-                .pool
+            let mut performed = shard.perform(effects, now);
+            performed.check()?;
+            let view = shard
+                .coordinator
+                .pool()
                 .backend(&id)
                 .ok_or_else(|| ApiError::not_found("backend vanished"))?;
-            answer(200, &admin_backend(l, view))
-        })
+            Ok((admin_backend(&shard.coordinator, view), performed))
+        })?;
+        self.follow_up(performed).await;
+        answer(200, &backend)
     }
 
     pub(super) fn delete(&self, id: &str, force: bool) -> ApiResult {
         let id = BackendId(id.to_string());
-        self.with(|l| {
+        self.with(|shard| {
+            if shard.coordinator.pool().backend(&id).is_none() {
+                return Err(ApiError::not_found(format!("no backend `{}`", id.0)));
+            }
             let now = now_ms();
-            let view = l
-                .pool
-                .backend(&id)
-                .ok_or_else(|| ApiError::not_found(format!("no backend `{}`", id.0)))?;
-            // Within a restart's hold, a backend showing no leases may still run streams the
-            // pool forgot: it drains like a busy one, and goes once they renewed and ended.
-            if force || (view.leases_in_flight == 0 && now >= drain_hold(l, &id)) {
-                remove_backend(l, &id)?;
-                return answer(
+            let (deletion, effects) = shard
+                .coordinator
+                .delete(&id, force, now)
+                .map_err(pool_error)?;
+            shard.perform(effects, now).check()?;
+            match deletion {
+                Deletion::Deleted => answer(
                     200,
                     &DeleteAnswer {
                         id: id.0,
@@ -127,31 +134,25 @@ impl PoolCoordinator {
                         status: None,
                         leases_in_flight: None,
                     },
-                );
+                ),
+                Deletion::Draining { leases_in_flight } => answer(
+                    202,
+                    &DeleteAnswer {
+                        id: id.0,
+                        deleted: false,
+                        status: Some("draining".into()),
+                        leases_in_flight: Some(leases_in_flight),
+                    },
+                ),
             }
-            l.pool
-                .set_lifecycle(&id, Lifecycle::Draining, now)
-                .map_err(pool_error)?;
-            record_drain(l, &id, Some(now))?;
-            l.pending_delete.insert(id.clone());
-            l.registry.set_meta("pending_delete", &l.pending_delete)?;
-            persist_snapshots(l);
-            answer(
-                202,
-                &DeleteAnswer {
-                    id: id.0,
-                    deleted: false,
-                    status: Some("draining".into()),
-                    leases_in_flight: Some(view.leases_in_flight),
-                },
-            )
         })
     }
 
     pub(super) fn models(&self) -> ApiResult {
-        self.with(|l| {
-            let mut models: Vec<String> = l
-                .pool
+        self.with(|shard| {
+            let mut models: Vec<String> = shard
+                .coordinator
+                .pool()
                 .backends()
                 .filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy)
                 .flat_map(|v| v.served_models)
@@ -164,113 +165,10 @@ impl PoolCoordinator {
 }
 
 /// A backend as the admin API shows it.
-pub(super) fn admin_backend(l: &Live, view: routing_core::pool::BackendView) -> AdminBackend {
+fn admin_backend(coordinator: &Coordinator, view: BackendView) -> AdminBackend {
     AdminBackend {
-        last_probe: l.probes.get(&view.id).cloned(),
-        delete_pending: l.pending_delete.contains(&view.id),
+        last_probe: coordinator.probe_report(&view.id).cloned(),
+        delete_pending: coordinator.drains().delete_pending(&view.id),
         view,
-    }
-}
-
-/// Removes drained backends whose `DELETE` was waiting for the drain; once a restart's hold is
-/// over, marks drained the draining backends none of whose streams came back.
-pub(super) fn finish_drains(l: &mut Live) {
-    let now = now_ms();
-    if l.drain_hold_until_ms != 0 && now >= l.drain_hold_until_ms {
-        l.drain_hold_until_ms = 0;
-        l.restored.clear();
-        if !l.pool.finish_idle_drains().is_empty() {
-            persist_snapshots(l);
-        }
-    }
-    if l.pending_delete.is_empty() {
-        return;
-    }
-    let done: Vec<BackendId> = l
-        .pending_delete
-        .iter()
-        .filter(|id| drain_finished(l.pool.backend(id).as_ref(), now, drain_hold(l, id)))
-        .cloned()
-        .collect();
-    for id in done {
-        if let Err(e) = remove_backend(l, &id) {
-            console_error!("pool {}: removing drained backend {}: {e}", l.name, id.0);
-        }
-    }
-}
-
-/// Until when `id`'s drain is held after a restart (0: not held).
-pub(super) fn drain_hold(l: &Live, id: &BackendId) -> u64 {
-    if l.restored.contains(id) {
-        l.drain_hold_until_ms
-    } else {
-        0
-    }
-}
-
-/// Records when a backend's drain started (`Some`) or that it no longer drains (`None`).
-pub(super) fn record_drain(
-    l: &mut Live,
-    id: &BackendId,
-    started_ms: Option<u64>,
-) -> std::result::Result<(), ApiError> {
-    let changed = match started_ms {
-        Some(at) => {
-            if l.drain_started.contains_key(id) {
-                false
-            } else {
-                l.drain_started.insert(id.clone(), at);
-                true
-            }
-        }
-        None => l.drain_started.remove(id).is_some(),
-    };
-    if changed {
-        l.registry.set_meta("drain_started", &l.drain_started)?;
-    }
-    Ok(())
-}
-
-pub(super) fn remove_backend(l: &mut Live, id: &BackendId) -> std::result::Result<(), ApiError> {
-    let _ = l.pool.remove_backend(id, now_ms());
-    l.registry.delete(&id.0)?;
-    l.probes.remove(id);
-    l.persisted.remove(id);
-    l.load = pool_load(l);
-    record_drain(l, id, None)?;
-    if l.pending_delete.remove(id) {
-        l.registry.set_meta("pending_delete", &l.pending_delete)?;
-    }
-    Ok(())
-}
-
-/// Writes the lifecycle, health and breaker state of every backend whose state changed since it
-/// was last written, and refreshes the load summary spillover reads (probe rounds, admin changes).
-pub(super) fn persist_snapshots(l: &mut Live) {
-    for snapshot in l.pool.snapshots() {
-        persist_if_changed(l, snapshot);
-    }
-    l.load = pool_load(l);
-}
-
-/// The same for the backends a request touched: no work proportional to the fleet per request.
-/// (A request's ending changes breakers and drains, never what the load summary counts.)
-pub(super) fn persist_backends(l: &mut Live, ids: &[Option<&BackendId>]) {
-    for id in ids.iter().flatten() {
-        if let Some(snapshot) = l.pool.snapshot(id) {
-            persist_if_changed(l, snapshot);
-        }
-    }
-}
-
-pub(super) fn persist_if_changed(l: &mut Live, snapshot: BackendSnapshot) {
-    if l.persisted.get(&snapshot.id) == Some(&snapshot) {
-        return;
-    }
-    match l.registry.put_snapshot(&snapshot) {
-        Ok(()) => {
-            l.persisted.insert(snapshot.id.clone(), snapshot);
-        }
-        Err(e) => console_error!("pool {}: persisting {}: {e}", l.name, snapshot.id.0),
     }
 }

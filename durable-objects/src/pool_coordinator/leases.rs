@@ -1,11 +1,21 @@
 //! The rest of a lease's life: a retry on the next candidate, renewals, the end of a
 //! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected).
 
-use super::*;
+use super::{now_ms, pool_error, ApiResult, PoolCoordinator};
+use crate::call::answer;
+use coordinator_protocol::messages::{
+    PrefillDone, PrefillDoneAnswer, ReassignRequest, ReleaseAnswer, ReleaseBatch,
+    ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
+};
+use coordinator_protocol::ApiError;
+use routing_core::coordinator::reassign::{FailedAttempt, RetryRefused};
+use routing_core::coordinator::Release;
+use worker::console_log;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
-        let (result, probe_soon) = self.with(|l| {
+        let (result, performed) = self.with(|shard| {
+            let now = now_ms();
             let attempt = FailedAttempt {
                 lease_id: req.lease_id,
                 to: &req.to,
@@ -14,67 +24,41 @@ impl PoolCoordinator {
                 block_hashes: &req.block_hashes,
                 missing_model: req.missing_model.as_deref(),
             };
-            // A 5xx the lease left earlier may be charged by this move: persist that backend too.
-            let deferred = l.pool.deferred_failure(req.lease_id);
-            let Live {
-                pool,
-                budget,
-                settings,
-                ..
-            } = l;
-            let done = reassign(pool, budget, &settings.retry_budget, &attempt, now_ms());
+            let (done, effects) = shard.coordinator.reassign(&attempt, now);
             let failed = req.terms.as_ref().map(|t| &t.backend);
             if let (true, Some(backend), Some(model)) =
                 (done.forgot_model, failed, &req.missing_model)
             {
                 console_log!(
                     "pool {}: backend {} no longer serves {model}",
-                    l.name,
+                    shard.name,
                     backend.0
                 );
             }
+            let performed = shard.perform(effects, now);
             let result = match done.result {
-                Ok(candidate) => {
-                    l.retries += 1;
-                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
-                    answer(200, &candidate)
-                }
-                Err(RetryRefused::BudgetExhausted) => {
-                    persist_backends(l, &[failed, deferred.as_ref()]);
-                    Err(
-                        ApiError::unavailable("The pool's retry budget is exhausted.", 1)
-                            .with_code("retry_budget_exhausted"),
-                    )
-                }
-                Err(RetryRefused::Pool(e)) => {
-                    persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
-                    Err(pool_error(e))
-                }
+                Ok(candidate) => answer(200, &candidate),
+                Err(RetryRefused::BudgetExhausted) => Err(ApiError::unavailable(
+                    "The pool's retry budget is exhausted.",
+                    1,
+                )
+                .with_code("retry_budget_exhausted")),
+                Err(RetryRefused::Pool(e)) => Err(pool_error(e)),
             };
-            (result, done.probe_soon)
+            (result, performed)
         });
-        if probe_soon {
-            // Its served models changed: probe now rather than at the next round. Asked once per
-            // backend and model between probes (a model already forgotten is not forgotten again)
-            // and at most once per PROBE_SOON_MIN_INTERVAL_MS per backend, so a stream of 404s
-            // cannot keep the pool probing.
-            self.probe_soon().await;
-        }
+        // Its served models changed: probe now rather than at the next round (the coordinator
+        // asks at most once per backend and model between probes).
+        self.follow_up(performed).await;
         result
     }
 
     pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {
-        self.with(|l| {
-            let now = now_ms();
-            let (deadline_ms, reestablished) = match l.pool.renew(req.lease_id, now) {
-                Ok(d) => (d, false),
-                Err(_) => (
-                    l.pool
-                        .readmit(req.lease_id, &req.terms, now)
-                        .map_err(pool_error)?,
-                    true,
-                ),
-            };
+        self.with(|shard| {
+            let (deadline_ms, reestablished) = shard
+                .coordinator
+                .renew(req.lease_id, &req.terms, now_ms())
+                .map_err(pool_error)?;
             answer(
                 200,
                 &RenewAnswer {
@@ -86,40 +70,50 @@ impl PoolCoordinator {
     }
 
     pub(super) fn prefill_done(&self, req: PrefillDone) -> ApiResult {
-        self.with(|l| {
-            let ended = l.pool.finish_prefill(req.lease_id, &req.outcome, now_ms());
-            if ended {
-                persist_backends(l, &[req.backend.as_ref()]);
-            }
+        self.with(|shard| {
+            let now = now_ms();
+            let (ended, effects) = shard.coordinator.prefill_done(
+                req.lease_id,
+                &req.outcome,
+                req.backend.as_ref(),
+                now,
+            );
+            let _ = shard.perform(effects, now);
             answer(200, &PrefillDoneAnswer { ended })
         })
     }
 
     pub(super) fn release(&self, req: ReleaseRequest) -> ApiResult {
-        self.with(|l| {
-            let released = release_one(l, &req);
-            finish_drains(l);
-            answer(200, &ReleaseAnswer { released })
-        })
+        let released = self.release_all(std::slice::from_ref(&req));
+        answer(
+            200,
+            &ReleaseAnswer {
+                released: released[0],
+            },
+        )
     }
 
     /// Several releases in one call, each as [`Self::release`] does it.
     pub(super) fn release_batch(&self, batch: ReleaseBatch) -> ApiResult {
-        self.with(|l| {
-            let released = batch.releases.iter().map(|r| release_one(l, r)).collect();
-            finish_drains(l);
-            answer(200, &ReleaseBatchAnswer { released })
+        let released = self.release_all(&batch.releases);
+        answer(200, &ReleaseBatchAnswer { released })
+    }
+
+    /// Ends each lease with its outcome; its backend's state is written when the lease was live.
+    fn release_all(&self, requests: &[ReleaseRequest]) -> Vec<bool> {
+        let releases: Vec<Release> = requests
+            .iter()
+            .map(|r| Release {
+                lease_id: r.lease_id,
+                outcome: &r.outcome,
+                backend: r.backend.as_ref(),
+            })
+            .collect();
+        self.with(|shard| {
+            let now = now_ms();
+            let (released, effects) = shard.coordinator.release(&releases, now);
+            let _ = shard.perform(effects, now);
+            released
         })
     }
-}
-
-/// Ends one lease with its outcome; persists its backend's state when the lease was live.
-fn release_one(l: &mut Live, req: &ReleaseRequest) -> bool {
-    // A backend whose 5xx the lease left is charged (or not) now: its state changes too.
-    let deferred = l.pool.deferred_failure(req.lease_id);
-    let released = l.pool.release(req.lease_id, &req.outcome, now_ms());
-    if released {
-        persist_backends(l, &[req.backend.as_ref(), deferred.as_ref()]);
-    }
-    released
 }

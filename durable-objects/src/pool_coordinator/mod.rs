@@ -1,16 +1,19 @@
-//! The pool coordinator: one Durable Object per GPU pool, the single authority for that pool's
-//! backends, their health and breakers, the requests in flight on them, and the prefix-affinity
-//! table. The decisions themselves are `routing_core::pool::Pool`'s; this file is the adapter that
-//! gives it time, randomness, persistence and an HTTP surface.
+//! The pool coordinator: one Durable Object per coordinator shard of a GPU pool, the single
+//! authority for that shard's view of the pool's backends, their health and breakers, the requests
+//! in flight on them, and the prefix-affinity table. The rules are
+//! `routing_core::coordinator::Coordinator`'s; this object is the adapter that gives it time,
+//! randomness, persistence and an HTTP surface, and performs the effects it returns
+//! ([`PoolShard::perform`]): SQLite writes, answers to waiting calls, probe rounds, pushes to the
+//! sibling shards and to the directory.
 //!
 //! Response bytes never pass through here: the Worker acquires a lease, streams from the backend
 //! itself, reassigns the lease if it must retry elsewhere, and releases it when the stream ends.
 //! Leases also expire on a deadline, so a Worker that dies never leaks load. Probes run from this
 //! object's alarm, which re-arms itself and which the cron trigger makes sure is armed.
 //!
-//! Persisted in SQLite: backend specs, their lifecycle/health/breaker snapshots, pool settings.
-//! In memory only: leases, affinity, the retry budget, the last probe reports, and the last hour's
-//! per-minute history (`routing_core::history`, for the dashboard).
+//! Persisted in SQLite: backend specs, their lifecycle/health/breaker snapshots, pool settings,
+//! the drains. In memory only: leases, affinity, the retry budget, the last probe reports, and
+//! the last hour's per-minute history (`routing_core::coordinator::history`, for the dashboard).
 //!
 //! A pool may run on several such objects, its coordinator shards (`shards` in its settings; see
 //! `routing_core::shard`): shard 0 is the object named after the pool, shard k the object
@@ -18,8 +21,9 @@
 //! affinity and queue; shards push their load to each other ([`shards`]); only shard 0 probes,
 //! and it hands each round's results to the others.
 //!
-//! This file holds the object, its memory and the dispatch of each call; the handlers are grouped
-//! by job: [`acquire`], [`leases`], [`backends`], [`probing`], [`reports`] and [`shards`].
+//! This file holds the object, what it keeps in memory and the dispatch of each call; the
+//! handlers are grouped by job: [`acquire`], [`leases`], [`backends`], [`probing`], [`reports`],
+//! [`card`] and [`shards`].
 
 mod acquire;
 mod backends;
@@ -29,115 +33,166 @@ mod probing;
 mod reports;
 mod shards;
 
-use backends::{finish_drains, persist_backends, persist_snapshots, remove_backend};
-use reports::record_history;
-
 use crate::call::{answer, parse_route, read_body};
-use crate::probe::{probe_backend, ProbeReport};
-use crate::registry::{
-    validate_models, validate_name, validate_registration, validate_url, Registry,
-};
-use crate::waiting_room::{Step, Verdict, WaitingRoom};
-use coordinator_protocol::acquire::AcquireRequest;
-use coordinator_protocol::messages::{
-    AdminBackend, AdminPatch, AlarmAnswer, Autoscaling, BackendList, BackendRegistration,
-    DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
-    PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
-    ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER,
-    QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER, SHARD_HEADER,
-};
+use crate::registry::Registry;
+use crate::waiting_room::OpenCalls;
+use coordinator_protocol::messages::{AdminPatch, POOL_HEADER, SHARD_HEADER};
 pub use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::{ApiError, Object, Route};
-use futures_util::future::{select, Either};
-use routing_core::admission::DropReason;
-use routing_core::backend::{BackendId, BackendSpec, Lifecycle};
-use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
-use routing_core::drain::drain_finished;
-use routing_core::health::HealthState;
-use routing_core::history::{self, History};
-use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
-use routing_core::pool_load::{LoadTargets, PoolLoad};
-use routing_core::probe_verdict::settle_loading;
-use routing_core::random::SplitMix64;
-use routing_core::reassign::{reassign, FailedAttempt, RetryRefused};
-use routing_core::retry_budget::RetryBudget;
-use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use routing_core::coordinator::load::LoadTargets;
+use routing_core::coordinator::{Coordinator, CoordinatorSettings, Effect, Effects, Stored};
+use routing_core::pool::PoolError;
+use routing_core::region::TimeCard;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
-use worker::*;
+use worker::{
+    console_error, console_log, durable_object, Date, Delay, DurableObject, Env, Request, Response,
+    Result, State,
+};
 
 /// Default time between probe rounds (the `PROBE_INTERVAL_MS` var overrides it).
 pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 10_000;
 /// Most backends probed at once (the platform allows six outbound connections per invocation).
 const PROBE_CONCURRENCY: usize = 6;
 
-/// Live state of one pool.
+/// One coordinator shard of a pool.
 #[durable_object]
 pub struct PoolCoordinator {
     state: State,
     env: Env,
     /// Shared with the load pushes that run after a call has been answered.
-    live: Rc<RefCell<Option<Live>>>,
+    shard: Rc<RefCell<Option<PoolShard>>>,
     /// A probe round is running (rounds never overlap: a second one would double-count the
     /// health hysteresis).
-    probing: std::cell::Cell<bool>,
+    probing: Cell<bool>,
     /// A round was asked for while one ran: run one more after it (its targets may be new).
-    probe_again: std::cell::Cell<bool>,
+    probe_again: Cell<bool>,
 }
 
-/// What the coordinator keeps in memory (rebuilt from the registry after a restart).
-struct Live {
+/// What the object keeps in memory once loaded (rebuilt from the registry after a restart).
+struct PoolShard {
+    /// The pool's name.
     name: String,
-    /// This object's shard index (0: the pool's own object, which alone probes).
-    shard: u32,
-    /// When this shard last pushed its load to its siblings, and whether a push is scheduled.
-    exchange: shards::Exchange,
+    /// The SQLite tables.
     registry: Registry,
-    pool: Pool,
+    /// The settings as the admin API set them.
     settings: PoolSettings,
-    rng: SplitMix64,
-    budget: RetryBudget,
-    probes: HashMap<BackendId, ProbeReport>,
-    /// Backends whose `DELETE` waits for their drain to finish.
-    pending_delete: HashSet<BackendId>,
-    /// When each draining backend's drain started (persisted, so a restart knows it drains).
-    drain_started: HashMap<BackendId, u64>,
-    /// After a restart: until when no drain of a backend restored from storage may finish, so
-    /// the streams still running on it renew first (`routing_core::drain`); 0 once over.
-    drain_hold_until_ms: u64,
-    /// The backends restored at the restart (those whose streams the pool may have forgotten).
-    restored: HashSet<BackendId>,
-    probe_rounds: u64,
-    last_probe_ms: Option<u64>,
-    /// Leases moved to another backend after a failure (retries).
-    retries: u64,
-    /// Acquires refused because the pool was saturated and another pool could take the work.
-    spills: u64,
-    /// Probe outcomes: (successes, failures).
-    probe_results: (u64, u64),
-    /// Admission control's queue and the acquires waiting on it.
-    room: WaitingRoom,
-    /// The pool's load summary as of the last probe round or registry change (what spillover
-    /// reads on every acquire, so that no acquire walks the whole fleet for it).
-    load: PoolLoad,
-    /// Each backend's state as last written to SQLite (only changes are written).
-    persisted: HashMap<BackendId, BackendSnapshot>,
-    /// Per-minute aggregates of the last hour, for the dashboard.
-    history: History,
-    /// Acquires by why the Worker chose this pool.
-    routed: routing_core::region::RoutedCounts,
-    /// The time card grants carry, kept for a quarter second.
-    grant_card: Option<routing_core::region::TimeCard>,
+    /// The rules and their memory.
+    coordinator: Coordinator,
+    /// The acquires waiting in the queue.
+    calls: OpenCalls,
 }
 
-/// The pool's load, measured now.
-fn pool_load(l: &Live) -> PoolLoad {
-    let targets = LoadTargets {
-        saturation_waiting_per_backend: l.settings.saturation_waiting_per_backend,
-        autoscale_target_waiting: l.settings.autoscale_target_waiting,
-    };
-    PoolLoad::measure(l.pool.backends(), l.room.queue.len(), &targets)
+/// What is left to do after [`PoolShard::perform`]: the effects that need an await, and the first
+/// storage write that failed.
+#[derive(Default)]
+#[must_use]
+struct Performed {
+    error: Option<ApiError>,
+    probe_soon: bool,
+    push_probe_round: bool,
+    push_registry: bool,
+    card: Option<TimeCard>,
+}
+
+impl Performed {
+    /// The first storage write that failed, if one did.
+    fn check(&mut self) -> std::result::Result<(), ApiError> {
+        self.error.take().map_or(Ok(()), Err)
+    }
+}
+
+impl PoolShard {
+    /// Performs `effects` in order: storage writes (a snapshot that could not be written is
+    /// logged and written again later; the first other failure is kept in the result) and
+    /// answers to waiting calls (a verdict no call takes goes back, and the queue settles again).
+    fn perform(&mut self, effects: Effects, now: u64) -> Performed {
+        let mut performed = Performed::default();
+        let mut pending = effects;
+        while !pending.is_empty() {
+            let mut resettle = false;
+            for effect in pending {
+                let written = match effect {
+                    Effect::PersistSpec(spec) => self.registry.put_spec(&spec),
+                    Effect::PersistSnapshot(snapshot) => {
+                        if let Err(e) = self.registry.put_snapshot(&snapshot) {
+                            console_error!("pool {}: persisting {}: {e}", self.name, snapshot.id.0);
+                            self.coordinator.persist_failed(&snapshot.id);
+                        }
+                        Ok(())
+                    }
+                    Effect::DeleteBackend(id) => self.registry.delete(&id.0),
+                    Effect::PersistPendingDeletes => self.registry.set_meta(
+                        "pending_delete",
+                        self.coordinator.drains().pending_deletes(),
+                    ),
+                    Effect::PersistDrainStarts => self
+                        .registry
+                        .set_meta("drain_started", self.coordinator.drains().starts()),
+                    Effect::Answer {
+                        ticket,
+                        call_id,
+                        verdict,
+                    } => {
+                        if let Some(verdict) = self.calls.answer(ticket, call_id, verdict) {
+                            resettle |= !self.coordinator.unanswered(ticket, verdict, now);
+                        }
+                        Ok(())
+                    }
+                    Effect::CloseCall { ticket, call_id } => {
+                        self.calls.close(ticket, call_id);
+                        Ok(())
+                    }
+                    Effect::ProbeSoon => {
+                        performed.probe_soon = true;
+                        Ok(())
+                    }
+                    Effect::PushProbeRound => {
+                        performed.push_probe_round = true;
+                        Ok(())
+                    }
+                    Effect::PushRegistry => {
+                        performed.push_registry = true;
+                        Ok(())
+                    }
+                    Effect::PublishCard(card) => {
+                        performed.card = Some(card);
+                        Ok(())
+                    }
+                };
+                if let Err(e) = written {
+                    console_error!("pool {}: storage: {e}", self.name);
+                    performed.error.get_or_insert(e);
+                }
+            }
+            // A lease refused by a departed caller went back to the pool: grant it again.
+            pending = if resettle {
+                self.coordinator.settle(now, &self.calls)
+            } else {
+                Effects::new()
+            };
+        }
+        performed
+    }
+
+    /// Lets queued requests in if backends have room (and drops those whose client left).
+    fn settle_queue(&mut self, now: u64) {
+        let effects = self.coordinator.settle(now, &self.calls);
+        let _ = self.perform(effects, now);
+    }
+}
+
+/// What the coordinator's rules read from the pool's settings.
+fn coordinator_settings(settings: &PoolSettings) -> CoordinatorSettings {
+    CoordinatorSettings {
+        routing: settings.routing.clone(),
+        retry_budget: settings.retry_budget,
+        load_targets: LoadTargets {
+            saturation_waiting_per_backend: settings.saturation_waiting_per_backend,
+            autoscale_target_waiting: settings.autoscale_target_waiting,
+        },
+    }
 }
 
 type ApiResult = std::result::Result<Response, ApiError>;
@@ -163,23 +218,23 @@ impl DurableObject for PoolCoordinator {
         PoolCoordinator {
             state,
             env,
-            live: Rc::new(RefCell::new(None)),
-            probing: std::cell::Cell::new(false),
-            probe_again: std::cell::Cell::new(false),
+            shard: Rc::new(RefCell::new(None)),
+            probing: Cell::new(false),
+            probe_again: Cell::new(false),
         }
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let name = req.headers().get(POOL_HEADER).ok().flatten();
-        let shard = req.headers().get(SHARD_HEADER).ok().flatten();
-        let shard = match shard.map(|s| s.parse::<u32>()) {
+        let index = req.headers().get(SHARD_HEADER).ok().flatten();
+        let index = match index.map(|s| s.parse::<u32>()) {
             None => None,
             Some(Ok(k)) if k < routing_core::shard::MAX_SHARDS => Some(k),
             Some(_) => {
                 return ApiError::bad_request("x-gateway-shard must be a shard index").to_response()
             }
         };
-        if let Err(e) = self.load(name.as_deref(), shard) {
+        if let Err(e) = self.load(name.as_deref(), index) {
             return e.to_response();
         }
         let result = match parse_route(&req, Object::Pool) {
@@ -200,7 +255,7 @@ impl DurableObject for PoolCoordinator {
                 );
                 let result = self.handle(route, &mut req).await;
                 if !moves_load && !read_only {
-                    self.with(|l| l.room.wake());
+                    self.with(|shard| shard.coordinator.wake());
                 }
                 if moves_load {
                     self.load_changed();
@@ -219,12 +274,13 @@ impl DurableObject for PoolCoordinator {
         if let Err(e) = self.load(None, None) {
             return e.to_response();
         }
-        self.with(|l| {
-            l.pool.expire(now_ms());
-            finish_drains(l);
+        self.with(|shard| {
+            let now = now_ms();
+            let effects = shard.coordinator.expire(now);
+            let _ = shard.perform(effects, now);
         });
         self.settle_queue();
-        if self.with(|l| l.shard) != 0 {
+        if self.with(|shard| shard.coordinator.shard()) != 0 {
             // Probing runs once per pool, on shard 0; a sibling's alarm only expires leases.
             self.load_changed();
             return Response::ok("expired");
@@ -264,17 +320,12 @@ impl PoolCoordinator {
             Route::ShowBackend(id) => self.show(&id),
             Route::PatchBackend(id) => {
                 let patch: AdminPatch = read_body(req, "backend patch").await?;
-                let drain = patch.drain.is_some();
-                let result = self.patch(&id, patch);
-                if result.is_ok() && drain {
-                    // Re-enabled (or drained): probe now rather than at the next round.
-                    self.probe_soon().await;
-                }
-                result
+                // Re-enabled (or drained): it probes now rather than at the next round.
+                self.patch(&id, patch).await
             }
             Route::DeleteBackend { id, force } => self.delete(&id, force),
             Route::Models => self.models(),
-            Route::GetConfig => self.with(|l| answer(200, &l.settings)),
+            Route::GetConfig => self.with(|shard| answer(200, &shard.settings)),
             Route::PutConfig => {
                 self.put_config(read_body(req, "pool configuration").await?)
                     .await
@@ -299,16 +350,15 @@ impl PoolCoordinator {
     }
 
     /// Loads the registry into memory on first use after a (re)start.
-    fn load(&self, name: Option<&str>, shard: Option<u32>) -> std::result::Result<(), ApiError> {
-        if let Some(live) = self.live.borrow_mut().as_mut() {
-            if let Some(n) = name.filter(|n| *n != live.name) {
-                live.name = n.to_string();
-                live.registry.set_meta("name", &live.name)?;
+    fn load(&self, name: Option<&str>, index: Option<u32>) -> std::result::Result<(), ApiError> {
+        if let Some(shard) = self.shard.borrow_mut().as_mut() {
+            if let Some(n) = name.filter(|n| *n != shard.name) {
+                shard.name = n.to_string();
+                shard.registry.set_meta("name", &shard.name)?;
             }
-            if let Some(k) = shard.filter(|k| *k != live.shard) {
-                live.shard = k;
-                live.registry.set_meta("shard", &k)?;
-                shards::apply_shard_settings(live);
+            if let Some(k) = index.filter(|k| *k != shard.coordinator.shard()) {
+                shard.coordinator.set_shard(k);
+                shard.registry.set_meta("shard", &k)?;
             }
             return Ok(());
         }
@@ -321,92 +371,74 @@ impl PoolCoordinator {
         if stored_name.as_deref() != Some(&name) {
             registry.set_meta("name", &name)?;
         }
-        let stored_shard: Option<u32> = registry.meta("shard");
-        let shard = shard.or(stored_shard).unwrap_or(0);
-        if stored_shard != Some(shard) {
-            registry.set_meta("shard", &shard)?;
+        let stored_index: Option<u32> = registry.meta("shard");
+        let index = index.or(stored_index).unwrap_or(0);
+        if stored_index != Some(index) {
+            registry.set_meta("shard", &index)?;
         }
         let mut settings: PoolSettings = registry.meta("config").unwrap_or_default();
         if settings.validate().is_err() {
             settings = PoolSettings::default();
         }
-        let mut pool = Pool::new(&name, settings.routing.clone());
-        let now = now_ms();
-        for (spec, snapshot) in registry.backends()? {
-            let id = spec.id.clone();
-            if let Err(e) = pool.add_backend(spec, now) {
-                console_error!("pool {name}: cannot restore backend {id}: {e}");
-                continue;
-            }
-            if let Some(snapshot) = snapshot {
-                let _ = pool.restore(&snapshot);
-            }
-        }
-        let pending_delete: HashSet<BackendId> =
-            registry.meta("pending_delete").unwrap_or_default();
-        let drain_started: HashMap<BackendId, u64> =
-            registry.meta("drain_started").unwrap_or_default();
-        // Leases are memory only: a restored backend may still run streams that renew within a
-        // lease lifetime, so its drain (and any delete waiting for it) waits that long.
-        let restored: HashSet<BackendId> = pool.backends().map(|v| v.id).collect();
-        let drain_hold_until_ms = if restored.is_empty() {
-            0
-        } else {
-            routing_core::drain::restart_hold_until(now, settings.routing.lease_ttl_ms)
+        let stored = Stored {
+            backends: registry.backends()?,
+            pending_delete: registry.meta("pending_delete").unwrap_or_default(),
+            drain_started: registry.meta("drain_started").unwrap_or_default(),
         };
-        for (id, at) in &drain_started {
+        let now = now_ms();
+        let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
+        let rules = coordinator_settings(&settings);
+        let (coordinator, failed) = Coordinator::restore(&name, index, rules, stored, seed, now);
+        for (id, e) in failed {
+            console_error!("pool {name}: cannot restore backend {id}: {e}");
+        }
+        let drains = coordinator.drains();
+        let hold = drains.hold_until_ms();
+        for (id, at) in drains.starts() {
             console_log!(
-                "pool {name}: backend {} has drained since {at}; held until {drain_hold_until_ms}",
+                "pool {name}: backend {} has drained since {at}; held until {hold}",
                 id.0
             );
         }
-        let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;
-        *self.live.borrow_mut() = Some(Live {
+        *self.shard.borrow_mut() = Some(PoolShard {
             name,
-            shard,
-            exchange: shards::Exchange::default(),
             registry,
-            pool,
             settings,
-            rng: SplitMix64::new(seed),
-            budget: RetryBudget::new(),
-            probes: HashMap::new(),
-            pending_delete,
-            drain_started,
-            drain_hold_until_ms,
-            restored,
-            probe_rounds: 0,
-            last_probe_ms: None,
-            retries: 0,
-            spills: 0,
-            probe_results: (0, 0),
-            room: WaitingRoom::default(),
-            history: History::default(),
-            load: PoolLoad::default(),
-            persisted: HashMap::new(),
-            routed: Default::default(),
-            grant_card: None,
-        });
-        self.with(|l| {
-            shards::apply_shard_settings(l);
-            l.load = pool_load(l);
-            l.persisted = l
-                .pool
-                .snapshots()
-                .into_iter()
-                .map(|s| (s.id.clone(), s))
-                .collect();
+            coordinator,
+            calls: OpenCalls::default(),
         });
         Ok(())
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut Live) -> R) -> R {
-        let mut guard = self.live.borrow_mut();
+    fn with<R>(&self, f: impl FnOnce(&mut PoolShard) -> R) -> R {
+        let mut guard = self.shard.borrow_mut();
         f(guard.as_mut().expect("load() runs before every handler"))
     }
 
+    /// Lets queued requests in if backends have room (and drops those whose client left).
+    fn settle_queue(&self) {
+        self.with(|shard| shard.settle_queue(now_ms()));
+    }
+
+    /// Runs what `performed` left to do: a probe round soon, the pushes to the sibling shards,
+    /// the card to the directory.
+    async fn follow_up(&self, performed: Performed) {
+        if performed.probe_soon {
+            self.probe_soon().await;
+        }
+        if performed.push_probe_round {
+            self.push_probe_round().await;
+        }
+        if performed.push_registry {
+            self.push_registry().await;
+        }
+        if let Some(card) = performed.card {
+            self.publish_card(card).await;
+        }
+    }
+
     fn probe_interval_ms(&self) -> u64 {
-        let configured = self.with(|l| l.settings.probe_interval_ms);
+        let configured = self.with(|shard| shard.settings.probe_interval_ms);
         if configured > 0 {
             return configured;
         }

@@ -1,7 +1,13 @@
-//! Probe rounds: the alarm's sweep over every backend, a few at a time, and the calls that
-//! ask for one sooner.
+//! Probe rounds: the alarm's sweep over every backend, a few at a time (what the findings do is
+//! the coordinator's: `routing_core::coordinator::Coordinator::record_probes`), and the calls
+//! that ask for one sooner.
 
-use super::*;
+use super::{now_ms, ApiResult, PoolCoordinator, PROBE_CONCURRENCY};
+use crate::call::answer;
+use crate::probe::probe_backend;
+use coordinator_protocol::messages::AlarmAnswer;
+use std::time::Duration;
+use worker::console_error;
 
 impl PoolCoordinator {
     /// Runs a probe round as soon as possible: one more after the round in progress, or else the
@@ -35,7 +41,7 @@ impl PoolCoordinator {
     /// after it (so a backend registered meanwhile is probed without waiting for the interval).
     pub(super) async fn probe_all(&self) {
         // Probing runs once per pool, on shard 0, which hands its rounds to the other shards.
-        if self.with(|l| l.shard) != 0 {
+        if self.with(|shard| shard.coordinator.shard()) != 0 {
             return;
         }
         if self.probing.replace(true) {
@@ -53,56 +59,23 @@ impl PoolCoordinator {
     }
 
     pub(super) async fn probe_round(&self) {
-        let (targets, timeout) = self.with(|l| {
-            let targets: Vec<(BackendId, String, Option<String>)> = l
-                .pool
-                .backends()
-                .map(|v| {
-                    let key = l.pool.spec(&v.id).and_then(|s| s.api_key.clone());
-                    (v.id, v.url, key)
-                })
-                .collect();
-            (targets, Duration::from_millis(l.settings.probe_timeout_ms))
+        let (targets, timeout) = self.with(|shard| {
+            let timeout = Duration::from_millis(shard.settings.probe_timeout_ms);
+            (shard.coordinator.probe_targets(), timeout)
         });
         for batch in targets.chunks(PROBE_CONCURRENCY) {
-            let probes = batch.iter().map(|(id, url, key)| async move {
-                (
-                    id.clone(),
-                    probe_backend(url, key.as_deref(), timeout).await,
-                )
+            let probes = batch.iter().map(|target| async move {
+                let report = probe_backend(&target.url, target.api_key.as_deref(), timeout).await;
+                (target.id.clone(), report)
             });
             let reports = futures_util::future::join_all(probes).await;
-            self.with(|l| {
-                let now = now_ms();
-                for (id, mut report) in reports {
-                    let lifecycle = l.pool.backend(&id).map(|v| v.lifecycle);
-                    if let Some(failure) = settle_loading(&mut report.result, lifecycle) {
-                        report.error = Some(failure.to_string());
-                    }
-                    // The backend may have been removed while the probe ran.
-                    if l.pool.record_probe(&id, &report.result, now).is_ok() {
-                        if report.result.ok {
-                            l.probe_results.0 += 1;
-                        } else {
-                            l.probe_results.1 += 1;
-                        }
-                        l.probes.insert(id, report);
-                    }
-                }
-            });
+            self.with(|shard| shard.coordinator.record_probes(reports, now_ms()));
         }
-        self.with(|l| {
-            l.probe_rounds += 1;
-            l.last_probe_ms = Some(now_ms());
-            l.pool.expire(now_ms());
-            finish_drains(l);
-            persist_snapshots(l);
-            record_history(l);
-            // A round may bring a backend back or learn a larger capacity: dispatch the queue.
-            l.room.wake();
+        let performed = self.with(|shard| {
+            let now = now_ms();
+            let effects = shard.coordinator.finish_probe_round(now, &shard.calls);
+            shard.perform(effects, now)
         });
-        self.settle_queue();
-        self.push_probe_round().await;
-        self.publish_card().await;
+        self.follow_up(performed).await;
     }
 }

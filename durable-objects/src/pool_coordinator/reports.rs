@@ -1,42 +1,40 @@
 //! What the pool reports and how it is set: its settings, its summary, its metrics and
 //! the last hour's history.
 
-use super::*;
+use super::{coordinator_settings, now_ms, ApiResult, PoolCoordinator, PoolShard};
+use crate::call::answer;
+use coordinator_protocol::messages::{Autoscaling, PoolHistory, PoolSummary, QueueSummary};
+use coordinator_protocol::settings::PoolSettings;
+use coordinator_protocol::ApiError;
+use routing_core::admission::DropReason;
+use worker::Response;
 
 impl PoolCoordinator {
     pub(super) async fn put_config(&self, settings: PoolSettings) -> ApiResult {
         settings.validate()?;
-        let applied = self.with(|l| {
-            l.pool
-                .set_config(settings.routing.clone())
+        let (applied, performed) = self.with(|shard| {
+            let effects = shard
+                .coordinator
+                .set_settings(coordinator_settings(&settings))
                 .map_err(|e| ApiError::bad_request(e.to_string()))?;
-            l.registry.set_meta("config", &settings)?;
-            let old = &l.settings.routing;
-            let reshard = (old.shards, old.shard_exchange_ms)
-                != (settings.routing.shards, settings.routing.shard_exchange_ms);
-            l.settings = settings;
-            if reshard {
-                shards::apply_shard_settings(l);
-            }
-            l.load = pool_load(l);
-            answer(200, &l.settings)
+            shard.registry.set_meta("config", &settings)?;
+            shard.settings = settings;
+            let performed = shard.perform(effects, now_ms());
+            Ok::<_, ApiError>((answer(200, &shard.settings)?, performed))
         })?;
         // Shard 0 brings its siblings' registries in line (a new shard starts empty).
-        self.push_registry().await;
+        self.follow_up(performed).await;
         Ok(applied)
     }
 
     pub(super) fn summary(&self) -> ApiResult {
-        self.with(|l| answer(200, &summary(l)))
+        self.with(|shard| answer(200, &summary(shard)))
     }
 
     pub(super) fn metrics(&self) -> ApiResult {
-        let text = self.with(|l| {
+        let text = self.with(|shard| {
             let mut out = String::new();
-            l.pool.render_metrics(&mut out);
-            render_pool_metrics(l, &mut out);
-            l.routed.render(&l.name, &mut out);
-            l.room.queue.render_metrics(&l.name, &mut out);
+            shard.coordinator.render_metrics(&shard.name, &mut out);
             out
         });
         let mut resp = Response::ok(text)?;
@@ -47,93 +45,58 @@ impl PoolCoordinator {
 
     /// The last hour, minute by minute, including the current minute so far.
     pub(super) fn history(&self) -> ApiResult {
-        self.with(|l| {
-            record_history(l);
+        self.with(|shard| {
+            let report = shard.coordinator.history_report(now_ms());
             answer(
                 200,
                 &PoolHistory {
-                    pool: l.name.clone(),
-                    report: l.history.report(now_ms()),
+                    pool: shard.name.clone(),
+                    report,
                 },
             )
         })
     }
 }
 
-/// Adds what the pool's counters (and the backends' scraped prefix-cache counters) gained since
-/// the last call to the current minute of the history.
-pub(super) fn record_history(l: &mut Live) {
-    let mut totals = history::totals(&l.pool);
-    for (id, report) in &l.probes {
-        totals.set_cache_counters(
-            id,
-            report.metrics.prefix_cache_queries,
-            report.metrics.prefix_cache_hits,
-        );
-    }
-    l.history.record(now_ms(), totals);
-}
-
-/// The coordinator's own metric families, beside the routing core's.
-pub(super) fn render_pool_metrics(l: &Live, out: &mut String) {
-    let counters = CoordinatorCounters {
-        retries: l.retries,
-        retry_budget_exhausted: l.budget.exhausted_total(),
-        spills: l.spills,
-        probe_rounds: l.probe_rounds,
-        probes_ok: l.probe_results.0,
-        probes_failed: l.probe_results.1,
-    };
-    let mut probes: Vec<LastProbe> = l
-        .probes
-        .iter()
-        .map(|(id, r)| LastProbe {
-            backend: &id.0,
-            ok: r.result.ok,
-            duration_ms: r.duration_ms,
-            at_ms: r.at_ms,
-        })
-        .collect();
-    probes.sort_by_key(|p| p.backend);
-    let target = l.settings.autoscale_target_waiting;
-    coordinator_metrics::render(out, &l.name, &counters, &pool_load(l), target, &probes);
-}
-
 /// The pool at a glance (`GET /state`).
-pub(super) fn summary(l: &Live) -> PoolSummary {
-    let load = pool_load(l);
+fn summary(shard: &PoolShard) -> PoolSummary {
+    let coordinator = &shard.coordinator;
+    let settings = &shard.settings;
+    let load = coordinator.load();
+    let pool = coordinator.pool();
+    let counters = coordinator.counters();
     PoolSummary {
-        pool: l.name.clone(),
-        region: l.settings.routing.region.clone(),
-        policy: l.settings.routing.policy,
-        backends: l.pool.backend_count(),
+        pool: shard.name.clone(),
+        region: settings.routing.region.clone(),
+        policy: settings.routing.policy,
+        backends: pool.backend_count(),
         ready_backends: load.ready,
-        in_flight: l.pool.live_leases(),
-        in_flight_tokens: l.pool.in_flight_total(),
+        in_flight: pool.live_leases(),
+        in_flight_tokens: pool.in_flight_total(),
         waiting: load.waiting,
         running: load.running,
         saturated: load.saturated,
-        queue: queue_summary(l),
+        queue: queue_summary(shard),
         autoscaling: Autoscaling {
-            target_waiting_per_replica: l.settings.autoscale_target_waiting,
+            target_waiting_per_replica: settings.autoscale_target_waiting,
             desired_replicas: load.desired_replicas,
         },
-        retries: l.retries,
-        spills: l.spills,
-        last_probe_ms: l.last_probe_ms,
-        probe_rounds: l.probe_rounds,
-        retry_budget_exhausted: l.budget.exhausted_total(),
-        jurisdiction: l.settings.jurisdiction.clone(),
+        retries: counters.retries,
+        spills: counters.spills,
+        last_probe_ms: coordinator.last_probe_ms(),
+        probe_rounds: counters.probe_rounds,
+        retry_budget_exhausted: counters.retry_budget_exhausted,
+        jurisdiction: settings.jurisdiction.clone(),
         time_card: None,
     }
 }
 
 /// The admission queue as `GET /admin/pools/{pool}` shows it.
-pub(super) fn queue_summary(l: &Live) -> QueueSummary {
-    let q = &l.room.queue;
+fn queue_summary(shard: &PoolShard) -> QueueSummary {
+    let q = &shard.coordinator.room().queue;
     let s = q.stats();
     QueueSummary {
-        enabled: l.settings.routing.admission.enabled,
+        enabled: shard.settings.routing.admission.enabled,
         length: q.len(),
         by_priority: q
             .lengths_by_priority()

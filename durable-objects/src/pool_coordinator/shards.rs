@@ -1,41 +1,22 @@
 //! This object as one of its pool's coordinator shards: pushing its load to its siblings, taking
-//! theirs, applying shard 0's probe rounds, and matching shard 0's registry.
-//!
-//! Load exchange: a call that moves load (a lease taken, moved or ended) schedules a push of
-//! `Pool::load_report` to every sibling, at once when the last push is at least
-//! `shard_exchange_ms` old, else at the end of that interval; changes arriving meanwhile ride on
-//! the scheduled push. So a shard pushes at most once per interval, and while its load changes its
-//! siblings' copy is never older than about one interval. Pushes run after the call is answered
-//! (fire-and-forget: a sibling that fails to take one gets the next). A sibling (shard k > 0)
-//! also arms its alarm at its next lease deadline, since only shard 0's alarm probes.
+//! theirs, applying shard 0's probe rounds, and matching shard 0's registry. When to push is the
+//! coordinator's rule (`routing_core::coordinator::Coordinator::load_changed`: at most once per
+//! `shard_exchange_ms`); pushes run after the call is answered (fire-and-forget: a sibling that
+//! fails to take one gets the next). A sibling (shard k > 0) also arms its alarm at its next lease
+//! deadline, since only shard 0's alarm probes.
 
-use super::*;
+use super::{now_ms, pool_error, ApiResult, PoolCoordinator, PoolShard};
+use crate::call::answer;
 use coordinator_protocol::internal_call::{internal_request, ShardAddress};
 use coordinator_protocol::messages::{
     shard_object_name, LoadReportAnswer, ProbeRound, ShardAck, ShardRegistry, POOL_BINDING,
 };
-use routing_core::backend::BackendPatch;
+use coordinator_protocol::{ApiError, Route};
 use routing_core::shard::LoadReport;
-
-/// When this shard last pushed its load, and whether a push is scheduled.
-#[derive(Debug, Default)]
-pub(super) struct Exchange {
-    last_push_ms: u64,
-    scheduled: bool,
-}
-
-/// Makes the routing core one shard of the pool's `shards` (on load and when they change).
-pub(super) fn apply_shard_settings(l: &mut Live) {
-    let r = &l.settings.routing;
-    l.pool.set_shard(l.shard, r.shards, r.shard_exchange_ms);
-}
-
-/// The pool's other current shards.
-fn siblings(l: &Live) -> Vec<u32> {
-    (0..l.settings.routing.shards.max(1))
-        .filter(|&k| k != l.shard)
-        .collect()
-}
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+use worker::{console_error, Delay, Env, Storage};
 
 /// Posts `body` to sibling `shard` of `pool`.
 async fn call_sibling(
@@ -77,25 +58,20 @@ async fn tell_siblings(env: &Env, pool: &str, targets: &[u32], route: &Route, bo
 }
 
 /// Pushes this shard's load to its siblings now.
-async fn push_load(live: Rc<RefCell<Option<Live>>>, env: Env, storage: Storage) {
+async fn push_load(shard: Rc<RefCell<Option<PoolShard>>>, env: Env, storage: Storage) {
     let now = now_ms();
-    let taken = live.borrow_mut().as_mut().map(|l| {
-        l.exchange.scheduled = false;
-        l.exchange.last_push_ms = now;
-        let report = serde_json::to_string(&l.pool.load_report(now));
-        (
-            l.name.clone(),
-            siblings(l),
-            report,
-            l.shard,
-            l.pool.next_deadline(),
-        )
+    let taken = shard.borrow_mut().as_mut().map(|shard| {
+        let push = shard.coordinator.take_load_push(now);
+        (shard.name.clone(), shard.coordinator.shard(), push)
     });
-    let Some((pool, targets, Ok(report), me, deadline)) = taken else {
+    let Some((pool, me, push)) = taken else {
         return;
     };
-    tell_siblings(&env, &pool, &targets, &Route::ShardLoad, report).await;
-    if let (true, Some(deadline)) = (me != 0, deadline) {
+    let Ok(report) = serde_json::to_string(&push.report) else {
+        return;
+    };
+    tell_siblings(&env, &pool, &push.siblings, &Route::ShardLoad, report).await;
+    if let Some(deadline) = push.expiry_alarm_at_ms {
         if matches!(storage.get_alarm().await, Ok(None)) {
             let wait = deadline.saturating_sub(now_ms()) + 1;
             if let Err(e) = storage.set_alarm(wait as i64).await {
@@ -108,59 +84,47 @@ async fn push_load(live: Rc<RefCell<Option<Live>>>, env: Env, storage: Storage) 
 impl PoolCoordinator {
     /// The load changed: push it to the siblings now, or at the end of the current interval.
     pub(super) fn load_changed(&self) {
-        let now = now_ms();
-        let wait = self.with(|l| {
-            let r = &l.settings.routing;
-            if r.shards <= 1 || l.exchange.scheduled {
-                return None;
-            }
-            l.exchange.scheduled = true;
-            Some((l.exchange.last_push_ms + r.shard_exchange_ms).saturating_sub(now))
-        });
-        let Some(wait) = wait else {
+        let Some(wait) = self.with(|shard| shard.coordinator.load_changed(now_ms())) else {
             return;
         };
-        let (live, env, storage) = (self.live.clone(), self.env.clone(), self.state.storage());
+        let (shard, env, storage) = (self.shard.clone(), self.env.clone(), self.state.storage());
         wasm_bindgen_futures::spawn_local(async move {
             if wait > 0 {
                 Delay::from(Duration::from_millis(wait)).await;
             }
-            push_load(live, env, storage).await;
+            push_load(shard, env, storage).await;
         });
     }
 
     /// `POST /shard/load`: a sibling's load report.
     pub(super) fn accept_load(&self, report: LoadReport) -> ApiResult {
-        self.with(|l| {
-            let accepted = l.pool.accept_load_report(report, now_ms());
+        self.with(|shard| {
+            let accepted = shard.coordinator.accept_load(report, now_ms());
             answer(200, &LoadReportAnswer { accepted })
         })
     }
 
-    /// On shard 0 of several: sends what `build` makes of its state to every other shard.
-    async fn tell_siblings_from_shard_zero<T: serde::Serialize>(
+    /// Sends what `build` makes of this shard to every other shard.
+    async fn tell_every_sibling<T: serde::Serialize>(
         &self,
         route: Route,
-        build: impl FnOnce(&Live) -> T,
+        build: impl FnOnce(&PoolShard) -> T,
     ) {
-        let call = self.with(|l| {
-            let targets = siblings(l);
-            if l.shard != 0 || targets.is_empty() {
-                return None;
-            }
-            Some((l.name.clone(), targets, serde_json::to_string(&build(l))))
+        let (pool, targets, body) = self.with(|shard| {
+            let body = serde_json::to_string(&build(shard));
+            (shard.name.clone(), shard.coordinator.siblings(), body)
         });
-        if let Some((pool, targets, Ok(body))) = call {
+        if let (false, Ok(body)) = (targets.is_empty(), body) {
             tell_siblings(&self.env, &pool, &targets, &route, body).await;
         }
     }
 
     /// After a probe round on shard 0: hands its results to the siblings.
     pub(super) async fn push_probe_round(&self) {
-        self.tell_siblings_from_shard_zero(Route::ShardProbes, |l| ProbeRound {
-            reports: l
-                .probes
-                .iter()
+        self.tell_every_sibling(Route::ShardProbes, |shard| ProbeRound {
+            reports: shard
+                .coordinator
+                .probe_reports()
                 .map(|(id, r)| (id.clone(), r.clone()))
                 .collect(),
         })
@@ -169,21 +133,10 @@ impl PoolCoordinator {
 
     /// `POST /shard/probes`: shard 0's probe round, applied as if this shard had probed.
     pub(super) fn apply_probe_round(&self, round: ProbeRound) -> ApiResult {
-        self.with(|l| {
+        self.with(|shard| {
             let now = now_ms();
-            let mut applied = 0;
-            for (id, report) in round.reports {
-                // The backend may be unknown here for a moment (a registration on its way).
-                if l.pool.record_probe(&id, &report.result, now).is_ok() {
-                    l.probes.insert(id, report);
-                    applied += 1;
-                }
-            }
-            l.last_probe_ms = Some(now);
-            l.pool.expire(now);
-            finish_drains(l);
-            persist_snapshots(l);
-            record_history(l);
+            let (applied, effects) = shard.coordinator.apply_probe_round(round.reports, now);
+            let _ = shard.perform(effects, now);
             answer(200, &ShardAck { applied })
         })
     }
@@ -191,86 +144,31 @@ impl PoolCoordinator {
     /// After a configuration change on shard 0: makes every sibling's registry match its own, so
     /// a shard added by raising `shards` knows every backend.
     pub(super) async fn push_registry(&self) {
-        self.tell_siblings_from_shard_zero(Route::ShardRegistry, |l| ShardRegistry {
-            backends: l
-                .pool
-                .backends()
-                .filter_map(|v| {
-                    let draining = matches!(v.lifecycle, Lifecycle::Draining | Lifecycle::Drained);
-                    l.pool.spec(&v.id).map(|s| (s.clone(), draining))
-                })
+        self.tell_every_sibling(Route::ShardRegistry, |shard| ShardRegistry {
+            backends: shard.coordinator.registry_entries(),
+            pending_delete: shard
+                .coordinator
+                .drains()
+                .pending_deletes()
+                .iter()
+                .cloned()
                 .collect(),
-            pending_delete: l.pending_delete.iter().cloned().collect(),
         })
         .await;
     }
 
     /// `POST /shard/registry`: adds, updates and removes backends to match shard 0's.
     pub(super) fn apply_registry(&self, sync: ShardRegistry) -> ApiResult {
-        self.with(|l| {
+        self.with(|shard| {
             let now = now_ms();
-            let mut applied = 0;
-            let wanted: HashSet<BackendId> =
-                sync.backends.iter().map(|(s, _)| s.id.clone()).collect();
-            let gone: Vec<BackendId> = l
-                .pool
-                .backends()
-                .map(|v| v.id)
-                .filter(|id| !wanted.contains(id))
-                .collect();
-            for id in gone {
-                remove_backend(l, &id)?;
-                applied += 1;
-            }
-            for (spec, draining) in sync.backends {
-                let id = spec.id.clone();
-                match l.pool.spec(&id) {
-                    Some(held) if *held == spec => {}
-                    Some(_) => {
-                        l.pool
-                            .update_backend(&id, &full_patch(&spec), now)
-                            .map_err(pool_error)?;
-                        l.registry.put_spec(&spec)?;
-                        applied += 1;
-                    }
-                    None => {
-                        l.pool.add_backend(spec.clone(), now).map_err(pool_error)?;
-                        l.registry.put_spec(&spec)?;
-                        applied += 1;
-                    }
-                }
-                let lifecycle = l.pool.backend(&id).map(|v| v.lifecycle);
-                let to = match (draining, lifecycle) {
-                    (true, Some(Lifecycle::Pending | Lifecycle::Ready)) => {
-                        Some(Lifecycle::Draining)
-                    }
-                    (false, Some(Lifecycle::Draining | Lifecycle::Drained)) => {
-                        Some(Lifecycle::Ready)
-                    }
-                    _ => None,
-                };
-                if let Some(to) = to {
-                    l.pool.set_lifecycle(&id, to, now).map_err(pool_error)?;
-                }
-            }
-            l.pending_delete = sync.pending_delete.into_iter().collect();
-            l.registry.set_meta("pending_delete", &l.pending_delete)?;
-            finish_drains(l);
-            persist_snapshots(l);
+            let (applied, effects) =
+                shard
+                    .coordinator
+                    .sync_registry(sync.backends, sync.pending_delete, now);
+            let written = shard.perform(effects, now).check();
+            let applied = applied.map_err(pool_error)?;
+            written?;
             answer(200, &ShardAck { applied })
         })
-    }
-}
-
-/// A patch that makes a backend's spec `spec`.
-fn full_patch(spec: &BackendSpec) -> BackendPatch {
-    BackendPatch {
-        url: Some(spec.url.clone()),
-        region: Some(spec.region.clone()),
-        models: Some(spec.models.clone()),
-        weight: Some(spec.weight),
-        role: Some(spec.role),
-        api_key: Some(spec.api_key.clone()),
-        capacity: Some(spec.capacity),
     }
 }

@@ -1,6 +1,6 @@
 //! What survives a restart: each backend's lifecycle, health and breaker as a
 //! [`BackendSnapshot`], and restoring them into a rebuilt pool. A backend restored draining stays
-//! draining until its hold ends ([`crate::drain`]) and [`Pool::finish_idle_drains`] is called.
+//! draining until its hold ends ([`crate::coordinator::drain`]) and [`Pool::finish_idle_drains`] is called.
 
 use super::entry::BackendEntry;
 use super::errors::unknown;
@@ -25,7 +25,7 @@ impl Pool {
         let slot = self.slot_of(&snapshot.id)?;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(&snapshot.id))?;
         // A draining backend stays draining: its streams are unknown until they renew (see
-        // `crate::drain`); the caller holds its drain for a lease lifetime.
+        // `crate::coordinator::drain`); the caller holds its drain for a lease lifetime.
         entry.lifecycle = snapshot.lifecycle;
         entry.health = Health {
             state: snapshot.health,
@@ -90,57 +90,5 @@ mod tests {
             (view.lifecycle, view.health, view.breaker),
             (Lifecycle::Ready, HealthState::Healthy, BreakerState::Open)
         );
-    }
-
-    #[test]
-    fn a_restored_drain_stays_draining_while_its_streams_renew() {
-        use crate::drain::{drain_finished, restart_hold_until};
-        use crate::lease::LeaseTerms;
-        let mut pool = pool_with(PolicyKind::RoundRobin, 2);
-        let mut rng = SplitMix64::new(0);
-        let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();
-        let lost = pool.acquire(&features("y"), 0, &mut rng).unwrap();
-        assert_ne!(g.backend, lost.backend);
-        for id in [&g.backend, &lost.backend] {
-            pool.set_lifecycle(id, Lifecycle::Draining, 1).unwrap();
-        }
-        let snaps = pool.snapshots();
-        // The restart: a new pool, no leases.
-        let mut rebuilt = Pool::new("p1", pool.config().clone());
-        for id in ["b0", "b1"] {
-            rebuilt.add_backend(spec(id), 10).unwrap();
-        }
-        for s in &snaps {
-            rebuilt.restore(s).unwrap();
-        }
-        let hold = restart_hold_until(10, rebuilt.config().lease_ttl_ms);
-        let view = rebuilt.backend(&g.backend).unwrap();
-        assert_eq!(view.lifecycle, Lifecycle::Draining);
-        assert!(!drain_finished(Some(&view), 10, hold));
-        // The stream renews: counted again on its draining backend.
-        let terms = LeaseTerms {
-            backend: g.backend.clone(),
-            prompt_tokens: 5,
-            max_tokens: 5,
-            ..LeaseTerms::default()
-        };
-        rebuilt.readmit(g.lease_id, &terms, 20).unwrap();
-        assert_eq!(rebuilt.backend(&g.backend).unwrap().leases_in_flight, 1);
-        rebuilt.release(g.lease_id, &Outcome::from_status(200), 30);
-        let view = rebuilt.backend(&g.backend).unwrap();
-        assert!(!drain_finished(Some(&view), 30, hold), "held until {hold}");
-        assert!(drain_finished(Some(&view), hold, hold));
-        // The other backend's stream never renewed (it ended during the restart): once the hold
-        // is over, the caller finishes its drain.
-        assert_eq!(
-            rebuilt.backend(&lost.backend).unwrap().lifecycle,
-            Lifecycle::Draining
-        );
-        assert_eq!(rebuilt.finish_idle_drains(), vec![lost.backend.clone()]);
-        assert_eq!(
-            rebuilt.backend(&lost.backend).unwrap().lifecycle,
-            Lifecycle::Drained
-        );
-        assert!(rebuilt.finish_idle_drains().is_empty());
     }
 }

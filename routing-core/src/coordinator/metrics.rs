@@ -2,8 +2,8 @@
 //! the pool's ([`crate::metrics`]) and the queue's, written with the crate's one Prometheus writer
 //! (so label values are escaped the same way everywhere).
 
+use super::load::PoolLoad;
 use crate::metrics::{header, sample};
-use crate::pool_load::PoolLoad;
 
 /// The coordinator's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

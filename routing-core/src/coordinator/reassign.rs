@@ -8,11 +8,11 @@
 //! model (a backend serving only that model leaves rotation for it) until its next probe; the
 //! new backend records the request's prefix once it takes the request.
 
+use super::retry_budget::{RetryBudget, RetryBudgetConfig};
 use crate::backend::BackendId;
 use crate::lease::{LeaseId, LeaseTerms};
 use crate::outcome::Outcome;
 use crate::pool::{CandidateView, Pool, PoolError};
-use crate::retry_budget::{RetryBudget, RetryBudgetConfig};
 
 /// One failed attempt, as the Worker reports it.
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,618 @@
+//! The pool coordinator's rules, through `routing_core::coordinator::Coordinator` as the Durable
+//! Object drives it: drains and the pending deletes they end, the restart's hold on restored
+//! drains, the retry budget's gate on reassigns, spillover counting, probe rounds, the waiting
+//! room's settle (grants to waiters, timeouts, clients gone) and the exact effects each call
+//! returns.
+
+use routing_core::admission::{AdmissionRequest, DropReason, Ticket};
+use routing_core::backend::{BackendId, BackendSpec, Capacity, Lifecycle};
+use routing_core::coordinator::load::LoadTargets;
+use routing_core::coordinator::reassign::{FailedAttempt, RetryRefused};
+use routing_core::coordinator::retry_budget::RetryBudgetConfig;
+use routing_core::coordinator::{
+    Callers, Coordinator, CoordinatorSettings, Deletion, Effect, ProbeReport, Release, Step,
+    Stored, Verdict,
+};
+use routing_core::health::HealthState;
+use routing_core::lease::LeaseTerms;
+use routing_core::pool::{AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult};
+use routing_core::scrape::VllmMetrics;
+use routing_core::{Outcome, PolicyKind, RequestFeatures};
+use std::collections::{HashMap, HashSet};
+
+const TTL: u64 = 10_000;
+
+/// The open calls as a test sees them: the tickets whose client hung up.
+#[derive(Default)]
+struct Hungup(HashSet<Ticket>);
+
+impl Callers for Hungup {
+    fn left(&self, ticket: Ticket) -> bool {
+        self.0.contains(&ticket)
+    }
+}
+
+fn spec(i: usize, max_num_seqs: u32) -> BackendSpec {
+    BackendSpec {
+        id: format!("b{i}").into(),
+        url: format!("http://b{i}:8000"),
+        models: vec!["m".into()],
+        capacity: Capacity {
+            max_num_seqs,
+            ..Capacity::default()
+        },
+        ..BackendSpec::default()
+    }
+}
+
+fn id(i: usize) -> BackendId {
+    format!("b{i}").into()
+}
+
+fn routing() -> PoolConfig {
+    PoolConfig {
+        policy: PolicyKind::RoundRobin,
+        lease_ttl_ms: TTL,
+        ..PoolConfig::default()
+    }
+}
+
+fn settings(routing: PoolConfig) -> CoordinatorSettings {
+    CoordinatorSettings {
+        routing,
+        ..CoordinatorSettings::default()
+    }
+}
+
+fn up() -> ProbeReport {
+    ProbeReport {
+        result: ProbeResult {
+            ok: true,
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    }
+}
+
+fn features() -> RequestFeatures {
+    RequestFeatures {
+        model: "m".into(),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..RequestFeatures::default()
+    }
+}
+
+fn snapshot(c: &Coordinator, i: usize) -> BackendSnapshot {
+    c.pool().snapshot(&id(i)).unwrap()
+}
+
+/// A coordinator for shard 0 of one shard with `n` backends registered and probed up at time 0.
+fn coordinator(settings: CoordinatorSettings, n: usize, max_num_seqs: u32) -> Coordinator {
+    let (mut c, failed) = Coordinator::restore("p", 0, settings, Stored::default(), 7, 0);
+    assert!(failed.is_empty());
+    for i in 0..n {
+        c.register(spec(i, max_num_seqs), 0).unwrap();
+    }
+    // Two successes make a backend healthy.
+    for t in [0, 1] {
+        c.record_probes((0..n).map(|i| (id(i), up())).collect(), t);
+    }
+    let _ = c.finish_probe_round(1, &Hungup::default());
+    for i in 0..n {
+        let view = c.pool().backend(&id(i)).unwrap();
+        assert_eq!(
+            (view.lifecycle, view.health),
+            (Lifecycle::Ready, HealthState::Healthy)
+        );
+    }
+    c
+}
+
+fn grant(step: Step) -> Grant {
+    match step {
+        Step::Done(Verdict::Granted { grant, .. }) => grant,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+fn acquire(c: &mut Coordinator, now: u64) -> Grant {
+    let (step, effects) = c.acquire(features(), None, None, false, now, &Hungup::default());
+    assert_eq!(effects, vec![]);
+    grant(step)
+}
+
+fn release(c: &mut Coordinator, lease_id: u64, backend: &BackendId, now: u64) -> Vec<Effect> {
+    let ok = Outcome::from_status(200);
+    let one = Release {
+        lease_id,
+        outcome: &ok,
+        backend: Some(backend),
+    };
+    let (released, effects) = c.release(&[one], now);
+    assert_eq!(released, vec![true]);
+    effects
+}
+
+#[test]
+fn registering_writes_the_spec_and_its_state_and_asks_for_a_probe() {
+    let (mut c, _) = Coordinator::restore("p", 0, settings(routing()), Stored::default(), 1, 0);
+    let effects = c.register(spec(0, 8), 5).unwrap();
+    let pending = snapshot(&c, 0);
+    assert_eq!(pending.lifecycle, Lifecycle::Pending);
+    assert_eq!(
+        effects,
+        vec![
+            Effect::PersistSpec(spec(0, 8)),
+            Effect::PersistSnapshot(pending),
+            Effect::ProbeSoon
+        ]
+    );
+}
+
+#[test]
+fn a_probe_round_makes_backends_healthy_and_writes_only_what_changed() {
+    let (mut c, _) = Coordinator::restore("p", 0, settings(routing()), Stored::default(), 1, 0);
+    c.register(spec(0, 8), 0).unwrap();
+    c.register(spec(1, 8), 0).unwrap();
+    c.record_probes(vec![(id(0), up()), (id(1), up())], 10);
+    c.record_probes(vec![(id(0), up()), (id(1), up())], 20);
+    let effects = c.finish_probe_round(20, &Hungup::default());
+    let (b0, b1) = (snapshot(&c, 0), snapshot(&c, 1));
+    assert_eq!(
+        (b0.lifecycle, b0.health),
+        (Lifecycle::Ready, HealthState::Healthy)
+    );
+    let card = match effects.last() {
+        Some(Effect::PublishCard(card)) => card.clone(),
+        other => panic!("shard 0 publishes its card, got {other:?}"),
+    };
+    assert_eq!(card.at_ms, 20);
+    assert_eq!(
+        effects,
+        vec![
+            Effect::PersistSnapshot(b0),
+            Effect::PersistSnapshot(b1),
+            Effect::PublishCard(card)
+        ]
+    );
+    assert_eq!(c.counters().probe_rounds, 1);
+    assert_eq!((c.counters().probes_ok, c.counters().probes_failed), (4, 0));
+    assert_eq!(c.last_probe_ms(), Some(20));
+    // Nothing changed in the next round: nothing to write.
+    c.record_probes(vec![(id(0), up()), (id(1), up())], 30);
+    let effects = c.finish_probe_round(30, &Hungup::default());
+    assert!(
+        matches!(effects.as_slice(), [Effect::PublishCard(_)]),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn a_503_after_serving_is_a_failure_and_three_make_the_backend_unhealthy() {
+    let mut c = coordinator(settings(routing()), 1, 8);
+    let loading = ProbeReport {
+        result: ProbeResult {
+            loading: true,
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    };
+    for t in 0..2 {
+        c.record_probes(vec![(id(0), loading.clone())], 10 + t);
+    }
+    let report = c.probe_report(&id(0)).unwrap();
+    assert_eq!(report.error.as_deref(), Some("/health answered 503"));
+    assert!(!report.result.loading);
+    assert_eq!(
+        c.pool().backend(&id(0)).unwrap().health,
+        HealthState::Healthy
+    );
+    assert_eq!(
+        c.finish_probe_round(12, &Hungup::default()).len(),
+        1,
+        "only the card: still healthy after two failures"
+    );
+    c.record_probes(vec![(id(0), loading)], 13);
+    let effects = c.finish_probe_round(13, &Hungup::default());
+    let down = snapshot(&c, 0);
+    assert_eq!(down.health, HealthState::Unhealthy);
+    assert_eq!(effects[0], Effect::PersistSnapshot(down));
+    assert_eq!(c.counters().probes_failed, 3);
+}
+
+#[test]
+fn a_drain_finishes_when_its_last_lease_ends_and_the_pending_delete_removes_the_backend() {
+    let mut c = coordinator(settings(routing()), 2, 8);
+    let g = acquire(&mut c, 100);
+    let busy = g.backend.clone();
+    let (deletion, effects) = c.delete(&busy, false, 200).unwrap();
+    assert_eq!(
+        deletion,
+        Deletion::Draining {
+            leases_in_flight: 1
+        }
+    );
+    let i = if busy == id(0) { 0 } else { 1 };
+    let draining = snapshot(&c, i);
+    assert_eq!(draining.lifecycle, Lifecycle::Draining);
+    assert_eq!(
+        effects,
+        vec![
+            Effect::PersistDrainStarts,
+            Effect::PersistPendingDeletes,
+            Effect::PersistSnapshot(draining)
+        ]
+    );
+    assert!(c.drains().delete_pending(&busy));
+    assert_eq!(c.drains().starts().get(&busy), Some(&200));
+    // Nothing new goes to a draining backend.
+    let other = acquire(&mut c, 300);
+    assert_ne!(other.backend, busy);
+    // The last lease ends: the drain is over and the backend goes.
+    let effects = release(&mut c, g.lease_id, &busy, 400);
+    assert!(c.pool().backend(&busy).is_none());
+    assert!(c.drains().pending_deletes().is_empty() && c.drains().starts().is_empty());
+    let drained = BackendSnapshot {
+        lifecycle: Lifecycle::Drained,
+        ..snapshot_before(&effects)
+    };
+    assert_eq!(
+        effects,
+        vec![
+            Effect::PersistSnapshot(drained),
+            Effect::DeleteBackend(busy.clone()),
+            Effect::PersistDrainStarts,
+            Effect::PersistPendingDeletes
+        ]
+    );
+    // An idle backend goes at once.
+    let (deletion, effects) = c.delete(&other.backend, true, 500).unwrap();
+    assert_eq!(deletion, Deletion::Deleted);
+    assert_eq!(effects, vec![Effect::DeleteBackend(other.backend.clone())]);
+}
+
+/// The snapshot a release wrote first (its backend's state as the lease ended).
+fn snapshot_before(effects: &[Effect]) -> BackendSnapshot {
+    match effects.first() {
+        Some(Effect::PersistSnapshot(s)) => s.clone(),
+        other => panic!("expected a snapshot first, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_restart_holds_a_restored_drain_for_a_lease_lifetime() {
+    // Before the restart: b0 drains with a `DELETE` waiting, b1 drains without one.
+    let stored_snapshot = |i: usize| BackendSnapshot {
+        id: id(i),
+        lifecycle: Lifecycle::Draining,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    let stored = Stored {
+        backends: (0..2)
+            .map(|i| (spec(i, 8), Some(stored_snapshot(i))))
+            .collect(),
+        pending_delete: [id(0)].into_iter().collect(),
+        drain_started: HashMap::from([(id(0), 50), (id(1), 60)]),
+    };
+    let restart = 1_000;
+    let (mut c, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 1, restart);
+    assert!(failed.is_empty());
+    assert_eq!(c.drains().hold_until_ms(), restart + TTL);
+    assert_eq!(c.drains().hold_of(&id(0)), restart + TTL);
+    // Idle as far as the pool knows, but a stream may still run: nothing finishes.
+    assert_eq!(c.expire(restart), vec![]);
+    let (deletion, _) = c.delete(&id(0), false, restart + 1).unwrap();
+    assert!(matches!(
+        deletion,
+        Deletion::Draining {
+            leases_in_flight: 0
+        }
+    ));
+    // A stream on b0 renews (the pool counts it again) and ends within the hold: still held.
+    let terms = LeaseTerms {
+        backend: id(0),
+        prompt_tokens: 5,
+        max_tokens: 5,
+        ..LeaseTerms::default()
+    };
+    assert_eq!(c.renew(42, &terms, 2_000), Ok((2_000 + TTL, true)));
+    let effects = release(&mut c, 42, &id(0), 3_000);
+    assert!(
+        c.pool().backend(&id(0)).is_some(),
+        "held until {}",
+        restart + TTL
+    );
+    assert_eq!(effects, vec![Effect::PersistSnapshot(snapshot(&c, 0))]);
+    assert_eq!(c.expire(restart + TTL - 1), vec![]);
+    // A lease lifetime on: b0's delete goes through, and b1 (no stream came back) is drained.
+    let effects = c.expire(restart + TTL);
+    let b1 = snapshot(&c, 1);
+    assert_eq!(b1.lifecycle, Lifecycle::Drained);
+    assert_eq!(
+        effects,
+        vec![
+            Effect::PersistSnapshot(b1),
+            Effect::DeleteBackend(id(0)),
+            Effect::PersistDrainStarts,
+            Effect::PersistPendingDeletes
+        ]
+    );
+    assert_eq!(c.drains().hold_until_ms(), 0);
+    assert_eq!(c.drains().starts().keys().collect::<Vec<_>>(), vec![&id(1)]);
+}
+
+#[test]
+fn the_retry_budget_refuses_a_reassign_once_spent_and_counts_it() {
+    let one_retry = CoordinatorSettings {
+        retry_budget: RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 1,
+            window_ms: 60_000,
+        },
+        ..settings(routing())
+    };
+    let mut c = coordinator(one_retry, 2, 8);
+    let failure = Outcome::from_status(502);
+    let attempt_on = |c: &mut Coordinator, now: u64| {
+        let mut g = acquire(c, now);
+        c.hand_out(&mut g, now);
+        assert!(g.card.is_some(), "a grant carries the card");
+        let to = g.candidates[1].id.clone();
+        let terms = LeaseTerms {
+            backend: g.backend.clone(),
+            prompt_tokens: 10,
+            max_tokens: 10,
+            ..LeaseTerms::default()
+        };
+        let attempt = FailedAttempt {
+            lease_id: g.lease_id,
+            to: &to,
+            failure: &failure,
+            terms: Some(&terms),
+            block_hashes: &[],
+            missing_model: None,
+        };
+        let (done, effects) = c.reassign(&attempt, now);
+        (g, to, done, effects)
+    };
+    let (g, to, done, effects) = attempt_on(&mut c, 100);
+    assert_eq!(done.result.unwrap().id, to);
+    assert_eq!(c.counters().retries, 1);
+    assert_eq!(c.pool().backend(&to).unwrap().leases_in_flight, 1);
+    // A 502 is a breaker failure on the failed backend, written if its state changed.
+    assert!(effects
+        .iter()
+        .all(|e| matches!(e, Effect::PersistSnapshot(s) if s.id == g.backend || s.id == to)));
+    release(&mut c, g.lease_id, &to, 150);
+
+    let (_, _, done, effects) = attempt_on(&mut c, 200);
+    assert_eq!(done.result, Err(RetryRefused::BudgetExhausted));
+    assert_eq!(c.counters().retries, 1);
+    assert_eq!(c.counters().retry_budget_exhausted, 1);
+    assert_eq!(
+        c.pool().live_leases(),
+        0,
+        "the refused lease ended with its failure"
+    );
+    assert!(!effects.contains(&Effect::ProbeSoon));
+}
+
+#[test]
+fn a_saturated_pool_spills_only_new_requests_that_have_a_further_pool() {
+    let strict = CoordinatorSettings {
+        load_targets: LoadTargets {
+            saturation_waiting_per_backend: 2.0,
+            autoscale_target_waiting: 4.0,
+        },
+        ..settings(routing())
+    };
+    let mut c = coordinator(strict, 1, 8);
+    let busy = ProbeReport {
+        metrics: VllmMetrics::default(),
+        result: ProbeResult {
+            ok: true,
+            metrics: VllmMetrics {
+                gauges: routing_core::pool::ScrapedGauges {
+                    waiting: Some(5.0),
+                    ..Default::default()
+                },
+                ..VllmMetrics::default()
+            },
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    };
+    c.record_probes(vec![(id(0), busy)], 10);
+    let _ = c.finish_probe_round(10, &Hungup::default());
+    assert!(c.load().saturated);
+    let calls = Hungup::default();
+    // No further pool: served here.
+    let (step, _) = c.acquire(features(), None, None, false, 20, &calls);
+    grant(step);
+    assert_eq!(c.counters().spills, 0);
+    let (step, _) = c.acquire(features(), None, None, true, 30, &calls);
+    assert_eq!(step, Step::Saturated);
+    assert_eq!(c.counters().spills, 1);
+    // A request continuing its wait keeps its place.
+    let continuing = AdmissionRequest {
+        ticket: Some(9),
+        ..AdmissionRequest::default()
+    };
+    let (step, _) = c.acquire(features(), Some(continuing), None, true, 40, &calls);
+    assert!(!matches!(step, Step::Saturated | Step::Spill), "{step:?}");
+    assert_eq!(c.counters().spills, 1);
+}
+
+fn queued(max_wait_ms: u64) -> PoolConfig {
+    PoolConfig {
+        admission: AdmissionConfig {
+            enabled: true,
+            max_wait_ms,
+            poll_ms: 1_000,
+            ..AdmissionConfig::default()
+        },
+        ..routing()
+    }
+}
+
+fn who(tenant: &str) -> Option<AdmissionRequest> {
+    Some(AdmissionRequest {
+        tenant: tenant.into(),
+        ..AdmissionRequest::default()
+    })
+}
+
+fn wait(step: Step) -> (Ticket, u64, u64) {
+    match step {
+        Step::Wait {
+            ticket,
+            call_id,
+            until_ms,
+        } => (ticket, call_id, until_ms),
+        other => panic!("expected a wait, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_full_pool_spills_from_its_queue_only_when_a_further_pool_exists() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 1);
+    let calls = Hungup::default();
+    let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
+    grant(step);
+    let (step, effects) = c.acquire(features(), who("b"), None, true, 20, &calls);
+    assert_eq!((step, effects), (Step::Spill, vec![]));
+    assert_eq!(c.counters().spills, 1);
+    let (step, _) = c.acquire(features(), who("b"), None, false, 30, &calls);
+    wait(step);
+    assert_eq!(c.counters().spills, 1);
+}
+
+#[test]
+fn settling_the_queue_grants_a_waiter_when_a_lease_ends() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 1);
+    let calls = Hungup::default();
+    let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
+    let first = grant(step);
+    let (step, effects) = c.acquire(features(), who("b"), None, false, 20, &calls);
+    assert_eq!(effects, vec![]);
+    let (ticket, call_id, until_ms) = wait(step);
+    assert_eq!(until_ms, 20 + 1_000, "the call answers 202 after poll_ms");
+    assert_eq!(c.room().queue.len(), 1);
+    // Nothing freed room: settling costs nothing and says nothing.
+    assert_eq!(c.settle(30, &calls), vec![]);
+    release(&mut c, first.lease_id, &id(0), 40);
+    let effects = c.settle(40, &calls);
+    let [Effect::Answer {
+        ticket: t,
+        call_id: k,
+        verdict: Verdict::Granted { grant, waited_ms },
+    }] = effects.as_slice()
+    else {
+        panic!("expected one grant to the waiting call, got {effects:?}");
+    };
+    assert_eq!((*t, *k, *waited_ms), (ticket, call_id, 20));
+    assert_eq!(grant.backend, id(0));
+    assert!(c.room().queue.is_empty());
+    // The Worker never read it and names the wait: its lease goes back at once.
+    let (dequeued, effects) = c.dequeue(ticket, 50);
+    assert!(dequeued);
+    assert_eq!(effects, vec![]);
+    assert_eq!(c.pool().live_leases(), 0);
+}
+
+#[test]
+fn settling_drops_timed_out_waits_and_waits_whose_client_left() {
+    let mut c = coordinator(settings(queued(500)), 1, 1);
+    let mut calls = Hungup::default();
+    let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
+    let first = grant(step);
+    let (late, late_call, until_ms) =
+        wait(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    assert_eq!(until_ms, 20 + 500 + 1, "no later than its deadline");
+    let (gone, gone_call, _) = wait(c.acquire(features(), who("c"), None, false, 30, &calls).0);
+    // The second client hangs up; the sweep (at most every 250 ms) drops it.
+    calls.0.insert(gone);
+    let effects = c.settle(300, &calls);
+    assert_eq!(
+        effects,
+        vec![Effect::CloseCall {
+            ticket: gone,
+            call_id: gone_call
+        }]
+    );
+    assert_eq!(c.room().queue.stats().dropped(DropReason::ClientGone), 1);
+    // The first waits past its deadline.
+    let effects = c.settle(520, &calls);
+    assert_eq!(
+        effects,
+        vec![Effect::Answer {
+            ticket: late,
+            call_id: late_call,
+            verdict: Verdict::Dropped {
+                reason: DropReason::Timeout,
+                waited_ms: 500
+            }
+        }]
+    );
+    assert!(c.room().queue.is_empty());
+    // Room frees with nobody waiting: the lease simply ends.
+    release(&mut c, first.lease_id, &id(0), 600);
+    assert_eq!(c.settle(600, &calls), vec![]);
+}
+
+#[test]
+fn a_grant_reached_between_calls_is_parked_for_the_next_call() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 1);
+    let calls = Hungup::default();
+    let first = grant(c.acquire(features(), who("a"), None, false, 10, &calls).0);
+    let (ticket, call_id, _) = wait(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    // The call's poll ends without a verdict: it answers 202 and the wait has no call open.
+    assert_eq!(c.pause(ticket, call_id, 1_020), None);
+    release(&mut c, first.lease_id, &id(0), 1_030);
+    assert_eq!(c.settle(1_030, &calls), vec![], "nobody to answer: parked");
+    // The Worker asks again with its ticket: the parked grant is its answer.
+    let again = AdmissionRequest {
+        ticket: Some(ticket),
+        ..who("b").unwrap()
+    };
+    let (step, effects) = c.acquire(features(), Some(again), None, false, 1_040, &calls);
+    assert_eq!(effects, vec![]);
+    assert_eq!(grant(step).backend, id(0));
+}
+
+#[test]
+fn a_newer_call_closes_the_older_and_an_unanswered_grant_goes_back() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 1);
+    let calls = Hungup::default();
+    let first = grant(c.acquire(features(), who("a"), None, false, 10, &calls).0);
+    let (ticket, old_call, _) = wait(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    let again = AdmissionRequest {
+        ticket: Some(ticket),
+        ..who("b").unwrap()
+    };
+    let (step, effects) = c.acquire(features(), Some(again), None, false, 30, &calls);
+    let (same, new_call, _) = wait(step);
+    assert_eq!(same, ticket);
+    assert_eq!(
+        effects,
+        vec![Effect::CloseCall {
+            ticket,
+            call_id: old_call
+        }]
+    );
+    release(&mut c, first.lease_id, &id(0), 40);
+    let mut effects = c.settle(40, &calls);
+    let Some(Effect::Answer {
+        call_id, verdict, ..
+    }) = effects.pop()
+    else {
+        panic!("expected an answer");
+    };
+    assert_eq!(call_id, new_call);
+    // No call took it after all: the lease goes back and the client counts as gone.
+    assert!(!c.unanswered(ticket, verdict, 41));
+    assert_eq!(c.pool().live_leases(), 0);
+    assert_eq!(c.room().queue.stats().dropped(DropReason::ClientGone), 1);
+}
