@@ -42,6 +42,35 @@ pub(super) struct BackendEntry {
     pub(super) reported: InFlight,
     /// Prompt blocks the live leases hold here.
     pub(super) held: HeldBlocks,
+    /// The batch the server runs at most, as its scrapes showed it (`running` while requests
+    /// waited: vLLM's `max_num_seqs`, or fewer when its KV cache is the limit), and when a scrape
+    /// last confirmed it; see [`learn_seq_limit`].
+    pub(super) learned_seqs: Option<(u32, u64)>,
+}
+
+/// How long a learned batch limit holds without a scrape confirming it (a queue behind a full
+/// batch), in ms: a limit set by long prompts filling the KV cache does not outlive them.
+pub(super) const LEARNED_SEQS_TTL_MS: u64 = 60_000;
+
+/// The batch limit after a scrape that saw `running` sequences and `waiting` requests at
+/// `now_ms`: a queue behind a running batch says the batch is full, so its size is the limit; a
+/// batch larger than the limit without a queue raises it; without a queue a limit lapses after
+/// [`LEARNED_SEQS_TTL_MS`].
+pub(super) fn learn_seq_limit(
+    learned: Option<(u32, u64)>,
+    running: f64,
+    waiting: f64,
+    now_ms: u64,
+) -> Option<(u32, u64)> {
+    let running = running.round().max(0.0) as u32;
+    if waiting >= 1.0 && running >= 1 {
+        return Some((running, now_ms));
+    }
+    match learned {
+        Some((limit, at)) if running > limit => Some((running, at)),
+        Some((_, at)) if now_ms.saturating_sub(at) > LEARNED_SEQS_TTL_MS => None,
+        other => other,
+    }
 }
 
 impl BackendEntry {
@@ -62,6 +91,9 @@ impl BackendEntry {
         }
         if let Some(size) = self.scraped.block_size.filter(|&s| s > 0) {
             c.block_size = size;
+        }
+        if let Some((seqs, _)) = self.learned_seqs {
+            c.max_num_seqs = c.max_num_seqs.min(seqs.max(1));
         }
         c
     }

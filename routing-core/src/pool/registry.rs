@@ -1,7 +1,7 @@
 //! Registry operations: adding, removing and patching backends, draining them, and applying
 //! what a probe found (health, served models, scraped gauges).
 
-use super::entry::{BackendEntry, Slot};
+use super::entry::{learn_seq_limit, BackendEntry, Slot};
 use super::errors::unknown;
 use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
@@ -55,6 +55,7 @@ impl Pool {
             remote_at_ms: 0,
             reported: InFlight::default(),
             held: HeldBlocks::default(),
+            learned_seqs: None,
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -184,6 +185,7 @@ impl Pool {
                 scraped.running.unwrap_or(0.0),
                 scraped.waiting.unwrap_or(0.0),
             );
+            entry.learned_seqs = learn_seq_limit(entry.learned_seqs, running, waiting, now_ms);
             let ours = f64::from(entry.in_flight.leases) + f64::from(entry.remote.leases);
             let external = (running + waiting - ours).max(0.0);
             entry.external_waiting = external.min(waiting);
@@ -261,6 +263,70 @@ mod tests {
     use crate::pool::{AcquireError, PoolConfig, DEFAULT_RETRY_AFTER_S};
     use crate::random::SplitMix64;
     use crate::scrape::VllmMetrics;
+
+    /// A probe whose `/metrics` page shows `running` sequences and `waiting` requests.
+    fn scrape(running: f64, waiting: f64) -> ProbeResult {
+        ProbeResult {
+            ok: true,
+            metrics: VllmMetrics {
+                gauges: ScrapedGauges {
+                    running: Some(running),
+                    waiting: Some(waiting),
+                    ..ScrapedGauges::default()
+                },
+                ..VllmMetrics::default()
+            },
+            ..ProbeResult::default()
+        }
+    }
+
+    #[test]
+    fn the_batch_limit_is_learned_from_a_queue_behind_a_full_batch() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+        let id = BackendId::from("b0");
+        let seqs = |pool: &Pool| pool.backend(&id).unwrap().capacity.max_num_seqs;
+        let configured = seqs(&pool);
+        assert_eq!(configured, 256);
+        pool.record_probe(&id, &scrape(3.0, 0.0), 1).unwrap();
+        assert_eq!(seqs(&pool), configured, "no queue: nothing learned");
+        pool.record_probe(&id, &scrape(2.0, 8.0), 2).unwrap();
+        assert_eq!(seqs(&pool), 2, "two running while eight wait");
+        pool.record_probe(&id, &scrape(5.0, 0.0), 3).unwrap();
+        assert_eq!(seqs(&pool), 5, "a larger batch without a queue raises it");
+        pool.record_probe(&id, &scrape(1.0, 0.0), 30_000).unwrap();
+        assert_eq!(seqs(&pool), 5, "a small batch says nothing of the limit");
+        pool.record_probe(&id, &scrape(1.0, 0.0), 70_000).unwrap();
+        assert_eq!(seqs(&pool), configured, "unconfirmed for a minute: lapsed");
+    }
+
+    /// The case: a backend registered with vLLM's default 256 sequences that really runs
+    /// 2, with ten of the gateway's long streams on it (eight in vLLM's queue): a new short request
+    /// is predicted to wait for a slot, where without the learned limit it looked free.
+    #[test]
+    fn a_request_behind_vllms_own_queue_is_predicted_to_wait() {
+        let predicted = |waiting: f64| {
+            let mut pool = pool_with(PolicyKind::PredictedLatency, 1);
+            let id = BackendId::from("b0");
+            let mut rng = SplitMix64::new(5);
+            for i in 0..10 {
+                let mut f = features(&format!("a long story {i}"));
+                f.max_tokens = 1000;
+                pool.acquire(&f, 10, &mut rng).unwrap();
+            }
+            pool.record_probe(&id, &scrape(2.0, waiting), 20).unwrap();
+            let mut short = features("hi");
+            short.max_tokens = 1;
+            pool.acquire(&short, 30, &mut rng)
+                .unwrap()
+                .predicted_ttft_ms
+                .unwrap()
+        };
+        let (blind, knowing) = (predicted(0.0), predicted(8.0));
+        assert!(
+            knowing > 20 * blind.max(1),
+            "{knowing} ms against {blind} ms"
+        );
+    }
 
     #[test]
     fn pending_backend_serves_nothing_until_probed() {
