@@ -181,4 +181,86 @@ mod tests {
         assert!(out.contains("llm_gateway_pool_desired_replicas{pool=\"eu\\\"west\"} 2\n"));
         assert_eq!(out.matches("# HELP").count(), 13);
     }
+
+    /// The whole page, byte for byte: family order, `# HELP` text, labels, numbers.
+    #[test]
+    fn the_page_is_as_pinned() {
+        let counters = CoordinatorCounters {
+            retries: 3,
+            retry_budget_exhausted: 1,
+            spills: 2,
+            probe_rounds: 9,
+            probes_ok: 17,
+            probes_failed: 1,
+        };
+        let load = PoolLoad {
+            ready: 2,
+            waiting: 1.5,
+            running: 4.0,
+            desired_replicas: 3,
+            ..PoolLoad::default()
+        };
+        let probes = [
+            LastProbe {
+                backend: "gpu\\a",
+                ok: true,
+                duration_ms: 1_500,
+                at_ms: 1_700_000_000_123,
+            },
+            LastProbe {
+                backend: "gpu-b",
+                ok: false,
+                duration_ms: 20,
+                at_ms: 1_700_000_000_456,
+            },
+        ];
+        let mut out = String::new();
+        render(&mut out, "eu\"1", &counters, &load, 4.0, &probes);
+        assert_eq!(out, PINNED);
+    }
+
+    const PINNED: &str = r#"# HELP llm_gateway_retries_total Leases moved to the next candidate after a failure before the first byte.
+# TYPE llm_gateway_retries_total counter
+llm_gateway_retries_total{pool="eu\"1"} 3
+# HELP llm_gateway_retry_budget_exhausted_total Retries refused by the pool's retry budget.
+# TYPE llm_gateway_retry_budget_exhausted_total counter
+llm_gateway_retry_budget_exhausted_total{pool="eu\"1"} 1
+# HELP llm_gateway_pool_spills_total Requests refused because the pool was saturated and a further pool could take them.
+# TYPE llm_gateway_pool_spills_total counter
+llm_gateway_pool_spills_total{pool="eu\"1"} 2
+# HELP llm_gateway_pool_ready_backends Backends ready and healthy.
+# TYPE llm_gateway_pool_ready_backends gauge
+llm_gateway_pool_ready_backends{pool="eu\"1"} 2
+# HELP llm_gateway_pool_waiting Requests waiting in the backends' queues (scraped), summed.
+# TYPE llm_gateway_pool_waiting gauge
+llm_gateway_pool_waiting{pool="eu\"1"} 1.5
+# HELP llm_gateway_pool_running Requests running on the backends (scraped), summed.
+# TYPE llm_gateway_pool_running gauge
+llm_gateway_pool_running{pool="eu\"1"} 4
+# HELP llm_gateway_pool_desired_replicas Replicas an autoscaler should aim for at the configured waiting-per-replica target.
+# TYPE llm_gateway_pool_desired_replicas gauge
+llm_gateway_pool_desired_replicas{pool="eu\"1"} 3
+# HELP llm_gateway_pool_autoscale_target_waiting The waiting-per-replica target of the autoscaling signal.
+# TYPE llm_gateway_pool_autoscale_target_waiting gauge
+llm_gateway_pool_autoscale_target_waiting{pool="eu\"1"} 4
+# HELP llm_gateway_probe_rounds_total Probe rounds run by the pool's alarm.
+# TYPE llm_gateway_probe_rounds_total counter
+llm_gateway_probe_rounds_total{pool="eu\"1"} 9
+# HELP llm_gateway_probes_total Backend probes by result.
+# TYPE llm_gateway_probes_total counter
+llm_gateway_probes_total{pool="eu\"1",result="ok"} 17
+llm_gateway_probes_total{pool="eu\"1",result="failed"} 1
+# HELP llm_gateway_probe_success Whether the backend's last probe succeeded.
+# TYPE llm_gateway_probe_success gauge
+llm_gateway_probe_success{pool="eu\"1",backend="gpu\\a"} 1
+llm_gateway_probe_success{pool="eu\"1",backend="gpu-b"} 0
+# HELP llm_gateway_probe_duration_seconds Duration of the backend's last probe.
+# TYPE llm_gateway_probe_duration_seconds gauge
+llm_gateway_probe_duration_seconds{pool="eu\"1",backend="gpu\\a"} 1.5
+llm_gateway_probe_duration_seconds{pool="eu\"1",backend="gpu-b"} 0.02
+# HELP llm_gateway_probe_timestamp_seconds When the backend's last probe ran (Unix time).
+# TYPE llm_gateway_probe_timestamp_seconds gauge
+llm_gateway_probe_timestamp_seconds{pool="eu\"1",backend="gpu\\a"} 1700000000.123
+llm_gateway_probe_timestamp_seconds{pool="eu\"1",backend="gpu-b"} 1700000000.456
+"#;
 }
