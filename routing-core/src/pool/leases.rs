@@ -53,7 +53,7 @@ impl Pool {
         let defer = failure.is_suspect_5xx() && !old.trial;
         let slot = self.slot_of(to)?;
         let breaker_config = self.config.breaker;
-        let echo = self.echo();
+        let twins = self.sibling_twins();
         let admission = self.config.admission;
         let target = self.entry_mut(slot).ok_or_else(|| unknown(to))?;
         if !target.available(now_ms, &breaker_config) {
@@ -64,7 +64,7 @@ impl Pool {
         if admission.enabled
             && old.backend != target.key
             && !has_room(
-                &target.all_in_flight(echo),
+                &target.all_in_flight(twins),
                 &target.capacity(),
                 prompt_tokens.saturating_add(output),
                 admission.overcommit,
