@@ -1,10 +1,12 @@
 //! The Prometheus text format: escaped labels, `# HELP`/`# TYPE` headers, samples and latency
 //! histograms. Every metric name starts with `llm_gateway_`; series carry a `pool` label and, per
-//! backend, a `backend` label with the backend's id (never its URL or API key). What a pool
-//! renders is the pool's own business (`Pool::render_metrics`); the admission
-//! queue renders its figures with the same writer. The Worker's `/metrics` endpoint concatenates
-//! each pool's rendering, after adding up the pages of a pool's coordinator shards
-//! ([`sum_shard_pages`]).
+//! backend, a `backend` label with the backend's id (never its URL or API key).
+//!
+//! A page is written from tables: each metric family is a [`Family`] (its name, type, help text
+//! and how one source's samples are produced), named once, and [`write`] writes a table's
+//! families in order for a list of sources (the pool's backends, the pool, its admission queue,
+//! the coordinator's figures and probes). The Worker's `/metrics` endpoint concatenates each
+//! pool's page, after adding up the pages of a pool's coordinator shards ([`sum_shard_pages`]).
 
 use std::fmt::Write;
 
@@ -64,6 +66,136 @@ fn number(out: &mut String, v: f64) {
     }
 }
 
+/// A metric family's Prometheus type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A value that only grows.
+    Counter,
+    /// A value that goes up and down.
+    Gauge,
+    /// Cumulative buckets, a sum and a count ([`Samples::histogram`], [`Samples::buckets`]).
+    Histogram,
+}
+
+impl Kind {
+    /// The word of the `# TYPE` line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+
+    /// A family of this type: its name, its help text and how one source's samples are written.
+    pub const fn family<S: ?Sized>(
+        self,
+        name: &'static str,
+        help: &'static str,
+        samples: fn(&S, &mut Samples<'_>),
+    ) -> Family<S> {
+        Family {
+            name,
+            kind: self,
+            help,
+            samples,
+        }
+    }
+}
+
+/// One metric family, named once: its name, type and help text, and how the samples of one
+/// source `S` (a backend's report, a pool, a queue, a probe) are written. The pool, the admission
+/// queue and the coordinator each keep a table of these, written by [`write`].
+pub struct Family<S: ?Sized> {
+    /// The family's name (`llm_gateway_...`).
+    pub name: &'static str,
+    /// Its type.
+    pub kind: Kind,
+    /// Its `# HELP` text.
+    pub help: &'static str,
+    /// Writes one source's samples of the family.
+    pub samples: fn(&S, &mut Samples<'_>),
+}
+
+/// Writes each of `families` in order: its `# HELP` and `# TYPE` lines, then the samples of each
+/// of `sources` in turn, every series labelled with `pool` first.
+pub fn write<S>(out: &mut String, pool: &str, families: &[Family<S>], sources: &[S]) {
+    for family in families {
+        header(out, family.name, family.kind.as_str(), family.help);
+        let mut samples = Samples {
+            out,
+            name: family.name,
+            pool,
+        };
+        for source in sources {
+            (family.samples)(source, &mut samples);
+        }
+    }
+}
+
+/// Where one family's samples go: the page, with the family's name and the pool's label.
+pub struct Samples<'a> {
+    out: &'a mut String,
+    name: &'a str,
+    pool: &'a str,
+}
+
+impl Samples<'_> {
+    /// One sample: `name{pool="..",k="v",..} value`.
+    pub fn value(&mut self, labels: &[(&str, &str)], value: f64) {
+        series(self.out, self.name, "", self.pool, labels, None, value);
+    }
+
+    /// The family's one unlabelled sample, a count.
+    pub fn total(&mut self, count: u64) {
+        self.value(&[], count as f64);
+    }
+
+    /// One sample per `(label value, value)` of `values`, labelled `key` after `labels`.
+    pub fn each<'v>(
+        &mut self,
+        labels: &[(&str, &str)],
+        key: &str,
+        values: impl IntoIterator<Item = (&'v str, f64)>,
+    ) {
+        for (label, value) in values {
+            let extra = Some((key, label));
+            series(self.out, self.name, "", self.pool, labels, extra, value);
+        }
+    }
+
+    /// A latency histogram's cumulative buckets, sum and count.
+    pub fn histogram(&mut self, labels: &[(&str, &str)], h: &Histogram) {
+        self.buckets(labels, &LATENCY_BUCKETS_MS, &h.buckets, h.count, h.sum_ms);
+    }
+
+    /// A histogram of `counts` per bucket (not cumulative) with upper bounds `bounds_ms` in
+    /// milliseconds, written in seconds: cumulative `_bucket` series (`+Inf` is `count`), `_sum`
+    /// and `_count`.
+    pub fn buckets(
+        &mut self,
+        labels: &[(&str, &str)],
+        bounds_ms: &[u64],
+        counts: &[u64],
+        count: u64,
+        sum_ms: u64,
+    ) {
+        let (out, name, pool) = (&mut *self.out, self.name, self.pool);
+        let mut cumulative = 0;
+        for (bound, n) in bounds_ms.iter().zip(counts) {
+            cumulative += n;
+            let le = format!("{}", *bound as f64 / 1000.0);
+            let extra = Some(("le", le.as_str()));
+            series(out, name, "_bucket", pool, labels, extra, cumulative as f64);
+        }
+        let extra = Some(("le", "+Inf"));
+        series(out, name, "_bucket", pool, labels, extra, count as f64);
+        let sum = sum_ms as f64 / 1000.0;
+        series(out, name, "_sum", pool, labels, None, sum);
+        series(out, name, "_count", pool, labels, None, count as f64);
+    }
+}
+
 /// Writes a metric family's `# HELP` and `# TYPE` lines.
 pub fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
@@ -72,11 +204,25 @@ pub fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 
 /// Writes one sample: `name{pool="..",k="v",..} value`.
 pub fn sample(out: &mut String, name: &str, pool: &str, labels: &[(&str, &str)], value: f64) {
+    series(out, name, "", pool, labels, None, value);
+}
+
+/// Writes one series `{name}{suffix}{pool="..",k="v",..,extra} value`.
+fn series(
+    out: &mut String,
+    name: &str,
+    suffix: &str,
+    pool: &str,
+    labels: &[(&str, &str)],
+    extra: Option<(&str, &str)>,
+    value: f64,
+) {
     out.push_str(name);
+    out.push_str(suffix);
     out.push_str("{pool=\"");
     label(out, pool);
     out.push('"');
-    for (k, v) in labels {
+    for (k, v) in labels.iter().chain(extra.as_ref()) {
         out.push(',');
         out.push_str(k);
         out.push_str("=\"");
@@ -86,44 +232,6 @@ pub fn sample(out: &mut String, name: &str, pool: &str, labels: &[(&str, &str)],
     out.push_str("} ");
     number(out, value);
     out.push('\n');
-}
-
-/// Writes a latency histogram's cumulative buckets, sum and count for one backend.
-pub fn histogram(out: &mut String, name: &str, pool: &str, backend: &str, h: &Histogram) {
-    let mut cumulative = 0;
-    let bucket = format!("{name}_bucket");
-    for (i, bound) in LATENCY_BUCKETS_MS.iter().enumerate() {
-        cumulative += h.buckets[i];
-        let le = format!("{}", *bound as f64 / 1000.0);
-        sample(
-            out,
-            &bucket,
-            pool,
-            &[("backend", backend), ("le", &le)],
-            cumulative as f64,
-        );
-    }
-    sample(
-        out,
-        &bucket,
-        pool,
-        &[("backend", backend), ("le", "+Inf")],
-        h.count as f64,
-    );
-    sample(
-        out,
-        &format!("{name}_sum"),
-        pool,
-        &[("backend", backend)],
-        h.sum_ms as f64 / 1000.0,
-    );
-    sample(
-        out,
-        &format!("{name}_count"),
-        pool,
-        &[("backend", backend)],
-        h.count as f64,
-    );
 }
 
 /// Gauges that measure load or a per-shard table's size, summed over a pool's shards like the
@@ -220,59 +328,41 @@ mod tests {
 
     #[test]
     fn shard_pages_add_counters_and_load_but_not_state() {
-        let page = |leases: u32, requests: u32, healthy: u32, only: Option<&str>| {
-            let mut out = String::new();
-            header(
-                &mut out,
-                "llm_gateway_requests_total",
-                "counter",
-                "Requests.",
-            );
-            sample(
-                &mut out,
-                "llm_gateway_requests_total",
-                "p",
-                &[("backend", "a")],
-                requests.into(),
-            );
-            if let Some(b) = only {
-                sample(
-                    &mut out,
-                    "llm_gateway_requests_total",
-                    "p",
-                    &[("backend", b)],
-                    1.0,
-                );
-            }
-            header(&mut out, "llm_gateway_leases_in_flight", "gauge", "Leases.");
-            sample(
-                &mut out,
-                "llm_gateway_leases_in_flight",
-                "p",
-                &[("backend", "a")],
-                leases.into(),
-            );
-            header(&mut out, "llm_gateway_backend_healthy", "gauge", "Healthy.");
-            sample(
-                &mut out,
-                "llm_gateway_backend_healthy",
-                "p",
-                &[("backend", "a")],
-                healthy.into(),
-            );
-            header(
-                &mut out,
+        /// One shard's figures for backend `a` (and, if it has one, a backend only it knows).
+        struct Shard {
+            leases: u32,
+            requests: u32,
+            healthy: u32,
+            only: Option<&'static str>,
+        }
+        let families: [Family<Shard>; 4] = [
+            Kind::Counter.family("llm_gateway_requests_total", "Requests.", |f, s| {
+                s.value(&[("backend", "a")], f.requests.into());
+                if let Some(b) = f.only {
+                    s.value(&[("backend", b)], 1.0);
+                }
+            }),
+            Kind::Gauge.family("llm_gateway_leases_in_flight", "Leases.", |f, s| {
+                s.value(&[("backend", "a")], f.leases.into())
+            }),
+            Kind::Gauge.family("llm_gateway_backend_healthy", "Healthy.", |f, s| {
+                s.value(&[("backend", "a")], f.healthy.into())
+            }),
+            Kind::Counter.family(
                 "llm_gateway_health_transitions_total",
-                "counter",
                 "Transitions.",
-            );
-            sample(
-                &mut out,
-                "llm_gateway_health_transitions_total",
-                "p",
-                &[],
-                2.0,
-            );
+                |_, s| s.value(&[], 2.0),
+            ),
+        ];
+        let page = |leases, requests, healthy, only| {
+            let mut out = String::new();
+            let shard = Shard {
+                leases,
+                requests,
+                healthy,
+                only,
+            };
+            write(&mut out, "p", &families, &[shard]);
             out
         };
         let total = sum_shard_pages(&[
@@ -341,7 +431,13 @@ mod tests {
         h.observe(20);
         h.observe(40);
         let mut out = String::new();
-        histogram(&mut out, "llm_gateway_t", "p", "b", &h);
+        let families = [
+            Kind::Histogram.family("llm_gateway_t", "T.", |h: &Histogram, s| {
+                s.histogram(&[("backend", "b")], h)
+            }),
+        ];
+        write(&mut out, "p", &families, &[h]);
+        assert!(out.starts_with("# HELP llm_gateway_t T.\n# TYPE llm_gateway_t histogram\n"));
         assert!(out.contains("llm_gateway_t_bucket{pool=\"p\",backend=\"b\",le=\"0.05\"} 2\n"));
         assert!(out.contains("llm_gateway_t_bucket{pool=\"p\",backend=\"b\",le=\"+Inf\"} 2\n"));
         assert!(out.contains("llm_gateway_t_sum{pool=\"p\",backend=\"b\"} 0.06\n"));

@@ -28,14 +28,21 @@
 //! its predicted queue plus prefill at the configured rate (exponentially weighted least squares):
 //! the slope is the prefill scale, the intercept the gateway and network overhead, so network time
 //! never inflates the prefill rate; the fitted slope is shrunk towards the current scale as far
-//! as its standard error leaves it uncertain (a busy gateway's own delay is noise in every
-//! measurement, and an unshrunk slope swung between its bounds); with too little spread to fit a
-//! line, requests with nothing to prefill teach the overhead and the others the scale. The measured time per output token
-//! (duration after the first byte over the backend's completion tokens), and vLLM's scraped one,
-//! move the decode scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]`
-//! (at most 15% per observation at the default 0.2). Scales stay within
-//! `[1/max_scale, max_scale]`; a 3x slower backend is learned within about 10 to 20 requests.
+//! as its standard error leaves it uncertain (a busy gateway adds a noisy delay of its own to
+//! every measurement); with too little spread to fit a line, requests with nothing to prefill
+//! teach the overhead and the others the scale. The measured time per output token (duration
+//! after the first byte over the backend's completion tokens), and vLLM's scraped one, move the
+//! decode scale by `ratio^learning_rate` in log space, the ratio clamped to `[1/2, 2]` (at most
+//! 15% per observation at the default 0.2). Scales stay within `[1/max_scale, max_scale]`.
+//!
+//! In files of their own: the prefill scale's least-squares line (`fit.rs`) and the wait for room
+//! ([`room_wait_ms`], `room.rs`).
 
+mod fit;
+mod room;
+
+use fit::Fit;
+pub use room::room_wait_ms;
 use serde::{Deserialize, Serialize};
 
 /// The time model's knobs, per pool (`time_model` in the pool's settings).
@@ -92,67 +99,7 @@ impl TimeModelConfig {
 const MIN_LEARN_PREFILL_MS: f64 = 5.0;
 /// Largest overhead (gateway and network time to the first byte) the model accepts.
 const MAX_OVERHEAD_MS: f64 = 1_000.0;
-/// Fewest (weighted) observations, and least spread of their predictions (ms²), to fit a line.
-const MIN_FIT_WEIGHT: f64 = 8.0;
-const MIN_FIT_VARIANCE: f64 = 25.0;
 
-/// An exponentially weighted least-squares line `y = a + b x`.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Fit {
-    w: f64,
-    sx: f64,
-    sy: f64,
-    sxx: f64,
-    sxy: f64,
-    syy: f64,
-}
-
-impl Fit {
-    fn observe(&mut self, x: f64, y: f64, rate: f64) {
-        if !(x.is_finite() && y.is_finite()) {
-            return;
-        }
-        let keep = 1.0 - rate.clamp(0.0, 1.0);
-        self.w = self.w * keep + 1.0;
-        self.sx = self.sx * keep + x;
-        self.sy = self.sy * keep + y;
-        self.sxx = self.sxx * keep + x * x;
-        self.sxy = self.sxy * keep + x * y;
-        self.syy = self.syy * keep + y * y;
-    }
-
-    /// `(a, b)` once there are enough observations spread widely enough, the slope shrunk
-    /// towards `prior` as far as the data leave it uncertain: the fitted slope and the prior are
-    /// averaged with weights `1 / se²` and `1 / SLOPE_PRIOR_SD²`, `se` being the fitted slope's
-    /// standard error from the residuals. A backend measured through a noisy gateway (time to
-    /// first byte varying by hundreds of milliseconds for reasons of its own) then keeps a rate
-    /// near what it had instead of one that swings between the bounds.
-    fn line(&self, prior: f64) -> Option<(f64, f64)> {
-        if self.w < MIN_FIT_WEIGHT {
-            return None;
-        }
-        let (mx, my) = (self.sx / self.w, self.sy / self.w);
-        let var = self.sxx / self.w - mx * mx;
-        if var < MIN_FIT_VARIANCE {
-            return None;
-        }
-        let cov = self.sxy / self.w - mx * my;
-        let fitted = cov / var;
-        let residual = (self.syy / self.w - my * my - fitted * cov).max(0.0);
-        // Effective sample size of the exponentially weighted sums, less the two fitted terms.
-        let se2 = residual / (var * (self.w - 2.0).max(1.0));
-        let (data, belief) = (
-            1.0 / se2.max(1e-12),
-            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
-        );
-        let b = (fitted * data + prior * belief) / (data + belief);
-        (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
-    }
-}
-
-/// How far, in units of the configured rate, a backend's prefill rate is believed to be from the
-/// rate it has now before any new data (see `Fit::line`).
-const SLOPE_PRIOR_SD: f64 = 0.25;
 /// Largest ratio one observation can apply (and its inverse the smallest).
 const MAX_STEP_RATIO: f64 = 2.0;
 
@@ -481,59 +428,6 @@ impl BackendTiming {
     }
 }
 
-/// How long a request waits for room on a backend that is out of KV-cache space or sequence
-/// slots: vLLM admits it only when running sequences finish and free theirs. A full backend frees
-/// its whole capacity once per `drain_ms` (the pool passes the time its sequences take: their
-/// prefills one after another, `capacity / mean tokens per sequence × mean prefill`, then their
-/// decode together, `mean expected output × step`), so a shortfall of `s` tokens (or sequences)
-/// takes that fraction of a drain to free, however many requests are queued ahead:
-///
-/// ```text
-/// memory wait = drain_ms × max(tokens + request − capacity, 0) / capacity
-/// slot wait   = drain_ms × max(sequences + 1 − max_num_seqs, 0) / max_num_seqs
-/// ```
-///
-/// The drain was the request's own decode until the Mooncake traces showed what that costs: a
-/// 1-token request behind 20 others queued for memory was predicted 91 ms and waited 4.3 s (the
-/// timed simulation's receipts); short answers went to the backends stalled for memory.
-///
-/// and the larger of the two counts. `tokens` are the backend's in-flight tokens (the distinct
-/// prompt blocks its leases hold plus their expected output, or what vLLM reports pinned, if
-/// more). An earlier form, `decode_ms / 2 × shortfall / tokens`, assumed every in-flight request
-/// was running and saturated at half a decode; with conversations queued two deep for memory it
-/// predicted a fifth of the wait (the timed simulation's chat at 64 users on 512 blocks).
-///
-/// A server that queues requests itself (vLLM's `num_requests_waiting` at the last probe, while
-/// `running` run) makes a new one wait behind them too, priced at
-/// `drain_ms / 4 × waiting / running`. At twice that weight the figure, a probe interval old, sent
-/// conversations away from their caches under KV pressure, and their recomputation filled the
-/// caches further (`make bench`'s chat workload at 64 clients: hit rate 80%, TTFT p99 tripled);
-/// without it a hot prefix's holder kept its queue (prefix-groups near saturation: TTFT p99
-/// doubled).
-pub fn room_wait_ms(
-    in_flight_tokens: u64,
-    request_tokens: u64,
-    capacity_tokens: u64,
-    sequences: u32,
-    max_num_seqs: u32,
-    drain_ms: f64,
-    engine_queue: (f64, f64),
-) -> f64 {
-    let decode = drain_ms.max(0.0);
-    let half = decode / 2.0;
-    let short_tokens = (in_flight_tokens + request_tokens).saturating_sub(capacity_tokens);
-    let memory = decode * short_tokens as f64 / capacity_tokens.max(1) as f64;
-    let short_seqs = (sequences + 1).saturating_sub(max_num_seqs.max(1));
-    let slots = decode * f64::from(short_seqs) / f64::from(max_num_seqs.max(1));
-    let (waiting, running) = engine_queue;
-    let queued = if waiting.is_finite() && waiting > 0.0 {
-        half / 2.0 * waiting / running.max(1.0)
-    } else {
-        0.0
-    };
-    memory.max(slots).max(queued)
-}
-
 /// Moves `scale` by `ratio^rate` (ratio clamped to `[1/2, 2]`), keeping it within `[1/bound, bound]`.
 fn nudge(scale: f64, ratio: f64, rate: f64, bound: f64) -> f64 {
     if !ratio.is_finite() || ratio <= 0.0 {
@@ -579,253 +473,4 @@ impl OutputRatio {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg() -> TimeModelConfig {
-        TimeModelConfig::default()
-    }
-
-    #[test]
-    fn prefill_queue_adds_up_and_drains_in_real_time() {
-        let c = cfg();
-        let mut t = BackendTiming::default();
-        let a = t.admit(&c, 1_200, 0.0, 1_000);
-        assert_eq!(a.prefill_us, 120_000);
-        let b = t.admit(&c, 1_200, 0.0, 1_000);
-        assert_eq!(
-            b.queued_prefill_us, 240_000,
-            "the second waits behind the first"
-        );
-        assert!((t.backlog_ms(1_000) - 240.0).abs() < 1e-9);
-        assert!((t.backlog_ms(1_100) - 140.0).abs() < 1e-9);
-        assert_eq!(t.backlog_ms(2_000), 0.0);
-        let p = t.predict(&c, 1_200, 100.0, 0.0, 0.0, 1_000);
-        assert!((p.ttft_ms - (240.0 + 120.0 + 10.0)).abs() < 1e-9);
-    }
-
-    #[test]
-    fn a_cache_hit_saves_its_prefill_here_and_for_the_running_sequences() {
-        let c = cfg();
-        let t = BackendTiming::default();
-        let cold = t.predict(&c, 1_000, 100.0, 8.0, 0.0, 0);
-        let warm = t.predict(&c, 100, 100.0, 8.0, 0.0, 0);
-        assert!((cold.ttft_ms - warm.ttft_ms - 90.0).abs() < 1e-9);
-        assert!((cold.harm_ms - warm.harm_ms - 8.0 * 90.0).abs() < 1e-9);
-        assert_eq!(cold.decode_ms, warm.decode_ms);
-        assert!((warm.decode_ms - 100.0 * (10.0 + 9.0 * 0.15)).abs() < 1e-9);
-    }
-
-    #[test]
-    fn a_full_backend_makes_requests_wait_for_room() {
-        let idle = (0.0, 0.0);
-        assert_eq!(room_wait_ms(4_000, 1_000, 8_192, 4, 64, 1_000.0, idle), 0.0);
-        // 8,000 tokens in flight, 1,192 over with this request: a decode x 1,192 / 8,192.
-        let w = room_wait_ms(8_000, 1_384, 8_192, 8, 64, 1_000.0, idle);
-        assert!((w - 1_000.0 * 1_192.0 / 8_192.0).abs() < 1e-9, "{w}");
-        // Twice the capacity queued: the wait grows with it, it does not saturate.
-        let w2 = room_wait_ms(16_000, 1_384, 8_192, 8, 64, 1_000.0, idle);
-        assert!((w2 - 1_000.0 * 9_192.0 / 8_192.0).abs() < 1e-9, "{w2}");
-        // Every slot taken: a decode x 1 / 4.
-        assert!((room_wait_ms(100, 10, 8_192, 4, 4, 1_000.0, idle) - 250.0).abs() < 1e-9);
-        assert_eq!(room_wait_ms(0, 100, 50, 0, 0, 1_000.0, idle), 1_000.0);
-        // The server queues 6 requests itself while 12 run: 250 ms x 6 / 12.
-        let w = room_wait_ms(100, 10, 8_192, 4, 64, 1_000.0, (6.0, 12.0));
-        assert!((w - 125.0).abs() < 1e-9, "{w}");
-    }
-
-    #[test]
-    fn a_cancelled_prefill_leaves_the_queue() {
-        let c = cfg();
-        let mut t = BackendTiming::default();
-        let a = t.admit(&c, 1_000, 0.0, 0);
-        let b = t.admit(&c, 1_000, 0.0, 0);
-        t.leave(&a, 50);
-        assert!(
-            (t.backlog_ms(50) - 100.0).abs() < 1e-9,
-            "{}",
-            t.backlog_ms(50)
-        );
-        t.leave(&b, 60);
-        assert_eq!(t.backlog_ms(60), 0.0);
-    }
-
-    #[test]
-    fn learns_a_slower_backend_within_bounds() {
-        let c = cfg();
-        let mut t = BackendTiming::default();
-        // The real backend prefills at 300 us/token and steps at 3x the configured cost.
-        for i in 0..40u64 {
-            let now = i * 10_000;
-            let share = t.admit(&c, 1_000, 0.0, now);
-            let ttfb = 300 + 30;
-            let seen = Observation {
-                ttfb_ms: Some(ttfb),
-                duration_ms: ttfb + 99 * 30,
-                completion_tokens: Some(100),
-                streamed: true,
-                held_by_client: false,
-            };
-            t.leave(&share, now + seen.duration_ms);
-            t.learn(&c, &share, &seen);
-        }
-        let v = t.view(&c, 0);
-        assert!((v.prefill_us_per_token - 300.0).abs() < 30.0, "{v:?}");
-        assert!((v.decode_ms_per_step - 30.0).abs() < 3.0, "{v:?}");
-        assert_eq!(v.observations, 40);
-        let mut wild = BackendTiming::default();
-        for _ in 0..200 {
-            let share = wild.admit(&c, 10_000, 0.0, 0);
-            let seen = Observation {
-                ttfb_ms: Some(10_000_000),
-                duration_ms: 10_000_000,
-                completion_tokens: Some(1),
-                streamed: true,
-                held_by_client: false,
-            };
-            wild.leave(&share, 0);
-            wild.learn(&c, &share, &seen);
-        }
-        assert!((wild.view(&c, 0).prefill_us_per_token - 1_000.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn prefill_admitted_during_a_decode_is_not_learned_as_slow_decoding() {
-        let c = cfg();
-        let (mut plain, mut busy) = (BackendTiming::default(), BackendTiming::default());
-        // A backend at the configured rates (10 ms steps). On `busy`, another request with 2,000
-        // uncached tokens (200 ms of prefill) arrives just after each one, and its prefill runs in
-        // the steps of the first one's decode: 100 tokens take 990 ms + 200 ms.
-        for i in 0..40u64 {
-            let now = i * 10_000;
-            for (t, extra) in [(&mut plain, 0), (&mut busy, 200)] {
-                let share = t.admit(&c, 0, 0.0, now);
-                let other = (extra > 0).then(|| t.admit(&c, 2_000, 1.0, now + 1));
-                let seen = Observation {
-                    ttfb_ms: Some(10),
-                    duration_ms: 10 + 990 + extra,
-                    completion_tokens: Some(100),
-                    streamed: true,
-                    held_by_client: false,
-                };
-                t.leave(&share, now + seen.duration_ms);
-                t.learn(&c, &share, &seen);
-                if let Some(other) = other {
-                    t.leave(&other, now + seen.duration_ms);
-                }
-            }
-        }
-        let (p, b) = (plain.view(&c, 0), busy.view(&c, 0));
-        assert!((p.decode_ms_per_step - 10.0).abs() < 0.5, "{p:?}");
-        assert!((b.decode_ms_per_step - 10.0).abs() < 0.5, "{b:?}");
-    }
-
-    #[test]
-    fn network_overhead_is_learned_apart_from_the_prefill_rate() {
-        let c = cfg();
-        let mut t = BackendTiming::default();
-        // A backend at exactly the configured rates, 40 ms of gateway and network away: cache
-        // hits (nothing to prefill) and cold prompts of several sizes.
-        for i in 0..200u64 {
-            let now = i * 10_000;
-            let uncached = [0, 200, 1_000, 3_000][(i % 4) as usize];
-            let share = t.admit(&c, uncached, 0.0, now);
-            let ttfb = 40 + uncached / 10 + 10;
-            let seen = Observation {
-                ttfb_ms: Some(ttfb),
-                duration_ms: ttfb,
-                completion_tokens: Some(1),
-                streamed: true,
-                held_by_client: false,
-            };
-            t.leave(&share, now + ttfb);
-            t.learn(&c, &share, &seen);
-        }
-        let v = t.view(&c, 0);
-        assert!((v.prefill_us_per_token - 100.0).abs() < 5.0, "{v:?}");
-        assert!((v.overhead_ms - 40.0).abs() < 3.0, "{v:?}");
-    }
-
-    #[test]
-    fn a_stream_the_client_held_up_does_not_teach_decode_speed() {
-        let c = cfg();
-        let (mut held, mut engine_slow) = (BackendTiming::default(), BackendTiming::default());
-        // 100 tokens over 30 s: a client that stopped reading (the relay filled and the backend
-        // was paused) on one backend, a backend really that slow on the other.
-        for i in 0..40u64 {
-            let now = i * 100_000;
-            for (t, held_by_client) in [(&mut held, true), (&mut engine_slow, false)] {
-                let share = t.admit(&c, 0, 0.0, now);
-                let seen = Observation {
-                    ttfb_ms: Some(10),
-                    duration_ms: 30_000,
-                    completion_tokens: Some(100),
-                    streamed: true,
-                    held_by_client,
-                };
-                t.leave(&share, now + seen.duration_ms);
-                t.learn(&c, &share, &seen);
-            }
-        }
-        let configured = BackendTiming::default().view(&c, 0).decode_ms_per_step;
-        assert_eq!(held.view(&c, 0).decode_ms_per_step, configured);
-        assert!(engine_slow.view(&c, 0).decode_ms_per_step > 2.0 * configured);
-    }
-
-    #[test]
-    fn tiny_prefills_teach_nothing() {
-        let c = cfg();
-        let mut t = BackendTiming::default();
-        let share = t.admit(&c, 10, 0.0, 0);
-        let seen = Observation {
-            ttfb_ms: Some(500),
-            duration_ms: 500,
-            completion_tokens: Some(1),
-            streamed: true,
-            held_by_client: false,
-        };
-        t.learn(&c, &share, &seen);
-        assert_eq!(t.view(&c, 0).observations, 0);
-        assert_eq!(t.view(&c, 0).prefill_us_per_token, 100.0);
-    }
-
-    #[test]
-    fn output_ratio_learns_and_stays_bounded() {
-        let mut r = OutputRatio::default();
-        for _ in 0..200 {
-            r.observe(64, 256);
-        }
-        assert!((r.get() - 0.25).abs() < 0.01);
-        r.observe(10, 0);
-        for _ in 0..500 {
-            r.observe(0, 256);
-        }
-        assert!(r.get() >= 0.02);
-        assert!((r.expected(100) - 100.0 * r.get()).abs() < 1e-9);
-    }
-
-    #[test]
-    fn validation() {
-        assert!(cfg().validate().is_ok());
-        for bad in [
-            TimeModelConfig {
-                prefill_us_per_token: 0.0,
-                ..cfg()
-            },
-            TimeModelConfig {
-                learning_rate: 1.5,
-                ..cfg()
-            },
-            TimeModelConfig {
-                max_scale: 0.5,
-                ..cfg()
-            },
-            TimeModelConfig {
-                decode_ms_per_seq: f64::NAN,
-                ..cfg()
-            },
-        ] {
-            assert!(bad.validate().is_err(), "{bad:?}");
-        }
-    }
-}
+mod tests;

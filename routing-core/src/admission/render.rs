@@ -1,114 +1,66 @@
-//! The queue's metric families in the Prometheus text format.
+//! The queue's metric families in the Prometheus text format: one table, written by
+//! [`crate::metrics::write`].
 
 use super::request::DropReason;
 use super::stats::WAIT_BUCKETS_MS;
 use super::AdmissionQueue;
-use crate::metrics::{header, sample};
+use crate::metrics::{write, Family, Kind};
 
 impl AdmissionQueue {
     /// Renders the queue's metric families for `pool` (Prometheus text), appending to `out`.
     pub fn render_metrics(&self, pool: &str, out: &mut String) {
-        header(
-            out,
-            "llm_gateway_queue_length",
-            "gauge",
-            "Requests waiting in the gateway's admission queue, by priority band.",
-        );
-        let lengths = self.lengths_by_priority();
-        if lengths.is_empty() {
-            sample(
-                out,
-                "llm_gateway_queue_length",
-                pool,
-                &[("priority", "0")],
-                0.0,
-            );
-        }
-        for (priority, n) in lengths {
-            let p = priority.to_string();
-            sample(
-                out,
-                "llm_gateway_queue_length",
-                pool,
-                &[("priority", &p)],
-                n as f64,
-            );
-        }
-        header(
-            out,
-            "llm_gateway_queue_dropped_total",
-            "counter",
-            "Requests that left the admission queue without a lease, by reason.",
-        );
-        for reason in DropReason::ALL {
-            let n = self.stats.dropped(reason) as f64;
-            sample(
-                out,
-                "llm_gateway_queue_dropped_total",
-                pool,
-                &[("reason", reason.as_str())],
-                n,
-            );
-        }
-        header(
-            out,
-            "llm_gateway_queue_admitted_total",
-            "counter",
-            "Requests granted under admission control, by whether they waited in the queue.",
-        );
-        let s = &self.stats;
-        let immediate = s.admitted.saturating_sub(s.queued) as f64;
-        sample(
-            out,
-            "llm_gateway_queue_admitted_total",
-            pool,
-            &[("queued", "false")],
-            immediate,
-        );
-        sample(
-            out,
-            "llm_gateway_queue_admitted_total",
-            pool,
-            &[("queued", "true")],
-            s.queued as f64,
-        );
-        header(
-            out,
-            "llm_gateway_queue_wait_seconds",
-            "histogram",
-            "Time granted requests spent in the admission queue (0 for those granted at once).",
-        );
-        let mut cumulative = 0;
-        for (i, bound) in WAIT_BUCKETS_MS.iter().enumerate() {
-            cumulative += s.wait_buckets[i];
-            let le = format!("{}", *bound as f64 / 1000.0);
-            sample(
-                out,
-                "llm_gateway_queue_wait_seconds_bucket",
-                pool,
-                &[("le", &le)],
-                cumulative as f64,
-            );
-        }
-        let count = s.wait_count as f64;
-        sample(
-            out,
-            "llm_gateway_queue_wait_seconds_bucket",
-            pool,
-            &[("le", "+Inf")],
-            count,
-        );
-        let sum = s.wait_sum_ms as f64 / 1000.0;
-        sample(out, "llm_gateway_queue_wait_seconds_sum", pool, &[], sum);
-        sample(
-            out,
-            "llm_gateway_queue_wait_seconds_count",
-            pool,
-            &[],
-            count,
-        );
+        write(out, pool, &QUEUE_FAMILIES, std::slice::from_ref(self));
     }
 }
+
+/// The queue's families, in page order.
+const QUEUE_FAMILIES: [Family<AdmissionQueue>; 4] = [
+    Kind::Gauge.family(
+        "llm_gateway_queue_length",
+        "Requests waiting in the gateway's admission queue, by priority band.",
+        |q, s| {
+            let lengths = q.lengths_by_priority();
+            if lengths.is_empty() {
+                s.value(&[("priority", "0")], 0.0);
+            }
+            for (priority, n) in lengths {
+                s.value(&[("priority", &priority.to_string())], n as f64);
+            }
+        },
+    ),
+    Kind::Counter.family(
+        "llm_gateway_queue_dropped_total",
+        "Requests that left the admission queue without a lease, by reason.",
+        |q, s| {
+            let dropped = DropReason::ALL.map(|r| (r.as_str(), q.stats.dropped(r) as f64));
+            s.each(&[], "reason", dropped)
+        },
+    ),
+    Kind::Counter.family(
+        "llm_gateway_queue_admitted_total",
+        "Requests granted under admission control, by whether they waited in the queue.",
+        |q, s| {
+            let immediate = q.stats.admitted.saturating_sub(q.stats.queued);
+            let admitted = [("false", immediate), ("true", q.stats.queued)];
+            s.each(&[], "queued", admitted.map(|(k, n)| (k, n as f64)))
+        },
+    ),
+    Kind::Histogram.family(
+        "llm_gateway_queue_wait_seconds",
+        "Time granted requests spent in the admission queue (0 for those granted at once).",
+        |q, s| {
+            let st = &q.stats;
+            s.buckets(
+                &[],
+                &WAIT_BUCKETS_MS,
+                &st.wait_buckets,
+                st.wait_count,
+                st.wait_sum_ms,
+            )
+        },
+    ),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;

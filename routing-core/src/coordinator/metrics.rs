@@ -1,9 +1,9 @@
 //! The pool coordinator's own metric families (retries, spills, the load summary, probes), beside
-//! the pool's ([`crate::metrics`]) and the queue's, written with the crate's one Prometheus writer
-//! (so label values are escaped the same way everywhere).
+//! the pool's and the queue's: two tables written with the crate's one Prometheus writer
+//! ([`crate::metrics::write`], so label values are escaped the same way everywhere).
 
 use super::load::PoolLoad;
-use crate::metrics::{header, sample};
+use crate::metrics::{write, Family, Kind};
 
 /// The coordinator's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -44,104 +44,101 @@ pub fn render(
     autoscale_target_waiting: f64,
     probes: &[LastProbe<'_>],
 ) {
-    let mut one = |name: &str, kind: &str, help: &str, value: f64| {
-        header(out, name, kind, help);
-        sample(out, name, pool, &[], value);
-    };
-    one(
-        "llm_gateway_retries_total",
-        "counter",
-        "Leases moved to the next candidate after a failure before the first byte.",
-        counters.retries as f64,
-    );
-    one(
-        "llm_gateway_retry_budget_exhausted_total",
-        "counter",
-        "Retries refused by the pool's retry budget.",
-        counters.retry_budget_exhausted as f64,
-    );
-    one(
-        "llm_gateway_pool_spills_total",
-        "counter",
-        "Requests refused because the pool was saturated and a further pool could take them.",
-        counters.spills as f64,
-    );
-    one(
-        "llm_gateway_pool_ready_backends",
-        "gauge",
-        "Backends ready and healthy.",
-        load.ready as f64,
-    );
-    one(
-        "llm_gateway_pool_waiting",
-        "gauge",
-        "Requests waiting in the backends' queues (scraped), summed.",
-        load.waiting,
-    );
-    one(
-        "llm_gateway_pool_running",
-        "gauge",
-        "Requests running on the backends (scraped), summed.",
-        load.running,
-    );
-    one(
-        "llm_gateway_pool_desired_replicas",
-        "gauge",
-        "Replicas an autoscaler should aim for at the configured waiting-per-replica target.",
-        load.desired_replicas as f64,
-    );
-    one(
-        "llm_gateway_pool_autoscale_target_waiting",
-        "gauge",
-        "The waiting-per-replica target of the autoscaling signal.",
+    let figures = Figures {
+        counters: *counters,
+        load: *load,
         autoscale_target_waiting,
-    );
-    one(
-        "llm_gateway_probe_rounds_total",
-        "counter",
-        "Probe rounds run by the pool's alarm.",
-        counters.probe_rounds as f64,
-    );
-    let name = "llm_gateway_probes_total";
-    header(out, name, "counter", "Backend probes by result.");
-    sample(
-        out,
-        name,
-        pool,
-        &[("result", "ok")],
-        counters.probes_ok as f64,
-    );
-    sample(
-        out,
-        name,
-        pool,
-        &[("result", "failed")],
-        counters.probes_failed as f64,
-    );
-    let per_backend = |out: &mut String, name: &str, help: &str, f: &dyn Fn(&LastProbe) -> f64| {
-        header(out, name, "gauge", help);
-        for p in probes {
-            sample(out, name, pool, &[("backend", p.backend)], f(p));
-        }
     };
-    per_backend(
-        out,
-        "llm_gateway_probe_success",
-        "Whether the backend's last probe succeeded.",
-        &|p| if p.ok { 1.0 } else { 0.0 },
-    );
-    per_backend(
-        out,
-        "llm_gateway_probe_duration_seconds",
-        "Duration of the backend's last probe.",
-        &|p| p.duration_ms as f64 / 1000.0,
-    );
-    per_backend(
-        out,
-        "llm_gateway_probe_timestamp_seconds",
-        "When the backend's last probe ran (Unix time).",
-        &|p| p.at_ms as f64 / 1000.0,
-    );
+    write(out, pool, &POOL_FAMILIES, &[figures]);
+    write(out, pool, &probe_families(), probes);
+}
+
+/// What the pool-wide families read.
+struct Figures {
+    counters: CoordinatorCounters,
+    load: PoolLoad,
+    autoscale_target_waiting: f64,
+}
+
+/// The pool-wide families, in page order.
+const POOL_FAMILIES: [Family<Figures>; 10] = [
+    Kind::Counter.family(
+        "llm_gateway_retries_total",
+        "Leases moved to the next candidate after a failure before the first byte.",
+        |f, s| s.total(f.counters.retries),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_retry_budget_exhausted_total",
+        "Retries refused by the pool's retry budget.",
+        |f, s| s.total(f.counters.retry_budget_exhausted),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_pool_spills_total",
+        "Requests refused because the pool was saturated and a further pool could take them.",
+        |f, s| s.total(f.counters.spills),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_pool_ready_backends",
+        "Backends ready and healthy.",
+        |f, s| s.value(&[], f.load.ready as f64),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_pool_waiting",
+        "Requests waiting in the backends' queues (scraped), summed.",
+        |f, s| s.value(&[], f.load.waiting),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_pool_running",
+        "Requests running on the backends (scraped), summed.",
+        |f, s| s.value(&[], f.load.running),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_pool_desired_replicas",
+        "Replicas an autoscaler should aim for at the configured waiting-per-replica target.",
+        |f, s| s.total(f.load.desired_replicas),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_pool_autoscale_target_waiting",
+        "The waiting-per-replica target of the autoscaling signal.",
+        |f, s| s.value(&[], f.autoscale_target_waiting),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_probe_rounds_total",
+        "Probe rounds run by the pool's alarm.",
+        |f, s| s.total(f.counters.probe_rounds),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_probes_total",
+        "Backend probes by result.",
+        |f, s| {
+            let results = [
+                ("ok", f.counters.probes_ok),
+                ("failed", f.counters.probes_failed),
+            ];
+            s.each(&[], "result", results.map(|(r, n)| (r, n as f64)))
+        },
+    ),
+];
+
+/// The families with a series per backend's last probe, in page order.
+fn probe_families<'a>() -> [Family<LastProbe<'a>>; 3] {
+    [
+        Kind::Gauge.family(
+            "llm_gateway_probe_success",
+            "Whether the backend's last probe succeeded.",
+            |p, s| s.value(&[("backend", p.backend)], if p.ok { 1.0 } else { 0.0 }),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_probe_duration_seconds",
+            "Duration of the backend's last probe.",
+            |p, s| s.value(&[("backend", p.backend)], p.duration_ms as f64 / 1000.0),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_probe_timestamp_seconds",
+            "When the backend's last probe ran (Unix time).",
+            |p, s| s.value(&[("backend", p.backend)], p.at_ms as f64 / 1000.0),
+        ),
+    ]
 }
 
 #[cfg(test)]
@@ -181,4 +178,86 @@ mod tests {
         assert!(out.contains("llm_gateway_pool_desired_replicas{pool=\"eu\\\"west\"} 2\n"));
         assert_eq!(out.matches("# HELP").count(), 13);
     }
+
+    /// The whole page, byte for byte: family order, `# HELP` text, labels, numbers.
+    #[test]
+    fn the_page_is_as_pinned() {
+        let counters = CoordinatorCounters {
+            retries: 3,
+            retry_budget_exhausted: 1,
+            spills: 2,
+            probe_rounds: 9,
+            probes_ok: 17,
+            probes_failed: 1,
+        };
+        let load = PoolLoad {
+            ready: 2,
+            waiting: 1.5,
+            running: 4.0,
+            desired_replicas: 3,
+            ..PoolLoad::default()
+        };
+        let probes = [
+            LastProbe {
+                backend: "gpu\\a",
+                ok: true,
+                duration_ms: 1_500,
+                at_ms: 1_700_000_000_123,
+            },
+            LastProbe {
+                backend: "gpu-b",
+                ok: false,
+                duration_ms: 20,
+                at_ms: 1_700_000_000_456,
+            },
+        ];
+        let mut out = String::new();
+        render(&mut out, "eu\"1", &counters, &load, 4.0, &probes);
+        assert_eq!(out, PINNED);
+    }
+
+    const PINNED: &str = r#"# HELP llm_gateway_retries_total Leases moved to the next candidate after a failure before the first byte.
+# TYPE llm_gateway_retries_total counter
+llm_gateway_retries_total{pool="eu\"1"} 3
+# HELP llm_gateway_retry_budget_exhausted_total Retries refused by the pool's retry budget.
+# TYPE llm_gateway_retry_budget_exhausted_total counter
+llm_gateway_retry_budget_exhausted_total{pool="eu\"1"} 1
+# HELP llm_gateway_pool_spills_total Requests refused because the pool was saturated and a further pool could take them.
+# TYPE llm_gateway_pool_spills_total counter
+llm_gateway_pool_spills_total{pool="eu\"1"} 2
+# HELP llm_gateway_pool_ready_backends Backends ready and healthy.
+# TYPE llm_gateway_pool_ready_backends gauge
+llm_gateway_pool_ready_backends{pool="eu\"1"} 2
+# HELP llm_gateway_pool_waiting Requests waiting in the backends' queues (scraped), summed.
+# TYPE llm_gateway_pool_waiting gauge
+llm_gateway_pool_waiting{pool="eu\"1"} 1.5
+# HELP llm_gateway_pool_running Requests running on the backends (scraped), summed.
+# TYPE llm_gateway_pool_running gauge
+llm_gateway_pool_running{pool="eu\"1"} 4
+# HELP llm_gateway_pool_desired_replicas Replicas an autoscaler should aim for at the configured waiting-per-replica target.
+# TYPE llm_gateway_pool_desired_replicas gauge
+llm_gateway_pool_desired_replicas{pool="eu\"1"} 3
+# HELP llm_gateway_pool_autoscale_target_waiting The waiting-per-replica target of the autoscaling signal.
+# TYPE llm_gateway_pool_autoscale_target_waiting gauge
+llm_gateway_pool_autoscale_target_waiting{pool="eu\"1"} 4
+# HELP llm_gateway_probe_rounds_total Probe rounds run by the pool's alarm.
+# TYPE llm_gateway_probe_rounds_total counter
+llm_gateway_probe_rounds_total{pool="eu\"1"} 9
+# HELP llm_gateway_probes_total Backend probes by result.
+# TYPE llm_gateway_probes_total counter
+llm_gateway_probes_total{pool="eu\"1",result="ok"} 17
+llm_gateway_probes_total{pool="eu\"1",result="failed"} 1
+# HELP llm_gateway_probe_success Whether the backend's last probe succeeded.
+# TYPE llm_gateway_probe_success gauge
+llm_gateway_probe_success{pool="eu\"1",backend="gpu\\a"} 1
+llm_gateway_probe_success{pool="eu\"1",backend="gpu-b"} 0
+# HELP llm_gateway_probe_duration_seconds Duration of the backend's last probe.
+# TYPE llm_gateway_probe_duration_seconds gauge
+llm_gateway_probe_duration_seconds{pool="eu\"1",backend="gpu\\a"} 1.5
+llm_gateway_probe_duration_seconds{pool="eu\"1",backend="gpu-b"} 0.02
+# HELP llm_gateway_probe_timestamp_seconds When the backend's last probe ran (Unix time).
+# TYPE llm_gateway_probe_timestamp_seconds gauge
+llm_gateway_probe_timestamp_seconds{pool="eu\"1",backend="gpu\\a"} 1700000000.123
+llm_gateway_probe_timestamp_seconds{pool="eu\"1",backend="gpu-b"} 1700000000.456
+"#;
 }

@@ -101,12 +101,13 @@ impl BackendEntry {
     /// What is in flight on the backend: this coordinator's leases and its sibling shards'.
     ///
     /// Siblings count as of their last report, plus what they probably placed since: each of this
-    /// shard's own placements since its last report is assumed to have `echo` twins among its
-    /// siblings (`echo` = (shards - 1) × [`SIBLING_ECHO`](crate::shard::SIBLING_ECHO)). See [`crate::shard`].
-    pub(super) fn all_in_flight(&self, echo: f64) -> InFlight {
+    /// shard's own placements since its last report counts `twins` more times, for the siblings
+    /// (`twins` = (shards - 1) × [`SIBLING_ECHO`](crate::shard::SIBLING_ECHO), from
+    /// `Pool::sibling_twins`). See [`crate::shard`].
+    pub(super) fn all_in_flight(&self, twins: f64) -> InFlight {
         let mut all = self.in_flight;
         let remote = self.remote.in_flight();
-        let grown = |now: u64, then: u64| (now.saturating_sub(then) as f64 * echo) as u64;
+        let grown = |now: u64, then: u64| (now.saturating_sub(then) as f64 * twins) as u64;
         all.leases = all
             .leases
             .saturating_add(remote.leases)
@@ -136,10 +137,10 @@ impl BackendEntry {
         (self.remote.backlog_ms - now_ms.saturating_sub(self.remote_at_ms) as f64).max(0.0)
     }
 
-    pub(super) fn load(&self, queue_weight: f64, echo: f64) -> f64 {
+    pub(super) fn load(&self, queue_weight: f64, twins: f64) -> f64 {
         let c = self.capacity();
         backend_load(
-            &self.all_in_flight(echo),
+            &self.all_in_flight(twins),
             c.capacity_tokens(),
             self.scraped.waiting.unwrap_or(0.0),
             c.max_num_seqs,
@@ -148,8 +149,8 @@ impl BackendEntry {
     }
 
     /// Sequences decoding (or about to) on the backend: its leases plus other clients' running ones.
-    pub(super) fn running(&self, echo: f64) -> f64 {
-        f64::from(self.all_in_flight(echo).leases) + self.external_running
+    pub(super) fn running(&self, twins: f64) -> f64 {
+        f64::from(self.all_in_flight(twins).leases) + self.external_running
     }
 
     pub(super) fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {

@@ -353,7 +353,7 @@ impl Pool {
             leases_in_flight: e.in_flight.leases,
             inflight_prompt_tokens: e.in_flight.prompt_tokens,
             inflight_output_tokens: e.in_flight.output_tokens,
-            load: e.load(self.config.queue_weight, self.echo()),
+            load: e.load(self.config.queue_weight, self.sibling_twins()),
             affinity_blocks: self.affinity.backend_len(slot),
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,

@@ -1,450 +1,262 @@
-//! The pool's metrics in the Prometheus text format, written with [`crate::metrics`]'s writer
-//! from the pool's [`BackendReport`]s and [`PoolStats`](super::PoolStats).
+//! The pool's metrics in the Prometheus text format: two tables of families, one written per
+//! backend from its [`BackendReport`], one for the pool as a whole from [`Pool`] and its
+//! [`PoolStats`](super::PoolStats), both by [`crate::metrics::write`].
 
 use super::{BackendReport, Pool};
 use crate::backend::Lifecycle;
 use crate::breaker::BreakerState;
 use crate::health::HealthState;
-use crate::metrics::{header, histogram, sample};
+use crate::metrics::{write, Family, Kind, Samples};
 use crate::outcome::{OutcomeKind, StreamResume};
 
 impl Pool {
     /// Renders the pool's metrics in the Prometheus text format, appending to `out`.
     pub fn render_metrics(&self, out: &mut String) {
-        let pool = self;
-        let name = pool.name();
-        let entries: Vec<_> = pool.backend_reports().collect();
-        let per_backend =
-            |out: &mut String,
-             metric: &str,
-             kind: &str,
-             help: &str,
-             f: &dyn Fn(&mut String, &str, &BackendReport<'_>)| {
-                header(out, metric, kind, help);
-                for e in &entries {
-                    f(out, e.view.id.as_str(), e);
-                }
-            };
-
-        per_backend(
-            out,
-            "llm_gateway_requests_total",
-            "counter",
-            "Requests routed to the backend.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_requests_total",
-                    name,
-                    &[("backend", id)],
-                    e.stats.requests as f64,
-                )
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_request_outcomes_total",
-            "counter",
-            "Released requests by outcome.",
-            &|out, id, e| {
-                for kind in OutcomeKind::ALL {
-                    let v = e.stats.outcomes[kind.index()] as f64;
-                    sample(
-                        out,
-                        "llm_gateway_request_outcomes_total",
-                        name,
-                        &[("backend", id), ("outcome", kind.as_str())],
-                        v,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_stream_resumes_total",
-            "counter",
-            "Streams that failed after their first byte: continuations served by the backend (by outcome), or failures on it not resumed.",
-            &|out, id, e| {
-                for (i, label) in StreamResume::LABELS.iter().enumerate() {
-                    sample(
-                        out,
-                        "llm_gateway_stream_resumes_total",
-                        name,
-                        &[("backend", id), ("outcome", label)],
-                        e.stats.stream_resumes[i] as f64,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_leases_expired_by_backend_total",
-            "counter",
-            "Leases on the backend that expired unreleased.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_leases_expired_by_backend_total",
-                    name,
-                    &[("backend", id)],
-                    e.stats.expired as f64,
-                )
-            },
-        );
-        per_backend(
-                out,
-                "llm_gateway_tokens_total",
-                "counter",
-                "Tokens the backend reported in usage, by kind: prompt (cached included), cached, completion.",
-                &|out, id, e| {
-                    sample(
-                        out,
-                        "llm_gateway_tokens_total",
-                        name,
-                        &[("backend", id), ("kind", "prompt")],
-                        e.stats.prompt_tokens as f64,
-                    );
-                    sample(
-                        out,
-                        "llm_gateway_tokens_total",
-                        name,
-                        &[("backend", id), ("kind", "cached")],
-                        e.stats.cached_tokens as f64,
-                    );
-                    sample(
-                        out,
-                        "llm_gateway_tokens_total",
-                        name,
-                        &[("backend", id), ("kind", "completion")],
-                        e.stats.completion_tokens as f64,
-                    );
-                },
-            );
-        per_backend(
-            out,
-            "llm_gateway_leases_in_flight",
-            "gauge",
-            "Live leases on the backend.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_leases_in_flight",
-                    name,
-                    &[("backend", id)],
-                    f64::from(e.view.leases_in_flight),
-                )
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_inflight_tokens",
-            "gauge",
-            "Tokens of live leases: uncached prompt and expected output.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_inflight_tokens",
-                    name,
-                    &[("backend", id), ("kind", "prompt")],
-                    e.view.inflight_prompt_tokens as f64,
-                );
-                sample(
-                    out,
-                    "llm_gateway_inflight_tokens",
-                    name,
-                    &[("backend", id), ("kind", "output")],
-                    e.view.inflight_output_tokens as f64,
-                );
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_backend_load",
-            "gauge",
-            "Load by the cost model, a fraction of KV capacity.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_backend_load",
-                    name,
-                    &[("backend", id)],
-                    e.reported_load,
-                )
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_backend_healthy",
-            "gauge",
-            "1 if the backend passes its health probes.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_backend_healthy",
-                    name,
-                    &[("backend", id)],
-                    f64::from(u8::from(e.view.health == HealthState::Healthy)),
-                )
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_backend_health_state",
-            "gauge",
-            "1 for the backend's current health state.",
-            &|out, id, e| {
-                for s in [
-                    HealthState::Unknown,
-                    HealthState::Healthy,
-                    HealthState::Unhealthy,
-                    HealthState::Loading,
-                ] {
-                    let v = f64::from(u8::from(e.view.health == s));
-                    sample(
-                        out,
-                        "llm_gateway_backend_health_state",
-                        name,
-                        &[("backend", id), ("state", s.as_str())],
-                        v,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_health_transitions_total",
-            "counter",
-            "Health state changes.",
-            &|out, id, e| {
-                sample(
-                    out,
-                    "llm_gateway_health_transitions_total",
-                    name,
-                    &[("backend", id)],
-                    e.health_transitions as f64,
-                )
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_backend_lifecycle",
-            "gauge",
-            "1 for the backend's current lifecycle state.",
-            &|out, id, e| {
-                for l in Lifecycle::ALL {
-                    let v = f64::from(u8::from(e.view.lifecycle == l));
-                    sample(
-                        out,
-                        "llm_gateway_backend_lifecycle",
-                        name,
-                        &[("backend", id), ("lifecycle", l.as_str())],
-                        v,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_breaker_state",
-            "gauge",
-            "1 for the breaker's current state.",
-            &|out, id, e| {
-                for s in BreakerState::ALL {
-                    let v = f64::from(u8::from(e.view.breaker == s));
-                    sample(
-                        out,
-                        "llm_gateway_breaker_state",
-                        name,
-                        &[("backend", id), ("state", s.as_str())],
-                        v,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_breaker_transitions_total",
-            "counter",
-            "Breaker transitions by target state.",
-            &|out, id, e| {
-                let t = e.breaker_transitions;
-                for (i, s) in BreakerState::ALL.iter().enumerate() {
-                    sample(
-                        out,
-                        "llm_gateway_breaker_transitions_total",
-                        name,
-                        &[("backend", id), ("to", s.as_str())],
-                        t[i] as f64,
-                    );
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_backend_scraped",
-            "gauge",
-            "Gauges scraped from the backend's /metrics.",
-            &|out, id, e| {
-                for (gauge, v) in [
-                    ("waiting", e.view.scraped.waiting),
-                    ("running", e.view.scraped.running),
-                    ("kv_usage", e.view.scraped.kv_usage),
-                ] {
-                    if let Some(v) = v {
-                        sample(
-                            out,
-                            "llm_gateway_backend_scraped",
-                            name,
-                            &[("backend", id), ("gauge", gauge)],
-                            v,
-                        );
-                    }
-                }
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_affinity_backend_entries",
-            "gauge",
-            "Prefix-affinity entries held for the backend.",
-            &|out, id, e| {
-                let v = e.view.affinity_blocks as f64;
-                sample(
-                    out,
-                    "llm_gateway_affinity_backend_entries",
-                    name,
-                    &[("backend", id)],
-                    v,
-                );
-            },
-        );
-        per_backend(
-            out,
-            "llm_gateway_ttfb_seconds",
-            "histogram",
-            "Time to first byte.",
-            &|out, id, e| histogram(out, "llm_gateway_ttfb_seconds", name, id, &e.stats.ttfb),
-        );
-        per_backend(
-            out,
-            "llm_gateway_request_duration_seconds",
-            "histogram",
-            "Time from grant to release.",
-            &|out, id, e| {
-                histogram(
-                    out,
-                    "llm_gateway_request_duration_seconds",
-                    name,
-                    id,
-                    &e.stats.duration,
-                )
-            },
-        );
-
-        let stats = pool.stats();
-        header(
-            out,
-            "llm_gateway_decisions_total",
-            "counter",
-            "Routing decisions by policy and kind.",
-        );
-        for ((policy, decision), count) in &stats.decisions {
-            sample(
-                out,
-                "llm_gateway_decisions_total",
-                name,
-                &[("policy", policy.as_str()), ("decision", decision.as_str())],
-                *count as f64,
-            );
-        }
-        header(
-            out,
-            "llm_gateway_acquire_errors_total",
-            "counter",
-            "Requests that got no backend, by reason.",
-        );
-        sample(
-            out,
-            "llm_gateway_acquire_errors_total",
-            name,
-            &[("reason", "model_not_found")],
-            stats.acquire_errors[0] as f64,
-        );
-        sample(
-            out,
-            "llm_gateway_acquire_errors_total",
-            name,
-            &[("reason", "no_backend")],
-            stats.acquire_errors[1] as f64,
-        );
-        let pool_gauges: [(&str, &str, &str, f64); 10] = [
-            (
-                "llm_gateway_backends",
-                "gauge",
-                "Registered backends.",
-                entries.len() as f64,
-            ),
-            (
-                "llm_gateway_leases_live",
-                "gauge",
-                "Live leases, including those on removed backends.",
-                pool.live_leases() as f64,
-            ),
-            (
-                "llm_gateway_leases_expired_total",
-                "counter",
-                "Leases that expired unreleased.",
-                stats.leases_expired as f64,
-            ),
-            (
-                "llm_gateway_lease_unknown_releases_total",
-                "counter",
-                "Releases of leases that were not live.",
-                stats.unknown_releases as f64,
-            ),
-            (
-                "llm_gateway_affinity_entries",
-                "gauge",
-                "Prefix-affinity entries.",
-                pool.affinity().len() as f64,
-            ),
-            (
-                "llm_gateway_affinity_max_entries",
-                "gauge",
-                "Bound on prefix-affinity entries.",
-                pool.affinity().max_entries() as f64,
-            ),
-            (
-                "llm_gateway_affinity_evictions_total",
-                "counter",
-                "Prefix-affinity entries evicted or purged.",
-                pool.affinity().evictions() as f64,
-            ),
-            (
-                "llm_gateway_affinity_memory_bytes",
-                "gauge",
-                "Heap bytes of the prefix-affinity table.",
-                pool.affinity().memory_bytes() as f64,
-            ),
-            (
-                "llm_gateway_prefix_blocks_total",
-                "counter",
-                "Prompt prefix blocks of routed requests.",
-                stats.prompt_blocks as f64,
-            ),
-            (
-                "llm_gateway_prefix_cached_blocks_total",
-                "counter",
-                "Prompt prefix blocks probably cached on the chosen backend.",
-                stats.cached_blocks as f64,
-            ),
-        ];
-        for (metric, kind, help, v) in pool_gauges {
-            header(out, metric, kind, help);
-            sample(out, metric, name, &[], v);
-        }
+        let reports: Vec<_> = self.backend_reports().collect();
+        write(out, self.name(), &backend_families(), &reports);
+        write(out, self.name(), &POOL_FAMILIES, std::slice::from_ref(self));
     }
 }
+
+/// A backend's own sample of a family: `{backend="id"}`.
+fn one(s: &mut Samples<'_>, e: &BackendReport<'_>, value: f64) {
+    s.value(&[("backend", e.view.id.as_str())], value);
+}
+
+/// A backend's samples of a family labelled `key`: one per `(label value, value)`.
+fn each<'v>(
+    s: &mut Samples<'_>,
+    e: &BackendReport<'_>,
+    key: &str,
+    values: impl IntoIterator<Item = (&'v str, f64)>,
+) {
+    s.each(&[("backend", e.view.id.as_str())], key, values);
+}
+
+/// A backend's counts of a family labelled `key`: the count `values[i]` with `labels[i]`.
+fn counts(s: &mut Samples<'_>, e: &BackendReport<'_>, key: &str, labels: &[&str], values: &[u64]) {
+    each(
+        s,
+        e,
+        key,
+        labels.iter().zip(values).map(|(&l, &n)| (l, n as f64)),
+    );
+}
+
+/// 1 for what is, 0 for the rest.
+fn is(yes: bool) -> f64 {
+    f64::from(u8::from(yes))
+}
+
+/// A backend's samples of a state family labelled `key`: 1 for `now`, 0 for the other `states`.
+fn state<T: Copy + PartialEq>(
+    s: &mut Samples<'_>,
+    e: &BackendReport<'_>,
+    key: &str,
+    (states, now, name): (&[T], T, fn(T) -> &'static str),
+) {
+    each(s, e, key, states.iter().map(|&t| (name(t), is(t == now))));
+}
+
+/// Health states in the order `llm_gateway_backend_health_state` lists them.
+const HEALTH_STATES: [HealthState; 4] = [
+    HealthState::Unknown,
+    HealthState::Healthy,
+    HealthState::Unhealthy,
+    HealthState::Loading,
+];
+
+/// The families with a series per backend, in page order.
+fn backend_families<'r>() -> [Family<BackendReport<'r>>; 18] {
+    [
+        Kind::Counter.family(
+            "llm_gateway_requests_total",
+            "Requests routed to the backend.",
+            |e, s| one(s, e, e.stats.requests as f64),
+        ),
+        Kind::Counter.family(
+            "llm_gateway_request_outcomes_total",
+            "Released requests by outcome.",
+            |e, s| {
+                let outcomes = OutcomeKind::ALL.map(|k| (k.as_str(), e.stats.outcomes[k.index()]));
+                each(s, e, "outcome", outcomes.map(|(k, n)| (k, n as f64)))
+            },
+        ),
+        Kind::Counter.family(
+            "llm_gateway_stream_resumes_total",
+            "Streams that failed after their first byte: continuations served by the backend (by outcome), or failures on it not resumed.",
+            |e, s| {
+                let resumes = &e.stats.stream_resumes;
+                counts(s, e, "outcome", &StreamResume::LABELS, resumes)
+            },
+        ),
+        Kind::Counter.family(
+            "llm_gateway_leases_expired_by_backend_total",
+            "Leases on the backend that expired unreleased.",
+            |e, s| one(s, e, e.stats.expired as f64),
+        ),
+        Kind::Counter.family(
+            "llm_gateway_tokens_total",
+            "Tokens the backend reported in usage, by kind: prompt (cached included), cached, completion.",
+            |e, s| {
+                let t = e.stats;
+                let tokens = [t.prompt_tokens, t.cached_tokens, t.completion_tokens];
+                counts(s, e, "kind", &["prompt", "cached", "completion"], &tokens)
+            },
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_leases_in_flight",
+            "Live leases on the backend.",
+            |e, s| one(s, e, f64::from(e.view.leases_in_flight)),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_inflight_tokens",
+            "Tokens of live leases: uncached prompt and expected output.",
+            |e, s| {
+                let v = &e.view;
+                let tokens = [v.inflight_prompt_tokens, v.inflight_output_tokens];
+                counts(s, e, "kind", &["prompt", "output"], &tokens)
+            },
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_load",
+            "Load by the cost model, a fraction of KV capacity.",
+            |e, s| one(s, e, e.reported_load),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_healthy",
+            "1 if the backend passes its health probes.",
+            |e, s| one(s, e, is(e.view.health == HealthState::Healthy)),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_health_state",
+            "1 for the backend's current health state.",
+            |e, s| state(s, e, "state", (&HEALTH_STATES, e.view.health, HealthState::as_str)),
+        ),
+        Kind::Counter.family(
+            "llm_gateway_health_transitions_total",
+            "Health state changes.",
+            |e, s| one(s, e, e.health_transitions as f64),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_lifecycle",
+            "1 for the backend's current lifecycle state.",
+            |e, s| state(s, e, "lifecycle", (&Lifecycle::ALL, e.view.lifecycle, Lifecycle::as_str)),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_breaker_state",
+            "1 for the breaker's current state.",
+            |e, s| state(s, e, "state", (&BreakerState::ALL, e.view.breaker, BreakerState::as_str)),
+        ),
+        Kind::Counter.family(
+            "llm_gateway_breaker_transitions_total",
+            "Breaker transitions by target state.",
+            |e, s| {
+                let to = BreakerState::ALL.iter().zip(e.breaker_transitions);
+                each(s, e, "to", to.map(|(b, n)| (b.as_str(), n as f64)))
+            },
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_scraped",
+            "Gauges scraped from the backend's /metrics.",
+            |e, s| {
+                let g = &e.view.scraped;
+                let gauges = [
+                    ("waiting", g.waiting),
+                    ("running", g.running),
+                    ("kv_usage", g.kv_usage),
+                ];
+                each(s, e, "gauge", gauges.into_iter().filter_map(|(k, v)| Some((k, v?))))
+            },
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_affinity_backend_entries",
+            "Prefix-affinity entries held for the backend.",
+            |e, s| one(s, e, e.view.affinity_blocks as f64),
+        ),
+        Kind::Histogram.family(
+            "llm_gateway_ttfb_seconds",
+            "Time to first byte.",
+            |e, s| s.histogram(&[("backend", e.view.id.as_str())], &e.stats.ttfb),
+        ),
+        Kind::Histogram.family(
+            "llm_gateway_request_duration_seconds",
+            "Time from grant to release.",
+            |e, s| s.histogram(&[("backend", e.view.id.as_str())], &e.stats.duration),
+        ),
+    ]
+}
+
+/// The pool's families, after the backends', in page order.
+const POOL_FAMILIES: [Family<Pool>; 12] = [
+    Kind::Counter.family(
+        "llm_gateway_decisions_total",
+        "Routing decisions by policy and kind.",
+        |p, s| {
+            for ((policy, decision), n) in &p.stats().decisions {
+                let labels = [("policy", policy.as_str()), ("decision", decision.as_str())];
+                s.value(&labels, *n as f64);
+            }
+        },
+    ),
+    Kind::Counter.family(
+        "llm_gateway_acquire_errors_total",
+        "Requests that got no backend, by reason.",
+        |p, s| {
+            let [not_found, no_backend] = p.stats().acquire_errors;
+            let reasons = [("model_not_found", not_found), ("no_backend", no_backend)];
+            s.each(&[], "reason", reasons.map(|(r, n)| (r, n as f64)))
+        },
+    ),
+    Kind::Gauge.family("llm_gateway_backends", "Registered backends.", |p, s| {
+        s.value(&[], p.backend_count() as f64)
+    }),
+    Kind::Gauge.family(
+        "llm_gateway_leases_live",
+        "Live leases, including those on removed backends.",
+        |p, s| s.value(&[], p.live_leases() as f64),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_leases_expired_total",
+        "Leases that expired unreleased.",
+        |p, s| s.value(&[], p.stats().leases_expired as f64),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_lease_unknown_releases_total",
+        "Releases of leases that were not live.",
+        |p, s| s.value(&[], p.stats().unknown_releases as f64),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_affinity_entries",
+        "Prefix-affinity entries.",
+        |p, s| s.value(&[], p.affinity().len() as f64),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_affinity_max_entries",
+        "Bound on prefix-affinity entries.",
+        |p, s| s.value(&[], p.affinity().max_entries() as f64),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_affinity_evictions_total",
+        "Prefix-affinity entries evicted or purged.",
+        |p, s| s.value(&[], p.affinity().evictions() as f64),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_affinity_memory_bytes",
+        "Heap bytes of the prefix-affinity table.",
+        |p, s| s.value(&[], p.affinity().memory_bytes() as f64),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_prefix_blocks_total",
+        "Prompt prefix blocks of routed requests.",
+        |p, s| s.value(&[], p.stats().prompt_blocks as f64),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_prefix_cached_blocks_total",
+        "Prompt prefix blocks probably cached on the chosen backend.",
+        |p, s| s.value(&[], p.stats().cached_blocks as f64),
+    ),
+];
 
 #[cfg(test)]
 mod tests {

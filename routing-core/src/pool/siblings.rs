@@ -1,5 +1,5 @@
 //! This pool as one of several coordinator shards: its load report for its siblings, their
-//! reports summed into each backend's entry, and the "echo" estimate of what they placed since
+//! reports summed into each backend's entry, and the estimate of what they placed since
 //! (see [`crate::shard`]). With one shard (the default) none of this counts.
 
 use super::Pool;
@@ -55,8 +55,9 @@ impl Pool {
         accepted
     }
 
-    /// Twins each own placement since the last report is assumed to have among the siblings.
-    pub(super) fn echo(&self) -> f64 {
+    /// How many placements the sibling shards are guessed to have made for each of this shard's
+    /// own since its last report: (shards − 1) × [`SIBLING_ECHO`] (0 with one shard).
+    pub(super) fn sibling_twins(&self) -> f64 {
         f64::from(self.shards - 1) * SIBLING_ECHO
     }
 

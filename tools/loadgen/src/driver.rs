@@ -20,8 +20,8 @@
 //! same moments.
 
 use crate::client::{EngineSplit, Http, RouteReceipt, StreamResult};
+use crate::plan::{messages, Plan};
 use crate::rng::Rng;
-use crate::workload::{messages, Plan};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::json;

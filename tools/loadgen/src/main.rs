@@ -15,6 +15,7 @@ mod client;
 mod driver;
 mod metrics;
 mod oracle;
+mod plan;
 mod report;
 mod rng;
 mod stats;

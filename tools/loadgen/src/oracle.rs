@@ -19,8 +19,8 @@
 //! Concurrency is ignored (requests are replayed one at a time), which can only raise the bound:
 //! in a real run, two requests of a cold prefix that arrive together both miss.
 
+use crate::plan::{messages, words, Message, Plan};
 use crate::rng::Rng;
-use crate::workload::{messages, words, Message, Plan};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use vllm_sim::prompt::{ChatEnding, ChatMessage, MessageContent};

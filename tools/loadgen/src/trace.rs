@@ -14,8 +14,8 @@
 //! hour of a large model's traffic fits a small simulated fleet; arrival times are divided by the
 //! replay's speed-up (the driver's [`crate::driver::Load::Replay`]).
 
+use crate::plan::{words, Plan, Session, Turn};
 use crate::rng::Rng;
-use crate::workload::{words, Plan, Session, Turn};
 use serde::Deserialize;
 use std::io::Read;
 use std::path::Path;

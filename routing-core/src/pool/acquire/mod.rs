@@ -1,15 +1,17 @@
 //! The decision: [`Pool::acquire`] chooses backends for a request and grants a lease, as four
 //! named steps over reusable buffers ([`Scratch`]):
 //!
-//! 1. [`eligible`](Pool::eligible): the backends that may take the request, each priced by the
-//!    cost and time models (or why there are none);
+//! 1. [`eligible`](Pool::eligible): the backends that may take the request (`filter.rs`), each
+//!    priced by the cost and time models (`price.rs`), or why there are none;
 //! 2. [`rank`](Pool::rank): the policy orders them (and a disaggregated pair's decode side);
 //! 3. [`admit`](Pool::admit_choice): the first choice's lease shares, through its breaker;
 //! 4. [`lease`](Pool::grant_lease): the lease itself and the [`Grant`] the Worker acts on.
 
 mod admit;
 mod eligible;
+mod filter;
 mod lease;
+mod price;
 mod rank;
 #[cfg(test)]
 mod tests;
@@ -24,6 +26,8 @@ use crate::random::RandomSource;
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     lengths: Vec<u32>,
+    /// Slots the filters let through, in slot order.
+    passed: Vec<u32>,
     primary: Vec<Candidate>,
     decode: Vec<Candidate>,
     mixed: Vec<Candidate>,

@@ -1,0 +1,65 @@
+//! The prefill scale's regression: an exponentially weighted least-squares line through
+//! (predicted queue plus prefill at the configured rate, measured time to first byte), whose slope
+//! is the backend's prefill scale and whose intercept is the gateway and network overhead.
+
+/// Fewest (weighted) observations, and least spread of their predictions (ms²), to fit a line.
+const MIN_FIT_WEIGHT: f64 = 8.0;
+const MIN_FIT_VARIANCE: f64 = 25.0;
+
+/// How far, in units of the configured rate, a backend's prefill rate is believed to be from the
+/// rate it has now before any new data (see `Fit::line`).
+const SLOPE_PRIOR_SD: f64 = 0.25;
+
+/// An exponentially weighted least-squares line `y = a + b x`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Fit {
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    syy: f64,
+}
+
+impl Fit {
+    pub(super) fn observe(&mut self, x: f64, y: f64, rate: f64) {
+        if !(x.is_finite() && y.is_finite()) {
+            return;
+        }
+        let keep = 1.0 - rate.clamp(0.0, 1.0);
+        self.w = self.w * keep + 1.0;
+        self.sx = self.sx * keep + x;
+        self.sy = self.sy * keep + y;
+        self.sxx = self.sxx * keep + x * x;
+        self.sxy = self.sxy * keep + x * y;
+        self.syy = self.syy * keep + y * y;
+    }
+
+    /// `(a, b)` once there are enough observations spread widely enough, the slope shrunk
+    /// towards `prior` as far as the data leave it uncertain: the fitted slope and the prior are
+    /// averaged with weights `1 / se²` and `1 / SLOPE_PRIOR_SD²`, `se` being the fitted slope's
+    /// standard error from the residuals. A backend measured through a noisy gateway (time to
+    /// first byte varying by hundreds of milliseconds for reasons of its own) then keeps a rate
+    /// near what it had instead of one that swings between the bounds.
+    pub(super) fn line(&self, prior: f64) -> Option<(f64, f64)> {
+        if self.w < MIN_FIT_WEIGHT {
+            return None;
+        }
+        let (mx, my) = (self.sx / self.w, self.sy / self.w);
+        let var = self.sxx / self.w - mx * mx;
+        if var < MIN_FIT_VARIANCE {
+            return None;
+        }
+        let cov = self.sxy / self.w - mx * my;
+        let fitted = cov / var;
+        let residual = (self.syy / self.w - my * my - fitted * cov).max(0.0);
+        // Effective sample size of the exponentially weighted sums, less the two fitted terms.
+        let se2 = residual / (var * (self.w - 2.0).max(1.0));
+        let (data, belief) = (
+            1.0 / se2.max(1e-12),
+            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
+        );
+        let b = (fitted * data + prior * belief) / (data + belief);
+        (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
+    }
+}
