@@ -12,19 +12,18 @@
 //! [`Attempts`] owns what that takes, so the proxy (`proxy.rs`) makes the first attempts and a
 //! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
 
-use crate::do_client::pool_json;
+use crate::do_client::{call, To};
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 pub(crate) use crate::upstream_body::{
     is_model_not_found, not_an_answer, read_first_chunk, read_whole,
 };
 use crate::ApiError;
-use coordinator_protocol::messages::ReassignRequest;
+use coordinator_protocol::messages::{ReassignAnswer, ReassignRequest};
 use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
-use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
-use routing_core::pool::CandidateView;
+use routing_core::pool::{CandidateView, Refusal};
 use routing_core::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::time::Duration;
@@ -491,23 +490,16 @@ impl Attempts {
                 block_hashes: self.block_hashes.clone(),
                 missing_model: missing_model.then(|| self.model.clone()),
             };
-            let moved: Result<CandidateView, ApiError> = pool_json(
-                &self.env,
-                &self.pool,
-                self.shard,
-                &Route::Reassign,
-                Some(&req),
-            )
-            .await;
-            match moved {
-                Ok(view) => {
+            match call(&self.env, To::Pool(&self.pool, self.shard), &req).await {
+                Ok(ReassignAnswer::Moved(view)) => {
                     self.guard.moved_to(&view.id.0);
                     return Moved::To(view);
                 }
-                Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
-                    return Moved::Refused;
+                Ok(ReassignAnswer::Refused(Refusal::RetryBudgetExhausted)) => {
+                    return Moved::Refused
                 }
-                Err(_) => continue, // that candidate became unavailable; try the next
+                // That candidate became unavailable (or the pool did not answer): try the next.
+                Ok(ReassignAnswer::Refused(_)) | Err(_) => continue,
             }
         }
         Moved::Nowhere

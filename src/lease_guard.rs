@@ -14,14 +14,10 @@
 //! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
 //! what the client received. Nothing on the response path waits for any of this.
 
-use crate::do_client::pool_json;
+use crate::do_client::{call, To};
 use crate::keys::{self, Reservation};
 use crate::relay::Metered;
-use crate::ApiError;
-use coordinator_protocol::messages::{
-    PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
-};
-use coordinator_protocol::Route;
+use coordinator_protocol::messages::{PrefillDone, ReleaseRequest, RenewRequest};
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
@@ -357,15 +353,7 @@ impl Task {
             outcome,
             backend: Some(backend),
         };
-        let result: Result<PrefillDoneAnswer, ApiError> = pool_json(
-            &self.env,
-            &self.pool,
-            self.shard,
-            &Route::PrefillDone,
-            Some(&req),
-        )
-        .await;
-        if let Err(e) = result {
+        if let Err(e) = call(&self.env, To::Pool(&self.pool, self.shard), &req).await {
             worker::console_error!(
                 "reporting the prefill of lease {} in pool {} failed: {e}",
                 req.lease_id,
@@ -399,9 +387,7 @@ impl Task {
                 terms: r.terms.clone(),
             }
         };
-        let renewed =
-            pool_json::<RenewAnswer>(&self.env, &self.pool, self.shard, &Route::Renew, Some(&req));
-        match renewed.await {
+        match call(&self.env, To::Pool(&self.pool, self.shard), &req).await {
             Ok(a) => {
                 if a.reestablished {
                     worker::console_log!(

@@ -1,6 +1,6 @@
 //! The bodies of every call between the Worker and the Durable Objects, one struct per message
-//! (the acquire call, the hottest, has its own module: [`crate::acquire`]). Each [`crate::Route`]
-//! names its request and answer here.
+//! (the acquire call, the hottest, has its own module: [`crate::acquire`]). Which message goes to
+//! which [`crate::Route`], and what answers it, is [`crate::call`]'s.
 
 use routing_core::admission::Ticket;
 use routing_core::backend::{BackendId, BackendPatch, BackendSpec};
@@ -8,8 +8,9 @@ use routing_core::history::HistoryReport;
 use routing_core::lease::{LeaseId, LeaseTerms};
 use routing_core::outcome::Outcome;
 use routing_core::policy::PolicyKind;
-use routing_core::pool::{BackendView, ProbeResult};
+use routing_core::pool::{BackendView, CandidateView, ProbeResult, Refusal};
 use routing_core::rate_limit::RateLimits;
+use routing_core::reassign::FailedAttempt;
 use routing_core::region::TimeCard;
 use routing_core::scrape::VllmMetrics;
 use serde::{Deserialize, Serialize};
@@ -56,25 +57,17 @@ pub struct DequeueAnswer {
     pub dequeued: bool,
 }
 
-/// `POST /reassign`: the lease's backend failed before the first byte; move it to `to`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ReassignRequest {
-    /// The lease.
-    pub lease_id: LeaseId,
-    /// The next candidate.
-    pub to: BackendId,
-    /// How the failed attempt ended (fed to the failed backend's breaker).
-    pub failure: Outcome,
-    /// The lease as the Worker knows it (its `backend` is the one that failed), so a pool that
-    /// lost the lease counts it again and moves it rather than refusing the retry.
-    #[serde(default)]
-    pub terms: Option<LeaseTerms>,
-    /// The request's prompt-prefix block hashes, recorded on `to` once it takes the request.
-    #[serde(default, with = "routing_core::block_hash_encoding")]
-    pub block_hashes: Vec<u64>,
-    /// The failed backend answered 404: it does not serve this model (any more).
-    #[serde(default)]
-    pub missing_model: Option<String>,
+/// `POST /reassign`: the lease's backend failed before the first byte; move it to the next
+/// candidate. The body is the core's own account of the failed attempt.
+pub type ReassignRequest = FailedAttempt;
+
+/// The answer to `POST /reassign`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReassignAnswer {
+    /// The lease moved to this candidate.
+    Moved(CandidateView),
+    /// It did not move (the retry budget is spent, or the candidate cannot take it).
+    Refused(Refusal),
 }
 
 /// `POST /prefill_done`: the prefill stage of a disaggregated request ended with `outcome`; the

@@ -1,7 +1,11 @@
 //! Acquiring a lease: at once, or after a wait in the pool's admission queue, and the
-//! error a request gets when it leaves the queue without one.
+//! refusal a request gets when it leaves the queue without one.
 
 use super::*;
+use crate::call::reply;
+use coordinator_protocol::acquire::{Acquire, AcquireAnswer, Granted};
+use coordinator_protocol::refusal::dropped;
+use routing_core::pool::Refusal;
 
 impl PoolCoordinator {
     pub(super) async fn acquire(
@@ -27,10 +31,7 @@ impl PoolCoordinator {
             let continuing = admission.as_ref().is_some_and(|a| a.ticket.is_some());
             if l.load.spills(spill_ok, continuing) {
                 l.spills += 1;
-                return Err(
-                    ApiError::unavailable("This pool is saturated; try the next pool.", 1)
-                        .with_code("pool_saturated"),
-                );
+                return Err(Refusal::Saturated);
             }
             let Live {
                 pool, rng, room, ..
@@ -61,38 +62,22 @@ impl PoolCoordinator {
                 now,
                 rng,
             ))
-        })?;
+        });
+        let refused = |r: Refusal| reply::<Acquire>(&AcquireAnswer::Refused(r));
         let (ticket, call_id, rx, until_ms) = match step {
-            Step::Done(verdict) => return self.answer(verdict),
-            Step::Spill => {
+            Err(r) => return refused(r),
+            Ok(Step::Done(verdict)) => return self.answer(verdict),
+            Ok(Step::Spill) => {
                 self.with(|l| l.spills += 1);
-                return Err(ApiError::unavailable(
-                    "Every backend of this pool is at capacity; try the next pool.",
-                    1,
-                )
-                .with_code("pool_at_capacity"));
+                return refused(Refusal::Full);
             }
-            Step::Refused(AcquireError::ModelNotFound { model }) => {
-                return Err(ApiError::model_not_found(&model))
-            }
-            Step::Refused(AcquireError::NoBackendAvailable { retry_after_s }) => {
-                return Err(ApiError::unavailable(
-                    "No backend in this pool can take the request now.",
-                    retry_after_s.clamp(1, 3600) as u32,
-                ))
-            }
-            Step::Refused(AcquireError::AtCapacity) => {
-                return Err(
-                    ApiError::unavailable("Every backend of this pool is at capacity.", 1)
-                        .with_code("pool_at_capacity"),
-                )
-            }
-            Step::Wait {
+            Ok(Step::Refused(e)) => return refused(Refusal::from(e)),
+            Ok(Step::Wait {
                 ticket,
                 call_id,
                 rx,
                 until_ms,
-            } => (ticket, call_id, rx, until_ms),
+            }) => (ticket, call_id, rx, until_ms),
         };
         let timer = Delay::from(Duration::from_millis(
             until_ms.saturating_sub(now_ms()).max(1),
@@ -111,13 +96,10 @@ impl PoolCoordinator {
             Some(verdict) => self.answer(verdict),
             None => {
                 let queue_length = self.with(|l| l.room.queue.len());
-                answer(
-                    202,
-                    &Queued {
-                        ticket,
-                        queue_length,
-                    },
-                )
+                reply::<Acquire>(&AcquireAnswer::Queued(Queued {
+                    ticket,
+                    queue_length,
+                }))
             }
         }
     }
@@ -134,16 +116,14 @@ impl PoolCoordinator {
                     l.budget.record_request(now, &l.settings.retry_budget);
                     grant.card = Some(Box::new(card::grant_card(l, now)));
                 });
-                let mut resp = answer(200, &grant)?;
-                // Absent means no wait (the Worker reads it so); a header costs a call into JS.
-                if waited_ms > 0 {
-                    resp.headers_mut()
-                        .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())?;
-                }
-                Ok(resp)
+                reply::<Acquire>(&AcquireAnswer::Granted(Granted {
+                    grant,
+                    queued_ms: waited_ms,
+                }))
             }
             Verdict::Dropped { reason, waited_ms } => {
-                Err(self.with(|l| drop_error(l, reason, waited_ms)))
+                let refusal = self.with(|l| drop_refusal(l, reason, waited_ms));
+                reply::<Acquire>(&AcquireAnswer::Refused(refusal))
             }
         }
     }
@@ -153,7 +133,7 @@ impl PoolCoordinator {
         self.with(|l| {
             let Live { pool, room, .. } = l;
             let left = room.dequeue(pool, req.ticket, now_ms());
-            answer(200, &DequeueAnswer { dequeued: left })
+            reply::<DequeueRequest>(&DequeueAnswer { dequeued: left })
         })
     }
 
@@ -163,29 +143,19 @@ impl PoolCoordinator {
     }
 }
 
-/// The error a client gets for a request that left the queue without a lease.
-pub(super) fn drop_error(l: &Live, reason: DropReason, waited_ms: u64) -> ApiError {
+/// The refusal of a request that left the queue without a lease (with when its client may come
+/// back: the oldest waiter's age for a full queue, its own wait for a timeout).
+fn drop_refusal(l: &Live, reason: DropReason, waited_ms: u64) -> Refusal {
     let seconds = |ms: u64| ms.div_ceil(1000).clamp(1, 60) as u32;
-    match reason {
-        DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => {
-            let oldest = l
-                .room
-                .queue
-                .oldest_arrival_ms()
-                .map_or(0, |a| now_ms().saturating_sub(a));
-            ApiError::queue_full(reason.as_str(), seconds(oldest))
-        }
-        DropReason::Timeout => ApiError::queue_timeout(seconds(waited_ms)),
-        DropReason::ClientGone => {
-            let mut e = ApiError::bad_request("The client closed the request.")
-                .with_code("client_closed_request");
-            e.status = 499;
-            e.with_header(QUEUE_DROP_HEADER, reason.as_str())
-        }
-        DropReason::ModelGone => {
-            ApiError::model_not_found("").with_header(QUEUE_DROP_HEADER, reason.as_str())
-        }
-    }
+    let retry_after_ms = match reason {
+        DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => l
+            .room
+            .queue
+            .oldest_arrival_ms()
+            .map_or(0, |a| now_ms().saturating_sub(a)),
+        _ => waited_ms,
+    };
+    dropped(reason, seconds(retry_after_ms))
 }
 
 impl Live {

@@ -2,18 +2,13 @@
 //! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected).
 
 use super::*;
+use crate::call::reply;
+use coordinator_protocol::messages::ReassignAnswer;
+use routing_core::pool::Refusal;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
         let (result, probe_soon) = self.with(|l| {
-            let attempt = FailedAttempt {
-                lease_id: req.lease_id,
-                to: &req.to,
-                failure: &req.failure,
-                terms: req.terms.as_ref(),
-                block_hashes: &req.block_hashes,
-                missing_model: req.missing_model.as_deref(),
-            };
             // A 5xx the lease left earlier may be charged by this move: persist that backend too.
             let deferred = l.pool.deferred_failure(req.lease_id);
             let Live {
@@ -22,7 +17,7 @@ impl PoolCoordinator {
                 settings,
                 ..
             } = l;
-            let done = reassign(pool, budget, &settings.retry_budget, &attempt, now_ms());
+            let done = reassign(pool, budget, &settings.retry_budget, &req, now_ms());
             let failed = req.terms.as_ref().map(|t| &t.backend);
             if let (true, Some(backend), Some(model)) =
                 (done.forgot_model, failed, &req.missing_model)
@@ -33,25 +28,22 @@ impl PoolCoordinator {
                     backend.0
                 );
             }
-            let result = match done.result {
+            let answer = match done.result {
                 Ok(candidate) => {
                     l.retries += 1;
                     persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
-                    answer(200, &candidate)
+                    ReassignAnswer::Moved(candidate)
                 }
                 Err(RetryRefused::BudgetExhausted) => {
                     persist_backends(l, &[failed, deferred.as_ref()]);
-                    Err(
-                        ApiError::unavailable("The pool's retry budget is exhausted.", 1)
-                            .with_code("retry_budget_exhausted"),
-                    )
+                    ReassignAnswer::Refused(Refusal::RetryBudgetExhausted)
                 }
-                Err(RetryRefused::Pool(e)) => {
+                Err(RetryRefused::Pool(error)) => {
                     persist_backends(l, &[failed, Some(&req.to), deferred.as_ref()]);
-                    Err(pool_error(e))
+                    ReassignAnswer::Refused(Refusal::CannotMove { error })
                 }
             };
-            (result, done.probe_soon)
+            (reply::<ReassignRequest>(&answer), done.probe_soon)
         });
         if probe_soon {
             // Its served models changed: probe now rather than at the next round. Asked once per
@@ -75,13 +67,10 @@ impl PoolCoordinator {
                     true,
                 ),
             };
-            answer(
-                200,
-                &RenewAnswer {
-                    deadline_ms,
-                    reestablished,
-                },
-            )
+            reply::<RenewRequest>(&RenewAnswer {
+                deadline_ms,
+                reestablished,
+            })
         })
     }
 
@@ -91,7 +80,7 @@ impl PoolCoordinator {
             if ended {
                 persist_backends(l, &[req.backend.as_ref()]);
             }
-            answer(200, &PrefillDoneAnswer { ended })
+            reply::<PrefillDone>(&PrefillDoneAnswer { ended })
         })
     }
 
@@ -99,7 +88,7 @@ impl PoolCoordinator {
         self.with(|l| {
             let released = release_one(l, &req);
             finish_drains(l);
-            answer(200, &ReleaseAnswer { released })
+            reply::<ReleaseRequest>(&ReleaseAnswer { released })
         })
     }
 
@@ -108,7 +97,7 @@ impl PoolCoordinator {
         self.with(|l| {
             let released = batch.releases.iter().map(|r| release_one(l, r)).collect();
             finish_drains(l);
-            answer(200, &ReleaseBatchAnswer { released })
+            reply::<ReleaseBatch>(&ReleaseBatchAnswer { released })
         })
     }
 }

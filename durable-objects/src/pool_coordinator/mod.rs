@@ -44,7 +44,7 @@ use coordinator_protocol::messages::{
     DeleteAnswer, DequeueAnswer, DequeueRequest, ModelsAnswer, PoolHistory, PoolSummary,
     PrefillDone, PrefillDoneAnswer, QueueSummary, Queued, ReassignRequest, ReleaseAnswer,
     ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest, POOL_HEADER,
-    QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER, SHARD_HEADER,
+    SHARD_HEADER,
 };
 pub use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::{ApiError, Object, Route};
@@ -55,11 +55,11 @@ use routing_core::coordinator_metrics::{self, CoordinatorCounters, LastProbe};
 use routing_core::drain::drain_finished;
 use routing_core::health::HealthState;
 use routing_core::history::{self, History};
-use routing_core::pool::{AcquireError, BackendSnapshot, Pool, PoolError};
+use routing_core::pool::{BackendSnapshot, Pool, PoolError};
 use routing_core::pool_load::{LoadTargets, PoolLoad};
 use routing_core::probe_verdict::settle_loading;
 use routing_core::random::SplitMix64;
-use routing_core::reassign::{reassign, FailedAttempt, RetryRefused};
+use routing_core::reassign::{reassign, RetryRefused};
 use routing_core::retry_budget::RetryBudget;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -146,16 +146,9 @@ fn now_ms() -> u64 {
     Date::now().as_millis()
 }
 
+/// A registry or lease operation's error, worded for the caller (`coordinator_protocol::refusal`).
 fn pool_error(e: PoolError) -> ApiError {
-    match e {
-        PoolError::UnknownBackend { .. } => ApiError::not_found(e.to_string()),
-        PoolError::DuplicateBackend { .. } => ApiError::conflict(e.to_string()),
-        PoolError::UnknownLease { .. } => ApiError::not_found(e.to_string()),
-        PoolError::BackendUnavailable { .. } => ApiError::unavailable(e.to_string(), 1),
-        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => {
-            ApiError::bad_request(e.to_string())
-        }
-    }
+    ApiError::from(e)
 }
 
 impl DurableObject for PoolCoordinator {
