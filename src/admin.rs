@@ -21,18 +21,20 @@
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
 use crate::auth::hash_key;
-use crate::do_client::{
-    directory_json, encode, error_from_response, list_pools, pool_call, pool_json, remember_pool,
-};
+use crate::do_client::{call, call_raw, error_from_response, list_pools, remember_pool, send, To};
 use crate::http::{random_hex, read_body_limited, var_or};
 use crate::keys::invalidate;
+use coordinator_protocol::call::{
+    DeleteBackend, DeleteKey, GetConfig, History, ListBackends, ListKeys, PatchBackend, PatchKey,
+    ProbeNow, ShowBackend, Summary,
+};
 use coordinator_protocol::messages::{
-    AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, KeyPatch,
-    KeyPatchAnswer, PoolDetail, PoolEntry, PoolSummary, StoredKey, DEFAULT_POOL,
+    AdminBackend, AdminPatch, BackendRegistration, DeleteAnswer, KeyPatch, PoolDetail, PoolEntry,
+    PoolSummary, StoredKey, DEFAULT_POOL,
 };
 use coordinator_protocol::settings::{validate_name, PoolSettings};
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
+use coordinator_protocol::Call;
 use gateway_durable_objects::registry::host_is_ip;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -123,9 +125,8 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let pool = reg.pool.clone().unwrap_or_else(|| DEFAULT_POOL.to_string());
             validate_pool_name(&pool)?;
             require_reachable_url(env, &reg.url)?;
-            let body = Some(encode(&reg)?);
             let shards = shard_count(env, &pool).await?;
-            let resp = to_every_shard(env, &pool, shards, &Route::RegisterBackend, body).await;
+            let resp = to_every_shard(env, &pool, shards, &reg).await;
             // The directory lists the pool once it holds a backend. A 409 says it already does:
             // list it too, so a directory that lost the pool (local state kept across the v3
             // rename of its class: under wrangler dev the renamed class started empty) finds its
@@ -155,11 +156,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Get, ["backends"]) => {
             let mut all = Vec::new();
             for pool in list_pools(env).await? {
-                let mut listing: BackendList =
-                    pool_json(env, &pool.name, 0, &Route::ListBackends, None::<&()>).await?;
+                let mut listing = call(env, To::Pool(&pool.name, 0), &ListBackends).await?;
                 for k in 1..pool.all_shards() {
-                    let other: BackendList =
-                        pool_json(env, &pool.name, k, &Route::ListBackends, None::<&()>).await?;
+                    let other = call(env, To::Pool(&pool.name, k), &ListBackends).await?;
                     add_shard_backends(&mut listing.data, &other.data);
                 }
                 all.extend(listing.data);
@@ -171,7 +170,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let pool = find_backend(env, id, query_pool.as_deref()).await?;
             let shards = shard_count(env, &pool).await?;
             let id = id.to_string();
-            let (route, body) = match method {
+            match method {
                 Method::Patch => {
                     // Checked here, forwarded as written: a patch tells an absent `api_key` from
                     // a `null` one, which re-encoding would lose.
@@ -180,26 +179,24 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                     if let Some(url) = &patch.patch.url {
                         require_reachable_url(env, url)?;
                     }
-                    (Route::PatchBackend(id), Some(text))
+                    let patch = PatchBackend { id, json: text };
+                    to_every_shard(env, &pool, shards, &patch).await
                 }
                 Method::Delete => {
-                    let route = Route::DeleteBackend { id, force };
-                    return delete_on_every_shard(env, &pool, shards, &route).await;
+                    let delete = DeleteBackend { id, force };
+                    delete_on_every_shard(env, &pool, shards, &delete).await
                 }
                 _ => {
-                    let mut view: AdminBackend =
-                        pool_json(env, &pool, 0, &Route::ShowBackend(id.clone()), None::<&()>)
-                            .await?;
+                    let show = ShowBackend(id);
+                    let mut view: AdminBackend = call(env, To::Pool(&pool, 0), &show).await?;
                     for k in 1..shards {
-                        let route = Route::ShowBackend(id.clone());
-                        if let Ok(other) = pool_json(env, &pool, k, &route, None::<&()>).await {
+                        if let Ok(other) = call(env, To::Pool(&pool, k), &show).await {
                             view.add_shard(&other);
                         }
                     }
-                    return json_ok(&view);
+                    json_ok(&view)
                 }
-            };
-            to_every_shard(env, &pool, shards, &route, body).await
+            }
         }
         (Method::Get, ["pools"]) => {
             let mut data = Vec::new();
@@ -224,8 +221,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let mut summary = pool_summary(env, pool, entry.all_shards()).await?;
             summary.jurisdiction = entry.jurisdiction;
             summary.time_card = entry.card;
-            let config: PoolSettings =
-                pool_json(env, pool, 0, &Route::GetConfig, None::<&()>).await?;
+            let config = call(env, To::Pool(pool, 0), &GetConfig).await?;
             json_ok(&PoolDetail { summary, config })
         }
         (Method::Put, ["pools", pool]) => {
@@ -251,24 +247,22 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             // Every shard, those a smaller count retires included (they learn they are retired
             // and report to the others until their leases end); shard 0 last, which then brings
             // the other shards' registries in line with its own.
-            let body = Some(encode(&settings)?);
-            relay(to_every_shard(env, pool, entry.shard_objects, &Route::PutConfig, body).await?)
-                .await
+            relay(to_every_shard(env, pool, entry.shard_objects, &settings).await?).await
         }
         (Method::Post, ["pools", pool, "probe"]) => {
             validate_pool_name(pool)?;
-            relay(pool_call(env, pool, 0, &Route::ProbeNow, None).await?).await
+            relay(call_raw(env, To::Pool(pool, 0), &ProbeNow).await?).await
         }
         (Method::Get, ["pools", pool, "history"]) => {
             validate_pool_name(pool)?;
             if !list_pools(env).await?.iter().any(|p| p.name == *pool) {
                 return Err(ApiError::not_found(format!("no pool `{pool}`")));
             }
-            relay(pool_call(env, pool, 0, &Route::History, None).await?).await
+            relay(call_raw(env, To::Pool(pool, 0), &History).await?).await
         }
         (Method::Post, ["keys"]) => mint_key(&mut req, env).await,
         (Method::Get, ["keys"]) => {
-            let keys: Vec<StoredKey> = directory_json(env, &Route::ListKeys, None::<&()>).await?;
+            let keys = call(env, To::Directory, &ListKeys).await?;
             let data: Vec<KeyListing> = keys
                 .into_iter()
                 .filter(|k| !crate::keys::is_seal(k))
@@ -288,15 +282,17 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             if let Some(p) = patch.priority {
                 crate::admission::validate_priority(p)?;
             }
-            let route = Route::PatchKey(id.to_string());
-            let v: KeyPatchAnswer = directory_json(env, &route, Some(&patch)).await?;
+            let patch = PatchKey {
+                id: id.to_string(),
+                patch,
+            };
+            let v = call(env, To::Directory, &patch).await?;
             invalidate();
             json_ok(&v)
         }
         (Method::Delete, ["keys", id]) => {
             validate_name("id", id)?;
-            let route = Route::DeleteKey(id.to_string());
-            let v: DeleteAnswer = directory_json(env, &route, None::<&()>).await?;
+            let v = call(env, To::Directory, &DeleteKey(id.to_string())).await?;
             invalidate();
             json_ok(&v)
         }
@@ -329,16 +325,10 @@ async fn shard_count(env: &Env, pool: &str) -> Result<u32, ApiError> {
 }
 
 /// Sends an admin change to shards `1..shards` of `pool`, then to shard 0, and returns shard 0's
-/// answer (the first error stops it).
-async fn to_every_shard(
-    env: &Env,
-    pool: &str,
-    shards: u32,
-    route: &Route,
-    body: Option<String>,
-) -> AdminResult {
+/// answer as it is (the first error stops it).
+async fn to_every_shard<M: Call>(env: &Env, pool: &str, shards: u32, change: &M) -> AdminResult {
     for k in (1..shards).chain([0]) {
-        let resp = relay(pool_call(env, pool, k, route, body.clone()).await?).await?;
+        let resp = relay(call_raw(env, To::Pool(pool, k), change).await?).await?;
         if k == 0 {
             return Ok(resp);
         }
@@ -348,10 +338,15 @@ async fn to_every_shard(
 
 /// `DELETE` on every shard: the backend is deleted when every shard removed it, else it drains
 /// with the requests still in flight on all shards.
-async fn delete_on_every_shard(env: &Env, pool: &str, shards: u32, route: &Route) -> AdminResult {
+async fn delete_on_every_shard(
+    env: &Env,
+    pool: &str,
+    shards: u32,
+    delete: &DeleteBackend,
+) -> AdminResult {
     let mut total: Option<DeleteAnswer> = None;
     for k in (1..shards).chain([0]) {
-        let a: DeleteAnswer = pool_json(env, pool, k, route, None::<&()>).await?;
+        let a = call(env, To::Pool(pool, k), delete).await?;
         total = Some(match total {
             None => a,
             Some(t) => DeleteAnswer {
@@ -372,9 +367,9 @@ async fn delete_on_every_shard(env: &Env, pool: &str, shards: u32, route: &Route
 
 /// A pool's summary: shard 0's, with the other shards' load and counters added.
 async fn pool_summary(env: &Env, pool: &str, shards: u32) -> Result<PoolSummary, ApiError> {
-    let mut summary: PoolSummary = pool_json(env, pool, 0, &Route::Summary, None::<&()>).await?;
+    let mut summary = call(env, To::Pool(pool, 0), &Summary).await?;
     for k in 1..shards {
-        let other: PoolSummary = pool_json(env, pool, k, &Route::Summary, None::<&()>).await?;
+        let other = call(env, To::Pool(pool, k), &Summary).await?;
         summary.add_shard(&other);
     }
     Ok(summary)
@@ -412,9 +407,8 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
         pools.insert(0, h.to_string());
     }
     for pool in pools {
-        let route = Route::ShowBackend(id.to_string());
-        let resp = pool_call(env, &pool, 0, &route, None).await?;
-        if resp.status_code() == 200 {
+        let resp = send(env, To::Pool(&pool, 0), &ShowBackend(id.to_string())).await?;
+        if resp.status() == 200 {
             return Ok(pool);
         }
     }
@@ -451,7 +445,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         created_ms: Date::now().as_millis(),
         priority: mint.priority,
     };
-    let stored: StoredKey = directory_json(env, &Route::AddKey, Some(&stored)).await?;
+    let stored = call(env, To::Directory, &stored).await?;
     invalidate();
     let minted = MintedKey {
         id: stored.id,

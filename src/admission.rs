@@ -11,7 +11,7 @@
 //! `x-gateway-max-wait-ms` may shorten the pool's `max_wait_ms`.
 //!
 //! Waiting: the pool's Durable Object holds an acquire call open while the request waits, for at
-//! most its `poll_ms`, then answers `202` with a ticket; this side asks again at once with the
+//! most its `poll_ms`, then answers with a ticket (`AcquireAnswer::Queued`); this side asks again at once with the
 //! ticket and the time already waited. If the Durable Object fails or restarts mid-call, the next
 //! call re-enters the queue with that ticket and time (so the deadline holds); after a few failed
 //! calls in a row the client gets a clean 503. If the client's request signal aborts (a hang-up,
@@ -20,17 +20,14 @@
 //! hang-up before any answer, or while a grant is on its way back, releases that grant's lease at
 //! once instead of after `lease_ttl_ms`.
 
-use crate::do_client::{error_from_web, pool_call_web, pool_json, read_json};
+use crate::do_client::{answer_of, call, send, To};
 use crate::keys::ClientKey;
-use coordinator_protocol::acquire::AcquireBody;
-use coordinator_protocol::messages::{
-    DequeueAnswer, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
-};
+use coordinator_protocol::acquire::{Acquire, AcquireAnswer, AcquireBody, Granted};
+use coordinator_protocol::messages::DequeueRequest;
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::admission::{AdmissionRequest, MAX_TICKET, PRIORITY_RANGE};
-use routing_core::pool::Grant;
+use routing_core::pool::Refusal;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
@@ -165,17 +162,21 @@ fn tenant_name(value: &str) -> String {
     }
 }
 
-/// A lease from a pool, and how long the request waited in the pool's queue for it.
-pub struct Admitted {
-    /// The lease and candidates.
-    pub grant: Grant,
-    /// Time spent in the queue, ms (0 when there was room at once).
-    pub queued_ms: u64,
+/// How asking a pool for a lease ended.
+pub enum Asked {
+    /// A lease, and how long the request waited in the pool's queue for it.
+    Granted(Granted),
+    /// The pool refused (a refusal of its own, or its queue stopped answering).
+    Refused(Refusal),
+    /// The client hung up (the pool has been told).
+    HungUp,
+    /// The pool's object failed, or did not answer in time.
+    Failed(ApiError),
 }
 
 /// Asks shard `shard` of `pool` for a lease (`spill_ok`: a further pool could take the request),
-/// waiting in its queue while it answers `202`. `body` holds the request's features, serialised
-/// once.
+/// waiting in its queue while it answers with a ticket. `body` holds the request's features,
+/// serialised once.
 #[allow(clippy::too_many_arguments)]
 pub async fn acquire(
     env: &Env,
@@ -186,7 +187,7 @@ pub async fn acquire(
     spill_ok: bool,
     body: &AcquireBody,
     who: &AdmissionRequest,
-) -> Result<Admitted, ApiError> {
+) -> Asked {
     let started = Date::now().as_millis();
     let mut who = who.clone();
     // This wait's own id, so a dequeue can name it before the pool answered anything.
@@ -194,19 +195,17 @@ pub async fn acquire(
     who.wait_id = Some(wait_id);
     let mut failures = 0;
     let mut gone = JsFuture::from(hung_up.clone());
-    // Made at the first 202, once the request holds a ticket between calls.
+    // Made at the first ticket, once the request holds one between calls.
     let mut keep_alive: Option<KeepAlive> = None;
     loop {
-        let route = Route::Acquire { spill_ok };
-        let call = Box::pin(pool_call_web(
-            env,
-            pool,
-            shard,
-            &route,
-            Some(body.call(Some(&who))),
-        ));
+        let msg = Acquire {
+            body,
+            admission: Some(&who),
+            spill_ok,
+        };
+        let sent = Box::pin(send(env, To::Pool(pool, shard), &msg));
         let limit = Delay::from(CALL_LIMIT);
-        let answer = match select(call, select(&mut gone, limit)).await {
+        let answer = match select(sent, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
             Either::Right((Either::Left(_), _)) => {
                 // Tell the pool at once, even before any answer (a grant may be on its way back);
@@ -215,56 +214,32 @@ pub async fn acquire(
                 let env = env.clone();
                 let pool = pool.to_string();
                 ctx.wait_until(async move { dequeue(&env, &pool, shard, ticket).await });
-                let mut e = ApiError::bad_request("The client closed the request.")
-                    .with_code("client_closed_request");
-                e.status = 499;
-                return Err(e);
+                return Asked::HungUp;
             }
             Either::Right((Either::Right(_), _)) => None,
         };
         match answer {
-            Some(Ok(resp)) => match resp.status() {
-                200 => {
-                    let queued_ms = resp
-                        .headers()
-                        .get(QUEUE_WAIT_HEADER)
-                        .ok()
-                        .flatten()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(0);
-                    let grant: Grant = read_json(&resp).await?;
-                    return Ok(Admitted { grant, queued_ms });
-                }
-                202 => {
-                    let queued: Queued = read_json(&resp).await?;
+            Some(Ok(resp)) => match answer_of::<AcquireAnswer>(resp).await {
+                Ok(AcquireAnswer::Granted(granted)) => return Asked::Granted(granted),
+                Ok(AcquireAnswer::Queued(queued)) => {
                     who.ticket = Some(queued.ticket);
                     failures = 0;
                     keep_alive.get_or_insert_with(|| KeepAlive::new(ctx));
                 }
-                _ => {
-                    let reason = resp.headers().get(QUEUE_DROP_HEADER).ok().flatten();
-                    let mut e = error_from_web(&resp).await;
-                    if let Some(r) = reason {
-                        e = e.with_header(QUEUE_DROP_HEADER, &r);
-                    }
-                    return Err(e);
-                }
+                Ok(AcquireAnswer::Refused(refusal)) => return Asked::Refused(refusal),
+                Err(e) => return Asked::Failed(e),
             },
             // The pool failed or restarted mid-call: a queued request asks again (re-entering if
             // its ticket was forgotten); anything else fails as before.
             failed => {
                 if who.ticket.is_none() {
-                    return Err(failed.and_then(|r| r.err()).unwrap_or_else(|| {
+                    return Asked::Failed(failed.and_then(|r| r.err()).unwrap_or_else(|| {
                         ApiError::gateway_timeout("The pool did not answer in time.")
                     }));
                 }
                 failures += 1;
                 if failures >= MAX_CALL_FAILURES {
-                    return Err(ApiError::unavailable(
-                        "The pool's queue is unavailable; retry later.",
-                        1,
-                    )
-                    .with_code("queue_unavailable"));
+                    return Asked::Refused(Refusal::QueueUnavailable);
                 }
             }
         }
@@ -274,10 +249,7 @@ pub async fn acquire(
 
 /// Tells the pool shard a queued request's client left.
 async fn dequeue(env: &Env, pool: &str, shard: u32, ticket: u64) {
-    let req = DequeueRequest { ticket };
-    let answer: Result<DequeueAnswer, ApiError> =
-        pool_json(env, pool, shard, &Route::Dequeue, Some(&req)).await;
-    if let Err(e) = answer {
+    if let Err(e) = call(env, To::Pool(pool, shard), &DequeueRequest { ticket }).await {
         worker::console_error!("pool {pool}: dequeue: {e}");
     }
 }

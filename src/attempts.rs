@@ -13,7 +13,7 @@
 //! context, `request.rs`), so the proxy (`proxy.rs`) makes the first attempts and a stream's
 //! resumption (`resume.rs`) can go on making them from `wait_until`.
 
-use crate::do_client::pool_json;
+use crate::do_client::{call, To};
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::request::RequestContext;
@@ -21,13 +21,12 @@ use crate::settings::ProxySettings;
 use crate::upstream_body::{
     is_model_not_found, not_an_answer, read_first_chunk, read_whole, AttemptFailure,
 };
-use coordinator_protocol::messages::ReassignRequest;
+use coordinator_protocol::messages::{ReassignAnswer, ReassignRequest};
 use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
 use futures_util::future::{select, Either};
 use routing_core::outcome::{Outcome, OutcomeKind};
-use routing_core::pool::CandidateView;
+use routing_core::pool::{CandidateView, Refusal};
 use routing_core::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::rc::Rc;
@@ -437,23 +436,17 @@ impl Attempts {
                 block_hashes: self.request.features.block_hashes.clone(),
                 missing_model: missing_model.then(|| self.request.model().to_string()),
             };
-            let moved: Result<CandidateView, ApiError> = pool_json(
-                &self.request.env,
-                &self.request.pool,
-                self.request.shard,
-                &Route::Reassign,
-                Some(&req),
-            )
-            .await;
-            match moved {
-                Ok(view) => {
+            let to_pool = To::Pool(&self.request.pool, self.request.shard);
+            match call(&self.request.env, to_pool, &req).await {
+                Ok(ReassignAnswer::Moved(view)) => {
                     self.guard.moved_to(&view.id.0);
                     return Moved::To(view);
                 }
-                Err(e) if e.code.as_deref() == Some("retry_budget_exhausted") => {
-                    return Moved::Refused;
+                Ok(ReassignAnswer::Refused(Refusal::RetryBudgetExhausted)) => {
+                    return Moved::Refused
                 }
-                Err(_) => continue, // that candidate became unavailable; try the next
+                // That candidate became unavailable (or the pool did not answer): try the next.
+                Ok(ReassignAnswer::Refused(_)) | Err(_) => continue,
             }
         }
         Moved::Nowhere

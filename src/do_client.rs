@@ -1,20 +1,21 @@
 //! The Worker's side of the Durable Object protocol: finding pools and calling their coordinator,
 //! the directory and the client rate limiters.
 //!
-//! Every call is a `stub.fetch` to the URL of a `coordinator_protocol::Route`, with a typed body
-//! and a typed answer. A pool call names the pool and its coordinator shard (0 for a pool of one
-//! shard, and for everything only shard 0 does: probes, listings). Errors a Durable Object answers with are already OpenAI-shaped and pass
-//! through as they are. What the directory holds (pools, minted keys) is cached in the isolate and
-//! refreshed in the background.
+//! Every call is one [`call`]: a `stub.fetch` of a request message (a `coordinator_protocol::Call`,
+//! which names its route and its answer type) to the object [`To`] names, read back as that
+//! answer. A pool call names the pool and its coordinator shard (0 for a pool of one shard, and
+//! for everything only shard 0 does: probes, listings). Errors a Durable Object answers with are
+//! already OpenAI-shaped and pass through as they are; a pool's refusals come back typed inside
+//! the acquire and reassign answers. The admin API relays a few answers untouched ([`call_raw`]).
+//! What the directory holds (pools, minted keys) is cached in the isolate and refreshed in the
+//! background.
 
-use coordinator_protocol::error::ErrorBody;
+use coordinator_protocol::call::{read_answer, read_error, CallError, ListPools};
 use coordinator_protocol::internal_call::{internal_web_request, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
+use coordinator_protocol::{Answer, Call, Object, Route};
 use gateway_durable_objects::directory::DIRECTORY_NAME;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use std::cell::RefCell;
 use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
@@ -23,6 +24,17 @@ use worker::{Context, Date, Env, Response, Stub};
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
 pub use coordinator_protocol::names::DIRECTORY_BINDING;
+
+/// The object a call goes to.
+#[derive(Debug, Clone, Copy)]
+pub enum To<'a> {
+    /// Shard `shard` (0 for a pool of one shard) of the named pool's coordinator.
+    Pool(&'a str, u32),
+    /// The pool directory.
+    Directory,
+    /// A client's rate limiter, by the hash of its key.
+    Limiter(&'a str),
+}
 
 fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
     Ok(env
@@ -50,9 +62,31 @@ fn pool_stub(env: &Env, pool: &str, shard: u32) -> Result<Stub, ApiError> {
     }
 }
 
-/// Sends a call to the object behind `stub` and returns its answer as the platform's response
-/// object: the hot path reads status, headers and body from it directly, with one promise for the
-/// body instead of `worker`'s stream reader.
+/// Sends `msg` to the object `to` names and returns the answer unread, as the platform's response
+/// object (the hot path reads status and body from it directly, with one promise for the body
+/// instead of `worker`'s stream reader). A route of another kind of object is refused here.
+pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<web_sys::Response, ApiError> {
+    let route = msg.route();
+    let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
+    let (stub, address) = match (to, route.object()) {
+        (To::Pool(pool, shard), Object::Pool) => (
+            pool_stub(env, pool, shard)?,
+            Some(ShardAddress { pool, shard }),
+        ),
+        (To::Directory, Object::Directory) => (stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?, None),
+        (To::Limiter(client), Object::ClientRateLimiter) => {
+            (stub(env, RATE_LIMITER_BINDING, client)?, None)
+        }
+        _ => {
+            let path = route.path();
+            return Err(ApiError::internal(format!(
+                "{path} is not a route of {to:?}"
+            )));
+        }
+    };
+    send_web(stub, address, &route, body).await
+}
+
 async fn send_web(
     stub: Stub,
     to: Option<ShardAddress<'_>>,
@@ -68,127 +102,66 @@ async fn send_web(
     Ok(resp.unchecked_into())
 }
 
+/// Calls the object `to` names with `msg` and reads its answer: `msg`'s own answer type, or the
+/// error the object answered with (a pool's refusal, when the answer has no place for it).
+pub async fn call<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<M::Answer, ApiError> {
+    answer_of(send(env, to, msg).await?).await
+}
+
+/// [`call`] answering the object's response as it is, for the admin API to relay.
+pub async fn call_raw<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Response, ApiError> {
+    Ok(send(env, to, msg).await?.into())
+}
+
+/// Reads the answer to a call sent with [`send`].
+pub async fn answer_of<A: Answer>(resp: web_sys::Response) -> Result<A, ApiError> {
+    let status = resp.status();
+    if !(200..300).contains(&status) {
+        let (retry_after, text) = error_parts(&resp).await;
+        return read_answer(status, retry_after, &text).map_err(call_error);
+    }
+    let text = if A::READS_BODY {
+        read_text(&resp).await?
+    } else {
+        if let Some(body) = resp.body() {
+            let _ = body.cancel();
+        }
+        String::new()
+    };
+    read_answer(status, None, &text).map_err(call_error)
+}
+
+fn call_error(e: CallError) -> ApiError {
+    match e {
+        CallError::Answered(e) => e,
+        // Logged; the client sees an internal error.
+        CallError::Unreadable(detail) => worker::Error::RustError(detail).into(),
+    }
+}
+
 /// The whole body of an answer, as text.
-pub async fn read_text(resp: &web_sys::Response) -> Result<String, ApiError> {
+async fn read_text(resp: &web_sys::Response) -> Result<String, ApiError> {
     let text = resp.text().map_err(worker::Error::from)?;
     let text = JsFuture::from(text).await.map_err(worker::Error::from)?;
     Ok(text.as_string().unwrap_or_default())
 }
 
-/// The body of an answer, decoded from JSON.
-pub async fn read_json<T: DeserializeOwned>(resp: &web_sys::Response) -> Result<T, ApiError> {
-    let text = read_text(resp).await?;
-    Ok(serde_json::from_str(&text).map_err(worker::Error::from)?)
-}
-
-async fn decode<T: DeserializeOwned>(resp: web_sys::Response) -> Result<T, ApiError> {
-    if !(200..300).contains(&resp.status()) {
-        return Err(error_from_web(&resp).await);
-    }
-    read_json(&resp).await
-}
-
-/// The JSON text of a call's body.
-pub fn encode(body: &impl Serialize) -> Result<String, ApiError> {
-    serde_json::to_string(body).map_err(|e| ApiError::internal(e.to_string()))
-}
-
-/// Calls shard `shard` of the named pool's coordinator with a body already encoded, and returns
-/// its raw response (for relayed admin answers).
-pub async fn pool_call(
-    env: &Env,
-    pool: &str,
-    shard: u32,
-    route: &Route,
-    body: Option<String>,
-) -> Result<Response, ApiError> {
-    Ok(pool_call_web(env, pool, shard, route, body).await?.into())
-}
-
-/// [`pool_call`] answering the platform's response object (for the acquire call, whose body is
-/// built once per request, and the metrics pages).
-pub async fn pool_call_web(
-    env: &Env,
-    pool: &str,
-    shard: u32,
-    route: &Route,
-    body: Option<String>,
-) -> Result<web_sys::Response, ApiError> {
-    let to = ShardAddress { pool, shard };
-    send_web(pool_stub(env, pool, shard)?, Some(to), route, body).await
-}
-
-/// Calls shard `shard` of the named pool's coordinator and decodes its answer; a non-2xx answer
-/// becomes its error.
-pub async fn pool_json<T: DeserializeOwned>(
-    env: &Env,
-    pool: &str,
-    shard: u32,
-    route: &Route,
-    body: Option<&impl Serialize>,
-) -> Result<T, ApiError> {
-    let body = body.map(encode).transpose()?;
-    decode(pool_call_web(env, pool, shard, route, body).await?).await
-}
-
-/// Calls shard `shard` of the named pool's coordinator for its effect: a 2xx answer's body is
-/// not read (the release's), any other answer becomes its error.
-pub async fn pool_ok(
-    env: &Env,
-    pool: &str,
-    shard: u32,
-    route: &Route,
-    body: Option<&impl Serialize>,
-) -> Result<(), ApiError> {
-    let body = body.map(encode).transpose()?;
-    let resp = pool_call_web(env, pool, shard, route, body).await?;
-    if !(200..300).contains(&resp.status()) {
-        return Err(error_from_web(&resp).await);
-    }
-    if let Some(body) = resp.body() {
-        let _ = body.cancel();
-    }
-    Ok(())
-}
-
-/// Rebuilds the `ApiError` a Durable Object answered with.
-pub async fn error_from_response(resp: Response) -> ApiError {
-    error_from_web(&resp.into()).await
-}
-
-/// [`error_from_response`] of the platform's response object.
-pub async fn error_from_web(resp: &web_sys::Response) -> ApiError {
-    let status = resp.status();
+/// An error answer's `Retry-After` and body (empty when it cannot be read).
+async fn error_parts(resp: &web_sys::Response) -> (Option<u32>, String) {
     let retry_after = resp
         .headers()
         .get("retry-after")
         .ok()
         .flatten()
         .and_then(|v| v.parse().ok());
-    let body: Option<ErrorBody> = read_json(resp).await.ok();
-    let mut err = match body {
-        Some(b) => ApiError::from_parts(status, b.error),
-        None => ApiError::internal(format!("pool answered {status}")),
-    };
-    err.retry_after_s = retry_after;
-    err
+    (retry_after, read_text(resp).await.unwrap_or_default())
 }
 
-/// Calls the pool directory and decodes its answer.
-pub async fn directory_json<T: DeserializeOwned>(
-    env: &Env,
-    route: &Route,
-    body: Option<&impl Serialize>,
-) -> Result<T, ApiError> {
-    let body = body.map(encode).transpose()?;
-    let resp = send_web(
-        stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?,
-        None,
-        route,
-        body,
-    )
-    .await?;
-    decode(resp).await
+/// Rebuilds the `ApiError` a Durable Object answered with (for a relayed admin answer).
+pub async fn error_from_response(resp: Response) -> ApiError {
+    let resp: web_sys::Response = resp.into();
+    let (retry_after, text) = error_parts(&resp).await;
+    read_error(resp.status(), retry_after, &text).map_or_else(|e| e, ApiError::from)
 }
 
 /// A value an isolate keeps from the directory (the pool list, minted key hashes).
@@ -273,7 +246,7 @@ thread_local! {
 const POOL_CACHE_MS: u64 = 2_000;
 
 async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
-    directory_json(&env, &Route::ListPools, None::<&()>).await
+    call(&env, To::Directory, &ListPools).await
 }
 
 /// Every pool the directory knows, as fresh as the admin API needs: the isolate's copy while it
@@ -304,24 +277,7 @@ pub async fn list_pools_cached(env: &Env, ctx: &Context) -> Result<Vec<PoolEntry
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
-    let _: PoolEntry =
-        directory_json(env, &Route::PutPool(entry.name.clone()), Some(entry)).await?;
+    call(env, To::Directory, entry).await?;
     POOLS.with(|p| p.borrow_mut().clear());
     Ok(())
-}
-
-/// Calls the client's rate limiter (`TakeTokens` or `SettleTokens`); a refusal comes back as its
-/// 429 error.
-pub async fn rate_limit(
-    env: &Env,
-    client: &str,
-    route: &Route,
-    body: &impl Serialize,
-) -> Result<(), ApiError> {
-    let stub = stub(env, RATE_LIMITER_BINDING, client)?;
-    let resp = send_web(stub, None, route, Some(encode(body)?)).await?;
-    if resp.status() == 200 {
-        return Ok(());
-    }
-    Err(error_from_web(&resp).await)
 }

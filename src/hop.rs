@@ -202,10 +202,7 @@ impl Regional {
                 Some(Ok(resp))
             }
             // The client left: the regional side saw the same abort and settles what it took.
-            Err(_) if client.inner().signal().aborted() => {
-                Some(Err(ApiError::bad_request("The client closed the request.")
-                    .with_code("client_closed_request")))
-            }
+            Err(_) if client.inner().signal().aborted() => Some(Err(ApiError::client_closed())),
             Err(e) => {
                 worker::console_error!("regional hop failed, serving from the edge: {e}");
                 None

@@ -13,9 +13,10 @@
 //! really used when it ends.
 
 use crate::auth::{bearer, constant_time_eq, hash_key};
-use crate::do_client::{stale_while_revalidate, CacheSlot};
+use crate::do_client::{call, stale_while_revalidate, CacheSlot, To};
+use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
-use coordinator_protocol::{ApiError, Route};
+use coordinator_protocol::ApiError;
 use routing_core::rate_limit::RateLimits;
 use std::cell::RefCell;
 use worker::{Context, Date, Env, Request};
@@ -35,7 +36,7 @@ pub fn invalidate() {
 }
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
-    let keys = crate::do_client::directory_json(&env, &Route::ListKeys, None::<&()>).await?;
+    let keys = call(&env, To::Directory, &ListKeys).await?;
     MINTED_READ_MS.with(|t| t.set(Date::now().as_millis()));
     Ok(keys)
 }
@@ -170,7 +171,7 @@ pub async fn reserve(
         limits,
         tokens: estimate,
     };
-    crate::do_client::rate_limit(env, client, &Route::TakeTokens, &body).await?;
+    call(env, To::Limiter(client), &body).await?;
     Ok((limits.tokens_per_minute > 0).then(|| Reservation {
         client: client.to_string(),
         limits,
@@ -189,8 +190,7 @@ pub async fn settle(env: &Env, reservation: &Reservation, actual: u64) {
         reserved: reservation.tokens,
         actual,
     };
-    let route = Route::SettleTokens;
-    if let Err(e) = crate::do_client::rate_limit(env, &reservation.client, &route, &body).await {
+    if let Err(e) = call(env, To::Limiter(&reservation.client), &body).await {
         worker::console_error!("settling a client's token reservation failed: {e}");
     }
 }

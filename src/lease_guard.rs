@@ -14,15 +14,11 @@
 //! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
 //! what the client received. Nothing on the response path waits for any of this.
 
-use crate::do_client::pool_json;
+use crate::do_client::{call, To};
 use crate::keys::{self, Reservation};
 use crate::relay::Metered;
 use crate::request::RequestContext;
-use coordinator_protocol::messages::{
-    PrefillDone, PrefillDoneAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
-};
-use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
+use coordinator_protocol::messages::{PrefillDone, ReleaseRequest, RenewRequest};
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::lease::{LeaseId, LeaseTerms};
@@ -356,15 +352,8 @@ impl Task {
             outcome,
             backend: Some(backend),
         };
-        let result: Result<PrefillDoneAnswer, ApiError> = pool_json(
-            &self.request.env,
-            &self.request.pool,
-            self.request.shard,
-            &Route::PrefillDone,
-            Some(&req),
-        )
-        .await;
-        if let Err(e) = result {
+        let to_pool = To::Pool(&self.request.pool, self.request.shard);
+        if let Err(e) = call(&self.request.env, to_pool, &req).await {
             worker::console_error!(
                 "reporting the prefill of lease {} in pool {} failed: {e}",
                 req.lease_id,
@@ -398,14 +387,8 @@ impl Task {
                 terms: r.terms.clone(),
             }
         };
-        let renewed = pool_json::<RenewAnswer>(
-            &self.request.env,
-            &self.request.pool,
-            self.request.shard,
-            &Route::Renew,
-            Some(&req),
-        );
-        match renewed.await {
+        let to_pool = To::Pool(&self.request.pool, self.request.shard);
+        match call(&self.request.env, to_pool, &req).await {
             Ok(a) => {
                 if a.reestablished {
                     worker::console_log!(

@@ -33,13 +33,17 @@ pub use gateway_durable_objects::directory::GatewayDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 
-use coordinator_protocol::acquire::AcquireBody;
-use coordinator_protocol::messages::{AlarmAnswer, PoolEntry};
-use coordinator_protocol::{ApiError, Route};
+use admission::Asked;
+use coordinator_protocol::acquire::{AcquireBody, Granted};
+use coordinator_protocol::call::EnsureProbeAlarm;
+use coordinator_protocol::messages::PoolEntry;
+use coordinator_protocol::ApiError;
+use do_client::To;
 use lease_guard::{Lease, LeaseGuard};
 use request::RequestContext;
 use routing_core::endpoint::Endpoint;
 use routing_core::prompt::endpoint_features;
+use routing_core::region::walk::{Ask, PoolAnswer, PoolWalk, Verdict, WalkEnd};
 use routing_core::region::ChoiceNote;
 use routing_core::resume::check_request;
 use routing_core::shard::shard_of_request;
@@ -79,14 +83,8 @@ async fn scheduled(_event: ScheduledEvent, env: Env, _ctx: ScheduleContext) {
     match do_client::list_pools(&env).await {
         Ok(list) => {
             for pool in list {
-                if let Err(e) = do_client::pool_json::<AlarmAnswer>(
-                    &env,
-                    &pool.name,
-                    0,
-                    &Route::EnsureProbeAlarm,
-                    None::<&()>,
-                )
-                .await
+                if let Err(e) =
+                    do_client::call(&env, To::Pool(&pool.name, 0), &EnsureProbeAlarm).await
                 {
                     console_error!("cron: pool {}: {e}", pool.name);
                 }
@@ -257,35 +255,22 @@ async fn completion(
         }
     };
     let pools = std::mem::take(&mut plan.pools);
-    let mut last_err = ApiError::model_not_found(&features.model);
-    let count = pools.len();
-    // The nearest pool that refused only because it was saturated: the fallback when no later
-    // pool can take the request (none serves the model, all refuse, or their objects fail).
-    let mut saturated: Option<PoolEntry> = None;
-    // The nearest pool whose backends were all at their admission capacity: where the request
-    // waits when no pool has room (spillover comes before queueing).
-    let mut queue_at: Option<PoolEntry> = None;
-    let mut order = pools.into_iter().enumerate();
+    // Nearest first, spilling over, back to the nearest full pool's queue or the nearest
+    // saturated pool when nothing further has room (`routing_core::region::walk`).
+    let mut walk = PoolWalk::new(pools.len(), plan.excluded > 0);
     // Serialised once, whichever pools are asked and however often a queued request asks again.
     let mut acquire_body = AcquireBody::new(&features);
-    loop {
-        let (pool, spill_ok) = match order.next() {
-            // A saturated or full pool refuses work only when a further pool could take it.
-            Some((i, pool)) => (pool, i + 1 < count || queue_at.is_some()),
-            None => match queue_at.take().or_else(|| saturated.take()) {
-                Some(pool) => (pool, false),
-                None => break,
-            },
-        };
+    while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
+        let pool = &pools[pool];
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
         let shard = shard_of_request(pool.shards, &features);
-        let pool_choice = reason_for(&pool);
+        let pool_choice = reason_for(pool);
         let note = ChoiceNote {
             reason: pool_choice.to_string(),
-            cross_region: plan.cross_region(&pool),
+            cross_region: plan.cross_region(pool),
         };
         acquire_body.set_choice(&note);
-        let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), &pool);
+        let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), pool);
         let asked_ms = Date::now().as_millis();
         if network_delay_ms > 0 {
             simulated_waits += 1;
@@ -302,8 +287,7 @@ async fn completion(
             &who,
         );
         match admitted.await {
-            Ok(admitted) => {
-                let (grant, queued_ms) = (admitted.grant, admitted.queued_ms);
+            Asked::Granted(Granted { grant, queued_ms }) => {
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = Date::now().as_millis();
                 if queued_ms == 0 {
@@ -340,7 +324,7 @@ async fn completion(
                     features,
                     strip_usage_event,
                     resumable,
-                    pool: pool.name,
+                    pool: pool.name.clone(),
                     shard,
                     pool_choice,
                     forwarded_headers,
@@ -371,49 +355,32 @@ async fn completion(
                 };
                 return Ok(resp);
             }
-            // This pool does not serve the model: look further.
-            Err(e) if e.status == 404 => continue,
-            // Every backend is at its admission capacity: spill, and wait here if no pool has room.
-            Err(e) if e.code.as_deref() == Some("pool_at_capacity") => {
-                if queue_at.is_none() && spill_ok {
-                    queue_at = Some(pool);
-                }
-                last_err = e;
-            }
-            // The request waited and was dropped, or its client left: that is the answer.
-            Err(e)
-                if e.status == 499
-                    || e.headers
-                        .iter()
-                        .any(|(k, _)| k == coordinator_protocol::messages::QUEUE_DROP_HEADER) =>
-            {
+            // The client left: the pool was told.
+            Asked::HungUp => {
                 refund(ctx, env, reservation);
-                return Err(e);
+                return Err(ApiError::client_closed());
             }
-            // Serves it but is saturated: spill, and remember it in case nothing further can help.
-            Err(e) if e.code.as_deref() == Some("pool_saturated") => {
-                if saturated.is_none() && spill_ok {
-                    saturated = Some(pool);
+            Asked::Refused(refusal) => {
+                if let Verdict::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
+                    refund(ctx, env, reservation);
+                    return Err(refusal.into());
                 }
-                last_err = e;
             }
-            // Serves it but has no capacity now: spill to the next pool.
-            Err(e) if e.status == 503 => last_err = e,
             // The pool's object failed: the next pool may still serve the request.
-            Err(e) => {
+            Asked::Failed(e) => {
                 console_error!("pool {} failed to answer an acquire: {e}", pool.name);
-                if last_err.status == 404 {
-                    last_err = ApiError::unavailable("No pool could take the request now.", 1);
-                }
+                walk.feed(PoolAnswer::Failed);
             }
         }
     }
     refund(ctx, env, reservation);
-    // A restricted request never leaves its jurisdictions: say so when none of them could take it.
-    if plan.excluded > 0 && matches!(last_err.status, 404 | 503) {
-        return Err(regions::residency_error(&plan.allowed));
-    }
-    Err(last_err)
+    Err(match walk.end() {
+        WalkEnd::Refused(refusal) => refusal.into(),
+        WalkEnd::NotServed => ApiError::model_not_found(&features.model),
+        WalkEnd::NoAnswer => ApiError::unavailable("No pool could take the request now.", 1),
+        // A restricted request never leaves its jurisdictions: say so when none of them took it.
+        WalkEnd::Residency => regions::residency_error(&plan.allowed),
+    })
 }
 
 /// Gives back a token reservation of a request no pool took.

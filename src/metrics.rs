@@ -8,9 +8,9 @@
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
 //! family by family rather than concatenated.
 
-use crate::do_client;
+use crate::do_client::{self, To};
+use coordinator_protocol::call::{Metrics, MetricsPage};
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
 use routing_core::metrics::sum_shard_pages;
 use worker::{Env, Response};
 
@@ -81,13 +81,8 @@ pub async fn handle(env: &Env) -> Result<Response, ApiError> {
     for pool in do_client::list_pools(env).await? {
         let mut shard_pages = Vec::new();
         for k in 0..pool.all_shards() {
-            match do_client::pool_call_web(env, &pool.name, k, &Route::Metrics, None).await {
-                Ok(r) if r.status() == 200 => shard_pages.push(do_client::read_text(&r).await?),
-                Ok(r) => worker::console_error!(
-                    "metrics: pool {} shard {k} answered {}",
-                    pool.name,
-                    r.status()
-                ),
+            match do_client::call(env, To::Pool(&pool.name, k), &Metrics).await {
+                Ok(MetricsPage(page)) => shard_pages.push(page),
                 Err(e) => worker::console_error!("metrics: pool {} shard {k}: {e}", pool.name),
             }
         }

@@ -1,8 +1,8 @@
 //! `GET /v1/models`: the models the pools serve, as the OpenAI model list.
 
-use crate::do_client;
-use coordinator_protocol::messages::ModelsAnswer;
-use coordinator_protocol::{ApiError, Route};
+use crate::do_client::{self, To};
+use coordinator_protocol::call::Models;
+use coordinator_protocol::ApiError;
 use serde_json::{json, Value};
 use worker::{console_error, Env, Response};
 
@@ -11,9 +11,7 @@ use worker::{console_error, Env, Response};
 pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     for pool in do_client::list_pools(env).await? {
-        match do_client::pool_json::<ModelsAnswer>(env, &pool.name, 0, &Route::Models, None::<&()>)
-            .await
-        {
+        match do_client::call(env, To::Pool(&pool.name, 0), &Models).await {
             Ok(answer) => models.extend(answer.models),
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }

@@ -96,8 +96,7 @@ impl Forward<'_> {
             };
             if client_signal.aborted() {
                 self.guard.finish(Outcome::of_kind(OutcomeKind::Cancelled));
-                return Err(ApiError::bad_request("The client closed the request.")
-                    .with_code("client_closed_request"));
+                return Err(ApiError::client_closed());
             }
             if failure.outcome.is_suspect_5xx() {
                 if earlier_5xx.is_some() && earlier_5xx == failure.outcome.status {

@@ -14,10 +14,9 @@
 //! [`SENDER_LOST_MS`] is presumed lost and the next release takes its place. Failures are logged
 //! per lease, and a lease's deadline stays the backstop, as for a single release.
 
-use crate::do_client::pool_ok;
+use crate::do_client::{call, To};
 use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
 use coordinator_protocol::ApiError;
-use coordinator_protocol::Route;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use worker::{Date, Env};
@@ -131,13 +130,13 @@ impl Drop for Sending<'_> {
 }
 
 /// One call: `/release` for a single lease, `/release_batch` for several. The answers (which
-/// leases were still live) are not read.
+/// leases were still live) are not used.
 async fn send(env: &Env, pool: &str, shard: u32, batch: Vec<ReleaseRequest>) {
     let sent = if let [one] = batch.as_slice() {
-        pool_ok(env, pool, shard, &Route::Release, Some(one)).await
+        call(env, To::Pool(pool, shard), one).await.map(drop)
     } else {
         let body = ReleaseBatch { releases: batch };
-        let sent = pool_ok(env, pool, shard, &Route::ReleaseBatch, Some(&body)).await;
+        let sent = call(env, To::Pool(pool, shard), &body).await.map(drop);
         return log_failure(sent, &body.releases, pool);
     };
     log_failure(sent, &batch, pool);

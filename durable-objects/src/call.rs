@@ -1,8 +1,9 @@
 //! The HTTP side of an internal call, shared by the Durable Objects: the route it names, its JSON
-//! body, the JSON answer. The handlers themselves only see typed routes and messages.
+//! body, the answer. The handlers themselves only see typed routes and messages, and answer a call
+//! with its own answer type ([`reply`]).
 
 use coordinator_protocol::route::path_and_query;
-use coordinator_protocol::{ApiError, Object, Route, RouteError};
+use coordinator_protocol::{Answer, ApiError, Call, Object, Route, RouteError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use worker::{Request, Response};
@@ -30,6 +31,14 @@ pub async fn read_body<T: DeserializeOwned>(req: &mut Request, what: &str) -> Re
         .await
         .map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))?;
     serde_json::from_str(&text).map_err(|e| ApiError::invalid_body(what, e))
+}
+
+/// The answer to a call `C`: only `C`'s answer type, sent as it travels (status, headers, body).
+pub fn reply<C: Call>(answer: &C::Answer) -> Result<Response, ApiError> {
+    let reply = answer
+        .reply()
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(reply.into_response()?)
 }
 
 /// A JSON answer with `status`.

@@ -15,7 +15,8 @@
 //!   with an empty hash that no presented key matches, so deleting the last key closes the
 //!   OpenAI surface instead of opening it.
 
-use crate::call::{answer, parse_route, read_body};
+use crate::call::{parse_route, read_body, reply};
+use coordinator_protocol::call::{DeleteKey, ListKeys, ListPools, PatchKey, PutCard};
 use coordinator_protocol::messages::{
     CardAnswer, DeleteAnswer, KeyPatch, KeyPatchAnswer, PoolEntry, StoredKey,
 };
@@ -99,14 +100,14 @@ impl GatewayDirectory {
         req: &mut Request,
     ) -> std::result::Result<Response, ApiError> {
         match route {
-            Route::ListPools => answer(200, &self.list()?),
+            Route::ListPools => reply::<ListPools>(&self.list()?),
             Route::PutPool(name) => {
                 let entry: PoolEntry = read_body(req, "pool entry").await?;
                 if entry.name != name {
                     return Err(ApiError::bad_request("pool name in body and path differ"));
                 }
                 self.upsert(&entry)?;
-                answer(200, &entry)
+                reply::<PoolEntry>(&entry)
             }
             Route::PutCard(name) => {
                 let card: TimeCard = read_body(req, "time card").await?;
@@ -114,7 +115,7 @@ impl GatewayDirectory {
                 if known {
                     self.cards.borrow_mut().insert(name, card);
                 }
-                answer(200, &CardAnswer { known })
+                reply::<PutCard>(&CardAnswer { known })
             }
             Route::ListKeys => {
                 let keys: Vec<StoredKey> = self
@@ -124,9 +125,9 @@ impl GatewayDirectory {
                     )?
                     .to_array()?;
                 if keys.is_empty() && self.keys_minted()? {
-                    return answer(200, &[SEAL_KEY]);
+                    return reply::<ListKeys>(&vec![SEAL_KEY]);
                 }
-                answer(200, &keys)
+                reply::<ListKeys>(&keys)
             }
             Route::AddKey => {
                 let k: StoredKey = read_body(req, "key").await?;
@@ -144,7 +145,7 @@ impl GatewayDirectory {
                     "INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_minted', 1)",
                     vec![],
                 )?;
-                answer(201, &k)
+                reply::<StoredKey>(&k)
             }
             Route::PatchKey(id) => {
                 let KeyPatch { priority } = read_body(req, "key patch").await?;
@@ -158,22 +159,19 @@ impl GatewayDirectory {
                 if cursor.rows_written() == 0 {
                     return Err(ApiError::not_found(format!("no key `{id}`")));
                 }
-                answer(200, &KeyPatchAnswer { id, priority })
+                reply::<PatchKey>(&KeyPatchAnswer { id, priority })
             }
             Route::DeleteKey(id) => {
                 let cursor = self.sql("DELETE FROM keys WHERE id = ?", vec![id.clone().into()])?;
                 if cursor.rows_written() == 0 {
                     return Err(ApiError::not_found(format!("no key `{id}`")));
                 }
-                answer(
-                    200,
-                    &DeleteAnswer {
-                        id,
-                        deleted: true,
-                        status: None,
-                        leases_in_flight: None,
-                    },
-                )
+                reply::<DeleteKey>(&DeleteAnswer {
+                    id,
+                    deleted: true,
+                    status: None,
+                    leases_in_flight: None,
+                })
             }
             _ => Err(ApiError::not_found("the directory has no such route")),
         }

@@ -8,7 +8,8 @@
 //! written after every change and read on the object's first request), so neither an eviction nor
 //! a deploy hands a client a fresh minute's allowance.
 
-use crate::call::{parse_route, read_body};
+use crate::call::{parse_route, read_body, reply};
+use coordinator_protocol::call::Ack;
 use coordinator_protocol::messages::{SettleRequest, TakeRequest};
 use coordinator_protocol::{ApiError, Object, Route};
 use routing_core::rate_limit::RateLimiter as Buckets;
@@ -82,7 +83,7 @@ impl ClientRateLimiter {
         let now = Date::now().as_millis();
         self.change(|b| b.settle(&s.limits, s.reserved, s.actual, now))
             .await?;
-        Ok(Response::ok("ok")?)
+        reply::<SettleRequest>(&Ack)
     }
 
     async fn take(&self, req: &mut Request) -> std::result::Result<Response, ApiError> {
@@ -92,7 +93,7 @@ impl ClientRateLimiter {
             .change(|b| b.try_take(&take.limits, take.tokens, now))
             .await?;
         match result {
-            Ok(()) => Ok(Response::ok("ok")?),
+            Ok(()) => reply::<TakeRequest>(&Ack),
             Err(refusal) => Err(match refusal.retry_after_ms {
                 Some(ms) => ApiError::rate_limited(
                     "Rate limit exceeded for this API key.",

@@ -1,16 +1,24 @@
-//! `POST /acquire`, the hottest call: a request's routing features, and who is asking.
+//! `POST /acquire`, the hottest call: a request's routing features, who is asking, and the
+//! pool's answer.
 //!
 //! The Worker may ask several pools, and a queued request asks the same pool again and again, so
-//! the features are serialised once per request ([`AcquireBody::new`]) and each call only appends
-//! its admission part ([`AcquireBody::call`]). Block hashes travel as base64 of little-endian
-//! `u64`s (`routing_core::block_hash_encoding`). The pool decodes the body straight into
-//! [`AcquireRequest`] (no untyped JSON) and the answer is a `routing_core::pool::Grant` (200) or a
-//! [`crate::messages::Queued`] (202).
+//! the features are serialised once per request ([`AcquireBody::new`]) and each call ([`Acquire`])
+//! only appends its admission part ([`AcquireBody::call`]). Block hashes travel as base64 of
+//! little-endian `u64`s (`routing_core::block_hash_encoding`). The pool decodes the body straight
+//! into [`AcquireRequest`] (no untyped JSON). It answers an [`AcquireAnswer`]: a lease
+//! ([`Granted`], 200: the grant's own JSON, plus `queued_ms` when the request waited), a ticket
+//! ([`crate::messages::Queued`], 202), or a refusal (`routing_core::pool::Refusal`, an error
+//! answer; see [`crate::call`]).
 
+use crate::messages::Queued;
 use routing_core::admission::AdmissionRequest;
+use routing_core::pool::{Grant, Refusal};
 use routing_core::prompt::RequestFeatures;
 use routing_core::region::ChoiceNote;
-use serde::{Deserialize, Serialize};
+use serde::de::{DeserializeSeed, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::borrow::Cow;
+use std::fmt;
 
 /// The body of `POST /acquire`: `{"features": {...}, "admission": {...}}`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -65,6 +73,146 @@ impl AcquireBody {
         }
         body.push('}');
         body
+    }
+}
+
+/// One acquire call: the request's body, this call's admission part, and whether the pool may
+/// refuse so that a further pool takes the request.
+#[derive(Debug, Clone, Copy)]
+pub struct Acquire<'a> {
+    /// The request's features, serialised once.
+    pub body: &'a AcquireBody,
+    /// Tenant, priority, wait limit and the ticket of a wait in progress.
+    pub admission: Option<&'a AdmissionRequest>,
+    /// A saturated or full pool may refuse (the Worker has somewhere else to go).
+    pub spill_ok: bool,
+}
+
+/// The pool's answer to an acquire.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AcquireAnswer {
+    /// A lease.
+    Granted(Granted),
+    /// The request waits in the pool's queue: ask again with the ticket.
+    Queued(Queued),
+    /// No lease, and why.
+    Refused(Refusal),
+}
+
+/// A granted lease, and how long the request waited in the pool's queue for it.
+///
+/// On the wire: the grant's JSON object, with `"queued_ms"` added when the request waited. Read
+/// back without `serde(flatten)`, which would buffer the whole grant first: the grant reads its
+/// fields straight from the body, and `queued_ms` is picked out on the way.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Granted {
+    /// The lease and candidates.
+    pub grant: Grant,
+    /// Time spent in the queue, ms (0 when there was room at once).
+    pub queued_ms: u64,
+}
+
+/// The key of the queue wait in a [`Granted`] answer.
+const QUEUED_MS: &str = "queued_ms";
+
+impl Serialize for Granted {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            #[serde(flatten)]
+            grant: &'a Grant,
+            #[serde(skip_serializing_if = "is_zero")]
+            queued_ms: u64,
+        }
+        fn is_zero(ms: &u64) -> bool {
+            *ms == 0
+        }
+        Wire {
+            grant: &self.grant,
+            queued_ms: self.queued_ms,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Granted {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(GrantedVisitor)
+    }
+}
+
+struct GrantedVisitor;
+
+impl<'de> Visitor<'de> for GrantedVisitor {
+    type Value = Granted;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a grant")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Granted, A::Error> {
+        let mut queued_ms = 0;
+        let fields = WithoutWait {
+            map,
+            queued_ms: &mut queued_ms,
+        };
+        let grant = Grant::deserialize(serde::de::value::MapAccessDeserializer::new(fields))?;
+        Ok(Granted { grant, queued_ms })
+    }
+}
+
+/// The grant's fields, with `queued_ms` taken out into `queued_ms`.
+struct WithoutWait<'a, A> {
+    map: A,
+    queued_ms: &'a mut u64,
+}
+
+impl<'de, A: MapAccess<'de>> MapAccess<'de> for WithoutWait<'_, A> {
+    type Error = A::Error;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, A::Error> {
+        while let Some(Key(key)) = self.map.next_key()? {
+            if key == QUEUED_MS {
+                *self.queued_ms = self.map.next_value()?;
+                continue;
+            }
+            return seed
+                .deserialize(serde::de::value::CowStrDeserializer::new(key))
+                .map(Some);
+        }
+        Ok(None)
+    }
+
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, A::Error> {
+        self.map.next_value_seed(seed)
+    }
+}
+
+/// A map key, borrowed from the body when it can be.
+struct Key<'de>(Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
     }
 }
 

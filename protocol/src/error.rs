@@ -2,8 +2,8 @@
 //!
 //! Clients of an OpenAI-compatible server parse `{"error": {"message", "type", "param", "code"}}`,
 //! so the Worker, the admin API and the Durable Objects all answer with this body and the matching
-//! HTTP status. The Durable Objects use the same type, which lets the Worker pass their refusals
-//! through unchanged.
+//! HTTP status. The Durable Objects use the same type, which lets the Worker pass their errors
+//! through unchanged; a pool's refusals are worded in [`crate::refusal`].
 
 use serde::{Deserialize, Serialize};
 
@@ -85,7 +85,7 @@ pub struct ErrorObject {
 }
 
 impl ApiError {
-    fn new(
+    pub(crate) fn new(
         status: u16,
         kind: ErrorKind,
         code: Option<&'static str>,
@@ -169,6 +169,17 @@ impl ApiError {
         .with_retry_after(retry_after_s)
     }
 
+    /// 499 `client_closed_request`: the client closed the request before it was answered (the
+    /// status nginx logs for it; nobody reads the answer).
+    pub fn client_closed() -> Self {
+        Self::new(
+            499,
+            ErrorKind::InvalidRequest,
+            Some("client_closed_request"),
+            "The client closed the request.",
+        )
+    }
+
     /// 500: a fault of the gateway itself (should never be seen; logged).
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(500, ErrorKind::Server, Some("internal_error"), message)
@@ -230,30 +241,6 @@ impl ApiError {
     pub fn with_header(mut self, name: &str, value: &str) -> Self {
         self.headers.push((name.to_string(), value.to_string()));
         self
-    }
-
-    /// 429 `queue_full`: the pool's queue (or the tenant's share of it) is full.
-    pub fn queue_full(reason: &str, retry_after_s: u32) -> Self {
-        Self::new(
-            429,
-            ErrorKind::RateLimit,
-            Some("queue_full"),
-            "The gateway's queue for this pool is full for you; retry later.",
-        )
-        .with_retry_after(retry_after_s)
-        .with_header(crate::names::QUEUE_DROP_HEADER, reason)
-    }
-
-    /// 503 `queue_timeout`: the request waited as long as it may.
-    pub fn queue_timeout(retry_after_s: u32) -> Self {
-        Self::new(
-            503,
-            ErrorKind::Server,
-            Some("queue_timeout"),
-            "The request waited in the gateway's queue as long as it may; retry later.",
-        )
-        .with_retry_after(retry_after_s)
-        .with_header(crate::names::QUEUE_DROP_HEADER, "queue_timeout")
     }
 
     /// The JSON body.
@@ -326,15 +313,5 @@ mod tests {
     fn an_error_fits_in_a_small_result() {
         // Small enough for clippy's `result_large_err` (128 bytes): no allow, no box.
         assert!(std::mem::size_of::<ApiError>() <= 128);
-    }
-
-    #[test]
-    fn queue_errors_name_their_drop_reason() {
-        let e = ApiError::queue_full("tenant_limit", 3);
-        assert_eq!((e.status, e.retry_after_s), (429, Some(3)));
-        assert!(e.headers.contains(&(
-            crate::names::QUEUE_DROP_HEADER.into(),
-            "tenant_limit".into()
-        )));
     }
 }

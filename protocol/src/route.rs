@@ -58,11 +58,13 @@ pub enum Object {
     ClientRateLimiter,
 }
 
-/// One call to a Durable Object. The comment on each variant names its body and answer (see
-/// [`crate::messages`]).
+/// One call to a Durable Object. The comment on each variant names its body and answer; the
+/// pairing itself is [`crate::call`]'s: each request message implements [`crate::call::Call`]
+/// with its route and its answer type, so neither side can pair them otherwise.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
-    /// `POST /acquire`: [`crate::acquire::AcquireRequest`] -> `Grant` (200), `Queued` (202).
+    /// `POST /acquire`: [`crate::acquire::Acquire`] -> [`crate::acquire::AcquireAnswer`]
+    /// (`Granted` 200, `Queued` 202, `Refused` as its error).
     /// `spill_ok`: a further pool could take the request, so a saturated pool may refuse it.
     Acquire {
         /// A saturated or full pool may refuse (the Worker has somewhere else to go).
@@ -70,7 +72,8 @@ pub enum Route {
     },
     /// `POST /dequeue`: `DequeueRequest` -> `DequeueAnswer`.
     Dequeue,
-    /// `POST /reassign`: `ReassignRequest` -> `CandidateView`.
+    /// `POST /reassign`: `ReassignRequest` -> `ReassignAnswer` (`Moved` 200, `Refused` as its
+    /// error).
     Reassign,
     /// `POST /release`: `ReleaseRequest` -> `ReleaseAnswer`.
     Release,
@@ -104,7 +107,7 @@ pub enum Route {
     PutConfig,
     /// `GET /state`: -> `PoolSummary`.
     Summary,
-    /// `GET /metrics`: -> Prometheus text.
+    /// `GET /metrics`: -> `MetricsPage` (Prometheus text).
     Metrics,
     /// `GET /history`: -> `PoolHistory`.
     History,
@@ -132,9 +135,9 @@ pub enum Route {
     PatchKey(String),
     /// `DELETE /keys/{id}` (directory): -> `DeleteAnswer`.
     DeleteKey(String),
-    /// `POST /take` (rate limiter): `TakeRequest` -> 200, or 429.
+    /// `POST /take` (rate limiter): `TakeRequest` -> `Ack`, or 429.
     TakeTokens,
-    /// `POST /settle` (rate limiter): `SettleRequest` -> 200.
+    /// `POST /settle` (rate limiter): `SettleRequest` -> `Ack`.
     SettleTokens,
 }
 

@@ -368,10 +368,10 @@ fn the_retry_budget_refuses_a_reassign_once_spent_and_counts_it() {
         };
         let attempt = FailedAttempt {
             lease_id: g.lease_id,
-            to: &to,
-            failure: &failure,
-            terms: Some(&terms),
-            block_hashes: &[],
+            to: to.clone(),
+            failure: failure.clone(),
+            terms: Some(terms),
+            block_hashes: Vec::new(),
             missing_model: None,
         };
         let (done, effects) = c.reassign(&attempt, now);

@@ -1,17 +1,15 @@
 //! Acquiring a lease: at once, or after a wait in the pool's admission queue, and the
-//! error a request gets when it leaves the queue without one.
+//! refusal a request gets when it leaves the queue without one.
 
 use super::{now_ms, ApiResult, PoolCoordinator};
-use crate::call::answer;
-use coordinator_protocol::acquire::AcquireRequest;
-use coordinator_protocol::messages::{
-    DequeueAnswer, DequeueRequest, Queued, QUEUE_DROP_HEADER, QUEUE_WAIT_HEADER,
-};
-use coordinator_protocol::ApiError;
+use crate::call::reply;
+use coordinator_protocol::acquire::{Acquire, AcquireAnswer, AcquireRequest, Granted};
+use coordinator_protocol::messages::{DequeueAnswer, DequeueRequest, Queued};
+use coordinator_protocol::refusal::dropped;
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
 use routing_core::coordinator::{Coordinator, Step, Verdict};
-use routing_core::pool::AcquireError;
+use routing_core::pool::Refusal;
 use std::time::Duration;
 use worker::Delay;
 
@@ -41,36 +39,12 @@ impl PoolCoordinator {
             let _ = shard.perform(effects, now);
             step
         });
+        let refused = |r: Refusal| reply::<Acquire>(&AcquireAnswer::Refused(r));
         let (ticket, call_id, rx, until_ms) = match step {
             Step::Done(verdict) => return self.answer(verdict),
-            Step::Saturated => {
-                return Err(
-                    ApiError::unavailable("This pool is saturated; try the next pool.", 1)
-                        .with_code("pool_saturated"),
-                );
-            }
-            Step::Spill => {
-                return Err(ApiError::unavailable(
-                    "Every backend of this pool is at capacity; try the next pool.",
-                    1,
-                )
-                .with_code("pool_at_capacity"));
-            }
-            Step::Refused(AcquireError::ModelNotFound { model }) => {
-                return Err(ApiError::model_not_found(&model))
-            }
-            Step::Refused(AcquireError::NoBackendAvailable { retry_after_s }) => {
-                return Err(ApiError::unavailable(
-                    "No backend in this pool can take the request now.",
-                    retry_after_s.clamp(1, 3600) as u32,
-                ))
-            }
-            Step::Refused(AcquireError::AtCapacity) => {
-                return Err(
-                    ApiError::unavailable("Every backend of this pool is at capacity.", 1)
-                        .with_code("pool_at_capacity"),
-                )
-            }
+            Step::Saturated => return refused(Refusal::Saturated),
+            Step::Spill => return refused(Refusal::Full),
+            Step::Refused(e) => return refused(Refusal::from(e)),
             Step::Wait {
                 ticket,
                 call_id,
@@ -103,13 +77,10 @@ impl PoolCoordinator {
             Some(verdict) => self.answer(verdict),
             None => {
                 let queue_length = self.with(|shard| shard.coordinator.room().queue.len());
-                answer(
-                    202,
-                    &Queued {
-                        ticket,
-                        queue_length,
-                    },
-                )
+                reply::<Acquire>(&AcquireAnswer::Queued(Queued {
+                    ticket,
+                    queue_length,
+                }))
             }
         }
     }
@@ -122,16 +93,15 @@ impl PoolCoordinator {
                 waited_ms,
             } => {
                 self.with(|shard| shard.coordinator.hand_out(&mut grant, now_ms()));
-                let mut resp = answer(200, &grant)?;
-                // Absent means no wait (the Worker reads it so); a header costs a call into JS.
-                if waited_ms > 0 {
-                    resp.headers_mut()
-                        .set(QUEUE_WAIT_HEADER, &waited_ms.to_string())?;
-                }
-                Ok(resp)
+                reply::<Acquire>(&AcquireAnswer::Granted(Granted {
+                    grant,
+                    queued_ms: waited_ms,
+                }))
             }
             Verdict::Dropped { reason, waited_ms } => {
-                Err(self.with(|shard| drop_error(&shard.coordinator, reason, waited_ms)))
+                let refusal =
+                    self.with(|shard| drop_refusal(&shard.coordinator, reason, waited_ms));
+                reply::<Acquire>(&AcquireAnswer::Refused(refusal))
             }
         }
     }
@@ -142,36 +112,22 @@ impl PoolCoordinator {
             let now = now_ms();
             let (left, effects) = shard.coordinator.dequeue(req.ticket, now);
             let _ = shard.perform(effects, now);
-            answer(200, &DequeueAnswer { dequeued: left })
+            reply::<DequeueRequest>(&DequeueAnswer { dequeued: left })
         })
     }
 }
 
-/// The error a client gets for a request that left the queue without a lease.
-pub(super) fn drop_error(
-    coordinator: &Coordinator,
-    reason: DropReason,
-    waited_ms: u64,
-) -> ApiError {
+/// The refusal of a request that left the queue without a lease (with when its client may come
+/// back: the oldest waiter's age for a full queue, its own wait for a timeout).
+fn drop_refusal(coordinator: &Coordinator, reason: DropReason, waited_ms: u64) -> Refusal {
     let seconds = |ms: u64| ms.div_ceil(1000).clamp(1, 60) as u32;
-    match reason {
-        DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => {
-            let oldest = coordinator
-                .room()
-                .queue
-                .oldest_arrival_ms()
-                .map_or(0, |a| now_ms().saturating_sub(a));
-            ApiError::queue_full(reason.as_str(), seconds(oldest))
-        }
-        DropReason::Timeout => ApiError::queue_timeout(seconds(waited_ms)),
-        DropReason::ClientGone => {
-            let mut e = ApiError::bad_request("The client closed the request.")
-                .with_code("client_closed_request");
-            e.status = 499;
-            e.with_header(QUEUE_DROP_HEADER, reason.as_str())
-        }
-        DropReason::ModelGone => {
-            ApiError::model_not_found("").with_header(QUEUE_DROP_HEADER, reason.as_str())
-        }
-    }
+    let retry_after_ms = match reason {
+        DropReason::QueueFull | DropReason::TenantLimit | DropReason::Evicted => coordinator
+            .room()
+            .queue
+            .oldest_arrival_ms()
+            .map_or(0, |a| now_ms().saturating_sub(a)),
+        _ => waited_ms,
+    };
+    dropped(reason, seconds(retry_after_ms))
 }

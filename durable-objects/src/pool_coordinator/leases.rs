@@ -2,29 +2,21 @@
 //! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected).
 
 use super::{now_ms, pool_error, ApiResult, PoolCoordinator};
-use crate::call::answer;
+use crate::call::reply;
 use coordinator_protocol::messages::{
-    PrefillDone, PrefillDoneAnswer, ReassignRequest, ReleaseAnswer, ReleaseBatch,
+    PrefillDone, PrefillDoneAnswer, ReassignAnswer, ReassignRequest, ReleaseAnswer, ReleaseBatch,
     ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
 };
-use coordinator_protocol::ApiError;
-use routing_core::coordinator::reassign::{FailedAttempt, RetryRefused};
+use routing_core::coordinator::reassign::RetryRefused;
 use routing_core::coordinator::Release;
+use routing_core::pool::Refusal;
 use worker::console_log;
 
 impl PoolCoordinator {
     pub(super) async fn reassign(&self, req: ReassignRequest) -> ApiResult {
         let (result, performed) = self.with(|shard| {
             let now = now_ms();
-            let attempt = FailedAttempt {
-                lease_id: req.lease_id,
-                to: &req.to,
-                failure: &req.failure,
-                terms: req.terms.as_ref(),
-                block_hashes: &req.block_hashes,
-                missing_model: req.missing_model.as_deref(),
-            };
-            let (done, effects) = shard.coordinator.reassign(&attempt, now);
+            let (done, effects) = shard.coordinator.reassign(&req, now);
             let failed = req.terms.as_ref().map(|t| &t.backend);
             if let (true, Some(backend), Some(model)) =
                 (done.forgot_model, failed, &req.missing_model)
@@ -36,16 +28,16 @@ impl PoolCoordinator {
                 );
             }
             let performed = shard.perform(effects, now);
-            let result = match done.result {
-                Ok(candidate) => answer(200, &candidate),
-                Err(RetryRefused::BudgetExhausted) => Err(ApiError::unavailable(
-                    "The pool's retry budget is exhausted.",
-                    1,
-                )
-                .with_code("retry_budget_exhausted")),
-                Err(RetryRefused::Pool(e)) => Err(pool_error(e)),
+            let answer = match done.result {
+                Ok(candidate) => ReassignAnswer::Moved(candidate),
+                Err(RetryRefused::BudgetExhausted) => {
+                    ReassignAnswer::Refused(Refusal::RetryBudgetExhausted)
+                }
+                Err(RetryRefused::Pool(error)) => {
+                    ReassignAnswer::Refused(Refusal::CannotMove { error })
+                }
             };
-            (result, performed)
+            (reply::<ReassignRequest>(&answer), performed)
         });
         // Its served models changed: probe now rather than at the next round (the coordinator
         // asks at most once per backend and model between probes).
@@ -59,13 +51,10 @@ impl PoolCoordinator {
                 .coordinator
                 .renew(req.lease_id, &req.terms, now_ms())
                 .map_err(pool_error)?;
-            answer(
-                200,
-                &RenewAnswer {
-                    deadline_ms,
-                    reestablished,
-                },
-            )
+            reply::<RenewRequest>(&RenewAnswer {
+                deadline_ms,
+                reestablished,
+            })
         })
     }
 
@@ -79,24 +68,21 @@ impl PoolCoordinator {
                 now,
             );
             let _ = shard.perform(effects, now);
-            answer(200, &PrefillDoneAnswer { ended })
+            reply::<PrefillDone>(&PrefillDoneAnswer { ended })
         })
     }
 
     pub(super) fn release(&self, req: ReleaseRequest) -> ApiResult {
         let released = self.release_all(std::slice::from_ref(&req));
-        answer(
-            200,
-            &ReleaseAnswer {
-                released: released[0],
-            },
-        )
+        reply::<ReleaseRequest>(&ReleaseAnswer {
+            released: released[0],
+        })
     }
 
     /// Several releases in one call, each as [`Self::release`] does it.
     pub(super) fn release_batch(&self, batch: ReleaseBatch) -> ApiResult {
         let released = self.release_all(&batch.releases);
-        answer(200, &ReleaseBatchAnswer { released })
+        reply::<ReleaseBatch>(&ReleaseBatchAnswer { released })
     }
 
     /// Ends each lease with its outcome; its backend's state is written when the lease was live.

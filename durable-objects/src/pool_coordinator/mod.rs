@@ -201,16 +201,9 @@ fn now_ms() -> u64 {
     Date::now().as_millis()
 }
 
+/// A registry or lease operation's error, worded for the caller (`coordinator_protocol::refusal`).
 fn pool_error(e: PoolError) -> ApiError {
-    match e {
-        PoolError::UnknownBackend { .. } => ApiError::not_found(e.to_string()),
-        PoolError::DuplicateBackend { .. } => ApiError::conflict(e.to_string()),
-        PoolError::UnknownLease { .. } => ApiError::not_found(e.to_string()),
-        PoolError::BackendUnavailable { .. } => ApiError::unavailable(e.to_string(), 1),
-        PoolError::InvalidSpec { .. } | PoolError::InvalidTransition { .. } => {
-            ApiError::bad_request(e.to_string())
-        }
-    }
+    ApiError::from(e)
 }
 
 impl DurableObject for PoolCoordinator {

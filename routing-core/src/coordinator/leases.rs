@@ -23,11 +23,7 @@ pub struct Release<'a> {
 impl Coordinator {
     /// A failed attempt before the first byte: retried on its next candidate if the budget
     /// allows (counted as a retry), else the lease ends with the failure.
-    pub fn reassign(
-        &mut self,
-        attempt: &FailedAttempt<'_>,
-        now_ms: u64,
-    ) -> (Reassignment, Effects) {
+    pub fn reassign(&mut self, attempt: &FailedAttempt, now_ms: u64) -> (Reassignment, Effects) {
         let mut effects = Effects::new();
         // A 5xx the lease left earlier may be charged by this move: persist that backend too.
         let deferred = self.pool.deferred_failure(attempt.lease_id);
@@ -38,14 +34,14 @@ impl Coordinator {
             attempt,
             now_ms,
         );
-        let failed = attempt.terms.map(|t| &t.backend);
+        let failed = attempt.terms.as_ref().map(|t| &t.backend);
         let touched = match &done.result {
             Ok(_) => {
                 self.retries += 1;
-                [failed, Some(attempt.to), deferred.as_ref()]
+                [failed, Some(&attempt.to), deferred.as_ref()]
             }
             Err(RetryRefused::BudgetExhausted) => [failed, deferred.as_ref(), None],
-            Err(RetryRefused::Pool(_)) => [failed, Some(attempt.to), deferred.as_ref()],
+            Err(RetryRefused::Pool(_)) => [failed, Some(&attempt.to), deferred.as_ref()],
         };
         self.persist_backends(&touched, &mut effects);
         if done.probe_soon {

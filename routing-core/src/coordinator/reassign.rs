@@ -13,22 +13,28 @@ use crate::backend::BackendId;
 use crate::lease::{LeaseId, LeaseTerms};
 use crate::outcome::Outcome;
 use crate::pool::{CandidateView, Pool, PoolError};
+use serde::{Deserialize, Serialize};
 
-/// One failed attempt, as the Worker reports it.
-#[derive(Debug, Clone, Copy)]
-pub struct FailedAttempt<'a> {
+/// One failed attempt, as the Worker reports it (the body of its `POST /reassign`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailedAttempt {
     /// The lease.
     pub lease_id: LeaseId,
     /// The next candidate.
-    pub to: &'a BackendId,
-    /// How the attempt failed.
-    pub failure: &'a Outcome,
-    /// The lease as the Worker knows it (`backend`: the one that failed).
-    pub terms: Option<&'a LeaseTerms>,
-    /// The request's prompt-prefix block hashes.
-    pub block_hashes: &'a [u64],
-    /// The failed backend answered 404 for this model.
-    pub missing_model: Option<&'a str>,
+    pub to: BackendId,
+    /// How the attempt failed (fed to the failed backend's breaker).
+    pub failure: Outcome,
+    /// The lease as the Worker knows it (`backend`: the one that failed), so a pool that lost the
+    /// lease counts it again and moves it rather than refusing the retry.
+    #[serde(default)]
+    pub terms: Option<LeaseTerms>,
+    /// The request's prompt-prefix block hashes, recorded on `to` once it takes the request
+    /// (base64 on the wire, see [`crate::block_hash_encoding`]).
+    #[serde(default, with = "crate::block_hash_encoding")]
+    pub block_hashes: Vec<u64>,
+    /// The failed backend answered 404 for this model: it does not serve it (any more).
+    #[serde(default)]
+    pub missing_model: Option<String>,
 }
 
 /// Why a retry did not happen.
@@ -57,35 +63,35 @@ pub fn reassign(
     pool: &mut Pool,
     budget: &mut RetryBudget,
     budget_config: &RetryBudgetConfig,
-    attempt: &FailedAttempt<'_>,
+    attempt: &FailedAttempt,
     now_ms: u64,
 ) -> Reassignment {
     // The backend said it lacks the model: true whether or not the request may go on.
-    let forgot_model = match (attempt.missing_model, attempt.terms) {
+    let forgot_model = match (attempt.missing_model.as_deref(), &attempt.terms) {
         (Some(model), Some(terms)) => pool.forget_model(&terms.backend, model).unwrap_or(false),
         _ => false,
     };
-    let probe_soon = match attempt.terms {
+    let probe_soon = match &attempt.terms {
         Some(terms) if forgot_model => pool.ask_probe_soon(&terms.backend, now_ms),
         _ => false,
     };
     if !budget.try_retry(now_ms, budget_config) {
-        pool.release(attempt.lease_id, attempt.failure, now_ms);
+        pool.release(attempt.lease_id, &attempt.failure, now_ms);
         return Reassignment {
             result: Err(RetryRefused::BudgetExhausted),
             forgot_model,
             probe_soon,
         };
     }
-    let (lease, to, failure) = (attempt.lease_id, attempt.to, attempt.failure);
+    let (lease, to, failure) = (attempt.lease_id, &attempt.to, &attempt.failure);
     let mut result = pool.reassign(lease, to, failure, now_ms);
-    if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, attempt.terms) {
+    if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &attempt.terms) {
         if pool.readmit(lease, terms, now_ms).is_ok() {
             result = pool.reassign(lease, to, failure, now_ms);
         }
     }
     if result.is_ok() && !attempt.block_hashes.is_empty() {
-        let _ = pool.record_prefix(to, attempt.block_hashes);
+        let _ = pool.record_prefix(to, &attempt.block_hashes);
     }
     Reassignment {
         result: result.map_err(RetryRefused::Pool),
@@ -148,10 +154,10 @@ mod tests {
         let to = grant.candidates[1].id.clone();
         let attempt = FailedAttempt {
             lease_id: grant.lease_id,
-            to: &to,
-            failure: &timeout(),
+            to: to.clone(),
+            failure: timeout(),
             terms: None,
-            block_hashes: &[7, 8],
+            block_hashes: vec![7, 8],
             missing_model: None,
         };
         let config = RetryBudgetConfig::default();
@@ -177,10 +183,10 @@ mod tests {
         let mut budget = RetryBudget::new();
         let attempt = FailedAttempt {
             lease_id: grant.lease_id,
-            to: &to,
-            failure: &timeout(),
+            to: to.clone(),
+            failure: timeout(),
             terms: None,
-            block_hashes: &[],
+            block_hashes: vec![],
             missing_model: None,
         };
         let done = reassign(&mut pool, &mut budget, &none, &attempt, 2);
@@ -202,11 +208,11 @@ mod tests {
         };
         let attempt = FailedAttempt {
             lease_id: 4242,
-            to: &to,
-            failure: &Outcome::from_status(404),
-            terms: Some(&terms),
-            block_hashes: &[],
-            missing_model: Some("m"),
+            to: to.clone(),
+            failure: Outcome::from_status(404),
+            terms: Some(terms.clone()),
+            block_hashes: vec![],
+            missing_model: Some("m".into()),
         };
         let config = RetryBudgetConfig::default();
         let done = reassign(&mut pool, &mut RetryBudget::new(), &config, &attempt, 2);
@@ -236,11 +242,11 @@ mod tests {
         };
         let attempt = FailedAttempt {
             lease_id: grant.lease_id,
-            to: &to,
-            failure: &Outcome::from_status(404),
-            terms: Some(&terms),
-            block_hashes: &[],
-            missing_model: Some("m"),
+            to: to.clone(),
+            failure: Outcome::from_status(404),
+            terms: Some(terms.clone()),
+            block_hashes: vec![],
+            missing_model: Some("m".into()),
         };
         let config = RetryBudgetConfig::default();
         let mut budget = RetryBudget::new();
@@ -300,9 +306,9 @@ mod tests {
         };
         let again = FailedAttempt {
             lease_id: g.lease_id,
-            to: &other,
-            terms: Some(&terms_now),
-            ..attempt
+            to: other.clone(),
+            terms: Some(terms_now),
+            ..attempt.clone()
         };
         let done = reassign(&mut pool, &mut budget, &config, &again, 300);
         assert!(done.forgot_model);

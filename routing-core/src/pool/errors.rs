@@ -1,8 +1,10 @@
 //! What can go wrong: [`PoolError`] for registry and lease operations, [`AcquireError`] when no
-//! lease is granted.
+//! lease is granted, and [`Refusal`], every reason a pool answers "no" to an acquire or a retry,
+//! as it travels back to the Worker.
 
 use crate::backend::{BackendId, Lifecycle};
 use crate::lease::LeaseId;
+use crate::region::walk::{RefusalKind, WalkRefusal};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -100,6 +102,98 @@ impl fmt::Display for AcquireError {
 }
 
 impl std::error::Error for AcquireError {}
+
+/// Why a pool did not grant a lease (or move one): the core's [`AcquireError`]s, and what the pool
+/// coordinator adds around them (spillover, its queue, its retry budget). It travels to the Worker
+/// typed; `coordinator_protocol` words each one for the client, in one place.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum Refusal {
+    /// No backend in the pool serves the model ([`AcquireError::ModelNotFound`]).
+    ModelNotFound {
+        /// The model asked for.
+        model: String,
+    },
+    /// Backends serve the model but none can take a request now
+    /// ([`AcquireError::NoBackendAvailable`]).
+    NoBackendAvailable {
+        /// Seconds until a breaker cooldown or saturation mark ends.
+        retry_after_s: u64,
+    },
+    /// Every backend is at its admission capacity and the pool does not queue the request
+    /// ([`AcquireError::AtCapacity`]).
+    AtCapacity,
+    /// The pool is saturated and a further pool could take the request: try that one.
+    Saturated,
+    /// Every backend is at its admission capacity and a further pool could take the request: try
+    /// that one (the request did not join this pool's queue).
+    Full,
+    /// The request left the pool's queue: the queue is full.
+    QueueFull {
+        /// Seconds a client should wait.
+        retry_after_s: u32,
+    },
+    /// The request left the pool's queue: its tenant's share of the queue is full.
+    TenantLimit {
+        /// Seconds a client should wait.
+        retry_after_s: u32,
+    },
+    /// The request left the pool's queue: a more urgent request took its place.
+    Evicted {
+        /// Seconds a client should wait.
+        retry_after_s: u32,
+    },
+    /// The request waited in the pool's queue as long as it may.
+    QueueTimeout {
+        /// Seconds a client should wait.
+        retry_after_s: u32,
+    },
+    /// The request's client left while it waited.
+    ClientGone,
+    /// The request waited, and meanwhile no backend of the pool serves its model any more.
+    ModelGone,
+    /// The pool's queue stopped answering while the request waited in it (the Worker's verdict
+    /// after several failed calls in a row).
+    QueueUnavailable,
+    /// A retry: the pool's retry budget is spent (the lease ended with the failure).
+    RetryBudgetExhausted,
+    /// A retry: the pool could not move the lease to the candidate asked for.
+    CannotMove {
+        /// Why.
+        error: PoolError,
+    },
+}
+
+impl From<AcquireError> for Refusal {
+    fn from(e: AcquireError) -> Refusal {
+        match e {
+            AcquireError::ModelNotFound { model } => Refusal::ModelNotFound { model },
+            AcquireError::NoBackendAvailable { retry_after_s } => {
+                Refusal::NoBackendAvailable { retry_after_s }
+            }
+            AcquireError::AtCapacity => Refusal::AtCapacity,
+        }
+    }
+}
+
+impl WalkRefusal for Refusal {
+    fn kind(&self) -> RefusalKind {
+        match self {
+            Refusal::ModelNotFound { .. } | Refusal::ModelGone => RefusalKind::NotServed,
+            Refusal::AtCapacity | Refusal::Full => RefusalKind::Full,
+            Refusal::Saturated => RefusalKind::Saturated,
+            Refusal::NoBackendAvailable { .. }
+            | Refusal::QueueUnavailable
+            | Refusal::RetryBudgetExhausted
+            | Refusal::CannotMove { .. } => RefusalKind::Busy,
+            Refusal::QueueFull { .. }
+            | Refusal::TenantLimit { .. }
+            | Refusal::Evicted { .. }
+            | Refusal::QueueTimeout { .. }
+            | Refusal::ClientGone => RefusalKind::Final,
+        }
+    }
+}
 
 /// Seconds suggested to retry after when no breaker or saturation mark says better (a backend
 /// that is pending, loading or unhealthy waits for the next probe).

@@ -36,7 +36,7 @@ mod views;
 pub use crate::scrape::ScrapedGauges;
 pub use capacity::has_room;
 pub use config::{AdmissionConfig, ConfigError, PoolConfig, MAX_CANDIDATES, MAX_QUEUE};
-pub use errors::{AcquireError, PoolError, DEFAULT_RETRY_AFTER_S};
+pub use errors::{AcquireError, PoolError, Refusal, DEFAULT_RETRY_AFTER_S};
 pub use stats::{BackendReport, BackendStats, PoolStats};
 pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, RouteReceipt};
 

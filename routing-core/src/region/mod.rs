@@ -7,7 +7,9 @@
 //! colo to each pool ([`NetworkModel`]: a configured table refined by its own measurements) and
 //! the prefix it knows a pool holds for the conversation ([`HomePools`]), and
 //! [`order_pools`] puts the pools in the order to try them, with the reason for the first. Pools
-//! outside the request's allowed jurisdictions never take part (residency).
+//! outside the request's allowed jurisdictions never take part (residency). [`PoolWalk`] walks
+//! that order, reading each pool's refusal: spill over, wait at the nearest full pool, fall back
+//! to the nearest saturated one, or stop.
 //!
 //! Everything here is pure: the time, the cards and a uniform random number are inputs.
 
@@ -16,9 +18,11 @@ pub mod home;
 pub mod network;
 pub mod routed;
 pub mod time_card;
+pub mod walk;
 
 pub use choice::{order_pools, ChoiceConfig, ChoiceReason, PoolChoice, PoolOption};
 pub use home::HomePools;
 pub use network::NetworkModel;
 pub use routed::{ChoiceNote, RoutedCounts};
 pub use time_card::TimeCard;
+pub use walk::{Ask, PoolAnswer, PoolWalk, RefusalKind, Turn, Verdict, WalkEnd, WalkRefusal};
