@@ -1,0 +1,283 @@
+//! The OpenAI completion endpoints, from the client's request to the proxied answer: the key and
+//! its token reservation, the body read once and its routing features, the pools ordered on
+//! predicted time (`regions.rs`) or the regional Worker it is handed to (`hop.rs`), the walk over
+//! those pools (`routing_core::region::walk`: nearest first, spill, queue, saturated fallback)
+//! asking each for a lease (`admission.rs`), and, once a pool grants one, the shared request
+//! context, the lease guard and the streaming proxy (`proxy.rs`).
+
+use crate::admission::{self, Asked};
+use crate::lease_guard::{self, Lease, LeaseGuard};
+use crate::request::{self, RequestContext};
+use crate::{do_client, hop, http, keys, proxy, regions, settings};
+use coordinator_protocol::acquire::{AcquireBody, Granted};
+use coordinator_protocol::messages::PoolEntry;
+use coordinator_protocol::ApiError;
+use routing_core::endpoint::Endpoint;
+use routing_core::prompt::endpoint_features;
+use routing_core::region::walk::{Ask, PoolAnswer, PoolWalk, Verdict, WalkEnd};
+use routing_core::region::ChoiceNote;
+use routing_core::resume::check_request;
+use routing_core::shard::shard_of_request;
+use serde_json::Value;
+use std::rc::Rc;
+use worker::*;
+
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+pub async fn handle(
+    mut req: Request,
+    env: &Env,
+    ctx: &Context,
+    endpoint: Endpoint,
+    request_id: &str,
+) -> std::result::Result<Response, ApiError> {
+    if req.method() != Method::Post {
+        return Err(ApiError::method_not_allowed(
+            req.method().as_ref(),
+            endpoint.path(),
+        ));
+    }
+    let settings = settings::settings(env);
+    // A request the edge Worker handed over (regional role only): keys, limits and the pool
+    // order were decided there.
+    let hop_in = hop::incoming(&req, env)?;
+    let key = match hop_in {
+        Some(_) => None,
+        None => keys::identify(&req, env, ctx).await?,
+    };
+    let client = key.as_ref().map(|k| k.hash.clone());
+    let who = match &hop_in {
+        Some(h) => h.who.clone(),
+        None => admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?,
+    };
+    let body = http::read_body_limited(&mut req, settings.max_body_bytes).await?;
+    let parsed: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
+    if !parsed.is_object() {
+        return Err(ApiError::bad_request("request body must be a JSON object"));
+    }
+    let headers = req.headers().clone();
+    let header = move |name: &str| headers.get(name).ok().flatten();
+    let mut features =
+        endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
+            let err = ApiError::bad_request(e.to_string()).with_code(e.code());
+            match e.param() {
+                Some(p) => err.with_param(p),
+                None => err,
+            }
+        })?;
+    features.request_id = request_id.to_string();
+    // Decided from the body read once here: whether a broken stream may be resumed, and the
+    // client headers the backend gets.
+    let resumable = check_request(&parsed, endpoint);
+    let forwarded_headers =
+        request::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
+    let reservation = match (&hop_in, &client) {
+        (Some(h), _) => h.reservation.clone(),
+        (None, Some(client)) => {
+            keys::reserve(
+                env,
+                client,
+                u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
+            )
+            .await?
+        }
+        (None, None) => None,
+    };
+    let stream = features.stream;
+    // Streams report usage only when asked: ask, and take the event out again if the client didn't.
+    let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
+        (Some(h), _) => (body, h.strip_usage_event),
+        (None, true) => request::ask_for_usage(parsed, body)?,
+        (None, false) => (body, false),
+    };
+    let client_signal: AbortSignal = req.inner().signal().into();
+    let hung_up = lease_guard::hang_up(&client_signal);
+    let started = Date::now().as_millis();
+    let planned = match &hop_in {
+        Some(h) => Ok(h.plan()),
+        None => {
+            let listed = do_client::list_pools_cached(env, ctx).await?;
+            regions::plan(&req, env, &settings, listed, &features, started)
+        }
+    };
+    let mut plan = match planned {
+        Ok(plan) => plan,
+        Err(e) => {
+            refund(ctx, env, reservation);
+            return Err(e);
+        }
+    };
+    // The edge hands the request to the chosen pool's regional Worker when one is bound.
+    if hop_in.is_none() {
+        if let Some(regional) = hop::regional_for(env, &plan) {
+            let handoff = hop::Handoff {
+                client: &req,
+                env,
+                plan: &plan,
+                who: &who,
+                reservation: reservation.as_ref(),
+                request_id,
+                strip_usage_event,
+                body: &body,
+            };
+            if let Some(answer) = regional.hand_over(handoff, &features).await {
+                return answer;
+            }
+        }
+    }
+    // The region the Worker runs in, for the modelled network: the client's at the edge, the
+    // pool's region at a regional Worker.
+    let simulate_from = match &hop_in {
+        Some(h) => Some(h.region.clone()),
+        None => plan.client_region.clone(),
+    };
+    let mut simulated_waits = 0u32;
+    let first_pool = plan.pools.first().map(|p| p.name.clone());
+    let reason_for = |pool: &PoolEntry| -> &'static str {
+        match first_pool.as_deref() == Some(pool.name.as_str()) {
+            true => plan.reason.as_str(),
+            false => "spill",
+        }
+    };
+    let pools = std::mem::take(&mut plan.pools);
+    // Nearest first, spilling over, back to the nearest full pool's queue or the nearest
+    // saturated pool when nothing further has room (`routing_core::region::walk`).
+    let mut walk = PoolWalk::new(pools.len(), plan.excluded > 0);
+    // Serialised once, whichever pools are asked and however often a queued request asks again.
+    let mut acquire_body = AcquireBody::new(&features);
+    while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
+        let pool = &pools[pool];
+        // The pool's coordinator shard for this request: by its key, else its first prefix block.
+        let shard = shard_of_request(pool.shards, &features);
+        let pool_choice = reason_for(pool);
+        let note = ChoiceNote {
+            reason: pool_choice.to_string(),
+            cross_region: plan.cross_region(pool),
+        };
+        acquire_body.set_choice(&note);
+        let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), pool);
+        let asked_ms = Date::now().as_millis();
+        if network_delay_ms > 0 {
+            simulated_waits += 1;
+            Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
+        }
+        let admitted = admission::acquire(
+            env,
+            ctx,
+            &hung_up,
+            &pool.name,
+            shard,
+            spill_ok,
+            &acquire_body,
+            &who,
+        );
+        match admitted.await {
+            Asked::Granted(Granted { grant, queued_ms }) => {
+                let disaggregated = !grant.decode_candidates.is_empty();
+                let now = Date::now().as_millis();
+                if queued_ms == 0 {
+                    let rtt = now.saturating_sub(asked_ms);
+                    regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);
+                }
+                if let Some(card) = &grant.card {
+                    regions::fresh_card(&pool.name, card);
+                }
+                let card = grant.card.as_deref().or(pool.card.as_ref());
+                regions::served(env, &pool.name, card, &features, grant.lease_id, now);
+                let mut extra = vec![("x-gateway-pool-choice", pool_choice.to_string())];
+                // The prediction is the planned first pool's, not a spill's.
+                if let (Some(ms), false) = (plan.predicted_ms, pool_choice == "spill") {
+                    extra.push(("x-gateway-pool-predicted-ms", ms.to_string()));
+                }
+                if queued_ms > 0 {
+                    extra.push((
+                        coordinator_protocol::messages::QUEUE_WAIT_HEADER,
+                        queued_ms.to_string(),
+                    ));
+                }
+                if regions::simulating(env) {
+                    // The proxy waits once more, before the backend fetch.
+                    let waits = simulated_waits + u32::from(network_delay_ms > 0);
+                    extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
+                }
+                let route_ms = now.saturating_sub(started);
+                let request = Rc::new(RequestContext {
+                    env: env.clone(),
+                    endpoint,
+                    request_id: request_id.to_string(),
+                    settings,
+                    features,
+                    strip_usage_event,
+                    resumable,
+                    pool: pool.name.clone(),
+                    shard,
+                    pool_choice,
+                    forwarded_headers,
+                    client_signal,
+                    hung_up,
+                });
+                let lease = Lease {
+                    lease_id: grant.lease_id,
+                    backend: grant.backend.clone(),
+                    renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
+                    reservation,
+                };
+                let guard = LeaseGuard::start(&request, ctx, lease);
+                let forward = proxy::Forward {
+                    request,
+                    ctx,
+                    grant,
+                    guard,
+                    body,
+                    route_ms,
+                    extra_headers: extra,
+                    network_delay_ms,
+                };
+                let resp = if disaggregated {
+                    forward.run_disaggregated().await?
+                } else {
+                    forward.run().await?
+                };
+                return Ok(resp);
+            }
+            // The client left: the pool was told.
+            Asked::HungUp => {
+                refund(ctx, env, reservation);
+                return Err(ApiError::client_closed());
+            }
+            Asked::Refused(refusal) => {
+                if let Verdict::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
+                    refund(ctx, env, reservation);
+                    return Err(refusal.into());
+                }
+            }
+            // The pool's object failed: the next pool may still serve the request.
+            Asked::Failed(e) => {
+                console_error!("pool {} failed to answer an acquire: {e}", pool.name);
+                walk.feed(PoolAnswer::Failed);
+            }
+        }
+    }
+    refund(ctx, env, reservation);
+    Err(match walk.end() {
+        WalkEnd::Refused(refusal) => refusal.into(),
+        WalkEnd::NotServed => ApiError::model_not_found(&features.model),
+        WalkEnd::NoAnswer => ApiError::unavailable("No pool could take the request now.", 1),
+        // A restricted request never leaves its jurisdictions: say so when none of them took it.
+        WalkEnd::Residency => regions::residency_error(&plan.allowed),
+    })
+}
+
+/// Gives back a token reservation of a request no pool took.
+fn refund(ctx: &Context, env: &Env, reservation: Option<keys::Reservation>) {
+    if let Some(r) = reservation {
+        let env = env.clone();
+        ctx.wait_until(async move { keys::settle(&env, &r, 0).await });
+    }
+}
+
+/// How often a live request renews its lease: three times per lease period, so one lost renewal
+/// never lets it expire.
+fn renew_interval(ttl_ms: u64) -> std::time::Duration {
+    std::time::Duration::from_millis((ttl_ms / 3).clamp(300, 20_000))
+}
