@@ -44,8 +44,8 @@ struct Ending {
     released: bool,
 }
 
-/// What the guard and its task share.
-struct Record {
+/// The lease as the request runs: what the guard (its handles) and its keeper share.
+struct LeaseState {
     lease_id: LeaseId,
     terms: LeaseTerms,
     attempts: u32,
@@ -62,7 +62,7 @@ struct Record {
     receipt: Option<(BackendId, RouteReceipt)>,
 }
 
-impl Record {
+impl LeaseState {
     /// Records the ending unless one was recorded already (the first ending wins).
     fn end(&mut self, outcome: Outcome, released: bool) -> bool {
         if self.ending.is_some() {
@@ -81,13 +81,13 @@ impl Record {
 }
 
 /// Owned by the guard's handles; the last one dropped ends an unfinished lease as cancelled.
-struct Shared {
-    record: Rc<RefCell<Record>>,
+struct CancelOnLastDrop {
+    state: Rc<RefCell<LeaseState>>,
 }
 
-impl Drop for Shared {
+impl Drop for CancelOnLastDrop {
     fn drop(&mut self) {
-        let mut r = self.record.borrow_mut();
+        let mut r = self.state.borrow_mut();
         r.end(Outcome::of_kind(OutcomeKind::Cancelled), false);
         r.wake();
     }
@@ -96,7 +96,7 @@ impl Drop for Shared {
 /// A handle on a granted lease; clones share it.
 #[derive(Clone)]
 pub struct LeaseGuard {
-    shared: Rc<Shared>,
+    shared: Rc<CancelOnLastDrop>,
 }
 
 /// The lease [`LeaseGuard::start`] guards (the request's pool, shard and client are its
@@ -125,7 +125,7 @@ impl LeaseGuard {
             stream: features.stream,
             request_id: request.request_id.clone(),
         };
-        let record = Rc::new(RefCell::new(Record {
+        let record = Rc::new(RefCell::new(LeaseState {
             lease_id: lease.lease_id,
             terms,
             attempts: 1,
@@ -136,37 +136,37 @@ impl LeaseGuard {
             meter: None,
             receipt: None,
         }));
-        let task = Task {
+        let task = Keeper {
             request: request.clone(),
-            record: record.clone(),
+            state: record.clone(),
             renew_every: lease.renew_every,
             reservation: lease.reservation,
             started_ms: Date::now().as_millis(),
         };
         ctx.wait_until(task.run(woken, request.hung_up.clone()));
         LeaseGuard {
-            shared: Rc::new(Shared { record }),
+            shared: Rc::new(CancelOnLastDrop { state: record }),
         }
     }
 
     /// The lease's id.
     pub fn lease_id(&self) -> LeaseId {
-        self.shared.record.borrow().lease_id
+        self.shared.state.borrow().lease_id
     }
 
     /// The lease as the Worker knows it now.
     pub fn terms(&self) -> LeaseTerms {
-        self.shared.record.borrow().terms.clone()
+        self.shared.state.borrow().terms.clone()
     }
 
     /// The decision's receipt, for the access log line.
     pub fn note_receipt(&self, chosen: &BackendId, receipt: &RouteReceipt) {
-        self.shared.record.borrow_mut().receipt = Some((chosen.clone(), receipt.clone()));
+        self.shared.state.borrow_mut().receipt = Some((chosen.clone(), receipt.clone()));
     }
 
     /// The lease moved to `backend` for another attempt.
     pub fn moved_to(&self, backend: &str) {
-        let mut r = self.shared.record.borrow_mut();
+        let mut r = self.shared.state.borrow_mut();
         r.terms.backend = backend.into();
         r.attempts += 1;
     }
@@ -174,7 +174,7 @@ impl LeaseGuard {
     /// The stream failed mid-answer on `backend` and goes on where the lease moved.
     pub fn resumed_from(&self, backend: &str) {
         self.shared
-            .record
+            .state
             .borrow_mut()
             .resumed_from
             .push(backend.to_string());
@@ -185,7 +185,7 @@ impl LeaseGuard {
     /// the prefill's own failures count against the prefill backend.
     pub fn finish_prefill(&self, outcome: Outcome, decode_backend: &str) {
         {
-            let mut r = self.shared.record.borrow_mut();
+            let mut r = self.shared.state.borrow_mut();
             if r.ending.is_some() || r.prefill.is_some() {
                 return;
             }
@@ -198,7 +198,7 @@ impl LeaseGuard {
     /// The answer started streaming: `meter` says what the client received, which is what it is
     /// charged when no usage is reported (it hung up, or the stream broke before the usage).
     pub fn meter(&self, meter: Box<dyn Fn() -> Metered>) {
-        self.shared.record.borrow_mut().meter = Some(meter);
+        self.shared.state.borrow_mut().meter = Some(meter);
     }
 
     /// Ends the request with `outcome` (the first ending wins); the task releases the lease.
@@ -212,7 +212,7 @@ impl LeaseGuard {
     }
 
     fn end(&self, outcome: Outcome, released: bool) {
-        let mut r = self.shared.record.borrow_mut();
+        let mut r = self.shared.state.borrow_mut();
         if r.end(outcome, released) {
             r.wake();
         }
@@ -243,16 +243,17 @@ pub fn hang_up(signal: &AbortSignal) -> js_sys::Promise {
     })
 }
 
-/// The guard's work in `wait_until`.
-struct Task {
+/// The guard's keeper in `wait_until`: renews the lease, then releases it with the outcome,
+/// settles the tokens and writes the access log line.
+struct Keeper {
     request: Rc<RequestContext>,
-    record: Rc<RefCell<Record>>,
+    state: Rc<RefCell<LeaseState>>,
     renew_every: Duration,
     reservation: Option<Reservation>,
     started_ms: u64,
 }
 
-impl Task {
+impl Keeper {
     async fn run(self, woken: js_sys::Promise, hung_up: js_sys::Promise) {
         let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
@@ -261,14 +262,14 @@ impl Task {
             let tick = Delay::from(renew_every);
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
-                    if self.record.borrow().ending.is_some() {
+                    if self.state.borrow().ending.is_some() {
                         break;
                     }
                     // The prefill stage ended: report it, then wait again (for the ending,
                     // unless it came meanwhile).
                     self.report_prefill().await;
                     let (promise, wake) = signal_promise();
-                    let mut r = self.record.borrow_mut();
+                    let mut r = self.state.borrow_mut();
                     if r.ending.is_some() {
                         break;
                     }
@@ -277,7 +278,7 @@ impl Task {
                 }
                 Either::Left((Either::Right(_), _)) => {
                     // The upstream fetch shares the client's signal, so it is aborted already.
-                    self.record
+                    self.state
                         .borrow_mut()
                         .end(Outcome::of_kind(OutcomeKind::Cancelled), false);
                     break;
@@ -291,7 +292,7 @@ impl Task {
         // A prefill stage that ended in the same turn as the request is reported first.
         self.report_prefill().await;
         let (lease_id, backend, attempts, ending, resumed_from) = {
-            let mut r = self.record.borrow_mut();
+            let mut r = self.state.borrow_mut();
             let ending = r.ending.take().unwrap_or(Ending {
                 outcome: Outcome::of_kind(OutcomeKind::Cancelled),
                 released: false,
@@ -300,8 +301,8 @@ impl Task {
             let backend = r.terms.backend.0.clone();
             (r.lease_id, backend, r.attempts, ending, resumed_from)
         };
-        let request_id = self.record.borrow().terms.request_id.clone();
-        let receipt = self.record.borrow_mut().receipt.take();
+        let request_id = self.state.borrow().terms.request_id.clone();
+        let receipt = self.state.borrow_mut().receipt.take();
         access_log(
             &Served {
                 request_id: &request_id,
@@ -334,8 +335,8 @@ impl Task {
             .await;
         }
         if let Some(reservation) = &self.reservation {
-            let metered = self.record.borrow().meter.as_ref().map(|m| m());
-            let prompt_estimate = self.record.borrow().terms.prompt_tokens;
+            let metered = self.state.borrow().meter.as_ref().map(|m| m());
+            let prompt_estimate = self.state.borrow().terms.prompt_tokens;
             if let Some(actual) = used_tokens(&ending.outcome, metered, prompt_estimate) {
                 keys::settle(&self.request.env, reservation, actual).await;
             }
@@ -344,11 +345,11 @@ impl Task {
 
     /// Tells the pool the prefill stage ended (once).
     async fn report_prefill(&self) {
-        let Some((outcome, backend)) = self.record.borrow_mut().prefill.take() else {
+        let Some((outcome, backend)) = self.state.borrow_mut().prefill.take() else {
             return;
         };
         let req = PrefillDone {
-            lease_id: self.record.borrow().lease_id,
+            lease_id: self.state.borrow().lease_id,
             outcome,
             backend: Some(backend),
         };
@@ -381,7 +382,7 @@ impl Task {
     /// new deadline, when the pool answered.
     async fn renew(&self) -> Option<u64> {
         let req = {
-            let r = self.record.borrow();
+            let r = self.state.borrow();
             RenewRequest {
                 lease_id: r.lease_id,
                 terms: r.terms.clone(),
