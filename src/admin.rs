@@ -21,7 +21,7 @@
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
 use crate::auth::hash_key;
-use crate::do_client::{call, call_raw, error_from_response, list_pools, remember_pool, send, To};
+use crate::do_client::{call, call_raw, error_from_response, list_pools, remember_pool, To};
 use crate::http::{random_hex, read_body_limited, var_or};
 use crate::keys::invalidate;
 use coordinator_protocol::call::{
@@ -127,15 +127,12 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             require_reachable_url(env, &reg.url)?;
             let shards = shard_count(env, &pool).await?;
             let resp = to_every_shard(env, &pool, shards, &reg).await;
-            // The directory lists the pool once it holds a backend. A 409 says it already does:
-            // list it too, so a directory that lost the pool (local state kept across the v3
-            // rename of its class: under wrangler dev the renamed class started empty) finds its
-            // backends again.
-            let holds_backends = match &resp {
-                Ok(_) => true,
-                Err(e) => e.status == 409,
-            };
-            if holds_backends && !list_pools(env).await?.iter().any(|p| p.name == pool) {
+            // The directory lists the pool once it holds a backend. A pool it does not list that
+            // refused the registration is asked whether it holds backends: a directory that lost
+            // the pool (local state kept across the v3 rename of its class: under wrangler dev
+            // the renamed class started empty) finds them again.
+            let listed = list_pools(env).await?.iter().any(|p| p.name == pool);
+            if !listed && (resp.is_ok() || holds_backends(env, &pool).await) {
                 remember_pool(
                     env,
                     &PoolEntry {
@@ -407,8 +404,8 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
         pools.insert(0, h.to_string());
     }
     for pool in pools {
-        let resp = send(env, To::Pool(&pool, 0), &ShowBackend(id.to_string())).await?;
-        if resp.status() == 200 {
+        let list = call(env, To::Pool(&pool, 0), &ListBackends).await?;
+        if list.data.iter().any(|b| b.view.id.0 == id) {
             return Ok(pool);
         }
     }
@@ -455,4 +452,11 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         priority: stored.priority,
     };
     Ok(Response::from_json(&minted)?.with_status(201))
+}
+
+/// Whether the pool's shard 0 holds any backend (false when it cannot say).
+async fn holds_backends(env: &Env, pool: &str) -> bool {
+    call(env, To::Pool(pool, 0), &ListBackends)
+        .await
+        .is_ok_and(|list| !list.data.is_empty())
 }
