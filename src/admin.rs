@@ -32,10 +32,10 @@ use coordinator_protocol::messages::{
     AdminBackend, AdminPatch, BackendRegistration, DeleteAnswer, KeyPatch, PoolDetail, PoolEntry,
     PoolSummary, StoredKey, DEFAULT_POOL,
 };
+use coordinator_protocol::registration::host_is_ip;
 use coordinator_protocol::settings::{validate_name, PoolSettings};
 use coordinator_protocol::ApiError;
 use coordinator_protocol::Call;
-use gateway_durable_objects::registry::host_is_ip;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use worker::{Date, Env, Method, Request, Response};

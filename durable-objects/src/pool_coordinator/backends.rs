@@ -4,10 +4,11 @@
 
 use super::{now_ms, pool_error, ApiResult, PoolCoordinator};
 use crate::call::answer;
-use crate::registry::{validate_models, validate_name, validate_registration, validate_url};
 use coordinator_protocol::messages::{
     AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, ModelsAnswer,
 };
+use coordinator_protocol::registration::{validate_models, validate_registration, validate_url};
+use coordinator_protocol::settings::validate_name;
 use coordinator_protocol::ApiError;
 use routing_core::backend::{BackendId, Lifecycle};
 use routing_core::coordinator::{Coordinator, Deletion};
