@@ -153,6 +153,7 @@ async fn completion(
             endpoint.path(),
         ));
     }
+    let entered_ms = Date::now().as_millis();
     let settings = settings::settings(env);
     // A request the edge Worker handed over (regional role only): keys, limits and the pool
     // order were decided there.
@@ -331,7 +332,12 @@ async fn completion(
                     let waits = simulated_waits + u32::from(network_delay_ms > 0);
                     extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
                 }
-                let route_ms = now.saturating_sub(started);
+                let timing = proxy::Timing {
+                    entered_ms,
+                    route_ms: now.saturating_sub(started),
+                    pre_ms: asked_ms.saturating_sub(entered_ms),
+                    acquire_ms: now.saturating_sub(asked_ms),
+                };
                 let request = Rc::new(RequestContext {
                     env: env.clone(),
                     endpoint,
@@ -360,7 +366,7 @@ async fn completion(
                     grant,
                     guard,
                     body,
-                    route_ms,
+                    timing,
                     extra_headers: extra,
                     network_delay_ms,
                 };
