@@ -12,7 +12,16 @@
 // run the same phase: "pass" returns the body as is (the least any Worker adds), "loop" reads it
 // chunk by chunk into a native stream, as the gateway's relay does.
 //
-//   node bench/overhead.mjs --only latency [--latency-seconds 8]
+// Each gateway phase also splits its time to first byte per request (`breakdown`), from the
+// Worker's `Server-Timing` (whole milliseconds: workerd's clock) and the client's timestamps:
+// `pre` (the Worker before the lease call: key, body, features, pool list, plan), `acquire` (the
+// lease call to the pool's Durable Object), `upstream` (the backend fetch to its first chunk),
+// `after_grant` (the rest of the Worker's time to the response's headers: the guard, the
+// upstream request, the headers), `outside` (client to the Worker's start and the headers back:
+// HTTP into workerd, the runtime's glue, the microtasks before the response leaves) and `relay`
+// (headers to the first body byte: the relay's first write). Parts add up to the client's TTFB.
+//
+//   node bench/overhead.mjs --only latency [--latency-seconds 8] [--latency-concurrency 1,16,64]
 import { chatBody, closedLoop, cpuMeter, floorWorker, gatewayWithSim, pct, streamClient, workerdPid } from "./overhead-lib.mjs";
 
 const POOL = "bench-latency";
@@ -20,6 +29,41 @@ const PROMPT_TOKENS = 128;
 const MAX_TOKENS = 16;
 /** The floors run after the gateway at each concurrency (bench/floor-worker.mjs modes). */
 const FLOOR_MODES = ["pass", "loop"];
+/** The Worker's `Server-Timing` parts the breakdown reads (src/proxy.rs, `Timing`). */
+const TIMING_PARTS = ["pre", "acquire", "upstream", "worker"];
+
+/** One `Server-Timing` part's duration in ms, or NaN when the header lacks it. */
+function timingPart(header, name) {
+  return Number(new RegExp(`(?:^|,)\\s*${name};dur=([0-9.]+)`).exec(header ?? "")?.[1] ?? NaN);
+}
+
+/**
+ * Where each request's time to first byte went (see the file's comment): p50, p99 and mean of
+ * every part over the requests whose header has all of them (null when none has: a build before
+ * the parts existed).
+ */
+export function ttfbBreakdown(records) {
+  const rows = records.flatMap((r) => {
+    const t = Object.fromEntries(TIMING_PARTS.map((n) => [n, timingPart(r.server_timing, n)]));
+    if (TIMING_PARTS.some((n) => Number.isNaN(t[n])) || r.headers_ms === null) return [];
+    return [{
+      pre: t.pre,
+      acquire: t.acquire,
+      upstream: t.upstream,
+      after_grant: t.worker - t.pre - t.acquire - t.upstream,
+      outside: r.headers_ms - t.worker,
+      relay: r.ttfb_ms - r.headers_ms,
+      ttfb: r.ttfb_ms,
+    }];
+  });
+  if (!rows.length) return null;
+  const stat = (xs) => ({ p50: pct(xs, 50), p99: pct(xs, 99), mean: xs.reduce((a, b) => a + b, 0) / xs.length });
+  const parts = Object.fromEntries(Object.keys(rows[0]).map((k) => [k, stat(rows.map((r) => r[k]))]));
+  // The slowest 1%: which part the time went to in the requests that make the p99.
+  const slow = rows.filter((r) => r.ttfb >= parts.ttfb.p99);
+  const slowest_1pct_mean = Object.fromEntries(Object.keys(rows[0]).map((k) => [k, slow.reduce((a, r) => a + r[k], 0) / slow.length]));
+  return { requests: rows.length, parts, slowest_1pct_mean };
+}
 
 async function closedPhase(client, pid, target, model, concurrency, seconds, nonce0) {
   const body = (i) => chatBody(model, PROMPT_TOKENS, MAX_TOKENS, nonce0 + i);
@@ -35,6 +79,7 @@ async function closedPhase(client, pid, target, model, concurrency, seconds, non
     requests_per_s: ok.length / run.wall_s,
     ttfb_ms: { p50: pct(ttfb, 50), p90: pct(ttfb, 90), p99: pct(ttfb, 99) },
     e2e_ms_p50: pct(ok.map((r) => r.e2e_ms), 50),
+    breakdown: ttfbBreakdown(ok),
     workerd_cpu_share: cpu.workerd_cpu_s / cpu.wall_s,
     client_cpu_ms_per_request: (cpu.node_cpu_s * 1000) / Math.max(1, run.results.length),
   };

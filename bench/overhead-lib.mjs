@@ -124,17 +124,18 @@ export async function closedLoop({ concurrency, seconds, maxCalls = Infinity, on
 
 /**
  * A keep-alive HTTP client for one closed-loop phase: `post(url, body)` sends a JSON POST and
- * (with `headers`, if given) resolves with { status, ttfb_ms (to the first body byte), e2e_ms, chunks, bytes,
- * server_timing (the response's header, or null), text? }.
+ * (with `headers`, if given) resolves with { status, headers_ms (to the response's headers), ttfb_ms (to
+ * the first body byte), e2e_ms, chunks, bytes, server_timing (the response's header, or null), text? }.
  */
 export function streamClient(maxSockets) {
   const agent = new http.Agent({ keepAlive: true, maxSockets });
   const post = (url, body, { keepText = false, headers = {} } = {}) =>
     new Promise((resolve) => {
       const t0 = performance.now();
-      const rec = { status: 0, ttfb_ms: null, e2e_ms: null, chunks: 0, bytes: 0 };
+      const rec = { status: 0, headers_ms: null, ttfb_ms: null, e2e_ms: null, chunks: 0, bytes: 0 };
       const parts = [];
       const req = http.request(url, { method: "POST", agent, headers: { "content-type": "application/json", "content-length": Buffer.byteLength(body), ...headers } }, (res) => {
+        rec.headers_ms = performance.now() - t0;
         rec.status = res.statusCode;
         rec.server_timing = res.headers["server-timing"] ?? null;
         res.on("data", (d) => {

@@ -13,7 +13,8 @@
 // bench/results/overhead-<date>.json and .md and prints the markdown.
 //
 //   node bench/overhead.mjs [--only coordinator,worker-cpu,latency] [--seconds 15] [--do-concurrency 16]
-//                           [--cpu-requests 600] [--latency-seconds 8] [--out bench/results/overhead-x]
+//                           [--cpu-requests 600] [--latency-seconds 8] [--latency-concurrency 1,16,64]
+//                           [--out bench/results/overhead-x]
 import { writeFileSync, mkdirSync } from "node:fs";
 import path from "node:path";
 import { ROOT } from "../tests/lib/harness.mjs";
@@ -45,7 +46,10 @@ if (only.has("coordinator")) {
   await timed("coordinator", () => measureCoordinator({ seconds: Number(args.seconds ?? 15), concurrency: Number(args["do-concurrency"] ?? 16) }));
 }
 if (only.has("worker-cpu")) await timed("worker-cpu", () => measureWorkerCpu({ requests: Number(args["cpu-requests"] ?? 600) }));
-if (only.has("latency")) await timed("latency", () => measureLatency({ seconds: Number(args["latency-seconds"] ?? 8) }));
+if (only.has("latency")) await timed("latency", () => measureLatency({
+  seconds: Number(args["latency-seconds"] ?? 8),
+  concurrencies: (args["latency-concurrency"] ?? "1,16,64").split(",").map(Number),
+}));
 result.duration_s = (performance.now() - t0) / 1000;
 result.targets = targets(result.parts);
 
@@ -152,6 +156,28 @@ function markdown(r) {
         ]
         : []),
     );
+    const withParts = la.points.filter((p) => p.gateway.breakdown);
+    if (withParts.length) {
+      const names = [
+        ["pre", "Worker before the lease call (key, body, features, pool list, plan)"],
+        ["acquire", "lease call to the pool's Durable Object"],
+        ["upstream", "backend fetch to its first chunk (from the Worker)"],
+        ["after_grant", "rest of the Worker to the response's headers"],
+        ["outside", "HTTP into workerd and back, runtime glue (client headers - Worker)"],
+        ["relay", "headers to the first body byte (the relay's first write)"],
+        ["ttfb", "gateway TTFB at the client"],
+      ];
+      lines.push(
+        "",
+        "Where the gateway's time to first byte went, per request (ms; `pre`, `acquire`, `upstream` and the Worker's total from its `Server-Timing`, whole ms; " +
+          "the rest from the client's timestamps; the last columns are the mean of each part over the slowest 1% of requests):",
+        "",
+        `| part | ${withParts.map((p) => `c=${p.concurrency} p50 / p99 / mean | c=${p.concurrency} slowest 1%`).join(" | ")} |`,
+        `|---|${withParts.map(() => "---|---|").join("")}`,
+        ...names.map(([k, label]) =>
+          `| ${label} | ${withParts.map((p) => { const b = p.gateway.breakdown; return `${f(b.parts[k].p50)} / ${f(b.parts[k].p99)} / ${f(b.parts[k].mean)} | ${f(b.slowest_1pct_mean[k])}`; }).join(" | ")} |`),
+      );
+    }
   }
   return lines.join("\n") + "\n";
 }

@@ -36,6 +36,7 @@ pub async fn handle(
             endpoint.path(),
         ));
     }
+    let entered_ms = Date::now().as_millis();
     let settings = settings::settings(env);
     // A request the edge Worker handed over (regional role only): keys, limits and the pool
     // order were decided there.
@@ -200,7 +201,12 @@ pub async fn handle(
                     let waits = simulated_waits + u32::from(network_delay_ms > 0);
                     extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
                 }
-                let route_ms = now.saturating_sub(started);
+                let timing = proxy::Timing {
+                    entered_ms,
+                    route_ms: now.saturating_sub(started),
+                    pre_ms: asked_ms.saturating_sub(entered_ms),
+                    acquire_ms: now.saturating_sub(asked_ms),
+                };
                 let request = Rc::new(RequestContext {
                     env: env.clone(),
                     endpoint,
@@ -229,7 +235,7 @@ pub async fn handle(
                     grant,
                     guard,
                     body,
-                    route_ms,
+                    timing,
                     extra_headers: extra,
                     network_delay_ms,
                 };

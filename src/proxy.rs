@@ -48,13 +48,42 @@ pub struct Forward<'a> {
     pub guard: LeaseGuard,
     /// The request body as sent upstream.
     pub body: Vec<u8>,
-    /// Time spent choosing a backend (pool lookup and lease), for `Server-Timing`.
-    pub route_ms: u64,
+    /// Where the time before the attempts went, for `Server-Timing`.
+    pub timing: Timing,
     /// Headers the pool walk adds (the pool choice, the queue wait).
     pub extra_headers: Vec<(&'static str, String)>,
     /// A modelled edge-to-pool round trip waited out before the first attempt (local runs with
     /// `SIMULATE_NETWORK` only; 0 on the platform).
     pub network_delay_ms: u64,
+}
+
+/// Where a request's time to its response went before the attempts, for `Server-Timing` (whole
+/// milliseconds: workerd's clock).
+pub struct Timing {
+    /// When the Worker started on the request.
+    pub entered_ms: u64,
+    /// Choosing a backend: the pool list, the plan and the lease calls (`route`).
+    pub route_ms: u64,
+    /// From the start to sending the lease call that granted: key, body, features, pool list,
+    /// plan, and the calls to pools that refused (`pre`).
+    pub pre_ms: u64,
+    /// That lease call to the pool's Durable Object, its wait in the pool's queue (and a modelled
+    /// round trip, `SIMULATE_NETWORK`) included (`acquire`).
+    pub acquire_ms: u64,
+}
+
+impl Timing {
+    /// The header's value: `route` and `upstream` (the attempts, to the first chunk), then the
+    /// finer parts, `pre`, `acquire`, and `worker` (the start to the response's headers).
+    fn header_value(&self, upstream_ms: u64) -> String {
+        let worker_ms = worker::Date::now()
+            .as_millis()
+            .saturating_sub(self.entered_ms);
+        format!(
+            "route;dur={}, upstream;dur={upstream_ms}, pre;dur={}, acquire;dur={}, worker;dur={worker_ms}",
+            self.route_ms, self.pre_ms, self.acquire_ms
+        )
+    }
 }
 
 impl Forward<'_> {
@@ -170,14 +199,9 @@ impl Forward<'_> {
         for (k, v) in &self.extra_headers {
             set(k, v)?;
         }
-        // Where the time to the first byte went: routing (pools, lease) and the upstream attempts.
-        set(
-            "server-timing",
-            &format!(
-                "route;dur={}, upstream;dur={}",
-                self.route_ms, answer.ttfb_ms
-            ),
-        )?;
+        // Where the time to the first byte went: routing (pools, lease), the upstream attempts,
+        // and the Worker's parts.
+        set("server-timing", &self.timing.header_value(answer.ttfb_ms))?;
         if let Some(p) = &prefill_backend {
             set("x-gateway-prefill-backend", p)?;
         }
