@@ -33,7 +33,7 @@ use coordinator_protocol::messages::{
     PoolSummary, StoredKey, DEFAULT_POOL,
 };
 use coordinator_protocol::registration::host_is_ip;
-use coordinator_protocol::settings::{validate_name, PoolSettings};
+use coordinator_protocol::settings::{validate_name, validate_residency, PoolSettings};
 use coordinator_protocol::ApiError;
 use coordinator_protocol::Call;
 use serde::de::DeserializeOwned;
@@ -67,6 +67,7 @@ struct KeyListing {
     name: String,
     created_ms: u64,
     priority: i32,
+    residency: Vec<String>,
 }
 
 /// A freshly minted key: the only time the key itself is shown.
@@ -77,6 +78,7 @@ struct MintedKey {
     key: String,
     created_ms: u64,
     priority: i32,
+    residency: Vec<String>,
 }
 
 /// Parses an admin body as `T` (400 naming `what` when it is not one).
@@ -268,6 +270,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                     name: k.name,
                     created_ms: k.created_ms,
                     priority: k.priority,
+                    residency: k.residency,
                 })
                 .collect();
             json_ok(&list(data))
@@ -278,6 +281,9 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let patch: KeyPatch = parse(&text, "key patch")?;
             if let Some(p) = patch.priority {
                 crate::admission::validate_priority(p)?;
+            }
+            if let Some(r) = &patch.residency {
+                validate_residency(r)?;
             }
             let patch = PatchKey {
                 id: id.to_string(),
@@ -417,6 +423,8 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
 struct MintRequest {
     name: String,
     priority: i32,
+    /// Jurisdictions the key's requests may be served in (empty: anywhere the pools allow).
+    residency: Vec<String>,
 }
 
 /// `POST /admin/keys`: mints a client key, stores its hash, and shows the key this once.
@@ -434,6 +442,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         );
     }
     crate::admission::validate_priority(mint.priority)?;
+    validate_residency(&mint.residency)?;
     let key = format!("sk-gw-{}", random_hex(24));
     let stored = StoredKey {
         id: format!("key-{}", random_hex(6)),
@@ -441,6 +450,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         hash: hash_key(&key),
         created_ms: Date::now().as_millis(),
         priority: mint.priority,
+        residency: mint.residency,
     };
     let stored = call(env, To::Directory, &stored).await?;
     invalidate();
@@ -450,6 +460,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         key,
         created_ms: stored.created_ms,
         priority: stored.priority,
+        residency: stored.residency,
     };
     Ok(Response::from_json(&minted)?.with_status(201))
 }

@@ -98,7 +98,16 @@ pub async fn handle(
         Some(h) => Ok(h.plan()),
         None => {
             let listed = do_client::list_pools_cached(env, ctx).await?;
-            regions::plan(&req, env, &settings, listed, &features, started)
+            let key_residency = key.as_ref().map_or(&[][..], |k| k.residency.as_slice());
+            regions::plan(
+                &req,
+                env,
+                &settings,
+                listed,
+                &features,
+                key_residency,
+                started,
+            )
         }
     };
     let mut plan = match planned {

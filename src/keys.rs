@@ -78,6 +78,9 @@ pub struct ClientKey {
     pub tenant: String,
     /// The admission priority configured for the key (0 for `CLIENT_API_KEYS` keys).
     pub priority: i32,
+    /// The jurisdictions its requests may be served in (empty: anywhere the pools allow; always
+    /// empty for `CLIENT_API_KEYS` keys).
+    pub residency: Vec<String>,
 }
 
 /// Checks the client's bearer key when keys are configured; returns who it is, or `None` when the
@@ -118,6 +121,7 @@ pub async fn identify(
                 hash: given.clone(),
                 tenant: format!("env-{}", &h[..12]),
                 priority: 0,
+                residency: Vec::new(),
             });
         }
     }
@@ -127,6 +131,7 @@ pub async fn identify(
                 hash: given.clone(),
                 tenant: k.id.clone(),
                 priority: k.priority,
+                residency: k.residency.clone(),
             });
         }
     }

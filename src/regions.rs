@@ -187,13 +187,16 @@ impl Plan {
     }
 }
 
-/// Orders `pools` for the request with `features`; a 503 when residency leaves no pool.
+/// Orders `pools` for the request with `features`; a 503 when residency leaves no pool. A client
+/// key's `residency` restricts the request as the nearest pool's does; with both, it may go only
+/// where both allow.
 pub fn plan(
     req: &Request,
     env: &Env,
     settings: &Settings,
     pools: Vec<PoolEntry>,
     features: &RequestFeatures,
+    key_residency: &[String],
     now_ms: u64,
 ) -> Result<Plan, ApiError> {
     let region = client_region(req, settings);
@@ -224,12 +227,14 @@ pub fn plan(
             )
         })
     });
-    // Residency: the nearest pool's rule, when the client is in its region.
-    let allowed: Vec<String> = pools
+    // Residency: the nearest pool's rule, when the client is in its region, and the key's.
+    let pool_rule: Vec<String> = pools
         .iter()
         .find(|p| region.as_deref() == Some(p.region.as_str()) && !p.residency.is_empty())
         .map(|p| p.residency.clone())
         .unwrap_or_default();
+    let allowed =
+        both_allow(&pool_rule, key_residency).ok_or_else(|| residency_error(key_residency))?;
     let listed = pools.len();
     if !allowed.is_empty() {
         pools.retain(|p| allowed_in(&p.jurisdiction, &allowed));
@@ -284,6 +289,19 @@ pub fn plan(
         excluded,
         client_region: region,
     })
+}
+
+/// The jurisdictions both rules allow (an empty rule allows anywhere; empty: anywhere); `None`
+/// when two restrictions share no jurisdiction.
+fn both_allow(a: &[String], b: &[String]) -> Option<Vec<String>> {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => Some(b.to_vec()),
+        (_, true) => Some(a.to_vec()),
+        _ => {
+            let both: Vec<String> = a.iter().filter(|j| b.contains(j)).cloned().collect();
+            (!both.is_empty()).then_some(both)
+        }
+    }
 }
 
 /// The answer when no pool in the allowed jurisdictions can take a request.

@@ -213,6 +213,77 @@ test("residency: a restricted region's requests never leave its jurisdiction, un
   assert.equal(other.pool, us.name);
 });
 
+test("residency on a client key: its requests go only where the key allows, whatever is nearer; patched, the rule follows", async () => {
+  const g = await startGateway({ bindings: BINDINGS });
+  try {
+    const usSim = await sim(["--model", "kres"]);
+    const euSim = await sim(["--model", "kres"]);
+    const us = await addPool(g, { region: "r-us", settings: { jurisdiction: "us" }, delayMs: 1, backends: [{ sim: usSim, models: ["kres"] }] });
+    const eu = await addPool(g, { region: "r-eu", settings: { jurisdiction: "eu" }, delayMs: 1, backends: [{ sim: euSim, models: ["kres"] }] });
+    const posts = (pool) => pool.proxies.reduce((n, p) => n + p.posts, 0);
+    const mint = async (body) => {
+      const r = await g.admin("/admin/keys", { method: "POST", body });
+      const text = await r.text();
+      assert.equal(r.status, 201, text);
+      return JSON.parse(text);
+    };
+    const euOnly = await mint({ name: "eu-only", residency: ["eu"] });
+    assert.deepEqual(euOnly.residency, ["eu"]);
+    const free = await mint({ name: "anywhere" });
+    const send = async (key) => {
+      const r = await g.fetch("/v1/chat/completions", {
+        method: "POST",
+        headers: { "content-type": "application/json", "x-gateway-region": "r-us", authorization: `Bearer ${key.key}` },
+        body: chatBody("kres"),
+      });
+      return { status: r.status, body: await r.text(), pool: r.headers.get("x-gateway-pool") };
+    };
+    // A client in r-us: the free key is served next door, the eu key only in the eu.
+    for (let i = 0; i < 3; i++) {
+      const r = await send(free);
+      assert.equal(r.status, 200, r.body);
+      assert.equal(r.pool, us.name);
+    }
+    const usBefore = posts(us);
+    for (let i = 0; i < 4; i++) {
+      const r = await send(euOnly);
+      assert.equal(r.status, 200, r.body);
+      assert.equal(r.pool, eu.name, "an eu-only key's request is served in the eu");
+    }
+    assert.equal(posts(us), usBefore, "the us pool received none of the eu key's requests");
+    // Restricted to a jurisdiction no pool has: a clear 503, and nothing sent anywhere.
+    const patch = async (body) => {
+      const r = await g.admin(`/admin/keys/${euOnly.id}`, { method: "PATCH", body });
+      const text = await r.text();
+      assert.equal(r.status, 200, text);
+      return JSON.parse(text);
+    };
+    assert.deepEqual((await patch({ residency: ["ch"] })).residency, ["ch"]);
+    const sentBefore = posts(us) + posts(eu);
+    const refused = await send(euOnly);
+    assert.equal(refused.status, 503, refused.body);
+    const err = JSON.parse(refused.body).error;
+    assert.equal(err.code, "residency_unavailable");
+    assert.match(err.message, /ch/);
+    assert.equal(posts(us) + posts(eu), sentBefore, "no pool received the request");
+    const listed = (await (await g.admin("/admin/keys")).json()).data;
+    assert.deepEqual(listed.find((k) => k.id === euOnly.id).residency, ["ch"]);
+    assert.deepEqual(listed.find((k) => k.id === free.id).residency, []);
+    // Lifted: the nearest pool again.
+    assert.deepEqual((await patch({ residency: [] })).residency, []);
+    const lifted = await send(euOnly);
+    assert.equal(lifted.status, 200, lifted.body);
+    assert.equal(lifted.pool, us.name);
+    // Bad lists are refused with the parameter named.
+    for (const residency of [["not a name"], Array.from({ length: 17 }, (_, i) => `j${i}`)]) {
+      const bad = await g.admin("/admin/keys", { method: "POST", body: { name: "bad", residency } });
+      assert.equal(bad.status, 400, await bad.text());
+    }
+  } finally {
+    await g.close();
+  }
+});
+
 test("a pool whose card is stale is not trusted: requests stay in the nearest pool", async () => {
   const g = await startGateway({ bindings: { ...BINDINGS, TIME_CARD_MAX_AGE_MS: "1" } });
   closers.push(g);

@@ -37,6 +37,7 @@ const SEAL_KEY: StoredKey = StoredKey {
     hash: String::new(),
     created_ms: 0,
     priority: 0,
+    residency: Vec::new(),
 };
 
 /// Every pool and every minted client key, in the object's SQLite database.
@@ -45,6 +46,40 @@ pub struct GatewayDirectory {
     state: State,
     /// Each pool's latest time card.
     cards: RefCell<HashMap<String, TimeCard>>,
+}
+
+/// A row of the `keys` table (residency as comma-separated names).
+#[derive(Deserialize)]
+struct KeyRow {
+    id: String,
+    name: String,
+    hash: String,
+    created_ms: u64,
+    priority: i32,
+    residency: Option<String>,
+}
+
+impl KeyRow {
+    fn into_key(self) -> StoredKey {
+        StoredKey {
+            id: self.id,
+            name: self.name,
+            hash: self.hash,
+            created_ms: self.created_ms,
+            priority: self.priority,
+            residency: split_list(self.residency),
+        }
+    }
+}
+
+/// A comma-separated column as its names (none when empty or absent).
+fn split_list(column: Option<String>) -> Vec<String> {
+    column
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 /// A row of the `pools` table (residency as comma-separated names).
@@ -74,6 +109,7 @@ impl DurableObject for GatewayDirectory {
             "INSERT OR IGNORE INTO meta (name, value) SELECT 'keys_minted', 1 WHERE EXISTS (SELECT 1 FROM keys)",
             "ALTER TABLE pools ADD COLUMN jurisdiction TEXT",
             "ALTER TABLE pools ADD COLUMN residency TEXT",
+            "ALTER TABLE keys ADD COLUMN residency TEXT",
         ] {
             // An ALTER fails harmlessly once its column exists.
             let _ = sql.exec(ddl, None);
@@ -118,12 +154,13 @@ impl GatewayDirectory {
                 reply::<PutCard>(&CardAnswer { known })
             }
             Route::ListKeys => {
-                let keys: Vec<StoredKey> = self
+                let rows: Vec<KeyRow> = self
                     .sql(
-                        "SELECT id, name, hash, created_ms, priority FROM keys ORDER BY created_ms",
+                        "SELECT id, name, hash, created_ms, priority, residency FROM keys ORDER BY created_ms",
                         vec![],
                     )?
                     .to_array()?;
+                let keys: Vec<StoredKey> = rows.into_iter().map(KeyRow::into_key).collect();
                 if keys.is_empty() && self.keys_minted()? {
                     return reply::<ListKeys>(&vec![SEAL_KEY]);
                 }
@@ -132,13 +169,14 @@ impl GatewayDirectory {
             Route::AddKey => {
                 let k: StoredKey = read_body(req, "key").await?;
                 self.sql(
-                    "INSERT INTO keys (id, name, hash, created_ms, priority) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO keys (id, name, hash, created_ms, priority, residency) VALUES (?, ?, ?, ?, ?, ?)",
                     vec![
                         k.id.clone().into(),
                         k.name.clone().into(),
                         k.hash.clone().into(),
                         (k.created_ms as i64).into(),
                         (k.priority as i64).into(),
+                        k.residency.join(",").into(),
                     ],
                 )?;
                 self.sql(
@@ -148,18 +186,43 @@ impl GatewayDirectory {
                 reply::<StoredKey>(&k)
             }
             Route::PatchKey(id) => {
-                let KeyPatch { priority } = read_body(req, "key patch").await?;
-                let Some(priority) = priority else {
-                    return Err(ApiError::bad_request("nothing to change: send `priority`"));
-                };
+                let KeyPatch {
+                    priority,
+                    residency,
+                } = read_body(req, "key patch").await?;
+                if priority.is_none() && residency.is_none() {
+                    return Err(ApiError::bad_request(
+                        "nothing to change: send `priority` or `residency`",
+                    ));
+                }
                 let cursor = self.sql(
-                    "UPDATE keys SET priority = ? WHERE id = ?",
-                    vec![(priority as i64).into(), id.clone().into()],
+                    "UPDATE keys SET priority = COALESCE(?, priority), residency = COALESCE(?, residency) WHERE id = ?",
+                    vec![
+                        priority.map_or(SqlStorageValue::Null, |p| (p as i64).into()),
+                        residency
+                            .map_or(SqlStorageValue::Null, |r| r.join(",").into()),
+                        id.clone().into(),
+                    ],
                 )?;
                 if cursor.rows_written() == 0 {
                     return Err(ApiError::not_found(format!("no key `{id}`")));
                 }
-                reply::<PatchKey>(&KeyPatchAnswer { id, priority })
+                let rows: Vec<KeyRow> = self
+                    .sql(
+                        "SELECT id, name, hash, created_ms, priority, residency FROM keys WHERE id = ?",
+                        vec![id.clone().into()],
+                    )?
+                    .to_array()?;
+                let key = rows
+                    .into_iter()
+                    .next()
+                    .map(KeyRow::into_key)
+                    .ok_or_else(|| ApiError::not_found(format!("no key `{id}`")))?;
+                reply::<PatchKey>(&KeyPatchAnswer {
+                    id,
+                    priority: key.priority,
+                    residency: key.residency,
+                })
             }
             Route::DeleteKey(id) => {
                 let cursor = self.sql("DELETE FROM keys WHERE id = ?", vec![id.clone().into()])?;
@@ -229,13 +292,7 @@ impl GatewayDirectory {
                 shards: r.shards,
                 shard_objects: r.shard_objects,
                 jurisdiction: r.jurisdiction.unwrap_or_default(),
-                residency: r
-                    .residency
-                    .unwrap_or_default()
-                    .split(',')
-                    .filter(|j| !j.is_empty())
-                    .map(str::to_string)
-                    .collect(),
+                residency: split_list(r.residency),
             })
             .collect())
     }

@@ -492,6 +492,9 @@ pub struct StoredKey {
     /// Admission priority of the key's requests (higher is served first; default 0).
     #[serde(default)]
     pub priority: i32,
+    /// The jurisdictions the key's requests may be served in (empty: wherever the pools allow).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub residency: Vec<String>,
 }
 
 /// Body of `PATCH /keys/{id}`.
@@ -500,6 +503,8 @@ pub struct StoredKey {
 pub struct KeyPatch {
     /// New admission priority.
     pub priority: Option<i32>,
+    /// New jurisdictions (an empty list lifts the restriction).
+    pub residency: Option<Vec<String>>,
 }
 
 /// The answer to `PATCH /keys/{id}`.
@@ -509,6 +514,9 @@ pub struct KeyPatchAnswer {
     pub id: String,
     /// Its priority now.
     pub priority: i32,
+    /// Its jurisdictions now.
+    #[serde(default)]
+    pub residency: Vec<String>,
 }
 
 // ---- Client rate limits --------------------------------------------------------------------

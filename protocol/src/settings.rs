@@ -16,6 +16,17 @@ const LOCATION_HINTS: [&str; 9] = [
     "wnam", "enam", "sam", "weur", "eeur", "apac", "oc", "afr", "me",
 ];
 
+/// Checks a list of jurisdictions (a key's or a pool's residency): at most 16 names.
+pub fn validate_residency(list: &[String]) -> Result<(), ApiError> {
+    if list.len() > 16 {
+        return Err(
+            ApiError::bad_request("residency lists at most 16 jurisdictions")
+                .with_param("residency"),
+        );
+    }
+    list.iter().try_for_each(|j| validate_name("residency", j))
+}
+
 /// Checks a name used as an id, pool or region: printable, no path or label metacharacters.
 pub fn validate_name(field: &str, value: &str) -> Result<(), ApiError> {
     let ok = !value.is_empty()
@@ -101,15 +112,7 @@ impl PoolSettings {
         if !self.jurisdiction.is_empty() {
             validate_name("jurisdiction", &self.jurisdiction)?;
         }
-        if self.residency.len() > 16 {
-            return Err(
-                ApiError::bad_request("residency lists at most 16 jurisdictions")
-                    .with_param("residency"),
-            );
-        }
-        for j in &self.residency {
-            validate_name("residency", j)?;
-        }
+        validate_residency(&self.residency)?;
         if !(self.saturation_waiting_per_backend.is_finite()
             && self.saturation_waiting_per_backend >= 0.0)
         {
