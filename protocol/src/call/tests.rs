@@ -171,6 +171,7 @@ fn answers_keep_their_statuses_and_bodies() {
         hash: "h".into(),
         created_ms: 1,
         priority: 0,
+        residency: vec!["eu".into()],
     };
     let (reply, back) = through_the_wire(&key);
     assert_eq!(reply.status, 201);
