@@ -35,6 +35,9 @@ pub struct LeaseShare {
     pub trial: bool,
     /// What the time model predicted for it there, for learning at release.
     pub predicted: SharePrediction,
+    /// The time to first token the pool predicted when it chose the backend (whole ms; `None`
+    /// for a retry's share or a restored lease): its error is measured at release.
+    pub predicted_ttft_ms: Option<u32>,
 }
 
 /// A request in flight.
@@ -192,6 +195,7 @@ mod tests {
                 output_tokens: 1,
                 trial: false,
                 predicted: SharePrediction::default(),
+                predicted_ttft_ms: None,
             },
             decode: None,
             acquired_ms: 0,

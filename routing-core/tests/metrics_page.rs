@@ -163,6 +163,13 @@ fn queue_page() -> String {
 #[test]
 fn the_page_is_as_pinned() {
     let page = pool_page() + &queue_page();
+    // `BLESS=1 cargo test --test metrics_page` rewrites the pin after a deliberate change (review
+    // the diff: the writer must not change a line by itself).
+    if std::env::var_os("BLESS").is_some() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/metrics_page.txt");
+        std::fs::write(path, &page).unwrap();
+        return;
+    }
     let pinned = include_str!("data/metrics_page.txt");
     if page != pinned {
         for (i, (got, want)) in page.lines().zip(pinned.lines()).enumerate() {

@@ -218,6 +218,7 @@ impl Pool {
             trial: false,
             // Nothing was predicted for it: it teaches the time model nothing.
             predicted: SharePrediction::default(),
+            predicted_ttft_ms: None,
         };
         let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
         let lease = Lease {
@@ -255,6 +256,11 @@ impl Pool {
             entry
                 .timing
                 .learn(&time_model, &lease.primary.predicted, &seen);
+            if let (Some(predicted), Some(seen)) =
+                (lease.primary.predicted_ttft_ms, outcome.ttfb_ms)
+            {
+                entry.stats.record_prediction(u64::from(predicted), seen);
+            }
         }
     }
 

@@ -67,7 +67,7 @@ const HEALTH_STATES: [HealthState; 4] = [
 ];
 
 /// The families with a series per backend, in page order.
-fn backend_families<'r>() -> [Family<BackendReport<'r>>; 18] {
+fn backend_families<'r>() -> [Family<BackendReport<'r>>; 20] {
     [
         Kind::Counter.family(
             "llm_gateway_requests_total",
@@ -183,6 +183,16 @@ fn backend_families<'r>() -> [Family<BackendReport<'r>>; 18] {
             "llm_gateway_request_duration_seconds",
             "Time from grant to release.",
             |e, s| s.histogram(&[("backend", e.view.id.as_str())], &e.stats.duration),
+        ),
+        Kind::Histogram.family(
+            "llm_gateway_ttft_prediction_error_seconds",
+            "How far a successful request's first byte came from the time to first token predicted when its backend was chosen, either way.",
+            |e, s| s.histogram(&[("backend", e.view.id.as_str())], &e.stats.prediction_error),
+        ),
+        Kind::Counter.family(
+            "llm_gateway_ttft_predicted_late_total",
+            "Successful requests whose first byte came later than predicted.",
+            |e, s| one(s, e, e.stats.predicted_late as f64),
         ),
     ]
 }

@@ -29,9 +29,22 @@ pub struct BackendStats {
     pub completion_tokens: u64,
     /// Streams that failed after their first byte, by [`StreamResume::index`].
     pub stream_resumes: [u64; StreamResume::LABELS.len()],
+    /// How far the first byte came from the time to first token predicted when the backend was
+    /// chosen (successful first choices only), either way.
+    pub prediction_error: Histogram,
+    /// Of those, first bytes that came later than predicted.
+    pub predicted_late: u64,
 }
 
 impl BackendStats {
+    /// Counts how a successful request's first byte (`seen_ms`) compared with the time to first
+    /// token predicted for it (`predicted_ms`).
+    pub fn record_prediction(&mut self, predicted_ms: u64, seen_ms: u64) {
+        self.prediction_error
+            .observe(predicted_ms.abs_diff(seen_ms));
+        self.predicted_late += u64::from(seen_ms > predicted_ms);
+    }
+
     /// Counts one released share.
     pub fn record_outcome(&mut self, outcome: &Outcome, duration_ms: u64) {
         self.outcomes[outcome.kind.index()] += 1;

@@ -45,6 +45,10 @@ impl Pool {
             return Err(no_backend);
         };
         primary.predicted.add_wait(chosen.wait_ms);
+        if chosen.ttft_ms.is_finite() {
+            primary.predicted_ttft_ms =
+                Some(chosen.ttft_ms.round().clamp(0.0, f64::from(u32::MAX)) as u32);
+        }
         let decode = match decode_slot {
             Some(slot) => {
                 let prompt = u64::from(features.prompt_tokens);
@@ -96,6 +100,7 @@ impl Pool {
             output_tokens,
             trial,
             predicted,
+            predicted_ttft_ms: None,
         })
     }
 }
