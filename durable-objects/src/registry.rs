@@ -6,8 +6,9 @@
 use coordinator_protocol::messages::BackendRegistration;
 pub use coordinator_protocol::settings::validate_name;
 use coordinator_protocol::ApiError;
-use routing_core::backend::{BackendId, BackendSpec, Capacity, Role};
+use routing_core::backend::{BackendId, BackendSpec, Capacity};
 use routing_core::pool::BackendSnapshot;
+use routing_core::request::role::Role;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use worker::{SqlStorage, Url};

@@ -9,9 +9,9 @@ use coordinator_protocol::messages::{
     AdminBackend, AdminPatch, BackendList, BackendRegistration, DeleteAnswer, ModelsAnswer,
 };
 use coordinator_protocol::ApiError;
+use routing_core::backend::health::HealthState;
 use routing_core::backend::{BackendId, Lifecycle};
 use routing_core::coordinator::{Coordinator, Deletion};
-use routing_core::health::HealthState;
 use routing_core::pool::BackendView;
 
 impl PoolCoordinator {
