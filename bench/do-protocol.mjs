@@ -3,8 +3,8 @@
 // Plain JavaScript with no Node imports: it runs both in Node and inside workerd (bench/do-driver.mjs).
 //
 // As of 2026-12-01 (protocol/src/acquire.rs, protocol/src/messages.rs): POST /acquire takes
-// {"features": routing_core::prompt::RequestFeatures} as JSON, the block hashes as base64 (no
-// padding) of little-endian u64s (routing_core::block_hash_encoding), and answers a
+// {"features": routing_core::request::prompt::RequestFeatures} as JSON, the block hashes as base64 (no
+// padding) of little-endian u64s (routing_core::request::block_hash_encoding), and answers a
 // routing_core::pool::Grant as JSON; POST /release takes a ReleaseRequest and answers
 // {"released": bool}. Every call carries the pool's name in the `x-gateway-pool` header.
 

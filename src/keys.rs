@@ -17,7 +17,7 @@ use crate::do_client::{call, stale_while_revalidate, CacheSlot, To};
 use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::ApiError;
-use routing_core::rate_limit::RateLimits;
+use routing_core::request::rate_limit::RateLimits;
 use std::cell::RefCell;
 use worker::{Context, Date, Env, Request};
 

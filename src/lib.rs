@@ -33,7 +33,7 @@ pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 use coordinator_protocol::call::EnsureProbeAlarm;
 use coordinator_protocol::ApiError;
 use do_client::To;
-use routing_core::endpoint::Endpoint;
+use routing_core::request::endpoint::Endpoint;
 use serde_json::json;
 use worker::*;
 

@@ -19,12 +19,12 @@ use crate::http::var_or;
 use crate::settings::Settings;
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
-use routing_core::prompt::RequestFeatures;
+use routing_core::policy::ring::key_hash;
 use routing_core::region::choice::allowed_in;
 use routing_core::region::{
     order_pools, ChoiceConfig, ChoiceReason, HomePools, NetworkModel, PoolOption, TimeCard,
 };
-use routing_core::ring::key_hash;
+use routing_core::request::prompt::RequestFeatures;
 use std::cell::{OnceCell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use worker::{Env, Request};

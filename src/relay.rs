@@ -1,6 +1,6 @@
 //! The streamed answer's way to the client: a small JavaScript loop (`relay_pump`) reads the upstream
 //! body and hands each chunk, synchronously, to a wasm function that passes it on and lets
-//! `routing_core::usage`'s scanner read it on the way (the backend's usage, and the usage event to
+//! `routing_core::stream::usage`'s scanner read it on the way (the backend's usage, and the usage event to
 //! take out when the client did not ask for it); what it returns is written to the client's side,
 //! the platform's native `IdentityTransformStream`. Whole events go out as the same JS chunk; only
 //! a trailing partial event is held until its end arrives. (A `TransformStream` with a wasm
@@ -21,15 +21,15 @@
 //! `data: [DONE]`.
 //!
 //! For a stream that could be resumed, the relay also reads the answer the client receives
-//! ([`Relay::collect`], `routing_core::resume::Partial`), and rewrites a continuation's events into
+//! ([`Relay::collect`], `routing_core::stream::resume::Partial`), and rewrites a continuation's events into
 //! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
 //! whole events is passed on as the same JS chunk without a copy.
 
 use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
-use routing_core::outcome::OutcomeKind;
-use routing_core::resume::{Partial, Splice};
-use routing_core::usage::{Emit, StreamScanner, Usage};
+use routing_core::stream::outcome::OutcomeKind;
+use routing_core::stream::resume::{Partial, Splice};
+use routing_core::stream::usage::{Emit, StreamScanner, Usage};
 use serde_json::json;
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -9,9 +9,9 @@
 
 use crate::settings::Settings;
 use coordinator_protocol::ApiError;
-use routing_core::endpoint::Endpoint;
-use routing_core::prompt::RequestFeatures;
-use routing_core::resume::NotResumable;
+use routing_core::request::endpoint::Endpoint;
+use routing_core::request::prompt::RequestFeatures;
+use routing_core::stream::resume::NotResumable;
 use serde_json::{json, Value};
 use std::rc::Rc;
 use worker::{AbortSignal, Env, Request};

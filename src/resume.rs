@@ -5,7 +5,7 @@
 //! [`stream`] runs in `wait_until` for every streamed answer. It pipes the upstream body through
 //! the relay (`relay.rs`); when that body fails mid-answer (reset, closed before `data: [DONE]`,
 //! idle for `STREAM_IDLE_TIMEOUT_MS`, its backend force-removed) and the request allows it
-//! (`routing_core::resume` decides, and builds the continuation from the answer the client
+//! (`routing_core::stream::resume` decides, and builds the continuation from the answer the client
 //! received), it moves the lease to the next candidate the pool ranked, a retry like any other in
 //! the pool's retry budget, which also reports the failure against the backend left behind, and
 //! sends the continuation there with the same first-byte timeout as any attempt. At most
@@ -23,9 +23,9 @@
 use crate::attempts::{stream_upstream, with_usage, Attempts, Moved};
 use crate::relay::{Piped, Relay, Upstream};
 use crate::request::RequestContext;
-use routing_core::endpoint::Endpoint;
-use routing_core::outcome::{Outcome, OutcomeKind, StreamResume};
-use routing_core::resume::{continuation_body, NotResumable, Splice};
+use routing_core::request::endpoint::Endpoint;
+use routing_core::stream::outcome::{Outcome, OutcomeKind, StreamResume};
+use routing_core::stream::resume::{continuation_body, NotResumable, Splice};
 use worker::AbortSignal;
 
 /// Whether and how a stream may be resumed, decided before its answer flows.

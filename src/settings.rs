@@ -9,8 +9,8 @@
 
 use crate::auth::{hash_key, secret};
 use crate::http::var_or;
-use routing_core::prompt::FeatureConfig;
-use routing_core::rate_limit::RateLimits;
+use routing_core::request::prompt::FeatureConfig;
+use routing_core::request::rate_limit::RateLimits;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! is an [`AttemptFailure`] the attempts (`attempts.rs`) retry on the next candidate.
 
 use futures_util::future::{select, Either};
-use routing_core::outcome::{Outcome, OutcomeKind};
+use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use serde_json::Value;
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};

@@ -6,7 +6,7 @@
 //! - [`directory::GatewayDirectory`]: a single instance listing every pool and every minted
 //!   client key (as its hash).
 //! - [`rate_limiter::ClientRateLimiter`]: one per client key, that client's rate-limit buckets
-//!   (`routing_core::rate_limit::RateLimiter`).
+//!   (`routing_core::request::rate_limit::RateLimiter`).
 //! - [`call`]: the route, body and answer of an internal call.
 //! - [`probe`]: active health checks.
 //! - [`waiting_room`]: the open calls of the acquires waiting in a pool's admission queue.

@@ -14,7 +14,7 @@ use coordinator_protocol::timed_fetch::{fetch_with_timeout, with_timeout};
 use routing_core::coordinator::ProbeReport;
 
 use futures_util::StreamExt;
-use routing_core::scrape::parse_vllm_metrics;
+use routing_core::backend::scrape::parse_vllm_metrics;
 use serde::Deserialize;
 use std::time::Duration;
 use worker::{Date, Headers, Method, Request, RequestInit, RequestRedirect};

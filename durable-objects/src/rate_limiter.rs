@@ -4,7 +4,7 @@
 //! `POST /take {"limits": {...}, "tokens": N}` answers 200 when the request fits (charging the
 //! estimate `N`) and 429 with `Retry-After` when it does not; `POST /settle {"limits": {...},
 //! "reserved": N, "actual": M}` settles an admitted request with the tokens the backend reported
-//! (see `routing_core::rate_limit`). The buckets are kept in the object's storage (one JSON value,
+//! (see `routing_core::request::rate_limit`). The buckets are kept in the object's storage (one JSON value,
 //! written after every change and read on the object's first request), so neither an eviction nor
 //! a deploy hands a client a fresh minute's allowance.
 
@@ -12,7 +12,7 @@ use crate::call::{parse_route, read_body, reply};
 use coordinator_protocol::call::Ack;
 use coordinator_protocol::messages::{SettleRequest, TakeRequest};
 use coordinator_protocol::{ApiError, Object, Route};
-use routing_core::rate_limit::RateLimiter as Buckets;
+use routing_core::request::rate_limit::RateLimiter as Buckets;
 use std::cell::RefCell;
 use worker::*;
 

@@ -4,7 +4,7 @@
 //! The Worker may ask several pools, and a queued request asks the same pool again and again, so
 //! the features are serialised once per request ([`AcquireBody::new`]) and each call ([`Acquire`])
 //! only appends its admission part ([`AcquireBody::call`]). Block hashes travel as base64 of
-//! little-endian `u64`s (`routing_core::block_hash_encoding`). The pool decodes the body straight
+//! little-endian `u64`s (`routing_core::request::block_hash_encoding`). The pool decodes the body straight
 //! into [`AcquireRequest`] (no untyped JSON). It answers an [`AcquireAnswer`]: a lease
 //! ([`Granted`], 200: the grant's own JSON, plus `queued_ms` when the request waited), a ticket
 //! ([`crate::messages::Queued`], 202), or a refusal (`routing_core::pool::Refusal`, an error
@@ -13,8 +13,8 @@
 use crate::messages::Queued;
 use routing_core::admission::AdmissionRequest;
 use routing_core::pool::{Grant, Refusal};
-use routing_core::prompt::RequestFeatures;
 use routing_core::region::ChoiceNote;
+use routing_core::request::prompt::RequestFeatures;
 use serde::de::{DeserializeSeed, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::borrow::Cow;
@@ -219,7 +219,7 @@ impl<'de> Deserialize<'de> for Key<'de> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use routing_core::prompt::{request_features, FeatureConfig, BYTES_PER_TOKEN};
+    use routing_core::request::prompt::{request_features, FeatureConfig, BYTES_PER_TOKEN};
     use serde_json::json;
 
     /// The features of a chat whose prompt is estimated at about `tokens` tokens.
@@ -302,7 +302,7 @@ mod tests {
             id: BackendId(format!("b-{i:012x}")),
             url: format!("https://gpu-{i}.pool.example.com:8000"),
             api_key: None,
-            role: routing_core::backend::Role::Mixed,
+            role: routing_core::request::role::Role::Mixed,
         };
         let grant = Grant {
             lease_id: 123_456_789,

@@ -23,9 +23,9 @@ use crate::messages::{
 };
 use crate::settings::PoolSettings;
 use crate::Route;
+use routing_core::pool::shard::LoadReport;
 use routing_core::pool::{BackendView, Refusal};
 use routing_core::region::TimeCard;
-use routing_core::shard::LoadReport;
 use serde::{Deserialize, Serialize};
 
 /// A request to a Durable Object: where it goes, what it carries, what comes back.

@@ -7,12 +7,12 @@ use routing_core::backend::{BackendId, BackendPatch, BackendSpec};
 use routing_core::coordinator::history::HistoryReport;
 use routing_core::coordinator::reassign::FailedAttempt;
 use routing_core::coordinator::ProbeReport;
-use routing_core::lease::{LeaseId, LeaseTerms};
-use routing_core::outcome::Outcome;
 use routing_core::policy::PolicyKind;
+use routing_core::pool::lease::{LeaseId, LeaseTerms};
 use routing_core::pool::{BackendView, CandidateView, Refusal};
-use routing_core::rate_limit::RateLimits;
 use routing_core::region::TimeCard;
+use routing_core::request::rate_limit::RateLimits;
+use routing_core::stream::outcome::Outcome;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -394,7 +394,7 @@ pub struct AlarmAnswer {
 
 // ---- Between coordinator shards ----------------------------------------------------------
 
-/// The answer to `POST /shard/load` (body: a `routing_core::shard::LoadReport`).
+/// The answer to `POST /shard/load` (body: a `routing_core::pool::shard::LoadReport`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReportAnswer {
     /// Whether the report counts (false: one shard, the receiver's own, or older than one held).

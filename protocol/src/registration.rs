@@ -6,7 +6,8 @@
 use crate::messages::BackendRegistration;
 use crate::settings::validate_name;
 use crate::ApiError;
-use routing_core::backend::{BackendId, BackendSpec, Capacity, Role};
+use routing_core::backend::{BackendId, BackendSpec, Capacity};
+use routing_core::request::role::Role;
 use url::Url;
 
 /// Checks a backend URL: http or https, a host, no credentials, no query or fragment.

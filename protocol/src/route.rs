@@ -115,7 +115,7 @@ pub enum Route {
     EnsureProbeAlarm,
     /// `POST /probe/now`: -> `PoolSummary`, after a fresh probe round.
     ProbeNow,
-    /// `POST /shard/load` (shard to sibling): `routing_core::shard::LoadReport` -> `LoadReportAnswer`.
+    /// `POST /shard/load` (shard to sibling): `routing_core::pool::shard::LoadReport` -> `LoadReportAnswer`.
     ShardLoad,
     /// `POST /shard/probes` (shard 0 to sibling): `ProbeRound` -> `ShardAck`.
     ShardProbes,

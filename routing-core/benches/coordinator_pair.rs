@@ -10,7 +10,7 @@
 //! features (block hashes in base64) and the release's outcome, and encoding the grant.
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
-use routing_core::block_hash_encoding;
+use routing_core::request::block_hash_encoding;
 use routing_core::{
     BackendSpec, Capacity, Outcome, PolicyKind, Pool, PoolConfig, ProbeResult, RandomSource,
     RequestFeatures, SplitMix64,

@@ -5,7 +5,7 @@
 //! Also prints the affinity table's bytes per entry at each size.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use routing_core::prompt::block_hashes;
+use routing_core::request::prompt::block_hashes;
 use routing_core::{
     BackendSpec, Capacity, Outcome, PolicyKind, Pool, PoolConfig, ProbeResult, RequestFeatures,
     SplitMix64,
@@ -47,7 +47,7 @@ fn pool(policy: PolicyKind, backends: usize, entries: usize) -> Pool {
     // CHUNK_BLOCKS of them, so with fewer the backends' bounds would cap the table below its own
     // and the warm-up would never end.
     let per_backend =
-        (2 * entries * routing_core::affinity::CHUNK_BLOCKS / backends).max(1024) as u64;
+        (2 * entries * routing_core::pool::affinity::CHUNK_BLOCKS / backends).max(1024) as u64;
     for b in 0..backends {
         let id = pool
             .add_backend(

@@ -3,7 +3,9 @@
 //! hashes) of a chat request whose body is already parsed.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use routing_core::prompt::{block_hashes, request_features, FeatureConfig, DEFAULT_BLOCK_TOKENS};
+use routing_core::request::prompt::{
+    block_hashes, request_features, FeatureConfig, DEFAULT_BLOCK_TOKENS,
+};
 use serde_json::json;
 use std::time::Duration;
 

@@ -6,8 +6,8 @@
 //! slower by a constant factor, the ratios between the paths are what matter.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use routing_core::resume::{Partial, Splice};
-use routing_core::usage::StreamScanner;
+use routing_core::stream::resume::{Partial, Splice};
+use routing_core::stream::usage::StreamScanner;
 use std::time::Duration;
 
 const TOKENS: usize = 256;

@@ -176,8 +176,8 @@ fn a_first_byte_timeout_the_queue_explains_is_load_not_failure() {
     // Two requests that waited 30 s in a queue the last scrape saw: a full batch and more waiting.
     let probe = routing_core::ProbeResult {
         ok: true,
-        metrics: routing_core::scrape::VllmMetrics {
-            gauges: routing_core::scrape::ScrapedGauges {
+        metrics: routing_core::backend::scrape::VllmMetrics {
+            gauges: routing_core::backend::scrape::ScrapedGauges {
                 running: Some(256.0),
                 waiting: Some(40.0),
                 ..Default::default()
@@ -206,8 +206,8 @@ fn a_first_byte_timeout_the_queue_explains_is_load_not_failure() {
     // Without a queue to explain them, the same timeouts open the breaker.
     let idle = routing_core::ProbeResult {
         ok: true,
-        metrics: routing_core::scrape::VllmMetrics {
-            gauges: routing_core::scrape::ScrapedGauges {
+        metrics: routing_core::backend::scrape::VllmMetrics {
+            gauges: routing_core::backend::scrape::ScrapedGauges {
                 running: Some(0.0),
                 waiting: Some(0.0),
                 ..Default::default()

@@ -5,6 +5,8 @@
 //! returns.
 
 use routing_core::admission::{AdmissionRequest, DropReason, Ticket};
+use routing_core::backend::health::HealthState;
+use routing_core::backend::scrape::VllmMetrics;
 use routing_core::backend::{BackendId, BackendSpec, Capacity, Lifecycle};
 use routing_core::coordinator::load::LoadTargets;
 use routing_core::coordinator::reassign::{FailedAttempt, RetryRefused};
@@ -13,10 +15,8 @@ use routing_core::coordinator::{
     Callers, Coordinator, CoordinatorSettings, Deletion, Effect, ProbeReport, Release, Step,
     Stored, Verdict,
 };
-use routing_core::health::HealthState;
-use routing_core::lease::LeaseTerms;
+use routing_core::pool::lease::LeaseTerms;
 use routing_core::pool::{AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult};
-use routing_core::scrape::VllmMetrics;
 use routing_core::{Outcome, PolicyKind, RequestFeatures};
 use std::collections::{HashMap, HashSet};
 

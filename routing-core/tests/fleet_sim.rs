@@ -19,7 +19,7 @@
 mod common;
 
 use common::{text, ServerCache};
-use routing_core::prompt::{request_features, FeatureConfig};
+use routing_core::request::prompt::{request_features, FeatureConfig};
 use routing_core::{
     BackendId, Capacity, DecisionKind, Outcome, PolicyKind, RandomSource, RequestFeatures,
     SplitMix64,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use routing_core::lease::LeaseTerms;
+use routing_core::pool::lease::LeaseTerms;
 use routing_core::{
     BackendId, Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig, PoolError, ProbeResult,
     RequestFeatures, SplitMix64,

@@ -4,9 +4,9 @@
 //! the Miniflare tests read this page, so a change of writer must leave it as it is.
 
 use routing_core::admission::{AdmissionConfig, AdmissionQueue, DropReason, Waiting};
-use routing_core::outcome::StreamResume;
-use routing_core::prompt::{request_features, FeatureConfig, RequestFeatures};
-use routing_core::scrape::{ScrapedGauges, VllmMetrics};
+use routing_core::backend::scrape::{ScrapedGauges, VllmMetrics};
+use routing_core::request::prompt::{request_features, FeatureConfig, RequestFeatures};
+use routing_core::stream::outcome::StreamResume;
 use routing_core::{BackendSpec, Outcome, Pool, PoolConfig, ProbeResult, RandomSource, SplitMix64};
 use serde_json::json;
 

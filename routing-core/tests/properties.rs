@@ -10,12 +10,12 @@
 //! Case counts are kept small so `cargo test -p routing-core` stays fast in debug builds.
 
 use proptest::prelude::*;
-use routing_core::affinity::PrefixAffinity;
-use routing_core::ring::{bounded_load_cap, key_hash, HashRing, RingMember};
+use routing_core::policy::ring::{bounded_load_cap, key_hash, HashRing, RingMember};
+use routing_core::pool::affinity::PrefixAffinity;
+use routing_core::request::{prompt, routing_key};
 use routing_core::{
-    prompt, routing_key, BackendId, BackendPatch, BackendSpec, Capacity, FeatureConfig, Lifecycle,
-    Outcome, OutcomeKind, PolicyKind, Pool, PoolConfig, ProbeResult, RequestFeatures, Role,
-    SplitMix64,
+    BackendId, BackendPatch, BackendSpec, Capacity, FeatureConfig, Lifecycle, Outcome, OutcomeKind,
+    PolicyKind, Pool, PoolConfig, ProbeResult, RequestFeatures, Role, SplitMix64,
 };
 use serde_json::Value;
 

@@ -4,8 +4,8 @@
 
 mod common;
 
-use routing_core::prompt::{request_features, FeatureConfig};
-use routing_core::shard::{shard_for, STALE_AFTER_INTERVALS};
+use routing_core::pool::shard::{shard_for, STALE_AFTER_INTERVALS};
+use routing_core::request::prompt::{request_features, FeatureConfig};
 use routing_core::{
     BackendId, Capacity, Lifecycle, Outcome, PolicyKind, Pool, RequestFeatures, SplitMix64,
 };

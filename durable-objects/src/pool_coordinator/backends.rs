@@ -10,9 +10,9 @@ use coordinator_protocol::messages::{
 use coordinator_protocol::registration::{validate_models, validate_registration, validate_url};
 use coordinator_protocol::settings::validate_name;
 use coordinator_protocol::ApiError;
+use routing_core::backend::health::HealthState;
 use routing_core::backend::{BackendId, Lifecycle};
 use routing_core::coordinator::{Coordinator, Deletion};
-use routing_core::health::HealthState;
 use routing_core::pool::BackendView;
 
 impl PoolCoordinator {

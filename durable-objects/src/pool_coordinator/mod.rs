@@ -16,7 +16,7 @@
 //! the last hour's per-minute history (`routing_core::coordinator::history`, for the dashboard).
 //!
 //! A pool may run on several such objects, its coordinator shards (`shards` in its settings; see
-//! `routing_core::shard`): shard 0 is the object named after the pool, shard k the object
+//! `routing_core::pool::shard`): shard 0 is the object named after the pool, shard k the object
 //! `pool#k`, and every call names its shard in `x-gateway-shard`. Each shard owns its leases,
 //! affinity and queue; shards push their load to each other ([`shards`]); only shard 0 probes,
 //! and it hands each round's results to the others.
@@ -222,7 +222,7 @@ impl DurableObject for PoolCoordinator {
         let index = req.headers().get(SHARD_HEADER).ok().flatten();
         let index = match index.map(|s| s.parse::<u32>()) {
             None => None,
-            Some(Ok(k)) if k < routing_core::shard::MAX_SHARDS => Some(k),
+            Some(Ok(k)) if k < routing_core::pool::shard::MAX_SHARDS => Some(k),
             Some(_) => {
                 return ApiError::bad_request("x-gateway-shard must be a shard index").to_response()
             }

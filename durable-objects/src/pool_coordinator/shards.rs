@@ -12,7 +12,7 @@ use coordinator_protocol::messages::{
     shard_object_name, LoadReportAnswer, ProbeRound, ShardAck, ShardRegistry, POOL_BINDING,
 };
 use coordinator_protocol::{ApiError, Route};
-use routing_core::shard::LoadReport;
+use routing_core::pool::shard::LoadReport;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;

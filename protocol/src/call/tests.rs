@@ -5,8 +5,9 @@ use super::*;
 use crate::acquire::{AcquireBody, Granted};
 use crate::messages::Queued;
 use crate::names::QUEUE_DROP_HEADER;
-use routing_core::backend::{BackendId, Role};
+use routing_core::backend::BackendId;
 use routing_core::pool::{CandidateView, Grant, PoolError};
+use routing_core::request::role::Role;
 
 /// What the caller reads of `answer` as the object sends it (`Retry-After` as the platform gives it).
 fn through_the_wire<A: Answer>(answer: &A) -> (Reply, Result<A, CallError>) {
@@ -211,7 +212,7 @@ fn each_message_names_its_route_and_body() {
     assert_eq!(delete.route().path(), "/backends/b-1?force=true");
     assert_eq!(Metrics.route(), Route::Metrics);
     assert_eq!(ListPools.body().unwrap(), None);
-    let body = AcquireBody::new(&routing_core::prompt::RequestFeatures::default());
+    let body = AcquireBody::new(&routing_core::request::prompt::RequestFeatures::default());
     let acquire = Acquire {
         body: &body,
         admission: None,

@@ -5,7 +5,7 @@
 //! hangs up, so milliseconds later), at most [`DELIVERED_MAX`] of them, oldest forgotten first.
 
 use super::request::Ticket;
-use crate::lease::LeaseId;
+use crate::pool::lease::LeaseId;
 use std::collections::{HashMap, VecDeque};
 
 /// How long a delivered grant stays known by its ticket, ms.

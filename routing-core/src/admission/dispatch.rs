@@ -12,9 +12,10 @@
 
 use super::request::{Departure, DropReason};
 use super::AdmissionQueue;
-use crate::backend::{BackendId, Role};
+use crate::backend::BackendId;
 use crate::pool::{AcquireError, AdmissionConfig, Pool};
 use crate::random::RandomSource;
+use crate::request::role::Role;
 use std::collections::HashSet;
 
 impl AdmissionQueue {
@@ -135,11 +136,11 @@ mod tests {
     use crate::admission::test_support::{config, features};
     use crate::admission::{AdmissionRequest, Ticket, Waiting};
     use crate::backend::BackendSpec;
-    use crate::outcome::Outcome;
     use crate::pool::test_support::add_ready;
     use crate::pool::PoolConfig;
-    use crate::prompt::{request_features, FeatureConfig};
     use crate::random::SplitMix64;
+    use crate::request::prompt::{request_features, FeatureConfig};
+    use crate::stream::outcome::Outcome;
     use serde_json::json;
 
     fn pool(backends: usize, max_num_seqs: u32, policy: crate::policy::PolicyKind) -> Pool {
@@ -208,7 +209,7 @@ mod tests {
     }
 
     fn ok() -> Outcome {
-        Outcome::of_kind(crate::outcome::OutcomeKind::Success)
+        Outcome::of_kind(crate::stream::outcome::OutcomeKind::Success)
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! [`Departure`]: granted, or dropped for a [`DropReason`].
 
 use crate::pool::{AdmissionConfig, Grant};
-use crate::prompt::RequestFeatures;
+use crate::request::prompt::RequestFeatures;
 use serde::{Deserialize, Serialize};
 
 /// A queued request's handle, chosen by the queue.

@@ -9,10 +9,10 @@
 use super::test_support::{config, features};
 use super::{AdmissionQueue, AdmissionRequest, Departure, Waiting};
 use crate::backend::BackendSpec;
-use crate::outcome::Outcome;
 use crate::pool::test_support::add_ready;
 use crate::pool::{Pool, PoolConfig};
 use crate::random::SplitMix64;
+use crate::stream::outcome::Outcome;
 use std::collections::{HashMap, VecDeque};
 
 /// Share of the grants made while a high-priority request waited that went to low priority, with

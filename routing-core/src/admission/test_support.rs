@@ -2,7 +2,7 @@
 //! and serving in order.
 
 use super::{AdmissionConfig, AdmissionQueue, Ticket, Waiting};
-use crate::prompt::{request_features, FeatureConfig, RequestFeatures};
+use crate::request::prompt::{request_features, FeatureConfig, RequestFeatures};
 use serde_json::json;
 
 pub(crate) const Q: u64 = 100;

@@ -5,8 +5,8 @@
 use super::{Callers, Coordinator, Effects, Step, Verdict};
 use crate::admission::{AdmissionRequest, Ticket};
 use crate::pool::Grant;
-use crate::prompt::RequestFeatures;
 use crate::region::ChoiceNote;
+use crate::request::prompt::RequestFeatures;
 
 impl Coordinator {
     /// An acquire: `admission` carries the tenant, priority and the ticket of a wait in progress

@@ -142,11 +142,11 @@ impl Drains {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outcome::Outcome;
     use crate::policy::PolicyKind;
     use crate::pool::test_support::{features, pool_with, spec};
     use crate::pool::Pool;
     use crate::random::SplitMix64;
+    use crate::stream::outcome::Outcome;
 
     fn view(lifecycle: Lifecycle, leases_in_flight: u32) -> BackendView {
         BackendView {
@@ -190,7 +190,7 @@ mod tests {
 
     #[test]
     fn a_restored_drain_stays_draining_while_its_streams_renew() {
-        use crate::lease::LeaseTerms;
+        use crate::pool::lease::LeaseTerms;
         let mut pool = pool_with(PolicyKind::RoundRobin, 2);
         let mut rng = SplitMix64::new(0);
         let g = pool.acquire(&features("x"), 0, &mut rng).unwrap();

@@ -9,7 +9,7 @@
 //! since only shard 0's alarm probes.
 
 use super::Coordinator;
-use crate::shard::LoadReport;
+use crate::pool::shard::LoadReport;
 
 /// When this shard last pushed its load, and whether a push is scheduled.
 #[derive(Debug, Default)]

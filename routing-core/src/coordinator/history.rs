@@ -13,8 +13,8 @@
 
 use crate::backend::BackendId;
 use crate::metrics::LATENCY_BUCKETS_MS;
-use crate::outcome::OutcomeKind;
 use crate::pool::Pool;
+use crate::stream::outcome::OutcomeKind;
 use serde::Serialize;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -414,11 +414,11 @@ pub struct HistoryReport {
 mod tests {
     use super::*;
     use crate::backend::BackendSpec;
-    use crate::outcome::Outcome;
     use crate::pool::test_support::add_ready;
     use crate::pool::PoolConfig;
-    use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
+    use crate::request::prompt::RequestFeatures;
+    use crate::stream::outcome::Outcome;
 
     const T0: u64 = 1_700_000_040_000; // a minute boundary
 

@@ -5,9 +5,9 @@
 use super::reassign::{reassign, FailedAttempt, Reassignment, RetryRefused};
 use super::{Coordinator, Effect, Effects};
 use crate::backend::BackendId;
-use crate::lease::{LeaseId, LeaseTerms};
-use crate::outcome::Outcome;
+use crate::pool::lease::{LeaseId, LeaseTerms};
 use crate::pool::PoolError;
+use crate::stream::outcome::Outcome;
 
 /// One lease to release, as the Worker reports it.
 #[derive(Debug, Clone, Copy)]

@@ -5,8 +5,8 @@
 //! The pool coordinator measures the load after every probe round and registry change, not on
 //! every acquire, so an acquire never walks the whole fleet for it.
 
+use crate::backend::health::HealthState;
 use crate::backend::Lifecycle;
-use crate::health::HealthState;
 use crate::pool::BackendView;
 use serde::Serialize;
 

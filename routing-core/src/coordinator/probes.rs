@@ -6,9 +6,9 @@
 
 use super::probe_verdict::settle_loading;
 use super::{Callers, Coordinator, Effect, Effects};
+use crate::backend::scrape::VllmMetrics;
 use crate::backend::BackendId;
 use crate::pool::ProbeResult;
-use crate::scrape::VllmMetrics;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 

@@ -10,9 +10,9 @@
 
 use super::retry_budget::{RetryBudget, RetryBudgetConfig};
 use crate::backend::BackendId;
-use crate::lease::{LeaseId, LeaseTerms};
-use crate::outcome::Outcome;
+use crate::pool::lease::{LeaseId, LeaseTerms};
 use crate::pool::{CandidateView, Pool, PoolError};
+use crate::stream::outcome::Outcome;
 use serde::{Deserialize, Serialize};
 
 /// One failed attempt, as the Worker reports it (the body of its `POST /reassign`).
@@ -29,8 +29,8 @@ pub struct FailedAttempt {
     #[serde(default)]
     pub terms: Option<LeaseTerms>,
     /// The request's prompt-prefix block hashes, recorded on `to` once it takes the request
-    /// (base64 on the wire, see [`crate::block_hash_encoding`]).
-    #[serde(default, with = "crate::block_hash_encoding")]
+    /// (base64 on the wire, see [`crate::request::block_hash_encoding`]).
+    #[serde(default, with = "crate::request::block_hash_encoding")]
     pub block_hashes: Vec<u64>,
     /// The failed backend answered 404 for this model: it does not serve it (any more).
     #[serde(default)]
@@ -54,7 +54,7 @@ pub struct Reassignment {
     /// The failed backend no longer lists the model.
     pub forgot_model: bool,
     /// The caller should probe the pool now: the failed backend's models changed, and it did
-    /// not ask for a probe in the last [`crate::health::PROBE_SOON_MIN_INTERVAL_MS`].
+    /// not ask for a probe in the last [`crate::backend::health::PROBE_SOON_MIN_INTERVAL_MS`].
     pub probe_soon: bool,
 }
 
@@ -104,11 +104,11 @@ pub fn reassign(
 mod tests {
     use super::*;
     use crate::backend::BackendSpec;
-    use crate::outcome::OutcomeKind;
     use crate::pool::test_support::add_ready;
     use crate::pool::PoolConfig;
-    use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
+    use crate::request::prompt::RequestFeatures;
+    use crate::stream::outcome::OutcomeKind;
 
     fn pool(n: usize) -> Pool {
         pool_serving(n, &["m", "other"])
@@ -314,6 +314,9 @@ mod tests {
         assert!(done.forgot_model);
         assert!(!done.probe_soon, "a second probe within the interval");
         pool.release(g.lease_id, &Outcome::from_status(200), 301);
-        assert!(pool.ask_probe_soon(&g.backend, 300 + crate::health::PROBE_SOON_MIN_INTERVAL_MS));
+        assert!(pool.ask_probe_soon(
+            &g.backend,
+            300 + crate::backend::health::PROBE_SOON_MIN_INTERVAL_MS
+        ));
     }
 }

@@ -33,10 +33,10 @@ use crate::admission::{
     AdmissionConfig, AdmissionQueue, AdmissionRequest, DeliveredGrants, Departure, DropReason,
     Ticket, Waiting,
 };
-use crate::outcome::{Outcome, OutcomeKind};
 use crate::pool::{AcquireError, Grant, Pool};
-use crate::prompt::RequestFeatures;
 use crate::random::RandomSource;
+use crate::request::prompt::RequestFeatures;
+use crate::stream::outcome::{Outcome, OutcomeKind};
 use std::collections::HashMap;
 
 /// How long a queued request may go without an open call before the sweep counts its client as

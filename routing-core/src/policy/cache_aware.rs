@@ -1,10 +1,10 @@
 //! Cache-aware routing: prefix affinity weighed against load.
 //!
-//! Each candidate scores `a * (load + request_load) - b * benefit` (see [`crate::cost`]): its load
-//! after taking the request if nothing were cached, minus the prefill it would skip thanks to its
-//! prefix cache; the lowest score wins. With `b = a` this is exactly least load counting cache
-//! hits; `b > a` prefers the cache more strongly, because a prefix hit also saves prefill compute
-//! and time to first token, not just KV space.
+//! Each candidate scores `a * (load + request_load) - b * benefit` (see [`crate::backend::cost`]):
+//! its load after taking the request if nothing were cached, minus the prefill it would skip thanks
+//! to its prefix cache; the lowest score wins. With `b = a` this is exactly least load counting
+//! cache hits; `b > a` prefers the cache more strongly, because a prefix hit also saves prefill
+//! compute and time to first token, not just KV space.
 //!
 //! A load guard keeps a popular prefix from overloading its holder: if the winner was chosen for
 //! its cache and its load exceeds both `load_guard_ratio` times the mean load and the least load

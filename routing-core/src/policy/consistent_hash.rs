@@ -2,14 +2,14 @@
 //! tenant, document) go to the same backend, so its prefix cache and any server-side session state
 //! stay warm, yet no backend takes more than `ceil((1 + eps) * average)` live leases.
 //!
-//! The ring (see [`crate::ring`]) holds every backend in the pool; ineligible ones are skipped
-//! during the walk, so a dead backend's keys spread over the backends that follow its points. A
-//! request without a key is placed by least load.
+//! The ring (see [`crate::policy::ring`]) holds every backend in the pool; ineligible ones are
+//! skipped during the walk, so a dead backend's keys spread over the backends that follow its
+//! points. A request without a key is placed by least load.
 
 use super::least_load::rank_by_cost;
 use super::{DecisionInput, DecisionKind, PolicyKind, RoutingPolicy};
+use crate::policy::ring::{HashRing, RingMember};
 use crate::random::RandomSource;
-use crate::ring::{HashRing, RingMember};
 use serde::{Deserialize, Serialize};
 
 /// Knobs of the consistent_hash policy.
@@ -108,8 +108,8 @@ impl RoutingPolicy for ConsistentHash {
 mod tests {
     use super::super::test_support::{candidates, identity};
     use super::*;
+    use crate::policy::ring::key_hash;
     use crate::random::SplitMix64;
-    use crate::ring::key_hash;
 
     fn policy(n: usize) -> ConsistentHash {
         let ids: Vec<String> = (0..n).map(|i| format!("b{i}")).collect();

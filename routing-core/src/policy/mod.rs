@@ -8,6 +8,10 @@
 //! only rank. [`build`] makes the pool's [`PoolPolicies`] from its [`PolicyKind`] and knobs: the
 //! policy that ranks a request's backends and, for a pool that pairs prefill and decode servers
 //! (`disaggregated`), a second ordinary policy that ranks the decode side.
+//!
+//! `ring` is the consistent-hash ring with bounded loads that `consistent_hash` walks and whose
+//! members every policy is told about ([`RoutingPolicy::members_changed`]); [`ring::key_hash`] is
+//! also how the pool and the coordinator shards hash routing keys.
 
 mod cache_aware;
 mod consistent_hash;
@@ -15,6 +19,7 @@ mod least_load;
 mod power_of_two;
 mod predicted_latency;
 mod random;
+pub mod ring;
 mod round_robin;
 mod weighted;
 
@@ -27,8 +32,8 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use weighted::Weighted;
 
+use crate::policy::ring::RingMember;
 use crate::random::RandomSource;
-use crate::ring::RingMember;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -182,21 +187,21 @@ pub struct Candidate {
     pub weight: u32,
     /// Its live leases.
     pub leases: u32,
-    /// Its current load, a fraction of capacity ([`crate::cost::backend_load`]).
+    /// Its current load, a fraction of capacity ([`crate::backend::cost::backend_load`]).
     pub load: f64,
     /// The load this request would add there if nothing were cached:
     /// `(prompt + output tokens) / capacity`.
     pub request_load: f64,
     /// The prefill this request would skip there, a fraction of capacity
-    /// ([`crate::cost::cache_benefit`]).
+    /// ([`crate::backend::cost::cache_benefit`]).
     pub benefit: f64,
     /// Leading prompt blocks it probably holds.
     pub cached_blocks: u32,
     /// Of those, the ones computed by now as far as the pool can tell: blocks recorded by a
-    /// request still in its prefill there are not cached yet ([`crate::held_blocks`]); what the
-    /// time model prices as cached.
+    /// request still in its prefill there are not cached yet ([`crate::backend::held_blocks`]);
+    /// what the time model prices as cached.
     pub computed_blocks: u32,
-    /// Predicted time to first token there, in ms ([`crate::time_model`]).
+    /// Predicted time to first token there, in ms ([`crate::backend::time_model`]).
     pub ttft_ms: f64,
     /// Predicted decode time of the request there, in ms.
     pub decode_ms: f64,
@@ -224,7 +229,7 @@ pub struct DecisionInput<'a> {
     pub candidates: &'a [Candidate],
     /// For each pool slot, its index in `candidates`, or [`NO_CANDIDATE`].
     pub slot_index: &'a [u32],
-    /// Hash of the request's routing key ([`crate::ring::key_hash`]), if it has one.
+    /// Hash of the request's routing key ([`crate::policy::ring::key_hash`]), if it has one.
     pub key_hash: Option<u64>,
     /// How many candidates to rank (at least 1).
     pub limit: usize,

@@ -2,7 +2,7 @@
 //!
 //! The pool fills each candidate's predicted time to first token, its own decode time and the
 //! time it would cost the sequences already running there from the time model
-//! ([`crate::time_model`]); this policy ranks by
+//! ([`crate::backend::time_model`]); this policy ranks by
 //! `ttft_weight × (ttft + (wait_quantile − 1) × wait) + decode_weight × own decode +
 //! harm_weight × harm`, lowest first, where `wait` is the part of `ttft` spent before the
 //! prefill starts (priced at a quantile rather than its mean: waits are what runs long).

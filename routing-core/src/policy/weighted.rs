@@ -6,8 +6,8 @@
 //! i.e. the backends whose turn is nearest.
 
 use super::{smallest_by, DecisionInput, DecisionKind, PolicyKind, RoutingPolicy};
+use crate::policy::ring::RingMember;
 use crate::random::RandomSource;
-use crate::ring::RingMember;
 
 /// The smooth weighted round-robin policy.
 #[derive(Debug, Clone, Default)]

@@ -1,8 +1,8 @@
 //! The pool's capacity rule: whether a backend has room for one more request (admission control,
 //! [`crate::admission`], queues the requests for which no backend has).
 
+use crate::backend::cost::InFlight;
 use crate::backend::Capacity;
-use crate::cost::InFlight;
 
 /// Whether a backend carrying `in_flight` may take a request adding `tokens` of KV-cache work,
 /// `headroom` over its capacity (0 = strict). An idle backend always has room, so a request larger

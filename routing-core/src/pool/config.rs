@@ -1,12 +1,12 @@
 //! A pool's configuration: [`PoolConfig`], its ranges ([`PoolConfig::validate`]) and
 //! [`ConfigError`], with the admission knobs ([`AdmissionConfig`]) it carries.
 
-use crate::breaker::BreakerConfig;
-use crate::health::HealthConfig;
+use crate::backend::breaker::BreakerConfig;
+use crate::backend::health::HealthConfig;
+use crate::backend::time_model::TimeModelConfig;
 use crate::policy::{CacheAwareConfig, ConsistentHashConfig, PolicyKind, PredictedLatencyConfig};
-use crate::prompt::DEFAULT_BLOCK_TOKENS;
-use crate::shard::{DEFAULT_EXCHANGE_MS, MAX_SHARDS};
-use crate::time_model::TimeModelConfig;
+use crate::pool::shard::{DEFAULT_EXCHANGE_MS, MAX_SHARDS};
+use crate::request::prompt::DEFAULT_BLOCK_TOKENS;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -32,8 +32,8 @@ pub struct PoolConfig {
     /// Weight of the scraped waiting queue in a backend's load (default 1.0).
     pub queue_weight: f64,
     /// Global bound on prefix-affinity entries (default 500,000, about 36 MB; an entry stands for
-    /// up to [`crate::affinity::CHUNK_BLOCKS`] blocks of a prompt, so the default covers up to
-    /// 8,000,000 blocks).
+    /// up to [`crate::pool::affinity::CHUNK_BLOCKS`] blocks of a prompt, so the default covers up
+    /// to 8,000,000 blocks).
     pub affinity_max_entries: usize,
     /// consistent_hash knobs.
     pub consistent_hash: ConsistentHashConfig,
@@ -41,7 +41,7 @@ pub struct PoolConfig {
     pub cache_aware: CacheAwareConfig,
     /// predicted_latency knobs.
     pub predicted_latency: PredictedLatencyConfig,
-    /// The time model's starting rates and learning ([`crate::time_model`]).
+    /// The time model's starting rates and learning ([`crate::backend::time_model`]).
     pub time_model: TimeModelConfig,
     /// Circuit-breaker thresholds and timings.
     pub breaker: BreakerConfig,
@@ -50,7 +50,7 @@ pub struct PoolConfig {
     /// Admission control: backend capacity and the queue ([`crate::admission`]).
     pub admission: AdmissionConfig,
     /// Coordinator shards: Durable Objects the pool's coordination is split over (default 1, the
-    /// single exact coordinator; at most [`MAX_SHARDS`]). See [`crate::shard`].
+    /// single exact coordinator; at most [`MAX_SHARDS`]). See [`crate::pool::shard`].
     pub shards: u32,
     /// Interval between a shard's load reports to its siblings, ms (default
     /// [`DEFAULT_EXCHANGE_MS`]; 50 to 1,000).

@@ -4,14 +4,14 @@
 use super::views::CandidateView;
 use super::BackendStats;
 use super::DEFAULT_RETRY_AFTER_S;
+use crate::backend::breaker::{BreakerConfig, CircuitBreaker};
+use crate::backend::cost::{backend_load, InFlight};
+use crate::backend::health::Health;
+use crate::backend::held_blocks::HeldBlocks;
+use crate::backend::scrape::ScrapedGauges;
+use crate::backend::time_model::BackendTiming;
 use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
-use crate::breaker::{BreakerConfig, CircuitBreaker};
-use crate::cost::{backend_load, InFlight};
-use crate::health::Health;
-use crate::held_blocks::HeldBlocks;
-use crate::scrape::ScrapedGauges;
-use crate::shard::ShardLoad;
-use crate::time_model::BackendTiming;
+use crate::pool::shard::ShardLoad;
 
 /// One registered backend and its live state.
 #[derive(Debug, Clone)]
@@ -102,8 +102,8 @@ impl BackendEntry {
     ///
     /// Siblings count as of their last report, plus what they probably placed since: each of this
     /// shard's own placements since its last report counts `twins` more times, for the siblings
-    /// (`twins` = (shards - 1) × [`SIBLING_ECHO`](crate::shard::SIBLING_ECHO), from
-    /// `Pool::sibling_twins`). See [`crate::shard`].
+    /// (`twins` = (shards - 1) × [`SIBLING_ECHO`](crate::pool::shard::SIBLING_ECHO), from
+    /// `Pool::sibling_twins`). See [`crate::pool::shard`].
     pub(super) fn all_in_flight(&self, twins: f64) -> InFlight {
         let mut all = self.in_flight;
         let remote = self.remote.in_flight();

@@ -3,7 +3,7 @@
 //! as it travels back to the Worker.
 
 use crate::backend::{BackendId, Lifecycle};
-use crate::lease::LeaseId;
+use crate::pool::lease::LeaseId;
 use crate::region::walk::{RefusalKind, WalkRefusal};
 use serde::{Deserialize, Serialize};
 use std::fmt;

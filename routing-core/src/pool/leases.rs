@@ -12,11 +12,11 @@
 use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{has_room, CandidateView, Pool, PoolError};
+use crate::backend::breaker::BreakerState;
+use crate::backend::time_model::{Observation, SharePrediction};
 use crate::backend::{BackendId, BackendKey, Lifecycle};
-use crate::breaker::BreakerState;
-use crate::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
-use crate::outcome::{Outcome, OutcomeKind};
-use crate::time_model::{Observation, SharePrediction};
+use crate::pool::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
+use crate::stream::outcome::{Outcome, OutcomeKind};
 use xxhash_rust::xxh3::xxh3_64;
 
 impl Pool {
@@ -448,7 +448,8 @@ impl Pool {
 }
 
 impl Pool {
-    /// Whether backend `id` may be probed out of turn now (see [`crate::health::Health::ask_probe_soon`]).
+    /// Whether backend `id` may be probed out of turn now (see
+    /// [`crate::backend::health::Health::ask_probe_soon`]).
     pub fn ask_probe_soon(&mut self, id: &BackendId, now_ms: u64) -> bool {
         let Ok(slot) = self.slot_of(id) else {
             return false;

@@ -6,48 +6,57 @@
 //! ([`BackendSpec`], [`PoolConfig`], [`BackendSnapshot`]) and rebuilds the pool from them after a
 //! restart; leases and affinity are memory only.
 //!
-//! A request's life: the Worker computes [`RequestFeatures`](crate::prompt::RequestFeatures); [`Pool::acquire`] filters the
+//! A request's life: the Worker computes
+//! [`RequestFeatures`](crate::request::prompt::RequestFeatures); [`Pool::acquire`] filters the
 //! backends (served model, role, lifecycle, health, breaker, saturation), fills in the cost model,
 //! lets the policy rank them and grants a lease on the first; the Worker calls the backend, walks
 //! to the next candidate with [`Pool::reassign`] if it fails before the first byte, and finally
-//! [`Pool::release`]s the lease with the [`Outcome`](crate::outcome::Outcome), which feeds the breaker and the statistics.
-//! [`Pool::expire`] ends leases nobody released, and [`Pool::next_deadline`] says when to call it.
+//! [`Pool::release`]s the lease with the [`Outcome`](crate::stream::outcome::Outcome), which feeds
+//! the breaker and the statistics. [`Pool::expire`] ends leases nobody released, and
+//! [`Pool::next_deadline`] says when to call it.
 //!
-//! The files: `config` (the knobs), `capacity` (whether a backend has room), `errors`, `views` (what crosses the boundary), `entry` (slot
-//! storage), `registry` (adding, changing and probing backends), `acquire/` (the decision:
-//! eligible -> rank -> admit -> lease), `leases` (a lease's life after the grant), `persistence`
-//! (snapshots and restore), `siblings` (this pool as one of several coordinator shards), `stats` (the counters) and `render` (Prometheus text).
+//! The files: `config` (the knobs), `capacity` (whether a backend has room), `errors`, `views`
+//! (what crosses the boundary), `entry` (slot storage: one backend's state from [`crate::backend`]
+//! per slot), `registry` (adding, changing and probing backends), `acquire/` (the decision:
+//! eligible -> rank -> admit -> lease), `lease` (the lease table and a lease's terms), `leases` (a
+//! lease's life after the grant), `affinity` (the prefix-affinity table: which backend recently
+//! served which prompt prefix), `persistence` (snapshots and restore), `shard` (which coordinator
+//! shard owns a request, and the load reports shards exchange), `siblings` (this pool as one of
+//! several coordinator shards), `stats` (the counters) and `render` (Prometheus text).
 
 mod acquire;
+pub mod affinity;
 mod capacity;
 mod config;
 mod entry;
 mod errors;
+pub mod lease;
 mod leases;
 mod persistence;
 mod registry;
 mod render;
+pub mod shard;
 mod siblings;
 mod stats;
 #[cfg(test)]
 pub(crate) mod test_support;
 mod views;
 
-pub use crate::scrape::ScrapedGauges;
+pub use crate::backend::scrape::ScrapedGauges;
 pub use capacity::has_room;
 pub use config::{AdmissionConfig, ConfigError, PoolConfig, MAX_CANDIDATES, MAX_QUEUE};
 pub use errors::{AcquireError, PoolError, Refusal, DEFAULT_RETRY_AFTER_S};
 pub use stats::{BackendReport, BackendStats, PoolStats};
 pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, RouteReceipt};
 
-use crate::affinity::PrefixAffinity;
+use crate::backend::cost::InFlight;
+use crate::backend::time_model::OutputRatio;
 use crate::backend::{BackendId, BackendKey, BackendSpec};
-use crate::cost::InFlight;
-use crate::lease::{Lease, LeaseId, LeaseTable};
+use crate::policy::ring::RingMember;
 use crate::policy::{self, PoolPolicies};
-use crate::ring::RingMember;
-use crate::shard::SiblingLoads;
-use crate::time_model::OutputRatio;
+use crate::pool::affinity::PrefixAffinity;
+use crate::pool::lease::{Lease, LeaseId, LeaseTable};
+use crate::pool::shard::SiblingLoads;
 use acquire::Scratch;
 use entry::{BackendEntry, Slot};
 use errors::unknown;

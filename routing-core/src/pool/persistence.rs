@@ -5,9 +5,9 @@
 use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{BackendSnapshot, Pool, PoolError};
+use crate::backend::breaker::CircuitBreaker;
+use crate::backend::health::Health;
 use crate::backend::{BackendId, Lifecycle};
-use crate::breaker::CircuitBreaker;
-use crate::health::Health;
 
 impl Pool {
     /// One backend's persistent state (what a request's ending may have changed).
@@ -61,14 +61,14 @@ fn snapshot_of(e: &BackendEntry) -> BackendSnapshot {
 
 #[cfg(test)]
 mod tests {
+    use crate::backend::breaker::BreakerState;
+    use crate::backend::health::HealthState;
     use crate::backend::Lifecycle;
-    use crate::breaker::BreakerState;
-    use crate::health::HealthState;
-    use crate::outcome::Outcome;
     use crate::policy::PolicyKind;
     use crate::pool::test_support::{features, pool_with, spec};
     use crate::pool::{BackendSnapshot, Pool};
     use crate::random::SplitMix64;
+    use crate::stream::outcome::Outcome;
 
     #[test]
     fn snapshots_restore_breakers_and_health() {

@@ -5,13 +5,13 @@ use super::entry::{learn_seq_limit, BackendEntry, Slot};
 use super::errors::unknown;
 use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
+use crate::backend::breaker::CircuitBreaker;
+use crate::backend::cost::InFlight;
+use crate::backend::health::{Health, HealthTransition, ProbeVerdict};
+use crate::backend::held_blocks::HeldBlocks;
+use crate::backend::time_model::BackendTiming;
 use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle};
-use crate::breaker::CircuitBreaker;
-use crate::cost::InFlight;
-use crate::health::{Health, HealthTransition, ProbeVerdict};
-use crate::held_blocks::HeldBlocks;
-use crate::shard::ShardLoad;
-use crate::time_model::BackendTiming;
+use crate::pool::shard::ShardLoad;
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
 const MIN_SCRAPED_TOKENS: f64 = 50.0;
@@ -257,12 +257,12 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outcome::Outcome;
+    use crate::backend::scrape::VllmMetrics;
     use crate::policy::PolicyKind;
     use crate::pool::test_support::{features, pool_with, spec, up};
     use crate::pool::{AcquireError, PoolConfig, DEFAULT_RETRY_AFTER_S};
     use crate::random::SplitMix64;
-    use crate::scrape::VllmMetrics;
+    use crate::stream::outcome::Outcome;
 
     /// A probe whose `/metrics` page shows `running` sequences and `waiting` requests.
     fn scrape(running: f64, waiting: f64) -> ProbeResult {

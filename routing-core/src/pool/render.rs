@@ -3,11 +3,11 @@
 //! [`PoolStats`](super::PoolStats), both by [`crate::metrics::write`].
 
 use super::{BackendReport, Pool};
+use crate::backend::breaker::BreakerState;
+use crate::backend::health::HealthState;
 use crate::backend::Lifecycle;
-use crate::breaker::BreakerState;
-use crate::health::HealthState;
 use crate::metrics::{write, Family, Kind, Samples};
-use crate::outcome::{OutcomeKind, StreamResume};
+use crate::stream::outcome::{OutcomeKind, StreamResume};
 
 impl Pool {
     /// Renders the pool's metrics in the Prometheus text format, appending to `out`.
@@ -270,12 +270,12 @@ const POOL_FAMILIES: [Family<Pool>; 12] = [
 
 #[cfg(test)]
 mod tests {
+    use crate::backend::scrape::{ScrapedGauges, VllmMetrics};
     use crate::backend::BackendSpec;
-    use crate::outcome::Outcome;
     use crate::pool::{Pool, PoolConfig, ProbeResult};
-    use crate::prompt::RequestFeatures;
     use crate::random::SplitMix64;
-    use crate::scrape::{ScrapedGauges, VllmMetrics};
+    use crate::request::prompt::RequestFeatures;
+    use crate::stream::outcome::Outcome;
 
     #[test]
     fn renders_every_family_with_prefix_and_escaped_labels() {

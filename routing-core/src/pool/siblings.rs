@@ -1,9 +1,9 @@
 //! This pool as one of several coordinator shards: its load report for its siblings, their
 //! reports summed into each backend's entry, and the estimate of what they placed since
-//! (see [`crate::shard`]). With one shard (the default) none of this counts.
+//! (see [`crate::pool::shard`]). With one shard (the default) none of this counts.
 
 use super::Pool;
-use crate::shard::{LoadReport, ShardLoad, SiblingLoads, SIBLING_ECHO};
+use crate::pool::shard::{LoadReport, ShardLoad, SiblingLoads, SIBLING_ECHO};
 
 impl Pool {
     /// Makes this pool one of `shards` coordinator shards (index `me`), whose siblings report their

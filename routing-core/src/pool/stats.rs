@@ -4,8 +4,8 @@
 
 use super::{BackendView, Pool};
 use crate::metrics::Histogram;
-use crate::outcome::{Outcome, StreamResume};
 use crate::policy::{DecisionKind, PolicyKind};
+use crate::stream::outcome::{Outcome, StreamResume};
 use std::collections::BTreeMap;
 
 /// Per-backend counters.
@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 pub struct BackendStats {
     /// Lease shares granted on the backend (first choices and reassigned retries).
     pub requests: u64,
-    /// Released shares by outcome, indexed by [`OutcomeKind::index`](crate::outcome::OutcomeKind::index).
+    /// Released shares by outcome, indexed by
+    /// [`OutcomeKind::index`](crate::stream::outcome::OutcomeKind::index).
     pub outcomes: [u64; 7],
     /// Shares that expired unreleased.
     pub expired: u64,
@@ -94,7 +95,7 @@ pub struct BackendReport<'a> {
     pub stats: &'a BackendStats,
     /// Health state changes so far.
     pub health_transitions: u64,
-    /// Breaker transitions so far, indexed like [`crate::breaker::BreakerState::ALL`].
+    /// Breaker transitions so far, indexed like [`crate::backend::breaker::BreakerState::ALL`].
     pub breaker_transitions: [u64; 3],
     /// Load by the cost model with the siblings' reported load but without the estimate of what
     /// they placed since (the listing's `load` includes it).

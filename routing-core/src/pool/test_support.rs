@@ -4,7 +4,7 @@
 use super::{Pool, PoolConfig, ProbeResult};
 use crate::backend::{BackendId, BackendSpec};
 use crate::policy::PolicyKind;
-use crate::prompt::{request_features, FeatureConfig, RequestFeatures};
+use crate::request::prompt::{request_features, FeatureConfig, RequestFeatures};
 use serde_json::json;
 
 pub(crate) fn spec(id: &str) -> BackendSpec {

@@ -1,14 +1,15 @@
 //! What crosses the pool's boundary: the [`Grant`] and its [`CandidateView`]s going out, a
 //! [`ProbeResult`] coming in, the [`BackendView`] listings show and the [`BackendSnapshot`] the
-//! Durable Object persists. The scraped figures are [`crate::scrape`]'s.
+//! Durable Object persists. The scraped figures are [`crate::backend::scrape`]'s.
 
-use crate::backend::{BackendId, Capacity, Lifecycle, Role};
-use crate::breaker::{BreakerSnapshot, BreakerState};
-use crate::health::HealthState;
-use crate::lease::LeaseId;
+use crate::backend::breaker::{BreakerSnapshot, BreakerState};
+use crate::backend::health::HealthState;
+use crate::backend::scrape::{ScrapedGauges, VllmMetrics};
+use crate::backend::time_model::TimingView;
+use crate::backend::{BackendId, Capacity, Lifecycle};
 use crate::policy::{DecisionKind, PolicyKind};
-use crate::scrape::{ScrapedGauges, VllmMetrics};
-use crate::time_model::TimingView;
+use crate::pool::lease::LeaseId;
+use crate::request::role::Role;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 

@@ -16,8 +16,8 @@
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
 //! duration and completion tokens.
 use super::ServerCache;
-use routing_core::prompt::{request_features, FeatureConfig};
-use routing_core::shard;
+use routing_core::pool::shard;
+use routing_core::request::prompt::{request_features, FeatureConfig};
 use routing_core::{
     BackendId, Capacity, Outcome, PolicyKind, Pool, RandomSource, RequestFeatures, SplitMix64,
 };

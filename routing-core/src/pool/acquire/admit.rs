@@ -1,13 +1,13 @@
 //! Step 3 of a decision: the chosen backend (and a pair's decode backend) takes the request's
 //! load on its counters, through its breaker ([`Pool::admit`] also serves a reassigned retry).
 
-use crate::backend::Role;
-use crate::breaker::Admission;
-use crate::lease::LeaseShare;
-use crate::outcome::OutcomeKind;
+use crate::backend::breaker::Admission;
 use crate::policy::Candidate;
+use crate::pool::lease::LeaseShare;
 use crate::pool::{AcquireError, Pool, DEFAULT_RETRY_AFTER_S};
-use crate::prompt::RequestFeatures;
+use crate::request::prompt::RequestFeatures;
+use crate::request::role::Role;
+use crate::stream::outcome::OutcomeKind;
 
 /// The shares a decision admitted, and the candidate chosen.
 pub(super) struct Admitted {

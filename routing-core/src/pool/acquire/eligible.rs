@@ -8,8 +8,8 @@
 use super::super::{AcquireError, Pool, DEFAULT_RETRY_AFTER_S};
 use super::filter::{has_room_for, verdict, Verdict};
 use super::price::Pricing;
-use crate::backend::Role;
-use crate::prompt::RequestFeatures;
+use crate::request::prompt::RequestFeatures;
+use crate::request::role::Role;
 
 impl Pool {
     /// Fills the scratch candidate lists: `primary` (and, for a disaggregated pair, `decode`).

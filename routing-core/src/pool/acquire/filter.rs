@@ -4,10 +4,10 @@
 //! price nothing (see `price.rs`).
 
 use super::super::entry::BackendEntry;
-use crate::backend::Role;
-use crate::breaker::BreakerConfig;
+use crate::backend::breaker::BreakerConfig;
 use crate::pool::has_room;
-use crate::prompt::RequestFeatures;
+use crate::request::prompt::RequestFeatures;
+use crate::request::role::Role;
 
 /// What the filters say of one backend, in the order they ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

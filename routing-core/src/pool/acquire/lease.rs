@@ -3,12 +3,12 @@
 //! table and the statistics.
 
 use super::admit::Admitted;
-use crate::lease::{Lease, MAX_LEASE_ID};
 use crate::policy::{Candidate, DecisionKind};
 use crate::pool::entry::{BackendEntry, Slot};
+use crate::pool::lease::{Lease, MAX_LEASE_ID};
 use crate::pool::{CandidateView, Grant, Pool, RouteReceipt};
-use crate::prompt::RequestFeatures;
 use crate::random::RandomSource;
+use crate::request::prompt::RequestFeatures;
 
 impl Pool {
     /// Records the lease of the admitted shares and builds the grant.

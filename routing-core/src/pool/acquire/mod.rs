@@ -19,8 +19,8 @@ mod time_card;
 
 use super::{AcquireError, Grant, Pool};
 use crate::policy::Candidate;
-use crate::prompt::RequestFeatures;
 use crate::random::RandomSource;
+use crate::request::prompt::RequestFeatures;
 
 /// Reusable buffers for [`Pool::acquire`], so a decision allocates little.
 #[derive(Debug, Default)]

@@ -6,11 +6,11 @@
 
 use super::super::entry::BackendEntry;
 use super::super::Pool;
-use crate::backend::Role;
-use crate::cost::cache_benefit;
+use crate::backend::cost::cache_benefit;
+use crate::backend::time_model::{room_wait_ms, TimeModelConfig};
 use crate::policy::Candidate;
-use crate::prompt::RequestFeatures;
-use crate::time_model::{room_wait_ms, TimeModelConfig};
+use crate::request::prompt::RequestFeatures;
+use crate::request::role::Role;
 
 /// What pricing needs that is the same for every backend, read from the pool once per decision.
 pub(super) struct Pricing<'a> {

@@ -1,11 +1,11 @@
 //! Step 2 of a decision: the pool's (prefill) policy orders the eligible candidates, best first,
 //! and for a prefill/decode pair its decode policy orders the decode candidates.
 
+use crate::policy::ring::key_hash;
 use crate::policy::{DecisionInput, DecisionKind, NO_CANDIDATE};
 use crate::pool::Pool;
-use crate::prompt::RequestFeatures;
 use crate::random::RandomSource;
-use crate::ring::key_hash;
+use crate::request::prompt::RequestFeatures;
 
 impl Pool {
     /// Writes the ranking into the scratch `order` (and `decode_order` when `paired`); says why

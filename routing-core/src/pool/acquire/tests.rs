@@ -1,15 +1,16 @@
 //! The decision end to end: filtering, ranking by each policy, pairing, the lease's counters.
 
+use crate::backend::cost::InFlight;
+use crate::backend::scrape::{ScrapedGauges, VllmMetrics};
 use crate::backend::BackendId;
+use crate::backend::BackendSpec;
 use crate::backend::Lifecycle;
-use crate::backend::{BackendSpec, Role};
-use crate::cost::InFlight;
-use crate::outcome::Outcome;
 use crate::policy::{DecisionKind, PolicyKind};
 use crate::pool::test_support::{add_ready, features, pool_with, spec, up};
 use crate::pool::{AcquireError, Pool, PoolConfig, ProbeResult};
 use crate::random::SplitMix64;
-use crate::scrape::{ScrapedGauges, VllmMetrics};
+use crate::request::role::Role;
+use crate::stream::outcome::Outcome;
 
 #[test]
 fn unknown_model_is_model_not_found() {

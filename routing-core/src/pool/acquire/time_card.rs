@@ -9,11 +9,11 @@
 //! queue figures come from the caller, which holds the waiting room.
 
 use super::super::Pool;
+use crate::backend::health::HealthState;
 use crate::backend::Lifecycle;
-use crate::endpoint::Endpoint;
-use crate::health::HealthState;
-use crate::prompt::RequestFeatures;
 use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
+use crate::request::endpoint::Endpoint;
+use crate::request::prompt::RequestFeatures;
 
 impl Pool {
     /// The pool's time card at `now_ms`, with the admission queue's length and predicted wait.

@@ -1,14 +1,14 @@
 //! Tests of [`super`]: what a release charges to breakers, reassignment, expiry and moves onto
 //! full backends.
 
+use crate::backend::breaker::BreakerState;
 use crate::backend::BackendId;
 use crate::backend::Lifecycle;
-use crate::breaker::BreakerState;
-use crate::outcome::{Outcome, OutcomeKind};
 use crate::policy::PolicyKind;
 use crate::pool::test_support::{features, pool_with, spec};
 use crate::pool::{AcquireError, PoolError};
 use crate::random::SplitMix64;
+use crate::stream::outcome::{Outcome, OutcomeKind};
 
 #[test]
 fn client_errors_never_open_the_breaker_but_5xx_do() {
@@ -200,11 +200,11 @@ fn a_lost_lease_is_readmitted_even_over_capacity_but_a_move_of_it_is_checked() {
     // The pool forgot a stream that still runs on a's backend (say, a restart) while that
     // backend took another request: readmitting it is counted, never refused, because the
     // stream runs there whatever the pool says.
-    let terms = crate::lease::LeaseTerms {
+    let terms = crate::pool::lease::LeaseTerms {
         backend: a.backend.clone(),
         prompt_tokens: 10,
         max_tokens: 10,
-        ..crate::lease::LeaseTerms::default()
+        ..crate::pool::lease::LeaseTerms::default()
     };
     let lost = 999;
     assert!(pool.readmit(lost, &terms, 5).is_ok());

@@ -26,7 +26,7 @@
 #[cfg(test)]
 mod tests;
 
-use crate::endpoint::Endpoint;
+use crate::request::endpoint::Endpoint;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Value};

@@ -1,13 +1,29 @@
-//! What a backend is: one vLLM server as the pool knows it.
+//! One backend's state: what the pool knows and learns about a single vLLM server.
+//!
+//! This file is what a backend is (its [`BackendSpec`], [`BackendId`], [`Lifecycle`] and
+//! [`Capacity`] hints). The files next to it each hold one part of its state, which the pool keeps
+//! per backend and combines when it decides: `health` (its probes), `breaker` (its circuit breaker,
+//! fed by outcomes), `scrape` (the gauges read from its `/metrics` page), `cost` (how loaded it is
+//! and what a request would cost there), `time_model` (its learned step times: waits for a first
+//! token and harm to the requests already running) and `held_blocks` (the KV blocks its running
+//! requests hold). They build on [`crate::request`] and [`crate::stream`], never on the pool.
 //!
 //! A [`BackendSpec`] is what an operator registers (and what the Durable Object persists): identity,
 //! URL, region, served models, weight, [`Role`] for prefill/decode disaggregation, an optional API
 //! key, and [`Capacity`] hints. Its [`Lifecycle`] says whether it may take new traffic; health and
-//! breaker state live in their own modules and are combined by the pool.
+//! breaker state live in the files beside this one and are combined by the pool.
 //!
 //! The API key is stored so the Worker can authenticate to the server, but it never appears in
 //! `Debug` output, metrics or listings.
 
+pub mod breaker;
+pub mod cost;
+pub mod health;
+pub mod held_blocks;
+pub mod scrape;
+pub mod time_model;
+
+use crate::request::role::Role;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::fmt;
 
@@ -52,30 +68,6 @@ impl From<&str> for BackendId {
 impl From<String> for BackendId {
     fn from(s: String) -> Self {
         BackendId(s)
-    }
-}
-
-/// What part of inference a backend performs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// An ordinary vLLM server doing both prefill and decode.
-    #[default]
-    Mixed,
-    /// A disaggregated prefill server (vLLM `kv_producer`).
-    Prefill,
-    /// A disaggregated decode server (vLLM `kv_consumer`).
-    Decode,
-}
-
-impl Role {
-    /// The role's name as used in JSON and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Mixed => "mixed",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
     }
 }
 

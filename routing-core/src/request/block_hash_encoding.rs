@@ -1,10 +1,10 @@
 //! The compact wire form of a prompt's prefix-block hashes: little-endian `u64`s, base64 in JSON
-//! (how [`crate::prompt::RequestFeatures`] travels from the Worker to the pool).
+//! (how [`crate::request::prompt::RequestFeatures`] travels from the Worker to the pool).
 //!
 //! A 16k-token prompt has about a thousand block hashes; as decimal JSON numbers they take about
 //! 20 bytes each and cost a number parse apiece in the Durable Object. As eight raw bytes in
 //! base64 they take 10.7 characters each and decode with a table lookup per character. Use it as
-//! `#[serde(with = "routing_core::block_hash_encoding")]` on a `Vec<u64>` field.
+//! `#[serde(with = "routing_core::request::block_hash_encoding")]` on a `Vec<u64>` field.
 
 use serde::{Deserialize, Deserializer, Serializer};
 

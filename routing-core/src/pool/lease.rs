@@ -10,8 +10,8 @@
 //! (or a lease expired while its request still ran), the Worker's next renewal or retry carries the
 //! lease's [`LeaseTerms`] so the pool can count the request again.
 
+use crate::backend::time_model::SharePrediction;
 use crate::backend::{BackendId, BackendKey};
-use crate::time_model::SharePrediction;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 

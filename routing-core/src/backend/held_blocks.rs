@@ -7,29 +7,27 @@
 //! gateway's requests (their output tokens come on top).
 //!
 //! Prompts are chains of block hashes (a block's hash names its whole prefix, see
-//! [`crate::prompt`]), so the blocks held form a tree of prefixes, and two prompts share exactly
-//! their longest common prefix, which a binary search finds. A prompt starting adds its length
-//! minus the longest prefix it shares with a prompt already held; one ending takes away its length
-//! minus the longest prefix it shares with those still held. Either costs a binary search per
-//! running request on the backend (one comparison for an unrelated prompt), not a hash-map update
-//! per block.
+//! [`crate::request::prompt`]), so the blocks held form a tree of prefixes, and two prompts share
+//! exactly their longest common prefix, which a binary search finds. A prompt starting adds its
+//! length minus the longest prefix it shares with a prompt already held; one ending takes away its
+//! length minus the longest prefix it shares with those still held. Either costs a binary search
+//! per running request on the backend (one comparison for an unrelated prompt), not a hash-map
+//! update per block.
 //!
 //! A prefix is shared only once it is computed: vLLM enters a block into its prefix cache when the
 //! block's tokens have been computed, so requests admitted while the first request behind a new
 //! prefix is still waiting for or running its prefill each compute, and hold, their own copy. Each
 //! held prompt therefore also carries how much of it was computed when it started (its cache hit)
 //! and from when later requests find the rest computed (its prefill under way, as the time model
-//! predicts it: [`crate::time_model::SharePrediction::start_ms`]); before then,
+//! predicts it: [`crate::backend::time_model::SharePrediction::start_ms`]); before then,
 //! only that computed part is shared with later requests ([`HeldBlocks::prefixes`]), and a
 //! request starting meanwhile counts the rest of what it shares as copies of its own
 //! ([`HeldBlocks::in_use`]).
 
-use crate::lease::LeaseId;
-
 /// One live lease's prompt on a backend.
 #[derive(Debug, Clone)]
 struct Held {
-    lease: LeaseId,
+    lease: u64,
     blocks: Vec<u64>,
     /// Leading blocks already computed when it started (its cache hit there).
     computed: usize,
@@ -40,7 +38,8 @@ struct Held {
     copies: usize,
 }
 
-/// The prompt blocks live leases hold on one backend.
+/// The prompt blocks live leases hold on one backend, each prompt under its lease's id (the pool's
+/// `LeaseId`, a `u64`).
 #[derive(Debug, Clone, Default)]
 pub struct HeldBlocks {
     prompts: Vec<Held>,
@@ -53,7 +52,7 @@ impl HeldBlocks {
     /// computed already; requests admitted from `ready_ms` on find the rest computed too.
     pub fn hold(
         &mut self,
-        lease: LeaseId,
+        lease: u64,
         blocks: Vec<u64>,
         computed: usize,
         ready_ms: u64,
@@ -74,7 +73,7 @@ impl HeldBlocks {
     }
 
     /// Lease `lease` ended: its blocks, or `None` if it held none here.
-    pub fn release(&mut self, lease: LeaseId) -> Option<Vec<u64>> {
+    pub fn release(&mut self, lease: u64) -> Option<Vec<u64>> {
         let i = self.prompts.iter().position(|h| h.lease == lease)?;
         let held = self.prompts.swap_remove(i);
         // Saturating: only a list that is not a chain could make the counts disagree.
@@ -119,7 +118,7 @@ impl HeldBlocks {
     }
 
     /// Each live lease's blocks.
-    pub fn prompts(&self) -> impl Iterator<Item = (LeaseId, &[u64])> {
+    pub fn prompts(&self) -> impl Iterator<Item = (u64, &[u64])> {
         self.prompts.iter().map(|h| (h.lease, h.blocks.as_slice()))
     }
 
@@ -244,7 +243,7 @@ mod tests {
     fn chain(family: u64, shared: usize, seed: u64, own: usize) -> Vec<u64> {
         let text = format!("{:064}", family * 7_919).repeat(30)[..shared * 64].to_string()
             + &format!("{seed:064}").repeat(own);
-        crate::prompt::block_hashes(text.as_bytes(), 16)
+        crate::request::prompt::block_hashes(text.as_bytes(), 16)
     }
 
     proptest! {
@@ -257,7 +256,7 @@ mod tests {
             ),
         ) {
             let (mut h, mut counts) = (HeldBlocks::default(), Counts::default());
-            let mut live: Vec<(LeaseId, Vec<u64>)> = Vec::new();
+            let mut live: Vec<(u64, Vec<u64>)> = Vec::new();
             for (start, lease, family, shared, own) in ops {
                 let blocks = chain(family, shared, lease, own);
                 if start && live.iter().all(|(id, _)| *id != lease) {

@@ -20,9 +20,9 @@ pub use canonical::{
 pub(crate) use error::invalid;
 pub use error::PromptError;
 
-use crate::backend::Role;
-use crate::endpoint::Endpoint;
-use crate::routing_key::routing_key;
+use crate::request::endpoint::Endpoint;
+use crate::request::role::Role;
+use crate::request::routing_key::routing_key;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -81,8 +81,8 @@ pub struct RequestFeatures {
     /// Tokens per block the hashes were computed with.
     pub block_tokens: u32,
     /// Chained prefix-block hashes (base64 of little-endian `u64`s in JSON, see
-    /// [`crate::block_hash_encoding`]).
-    #[serde(with = "crate::block_hash_encoding")]
+    /// [`crate::request::block_hash_encoding`]).
+    #[serde(with = "crate::request::block_hash_encoding")]
     pub block_hashes: Vec<u64>,
     /// Restricts candidates to backends of this role (for callers that stage prefill and decode
     /// themselves); `None` lets the pool's policy decide.

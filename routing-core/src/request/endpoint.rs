@@ -1,6 +1,6 @@
 //! The OpenAI endpoints the gateway routes: one enum for the Worker's route table, the request's
-//! features (`RequestFeatures::kind`, `crate::prompt`) and a stream's resumption
-//! (`crate::resume`).
+//! features (`RequestFeatures::kind`, `crate::request::prompt`) and a stream's resumption
+//! (`crate::stream::resume`).
 
 use serde::{Deserialize, Serialize};
 

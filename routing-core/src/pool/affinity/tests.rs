@@ -3,7 +3,7 @@
 use super::*;
 
 fn blocks(seed: u64, n: usize) -> Vec<u64> {
-    crate::prompt::block_hashes(format!("{seed:064}").repeat(n).as_bytes(), 16)
+    crate::request::prompt::block_hashes(format!("{seed:064}").repeat(n).as_bytes(), 16)
 }
 
 /// A table of `max_entries` with backends 0, 1, ... of these block bounds.
@@ -53,7 +53,7 @@ fn a_prompt_that_parts_inside_a_chunk_matches_up_to_where_it_parts() {
     let system = "s".repeat(64 * (g + 3));
     let prompt = |question: &str| {
         let text = format!("{system}{}", question.repeat(64 * (g - 2)));
-        crate::prompt::block_hashes(text.as_bytes(), 16)
+        crate::request::prompt::block_hashes(text.as_bytes(), 16)
     };
     let (first, second) = (prompt("a"), prompt("b"));
     assert_eq!(first.len(), 2 * g + 1);

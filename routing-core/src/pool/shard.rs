@@ -21,10 +21,10 @@
 //! coordinator), 1 cost shared-prefix groups 3 points of hit rate at 8 shards; 0.5 keeps both
 //! within the bounds.
 
+use crate::backend::cost::InFlight;
 use crate::backend::BackendId;
-use crate::cost::InFlight;
-use crate::prompt::RequestFeatures;
-use crate::ring::key_hash;
+use crate::policy::ring::key_hash;
+use crate::request::prompt::RequestFeatures;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 

@@ -199,7 +199,7 @@ mod properties {
     fn prompt(family: u64, shared: usize, seed: u64, fresh: usize) -> Vec<u64> {
         let text = format!("{:064}", family * 1_000_003).repeat(40)[..shared * 64].to_string()
             + &format!("{seed:064}").repeat(fresh);
-        crate::prompt::block_hashes(text.as_bytes(), 16)
+        crate::request::prompt::block_hashes(text.as_bytes(), 16)
     }
 
     proptest! {

@@ -18,7 +18,7 @@
 //! half-open: they describe the past, not the trial. A 429 leaves the breaker alone and marks the
 //! backend saturated for `saturation_ms` instead.
 
-use crate::outcome::OutcomeKind;
+use crate::stream::outcome::OutcomeKind;
 use serde::{Deserialize, Serialize};
 
 /// Breaker thresholds and timings.

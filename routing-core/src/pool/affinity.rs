@@ -1,7 +1,7 @@
 //! Prefix affinity: which backend probably holds which prefix blocks in its KV cache.
 //!
-//! Every routed request records its chained block hashes (see [`crate::prompt`]) on the backend
-//! it went to. Each backend has its own LRU (approximate: an entry already among the newest
+//! Every routed request records its chained block hashes (see [`crate::request::prompt`]) on the
+//! backend it went to. Each backend has its own LRU (approximate: an entry already among the newest
 //! quarter of its list is not moved again) bounded by its KV capacity in blocks, since that is
 //! roughly what vLLM can keep; the whole table has a global bound on entries, evicting the least
 //! recently used entry of any backend; removing a backend purges its entries.
