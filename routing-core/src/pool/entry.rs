@@ -53,9 +53,10 @@ pub(super) struct BackendEntry {
 pub(super) const LEARNED_SEQS_TTL_MS: u64 = 60_000;
 
 /// The batch limit after a scrape that saw `running` sequences and `waiting` requests at
-/// `now_ms`: a queue behind a running batch says the batch is full, so its size is the limit; a
-/// batch larger than the limit without a queue raises it; without a queue a limit lapses after
-/// [`LEARNED_SEQS_TTL_MS`].
+/// `now_ms`: a queue behind a running batch says the batch is full, so its size is the limit (the
+/// largest such batch while the limit holds: a scrape between one sequence ending and the next
+/// admitted sees one fewer); a batch larger than the limit raises it; a limit no queue confirms
+/// lapses after [`LEARNED_SEQS_TTL_MS`].
 pub(super) fn learn_seq_limit(
     learned: Option<(u32, u64)>,
     running: f64,
@@ -64,7 +65,13 @@ pub(super) fn learn_seq_limit(
 ) -> Option<(u32, u64)> {
     let running = running.round().max(0.0) as u32;
     if waiting >= 1.0 && running >= 1 {
-        return Some((running, now_ms));
+        let limit = match learned {
+            Some((limit, at)) if now_ms.saturating_sub(at) <= LEARNED_SEQS_TTL_MS => {
+                limit.max(running)
+            }
+            _ => running,
+        };
+        return Some((limit, now_ms));
     }
     match learned {
         Some((limit, at)) if running > limit => Some((running, at)),
