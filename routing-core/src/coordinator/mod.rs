@@ -25,6 +25,7 @@ pub mod history;
 mod leases;
 pub mod load;
 pub mod metrics;
+pub mod probe_answers;
 pub mod probe_verdict;
 mod probes;
 pub mod reassign;

@@ -292,7 +292,11 @@ mod tests {
         pool.record_probe(&id, &scrape(2.0, 8.0), 2).unwrap();
         assert_eq!(seqs(&pool), 2, "two running while eight wait");
         pool.record_probe(&id, &scrape(1.0, 8.0), 3).unwrap();
-        assert_eq!(seqs(&pool), 2, "caught between one ending and the next admitted");
+        assert_eq!(
+            seqs(&pool),
+            2,
+            "caught between one ending and the next admitted"
+        );
         pool.record_probe(&id, &scrape(5.0, 0.0), 4).unwrap();
         assert_eq!(seqs(&pool), 5, "a larger batch without a queue raises it");
         pool.record_probe(&id, &scrape(1.0, 0.0), 30_000).unwrap();
