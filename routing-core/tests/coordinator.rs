@@ -616,3 +616,36 @@ fn a_newer_call_closes_the_older_and_an_unanswered_grant_goes_back() {
     assert_eq!(c.pool().live_leases(), 0);
     assert_eq!(c.room().queue.stats().dropped(DropReason::ClientGone), 1);
 }
+
+#[test]
+fn a_pool_that_published_a_busy_card_publishes_again_when_its_last_lease_ends() {
+    let mut c = coordinator(settings(routing()), 1, 1);
+    let long = RequestFeatures {
+        max_tokens: 2000,
+        ..features()
+    };
+    let (step, _) = c.acquire(long, None, None, false, 10, &Hungup::default());
+    let held = grant(step);
+    // The probe round's card: the one sequence slot is taken for a long answer.
+    let effects = c.finish_probe_round(20, &Hungup::default());
+    let busy = match effects.last() {
+        Some(Effect::PublishCard(card)) => card.clone(),
+        other => panic!("shard 0 publishes its card, got {other:?}"),
+    };
+    assert!(busy.cached_ms.is_none_or(|ms| ms >= 200), "{busy:?}");
+    // The lease ends: a new card goes out at once, showing the pool idle.
+    let effects = release(&mut c, held.lease_id, &id(0), 30);
+    let idle = match effects.last() {
+        Some(Effect::PublishCard(card)) => card.clone(),
+        other => panic!("the idle pool publishes again, got {effects:?} / {other:?}"),
+    };
+    assert_eq!(idle.at_ms, 30);
+    assert!(idle.cached_ms.unwrap() < 200, "{idle:?}");
+    // An idle pool's next lease ends without another card.
+    let g = acquire(&mut c, 40);
+    let effects = release(&mut c, g.lease_id, &id(0), 50);
+    assert!(
+        !effects.iter().any(|e| matches!(e, Effect::PublishCard(_))),
+        "{effects:?}"
+    );
+}

@@ -72,21 +72,23 @@ impl PoolCoordinator {
         })
     }
 
-    pub(super) fn release(&self, req: ReleaseRequest) -> ApiResult {
-        let released = self.release_all(std::slice::from_ref(&req));
+    pub(super) async fn release(&self, req: ReleaseRequest) -> ApiResult {
+        let released = self.release_all(std::slice::from_ref(&req)).await;
         reply::<ReleaseRequest>(&ReleaseAnswer {
             released: released[0],
         })
     }
 
     /// Several releases in one call, each as [`Self::release`] does it.
-    pub(super) fn release_batch(&self, batch: ReleaseBatch) -> ApiResult {
-        let released = self.release_all(&batch.releases);
+    pub(super) async fn release_batch(&self, batch: ReleaseBatch) -> ApiResult {
+        let released = self.release_all(&batch.releases).await;
         reply::<ReleaseBatch>(&ReleaseBatchAnswer { released })
     }
 
     /// Ends each lease with its outcome; its backend's state is written when the lease was live.
-    fn release_all(&self, requests: &[ReleaseRequest]) -> Vec<bool> {
+    /// When the last lease of a pool that published a busy card ended, the new card goes to the
+    /// directory before the answer.
+    async fn release_all(&self, requests: &[ReleaseRequest]) -> Vec<bool> {
         let releases: Vec<Release> = requests
             .iter()
             .map(|r| Release {
@@ -95,11 +97,12 @@ impl PoolCoordinator {
                 backend: r.backend.as_ref(),
             })
             .collect();
-        self.with(|shard| {
+        let (released, performed) = self.with(|shard| {
             let now = now_ms();
             let (released, effects) = shard.coordinator.release(&releases, now);
-            let _ = shard.perform(effects, now);
-            released
-        })
+            (released, shard.perform(effects, now))
+        });
+        self.follow_up(performed).await;
+        released
     }
 }

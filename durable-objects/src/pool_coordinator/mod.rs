@@ -301,8 +301,11 @@ impl PoolCoordinator {
                 self.reassign(read_body(req, "reassign request").await?)
                     .await
             }
-            Route::Release => self.release(read_body(req, "release request").await?),
-            Route::ReleaseBatch => self.release_batch(read_body(req, "release batch").await?),
+            Route::Release => self.release(read_body(req, "release request").await?).await,
+            Route::ReleaseBatch => {
+                self.release_batch(read_body(req, "release batch").await?)
+                    .await
+            }
             Route::Renew => self.renew(read_body(req, "renew request").await?),
             Route::PrefillDone => self.prefill_done(read_body(req, "prefill report").await?),
             Route::RegisterBackend => {

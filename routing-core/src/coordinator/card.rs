@@ -12,6 +12,11 @@ use crate::region::TimeCard;
 /// Longest a grant's card is reused before it is computed again, in ms.
 pub const GRANT_CARD_MS: u64 = 250;
 
+/// A card whose request with nothing to prefill waits this long, or that shows a queue, is busy:
+/// once the pool's last lease ends, shard 0 publishes a new card at once, so isolates do not keep
+/// avoiding an idle pool until the next probe round.
+pub const BUSY_CARD_MS: u32 = 200;
+
 impl Coordinator {
     /// This pool's card now.
     pub fn card_now(&mut self, now_ms: u64) -> TimeCard {
@@ -40,6 +45,20 @@ impl Coordinator {
 
     /// The card for the directory (shard 0 only: the others publish none).
     pub(super) fn directory_card(&mut self, now_ms: u64) -> Option<TimeCard> {
-        (self.shard == 0).then(|| self.fresh_card(now_ms))
+        if self.shard != 0 {
+            return None;
+        }
+        let card = self.fresh_card(now_ms);
+        self.published_busy = card.queued > 0 || card.cached_ms.is_none_or(|ms| ms >= BUSY_CARD_MS);
+        Some(card)
+    }
+
+    /// After leases ended: a new card for the directory when the last one published was busy and
+    /// no lease is left.
+    pub(super) fn card_if_idle_now(&mut self, now_ms: u64) -> Option<TimeCard> {
+        if !self.published_busy || self.pool.live_leases() > 0 || !self.room.queue.is_empty() {
+            return None;
+        }
+        self.directory_card(now_ms)
     }
 }

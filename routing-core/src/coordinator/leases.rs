@@ -101,6 +101,9 @@ impl Coordinator {
             })
             .collect();
         self.finish_drains(now_ms, &mut effects);
+        if let Some(card) = self.card_if_idle_now(now_ms) {
+            effects.push(Effect::PublishCard(card));
+        }
         (released, effects)
     }
 }

@@ -160,6 +160,9 @@ pub struct Coordinator {
     routed: RoutedCounts,
     /// The time card grants carry, kept for [`GRANT_CARD_MS`].
     grant_card: Option<TimeCard>,
+    /// The last card published to the directory showed a wait ([`card::BUSY_CARD_MS`]): the
+    /// pool publishes again as soon as its last lease ends, not at the next probe round.
+    published_busy: bool,
     /// When this shard last pushed its load to its siblings, and whether a push is scheduled.
     exchange: Exchange,
 }
@@ -219,6 +222,7 @@ impl Coordinator {
             history: History::default(),
             routed: RoutedCounts::default(),
             grant_card: None,
+            published_busy: false,
             exchange: Exchange::default(),
         };
         coordinator.apply_shard_settings();
