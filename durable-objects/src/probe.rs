@@ -95,13 +95,13 @@ pub async fn probe_backend(
         at_ms: started,
         ..ProbeReport::default()
     };
-    let get = |path: &str, limit: usize| {
+    let get_path = |path: &str, limit: usize| {
         let url = format!("{base_url}{path}");
         async move { get_text(&url, api_key, timeout, limit).await }
     };
-    if report.read_health(get("/health", MAX_PROBE_BYTES).await.map(|a| a.status)) {
-        report.read_models(get("/v1/models", MAX_PROBE_BYTES).await);
-        report.read_metrics(get("/metrics", MAX_METRICS_BYTES).await);
+    if report.read_health(get_path("/health", MAX_PROBE_BYTES).await.map(|a| a.status)) {
+        report.read_models(get_path("/v1/models", MAX_PROBE_BYTES).await);
+        report.read_metrics(get_path("/metrics", MAX_METRICS_BYTES).await);
     }
     report.duration_ms = Date::now().as_millis().saturating_sub(started);
     report

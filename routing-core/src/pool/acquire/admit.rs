@@ -1,6 +1,7 @@
 //! Step 3 of a decision: the chosen backend (and a pair's decode backend) takes the request's
 //! load on its counters, through its breaker ([`Pool::admit`] also serves a reassigned retry).
 
+use super::lease::whole_ms;
 use crate::backend::breaker::Admission;
 use crate::policy::Candidate;
 use crate::pool::lease::LeaseShare;
@@ -45,10 +46,7 @@ impl Pool {
             return Err(no_backend);
         };
         primary.predicted.add_wait(chosen.wait_ms);
-        if chosen.ttft_ms.is_finite() {
-            primary.predicted_ttft_ms =
-                Some(chosen.ttft_ms.round().clamp(0.0, f64::from(u32::MAX)) as u32);
-        }
+        primary.predicted_ttft_ms = whole_ms(chosen.ttft_ms);
         let decode = match decode_slot {
             Some(slot) => {
                 let prompt = u64::from(features.prompt_tokens);

@@ -110,7 +110,7 @@ impl Pool {
 }
 
 /// A predicted time in whole milliseconds, if finite.
-fn whole_ms(ms: f64) -> Option<u32> {
+pub(super) fn whole_ms(ms: f64) -> Option<u32> {
     ms.is_finite()
         .then(|| ms.round().clamp(0.0, f64::from(u32::MAX)) as u32)
 }
