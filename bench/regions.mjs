@@ -64,7 +64,7 @@ function prompt(nonce) {
 
 async function one(gw, model, req) {
   const started = performance.now();
-  const rec = { region: req.region, at_ms: Math.round(req.at), status: 0, pool: null, choice: null, predicted_ms: null, ttft: null, e2e: null };
+  const rec = { region: req.region, at_ms: Math.round(req.at), status: 0, pool: null, choice: null, predicted_ms: null, anchor_ms: null, ttft: null, e2e: null };
   try {
     const r = await gw.fetch("/v1/chat/completions", {
       method: "POST",
@@ -75,6 +75,7 @@ async function one(gw, model, req) {
     rec.pool = r.headers.get("x-gateway-pool");
     rec.choice = r.headers.get("x-gateway-pool-choice");
     rec.predicted_ms = Number(r.headers.get("x-gateway-pool-predicted-ms")) || null;
+    rec.anchor_ms = Number(r.headers.get("x-gateway-pool-anchor-ms")) || null;
     const reader = r.body.getReader();
     for (;;) {
       const { value, done } = await reader.read();
@@ -167,7 +168,7 @@ function summarise(recs, poolOf) {
       cross_region: away.length,
       // Each request served away: when in the phase it arrived, why the Worker chose that pool,
       // and what it predicted there.
-      away: away.map((r) => ({ at_ms: r.at_ms, pool: r.pool, choice: r.choice, predicted_ms: r.predicted_ms, ttft_ms: Math.round(r.ttft) })),
+      away: away.map((r) => ({ at_ms: r.at_ms, pool: r.pool, choice: r.choice, predicted_ms: r.predicted_ms, anchor_ms: r.anchor_ms, ttft_ms: Math.round(r.ttft) })),
       served_by: Object.fromEntries(Object.keys(poolOf).map((p) => [p, ok.filter((r) => r.pool === p).length])),
     };
   }

@@ -198,6 +198,9 @@ pub async fn handle(
                 // The prediction is the planned first pool's, not a spill's.
                 if let (Some(ms), false) = (plan.predicted_ms, pool_choice == "spill") {
                     extra.push(("x-gateway-pool-predicted-ms", ms.to_string()));
+                    if let Some(anchor) = plan.anchor_ms {
+                        extra.push(("x-gateway-pool-anchor-ms", anchor.to_string()));
+                    }
                 }
                 if queued_ms > 0 {
                     extra.push((

@@ -59,6 +59,8 @@ pub struct HopContext {
     /// Why the first is first (`ChoiceReason::as_str`).
     reason: String,
     predicted_ms: Option<u64>,
+    #[serde(default)]
+    anchor_ms: Option<u64>,
     allowed: Vec<String>,
     excluded: usize,
     client_region: Option<String>,
@@ -79,6 +81,7 @@ impl HopContext {
             pools: self.pools.clone(),
             reason: reason_named(&self.reason),
             predicted_ms: self.predicted_ms,
+            anchor_ms: self.anchor_ms,
             allowed: self.allowed.clone(),
             excluded: self.excluded,
             client_region: self.client_region.clone(),
@@ -217,6 +220,7 @@ impl Regional {
             pools: h.plan.pools.clone(),
             reason: h.plan.reason.as_str().to_string(),
             predicted_ms: h.plan.predicted_ms,
+            anchor_ms: h.plan.anchor_ms,
             allowed: h.plan.allowed.clone(),
             excluded: h.plan.excluded,
             client_region: h.plan.client_region.clone(),

@@ -170,6 +170,9 @@ pub struct Plan {
     pub reason: ChoiceReason,
     /// The predicted cost of the first pool (round trips plus time to first token), if known.
     pub predicted_ms: Option<u64>,
+    /// When the first pool is not the request's anchor (its home pool, else the nearest), the
+    /// anchor's predicted cost: what moving saved, by the prediction.
+    pub anchor_ms: Option<u64>,
     /// The jurisdictions the request may be served in (empty: anywhere).
     pub allowed: Vec<String>,
     /// Pools left out because they are outside those jurisdictions.
@@ -275,6 +278,10 @@ pub fn plan(
     let u = js_sys::Math::random();
     let choice = order_pools(&options, features.prompt_tokens, now_ms, u, &config);
     let predicted_ms = choice.order.first().and_then(|&i| choice.predicted_ms[i]);
+    let moved = choice.order.first().is_some_and(|&i| i != choice.anchor);
+    let anchor_ms = moved
+        .then(|| choice.predicted_ms.get(choice.anchor).copied().flatten())
+        .flatten();
     let mut slots: Vec<Option<PoolEntry>> = pools.into_iter().map(Some).collect();
     let ordered = choice
         .order
@@ -285,6 +292,7 @@ pub fn plan(
         pools: ordered,
         reason: choice.reason,
         predicted_ms,
+        anchor_ms,
         allowed,
         excluded,
         client_region: region,

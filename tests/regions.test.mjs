@@ -141,6 +141,7 @@ test("a skewed load moves traffic to the faster pool, the network included, and 
   for (let i = 0; i < 5; i++) {
     const r = await chat(gw, "rm", "r-near");
     assert.equal(r.pool, near.name, "nothing leaves a lightly loaded region");
+    assert.equal(r.headers.get("x-gateway-pool-anchor-ms"), null, "a request at its anchor names no other cost");
   }
 
   // Ten long streams on near's one backend: it runs 2, vLLM queues 8.
@@ -148,6 +149,10 @@ test("a skewed load moves traffic to the faster pool, the network included, and 
   await overloaded(gw, near.name);
   const moved = await until("traffic moves to the faster pool", () => chat(gw, "rm", "r-near"), (r) => r.pool === far.name);
   assert.equal(moved.choice, "faster");
+  // What moving saved, by the prediction: the anchor's cost beside the chosen pool's.
+  const anchorMs = Number(moved.headers.get("x-gateway-pool-anchor-ms"));
+  const chosenMs = Number(moved.headers.get("x-gateway-pool-predicted-ms"));
+  assert.ok(anchorMs > chosenMs && chosenMs > 0, `anchor ${anchorMs} ms against ${chosenMs} ms`);
   const state = await poolState(gw, near.name);
   assert.ok(state.time_card?.short_ms > 1000, `the busy pool predicts its wait: ${JSON.stringify(state.time_card)}`);
   // A conversation that starts now goes far too, with a long history.

@@ -101,6 +101,8 @@ pub struct PoolChoice {
     /// Predicted cost (round trips plus time to first token) of each option, by index; `None`
     /// without a fresh card.
     pub predicted_ms: Vec<Option<u64>>,
+    /// The anchor's index (the home pool, else the nearest): what a request moved away from.
+    pub anchor: usize,
 }
 
 /// Whether a pool of `jurisdiction` may serve a request allowed in `allowed` (empty: anywhere). A
@@ -144,6 +146,7 @@ pub fn order_pools(
             order,
             reason: anchor_reason,
             predicted_ms,
+            anchor,
         };
     }
     order.sort_by_key(|&i| (i != anchor, predicted_ms[i].is_none(), predicted_ms[i]));
@@ -155,6 +158,7 @@ pub fn order_pools(
             order,
             reason: anchor_reason,
             predicted_ms,
+            anchor,
         };
     };
     let best_ms = predicted_ms[best].unwrap_or(0) as f64;
@@ -176,6 +180,7 @@ pub fn order_pools(
             order,
             reason: anchor_reason,
             predicted_ms,
+            anchor,
         };
     };
     order.retain(|&i| i != best);
@@ -184,6 +189,7 @@ pub fn order_pools(
         order,
         reason,
         predicted_ms,
+        anchor,
     }
 }
 

@@ -147,8 +147,8 @@ impl<'a> Pricing<'a> {
             || in_flight.leases >= backend_capacity.max_num_seqs.max(1)
             || engine_waiting > 0.0;
         // How long the backend takes to free its whole capacity: the sequences that fill it
-        // prefill one after another and then decode together. Only needed when the request must
-        // wait for room.
+        // (as many as its memory holds, at most its sequence slots) prefill one after another
+        // and then decode together. Only needed when the request must wait for room.
         let drain_ms = if in_flight.leases == 0 || !short_of_room {
             predicted.decode_ms
         } else {
@@ -158,7 +158,8 @@ impl<'a> Pricing<'a> {
                 in_flight.prompt_tokens as f64 / leases * entry.timing.prefill_ms_per_token(tm);
             let mean_decode = in_flight.output_tokens as f64 * self.output_ratio / leases
                 * entry.timing.step_ms_with(tm, running);
-            let per_capacity = capacity as f64 / (memory_tokens as f64 / leases).max(1.0);
+            let fit_in_memory = capacity as f64 / (memory_tokens as f64 / leases).max(1.0);
+            let per_capacity = fit_in_memory.min(f64::from(backend_capacity.max_num_seqs.max(1)));
             per_capacity.max(1.0) * mean_prefill + mean_decode
         };
         let room_wait = room_wait_ms(

@@ -276,3 +276,36 @@ fn a_request_queued_for_memory_is_predicted_to_wait_for_it() {
     let predicted = g.predicted_ttft_ms.unwrap();
     assert!(predicted > 2_000, "{predicted} ms");
 }
+
+/// A backend out of sequence slots but with memory to spare frees a slot as its first running
+/// sequence ends: the drain is its slots' prefills and one decode, not as many sequences as its
+/// memory would hold. Counting those (256 short prompts' prefills on this 65,536-token cache), a
+/// short request behind 5 sequences on 4 slots was predicted to wait 2.8 s; the backend frees
+/// its slots within one 60-token decode (about 650 ms).
+#[test]
+fn a_request_short_of_a_slot_waits_for_a_decode_not_for_the_memory_to_drain() {
+    let mut pool = Pool::new("p1", PoolConfig::default());
+    add_ready(
+        &mut pool,
+        BackendSpec {
+            capacity: crate::backend::Capacity {
+                kv_blocks: 4096,
+                block_size: 16,
+                max_num_seqs: 4,
+            },
+            ..spec("b0")
+        },
+    );
+    let mut rng = SplitMix64::new(4);
+    let short = |i: usize| {
+        let mut f = features(&format!("{i} a short prompt ").repeat(40));
+        f.max_tokens = 60;
+        f
+    };
+    for i in 0..5 {
+        pool.acquire(&short(i), 0, &mut rng).unwrap();
+    }
+    let g = pool.acquire(&short(99), 200, &mut rng).unwrap();
+    let predicted = g.predicted_ttft_ms.unwrap();
+    assert!((100..1_000).contains(&predicted), "{predicted} ms");
+}
