@@ -59,7 +59,6 @@ pub struct HopContext {
     /// Why the first is first (`ChoiceReason::as_str`).
     reason: String,
     predicted_ms: Option<u64>,
-    #[serde(default)]
     anchor_ms: Option<u64>,
     allowed: Vec<String>,
     excluded: usize,

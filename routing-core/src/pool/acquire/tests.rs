@@ -240,6 +240,23 @@ fn the_receipt_names_the_choice_and_the_best_alternative() {
     assert!(!r.header_value(&lone.backend).contains("alt="));
 }
 
+/// A pool of one ready backend with `kv_blocks` of 16 tokens and `max_num_seqs` slots.
+fn one_backend(kv_blocks: u64, max_num_seqs: u32) -> Pool {
+    let mut pool = Pool::new("p1", PoolConfig::default());
+    add_ready(
+        &mut pool,
+        BackendSpec {
+            capacity: crate::backend::Capacity {
+                kv_blocks,
+                block_size: 16,
+                max_num_seqs,
+            },
+            ..spec("b0")
+        },
+    );
+    pool
+}
+
 /// A backend whose KV cache is full of long answers admits a new request only as they finish,
 /// however idle its prefill queue looks: the wait for room is priced at how long the backend
 /// takes to free its memory (its sequences' prefills one after another, then their decodes),
@@ -248,18 +265,7 @@ fn the_receipt_names_the_choice_and_the_best_alternative() {
 /// (five more rounds of two 500-token answers, about 5 s each, and their prefills).
 #[test]
 fn a_request_queued_for_memory_is_predicted_to_wait_for_it() {
-    let mut pool = Pool::new("p1", PoolConfig::default());
-    add_ready(
-        &mut pool,
-        BackendSpec {
-            capacity: crate::backend::Capacity {
-                kv_blocks: 256,
-                block_size: 16,
-                max_num_seqs: 64,
-            },
-            ..spec("b0")
-        },
-    );
+    let mut pool = one_backend(256, 64);
     let mut rng = SplitMix64::new(4);
     let long_answer = |i: usize| {
         let mut f = features(&format!("{i} a long prompt ").repeat(450));
@@ -284,18 +290,7 @@ fn a_request_queued_for_memory_is_predicted_to_wait_for_it() {
 /// its slots within one 60-token decode (about 650 ms).
 #[test]
 fn a_request_short_of_a_slot_waits_for_a_decode_not_for_the_memory_to_drain() {
-    let mut pool = Pool::new("p1", PoolConfig::default());
-    add_ready(
-        &mut pool,
-        BackendSpec {
-            capacity: crate::backend::Capacity {
-                kv_blocks: 4096,
-                block_size: 16,
-                max_num_seqs: 4,
-            },
-            ..spec("b0")
-        },
-    );
+    let mut pool = one_backend(4096, 4);
     let mut rng = SplitMix64::new(4);
     let short = |i: usize| {
         let mut f = features(&format!("{i} a short prompt ").repeat(40));

@@ -9,6 +9,7 @@
 //! queue figures come from the caller, which holds the waiting room.
 
 use super::super::Pool;
+use super::lease::whole_ms;
 use crate::backend::health::HealthState;
 use crate::backend::Lifecycle;
 use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
@@ -73,11 +74,10 @@ impl Pool {
                 .iter()
                 .filter(|c| c.ttft_ms.is_finite())
                 .min_by(|a, b| a.ttft_ms.total_cmp(&b.ttft_ms))?;
-            let ms = |v: f64| v.round().clamp(0.0, f64::from(u32::MAX)) as u32;
             if tokens == SHORT_TOKENS && best.decode_ms.is_finite() {
-                decode_ms = Some(ms(best.decode_ms));
+                decode_ms = whole_ms(best.decode_ms);
             }
-            Some(ms(best.ttft_ms))
+            whole_ms(best.ttft_ms)
         };
         card.cached_ms = predict(0);
         card.short_ms = predict(SHORT_TOKENS);
