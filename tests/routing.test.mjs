@@ -113,7 +113,9 @@ test("predicted_latency: a conversation returns to the backend holding its histo
     }
     homes.add(home);
   }
-  assert.ok(homes.size >= 2, `four idle-time conversations all started on ${[...homes]}`);
+  // Idle backends' predictions tie; ties go to the backend whose cache holds least, so four new
+  // conversations use all three backends (a coin toss put all four on one about 1 run in 27).
+  assert.equal(homes.size, 3, `four idle-time conversations started on ${[...homes]}`);
 });
 
 test("predicted_latency: a hot prefix gains a replica once its holder is backed up", async () => {

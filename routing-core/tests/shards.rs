@@ -74,12 +74,13 @@ fn a_siblings_load_steers_choices() {
         assert!(pools[0].release(g.lease_id, &Outcome::from_status(200), 30));
     }
     // A report that is never refreshed stops counting: shard 0 weighs gpu-0 and gpu-1 alike
-    // again, so both get some of forty requests.
+    // again, so both get some of forty requests (ties go to the backend whose cache holds less,
+    // and gpu-1 holds the four prompts above: prompts as long fill gpu-0 up to it).
     let later = 10 + EXCHANGE_MS * (STALE_AFTER_INTERVALS + 1);
     let mut served = [0; 2];
     for i in 0..40 {
         let g = pools[0]
-            .acquire(&request(300 + i, 50), later, &mut rng)
+            .acquire(&request(300 + i, 500), later, &mut rng)
             .unwrap();
         served[usize::from(g.backend == gpu(1))] += 1;
         assert!(pools[0].release(g.lease_id, &Outcome::from_status(200), later));

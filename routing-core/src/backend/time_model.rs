@@ -60,6 +60,10 @@ pub struct TimeModelConfig {
     pub learning_rate: f64,
     /// Learned scales stay within `[1/max_scale, max_scale]` of the configured rates (default 10).
     pub max_scale: f64,
+    /// Most prompt tokens the engine computes in one step (vLLM's `--max-num-batched-tokens`,
+    /// default 8,192): a longer prompt is prefilled in chunks over several steps, and a request
+    /// arriving before its last chunk's step computes that part again.
+    pub step_token_budget: u32,
 }
 
 impl Default for TimeModelConfig {
@@ -70,6 +74,7 @@ impl Default for TimeModelConfig {
             decode_ms_per_seq: 0.15,
             learning_rate: 0.2,
             max_scale: 10.0,
+            step_token_budget: 8_192,
         }
     }
 }
@@ -90,6 +95,9 @@ impl TimeModelConfig {
         if !ok(self.max_scale, 1.0, 1e4) {
             return Err("time_model.max_scale must be within [1, 1e4]".into());
         }
+        if self.step_token_budget == 0 {
+            return Err("time_model.step_token_budget must be at least 1".into());
+        }
         Ok(())
     }
 }
@@ -109,6 +117,8 @@ const MAX_STEP_RATIO: f64 = 2.0;
 pub struct SharePrediction {
     /// This share's own prefill time, in microseconds.
     pub prefill_us: u64,
+    /// Of it, the last step's chunk (what is left after whole steps' budgets), in microseconds.
+    pub last_chunk_us: u64,
     /// When its prefill should end (the virtual queue's end after it), in microseconds of pool time.
     pub prefill_end_us: u64,
     /// Predicted queue plus prefill, in microseconds.
@@ -128,14 +138,16 @@ pub struct SharePrediction {
 }
 
 impl SharePrediction {
-    /// When its prefill should be under way, in ms of pool time: its place in the virtual
-    /// prefill queue plus the predicted wait for room, plus one engine step (the engine admits a
-    /// request at the end of the step running when it arrives). A request arriving after that
-    /// is scheduled after the step that computes this one's prompt, so it finds that prompt
-    /// cached; one arriving before is admitted beside it and computes its own copy.
+    /// When its prompt's last chunk should be under way, in ms of pool time: its place in the
+    /// virtual prefill queue (where its prefill ends, less the last step's chunk) plus the
+    /// predicted wait for room, plus one engine step (the engine admits a request at the end of
+    /// the step running when it arrives). A request arriving after that is scheduled after the
+    /// step that completes this one's prompt, so it finds that prompt cached; one arriving before
+    /// is admitted beside it and computes its own copy. For a prompt that fits one step this is
+    /// its prefill's start; a longer one is computed only from its last chunk's step.
     pub fn start_ms(&self) -> u64 {
         self.prefill_end_us
-            .saturating_sub(self.prefill_us)
+            .saturating_sub(self.last_chunk_us.min(self.prefill_us))
             .saturating_add(self.extra_wait_us)
             .saturating_add(self.first_step_us)
             / 1000
@@ -194,7 +206,18 @@ pub struct BackendTiming {
     admitted_prefill_us: u64,
     /// The line fitted through (predicted prefill at the configured rate, measured).
     fit: Fit,
+    /// Prefill admitted lately, in microseconds, decayed with [`PREFILL_SHARE_WINDOW_US`] as its
+    /// time constant, as of `recent_at_us`.
+    recent_prefill_us: f64,
+    /// When `recent_prefill_us` was last brought up to date, in microseconds of pool time.
+    recent_at_us: u64,
 }
+
+/// The time constant of a backend's recent prefill share, in microseconds (5 s).
+const PREFILL_SHARE_WINDOW_US: f64 = 5_000_000.0;
+/// The highest recent prefill share a backend is credited with: a decoding sequence is never
+/// predicted to stall more than 9 times its own decode.
+const MAX_PREFILL_SHARE: f64 = 0.9;
 
 impl Default for BackendTiming {
     fn default() -> Self {
@@ -206,6 +229,8 @@ impl Default for BackendTiming {
             overhead_ms: 0.0,
             admitted_prefill_us: 0,
             fit: Fit::default(),
+            recent_prefill_us: 0.0,
+            recent_at_us: 0,
         }
     }
 }
@@ -287,6 +312,20 @@ impl BackendTiming {
         }
     }
 
+    fn recent_prefill(&self, now_us: u64) -> f64 {
+        let age = now_us.saturating_sub(self.recent_at_us) as f64;
+        self.recent_prefill_us * (-age / PREFILL_SHARE_WINDOW_US).exp()
+    }
+
+    /// The share of the backend's time spent on prefill lately (the prefill admitted over the
+    /// last few seconds, decayed, over that time), at most [`MAX_PREFILL_SHARE`]. vLLM runs
+    /// prefill chunks in the same steps as the decodes, so a sequence decoding there takes about
+    /// `1 / (1 - share)` times its decode alone.
+    pub fn prefill_share(&self, now_ms: u64) -> f64 {
+        (self.recent_prefill(now_ms.saturating_mul(1000)) / PREFILL_SHARE_WINDOW_US)
+            .clamp(0.0, MAX_PREFILL_SHARE)
+    }
+
     /// Puts a granted request's prefill at the end of the virtual queue and returns what was
     /// predicted for it.
     pub fn admit(
@@ -298,12 +337,23 @@ impl BackendTiming {
     ) -> SharePrediction {
         let now_us = now_ms.saturating_mul(1000);
         let prefill_us = (uncached as f64 * self.prefill_us_per_token(c)) as u64;
+        // Chunks take a whole step's budget each, so the last is what remains.
+        let budget = u64::from(c.step_token_budget.max(1));
+        let last_chunk = if uncached == 0 {
+            0
+        } else {
+            (uncached - 1) % budget + 1
+        };
+        let last_chunk_us = (last_chunk as f64 * self.prefill_us_per_token(c)) as u64;
         let start = self.queue_end_us.max(now_us);
         self.queue_end_us = start.saturating_add(prefill_us);
         self.admitted_prefill_us = self.admitted_prefill_us.saturating_add(prefill_us);
+        self.recent_prefill_us = self.recent_prefill(now_us) + prefill_us as f64;
+        self.recent_at_us = now_us.max(self.recent_at_us);
         SharePrediction {
             admitted_through_us: self.admitted_prefill_us,
             prefill_us,
+            last_chunk_us,
             prefill_end_us: self.queue_end_us,
             queued_prefill_us: self.queue_end_us - now_us,
             queued_prefill_base_us: ((self.queue_end_us - now_us) as f64 / self.prefill_scale)

@@ -213,6 +213,14 @@ pub struct Candidate {
     /// Of `ttft_ms`, every wait before its prefill starts (the prefill queue ahead and
     /// `wait_ms`): the uncertain part of the prediction.
     pub queue_ms: f64,
+    /// Predicted time other prompts' prefill adds to the request's decode there, in ms: its own
+    /// decode times `share / (1 - share)`, where `share` is the backend's recent time in prefill
+    /// ([`crate::backend::time_model::BackendTiming::prefill_share`]).
+    pub stall_ms: f64,
+    /// Share of its KV cache the prefix-affinity table records as holding prompts, 0 to 1 (0 when
+    /// the table has no bound for it): breaks near ties towards the backend with the most room
+    /// for a new conversation's history.
+    pub cache_fill: f64,
 }
 
 impl Candidate {

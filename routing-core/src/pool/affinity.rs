@@ -208,6 +208,14 @@ impl PrefixAffinity {
             .map_or(0, |b| b.capacity)
     }
 
+    /// The share of `backend`'s block bound its entries stand for, 0 to 1 (0 without a bound).
+    pub fn backend_fill(&self, backend: u32) -> f64 {
+        match self.backend_capacity(backend) {
+            0 => 0.0,
+            cap => (self.backend_len(backend) as f64 / cap as f64).min(1.0),
+        }
+    }
+
     /// Heap bytes used by the table's structures.
     pub fn memory_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()

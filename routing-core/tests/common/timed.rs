@@ -814,6 +814,12 @@ pub fn averaged(
     gateway: Conditions,
     seeds: u64,
 ) -> Report {
+    // `SIM_RNG` shifts the pools' random seeds: the same windows under other coin tosses, to see
+    // how much of a difference between two runs is chance.
+    let rng_shift: u64 = std::env::var("SIM_RNG")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let runs: Vec<Report> = (0..seeds)
         .map(|seed| {
             let mut w = make(seed);
@@ -822,7 +828,7 @@ pub fn averaged(
                 w.as_mut(),
                 speeds,
                 kv_blocks,
-                0x5eed + seed,
+                0x5eed + seed + rng_shift * 1_000,
                 gateway,
             )
             .0

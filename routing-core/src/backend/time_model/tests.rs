@@ -249,3 +249,39 @@ fn validation() {
         assert!(bad.validate().is_err(), "{bad:?}");
     }
 }
+
+#[test]
+fn a_prompt_longer_than_a_step_is_found_cached_only_from_its_last_chunk() {
+    let c = cfg();
+    let mut t = BackendTiming::default();
+    // 8,192 tokens fit one step: later arrivals find them cached once that step is under way.
+    let short = t.admit(&c, 8_192, 0.0, 0);
+    assert_eq!(
+        short.start_ms(),
+        10,
+        "its prefill starts now, plus one step"
+    );
+    let mut t = BackendTiming::default();
+    // 12,000 tokens take two steps: a chunk of 8,192 (819.2 ms), then the last 3,808; only a
+    // request arriving after the last chunk's step starts finds the whole prompt.
+    let long = t.admit(&c, 12_000, 0.0, 0);
+    assert_eq!(long.last_chunk_us, 380_800);
+    assert_eq!(long.start_ms(), 829);
+}
+
+#[test]
+fn the_recent_prefill_share_rises_with_admitted_prefill_and_decays() {
+    let c = cfg();
+    let mut t = BackendTiming::default();
+    assert_eq!(t.prefill_share(0), 0.0);
+    // 1 s of prefill admitted at once: a fifth of the 5 s window.
+    t.admit(&c, 10_000, 0.0, 1_000);
+    assert!((t.prefill_share(1_000) - 0.2).abs() < 1e-9);
+    // It decays with a 5 s time constant.
+    assert!((t.prefill_share(6_000) - 0.2 * (-1.0f64).exp()).abs() < 1e-9);
+    // Never credited with more than 0.9 of the backend's time.
+    for _ in 0..10 {
+        t.admit(&c, 100_000, 0.0, 6_000);
+    }
+    assert_eq!(t.prefill_share(6_000), 0.9);
+}

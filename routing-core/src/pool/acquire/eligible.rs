@@ -62,7 +62,8 @@ impl Pool {
                     continue;
                 }
             }
-            let candidate = pricing.price(slot, entry, &prefix);
+            let mut candidate = pricing.price(slot, entry, &prefix);
+            candidate.cache_fill = self.affinity.backend_fill(slot);
             let list = match (pair_policy, entry.spec.role) {
                 (true, Role::Prefill) => &mut scratch.primary,
                 (true, Role::Decode) => &mut scratch.decode,

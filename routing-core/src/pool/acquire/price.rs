@@ -177,6 +177,7 @@ impl<'a> Pricing<'a> {
         // room counts them too (they run as room frees), so the longer of the two counts.
         let room_wait = (room_wait - entry.timing.backlog_ms(now_ms)).max(0.0);
         predicted.ttft_ms += room_wait;
+        let share = entry.timing.prefill_share(now_ms);
         Candidate {
             slot,
             weight: entry.spec.weight,
@@ -192,6 +193,8 @@ impl<'a> Pricing<'a> {
             harm_ms: predicted.harm_ms,
             wait_ms: room_wait + external_queue_ms,
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
+            stall_ms: predicted.decode_ms * share / (1.0 - share),
+            cache_fill: 0.0,
         }
     }
 }
