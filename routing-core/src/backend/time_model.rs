@@ -211,6 +211,9 @@ pub struct BackendTiming {
     recent_prefill_us: f64,
     /// When `recent_prefill_us` was last brought up to date, in microseconds of pool time.
     recent_at_us: u64,
+    /// Where the prefills admitted and not yet predicted done end, in microseconds of pool time
+    /// (one entry per share; pruned as time passes, removed when a share leaves early).
+    pending_ends_us: Vec<u64>,
 }
 
 /// The time constant of a backend's recent prefill share, in microseconds (5 s).
@@ -231,6 +234,7 @@ impl Default for BackendTiming {
             fit: Fit::default(),
             recent_prefill_us: 0.0,
             recent_at_us: 0,
+            pending_ends_us: Vec::new(),
         }
     }
 }
@@ -326,6 +330,16 @@ impl BackendTiming {
             .clamp(0.0, MAX_PREFILL_SHARE)
     }
 
+    /// Requests admitted here whose prefill is predicted still to run at `now_ms`: they have not
+    /// had their first token, and a prompt admitted now runs its prefill in their steps.
+    pub fn prefilling(&self, now_ms: u64) -> usize {
+        let now_us = now_ms.saturating_mul(1000);
+        self.pending_ends_us
+            .iter()
+            .filter(|&&end| end > now_us)
+            .count()
+    }
+
     /// Puts a granted request's prefill at the end of the virtual queue and returns what was
     /// predicted for it.
     pub fn admit(
@@ -350,6 +364,10 @@ impl BackendTiming {
         self.admitted_prefill_us = self.admitted_prefill_us.saturating_add(prefill_us);
         self.recent_prefill_us = self.recent_prefill(now_us) + prefill_us as f64;
         self.recent_at_us = now_us.max(self.recent_at_us);
+        self.pending_ends_us.retain(|&end| end > now_us);
+        if prefill_us > 0 {
+            self.pending_ends_us.push(self.queue_end_us);
+        }
         SharePrediction {
             admitted_through_us: self.admitted_prefill_us,
             prefill_us,
@@ -368,6 +386,13 @@ impl BackendTiming {
     /// the virtual queue (vLLM aborts it, or it was faster than predicted).
     pub fn leave(&mut self, share: &SharePrediction, now_ms: u64) {
         let now_us = now_ms.saturating_mul(1000);
+        if let Some(i) = self
+            .pending_ends_us
+            .iter()
+            .position(|&end| end == share.prefill_end_us)
+        {
+            self.pending_ends_us.swap_remove(i);
+        }
         if share.prefill_end_us > now_us {
             let left = (share.prefill_end_us - now_us).min(share.prefill_us);
             self.queue_end_us = self.queue_end_us.saturating_sub(left).max(now_us);

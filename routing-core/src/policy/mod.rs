@@ -213,6 +213,10 @@ pub struct Candidate {
     /// Of `ttft_ms`, every wait before its prefill starts (the prefill queue ahead and
     /// `wait_ms`): the uncertain part of the prediction.
     pub queue_ms: f64,
+    /// Predicted time the request's prefill would add to the first token of the requests whose
+    /// prefill runs there now, in ms: their number times its prefill (at most one step's budget),
+    /// since vLLM computes the new prompt in their steps.
+    pub first_token_harm_ms: f64,
     /// Predicted time other prompts' prefill adds to the request's decode there, in ms: its own
     /// decode times `share / (1 - share)`, where `share` is the backend's recent time in prefill
     /// ([`crate::backend::time_model::BackendTiming::prefill_share`]).

@@ -285,3 +285,22 @@ fn the_recent_prefill_share_rises_with_admitted_prefill_and_decays() {
     }
     assert_eq!(t.prefill_share(6_000), 0.9);
 }
+
+#[test]
+fn prompts_still_in_prefill_are_counted_until_their_predicted_end_or_their_leaving() {
+    let c = cfg();
+    let mut t = BackendTiming::default();
+    let a = t.admit(&c, 1_000, 0.0, 0); // prefill 0-100 ms
+    let b = t.admit(&c, 1_000, 0.0, 0); // 100-200 ms
+    t.admit(&c, 0, 0.0, 0); // nothing to prefill: never counted
+    assert_eq!(t.prefilling(0), 2);
+    assert_eq!(t.prefilling(150), 1);
+    assert_eq!(t.prefilling(200), 0);
+    // A share that leaves early is no longer prefilling.
+    let mut t2 = BackendTiming::default();
+    let a2 = t2.admit(&c, 1_000, 0.0, 0);
+    t2.admit(&c, 1_000, 0.0, 0);
+    t2.leave(&a2, 10);
+    assert_eq!(t2.prefilling(10), 1);
+    assert_eq!((a.prefill_end_us, b.prefill_end_us), (100_000, 200_000));
+}

@@ -178,6 +178,14 @@ impl<'a> Pricing<'a> {
         let room_wait = (room_wait - entry.timing.backlog_ms(now_ms)).max(0.0);
         predicted.ttft_ms += room_wait;
         let share = entry.timing.prefill_share(now_ms);
+        let own_chunk = if role == Role::Decode {
+            0
+        } else {
+            m.uncached.min(u64::from(tm.step_token_budget))
+        };
+        let first_token_harm_ms = entry.timing.prefilling(now_ms) as f64
+            * own_chunk as f64
+            * entry.timing.prefill_ms_per_token(tm);
         Candidate {
             slot,
             weight: entry.spec.weight,
@@ -193,6 +201,7 @@ impl<'a> Pricing<'a> {
             harm_ms: predicted.harm_ms,
             wait_ms: room_wait + external_queue_ms,
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
+            first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
             cache_fill: 0.0,
         }
