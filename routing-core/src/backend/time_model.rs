@@ -153,6 +153,20 @@ impl SharePrediction {
             / 1000
     }
 
+    /// From when requests admitted after it may count on its prompt being computed, in ms of
+    /// pool time, judged at `now_ms`: [`SharePrediction::start_ms`] with the wait before its
+    /// step (the queue ahead and the wait for room) stretched by `lateness`, how late the
+    /// backend's predictions have run ([`BackendTiming::lateness`]). Counting a prompt computed too early is the
+    /// costly mistake: every request sent behind it meanwhile computes its own copy, while the
+    /// pool prices it as a cache hit and sends more (the timed simulation: 18 leases on a
+    /// backend whose model saw 1,000 uncached tokens, its engine computing 13,000).
+    pub fn ready_ms(&self, now_ms: u64, lateness: f64) -> u64 {
+        // The step that runs it is as predicted; the wait before it is what runs long.
+        let step_ms = self.first_step_us / 1000;
+        let wait = self.start_ms().saturating_sub(now_ms + step_ms) as f64;
+        (now_ms + step_ms).saturating_add((wait * lateness.max(1.0)) as u64)
+    }
+
     /// Adds a wait predicted beyond the prefill queue (for room, for other clients' requests) to
     /// what the request's time to first byte will be compared with.
     pub fn add_wait(&mut self, wait_ms: f64) {
@@ -188,6 +202,12 @@ pub struct Observation {
     /// backend was paused by backpressure): its duration measures the client, not the engine,
     /// and does not teach decode speed.
     pub held_by_client: bool,
+    /// When the release was seen, in ms of pool time.
+    pub at_ms: u64,
+    /// The overhead the pool's backends have in common (the median of their learned ones), in
+    /// ms: a backend whose own is larger is fitted through it, so a wait of its own that the
+    /// model does not see raises its prefill rate instead of hiding in its overhead.
+    pub pool_overhead_ms: Option<f64>,
 }
 
 /// One backend's learned rates and virtual prefill queue.
@@ -211,10 +231,27 @@ pub struct BackendTiming {
     recent_prefill_us: f64,
     /// When `recent_prefill_us` was last brought up to date, in microseconds of pool time.
     recent_at_us: u64,
+    /// When a time to first byte last taught the overhead and the prefill scale, in ms of pool
+    /// time.
+    learned_at_ms: u64,
+    /// How late this backend's times to first byte ran against their predictions lately: an
+    /// exponentially weighted mean of `ln(measured / predicted)`, counting only the late ones.
+    late_log: f64,
+    /// Until when the last request granted here waits for room (KV memory, a sequence slot), in
+    /// ms of pool time: vLLM admits its queue in order, so nothing granted after it starts before.
+    room_blocked_until_ms: u64,
     /// Where the prefills admitted and not yet predicted done end, in microseconds of pool time
     /// (one entry per share; pruned as time passes, removed when a share leaves early).
     pending_ends_us: Vec<u64>,
 }
+
+/// The largest lateness credited to a backend (see [`BackendTiming::lateness`]).
+const MAX_LATENESS: f64 = 10.0;
+
+/// Overhead within this many ms of the pool's lowest is not ranked on (noise).
+const OVERHEAD_DEAD_BAND_MS: f64 = 5.0;
+/// The time constant with which an excess overhead is forgotten without new releases, in ms.
+const OVERHEAD_FORGET_MS: f64 = 10_000.0;
 
 /// The time constant of a backend's recent prefill share, in microseconds (5 s).
 const PREFILL_SHARE_WINDOW_US: f64 = 5_000_000.0;
@@ -235,6 +272,9 @@ impl Default for BackendTiming {
             recent_prefill_us: 0.0,
             recent_at_us: 0,
             pending_ends_us: Vec::new(),
+            learned_at_ms: 0,
+            room_blocked_until_ms: 0,
+            late_log: 0.0,
         }
     }
 }
@@ -330,6 +370,50 @@ impl BackendTiming {
             .clamp(0.0, MAX_PREFILL_SHARE)
     }
 
+    /// The learned overhead (time to first byte beyond the engine's), in milliseconds, if any
+    /// release has taught it.
+    pub fn learned_overhead_ms(&self) -> Option<f64> {
+        (self.observations > 0).then_some(self.overhead_ms)
+    }
+
+    /// What this backend's learned overhead holds beyond `floor_ms` (the pool's lowest) and a
+    /// dead band of [`OVERHEAD_DEAD_BAND_MS`], forgotten with a time constant of
+    /// [`OVERHEAD_FORGET_MS`] since a release last taught it, in milliseconds. The gateway's and
+    /// the network's time is about the same for every backend of a pool, so only the excess is a
+    /// delay of this backend's own: a wait the model does not see (an engine queue, a slow
+    /// network path) shows up there, and ranking without it sent ever more requests to a backend
+    /// whose wait was hidden in it (the timed simulation: predicted 15-60 ms, measured 1-2.5 s).
+    /// Forgotten, so a backend avoided for it is tried again.
+    pub fn excess_overhead_ms(&self, floor_ms: f64, now_ms: u64) -> f64 {
+        if self.observations == 0 {
+            return 0.0;
+        }
+        let excess = (self.overhead_ms - floor_ms - OVERHEAD_DEAD_BAND_MS).max(0.0);
+        let age = now_ms.saturating_sub(self.learned_at_ms) as f64;
+        excess * (-age / OVERHEAD_FORGET_MS).exp()
+    }
+
+    /// How many times its prediction this backend's time to first byte has run lately, when late
+    /// (1 when on time or early; at most [`MAX_LATENESS`]).
+    pub fn lateness(&self) -> f64 {
+        self.late_log.exp().clamp(1.0, MAX_LATENESS)
+    }
+
+    /// A request granted at `now_ms` is predicted to wait `wait_ms` for room before it starts.
+    pub fn wait_for_room(&mut self, now_ms: u64, wait_ms: f64) {
+        if wait_ms > 0.0 {
+            let until = now_ms.saturating_add(wait_ms as u64);
+            self.room_blocked_until_ms = self.room_blocked_until_ms.max(until);
+        }
+    }
+
+    /// How long a request arriving at `now_ms` waits at least behind earlier ones waiting for
+    /// room, in ms (vLLM's queue is first come, first served: a short prompt that would fit waits
+    /// behind a long one that does not).
+    pub fn room_blocked_ms(&self, now_ms: u64) -> f64 {
+        self.room_blocked_until_ms.saturating_sub(now_ms) as f64
+    }
+
     /// Requests admitted here whose prefill is predicted still to run at `now_ms`: they have not
     /// had their first token, and a prompt admitted now runs its prefill in their steps.
     pub fn prefilling(&self, now_ms: u64) -> usize {
@@ -420,6 +504,13 @@ impl BackendTiming {
             self.fit.observe(x, y, rate);
             match self.fit.line(self.prefill_scale) {
                 Some((overhead, slope)) => {
+                    let slope = match seen.pool_overhead_ms {
+                        Some(common) if overhead > common + OVERHEAD_DEAD_BAND_MS => self
+                            .fit
+                            .slope_through(common.max(0.0), self.prefill_scale)
+                            .unwrap_or(slope),
+                        _ => slope,
+                    };
                     self.prefill_scale = slope.clamp(1.0 / bound, bound);
                     self.overhead_ms = overhead.clamp(0.0, MAX_OVERHEAD_MS);
                 }
@@ -439,6 +530,14 @@ impl BackendTiming {
                 }
             }
             learned = x >= MIN_LEARN_PREFILL_MS;
+            self.learned_at_ms = self.learned_at_ms.max(seen.at_ms);
+            let predicted_ms =
+                predicted_prefill_ms + first_step_ms + share.extra_wait_us as f64 / 1000.0;
+            if predicted_ms >= 1.0 {
+                let measured_ms = (ttfb_ms as f64 - self.overhead_ms).max(1.0);
+                let late = (measured_ms / predicted_ms).ln().max(0.0);
+                self.late_log += (late - self.late_log) * c.learning_rate;
+            }
         }
         let tokens = seen.completion_tokens.unwrap_or(0);
         if tokens >= 2 && share.tpot_us > 0 && !(seen.streamed && seen.held_by_client) {

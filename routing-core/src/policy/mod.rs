@@ -210,6 +210,8 @@ pub struct Candidate {
     /// Of `ttft_ms`, the wait for KV space or a sequence slot and for other clients' queued
     /// requests, in ms (the rest is the prefill queue, the prefill and a step).
     pub wait_ms: f64,
+    /// Of `wait_ms`, the wait for KV space or a sequence slot, in ms.
+    pub room_ms: f64,
     /// Of `ttft_ms`, every wait before its prefill starts (the prefill queue ahead and
     /// `wait_ms`): the uncertain part of the prediction.
     pub queue_ms: f64,

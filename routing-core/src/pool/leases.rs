@@ -102,7 +102,7 @@ impl Pool {
                 slot,
                 blocks,
                 0,
-                share.predicted.start_ms(),
+                self.ready_ms(slot, &share.predicted, now_ms),
                 now_ms,
             );
         }
@@ -247,6 +247,8 @@ impl Pool {
             completion_tokens: outcome.completion_tokens,
             streamed: lease.stream,
             held_by_client: outcome.held_by_client,
+            at_ms: now_ms,
+            pool_overhead_ms: self.common_overhead_ms(),
         };
         if let Some(tokens) = outcome.completion_tokens {
             self.output_ratio.observe(tokens, lease.max_tokens);
@@ -448,6 +450,33 @@ impl Pool {
 }
 
 impl Pool {
+    /// From when requests sent to `slot` after a share predicted `predicted` at `now_ms` count on
+    /// its prompt as computed ([`SharePrediction::ready_ms`], with the backend's lateness).
+    pub(super) fn ready_ms(&self, slot: u32, predicted: &SharePrediction, now_ms: u64) -> u64 {
+        let lateness = self
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.entry.as_ref())
+            .map_or(1.0, |e| e.timing.lateness());
+        predicted.ready_ms(now_ms, lateness)
+    }
+
+    /// The overhead (time to first byte beyond the engine's) the backends have in common: the
+    /// median of those learned so far, if any (see [`Observation::pool_overhead_ms`]).
+    fn common_overhead_ms(&self) -> Option<f64> {
+        let mut learned: Vec<f64> = self
+            .slots
+            .iter()
+            .filter_map(|s| s.entry.as_ref()?.timing.learned_overhead_ms())
+            .collect();
+        if learned.is_empty() {
+            return None;
+        }
+        let mid = learned.len() / 2;
+        let (_, median, _) = learned.select_nth_unstable_by(mid, f64::total_cmp);
+        Some(*median)
+    }
+
     /// Whether backend `id` may be probed out of turn now (see
     /// [`crate::backend::health::Health::ask_probe_soon`]).
     pub fn ask_probe_soon(&mut self, id: &BackendId, now_ms: u64) -> bool {

@@ -20,6 +20,7 @@ pub fn fleet(policy: PolicyKind, backends: usize, capacity: Capacity) -> Pool {
         PoolConfig {
             policy,
             predicted_latency: screened_knobs(),
+            time_model: screened_time_model(),
             ..PoolConfig::default()
         },
     );
@@ -42,6 +43,14 @@ pub fn screened_knobs() -> routing_core::policy::PredictedLatencyConfig {
     std::env::var("SIM_PREDICTED_LATENCY")
         .ok()
         .map(|v| serde_json::from_str(&v).expect("SIM_PREDICTED_LATENCY"))
+        .unwrap_or_default()
+}
+
+/// The time model's knobs, or those in `SIM_TIME_MODEL` as JSON, e.g. `{"learning_rate": 0}`.
+pub fn screened_time_model() -> routing_core::backend::time_model::TimeModelConfig {
+    std::env::var("SIM_TIME_MODEL")
+        .ok()
+        .map(|v| serde_json::from_str(&v).expect("SIM_TIME_MODEL"))
         .unwrap_or_default()
 }
 

@@ -608,6 +608,9 @@ pub fn simulate(
     let mut drng = SplitMix64::new(seed ^ 0xd15a);
     let mut records: HashMap<u64, Record> = HashMap::new();
     let mut done_records: Vec<Record> = Vec::new();
+    let trace_timing =
+        std::env::var("SIM_TIMING").is_ok() && policy == PolicyKind::PredictedLatency;
+    let mut next_timing = 0.0;
     loop {
         // A replayed trace's arrivals are sorted (the earliest last): no scan over thousands.
         let next_arrival = if scheduled.is_some() {
@@ -688,6 +691,38 @@ pub fn simulate(
                     f.block_hashes.first().copied(),
                     rng.next_u64(),
                 ) as usize;
+                if trace_timing && now >= next_timing {
+                    next_timing += 250.0;
+                    let views: Vec<String> = pools[0]
+                        .backends()
+                        .map(|v| {
+                            format!(
+                                "{:.0}/{:.0}/{:.0}/{}k/{}",
+                                v.timing.prefill_us_per_token,
+                                v.timing.overhead_ms,
+                                v.timing.prefill_backlog_ms,
+                                v.inflight_prompt_tokens / 1000,
+                                v.leases_in_flight
+                            )
+                        })
+                        .collect();
+                    let real: Vec<String> = engines
+                        .iter()
+                        .map(|e| {
+                            format!(
+                                "{}+{}/{}k",
+                                e.waiting.len(),
+                                e.running.len(),
+                                e.used_blocks() as u64 * BLOCK / 1000
+                            )
+                        })
+                        .collect();
+                    println!(
+                        "      t={now:.0} us/tok/overhead/backlog {} | engine {}",
+                        views.join(" "),
+                        real.join(" ")
+                    );
+                }
                 let grant = pools[s].acquire(&f, now as u64, &mut rng).unwrap();
                 lease_shard.insert(grant.lease_id, s);
                 let b = index[&grant.backend];
@@ -834,6 +869,14 @@ pub fn averaged(
             .0
         })
         .collect();
+    if std::env::var("SIM_VERBOSE").is_ok() {
+        let p99: Vec<String> = runs.iter().map(|r| format!("{:.0}", r.ttft_p99)).collect();
+        println!(
+            "    {} TTFT p99 by window: {}",
+            policy.as_str(),
+            p99.join(" ")
+        );
+    }
     let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
     Report {
         ttft_p50: mean(&|r| r.ttft_p50),

@@ -35,6 +35,36 @@ impl Fit {
         self.syy = self.syy * keep + y * y;
     }
 
+    /// The slope of the line through intercept `a` (least squares with `a` fixed), shrunk
+    /// towards `prior` as [`Fit::line`] does, once there are enough observations spread widely
+    /// enough.
+    pub(super) fn slope_through(&self, a: f64, prior: f64) -> Option<f64> {
+        if self.w < MIN_FIT_WEIGHT || self.sxx <= 0.0 {
+            return None;
+        }
+        let (mx, var) = (
+            self.sx / self.w,
+            self.sxx / self.w - (self.sx / self.w).powi(2),
+        );
+        if var < MIN_FIT_VARIANCE {
+            return None;
+        }
+        let fitted = (self.sxy - a * self.sx) / self.sxx;
+        // Residuals around y = a + fitted x, from the sums.
+        let sse = self.syy - 2.0 * a * self.sy - 2.0 * fitted * self.sxy
+            + a * a * self.w
+            + 2.0 * a * fitted * self.sx
+            + fitted * fitted * self.sxx;
+        let se2 = sse.max(0.0) / ((self.w - 1.0).max(1.0) * self.sxx);
+        let _ = mx;
+        let (data, belief) = (
+            1.0 / se2.max(1e-12),
+            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
+        );
+        let b = (fitted * data + prior * belief) / (data + belief);
+        (b.is_finite() && b > 0.0).then_some(b)
+    }
+
     /// `(a, b)` once there are enough observations spread widely enough, the slope shrunk
     /// towards `prior` as far as the data leave it uncertain: the fitted slope and the prior are
     /// averaged with weights `1 / se²` and `1 / SLOPE_PRIOR_SD²`, `se` being the fitted slope's
@@ -61,5 +91,27 @@ impl Fit {
         );
         let b = (fitted * data + prior * belief) / (data + belief);
         (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_through_a_given_intercept_takes_the_rest_into_its_slope() {
+        let mut f = Fit::default();
+        for i in 0..50 {
+            let x = 50.0 + f64::from(i % 10) * 30.0;
+            f.observe(x, 170.0 + x, 0.05);
+        }
+        let (a, b) = f.line(1.0).unwrap();
+        assert!((a - 170.0).abs() < 1.0 && (b - 1.0).abs() < 0.01, "{a} {b}");
+        // Through 0, 170 ms more on x of 50-320 ms is a steeper line.
+        let b0 = f.slope_through(0.0, 1.0).unwrap();
+        assert!(b0 > 1.5, "{b0}");
+        // Through its own intercept, the same slope.
+        let b170 = f.slope_through(170.0, 1.0).unwrap();
+        assert!((b170 - 1.0).abs() < 0.01, "{b170}");
     }
 }

@@ -86,6 +86,8 @@ fn learns_a_slower_backend_within_bounds() {
             completion_tokens: Some(100),
             streamed: true,
             held_by_client: false,
+            at_ms: 0,
+            pool_overhead_ms: None,
         };
         t.leave(&share, now + seen.duration_ms);
         t.learn(&c, &share, &seen);
@@ -103,6 +105,8 @@ fn learns_a_slower_backend_within_bounds() {
             completion_tokens: Some(1),
             streamed: true,
             held_by_client: false,
+            at_ms: 0,
+            pool_overhead_ms: None,
         };
         wild.leave(&share, 0);
         wild.learn(&c, &share, &seen);
@@ -128,6 +132,8 @@ fn prefill_admitted_during_a_decode_is_not_learned_as_slow_decoding() {
                 completion_tokens: Some(100),
                 streamed: true,
                 held_by_client: false,
+                at_ms: 0,
+                pool_overhead_ms: None,
             };
             t.leave(&share, now + seen.duration_ms);
             t.learn(&c, &share, &seen);
@@ -158,6 +164,8 @@ fn network_overhead_is_learned_apart_from_the_prefill_rate() {
             completion_tokens: Some(1),
             streamed: true,
             held_by_client: false,
+            at_ms: 0,
+            pool_overhead_ms: None,
         };
         t.leave(&share, now + ttfb);
         t.learn(&c, &share, &seen);
@@ -183,6 +191,8 @@ fn a_stream_the_client_held_up_does_not_teach_decode_speed() {
                 completion_tokens: Some(100),
                 streamed: true,
                 held_by_client,
+                at_ms: now,
+                pool_overhead_ms: None,
             };
             t.leave(&share, now + seen.duration_ms);
             t.learn(&c, &share, &seen);
@@ -204,6 +214,8 @@ fn tiny_prefills_teach_nothing() {
         completion_tokens: Some(1),
         streamed: true,
         held_by_client: false,
+        at_ms: 0,
+        pool_overhead_ms: None,
     };
     t.learn(&c, &share, &seen);
     assert_eq!(t.view(&c, 0).observations, 0);
@@ -303,4 +315,98 @@ fn prompts_still_in_prefill_are_counted_until_their_predicted_end_or_their_leavi
     t2.leave(&a2, 10);
     assert_eq!(t2.prefilling(10), 1);
     assert_eq!((a.prefill_end_us, b.prefill_end_us), (100_000, 200_000));
+}
+
+/// Teaches `t` releases whose time to first byte runs `extra_ms` over the configured prediction,
+/// with prompts of 500 to 3,500 tokens, the pool's common overhead `pool_overhead_ms`.
+fn teach_a_hidden_wait(t: &mut BackendTiming, extra_ms: u64, pool_overhead_ms: Option<f64>) {
+    let c = cfg();
+    for i in 0..60u64 {
+        let now = i * 10_000;
+        let tokens = 500 + (i % 7) * 500;
+        let share = t.admit(&c, tokens, 0.0, now);
+        // Configured rates (100 us a token, 10 ms steps) plus a wait the model does not see.
+        let ttfb = tokens / 10 + 10 + extra_ms;
+        let seen = Observation {
+            ttfb_ms: Some(ttfb),
+            duration_ms: ttfb,
+            completion_tokens: Some(1),
+            streamed: true,
+            held_by_client: false,
+            at_ms: now,
+            pool_overhead_ms,
+        };
+        t.leave(&share, now + seen.duration_ms);
+        t.learn(&c, &share, &seen);
+    }
+}
+
+#[test]
+fn a_wait_of_its_own_beyond_the_pools_overhead_raises_the_prefill_rate() {
+    let c = cfg();
+    // Alone, a constant 170 ms more is learned as overhead, the rate left as configured.
+    let mut alone = BackendTiming::default();
+    teach_a_hidden_wait(&mut alone, 170, None);
+    let v = alone.view(&c, 0);
+    assert!((v.overhead_ms - 170.0).abs() < 15.0, "{v:?}");
+    assert!((v.prefill_us_per_token - 100.0).abs() < 15.0, "{v:?}");
+    // When the pool's backends have 5 ms in common, the same is this backend being slow: its
+    // line goes through 5 ms and its rate rises, so its predictions and its queue grow.
+    let mut in_pool = BackendTiming::default();
+    teach_a_hidden_wait(&mut in_pool, 170, Some(5.0));
+    let w = in_pool.view(&c, 0);
+    assert!(w.prefill_us_per_token > 150.0, "{w:?}");
+    // A backend at the pool's own overhead learns as before.
+    let mut common = BackendTiming::default();
+    teach_a_hidden_wait(&mut common, 5, Some(5.0));
+    let x = common.view(&c, 0);
+    assert!((x.prefill_us_per_token - 100.0).abs() < 15.0, "{x:?}");
+}
+
+#[test]
+fn a_backend_running_late_has_its_prompts_counted_computed_later() {
+    let c = cfg();
+    let mut on_time = BackendTiming::default();
+    teach_a_hidden_wait(&mut on_time, 0, None);
+    assert_eq!(on_time.lateness(), 1.0);
+    // Three times as long as predicted, with the scales held at the configured rates
+    // (`max_scale` 1) so the model cannot catch up: its lateness is the ratio.
+    let fixed = TimeModelConfig {
+        max_scale: 1.0,
+        ..cfg()
+    };
+    let mut late = BackendTiming::default();
+    for i in 0..40u64 {
+        let share = late.admit(&fixed, 1_000, 0.0, i * 10_000);
+        let seen = Observation {
+            ttfb_ms: Some(330),
+            duration_ms: 330,
+            completion_tokens: Some(1),
+            streamed: true,
+            held_by_client: false,
+            at_ms: i * 10_000,
+            pool_overhead_ms: Some(0.0),
+        };
+        late.leave(&share, i * 10_000 + 330);
+        late.learn(&fixed, &share, &seen);
+    }
+    assert!((late.lateness() - 3.0).abs() < 0.2, "{}", late.lateness());
+    // A share with 200 ms of queue ahead and a 10 ms step: ready after the queue and the step
+    // on time, after a stretched queue when the backend runs late.
+    let mut t = BackendTiming::default();
+    t.admit(&c, 2_000, 0.0, 0);
+    let share = t.admit(&c, 500, 0.0, 0);
+    assert_eq!(share.ready_ms(0, 1.0), share.start_ms());
+    assert_eq!(share.ready_ms(0, 1.0), 210);
+    assert_eq!(share.ready_ms(0, 2.0), 410);
+}
+
+#[test]
+fn nothing_granted_after_a_request_waiting_for_room_starts_before_it() {
+    let mut t = BackendTiming::default();
+    assert_eq!(t.room_blocked_ms(0), 0.0);
+    t.wait_for_room(1_000, 400.0);
+    t.wait_for_room(1_100, 100.0);
+    assert_eq!(t.room_blocked_ms(1_100), 300.0);
+    assert_eq!(t.room_blocked_ms(1_500), 0.0);
 }

@@ -46,6 +46,9 @@ impl Pool {
             return Err(no_backend);
         };
         primary.predicted.add_wait(chosen.wait_ms);
+        if let Some(entry) = self.entry_mut(chosen.slot) {
+            entry.timing.wait_for_room(now_ms, chosen.room_ms);
+        }
         primary.predicted_ttft_ms = whole_ms(chosen.ttft_ms);
         let decode = match decode_slot {
             Some(slot) => {

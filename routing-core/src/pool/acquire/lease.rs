@@ -32,7 +32,7 @@ impl Pool {
             }
         };
         let deadline_ms = now_ms.saturating_add(self.config.lease_ttl_ms);
-        let primary_ready_ms = primary.predicted.start_ms();
+        let primary_ready_ms = self.ready_ms(chosen.slot, &primary.predicted, now_ms);
         let lease = Lease {
             id: lease_id,
             request_id: features.request_id.clone(),

@@ -29,6 +29,9 @@ pub(super) struct Pricing<'a> {
     mean_uncached: f64,
     /// The longest prefix match of any backend, in blocks.
     longest: u32,
+    /// The lowest learned overhead of the pool's backends, in ms (see
+    /// [`crate::backend::time_model::BackendTiming::excess_overhead_ms`]).
+    overhead_floor_ms: f64,
 }
 
 /// How much of the request's prompt one backend holds.
@@ -66,6 +69,11 @@ impl<'a> Pricing<'a> {
             expected_output: pool.output_ratio.expected(features.max_tokens),
             mean_uncached: pool.mean_uncached_tokens,
             longest,
+            overhead_floor_ms: pool
+                .slots
+                .iter()
+                .filter_map(|s| s.entry.as_ref()?.timing.learned_overhead_ms())
+                .fold(f64::INFINITY, f64::min),
         }
     }
 
@@ -175,8 +183,13 @@ impl<'a> Pricing<'a> {
         );
         // The prefill queue already counts the prefills of the requests ahead; a wait for
         // room counts them too (they run as room frees), so the longer of the two counts.
-        let room_wait = (room_wait - entry.timing.backlog_ms(now_ms)).max(0.0);
-        predicted.ttft_ms += room_wait;
+        let room_wait = (room_wait.max(entry.timing.room_blocked_ms(now_ms))
+            - entry.timing.backlog_ms(now_ms))
+        .max(0.0);
+        predicted.ttft_ms += room_wait
+            + entry
+                .timing
+                .excess_overhead_ms(self.overhead_floor_ms, now_ms);
         let share = entry.timing.prefill_share(now_ms);
         let own_chunk = if role == Role::Decode {
             0
@@ -200,6 +213,7 @@ impl<'a> Pricing<'a> {
             decode_ms: predicted.decode_ms,
             harm_ms: predicted.harm_ms,
             wait_ms: room_wait + external_queue_ms,
+            room_ms: room_wait,
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
