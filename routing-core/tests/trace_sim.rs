@@ -14,7 +14,7 @@
 //! 0.97x, on both traces at both loads. Screening (6 windows of 500, 4,096 blocks as the bench
 //! runs), TTFT p99 over the best baseline's at conversation moderate / saturated, synthetic
 //! moderate / saturated: 1.00x / 0.94x / 1.28x / 1.07x before this round; 0.97x / 0.87x / 0.96x /
-//! 0.97x now (9 windows of 400, to check the fit is not to the windows: 0.91x / 0.88x / 0.93x /
+//! 0.94x now (9 windows of 400, to check the fit is not to the windows: 0.92x / 0.88x / 0.93x /
 //! 1.03x). What the receipts of the slowest requests found, one fix each: idle backends' exact
 //! ties went to a coin toss, not to the emptiest cache; a long prompt sent where others were
 //! still in their prefill delayed their first tokens (first-token harm); a backend whose engine

@@ -248,7 +248,7 @@ pub struct BackendTiming {
 /// The largest lateness credited to a backend (see [`BackendTiming::lateness`]).
 const MAX_LATENESS: f64 = 10.0;
 
-/// Overhead within this many ms of the pool's lowest is not ranked on (noise).
+/// Overhead within this many ms of the pool's common overhead is its own noise, not a wait.
 const OVERHEAD_DEAD_BAND_MS: f64 = 5.0;
 /// The time constant with which an excess overhead is forgotten without new releases, in ms.
 const OVERHEAD_FORGET_MS: f64 = 10_000.0;
@@ -376,7 +376,7 @@ impl BackendTiming {
         (self.observations > 0).then_some(self.overhead_ms)
     }
 
-    /// What this backend's learned overhead holds beyond `floor_ms` (the pool's lowest) and a
+    /// What this backend's learned overhead holds beyond `floor_ms` (the pool's common one) and a
     /// dead band of [`OVERHEAD_DEAD_BAND_MS`], forgotten with a time constant of
     /// [`OVERHEAD_FORGET_MS`] since a release last taught it, in milliseconds. The gateway's and
     /// the network's time is about the same for every backend of a pool, so only the excess is a

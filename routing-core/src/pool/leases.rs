@@ -241,6 +241,7 @@ impl Pool {
     /// Teaches the time model what a successful request measured: its backend's rates, and the
     /// pool's ratio of real to requested output.
     fn learn(&mut self, lease: &Lease, outcome: &Outcome, now_ms: u64) {
+        self.common_overhead_ms = self.median_overhead_ms();
         let seen = Observation {
             ttfb_ms: outcome.ttfb_ms,
             duration_ms: now_ms.saturating_sub(lease.acquired_ms),
@@ -248,7 +249,7 @@ impl Pool {
             streamed: lease.stream,
             held_by_client: outcome.held_by_client,
             at_ms: now_ms,
-            pool_overhead_ms: self.common_overhead_ms(),
+            pool_overhead_ms: self.common_overhead_ms,
         };
         if let Some(tokens) = outcome.completion_tokens {
             self.output_ratio.observe(tokens, lease.max_tokens);
@@ -463,7 +464,7 @@ impl Pool {
 
     /// The overhead (time to first byte beyond the engine's) the backends have in common: the
     /// median of those learned so far, if any (see [`Observation::pool_overhead_ms`]).
-    fn common_overhead_ms(&self) -> Option<f64> {
+    fn median_overhead_ms(&self) -> Option<f64> {
         let mut learned: Vec<f64> = self
             .slots
             .iter()

@@ -80,6 +80,9 @@ pub struct Pool {
     output_ratio: OutputRatio,
     /// Mean uncached prompt tokens per granted request (prices scraped waiting requests).
     mean_uncached_tokens: f64,
+    /// The overhead the backends have in common, as of the last release (see
+    /// [`crate::backend::time_model::Observation::pool_overhead_ms`]).
+    common_overhead_ms: Option<f64>,
     /// The latest time the pool was told (views show the prefill backlog as of then).
     now_hint_ms: u64,
     /// Slots where a lease share ended since [`Pool::take_freed`] (admission control only).
@@ -129,6 +132,7 @@ impl Pool {
             scratch: Scratch::default(),
             output_ratio: OutputRatio::default(),
             mean_uncached_tokens: 0.0,
+            common_overhead_ms: None,
             now_hint_ms: 0,
             freed: Vec::new(),
             shard: 0,

@@ -29,7 +29,7 @@ pub(super) struct Pricing<'a> {
     mean_uncached: f64,
     /// The longest prefix match of any backend, in blocks.
     longest: u32,
-    /// The lowest learned overhead of the pool's backends, in ms (see
+    /// The overhead the pool's backends have in common, in ms (see
     /// [`crate::backend::time_model::BackendTiming::excess_overhead_ms`]).
     overhead_floor_ms: f64,
 }
@@ -69,11 +69,7 @@ impl<'a> Pricing<'a> {
             expected_output: pool.output_ratio.expected(features.max_tokens),
             mean_uncached: pool.mean_uncached_tokens,
             longest,
-            overhead_floor_ms: pool
-                .slots
-                .iter()
-                .filter_map(|s| s.entry.as_ref()?.timing.learned_overhead_ms())
-                .fold(f64::INFINITY, f64::min),
+            overhead_floor_ms: pool.common_overhead_ms.unwrap_or(f64::INFINITY),
         }
     }
 
