@@ -179,9 +179,14 @@ impl<'a> Pricing<'a> {
         );
         // The prefill queue already counts the prefills of the requests ahead; a wait for
         // room counts them too (they run as room frees), so the longer of the two counts.
-        let room_wait = (room_wait.max(entry.timing.room_blocked_ms(now_ms))
-            - entry.timing.backlog_ms(now_ms))
-        .max(0.0);
+        // While the backend is short of room, requests granted earlier and still waiting for it
+        // go first (vLLM admits in order); once it has room again, they have started.
+        let blocked = if short_of_room {
+            entry.timing.room_blocked_ms(now_ms)
+        } else {
+            0.0
+        };
+        let room_wait = (room_wait.max(blocked) - entry.timing.backlog_ms(now_ms)).max(0.0);
         predicted.ttft_ms += room_wait
             + entry
                 .timing
