@@ -304,3 +304,41 @@ fn a_request_short_of_a_slot_waits_for_a_decode_not_for_the_memory_to_drain() {
     let predicted = g.predicted_ttft_ms.unwrap();
     assert!((100..1_000).contains(&predicted), "{predicted} ms");
 }
+
+/// vLLM admits its queue in order: a short request granted after one that waits for memory waits
+/// at least as long, even though it would fit by itself; once the backend has room again, nothing
+/// holds it up.
+#[test]
+fn a_request_behind_one_waiting_for_memory_waits_as_long_until_there_is_room() {
+    // 256 blocks of 16 tokens: 4,096 tokens.
+    let mut pool = one_backend(256, 64);
+    let mut rng = SplitMix64::new(5);
+    let sized = |i: usize, words: usize, max_tokens: u32| {
+        let mut f = features(&format!("{i} filler ").repeat(words));
+        f.max_tokens = max_tokens;
+        f
+    };
+    // A long running answer fills most of the memory; a long prompt behind it must wait for it.
+    let running = pool.acquire(&sized(0, 900, 1_000), 0, &mut rng).unwrap();
+    let waiting = pool.acquire(&sized(1, 900, 10), 0, &mut rng).unwrap();
+    let long_wait = waiting.predicted_ttft_ms.unwrap();
+    assert!(long_wait > 1_000, "{long_wait} ms");
+    // A tiny request would fit beside the first (about 400 ms: the two prefills ahead), but is
+    // queued behind the second: it starts when that one does, which is that one's wait less its
+    // own prefill and the first's.
+    let tiny = pool.acquire(&sized(2, 4, 1), 10, &mut rng).unwrap();
+    let behind = tiny.predicted_ttft_ms.unwrap();
+    assert!(
+        behind + 500 >= long_wait && behind <= long_wait,
+        "{behind} ms behind {long_wait} ms"
+    );
+    for g in [&running, &waiting, &tiny] {
+        assert!(pool.release(g.lease_id, &Outcome::from_status(200), 20));
+    }
+    let after = pool.acquire(&sized(3, 4, 1), 30, &mut rng).unwrap();
+    assert!(
+        after.predicted_ttft_ms.unwrap() < 100,
+        "{:?}",
+        after.predicted_ttft_ms
+    );
+}
