@@ -42,11 +42,8 @@ impl Fit {
         if self.w < MIN_FIT_WEIGHT || self.sxx <= 0.0 {
             return None;
         }
-        let (mx, var) = (
-            self.sx / self.w,
-            self.sxx / self.w - (self.sx / self.w).powi(2),
-        );
-        if var < MIN_FIT_VARIANCE {
+        let mx = self.sx / self.w;
+        if self.sxx / self.w - mx * mx < MIN_FIT_VARIANCE {
             return None;
         }
         let fitted = (self.sxy - a * self.sx) / self.sxx;
@@ -56,12 +53,7 @@ impl Fit {
             + 2.0 * a * fitted * self.sx
             + fitted * fitted * self.sxx;
         let se2 = sse.max(0.0) / ((self.w - 1.0).max(1.0) * self.sxx);
-        let _ = mx;
-        let (data, belief) = (
-            1.0 / se2.max(1e-12),
-            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
-        );
-        let b = (fitted * data + prior * belief) / (data + belief);
+        let b = shrunk(fitted, se2, prior);
         (b.is_finite() && b > 0.0).then_some(b)
     }
 
@@ -85,13 +77,19 @@ impl Fit {
         let residual = (self.syy / self.w - my * my - fitted * cov).max(0.0);
         // Effective sample size of the exponentially weighted sums, less the two fitted terms.
         let se2 = residual / (var * (self.w - 2.0).max(1.0));
-        let (data, belief) = (
-            1.0 / se2.max(1e-12),
-            1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
-        );
-        let b = (fitted * data + prior * belief) / (data + belief);
+        let b = shrunk(fitted, se2, prior);
         (b.is_finite() && b > 0.0).then_some((my - b * mx, b))
     }
+}
+
+/// A fitted slope of squared standard error `se2` averaged with `prior`, weighted `1 / se2` and
+/// `1 / SLOPE_PRIOR_SD²`.
+fn shrunk(fitted: f64, se2: f64, prior: f64) -> f64 {
+    let (data, belief) = (
+        1.0 / se2.max(1e-12),
+        1.0 / (SLOPE_PRIOR_SD * SLOPE_PRIOR_SD),
+    );
+    (fitted * data + prior * belief) / (data + belief)
 }
 
 #[cfg(test)]
