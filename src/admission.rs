@@ -31,7 +31,7 @@ use routing_core::pool::Refusal;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Date, Delay, Env, Request};
+use worker::{Context, Delay, Env, Request};
 
 /// Longest accepted `x-gateway-max-wait-ms`.
 const MAX_WAIT_HEADER_MS: u64 = 3_600_000;
@@ -188,7 +188,7 @@ pub async fn acquire(
     body: &AcquireBody,
     who: &AdmissionRequest,
 ) -> Asked {
-    let started = Date::now().as_millis();
+    let started = crate::http::now_ms();
     let mut who = who.clone();
     // This wait's own id, so a dequeue can name it before the pool answered anything.
     let wait_id = ((js_sys::Math::random() * 2f64.powi(53)) as u64 & MAX_TICKET).max(1);
@@ -243,7 +243,7 @@ pub async fn acquire(
                 }
             }
         }
-        who.waited_ms = Date::now().as_millis().saturating_sub(started);
+        who.waited_ms = crate::http::now_ms().saturating_sub(started);
     }
 }
 

@@ -32,7 +32,7 @@ use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
-use worker::{console_error, AbortSignal, Date, Delay, Headers};
+use worker::{console_error, AbortSignal, Delay, Headers};
 
 /// Upstream response headers passed to the client.
 pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
@@ -153,8 +153,8 @@ impl Attempts {
         body: &[u8],
         client_signal: &AbortSignal,
     ) -> Result<Answer, AttemptFailure> {
-        let started = Date::now().as_millis();
-        let elapsed = || Date::now().as_millis().saturating_sub(started);
+        let started = crate::http::now_ms();
+        let elapsed = || crate::http::now_ms().saturating_sub(started);
         let req = self.request(c, body).map_err(|e| {
             console_error!(
                 "request {}: cannot build the request to backend {}: {}",

@@ -36,7 +36,7 @@ pub async fn handle(
             endpoint.path(),
         ));
     }
-    let entered_ms = Date::now().as_millis();
+    let entered_ms = crate::http::now_ms();
     let settings = settings::settings(env);
     // A request the edge Worker handed over (regional role only): keys, limits and the pool
     // order were decided there.
@@ -93,7 +93,7 @@ pub async fn handle(
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let hung_up = lease_guard::hang_up(&client_signal);
-    let started = Date::now().as_millis();
+    let started = crate::http::now_ms();
     let planned = match &hop_in {
         Some(h) => Ok(h.plan()),
         None => {
@@ -166,7 +166,7 @@ pub async fn handle(
         };
         acquire_body.set_choice(&note);
         let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), pool);
-        let asked_ms = Date::now().as_millis();
+        let asked_ms = crate::http::now_ms();
         if network_delay_ms > 0 {
             simulated_waits += 1;
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
@@ -184,7 +184,7 @@ pub async fn handle(
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {
                 let disaggregated = !grant.decode_candidates.is_empty();
-                let now = Date::now().as_millis();
+                let now = crate::http::now_ms();
                 if queued_ms == 0 {
                     let rtt = now.saturating_sub(asked_ms);
                     regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);

@@ -19,7 +19,7 @@ use gateway_durable_objects::directory::DIRECTORY_NAME;
 use std::cell::RefCell;
 use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Date, Env, Response, Stub};
+use worker::{Context, Env, Response, Stub};
 /// Binding name of the client rate limiter namespace (wrangler.toml).
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
@@ -203,7 +203,7 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>> + 'static,
 {
-    let now = Date::now().as_millis();
+    let now = js_sys::Date::now() as u64;
     let (value, refreshing_since) = slot.with(|s| {
         let s = s.borrow();
         (s.value.clone(), s.refreshing_since)
@@ -220,7 +220,7 @@ where
                         let mut s = s.borrow_mut();
                         s.refreshing_since = None;
                         match result {
-                            Ok(v) => s.value = Some((Date::now().as_millis(), v)),
+                            Ok(v) => s.value = Some((js_sys::Date::now() as u64, v)),
                             Err(e) => worker::console_error!(
                                 "directory refresh failed; serving the cached copy: {e}"
                             ),
@@ -252,7 +252,7 @@ async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
 /// Every pool the directory knows, as fresh as the admin API needs: the isolate's copy while it
 /// is fresh, else read now (an operator adding a pool in this isolate clears the copy).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
-    let now = Date::now().as_millis();
+    let now = js_sys::Date::now() as u64;
     let cached = POOLS.with(|p| {
         p.borrow()
             .value

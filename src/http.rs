@@ -1,4 +1,4 @@
-//! Small request-path helpers every handler shares: the request id, random and hex ids, the
+//! Small request-path helpers every handler shares: the request id, the clock, random and hex ids, the
 //! environment's vars, and reading (or discarding) a request body within a size limit.
 //!
 //! Nothing here knows a route, a pool or a key: the modules above it (`lib.rs`'s handlers, the
@@ -6,7 +6,7 @@
 
 use coordinator_protocol::ApiError;
 use wasm_bindgen::JsCast;
-use worker::{Date, Env, Request};
+use worker::{Env, Request};
 
 /// The client's `x-request-id` when it is safe to echo (printable ASCII, no separators that
 /// could split a header or a log line), otherwise a fresh one.
@@ -26,6 +26,13 @@ pub fn request_id(req: &Request) -> String {
     }
 }
 
+/// The platform's clock in milliseconds since the epoch: `Date.now()` itself, without the `Date`
+/// object `worker::Date::now()` makes (a request reads the clock a few dozen times, once per
+/// streamed chunk among them).
+pub fn now_ms() -> u64 {
+    js_sys::Date::now() as u64
+}
+
 /// `n` random bytes from the platform's CSPRNG, hex-encoded.
 pub fn random_hex(n: usize) -> String {
     thread_local! {
@@ -41,7 +48,7 @@ pub fn random_hex(n: usize) -> String {
     });
     if !filled {
         // workerd always has crypto; this only keeps ids unique if it somehow does not.
-        let t = (Date::now().as_millis() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
+        let t = (now_ms() ^ (js_sys::Math::random() * 1e15) as u64).to_le_bytes();
         for (i, b) in bytes.iter_mut().enumerate() {
             *b = t[i % 8].wrapping_add(i as u8);
         }

@@ -76,9 +76,7 @@ impl Timing {
     /// The header's value: `route` and `upstream` (the attempts, to the first chunk), then the
     /// finer parts, `pre`, `acquire`, and `worker` (the start to the response's headers).
     fn header_value(&self, upstream_ms: u64) -> String {
-        let worker_ms = worker::Date::now()
-            .as_millis()
-            .saturating_sub(self.entered_ms);
+        let worker_ms = crate::http::now_ms().saturating_sub(self.entered_ms);
         format!(
             "route;dur={}, upstream;dur={upstream_ms}, pre;dur={}, acquire;dur={}, worker;dur={worker_ms}",
             self.route_ms, self.pre_ms, self.acquire_ms

@@ -38,7 +38,7 @@ use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Delay};
+use worker::{AbortSignal, Delay};
 
 /// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
 const QUEUED_CHUNKS: u32 = 16;
@@ -129,7 +129,7 @@ impl State {
     /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
     /// unless a continuation is being spliced.
     fn transform(&mut self, chunk: &JsValue) -> JsValue {
-        self.last_chunk_ms = Date::now().as_millis();
+        self.last_chunk_ms = crate::http::now_ms();
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
             return chunk.clone();
         };
@@ -206,7 +206,7 @@ impl Relay {
             scanner: StreamScanner::new(strip_usage_event),
             strip_usage_event,
             buf: Vec::new(),
-            last_chunk_ms: Date::now().as_millis(),
+            last_chunk_ms: crate::http::now_ms(),
             partial: None,
             splice: None,
             answers_before: 0,
@@ -221,7 +221,7 @@ impl Relay {
         js_sys::Reflect::set(&status, &"gone".into(), &false.into())?;
         js_sys::Reflect::set(&status, &"full_since".into(), &0.into())?;
         js_sys::Reflect::set(&status, &"held".into(), &false.into())?;
-        js_sys::Reflect::set(&status, &"progress".into(), &Date::now().as_millis().into())?;
+        js_sys::Reflect::set(&status, &"progress".into(), &crate::http::now_ms().into())?;
         Ok(Relay {
             readable: stream.readable(),
             writer,
@@ -300,7 +300,7 @@ impl Relay {
 
     /// Milliseconds since the last chunk, counting a client that is behind as activity.
     fn idle_ms(&self) -> u64 {
-        let now = Date::now().as_millis();
+        let now = crate::http::now_ms();
         let behind = self.status("queued").as_f64().is_some_and(|q| q > 0.0);
         let mut st = self.state.borrow_mut();
         if behind {
@@ -450,14 +450,12 @@ impl Relay {
     pub async fn drain(&self) -> bool {
         let closed = Box::pin(close(self, None));
         let stalled = Box::pin(async {
-            let started = Date::now().as_millis();
+            let started = crate::http::now_ms();
             let bound = self.slow_client_timeout.as_millis() as u64;
             loop {
                 let queued = self.status("queued").as_f64().unwrap_or(0.0);
                 let progress = self.status("progress").as_f64().unwrap_or(0.0) as u64;
-                let since = Date::now()
-                    .as_millis()
-                    .saturating_sub(progress.max(started));
+                let since = crate::http::now_ms().saturating_sub(progress.max(started));
                 if queued > 0.0 && since >= bound {
                     return;
                 }
@@ -508,7 +506,7 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
     let idle_ms = idle.as_millis() as u64;
     let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
-        let now = Date::now().as_millis();
+        let now = crate::http::now_ms();
         // The relay may fill at any moment: look again within half the slow-client bound, so a
         // stalled client is cut off at most half a bound late.
         let mut wait = idle_ms.min(slow_ms / 2);
