@@ -155,7 +155,7 @@ impl Attempts {
     ) -> Result<Answer, AttemptFailure> {
         let started = crate::http::now_ms();
         let elapsed = || crate::http::now_ms().saturating_sub(started);
-        let req = self.request(c, body).map_err(|e| {
+        let (url, init) = self.request(c, body).map_err(|e| {
             console_error!(
                 "request {}: cannot build the request to backend {}: {}",
                 self.request.request_id,
@@ -174,7 +174,7 @@ impl Attempts {
         };
         // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
         let mut deadline = Delay::from(timeout);
-        let (resp, abort) = fetch_web_until(&req, &mut deadline, Some(client_signal))
+        let (resp, abort) = fetch_web_until(&url, &init, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
                 FetchFailure::Timeout => AttemptFailure {
@@ -390,12 +390,13 @@ impl Attempts {
         Ok(())
     }
 
-    /// The upstream request for `c` with `body`.
+    /// The upstream request for `c` with `body`: its URL and everything else (the platform makes
+    /// the request object itself when it is sent, so it makes one, not two).
     pub(crate) fn request(
         &self,
         c: &CandidateView,
         body: &[u8],
-    ) -> Result<web_sys::Request, JsValue> {
+    ) -> Result<(String, web_sys::RequestInit), JsValue> {
         let headers = web_sys::Headers::new()?;
         for (name, value) in &self.request.forwarded_headers {
             headers.set(name, value)?;
@@ -411,10 +412,7 @@ impl Attempts {
         init.set_redirect(web_sys::RequestRedirect::Manual);
         init.set_headers(&headers);
         init.set_body(&js_sys::Uint8Array::from(body));
-        web_sys::Request::new_with_str_and_init(
-            &format!("{}{}", c.url, self.request.endpoint.path()),
-            &init,
-        )
+        Ok((format!("{}{}", c.url, self.request.endpoint.path()), init))
     }
 
     /// Candidates of the ranking not tried yet.

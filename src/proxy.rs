@@ -294,7 +294,7 @@ impl Forward<'_> {
         let client_signal = self.request.client_signal.clone();
         let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
-            let req = self.attempts().request(&prefill, &bytes).map_err(|e| {
+            let (url, init) = self.attempts().request(&prefill, &bytes).map_err(|e| {
                 worker::console_error!(
                     "request {}: cannot build the prefill request: {}",
                     self.request.request_id,
@@ -309,7 +309,8 @@ impl Forward<'_> {
                 )
             })?;
             let (resp, _abort) = fetch_web_with_timeout(
-                &req,
+                &url,
+                &init,
                 self.request.settings.proxy.response_timeout,
                 Some(&client_signal),
             )
