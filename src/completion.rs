@@ -56,8 +56,9 @@ pub async fn handle(
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
-    let headers = req.headers().clone();
-    let header = move |name: &str| headers.get(name).ok().flatten();
+    // Read in place: `Headers::clone` would copy them into a new platform object.
+    let headers = req.headers();
+    let header = |name: &str| headers.get(name).ok().flatten();
     let mut features =
         endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
             let err = ApiError::bad_request(e.to_string()).with_code(e.code());

@@ -448,6 +448,11 @@ impl Relay {
     /// The lease is released before this (the backend's work is done). Returns whether the
     /// client got it all.
     pub async fn drain(&self) -> bool {
+        // Nothing queued: the client has taken every chunk, and as nothing more is written the
+        // queue cannot fill again, so the watch below could never fire: no timer for it.
+        if self.status("queued").as_f64().unwrap_or(0.0) <= 0.0 {
+            return close(self, None).await;
+        }
         let closed = Box::pin(close(self, None));
         let stalled = Box::pin(async {
             let started = crate::http::now_ms();
