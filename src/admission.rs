@@ -31,7 +31,7 @@ use routing_core::pool::Refusal;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Delay, Env, Request};
+use worker::{Context, Env, Request};
 
 /// Longest accepted `x-gateway-max-wait-ms`.
 const MAX_WAIT_HEADER_MS: u64 = 3_600_000;
@@ -187,6 +187,7 @@ pub async fn acquire(
     spill_ok: bool,
     body: &AcquireBody,
     who: &AdmissionRequest,
+    deadlines: &crate::http::Deadlines,
 ) -> Asked {
     let started = crate::http::now_ms();
     let mut who = who.clone();
@@ -204,7 +205,7 @@ pub async fn acquire(
             spill_ok,
         };
         let sent = Box::pin(send(env, To::Pool(pool, shard), &msg));
-        let limit = Delay::from(CALL_LIMIT);
+        let limit = deadlines.sleep(CALL_LIMIT);
         let answer = match select(sent, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
             Either::Right((Either::Left(_), _)) => {

@@ -14,6 +14,7 @@
 //! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::{call, To};
+use crate::http::Sleep;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::request::RequestContext;
@@ -32,7 +33,7 @@ use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
-use worker::{console_error, AbortSignal, Delay, Headers};
+use worker::{console_error, AbortSignal, Headers};
 
 /// Upstream response headers passed to the client.
 pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
@@ -173,7 +174,7 @@ impl Attempts {
             self.settings().response_timeout
         };
         // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
-        let mut deadline = Delay::from(timeout);
+        let mut deadline = self.request.deadlines.sleep(timeout);
         let (resp, abort) = fetch_web_until(&url, &init, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
@@ -329,7 +330,7 @@ impl Attempts {
         &self,
         answer: &mut Answer,
         body: Option<web_sys::ReadableStream>,
-        deadline: &mut Delay,
+        deadline: &mut Sleep,
         timeout: Duration,
         backend: &str,
     ) -> Result<(), AttemptFailure> {

@@ -156,6 +156,8 @@ pub async fn handle(
     let mut walk = PoolWalk::new(pools.len(), plan.excluded > 0);
     // Serialised once, whichever pools are asked and however often a queued request asks again.
     let mut acquire_body = AcquireBody::new(&features);
+    // The request's deadlines, from its lease calls to its stream's watchdog, on one timer.
+    let deadlines = http::Deadlines::new();
     while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
         let pool = &pools[pool];
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
@@ -181,6 +183,7 @@ pub async fn handle(
             spill_ok,
             &acquire_body,
             &who,
+            &deadlines,
         );
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {
@@ -234,6 +237,7 @@ pub async fn handle(
                     forwarded_headers,
                     client_signal,
                     hung_up,
+                    deadlines,
                 });
                 let lease = Lease {
                     lease_id: grant.lease_id,

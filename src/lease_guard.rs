@@ -29,7 +29,7 @@ use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Delay};
+use worker::{AbortSignal, Context};
 
 /// After this long a request renews its lease at a third of what the pool's deadline leaves
 /// instead of at the grant's interval.
@@ -259,7 +259,7 @@ impl Keeper {
         let mut hung_up = JsFuture::from(hung_up);
         let mut renew_every = self.renew_every;
         loop {
-            let tick = Delay::from(renew_every);
+            let tick = self.request.deadlines.sleep(renew_every);
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
                     if self.state.borrow().ending.is_some() {

@@ -232,7 +232,7 @@ impl Forward<'_> {
                 .with_headers(out)
                 .fixed(bytes));
         };
-        let relay = Relay::new(request.strip_usage_event)
+        let relay = Relay::new(request.strip_usage_event, request.deadlines.clone())
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
         let upstream = stream_upstream(

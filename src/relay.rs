@@ -25,6 +25,7 @@
 //! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
 //! whole events is passed on as the same JS chunk without a copy.
 
+use crate::http::Deadlines;
 use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
@@ -38,7 +39,7 @@ use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Delay};
+use worker::AbortSignal;
 
 /// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
 const QUEUED_CHUNKS: u32 = 16;
@@ -188,6 +189,8 @@ pub struct Relay {
     transform: Closure<TransformFn>,
     /// `SLOW_CLIENT_TIMEOUT_MS`.
     slow_client_timeout: Duration,
+    /// The request's deadlines (the watchdog's and the drain's waits).
+    deadlines: Deadlines,
 }
 
 /// What the client received of a streamed answer so far, to charge it by.
@@ -201,7 +204,7 @@ pub struct Metered {
 
 impl Relay {
     /// A relay; `strip_usage_event` when the client did not ask for the usage chunk.
-    pub fn new(strip_usage_event: bool) -> Result<Relay, JsValue> {
+    pub fn new(strip_usage_event: bool, deadlines: Deadlines) -> Result<Relay, JsValue> {
         let state = Rc::new(RefCell::new(State {
             scanner: StreamScanner::new(strip_usage_event),
             strip_usage_event,
@@ -229,6 +232,7 @@ impl Relay {
             state,
             transform,
             slow_client_timeout: crate::settings::slow_client_timeout(),
+            deadlines,
         })
     }
 
@@ -469,7 +473,9 @@ impl Relay {
                 } else {
                     bound / 2
                 };
-                Delay::from(Duration::from_millis(wait.max(10))).await;
+                self.deadlines
+                    .sleep(Duration::from_millis(wait.max(10)))
+                    .await;
             }
         });
         match select(closed, stalled).await {
@@ -527,7 +533,10 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
             return Watched::BackendIdle;
         }
         wait = wait.min(idle_ms - since);
-        Delay::from(Duration::from_millis(wait.max(10))).await;
+        relay
+            .deadlines
+            .sleep(Duration::from_millis(wait.max(10)))
+            .await;
     }
 }
 

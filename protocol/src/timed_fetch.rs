@@ -109,7 +109,7 @@ pub async fn fetch_web_with_timeout(
 pub async fn fetch_web_until(
     url: &str,
     init: &web_sys::RequestInit,
-    deadline: &mut Delay,
+    deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
     parent: Option<&AbortSignal>,
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
     let abort = LinkedAbort::new(parent);
@@ -125,7 +125,7 @@ pub async fn fetch_web_until(
 async fn send_until(
     send: js_sys::Promise,
     abort: LinkedAbort,
-    deadline: &mut Delay,
+    deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
     match select(JsFuture::from(send), deadline).await {
         Either::Left((Ok(resp), _)) => Ok((resp.unchecked_into(), abort)),
