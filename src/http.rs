@@ -155,18 +155,24 @@ async fn discard_body(req: &Request) {
 
 /// The deadlines of one request (its lease call's limit, the lease's renewals, the first byte's
 /// deadline, the stream's watchdog), all on one platform timer at a time instead of a timer (and
-/// a callback) each: the timer is set for the earliest deadline waited on; one that is no longer
-/// waited on (the call answered, the first byte came) leaves it set, and when it fires for
-/// nobody it is set again for the next. Clones share the timer; it is cleared when the last
-/// clone and the last [`Sleep`] are gone. A timer belongs to its request, so each request has
-/// its own.
+/// a callback) each: the timer is set for the earliest deadline waited on, but never more than
+/// [`MAX_TIMER_MS`] ahead, so a deadline made later for a later time (they are made in the
+/// opposite order of their lengths: the lease call's 65 s, the first byte's, the renewal's, the
+/// watchdog's) finds it set early enough and sets nothing. One that is no longer waited on (the
+/// call answered, the first byte came) leaves it set; when it fires for nobody it is set again
+/// for the next. So a short request sets one timer, and a long one one a second at most. Clones
+/// share the timer; it is cleared when the last clone and the last [`Sleep`] are gone. A timer
+/// belongs to its request, so each request has its own.
 #[derive(Clone)]
 pub struct Deadlines(Rc<RefCell<Timer>>);
+
+/// The furthest ahead the timer of [`Deadlines`] is set (shorter deadlines are kept exactly).
+pub const MAX_TIMER_MS: u64 = 1_000;
 
 struct Timer {
     /// The sleeps waited on: id, when due (ms), and the task to wake.
     waiting: Vec<(u64, u64, Option<Waker>)>,
-    /// The platform timer set: its handle and when it is due.
+    /// The platform timer set: its handle and when it fires.
     set: Option<(i32, u64)>,
     /// Every deadline up to this time has passed (the last time the timer fired).
     passed_ms: u64,
@@ -204,11 +210,14 @@ impl Default for Deadlines {
 }
 
 impl Timer {
-    /// Sets the platform timer for `due_ms` unless it is set for that time or earlier already.
+    /// Sets the platform timer to fire by `due_ms` (at most [`MAX_TIMER_MS`] from now) unless it
+    /// fires by then already.
     fn set_for(&mut self, due_ms: u64, timer: &Rc<RefCell<Timer>>) {
         if self.set.is_some_and(|(_, at)| at <= due_ms) {
             return;
         }
+        let now = now_ms();
+        let at = due_ms.min(now.saturating_add(MAX_TIMER_MS));
         let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
         if let Some((handle, _)) = self.set.take() {
             global.clear_timeout_with_handle(handle);
@@ -217,12 +226,12 @@ impl Timer {
             let timer = Rc::downgrade(timer);
             Closure::new(move || fired(&timer))
         });
-        let ms = due_ms.saturating_sub(now_ms()).min(i32::MAX as u64) as i32;
+        let ms = at.saturating_sub(now) as i32;
         if let Ok(handle) = global.set_timeout_with_callback_and_timeout_and_arguments_0(
             callback.as_ref().unchecked_ref(),
             ms,
         ) {
-            self.set = Some((handle, due_ms));
+            self.set = Some((handle, at));
         }
     }
 }
