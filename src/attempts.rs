@@ -14,7 +14,7 @@
 //! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::{call, To};
-use crate::http::Sleep;
+use crate::http::{HeaderList, Sleep};
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::request::RequestContext;
@@ -398,15 +398,16 @@ impl Attempts {
         c: &CandidateView,
         body: &[u8],
     ) -> Result<(String, web_sys::RequestInit), JsValue> {
-        let headers = web_sys::Headers::new()?;
+        let mut list = HeaderList::new();
         for (name, value) in &self.request.forwarded_headers {
-            headers.set(name, value)?;
+            list.set(name, value);
         }
-        headers.set("content-type", "application/json")?;
-        headers.set("x-request-id", &self.request.request_id)?;
+        list.set("content-type", "application/json");
+        list.set("x-request-id", &self.request.request_id);
         if let Some(key) = &c.api_key {
-            headers.set("authorization", &format!("Bearer {key}"))?;
+            list.set("authorization", &format!("Bearer {key}"));
         }
+        let headers = list.build()?;
         let init = web_sys::RequestInit::new();
         init.set_method("POST");
         // A 3xx comes back as it is, and counts as the backend's failure.

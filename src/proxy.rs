@@ -21,6 +21,7 @@ use crate::attempts::{
     final_error, request_error, stream_upstream, with_usage, Answer, Attempts, Moved,
     MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
+use crate::http::HeaderList;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
 use crate::request::RequestContext;
@@ -182,44 +183,49 @@ impl Forward<'_> {
         prefill_backend: Option<String>,
     ) -> Result<Response, ApiError> {
         let request = &self.request;
-        let out = Headers::new();
-        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from);
+        // Collected here, made into the platform's headers in one call.
+        let mut out = HeaderList::new();
+        let mut set = |k: &str, v: &str| out.set(k, v);
         for name in PASSED_RESPONSE_HEADERS {
             if let Some(v) = answer.headers.get(name).ok().flatten() {
-                set(name, &v)?;
+                set(name, &v);
             }
         }
-        set("x-request-id", &request.request_id)?;
-        set("x-gateway-pool", &request.pool)?;
-        set("x-gateway-shard", &request.shard.to_string())?;
-        set("x-gateway-backend", &c.id.0)?;
-        set("x-gateway-attempts", &attempts.count.to_string())?;
+        set("x-request-id", &request.request_id);
+        set("x-gateway-pool", &request.pool);
+        set("x-gateway-shard", &request.shard.to_string());
+        set("x-gateway-backend", &c.id.0);
+        set("x-gateway-attempts", &attempts.count.to_string());
         for (k, v) in &self.extra_headers {
-            set(k, v)?;
+            set(k, v);
         }
         // Where the time to the first byte went: routing (pools, lease), the upstream attempts,
         // and the Worker's parts.
-        set("server-timing", &self.timing.header_value(answer.ttfb_ms))?;
+        set("server-timing", &self.timing.header_value(answer.ttfb_ms));
         if let Some(p) = &prefill_backend {
-            set("x-gateway-prefill-backend", p)?;
+            set("x-gateway-prefill-backend", p);
         }
         if let Some(d) = self.grant.decision {
             if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
-                set("x-gateway-decision", &s)?;
+                set("x-gateway-decision", &s);
             }
         }
         // What the time model expected of the backend it chose (not of a fallback).
         if let (Some(p), true) = (self.grant.predicted_ttft_ms, c.id == self.grant.backend) {
-            set("x-gateway-predicted-ttft-ms", &p.to_string())?;
+            set("x-gateway-predicted-ttft-ms", &p.to_string());
         }
         // What the router weighed: the chosen backend's prediction and the best alternative's.
         if let Some(r) = &self.grant.receipt {
             set(
                 "x-gateway-route-receipt",
                 &r.header_value(&self.grant.backend),
-            )?;
+            );
             self.guard.note_receipt(&self.grant.backend, r);
         }
+        let out = Headers(
+            out.build()
+                .map_err(|e| ApiError::from(worker::Error::from(e)))?,
+        );
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);

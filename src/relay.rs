@@ -44,8 +44,9 @@ use worker::AbortSignal;
 /// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
 const QUEUED_CHUNKS: u32 = 16;
 
-/// The relay's JavaScript: the client's side of the stream, and the loop that moves one upstream
-/// body into it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
+/// The relay's JavaScript: the client's side of the stream (`relay_open`: its readable side, its
+/// writer and the pump's status, made in one call), and the loop that moves one upstream body into
+/// it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
 /// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
 /// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
 /// when the client's side fails (the upstream is then cancelled). `status.full_since` is when the
@@ -55,8 +56,10 @@ const QUEUED_CHUNKS: u32 = 16;
 /// upstream fails or is aborted (the client's side stays open). `relay_cut` fails the client's
 /// side (a client cut off for not reading).
 #[wasm_bindgen(inline_js = r#"
-export function relay_stream() {
-  return typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
+export function relay_open() {
+  const stream = typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
+  const status = { queued: 0, gone: false, full_since: 0, held: false, progress: Date.now() };
+  return [stream.readable, stream.writable.getWriter(), status];
 }
 export function relay_pump(reader, writer, transform, status, first, limit) {
   const gone = () => {
@@ -98,7 +101,8 @@ export function relay_cut(writer) {
 }
 "#)]
 extern "C" {
-    fn relay_stream() -> web_sys::TransformStream;
+    #[wasm_bindgen(catch)]
+    fn relay_open() -> Result<js_sys::Array, JsValue>;
     fn relay_pump(
         reader: &web_sys::ReadableStreamDefaultReader,
         writer: &web_sys::WritableStreamDefaultWriter,
@@ -217,16 +221,13 @@ impl Relay {
         let s = state.clone();
         let transform =
             Closure::<TransformFn>::new(move |chunk: JsValue| s.borrow_mut().transform(&chunk));
-        let stream = relay_stream();
-        let writer = stream.writable().get_writer()?;
-        let status = js_sys::Object::new();
-        js_sys::Reflect::set(&status, &"queued".into(), &0.into())?;
-        js_sys::Reflect::set(&status, &"gone".into(), &false.into())?;
-        js_sys::Reflect::set(&status, &"full_since".into(), &0.into())?;
-        js_sys::Reflect::set(&status, &"held".into(), &false.into())?;
-        js_sys::Reflect::set(&status, &"progress".into(), &crate::http::now_ms().into())?;
+        // The client's side, its writer and the pump's status, made in one call.
+        let opened = relay_open()?;
+        let readable: web_sys::ReadableStream = opened.get(0).unchecked_into();
+        let writer: web_sys::WritableStreamDefaultWriter = opened.get(1).unchecked_into();
+        let status: js_sys::Object = opened.get(2).unchecked_into();
         Ok(Relay {
-            readable: stream.readable(),
+            readable,
             writer,
             status,
             state,
