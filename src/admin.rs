@@ -38,7 +38,7 @@ use coordinator_protocol::ApiError;
 use coordinator_protocol::Call;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use worker::{Date, Env, Method, Request, Response};
+use worker::{Env, Method, Request, Response};
 
 type AdminResult = Result<Response, ApiError>;
 
@@ -448,7 +448,7 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
         id: format!("key-{}", random_hex(6)),
         name: mint.name,
         hash: hash_key(&key),
-        created_ms: Date::now().as_millis(),
+        created_ms: crate::http::now_ms(),
         priority: mint.priority,
         residency: mint.residency,
     };

@@ -31,7 +31,7 @@ use routing_core::pool::Refusal;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Date, Delay, Env, Request};
+use worker::{Context, Env, Request};
 
 /// Longest accepted `x-gateway-max-wait-ms`.
 const MAX_WAIT_HEADER_MS: u64 = 3_600_000;
@@ -187,8 +187,9 @@ pub async fn acquire(
     spill_ok: bool,
     body: &AcquireBody,
     who: &AdmissionRequest,
+    deadlines: &crate::http::Deadlines,
 ) -> Asked {
-    let started = Date::now().as_millis();
+    let started = crate::http::now_ms();
     let mut who = who.clone();
     // This wait's own id, so a dequeue can name it before the pool answered anything.
     let wait_id = ((js_sys::Math::random() * 2f64.powi(53)) as u64 & MAX_TICKET).max(1);
@@ -204,7 +205,7 @@ pub async fn acquire(
             spill_ok,
         };
         let sent = Box::pin(send(env, To::Pool(pool, shard), &msg));
-        let limit = Delay::from(CALL_LIMIT);
+        let limit = deadlines.sleep(CALL_LIMIT);
         let answer = match select(sent, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
             Either::Right((Either::Left(_), _)) => {
@@ -243,7 +244,7 @@ pub async fn acquire(
                 }
             }
         }
-        who.waited_ms = Date::now().as_millis().saturating_sub(started);
+        who.waited_ms = crate::http::now_ms().saturating_sub(started);
     }
 }
 

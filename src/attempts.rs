@@ -14,6 +14,7 @@
 //! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::{call, To};
+use crate::http::{HeaderList, Sleep};
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::request::RequestContext;
@@ -32,7 +33,7 @@ use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
-use worker::{console_error, AbortSignal, Date, Delay, Headers};
+use worker::{console_error, AbortSignal, Headers};
 
 /// Upstream response headers passed to the client.
 pub(crate) const PASSED_RESPONSE_HEADERS: [&str; 3] =
@@ -153,9 +154,9 @@ impl Attempts {
         body: &[u8],
         client_signal: &AbortSignal,
     ) -> Result<Answer, AttemptFailure> {
-        let started = Date::now().as_millis();
-        let elapsed = || Date::now().as_millis().saturating_sub(started);
-        let req = self.request(c, body).map_err(|e| {
+        let started = crate::http::now_ms();
+        let elapsed = || crate::http::now_ms().saturating_sub(started);
+        let (url, init) = self.request(c, body).map_err(|e| {
             console_error!(
                 "request {}: cannot build the request to backend {}: {}",
                 self.request.request_id,
@@ -173,8 +174,8 @@ impl Attempts {
             self.settings().response_timeout
         };
         // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
-        let mut deadline = Delay::from(timeout);
-        let (resp, abort) = fetch_web_until(&req, &mut deadline, Some(client_signal))
+        let mut deadline = self.request.deadlines.sleep(timeout);
+        let (resp, abort) = fetch_web_until(&url, &init, &mut deadline, Some(client_signal))
             .await
             .map_err(|f| match f {
                 FetchFailure::Timeout => AttemptFailure {
@@ -329,7 +330,7 @@ impl Attempts {
         &self,
         answer: &mut Answer,
         body: Option<web_sys::ReadableStream>,
-        deadline: &mut Delay,
+        deadline: &mut Sleep,
         timeout: Duration,
         backend: &str,
     ) -> Result<(), AttemptFailure> {
@@ -390,31 +391,30 @@ impl Attempts {
         Ok(())
     }
 
-    /// The upstream request for `c` with `body`.
+    /// The upstream request for `c` with `body`: its URL and everything else (the platform makes
+    /// the request object itself when it is sent, so it makes one, not two).
     pub(crate) fn request(
         &self,
         c: &CandidateView,
         body: &[u8],
-    ) -> Result<web_sys::Request, JsValue> {
-        let headers = web_sys::Headers::new()?;
+    ) -> Result<(String, web_sys::RequestInit), JsValue> {
+        let mut list = HeaderList::new();
         for (name, value) in &self.request.forwarded_headers {
-            headers.set(name, value)?;
+            list.set(name, value);
         }
-        headers.set("content-type", "application/json")?;
-        headers.set("x-request-id", &self.request.request_id)?;
+        list.set("content-type", "application/json");
+        list.set("x-request-id", &self.request.request_id);
         if let Some(key) = &c.api_key {
-            headers.set("authorization", &format!("Bearer {key}"))?;
+            list.set("authorization", &format!("Bearer {key}"));
         }
+        let headers = list.build()?;
         let init = web_sys::RequestInit::new();
         init.set_method("POST");
         // A 3xx comes back as it is, and counts as the backend's failure.
         init.set_redirect(web_sys::RequestRedirect::Manual);
         init.set_headers(&headers);
         init.set_body(&js_sys::Uint8Array::from(body));
-        web_sys::Request::new_with_str_and_init(
-            &format!("{}{}", c.url, self.request.endpoint.path()),
-            &init,
-        )
+        Ok((format!("{}{}", c.url, self.request.endpoint.path()), init))
     }
 
     /// Candidates of the ranking not tried yet.

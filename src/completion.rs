@@ -36,7 +36,7 @@ pub async fn handle(
             endpoint.path(),
         ));
     }
-    let entered_ms = Date::now().as_millis();
+    let entered_ms = crate::http::now_ms();
     let settings = settings::settings(env);
     // A request the edge Worker handed over (regional role only): keys, limits and the pool
     // order were decided there.
@@ -56,8 +56,9 @@ pub async fn handle(
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
-    let headers = req.headers().clone();
-    let header = move |name: &str| headers.get(name).ok().flatten();
+    // Read in place: `Headers::clone` would copy them into a new platform object.
+    let headers = req.headers();
+    let header = |name: &str| headers.get(name).ok().flatten();
     let mut features =
         endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
             let err = ApiError::bad_request(e.to_string()).with_code(e.code());
@@ -93,7 +94,7 @@ pub async fn handle(
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let hung_up = lease_guard::hang_up(&client_signal);
-    let started = Date::now().as_millis();
+    let started = crate::http::now_ms();
     let planned = match &hop_in {
         Some(h) => Ok(h.plan()),
         None => {
@@ -155,6 +156,8 @@ pub async fn handle(
     let mut walk = PoolWalk::new(pools.len(), plan.excluded > 0);
     // Serialised once, whichever pools are asked and however often a queued request asks again.
     let mut acquire_body = AcquireBody::new(&features);
+    // The request's deadlines, from its lease calls to its stream's watchdog, on one timer.
+    let deadlines = http::Deadlines::new();
     while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
         let pool = &pools[pool];
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
@@ -166,7 +169,7 @@ pub async fn handle(
         };
         acquire_body.set_choice(&note);
         let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), pool);
-        let asked_ms = Date::now().as_millis();
+        let asked_ms = crate::http::now_ms();
         if network_delay_ms > 0 {
             simulated_waits += 1;
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
@@ -180,11 +183,12 @@ pub async fn handle(
             spill_ok,
             &acquire_body,
             &who,
+            &deadlines,
         );
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {
                 let disaggregated = !grant.decode_candidates.is_empty();
-                let now = Date::now().as_millis();
+                let now = crate::http::now_ms();
                 if queued_ms == 0 {
                     let rtt = now.saturating_sub(asked_ms);
                     regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);
@@ -233,6 +237,7 @@ pub async fn handle(
                     forwarded_headers,
                     client_signal,
                     hung_up,
+                    deadlines,
                 });
                 let lease = Lease {
                     lease_id: grant.lease_id,

@@ -11,15 +11,18 @@
 //! background.
 
 use coordinator_protocol::call::{read_answer, read_error, CallError, ListPools};
-use coordinator_protocol::internal_call::{internal_web_request, ShardAddress};
+use coordinator_protocol::internal_call::{internal_init, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
 use coordinator_protocol::ApiError;
 use coordinator_protocol::{Answer, Call, Object, Route};
 use gateway_durable_objects::directory::DIRECTORY_NAME;
 use std::cell::RefCell;
-use wasm_bindgen::JsCast;
+use std::collections::HashMap;
+use wasm_bindgen::prelude::wasm_bindgen;
+use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{Context, Date, Env, Response, Stub};
+use worker::worker_sys::{DurableObjectId, DurableObjectNamespace};
+use worker::{Context, Env, Response};
 /// Binding name of the client rate limiter namespace (wrangler.toml).
 pub const RATE_LIMITER_BINDING: &str = "RATE_LIMITER";
 /// Binding name of the pool directory namespace (wrangler.toml).
@@ -36,15 +39,77 @@ pub enum To<'a> {
     Limiter(&'a str),
 }
 
-fn stub(env: &Env, binding: &str, name: &str) -> Result<Stub, ApiError> {
-    Ok(env
-        .durable_object(binding)?
-        .id_from_name(name)?
-        .get_stub()?)
+/// Most object ids an isolate keeps (pool shards, the directory, the rate limiters of the keys it
+/// saw); past it the map starts again.
+const MAX_CACHED_IDS: usize = 1024;
+
+thread_local! {
+    /// The namespaces, by binding, and the ids of the objects this isolate called, by binding and
+    /// name: neither belongs to a request (a stub does), and making them (a binding lookup and a
+    /// hash of the name each) costs a call as much as its body does.
+    static NAMESPACES: RefCell<HashMap<&'static str, DurableObjectNamespace>> =
+        RefCell::new(HashMap::new());
+    static IDS: RefCell<HashMap<(&'static str, String), JsValue>> =
+        RefCell::new(HashMap::new());
+}
+
+/// The stub of object `name` of `binding`'s namespace (placed by `location_hint`, if given).
+fn stub(
+    env: &Env,
+    binding: &'static str,
+    name: &str,
+    location_hint: Option<&str>,
+) -> Result<worker::worker_sys::DurableObject, ApiError> {
+    let cached = NAMESPACES.with(|n| n.borrow().get(binding).cloned());
+    let namespace = match cached {
+        Some(ns) => ns,
+        None => {
+            // Checked as `worker` checks it (a binding of that class), then kept as it is.
+            env.durable_object(binding)?;
+            let ns: DurableObjectNamespace = js_sys::Reflect::get(env, &JsValue::from_str(binding))
+                .map_err(worker::Error::from)?
+                .unchecked_into();
+            NAMESPACES.with(|n| n.borrow_mut().insert(binding, ns.clone()));
+            ns
+        }
+    };
+    let key = (binding, name.to_string());
+    let id = match IDS.with(|ids| ids.borrow().get(&key).cloned()) {
+        Some(id) => id,
+        None => {
+            let id: JsValue = namespace
+                .id_from_name(name)
+                .map_err(worker::Error::from)?
+                .into();
+            IDS.with(|ids| {
+                let mut ids = ids.borrow_mut();
+                if ids.len() >= MAX_CACHED_IDS {
+                    ids.clear();
+                }
+                ids.insert(key, id.clone());
+            });
+            id
+        }
+    };
+    let id: &DurableObjectId = id.unchecked_ref();
+    let stub = match location_hint {
+        Some(hint) => {
+            let options = js_sys::Object::new();
+            js_sys::Reflect::set(&options, &"locationHint".into(), &hint.into())
+                .map_err(worker::Error::from)?;
+            namespace.get_with_options(id, &options)
+        }
+        None => namespace.get(id),
+    };
+    Ok(stub.map_err(worker::Error::from)?)
 }
 
 /// A pool shard's stub, placed by the pool's location hint when this isolate knows one.
-fn pool_stub(env: &Env, pool: &str, shard: u32) -> Result<Stub, ApiError> {
+fn pool_stub(
+    env: &Env,
+    pool: &str,
+    shard: u32,
+) -> Result<worker::worker_sys::DurableObject, ApiError> {
     let hint = POOLS.with(|p| {
         p.borrow().value.as_ref().and_then(|(_, list)| {
             list.iter()
@@ -52,14 +117,12 @@ fn pool_stub(env: &Env, pool: &str, shard: u32) -> Result<Stub, ApiError> {
                 .and_then(|e| e.location_hint.clone())
         })
     });
-    let name = shard_object_name(pool, shard);
-    match hint {
-        Some(h) => Ok(env
-            .durable_object(POOL_BINDING)?
-            .id_from_name(&name)?
-            .get_stub_with_location_hint(&h)?),
-        None => stub(env, POOL_BINDING, &name),
-    }
+    stub(
+        env,
+        POOL_BINDING,
+        &shard_object_name(pool, shard),
+        hint.as_deref(),
+    )
 }
 
 /// Sends `msg` to the object `to` names and returns the answer unread, as the platform's response
@@ -73,9 +136,11 @@ pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<web_sys::Re
             pool_stub(env, pool, shard)?,
             Some(ShardAddress { pool, shard }),
         ),
-        (To::Directory, Object::Directory) => (stub(env, DIRECTORY_BINDING, DIRECTORY_NAME)?, None),
+        (To::Directory, Object::Directory) => {
+            (stub(env, DIRECTORY_BINDING, DIRECTORY_NAME, None)?, None)
+        }
         (To::Limiter(client), Object::ClientRateLimiter) => {
-            (stub(env, RATE_LIMITER_BINDING, client)?, None)
+            (stub(env, RATE_LIMITER_BINDING, client, None)?, None)
         }
         _ => {
             let path = route.path();
@@ -88,18 +153,32 @@ pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<web_sys::Re
 }
 
 async fn send_web(
-    stub: Stub,
+    stub: worker::worker_sys::DurableObject,
     to: Option<ShardAddress<'_>>,
     route: &Route,
     body: Option<String>,
 ) -> Result<web_sys::Response, ApiError> {
-    let req = internal_web_request(route, to, body)?;
-    let object: worker::worker_sys::DurableObject = stub.into_rpc();
+    let (url, init) = internal_init(route, to, body)?;
+    let object: StubFetch = stub.unchecked_into();
     let promise = object
-        .fetch_with_request(&req)
+        .fetch_with_str_and_init(&url, &init)
         .map_err(worker::Error::from)?;
     let resp = JsFuture::from(promise).await.map_err(worker::Error::from)?;
     Ok(resp.unchecked_into())
+}
+
+#[wasm_bindgen]
+extern "C" {
+    /// A Durable Object stub, for its `fetch(url, init)` (worker-sys binds only
+    /// `fetch(request)` and `fetch(url)`).
+    type StubFetch;
+
+    #[wasm_bindgen(method, catch, js_name = fetch)]
+    fn fetch_with_str_and_init(
+        this: &StubFetch,
+        url: &str,
+        init: &web_sys::RequestInit,
+    ) -> Result<js_sys::Promise, JsValue>;
 }
 
 /// Calls the object `to` names with `msg` and reads its answer: `msg`'s own answer type, or the
@@ -203,7 +282,7 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>> + 'static,
 {
-    let now = Date::now().as_millis();
+    let now = js_sys::Date::now() as u64;
     let (value, refreshing_since) = slot.with(|s| {
         let s = s.borrow();
         (s.value.clone(), s.refreshing_since)
@@ -220,7 +299,7 @@ where
                         let mut s = s.borrow_mut();
                         s.refreshing_since = None;
                         match result {
-                            Ok(v) => s.value = Some((Date::now().as_millis(), v)),
+                            Ok(v) => s.value = Some((js_sys::Date::now() as u64, v)),
                             Err(e) => worker::console_error!(
                                 "directory refresh failed; serving the cached copy: {e}"
                             ),
@@ -252,7 +331,7 @@ async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
 /// Every pool the directory knows, as fresh as the admin API needs: the isolate's copy while it
 /// is fresh, else read now (an operator adding a pool in this isolate clears the copy).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
-    let now = Date::now().as_millis();
+    let now = js_sys::Date::now() as u64;
     let cached = POOLS.with(|p| {
         p.borrow()
             .value

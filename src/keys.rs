@@ -19,7 +19,7 @@ use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::ApiError;
 use routing_core::request::rate_limit::RateLimits;
 use std::cell::RefCell;
-use worker::{Context, Date, Env, Request};
+use worker::{Context, Env, Request};
 
 /// How long minted-key hashes are cached in an isolate.
 const CACHE_MS: u64 = 5_000;
@@ -37,7 +37,7 @@ pub fn invalidate() {
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
     let keys = call(&env, To::Directory, &ListKeys).await?;
-    MINTED_READ_MS.with(|t| t.set(Date::now().as_millis()));
+    MINTED_READ_MS.with(|t| t.set(crate::http::now_ms()));
     Ok(keys)
 }
 
@@ -96,7 +96,7 @@ pub async fn identify(
     let read_ms = MINTED_READ_MS.with(|t| t.get());
     if too_stale(
         read_ms,
-        Date::now().as_millis(),
+        crate::http::now_ms(),
         settings.key_list_max_stale_ms,
     ) {
         // The copy is older than the bound (the isolate was idle, or the background refreshes

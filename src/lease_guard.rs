@@ -29,7 +29,7 @@ use std::rc::Rc;
 use std::time::Duration;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Context, Date, Delay};
+use worker::{AbortSignal, Context};
 
 /// After this long a request renews its lease at a third of what the pool's deadline leaves
 /// instead of at the grant's interval.
@@ -141,7 +141,7 @@ impl LeaseGuard {
             state: record.clone(),
             renew_every: lease.renew_every,
             reservation: lease.reservation,
-            started_ms: Date::now().as_millis(),
+            started_ms: crate::http::now_ms(),
         };
         ctx.wait_until(task.run(woken, request.hung_up.clone()));
         LeaseGuard {
@@ -259,7 +259,7 @@ impl Keeper {
         let mut hung_up = JsFuture::from(hung_up);
         let mut renew_every = self.renew_every;
         loop {
-            let tick = Delay::from(renew_every);
+            let tick = self.request.deadlines.sleep(renew_every);
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
                     if self.state.borrow().ending.is_some() {
@@ -314,7 +314,7 @@ impl Keeper {
                 pool_choice: self.request.pool_choice,
             },
             &ending.outcome,
-            Date::now().as_millis().saturating_sub(self.started_ms),
+            crate::http::now_ms().saturating_sub(self.started_ms),
         );
         // The pool choice stops counting this request against the pool (src/regions.rs).
         crate::regions::finished(&self.request.pool, lease_id);
@@ -368,7 +368,7 @@ impl Keeper {
     /// what the pool's deadline leaves, so a long stream on a pool with a long `lease_ttl_ms`
     /// makes few subrequests (each renewal is one).
     fn next_renewal(&self, deadline_ms: Option<u64>) -> Duration {
-        let now = Date::now().as_millis();
+        let now = crate::http::now_ms();
         match deadline_ms {
             Some(deadline) if now.saturating_sub(self.started_ms) >= STEADY_AFTER_MS => {
                 let third = Duration::from_millis(deadline.saturating_sub(now) / 3);

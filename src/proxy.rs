@@ -21,6 +21,7 @@ use crate::attempts::{
     final_error, request_error, stream_upstream, with_usage, Answer, Attempts, Moved,
     MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
+use crate::http::HeaderList;
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Relay;
 use crate::request::RequestContext;
@@ -76,9 +77,7 @@ impl Timing {
     /// The header's value: `route` and `upstream` (the attempts, to the first chunk), then the
     /// finer parts, `pre`, `acquire`, and `worker` (the start to the response's headers).
     fn header_value(&self, upstream_ms: u64) -> String {
-        let worker_ms = worker::Date::now()
-            .as_millis()
-            .saturating_sub(self.entered_ms);
+        let worker_ms = crate::http::now_ms().saturating_sub(self.entered_ms);
         format!(
             "route;dur={}, upstream;dur={upstream_ms}, pre;dur={}, acquire;dur={}, worker;dur={worker_ms}",
             self.route_ms, self.pre_ms, self.acquire_ms
@@ -184,44 +183,49 @@ impl Forward<'_> {
         prefill_backend: Option<String>,
     ) -> Result<Response, ApiError> {
         let request = &self.request;
-        let out = Headers::new();
-        let set = |k: &str, v: &str| out.set(k, v).map_err(ApiError::from);
+        // Collected here, made into the platform's headers in one call.
+        let mut out = HeaderList::new();
+        let mut set = |k: &str, v: &str| out.set(k, v);
         for name in PASSED_RESPONSE_HEADERS {
             if let Some(v) = answer.headers.get(name).ok().flatten() {
-                set(name, &v)?;
+                set(name, &v);
             }
         }
-        set("x-request-id", &request.request_id)?;
-        set("x-gateway-pool", &request.pool)?;
-        set("x-gateway-shard", &request.shard.to_string())?;
-        set("x-gateway-backend", &c.id.0)?;
-        set("x-gateway-attempts", &attempts.count.to_string())?;
+        set("x-request-id", &request.request_id);
+        set("x-gateway-pool", &request.pool);
+        set("x-gateway-shard", &request.shard.to_string());
+        set("x-gateway-backend", &c.id.0);
+        set("x-gateway-attempts", &attempts.count.to_string());
         for (k, v) in &self.extra_headers {
-            set(k, v)?;
+            set(k, v);
         }
         // Where the time to the first byte went: routing (pools, lease), the upstream attempts,
         // and the Worker's parts.
-        set("server-timing", &self.timing.header_value(answer.ttfb_ms))?;
+        set("server-timing", &self.timing.header_value(answer.ttfb_ms));
         if let Some(p) = &prefill_backend {
-            set("x-gateway-prefill-backend", p)?;
+            set("x-gateway-prefill-backend", p);
         }
         if let Some(d) = self.grant.decision {
             if let Ok(serde_json::Value::String(s)) = serde_json::to_value(d) {
-                set("x-gateway-decision", &s)?;
+                set("x-gateway-decision", &s);
             }
         }
         // What the time model expected of the backend it chose (not of a fallback).
         if let (Some(p), true) = (self.grant.predicted_ttft_ms, c.id == self.grant.backend) {
-            set("x-gateway-predicted-ttft-ms", &p.to_string())?;
+            set("x-gateway-predicted-ttft-ms", &p.to_string());
         }
         // What the router weighed: the chosen backend's prediction and the best alternative's.
         if let Some(r) = &self.grant.receipt {
             set(
                 "x-gateway-route-receipt",
                 &r.header_value(&self.grant.backend),
-            )?;
+            );
             self.guard.note_receipt(&self.grant.backend, r);
         }
+        let out = Headers(
+            out.build()
+                .map_err(|e| ApiError::from(worker::Error::from(e)))?,
+        );
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
@@ -234,7 +238,7 @@ impl Forward<'_> {
                 .with_headers(out)
                 .fixed(bytes));
         };
-        let relay = Relay::new(request.strip_usage_event)
+        let relay = Relay::new(request.strip_usage_event, request.deadlines.clone())
             .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
         let readable = relay.readable();
         let upstream = stream_upstream(
@@ -296,7 +300,7 @@ impl Forward<'_> {
         let client_signal = self.request.client_signal.clone();
         let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
-            let req = self.attempts().request(&prefill, &bytes).map_err(|e| {
+            let (url, init) = self.attempts().request(&prefill, &bytes).map_err(|e| {
                 worker::console_error!(
                     "request {}: cannot build the prefill request: {}",
                     self.request.request_id,
@@ -311,7 +315,8 @@ impl Forward<'_> {
                 )
             })?;
             let (resp, _abort) = fetch_web_with_timeout(
-                &req,
+                &url,
+                &init,
                 self.request.settings.proxy.response_timeout,
                 Some(&client_signal),
             )

@@ -25,6 +25,7 @@
 //! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
 //! whole events is passed on as the same JS chunk without a copy.
 
+use crate::http::Deadlines;
 use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
@@ -38,13 +39,14 @@ use wasm_bindgen::closure::Closure;
 use wasm_bindgen::prelude::wasm_bindgen;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::{AbortSignal, Date, Delay};
+use worker::AbortSignal;
 
 /// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
 const QUEUED_CHUNKS: u32 = 16;
 
-/// The relay's JavaScript: the client's side of the stream, and the loop that moves one upstream
-/// body into it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
+/// The relay's JavaScript: the client's side of the stream (`relay_open`: its readable side, its
+/// writer and the pump's status, made in one call), and the loop that moves one upstream body into
+/// it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
 /// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
 /// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
 /// when the client's side fails (the upstream is then cancelled). `status.full_since` is when the
@@ -54,8 +56,10 @@ const QUEUED_CHUNKS: u32 = 16;
 /// upstream fails or is aborted (the client's side stays open). `relay_cut` fails the client's
 /// side (a client cut off for not reading).
 #[wasm_bindgen(inline_js = r#"
-export function relay_stream() {
-  return typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
+export function relay_open() {
+  const stream = typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
+  const status = { queued: 0, gone: false, full_since: 0, held: false, progress: Date.now() };
+  return [stream.readable, stream.writable.getWriter(), status];
 }
 export function relay_pump(reader, writer, transform, status, first, limit) {
   const gone = () => {
@@ -97,7 +101,8 @@ export function relay_cut(writer) {
 }
 "#)]
 extern "C" {
-    fn relay_stream() -> web_sys::TransformStream;
+    #[wasm_bindgen(catch)]
+    fn relay_open() -> Result<js_sys::Array, JsValue>;
     fn relay_pump(
         reader: &web_sys::ReadableStreamDefaultReader,
         writer: &web_sys::WritableStreamDefaultWriter,
@@ -129,7 +134,7 @@ impl State {
     /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
     /// unless a continuation is being spliced.
     fn transform(&mut self, chunk: &JsValue) -> JsValue {
-        self.last_chunk_ms = Date::now().as_millis();
+        self.last_chunk_ms = crate::http::now_ms();
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
             return chunk.clone();
         };
@@ -188,6 +193,8 @@ pub struct Relay {
     transform: Closure<TransformFn>,
     /// `SLOW_CLIENT_TIMEOUT_MS`.
     slow_client_timeout: Duration,
+    /// The request's deadlines (the watchdog's and the drain's waits).
+    deadlines: Deadlines,
 }
 
 /// What the client received of a streamed answer so far, to charge it by.
@@ -201,12 +208,12 @@ pub struct Metered {
 
 impl Relay {
     /// A relay; `strip_usage_event` when the client did not ask for the usage chunk.
-    pub fn new(strip_usage_event: bool) -> Result<Relay, JsValue> {
+    pub fn new(strip_usage_event: bool, deadlines: Deadlines) -> Result<Relay, JsValue> {
         let state = Rc::new(RefCell::new(State {
             scanner: StreamScanner::new(strip_usage_event),
             strip_usage_event,
             buf: Vec::new(),
-            last_chunk_ms: Date::now().as_millis(),
+            last_chunk_ms: crate::http::now_ms(),
             partial: None,
             splice: None,
             answers_before: 0,
@@ -214,21 +221,19 @@ impl Relay {
         let s = state.clone();
         let transform =
             Closure::<TransformFn>::new(move |chunk: JsValue| s.borrow_mut().transform(&chunk));
-        let stream = relay_stream();
-        let writer = stream.writable().get_writer()?;
-        let status = js_sys::Object::new();
-        js_sys::Reflect::set(&status, &"queued".into(), &0.into())?;
-        js_sys::Reflect::set(&status, &"gone".into(), &false.into())?;
-        js_sys::Reflect::set(&status, &"full_since".into(), &0.into())?;
-        js_sys::Reflect::set(&status, &"held".into(), &false.into())?;
-        js_sys::Reflect::set(&status, &"progress".into(), &Date::now().as_millis().into())?;
+        // The client's side, its writer and the pump's status, made in one call.
+        let opened = relay_open()?;
+        let readable: web_sys::ReadableStream = opened.get(0).unchecked_into();
+        let writer: web_sys::WritableStreamDefaultWriter = opened.get(1).unchecked_into();
+        let status: js_sys::Object = opened.get(2).unchecked_into();
         Ok(Relay {
-            readable: stream.readable(),
+            readable,
             writer,
             status,
             state,
             transform,
             slow_client_timeout: crate::settings::slow_client_timeout(),
+            deadlines,
         })
     }
 
@@ -300,7 +305,7 @@ impl Relay {
 
     /// Milliseconds since the last chunk, counting a client that is behind as activity.
     fn idle_ms(&self) -> u64 {
-        let now = Date::now().as_millis();
+        let now = crate::http::now_ms();
         let behind = self.status("queued").as_f64().is_some_and(|q| q > 0.0);
         let mut st = self.state.borrow_mut();
         if behind {
@@ -448,16 +453,19 @@ impl Relay {
     /// The lease is released before this (the backend's work is done). Returns whether the
     /// client got it all.
     pub async fn drain(&self) -> bool {
+        // Nothing queued: the client has taken every chunk, and as nothing more is written the
+        // queue cannot fill again, so the watch below could never fire: no timer for it.
+        if self.status("queued").as_f64().unwrap_or(0.0) <= 0.0 {
+            return close(self, None).await;
+        }
         let closed = Box::pin(close(self, None));
         let stalled = Box::pin(async {
-            let started = Date::now().as_millis();
+            let started = crate::http::now_ms();
             let bound = self.slow_client_timeout.as_millis() as u64;
             loop {
                 let queued = self.status("queued").as_f64().unwrap_or(0.0);
                 let progress = self.status("progress").as_f64().unwrap_or(0.0) as u64;
-                let since = Date::now()
-                    .as_millis()
-                    .saturating_sub(progress.max(started));
+                let since = crate::http::now_ms().saturating_sub(progress.max(started));
                 if queued > 0.0 && since >= bound {
                     return;
                 }
@@ -466,7 +474,9 @@ impl Relay {
                 } else {
                     bound / 2
                 };
-                Delay::from(Duration::from_millis(wait.max(10))).await;
+                self.deadlines
+                    .sleep(Duration::from_millis(wait.max(10)))
+                    .await;
             }
         });
         match select(closed, stalled).await {
@@ -508,7 +518,7 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
     let idle_ms = idle.as_millis() as u64;
     let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
-        let now = Date::now().as_millis();
+        let now = crate::http::now_ms();
         // The relay may fill at any moment: look again within half the slow-client bound, so a
         // stalled client is cut off at most half a bound late.
         let mut wait = idle_ms.min(slow_ms / 2);
@@ -524,7 +534,10 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
             return Watched::BackendIdle;
         }
         wait = wait.min(idle_ms - since);
-        Delay::from(Duration::from_millis(wait.max(10))).await;
+        relay
+            .deadlines
+            .sleep(Duration::from_millis(wait.max(10)))
+            .await;
     }
 }
 

@@ -19,7 +19,7 @@ use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
 use coordinator_protocol::ApiError;
 use std::cell::RefCell;
 use std::collections::HashMap;
-use worker::{Date, Env};
+use worker::Env;
 
 /// Most calls one sender makes before it hands over (it keeps its invocation alive meanwhile).
 const MAX_ROUNDS: u32 = 8;
@@ -66,7 +66,7 @@ pub async fn release(env: &Env, pool: &str, shard: u32, req: ReleaseRequest) {
 /// Queues `req` behind the sender in flight, or makes the caller the sender: its id and first
 /// batch (anything a lost sender left, then `req`).
 fn lead_or_queue(key: &(String, u32), req: ReleaseRequest) -> Option<(u64, Vec<ReleaseRequest>)> {
-    let now = Date::now().as_millis();
+    let now = crate::http::now_ms();
     QUEUES.with(|q| {
         let mut q = q.borrow_mut();
         let queue = q.entry(key.clone()).or_default();

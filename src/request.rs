@@ -57,6 +57,8 @@ pub(crate) struct RequestContext {
     pub(crate) shard: u32,
     /// Why the Worker asked this pool (`nearest`, `home`, `faster`, `anchor_full`, `spill`).
     pub(crate) pool_choice: &'static str,
+    /// The request's deadlines, on one timer (its lease calls, renewals, attempts, watchdog).
+    pub(crate) deadlines: crate::http::Deadlines,
     /// The client headers forwarded upstream ([`forwarded_headers`]).
     pub(crate) forwarded_headers: Vec<(String, String)>,
     /// The client's abort signal: a hang-up aborts the upstream fetches.

@@ -9,7 +9,6 @@ use serde_json::Value;
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
-use worker::Delay;
 
 /// A failure of one attempt, before anything of it reached the client.
 pub(crate) struct AttemptFailure {
@@ -83,7 +82,7 @@ pub(crate) async fn read_whole(
 /// still holding the stream, reads the rest.
 pub(crate) async fn read_first_chunk(
     stream: &web_sys::ReadableStream,
-    deadline: &mut Delay,
+    deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
     timeout: Duration,
     backend: &str,
 ) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {

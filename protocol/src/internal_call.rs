@@ -2,8 +2,9 @@
 //! shard headers of a pool coordinator call and a JSON body. The Worker uses it for every Durable
 //! Object call, and pool shards use it to call their siblings.
 //!
-//! The request is built as a plain `web_sys::Request` ([`internal_web_request`]): the Worker's
-//! hot path sends it as is; [`internal_request`] wraps it for `worker::Stub::fetch_with_request`.
+//! The request is built as a plain `web_sys::Request` ([`internal_web_request`]), which
+//! [`internal_request`] wraps for `worker::Stub::fetch_with_request`; the Worker's hot path hands
+//! the URL and the rest ([`internal_init`]) to the stub's `fetch` as they are.
 
 use crate::messages::{POOL_HEADER, SHARD_HEADER};
 use crate::{HttpMethod, Route};
@@ -45,6 +46,17 @@ pub fn internal_web_request(
     to: Option<ShardAddress<'_>>,
     body: Option<String>,
 ) -> worker::Result<web_sys::Request> {
+    let (url, init) = internal_init(route, to, body)?;
+    Ok(web_sys::Request::new_with_str_and_init(&url, &init)?)
+}
+
+/// The URL and the rest of [`internal_web_request`], for a caller that hands both to the stub's
+/// `fetch` (which makes the request object itself: given one, it would make a copy of it).
+pub fn internal_init(
+    route: &Route,
+    to: Option<ShardAddress<'_>>,
+    body: Option<String>,
+) -> worker::Result<(String, web_sys::RequestInit)> {
     let headers = web_sys::Headers::new()?;
     if let Some(to) = to {
         headers.set(POOL_HEADER, to.pool)?;
@@ -59,8 +71,5 @@ pub fn internal_web_request(
         init.set_body(&JsValue::from_str(&body));
     }
     init.set_headers(&headers);
-    Ok(web_sys::Request::new_with_str_and_init(
-        &route.url(),
-        &init,
-    )?)
+    Ok((route.url(), init))
 }

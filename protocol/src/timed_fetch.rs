@@ -81,34 +81,53 @@ pub async fn fetch_with_timeout(
     timeout: Duration,
     parent: Option<&AbortSignal>,
 ) -> Result<(Response, LinkedAbort), FetchFailure> {
-    let (resp, abort) = fetch_web_with_timeout(req.inner(), timeout, parent).await?;
+    let abort = LinkedAbort::new(parent);
+    let init = web_sys::RequestInit::new();
+    init.set_signal(Some(abort.signal()));
+    let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
+    let send = global.fetch_with_request_and_init(req.inner(), &init);
+    let (resp, abort) = send_until(send, abort, &mut Delay::from(timeout)).await?;
     Ok((resp.into(), abort))
 }
 
-/// [`fetch_with_timeout`] with the platform's own request and response objects, without
-/// `worker`'s wrappers (each reads the object's fields back when it is made): the proxy's path.
+/// [`fetch_with_timeout`] of `url` with `init` (method, headers, body), with the platform's own
+/// objects and without `worker`'s wrappers (each reads the object's fields back when it is made):
+/// the proxy's path. The platform makes the one request object from the URL and `init` (given a
+/// request object and an `init` with the signal, `fetch` would make a second one, a copy).
 pub async fn fetch_web_with_timeout(
-    req: &web_sys::Request,
+    url: &str,
+    init: &web_sys::RequestInit,
     timeout: Duration,
     parent: Option<&AbortSignal>,
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
-    fetch_web_until(req, &mut Delay::from(timeout), parent).await
+    fetch_web_until(url, init, &mut Delay::from(timeout), parent).await
 }
 
 /// [`fetch_web_with_timeout`] racing a timer the caller owns, which it can go on racing against
 /// the body (the proxy's first chunk has the same deadline as the response): one timer, not two.
+/// `init` gets the abort signal.
 pub async fn fetch_web_until(
-    req: &web_sys::Request,
-    deadline: &mut Delay,
+    url: &str,
+    init: &web_sys::RequestInit,
+    deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
     parent: Option<&AbortSignal>,
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
     let abort = LinkedAbort::new(parent);
-    let init = web_sys::RequestInit::new();
     let signal: &web_sys::AbortSignal = abort.signal();
     init.set_signal(Some(signal));
     let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
-    let send = JsFuture::from(global.fetch_with_request_and_init(req, &init));
-    match select(send, deadline).await {
+    let send = global.fetch_with_str_and_init(url, init);
+    send_until(send, abort, deadline).await
+}
+
+/// Waits for a fetch sent with `abort`'s signal until `deadline`, aborting it when the deadline
+/// wins.
+async fn send_until(
+    send: js_sys::Promise,
+    abort: LinkedAbort,
+    deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
+) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
+    match select(JsFuture::from(send), deadline).await {
         Either::Left((Ok(resp), _)) => Ok((resp.unchecked_into(), abort)),
         Either::Left((Err(e), _)) => {
             Err(FetchFailure::Transport(worker::Error::from(e).to_string()))
