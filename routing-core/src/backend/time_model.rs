@@ -292,8 +292,9 @@ pub struct TimingView {
     /// Prefill work queued now, in milliseconds.
     pub prefill_backlog_ms: f64,
     /// Learned time to the first byte beyond the engine's (gateway, network), in milliseconds:
-    /// shown, not ranked on (it is about the same for every backend of a pool, and a noisy
-    /// per-backend figure would only scatter new conversations).
+    /// only what it holds beyond the pool's common overhead (and a 5 ms dead band) is ranked on,
+    /// see [`BackendTiming::excess_overhead_ms`] (the common part is the same for every backend,
+    /// and a noisy per-backend figure would only scatter new conversations).
     pub overhead_ms: f64,
     /// Releases the rates were learned from.
     pub observations: u64,
