@@ -51,10 +51,11 @@ pub struct PredictedLatencyConfig {
     /// run long loses to an idle one that only looks a little slower.
     pub wait_quantile: f64,
     /// Weight of the time other prompts' prefill would add to the request's decode there
-    /// (`stall_ms`, from the backend's recent share of time in prefill; default 0, off). At 0.8
-    /// the timed simulation's e2e p99 on the Mooncake traces went from 1.14x / 1.11x / 0.93x to
-    /// 1.05x / 1.08x / 0.83x the best baseline's, but the synthetic trace's TTFT p99 near
-    /// saturation from 1.05x to 1.46x (0.3: 1.16x): for fleets whose SLO is on whole answers.
+    /// (`stall_ms`, from the backend's recent share of time in prefill; default 0, off). In the
+    /// timed simulation (Mooncake traces, 4,096 KV blocks, 6 windows of 500) 0.8 took the e2e p99
+    /// at the synthetic trace's loads from 0.90x / 0.85x the best baseline's to 0.84x / 0.82x, did
+    /// nothing for the conversation trace's (1.06x / 1.08x), and raised the synthetic trace's TTFT
+    /// p99 near saturation from 0.94x to 1.06x: for fleets whose SLO is on whole answers.
     pub stall_weight: f64,
     /// Weight of the time the request's prefill adds to the first token of requests still in
     /// their prefill there (`first_token_harm_ms`), on top of `harm_weight`'s share of it
