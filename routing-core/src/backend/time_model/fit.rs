@@ -35,17 +35,22 @@ impl Fit {
         self.syy = self.syy * keep + y * y;
     }
 
+    /// The mean and the variance of the predictions, once there are enough observations
+    /// ([`MIN_FIT_WEIGHT`]) spread widely enough ([`MIN_FIT_VARIANCE`]) to fit a slope.
+    fn spread(&self) -> Option<(f64, f64)> {
+        if self.w < MIN_FIT_WEIGHT {
+            return None;
+        }
+        let mx = self.sx / self.w;
+        let var = self.sxx / self.w - mx * mx;
+        (var >= MIN_FIT_VARIANCE).then_some((mx, var))
+    }
+
     /// The slope of the line through intercept `a` (least squares with `a` fixed), shrunk
     /// towards `prior` as [`Fit::line`] does, once there are enough observations spread widely
     /// enough.
     pub(super) fn slope_through(&self, a: f64, prior: f64) -> Option<f64> {
-        if self.w < MIN_FIT_WEIGHT || self.sxx <= 0.0 {
-            return None;
-        }
-        let mx = self.sx / self.w;
-        if self.sxx / self.w - mx * mx < MIN_FIT_VARIANCE {
-            return None;
-        }
+        self.spread()?;
         let fitted = (self.sxy - a * self.sx) / self.sxx;
         // Residuals around y = a + fitted x, from the sums.
         let sse = self.syy - 2.0 * a * self.sy - 2.0 * fitted * self.sxy
@@ -64,14 +69,8 @@ impl Fit {
     /// first byte varying by hundreds of milliseconds for reasons of its own) then keeps a rate
     /// near what it had instead of one that swings between the bounds.
     pub(super) fn line(&self, prior: f64) -> Option<(f64, f64)> {
-        if self.w < MIN_FIT_WEIGHT {
-            return None;
-        }
-        let (mx, my) = (self.sx / self.w, self.sy / self.w);
-        let var = self.sxx / self.w - mx * mx;
-        if var < MIN_FIT_VARIANCE {
-            return None;
-        }
+        let (mx, var) = self.spread()?;
+        let my = self.sy / self.w;
         let cov = self.sxy / self.w - mx * my;
         let fitted = cov / var;
         let residual = (self.syy / self.w - my * my - fitted * cov).max(0.0);

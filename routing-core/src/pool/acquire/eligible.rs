@@ -62,8 +62,7 @@ impl Pool {
                     continue;
                 }
             }
-            let mut candidate = pricing.price(slot, entry, &prefix);
-            candidate.cache_fill = self.affinity.backend_fill(slot);
+            let candidate = pricing.price(slot, entry, &prefix, self.affinity.backend_fill(slot));
             let list = match (pair_policy, entry.spec.role) {
                 (true, Role::Prefill) => &mut scratch.primary,
                 (true, Role::Decode) => &mut scratch.decode,

@@ -107,8 +107,15 @@ impl<'a> Pricing<'a> {
         }
     }
 
-    /// The candidate the backend in `slot` makes for the request, with its prefix match `m`.
-    pub(super) fn price(&self, slot: u32, entry: &BackendEntry, m: &PrefixMatch) -> Candidate {
+    /// The candidate the backend in `slot` makes for the request, with its prefix match `m` and
+    /// the share of its KV cache the prefix-affinity table fills (`cache_fill`).
+    pub(super) fn price(
+        &self,
+        slot: u32,
+        entry: &BackendEntry,
+        m: &PrefixMatch,
+        cache_fill: f64,
+    ) -> Candidate {
         let (f, now_ms, tm) = (self.features, self.now_ms, &self.time_model);
         let backend_capacity = entry.capacity();
         let capacity = backend_capacity.capacity_tokens();
@@ -218,7 +225,7 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
-            cache_fill: 0.0,
+            cache_fill,
         }
     }
 }
