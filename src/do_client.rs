@@ -1,16 +1,19 @@
 //! The Worker's side of the Durable Object protocol: finding pools and calling their coordinator,
 //! the directory and the client rate limiters.
 //!
-//! Every call is one [`call`]: a `stub.fetch` of a request message (a `coordinator_protocol::Call`,
-//! which names its route and its answer type) to the object [`To`] names, read back as that
-//! answer. A pool call names the pool and its coordinator shard (0 for a pool of one shard, and
+//! Every call is one [`call`]: a request message (a `coordinator_protocol::Call`, which names its
+//! route and its answer type) to the object [`To`] names, read back as that answer. A pool
+//! coordinator is called by Durable Object RPC (its `gatewayCall` method: route, pool, shard and
+//! body as strings, the answer as status, `Retry-After` and body), which makes no request or
+//! response object on either side; the directory and the rate limiters, and the admin API's
+//! relayed answers ([`call_raw`]), by a `stub.fetch` of the same route. A pool call names the pool and its coordinator shard (0 for a pool of one shard, and
 //! for everything only shard 0 does: probes, listings). Errors a Durable Object answers with are
 //! already OpenAI-shaped and pass through as they are; a pool's refusals come back typed inside
 //! the acquire and reassign answers. The admin API relays a few answers untouched ([`call_raw`]).
 //! What the directory holds (pools, minted keys) is cached in the isolate and refreshed in the
 //! background.
 
-use coordinator_protocol::call::{read_answer, read_error, CallError, ListPools};
+use coordinator_protocol::call::{read_answer, read_error, CallError, ListPools, RpcAnswer};
 use coordinator_protocol::internal_call::{internal_init, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
 use coordinator_protocol::ApiError;
@@ -125,13 +128,24 @@ fn pool_stub(
     )
 }
 
-/// Sends `msg` to the object `to` names and returns the answer unread, as the platform's response
-/// object (the hot path reads status and body from it directly, with one promise for the body
-/// instead of `worker`'s stream reader). A route of another kind of object is refused here.
-pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<web_sys::Response, ApiError> {
-    let route = msg.route();
-    let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
-    let (stub, address) = match (to, route.object()) {
+/// An answer as it came back, unread: the platform's response to a `fetch` (the hot path reads
+/// status and body from it directly, with one promise for the body instead of `worker`'s stream
+/// reader), or a pool's RPC answer.
+pub enum Sent {
+    /// The answer of a `fetch`.
+    Response(web_sys::Response),
+    /// The answer of a pool's RPC call.
+    Rpc(RpcAnswer),
+}
+
+/// The stub of the object `to` names, and its shard address when it is a pool's; a route of
+/// another kind of object is refused here.
+fn target<'a>(
+    env: &Env,
+    to: To<'a>,
+    route: &Route,
+) -> Result<(worker::worker_sys::DurableObject, Option<ShardAddress<'a>>), ApiError> {
+    Ok(match (to, route.object()) {
         (To::Pool(pool, shard), Object::Pool) => (
             pool_stub(env, pool, shard)?,
             Some(ShardAddress { pool, shard }),
@@ -148,8 +162,18 @@ pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<web_sys::Re
                 "{path} is not a route of {to:?}"
             )));
         }
-    };
-    send_web(stub, address, &route, body).await
+    })
+}
+
+/// Sends `msg` to the object `to` names and returns the answer unread: by RPC to a pool, by
+/// `fetch` to the others.
+pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Sent, ApiError> {
+    let route = msg.route();
+    let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
+    match target(env, to, &route)? {
+        (stub, Some(address)) => Ok(Sent::Rpc(send_rpc(stub, address, &route, body).await?)),
+        (stub, None) => Ok(Sent::Response(send_web(stub, None, &route, body).await?)),
+    }
 }
 
 async fn send_web(
@@ -167,6 +191,24 @@ async fn send_web(
     Ok(resp.unchecked_into())
 }
 
+async fn send_rpc(
+    stub: worker::worker_sys::DurableObject,
+    to: ShardAddress<'_>,
+    route: &Route,
+    body: Option<String>,
+) -> Result<RpcAnswer, ApiError> {
+    let object: StubRpc = stub.unchecked_into();
+    let shard = (to.shard != 0).then(|| to.shard.to_string());
+    let promise = object
+        .gateway_call(route.method().as_str(), &route.url(), to.pool, shard, body)
+        .map_err(worker::Error::from)?;
+    let value = JsFuture::from(promise).await.map_err(worker::Error::from)?;
+    RpcAnswer::from_js(&value).ok_or_else(|| {
+        worker::Error::RustError(format!("pool {}: an RPC answer of no known shape", to.pool))
+            .into()
+    })
+}
+
 #[wasm_bindgen]
 extern "C" {
     /// A Durable Object stub, for its `fetch(url, init)` (worker-sys binds only
@@ -179,6 +221,20 @@ extern "C" {
         url: &str,
         init: &web_sys::RequestInit,
     ) -> Result<js_sys::Promise, JsValue>;
+
+    /// A pool coordinator's stub, for its RPC method
+    /// (`coordinator_protocol::call::RPC_METHOD`).
+    type StubRpc;
+
+    #[wasm_bindgen(method, catch, js_name = gatewayCall)]
+    fn gateway_call(
+        this: &StubRpc,
+        method: &str,
+        url: &str,
+        pool: &str,
+        shard: Option<String>,
+        body: Option<String>,
+    ) -> Result<js_sys::Promise, JsValue>;
 }
 
 /// Calls the object `to` names with `msg` and reads its answer: `msg`'s own answer type, or the
@@ -189,11 +245,21 @@ pub async fn call<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<M::Answer, 
 
 /// [`call`] answering the object's response as it is, for the admin API to relay.
 pub async fn call_raw<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Response, ApiError> {
-    Ok(send(env, to, msg).await?.into())
+    let route = msg.route();
+    let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
+    let (stub, address) = target(env, to, &route)?;
+    Ok(send_web(stub, address, &route, body).await?.into())
 }
 
 /// Reads the answer to a call sent with [`send`].
-pub async fn answer_of<A: Answer>(resp: web_sys::Response) -> Result<A, ApiError> {
+pub async fn answer_of<A: Answer>(sent: Sent) -> Result<A, ApiError> {
+    let resp = match sent {
+        Sent::Response(resp) => resp,
+        Sent::Rpc(answer) => {
+            return read_answer(answer.status, answer.retry_after_s, &answer.body)
+                .map_err(call_error)
+        }
+    };
     let status = resp.status();
     if !(200..300).contains(&status) {
         let (retry_after, text) = error_parts(&resp).await;

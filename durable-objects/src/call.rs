@@ -1,27 +1,78 @@
-//! The HTTP side of an internal call, shared by the Durable Objects: the route it names, its JSON
-//! body, the answer. The handlers themselves only see typed routes and messages, and answer a call
-//! with its own answer type ([`reply`]).
+//! The wire side of an internal call, shared by the Durable Objects: the route it names, its JSON
+//! body, the answer. A call arrives as a request (`fetch`) or, for a pool coordinator, by RPC
+//! with the route and body as strings ([`Incoming`]); either way the handlers only see typed
+//! routes and messages, and answer with the call's own answer type ([`reply`]) as a `Reply`,
+//! which goes back as a response ([`respond`]) or as an RPC answer ([`respond_rpc`]).
 
+use coordinator_protocol::call::Reply;
 use coordinator_protocol::route::path_and_query;
 use coordinator_protocol::{Answer, ApiError, Call, Object, Route, RouteError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use worker::{Request, Response};
 
-/// The route of an internal call, if it is one `object` serves.
-pub fn parse_route(req: &Request, object: Object) -> Result<Route, ApiError> {
-    // The raw URL: `Request::url` would parse it with the `url` crate (see `Route::parse_url`).
-    let raw = req.inner().url();
-    let path = || path_and_query(&raw).0;
-    match Route::parse_url(req.method().as_ref(), &raw) {
+/// A handler's answer: the reply, or the error it answers with.
+pub type Answered = Result<Reply, ApiError>;
+
+/// What a call brought besides its route.
+pub enum Incoming<'a> {
+    /// The platform's request (a `fetch`): its body is read when a handler asks for it.
+    Request(&'a mut Request),
+    /// An RPC call's body, as the caller serialised it.
+    Rpc(Option<String>),
+}
+
+impl Incoming<'_> {
+    /// Reads the call's JSON body as `T` (400 naming `what` when it is not one).
+    pub async fn body<T: DeserializeOwned>(&mut self, what: &str) -> Result<T, ApiError> {
+        match self {
+            Incoming::Request(req) => read_body(req, what).await,
+            Incoming::Rpc(body) => serde_json::from_str(body.as_deref().unwrap_or(""))
+                .map_err(|e| ApiError::invalid_body(what, e)),
+        }
+    }
+
+    /// The request's signal (aborted when the caller goes away; an RPC call has none: its caller
+    /// tells the pool itself, with a dequeue).
+    pub fn signal(&self) -> Option<web_sys::AbortSignal> {
+        match self {
+            Incoming::Request(req) => Some(req.inner().signal()),
+            Incoming::Rpc(_) => None,
+        }
+    }
+}
+
+/// The route an RPC call names (`method`, `url` as the request would carry them), if `object`
+/// serves it.
+pub fn parse_rpc_route(method: &str, url: &str, object: Object) -> Result<Route, ApiError> {
+    let path = || path_and_query(url).0;
+    match Route::parse_url(method, url) {
         Ok(route) if route.object() == object => Ok(route),
         Ok(_) | Err(RouteError::NotFound) => {
             Err(ApiError::not_found(format!("no route {} here", path())))
         }
-        Err(RouteError::MethodNotAllowed) => {
-            Err(ApiError::method_not_allowed(req.method().as_ref(), path()))
-        }
+        Err(RouteError::MethodNotAllowed) => Err(ApiError::method_not_allowed(method, path())),
     }
+}
+
+/// A handler's answer as the platform's response.
+pub fn respond(answered: Answered) -> worker::Result<Response> {
+    answered
+        .unwrap_or_else(|e| Reply::error(&e, None))
+        .into_response()
+}
+
+/// A handler's answer as it goes back over RPC.
+pub fn respond_rpc(answered: Answered) -> wasm_bindgen::JsValue {
+    answered
+        .unwrap_or_else(|e| Reply::error(&e, None))
+        .into_rpc()
+}
+
+/// The route of an internal call, if it is one `object` serves.
+pub fn parse_route(req: &Request, object: Object) -> Result<Route, ApiError> {
+    // The raw URL: `Request::url` would parse it with the `url` crate (see `Route::parse_url`).
+    parse_rpc_route(req.method().as_ref(), &req.inner().url(), object)
 }
 
 /// Reads a call's JSON body as `T` (400 naming `what` when it is not one).
@@ -34,14 +85,13 @@ pub async fn read_body<T: DeserializeOwned>(req: &mut Request, what: &str) -> Re
 }
 
 /// The answer to a call `C`: only `C`'s answer type, sent as it travels (status, headers, body).
-pub fn reply<C: Call>(answer: &C::Answer) -> Result<Response, ApiError> {
-    let reply = answer
+pub fn reply<C: Call>(answer: &C::Answer) -> Answered {
+    answer
         .reply()
-        .map_err(|e| ApiError::internal(e.to_string()))?;
-    Ok(reply.into_response()?)
+        .map_err(|e| ApiError::internal(e.to_string()))
 }
 
 /// A JSON answer with `status`.
-pub fn answer<T: Serialize>(status: u16, value: &T) -> Result<Response, ApiError> {
-    Ok(Response::from_json(value)?.with_status(status))
+pub fn answer<T: Serialize>(status: u16, value: &T) -> Answered {
+    Reply::json(status, value).map_err(|e| ApiError::internal(e.to_string()))
 }

@@ -15,7 +15,7 @@
 //!   with an empty hash that no presented key matches, so deleting the last key closes the
 //!   OpenAI surface instead of opening it.
 
-use crate::call::{parse_route, read_body, reply};
+use crate::call::{parse_route, read_body, reply, respond, Answered};
 use coordinator_protocol::call::{DeleteKey, ListKeys, ListPools, PatchKey, PutCard};
 use coordinator_protocol::messages::{
     CardAnswer, DeleteAnswer, KeyPatch, KeyPatchAnswer, PoolEntry, StoredKey,
@@ -125,16 +125,12 @@ impl DurableObject for GatewayDirectory {
             Ok(route) => self.handle(route, &mut req).await,
             Err(e) => Err(e),
         };
-        result.or_else(|e| e.to_response())
+        respond(result)
     }
 }
 
 impl GatewayDirectory {
-    async fn handle(
-        &self,
-        route: Route,
-        req: &mut Request,
-    ) -> std::result::Result<Response, ApiError> {
+    async fn handle(&self, route: Route, req: &mut Request) -> Answered {
         match route {
             Route::ListPools => reply::<ListPools>(&self.list()?),
             Route::PutPool(name) => {

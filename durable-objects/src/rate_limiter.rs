@@ -8,7 +8,7 @@
 //! written after every change and read on the object's first request), so neither an eviction nor
 //! a deploy hands a client a fresh minute's allowance.
 
-use crate::call::{parse_route, read_body, reply};
+use crate::call::{parse_route, read_body, reply, respond, Answered};
 use coordinator_protocol::call::Ack;
 use coordinator_protocol::messages::{SettleRequest, TakeRequest};
 use coordinator_protocol::{ApiError, Object, Route};
@@ -41,7 +41,7 @@ impl DurableObject for ClientRateLimiter {
             Ok(_) => self.take(&mut req).await,
             Err(e) => Err(e),
         };
-        result.or_else(|e| e.to_response())
+        respond(result)
     }
 }
 
@@ -78,7 +78,7 @@ impl ClientRateLimiter {
         Ok(result)
     }
 
-    async fn settle(&self, req: &mut Request) -> std::result::Result<Response, ApiError> {
+    async fn settle(&self, req: &mut Request) -> Answered {
         let s: SettleRequest = read_body(req, "settle request").await?;
         let now = Date::now().as_millis();
         self.change(|b| b.settle(&s.limits, s.reserved, s.actual, now))
@@ -86,7 +86,7 @@ impl ClientRateLimiter {
         reply::<SettleRequest>(&Ack)
     }
 
-    async fn take(&self, req: &mut Request) -> std::result::Result<Response, ApiError> {
+    async fn take(&self, req: &mut Request) -> Answered {
         let take: TakeRequest = read_body(req, "take request").await?;
         let now = Date::now().as_millis();
         let result = self

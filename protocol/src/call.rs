@@ -104,6 +104,66 @@ impl Reply {
     }
 }
 
+/// The name of the method a pool coordinator answers calls on by Durable Object RPC (the same
+/// calls as its `fetch`, without a request and a response object on either side: see
+/// `Reply::into_rpc` and [`RpcAnswer`]).
+pub const RPC_METHOD: &str = "gatewayCall";
+
+/// An answer as it came back over RPC: its status, `Retry-After` and body, the only parts of an
+/// answer [`read_answer`] reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcAnswer {
+    /// HTTP status.
+    pub status: u16,
+    /// `Retry-After`, seconds.
+    pub retry_after_s: Option<u32>,
+    /// The body.
+    pub body: String,
+}
+
+impl Reply {
+    /// The `Retry-After` of an answer that has one.
+    pub fn retry_after_s(&self) -> Option<u32> {
+        self.headers
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case("retry-after"))
+            .and_then(|(_, v)| v.parse().ok())
+    }
+}
+
+#[cfg(feature = "worker")]
+impl Reply {
+    /// The answer as it travels back over RPC: `[status, body, retry-after seconds or null]`
+    /// (read back with [`RpcAnswer::from_js`]).
+    pub fn into_rpc(self) -> wasm_bindgen::JsValue {
+        let out = js_sys::Array::new_with_length(3);
+        out.set(0, wasm_bindgen::JsValue::from(self.status));
+        let retry_after = self
+            .retry_after_s()
+            .map_or(wasm_bindgen::JsValue::NULL, wasm_bindgen::JsValue::from);
+        out.set(1, wasm_bindgen::JsValue::from(self.body));
+        out.set(2, retry_after);
+        out.into()
+    }
+}
+
+#[cfg(feature = "worker")]
+impl RpcAnswer {
+    /// Reads what [`Reply::into_rpc`] sent (`None` when it is not that shape).
+    pub fn from_js(value: &wasm_bindgen::JsValue) -> Option<RpcAnswer> {
+        let array: &js_sys::Array = wasm_bindgen::JsCast::dyn_ref(value)?;
+        let status = array.get(0).as_f64()?;
+        if !(100.0..600.0).contains(&status) {
+            return None;
+        }
+        Some(RpcAnswer {
+            status: status as u16,
+            body: array.get(1).as_string()?,
+            retry_after_s: array.get(2).as_f64().map(|s| s as u32),
+        })
+    }
+}
+
 #[cfg(feature = "worker")]
 impl Reply {
     /// The platform's response.

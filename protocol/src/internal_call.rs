@@ -7,7 +7,7 @@
 //! the URL and the rest ([`internal_init`]) to the stub's `fetch` as they are.
 
 use crate::messages::{POOL_HEADER, SHARD_HEADER};
-use crate::{HttpMethod, Route};
+use crate::Route;
 use wasm_bindgen::JsValue;
 use worker::Request;
 
@@ -18,16 +18,6 @@ pub struct ShardAddress<'a> {
     pub pool: &'a str,
     /// The shard's index (0: the pool's own object).
     pub shard: u32,
-}
-
-fn method(m: HttpMethod) -> &'static str {
-    match m {
-        HttpMethod::Get => "GET",
-        HttpMethod::Post => "POST",
-        HttpMethod::Put => "PUT",
-        HttpMethod::Patch => "PATCH",
-        HttpMethod::Delete => "DELETE",
-    }
 }
 
 /// The request of `route`, addressed to a pool shard when `to` names one, carrying `body` (JSON).
@@ -65,7 +55,7 @@ pub fn internal_init(
         }
     }
     let init = web_sys::RequestInit::new();
-    init.set_method(method(route.method()));
+    init.set_method(route.method().as_str());
     if let Some(body) = body {
         headers.set("content-type", "application/json")?;
         init.set_body(&JsValue::from_str(&body));

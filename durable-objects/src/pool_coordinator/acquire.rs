@@ -18,7 +18,7 @@ impl PoolCoordinator {
         &self,
         req: AcquireRequest,
         spill_ok: bool,
-        signal: web_sys::AbortSignal,
+        signal: Option<web_sys::AbortSignal>,
     ) -> ApiResult {
         let AcquireRequest {
             features,
@@ -50,7 +50,7 @@ impl PoolCoordinator {
                 call_id,
                 until_ms,
             } => {
-                let rx = self.with(|shard| shard.calls.open(ticket, call_id, Some(signal)));
+                let rx = self.with(|shard| shard.calls.open(ticket, call_id, signal));
                 (ticket, call_id, rx, until_ms)
             }
         };

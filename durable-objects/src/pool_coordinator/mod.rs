@@ -33,7 +33,7 @@ mod probing;
 mod reports;
 mod shards;
 
-use crate::call::{answer, parse_route, read_body};
+use crate::call::{answer, parse_route, parse_rpc_route, respond, respond_rpc, Answered, Incoming};
 use crate::registry::Registry;
 use crate::waiting_room::OpenCalls;
 use coordinator_protocol::messages::{AdminPatch, POOL_HEADER, SHARD_HEADER};
@@ -195,7 +195,7 @@ fn coordinator_settings(settings: &PoolSettings) -> CoordinatorSettings {
     }
 }
 
-type ApiResult = std::result::Result<Response, ApiError>;
+type ApiResult = Answered;
 
 fn now_ms() -> u64 {
     Date::now().as_millis()
@@ -220,47 +220,11 @@ impl DurableObject for PoolCoordinator {
     async fn fetch(&self, mut req: Request) -> Result<Response> {
         let name = req.headers().get(POOL_HEADER).ok().flatten();
         let index = req.headers().get(SHARD_HEADER).ok().flatten();
-        let index = match index.map(|s| s.parse::<u32>()) {
-            None => None,
-            Some(Ok(k)) if k < routing_core::pool::shard::MAX_SHARDS => Some(k),
-            Some(_) => {
-                return ApiError::bad_request("x-gateway-shard must be a shard index").to_response()
-            }
-        };
-        if let Err(e) = self.load(name.as_deref(), index) {
-            return e.to_response();
-        }
-        let result = match parse_route(&req, Object::Pool) {
-            Ok(route) => {
-                let moves_load = route.moves_load();
-                // A lease that ends frees room through the pool's freed list; a registry, probe,
-                // configuration or sibling change may free room too: it wakes the queue. Reads
-                // and renewals cost no dispatch.
-                let read_only = matches!(
-                    route,
-                    Route::Summary
-                        | Route::Metrics
-                        | Route::History
-                        | Route::GetConfig
-                        | Route::ListBackends
-                        | Route::ShowBackend(_)
-                        | Route::Models
-                );
-                let result = self.handle(route, &mut req).await;
-                if !moves_load && !read_only {
-                    self.with(|shard| shard.coordinator.wake());
-                }
-                if moves_load {
-                    self.load_changed();
-                }
-                result
-            }
-            Err(e) => Err(e),
-        };
-        // Whatever the call changed (a lease ended, a backend came back, settings) may let a
-        // queued request in; a call that changed nothing costs no dispatch.
-        self.settle_queue();
-        result.or_else(|e| e.to_response())
+        let route = parse_route(&req, Object::Pool);
+        respond(
+            self.dispatch(route, name, index.as_deref(), Incoming::Request(&mut req))
+                .await,
+        )
     }
 
     async fn alarm(&self) -> Result<Response> {
@@ -287,52 +251,116 @@ impl DurableObject for PoolCoordinator {
     }
 }
 
+/// The calls by Durable Object RPC (`coordinator_protocol::call::RPC_METHOD`): the same routes as
+/// `fetch`, named by method and URL, with the pool, the shard and the JSON body as arguments and
+/// the answer as `Reply::into_rpc`. The Worker's pool calls come this way: no request or response
+/// object on either side of the call (in workerd about 0.1 ms less per call than a `fetch` of
+/// the same body, measured in a micro-benchmark).
+#[wasm_bindgen::prelude::wasm_bindgen]
 impl PoolCoordinator {
+    /// One call by RPC.
+    #[wasm_bindgen::prelude::wasm_bindgen(js_name = gatewayCall)]
+    pub async fn gateway_call(
+        &self,
+        method: String,
+        url: String,
+        pool: Option<String>,
+        shard: Option<String>,
+        body: Option<String>,
+    ) -> std::result::Result<wasm_bindgen::JsValue, wasm_bindgen::JsValue> {
+        let route = parse_rpc_route(&method, &url, Object::Pool);
+        let answered = self
+            .dispatch(route, pool, shard.as_deref(), Incoming::Rpc(body))
+            .await;
+        Ok(respond_rpc(answered))
+    }
+}
+
+impl PoolCoordinator {
+    /// Runs one call, however it came: loads the shard, runs the handler, wakes the queue.
+    async fn dispatch(
+        &self,
+        route: std::result::Result<Route, ApiError>,
+        name: Option<String>,
+        index: Option<&str>,
+        mut incoming: Incoming<'_>,
+    ) -> ApiResult {
+        let index = match index.map(|s| s.parse::<u32>()) {
+            None => None,
+            Some(Ok(k)) if k < routing_core::pool::shard::MAX_SHARDS => Some(k),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "x-gateway-shard must be a shard index",
+                ))
+            }
+        };
+        self.load(name.as_deref(), index)?;
+        let result = match route {
+            Ok(route) => {
+                let moves_load = route.moves_load();
+                // A lease that ends frees room through the pool's freed list; a registry, probe,
+                // configuration or sibling change may free room too: it wakes the queue. Reads
+                // and renewals cost no dispatch.
+                let read_only = matches!(
+                    route,
+                    Route::Summary
+                        | Route::Metrics
+                        | Route::History
+                        | Route::GetConfig
+                        | Route::ListBackends
+                        | Route::ShowBackend(_)
+                        | Route::Models
+                );
+                let result = self.handle(route, &mut incoming).await;
+                if !moves_load && !read_only {
+                    self.with(|shard| shard.coordinator.wake());
+                }
+                if moves_load {
+                    self.load_changed();
+                }
+                result
+            }
+            Err(e) => Err(e),
+        };
+        // Whatever the call changed (a lease ended, a backend came back, settings) may let a
+        // queued request in; a call that changed nothing costs no dispatch.
+        self.settle_queue();
+        result
+    }
+
     /// Runs one call.
-    async fn handle(&self, route: Route, req: &mut Request) -> ApiResult {
+    async fn handle(&self, route: Route, req: &mut Incoming<'_>) -> ApiResult {
         match route {
             Route::Acquire { spill_ok } => {
-                let signal: web_sys::AbortSignal = req.inner().signal();
-                let body = read_body(req, "acquire request").await?;
+                let signal = req.signal();
+                let body = req.body("acquire request").await?;
                 self.acquire(body, spill_ok, signal).await
             }
-            Route::Dequeue => self.dequeue(read_body(req, "dequeue request").await?),
-            Route::Reassign => {
-                self.reassign(read_body(req, "reassign request").await?)
-                    .await
-            }
-            Route::Release => self.release(read_body(req, "release request").await?).await,
-            Route::ReleaseBatch => {
-                self.release_batch(read_body(req, "release batch").await?)
-                    .await
-            }
-            Route::Renew => self.renew(read_body(req, "renew request").await?),
-            Route::PrefillDone => self.prefill_done(read_body(req, "prefill report").await?),
-            Route::RegisterBackend => {
-                self.register(read_body(req, "backend registration").await?)
-                    .await
-            }
+            Route::Dequeue => self.dequeue(req.body("dequeue request").await?),
+            Route::Reassign => self.reassign(req.body("reassign request").await?).await,
+            Route::Release => self.release(req.body("release request").await?).await,
+            Route::ReleaseBatch => self.release_batch(req.body("release batch").await?).await,
+            Route::Renew => self.renew(req.body("renew request").await?),
+            Route::PrefillDone => self.prefill_done(req.body("prefill report").await?),
+            Route::RegisterBackend => self.register(req.body("backend registration").await?).await,
             Route::ListBackends => self.list(),
             Route::ShowBackend(id) => self.show(&id),
             Route::PatchBackend(id) => {
-                let patch: AdminPatch = read_body(req, "backend patch").await?;
+                let patch: AdminPatch = req.body("backend patch").await?;
                 // Re-enabled (or drained): it probes now rather than at the next round.
                 self.patch(&id, patch).await
             }
             Route::DeleteBackend { id, force } => self.delete(&id, force),
             Route::Models => self.models(),
             Route::GetConfig => self.with(|shard| answer(200, &shard.settings)),
-            Route::PutConfig => {
-                self.put_config(read_body(req, "pool configuration").await?)
-                    .await
-            }
+            Route::PutConfig => self.put_config(req.body("pool configuration").await?).await,
             Route::Summary => self.summary(),
             Route::Metrics => self.metrics(),
             Route::History => self.history(),
             Route::EnsureProbeAlarm => self.ensure_alarm().await,
-            Route::ShardLoad => self.accept_load(read_body(req, "load report").await?),
-            Route::ShardProbes => self.apply_probe_round(read_body(req, "probe round").await?),
-            Route::ShardRegistry => self.apply_registry(read_body(req, "shard registry").await?),
+            Route::ShardLoad => self.accept_load(req.body("load report").await?),
+            Route::ShardProbes => self.apply_probe_round(req.body("probe round").await?),
+            Route::ShardRegistry => self.apply_registry(req.body("shard registry").await?),
             Route::ProbeNow => {
                 // Asked for explicitly: wait out a round in progress, then run a fresh one.
                 while self.probing.get() {

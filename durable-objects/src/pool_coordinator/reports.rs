@@ -3,11 +3,11 @@
 
 use super::{coordinator_settings, now_ms, ApiResult, PoolCoordinator, PoolShard};
 use crate::call::answer;
+use coordinator_protocol::call::Reply;
 use coordinator_protocol::messages::{Autoscaling, PoolHistory, PoolSummary, QueueSummary};
 use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::ApiError;
 use routing_core::admission::DropReason;
-use worker::Response;
 
 impl PoolCoordinator {
     pub(super) async fn put_config(&self, settings: PoolSettings) -> ApiResult {
@@ -37,10 +37,12 @@ impl PoolCoordinator {
             shard.coordinator.render_metrics(&shard.name, &mut out);
             out
         });
-        let mut resp = Response::ok(text)?;
-        resp.headers_mut()
-            .set("content-type", "text/plain; version=0.0.4")?;
-        Ok(resp)
+        Ok(Reply {
+            status: 200,
+            content_type: "text/plain; version=0.0.4",
+            headers: Vec::new(),
+            body: text,
+        })
     }
 
     /// The last hour, minute by minute, including the current minute so far.
