@@ -12,6 +12,7 @@ help:
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark and the trace replays (under 45 min); make bench-quick: under 8 min"
 	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
+	@echo "make bench-compare-smg - the trace replays through the SGLang/Shepherd gateway (smg 1.9.0, cache_aware) and ours, same run (~6 min)"
 	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop (~2 min)"
@@ -66,7 +67,7 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-traces bench-regions bench-admission bench-overhead bench-round-trips
+.PHONY: bench bench-quick bench-traces bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -90,6 +91,15 @@ bench-quick: setup
 bench-traces: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh traces $(ARGS)
+
+# Our gateway against the SGLang/Shepherd model gateway (bench/compare-smg.sh, issue 26): the trace
+# replays of bench-traces (same windows, speed-ups, fleet) through smg 1.9.0's cache_aware policy
+# (installed on demand into bench/tmp/smg-venv) and through our default policy, every cell on a fresh
+# fleet; writes bench/results/<date>-compare-smg.{md,json} (~6 min). Not part of `make bench`.
+# Extra flags: ARGS="--only mooncake-conversation:16" (a cell), ARGS="--requests 100" (a smoke run).
+bench-compare-smg: setup sim build
+	@cargo build --release -q -p loadgen -p vllm-sim
+	@bench/compare-smg.sh --with-gateway $(ARGS)
 
 .PHONY: soak
 # Soak: 5,000 requests, 200 at a time, 4 vllm-sim backends with random faults, bounded to 240 s.
