@@ -5,11 +5,12 @@
 //! route and its answer type) to the object [`To`] names, read back as that answer. A pool
 //! coordinator is called by Durable Object RPC (its `gatewayCall` method: route, pool, shard and
 //! body as strings, the answer as status, `Retry-After` and body), which makes no request or
-//! response object on either side; the directory and the rate limiters, and the admin API's
-//! relayed answers ([`call_raw`]), by a `stub.fetch` of the same route. A pool call names the pool and its coordinator shard (0 for a pool of one shard, and
-//! for everything only shard 0 does: probes, listings). Errors a Durable Object answers with are
-//! already OpenAI-shaped and pass through as they are; a pool's refusals come back typed inside
-//! the acquire and reassign answers. The admin API relays a few answers untouched ([`call_raw`]).
+//! response object on either side; the directory and the rate limiters, and the answers the
+//! admin API relays untouched ([`call_raw`]), by a `stub.fetch` of the same route. A pool call
+//! names the pool and its coordinator shard (0 for a pool of one shard, and for everything only
+//! shard 0 does: probes, listings). Errors a Durable Object answers with are already OpenAI-shaped
+//! and pass through as they are; a pool's refusals come back typed inside the acquire and reassign
+//! answers.
 //! What the directory holds (pools, minted keys) is cached in the isolate and refreshed in the
 //! background.
 

@@ -2,7 +2,8 @@
 //! authority for that shard's view of the pool's backends, their health and breakers, the requests
 //! in flight on them, and the prefix-affinity table. The rules are
 //! `routing_core::coordinator::Coordinator`'s; this object is the adapter that gives it time,
-//! randomness, persistence and an HTTP surface, and performs the effects it returns
+//! randomness, persistence and a surface for calls (RPC, `gatewayCall`, and `fetch`, one dispatch
+//! for both), and performs the effects it returns
 //! ([`PoolShard::perform`]): SQLite writes, answers to waiting calls, probe rounds, pushes to the
 //! sibling shards and to the directory.
 //!
@@ -17,7 +18,8 @@
 //!
 //! A pool may run on several such objects, its coordinator shards (`shards` in its settings; see
 //! `routing_core::pool::shard`): shard 0 is the object named after the pool, shard k the object
-//! `pool#k`, and every call names its shard in `x-gateway-shard`. Each shard owns its leases,
+//! `pool#k`, and every call names its shard (`x-gateway-shard`, or an RPC call's shard argument).
+//! Each shard owns its leases,
 //! affinity and queue; shards push their load to each other ([`shards`]); only shard 0 probes,
 //! and it hands each round's results to the others.
 //!
