@@ -198,8 +198,9 @@ export async function measureCoordinator({ seconds = 15, concurrency = 16, log =
       method:
         `Closed loop, ${concurrency} calls in flight, against one pool Durable Object through its stub; each pair is POST /acquire, ` +
         "then POST /release of the granted lease (outcome success); no Worker code runs. Driver `workerd`: a load driver inside workerd " +
-        "(bench/do-driver.mjs, a second Miniflare worker bound to the gateway's PoolCoordinator), the target's figure. Driver `node`: " +
-        "Node through Miniflare's getDurableObjectNamespace stub (every call crosses Miniflare's Node-to-workerd proxy). " +
+        "(bench/do-driver.mjs, a second Miniflare worker bound to the gateway's PoolCoordinator) calling by Durable Object RPC " +
+        "(gatewayCall, as the Worker's lease calls go), the target's figure. Driver `node`: " +
+        "Node through Miniflare's getDurableObjectNamespace stub and its fetch (every call crosses Miniflare's Node-to-workerd proxy). " +
         "CPU: /proc/<workerd pid>/stat utime+stime over each phase (the workerd driver's own JavaScript included). " +
         "Floor: GET /config, the cheapest call, through the same path: each driver's ceiling.",
       backends: BACKENDS,

@@ -1,6 +1,7 @@
 // A load driver that runs inside workerd, beside the gateway (bench/coordinator.mjs starts it as a
 // second Miniflare worker bound to the gateway's PoolCoordinator class): it calls one pool Durable
-// Object through its stub, as the Worker does, without Miniflare's Node-to-workerd proxy in the way.
+// Object through its stub, as the Worker does (by RPC, `gatewayCall`; `transport: "fetch"` calls
+// through the stub's fetch instead), without Miniflare's Node-to-workerd proxy in the way.
 //
 // POST /run {pool, mode, seconds, max_pairs, first_index, stride, blocks, shared, warm_prompts,
 // warm_blocks, model} runs ONE sequential loop (the caller sends several /run calls at once for
@@ -76,10 +77,27 @@ export async function step(call, o, i, out) {
   if (released) out.ok += 1;
 }
 
+/** Calls through the stub's `fetch`, the pool named in its header (the admin API's path). */
+function fetchCall(stub, pool) {
+  return (path, init) =>
+    stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), [PROTOCOL.poolHeader]: pool } });
+}
+
+/**
+ * Calls by Durable Object RPC, as the Worker's lease calls go (`gatewayCall(method, url, pool,
+ * shard, body)` answering `[status, body, retry-after]`, protocol/src/call.rs): the answer is
+ * given the three members of a response that `step` reads.
+ */
+function rpcCall(stub, pool) {
+  return async (path, init) => {
+    const [status, body] = await stub[PROTOCOL.rpcMethod](init.method, `https://do.internal${path}`, pool, null, init.body ?? null);
+    return { status, json: async () => JSON.parse(body), arrayBuffer: async () => body };
+  };
+}
+
 async function run(env, o) {
   const stub = env.POOL.get(env.POOL.idFromName(o.pool));
-  const call = (path, init) =>
-    stub.fetch(`https://do.internal${path}`, { ...init, headers: { ...(init.headers ?? {}), [PROTOCOL.poolHeader]: o.pool } });
+  const call = o.transport === "fetch" ? fetchCall(stub, o.pool) : rpcCall(stub, o.pool);
   const out = records();
   const t0 = Date.now();
   const deadline = t0 + o.seconds * 1000;

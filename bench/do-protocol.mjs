@@ -6,7 +6,9 @@
 // {"features": routing_core::request::prompt::RequestFeatures} as JSON, the block hashes as base64 (no
 // padding) of little-endian u64s (routing_core::request::block_hash_encoding), and answers a
 // routing_core::pool::Grant as JSON; POST /release takes a ReleaseRequest and answers
-// {"released": bool}. Every call carries the pool's name in the `x-gateway-pool` header.
+// {"released": bool}. A call by fetch carries the pool's name in the `x-gateway-pool` header; a call
+// by RPC (`gatewayCall(method, url, pool, shard, body)`, protocol/src/call.rs) passes it as an
+// argument and gets `[status, body, retry-after]` back.
 
 const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
 
@@ -36,6 +38,8 @@ export const BLOCK_TOKENS = 16;
 
 export const PROTOCOL = {
   poolHeader: "x-gateway-pool",
+  /** The pool coordinator's RPC method (coordinator_protocol::call::RPC_METHOD). */
+  rpcMethod: "gatewayCall",
   acquirePath: "/acquire",
   releasePath: "/release",
   /**
