@@ -16,6 +16,7 @@ help:
 	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop (~2 min)"
+	@echo "make bench-profile   - a CPU profile of the Worker's isolate over streamed requests, top functions (~1 min)"
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
@@ -67,7 +68,7 @@ check-bundle:
 clean:
 	rm -rf build target/wasm32-unknown-unknown
 
-.PHONY: bench bench-quick bench-traces bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips
+.PHONY: bench bench-quick bench-traces bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips bench-profile
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -130,3 +131,8 @@ bench-overhead: setup sim build
 # the unavoidable path (direct vllm-sim + one round trip); writes bench/results/round-trips-<date>.{json,md} (~2 min).
 bench-round-trips: setup sim build
 	@source scripts/env.sh && node bench/round-trips.mjs $(ARGS)
+
+# Where the Worker's CPU goes (bench/profile.mjs): a V8 CPU profile of the built Worker's isolate through
+# workerd's inspector over a closed loop of streamed requests; prints the top functions (~1 min).
+bench-profile: setup sim build
+	@source scripts/env.sh && node bench/profile.mjs $(ARGS)

@@ -200,15 +200,16 @@ export function rounded(value, digits = 4) {
 
 /**
  * The built Worker under Miniflare on a 127.0.0.1 port (clients reach workerd directly, not through
- * Miniflare's Node proxy), its console discarded, with one vllm-sim registered in pool `pool`.
+ * Miniflare's Node proxy), its console discarded, with one vllm-sim registered in pool `pool`
+ * (`options`: more Miniflare options, e.g. `inspectorPort`).
  * Returns { gw, url, admin, sim, model, close }.
  */
-export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [] }) {
+export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [], options = {} }) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
   // MAX_STREAM_RESUMES=0 measures the stream path without resumption (the answer is not read).
   const resumes = process.env.MAX_STREAM_RESUMES;
   const bindings = { PROBE_INTERVAL_MS: "1000", ...(resumes === undefined ? {} : { MAX_STREAM_RESUMES: resumes }) };
-  const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet }, extraWorkers });
+  const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet, ...options }, extraWorkers });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, opts) => adminFetch(url, p, opts);
   const sim = await startSim(["--model", model, "--max-num-seqs", "256", ...simArgs]);
