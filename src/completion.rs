@@ -8,6 +8,7 @@
 use crate::admission::{self, Asked};
 use crate::lease_guard::{self, Lease, LeaseGuard};
 use crate::request::{self, RequestContext};
+use crate::reserving::{self, Reserved};
 use crate::{do_client, hop, http, keys, proxy, regions, settings};
 use coordinator_protocol::acquire::{AcquireBody, Granted};
 use coordinator_protocol::messages::PoolEntry;
@@ -73,17 +74,18 @@ pub async fn handle(
     let resumable = check_request(&parsed, endpoint);
     let forwarded_headers =
         request::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
-    let reservation = match (&hop_in, &client) {
-        (Some(h), _) => h.reservation.clone(),
+    // Charged beside the first lease call, not before it (`reserving`).
+    let mut reserved = match (&hop_in, &client) {
+        (Some(h), _) => Reserved::Known(h.reservation.clone()),
         (None, Some(client)) => {
-            keys::reserve(
+            Reserved::start(
                 env,
                 client,
                 u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
             )
             .await?
         }
-        (None, None) => None,
+        (None, None) => Reserved::Known(None),
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
@@ -114,13 +116,15 @@ pub async fn handle(
     let mut plan = match planned {
         Ok(plan) => plan,
         Err(e) => {
-            refund(ctx, env, reservation);
+            reserved.refund(ctx, env);
             return Err(e);
         }
     };
     // The edge hands the request to the chosen pool's regional Worker when one is bound.
     if hop_in.is_none() {
         if let Some(regional) = hop::regional_for(env, &plan) {
+            // The regional Worker settles the reservation: it travels with the request.
+            let reservation = reserved.resolve().await?;
             let handoff = hop::Handoff {
                 client: &req,
                 env,
@@ -134,6 +138,7 @@ pub async fn handle(
             if let Some(answer) = regional.hand_over(handoff, &features).await {
                 return answer;
             }
+            reserved = Reserved::Known(reservation);
         }
     }
     // The region the Worker runs in, for the modelled network: the client's at the edge, the
@@ -174,10 +179,11 @@ pub async fn handle(
             simulated_waits += 1;
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
         }
+        let give_up = reserved.give_up_on(&hung_up);
         let admitted = admission::acquire(
             env,
             ctx,
-            &hung_up,
+            &give_up,
             &pool.name,
             shard,
             spill_ok,
@@ -187,6 +193,15 @@ pub async fn handle(
         );
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {
+                // The backend is fetched only once the limiter has admitted the request.
+                let reservation = match reserved.resolve().await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let lease = (grant.lease_id, grant.backend.clone());
+                        reserving::release_unused(ctx, env, (&pool.name, shard), lease);
+                        return Err(e);
+                    }
+                };
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = crate::http::now_ms();
                 if queued_ms == 0 {
@@ -263,14 +278,15 @@ pub async fn handle(
                 };
                 return Ok(resp);
             }
-            // The client left: the pool was told.
+            // The client left (the pool was told), or the limiter refused the request meanwhile.
             Asked::HungUp => {
-                refund(ctx, env, reservation);
+                let reservation = reserved.resolve().await?;
+                Reserved::Known(reservation).refund(ctx, env);
                 return Err(ApiError::client_closed());
             }
             Asked::Refused(refusal) => {
                 if let Verdict::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
-                    refund(ctx, env, reservation);
+                    reserved.refund(ctx, env);
                     return Err(refusal.into());
                 }
             }
@@ -281,7 +297,7 @@ pub async fn handle(
             }
         }
     }
-    refund(ctx, env, reservation);
+    reserved.refund(ctx, env);
     Err(match walk.end() {
         WalkEnd::Refused(refusal) => refusal.into(),
         WalkEnd::NotServed => ApiError::model_not_found(&features.model),
@@ -289,14 +305,6 @@ pub async fn handle(
         // A restricted request never leaves its jurisdictions: say so when none of them took it.
         WalkEnd::Residency => regions::residency_error(&plan.allowed),
     })
-}
-
-/// Gives back a token reservation of a request no pool took.
-fn refund(ctx: &Context, env: &Env, reservation: Option<keys::Reservation>) {
-    if let Some(r) = reservation {
-        let env = env.clone();
-        ctx.wait_until(async move { keys::settle(&env, &r, 0).await });
-    }
 }
 
 /// How often a live request renews its lease: three times per lease period, so one lost renewal

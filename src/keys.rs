@@ -160,6 +160,11 @@ pub struct Reservation {
     pub tokens: u64,
 }
 
+/// Whether rate limits are configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
+pub fn rate_limited(env: &Env) -> bool {
+    crate::settings::settings(env).rate_limits != RateLimits::default()
+}
+
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
 /// means unlimited) with an estimate of its tokens. `client` is the key hash from
 /// [`require_client`]. Returns the reservation to [`settle`] when a token limit applies.

@@ -220,7 +220,7 @@ impl LeaseGuard {
 }
 
 /// A promise and the function that resolves it.
-fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
+pub(crate) fn signal_promise() -> (js_sys::Promise, js_sys::Function) {
     let mut resolve = None;
     let promise = js_sys::Promise::new(&mut |res, _| resolve = Some(res));
     (

@@ -21,6 +21,7 @@ mod regions;
 mod relay;
 mod releases;
 mod request;
+mod reserving;
 mod resume;
 mod settings;
 mod upstream_body;

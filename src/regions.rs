@@ -38,6 +38,9 @@ struct RegionSettings {
     home_capacity: usize,
     /// `SIMULATE_NETWORK`: local runs wait out the configured round trips themselves.
     simulate_network: bool,
+    /// `SIMULATE_LIMITER_RTT_MS`: with `simulate_network`, the round trip to a client's rate
+    /// limiter object that local runs wait out.
+    limiter_rtt_ms: u64,
 }
 
 thread_local! {
@@ -107,6 +110,7 @@ fn read_settings(env: &Env) -> RegionSettings {
         },
         home_capacity: var_or(env, "HOME_POOLS_MAX", DEFAULT_HOME_POOLS).clamp(1, 1 << 20),
         simulate_network: var_or(env, "SIMULATE_NETWORK", String::new()) == "true",
+        limiter_rtt_ms: var_or(env, "SIMULATE_LIMITER_RTT_MS", 0u64).min(10_000),
     }
 }
 
@@ -383,6 +387,19 @@ pub fn simulated_rtt_ms(env: &Env, client_region: Option<&str>, pool: &PoolEntry
     }
     with_network(env, |n| {
         u64::from(n.configured_ms(client_region, &pool.region).unwrap_or(0))
+    })
+}
+
+/// With `SIMULATE_NETWORK=true`, the round trip to a client's rate limiter object that the Worker
+/// waits out before charging it (`SIMULATE_LIMITER_RTT_MS`, 0 by default: on the platform the
+/// object lives where the client was first seen). 0 otherwise.
+pub fn simulated_limiter_rtt_ms(env: &Env) -> u64 {
+    with_settings(env, |s| {
+        if s.simulate_network {
+            s.limiter_rtt_ms
+        } else {
+            0
+        }
     })
 }
 

@@ -140,6 +140,48 @@ test("a request every pool refuses gives its reservation back", async () => {
   await drained(limited, p.name);
 });
 
+test("the limiter is asked beside the lease call: a refused request never reaches a backend or keeps a lease, and a refused client is asked first", async () => {
+  // The limiter modelled 300 ms away (its pool is local): the pool's grant comes back before the
+  // limiter's answer, so the overlap is what this test sees.
+  const far = await startGatewayServer({
+    bindings: { ...limitedBindings, SIMULATE_NETWORK: "true", SIMULATE_LIMITER_RTT_MS: "300" },
+  });
+  closers.push(() => far.close());
+  const p = await freshPool(far, ["--time-scale", "1000"]);
+  const key = KEYS[4];
+  const decisions = async () => (await metrics(far))
+    .filter((s) => s.name === "llm_gateway_decisions_total" && s.labels.pool === p.name)
+    .reduce((n, s) => n + s.value, 0);
+  const served = async () => {
+    const r = await fetch(`${p.sim.url}/metrics`);
+    return parseMetrics(await r.text()).filter((s) => s.name === "vllm:request_success_total").reduce((n, s) => n + s.value, 0);
+  };
+  // 900 tokens generated: the key has about 90 left of its minute.
+  const big = await chat(far, p.model, { key, max_tokens: 900 });
+  assert.equal(big.status, 200, big.text);
+  await drained(far, p.name);
+  const [decided, done] = [await decisions(), await served()];
+  assert.ok(decided >= 1 && done >= 1, `the served request was not counted (${decided} decisions, ${done} served)`);
+  // Asked beside the lease call: the pool granted before the refusal came, but the backend was
+  // never fetched and the lease went back unused.
+  const first = await chat(far, p.model, { key, max_tokens: 500 });
+  assert.equal(first.status, 429, first.text);
+  assert.equal(JSON.parse(first.text).error.code, "rate_limit_exceeded");
+  await drained(far, p.name);
+  assert.equal(await decisions(), decided + 1, "the first refused request was not asked beside its lease call");
+  assert.equal(outcomes(await metrics(far), p.id, "cancelled"), 1, "the unused lease was not released as cancelled");
+  // Refused once, the client is asked first until its Retry-After: no pool is asked again.
+  for (let i = 0; i < 3; i++) {
+    const again = await chat(far, p.model, { key, max_tokens: 500 });
+    assert.equal(again.status, 429, again.text);
+    assert.ok(Number(again.headers.get("retry-after")) >= 1);
+  }
+  assert.equal(await decisions(), decided + 1, "a client refused recently was routed before the limiter answered");
+  assert.equal(await served(), done, "a refused request reached the backend");
+  const state = await drained(far, p.name);
+  assert.equal(state.in_flight, 0);
+});
+
 test("a hang-up while waiting for the first byte, and one mid-stream, leave leases and reservations at zero", async () => {
   // (A hang-up while queued before the grant is not seen by workerd under Miniflare until it
   // writes to the socket, so it cannot be exercised here; admission's own tests cover the queue.)
