@@ -74,18 +74,14 @@ pub async fn handle(
     let resumable = check_request(&parsed, endpoint);
     let forwarded_headers =
         request::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
-    // Charged beside the first lease call, not before it (`reserving`).
-    let mut reserved = match (&hop_in, &client) {
-        (Some(h), _) => Reserved::Known(h.reservation.clone()),
-        (None, Some(client)) => {
-            Reserved::start(
-                env,
-                client,
-                u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
-            )
-            .await?
-        }
-        (None, None) => Reserved::Known(None),
+    // What the client's rate limits are charged: an estimate, settled with the real usage.
+    let charge = match (&hop_in, &client) {
+        (Some(h), _) => h.charge.clone(),
+        (None, Some(client)) => Some(hop::Charge {
+            client: client.clone(),
+            estimate: u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
+        }),
+        (None, None) => None,
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
@@ -113,24 +109,17 @@ pub async fn handle(
             )
         }
     };
-    let mut plan = match planned {
-        Ok(plan) => plan,
-        Err(e) => {
-            reserved.refund(ctx, env);
-            return Err(e);
-        }
-    };
-    // The edge hands the request to the chosen pool's regional Worker when one is bound.
+    let mut plan = planned?;
+    // The edge hands the request to the chosen pool's regional Worker when one is bound; the
+    // regional Worker charges the client's limits, beside its own lease call.
     if hop_in.is_none() {
         if let Some(regional) = hop::regional_for(env, &plan) {
-            // The regional Worker settles the reservation: it travels with the request.
-            let reservation = reserved.resolve().await?;
             let handoff = hop::Handoff {
                 client: &req,
                 env,
                 plan: &plan,
                 who: &who,
-                reservation: reservation.as_ref(),
+                charge: charge.clone(),
                 request_id,
                 strip_usage_event,
                 body: &body,
@@ -138,9 +127,15 @@ pub async fn handle(
             if let Some(answer) = regional.hand_over(handoff, &features).await {
                 return answer;
             }
-            reserved = Reserved::Known(reservation);
         }
     }
+    // Charged beside the first lease call, not before it (`reserving`); a hop from an edge that
+    // charged already carries its reservation.
+    let reserved = match (&charge, &hop_in) {
+        (Some(c), _) => Reserved::start(env, &c.client, c.estimate).await?,
+        (None, Some(h)) => Reserved::Known(h.reservation.clone()),
+        (None, None) => Reserved::Known(None),
+    };
     // The region the Worker runs in, for the modelled network: the client's at the edge, the
     // pool's region at a regional Worker.
     let simulate_from = match &hop_in {

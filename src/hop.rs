@@ -3,18 +3,20 @@
 //! to the pool and the client pays one edge-to-pool round trip instead of two.
 //!
 //! At the edge (the default role), everything that must be decided once stays there: the client
-//! key, the rate limits (the token reservation), the body checks, the features, residency and the
-//! pool order (`regions::plan`). When the first pool's region names a service binding in the
-//! `REGIONAL_WORKERS` var (`{"eu-west": "REGIONAL_EU_WEST"}`), the request goes to that binding
-//! with the plan, the client's admission identity and the reservation in the `x-gateway-hop`
-//! header, sharing the client's abort signal, and the regional Worker's response is returned as it
-//! streams (the edge never reads its body).
+//! key, the body checks, the features, residency and the pool order (`regions::plan`). When the
+//! first pool's region names a service binding in the `REGIONAL_WORKERS` var
+//! (`{"eu-west": "REGIONAL_EU_WEST"}`), the request goes to that binding with the plan, the
+//! client's admission identity and what to charge its rate limits in the `x-gateway-hop` header,
+//! sharing the client's abort signal, and the regional Worker's response is returned as it
+//! streams (the edge never reads its body). The regional Worker charges the limits beside its
+//! lease call (`reserving.rs`), so a hop costs no limiter round trip from the edge.
 //!
 //! A Worker with `GATEWAY_ROLE = "regional"` (no public route) trusts that header, and only it
 //! does: at the edge the header is ignored and always overwritten. With the `HOP_SECRET` secret
 //! set on both, the regional Worker also requires the secret with the hop (defence in depth, in
 //! case it is ever given a route); without it, a hop is an ordinary request. The regional side walks the
-//! plan's pools (lease, fetch, relay, lease guard) and settles the reservation, as the edge would.
+//! plan's pools (lease, fetch, relay, lease guard), charges and settles the reservation, as the
+//! edge would.
 
 use crate::auth::{constant_time_eq, secret};
 use crate::http::{hex, unhex};
@@ -67,10 +69,24 @@ pub struct HopContext {
     pub region: String,
     /// The client's tenant, priority and wait limit, for admission.
     pub who: AdmissionRequest,
-    /// The tokens the edge charged, for the regional side to settle (or refund).
+    /// The tokens the edge charged, for the regional side to settle (or refund): an edge that
+    /// served the request itself after a failed hop, or one from before `charge`.
+    #[serde(default)]
     pub reservation: Option<Reservation>,
+    /// What the regional side charges the client's rate limits, when they apply.
+    #[serde(default)]
+    pub charge: Option<Charge>,
     /// The edge asked the stream for its usage event on the client's behalf: take it out again.
     pub strip_usage_event: bool,
+}
+
+/// A charge to a client's rate limits, left to the regional Worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Charge {
+    /// The client's key hash ([`crate::keys::require_client`]).
+    pub client: String,
+    /// The tokens estimated at admission (prompt plus `max_tokens`).
+    pub estimate: u64,
 }
 
 impl HopContext {
@@ -159,8 +175,8 @@ pub struct Handoff<'a> {
     pub plan: &'a Plan,
     /// The client's admission identity.
     pub who: &'a AdmissionRequest,
-    /// The tokens charged at the edge.
-    pub reservation: Option<&'a Reservation>,
+    /// What the regional Worker charges the client's rate limits.
+    pub charge: Option<Charge>,
     /// The request's id (the regional Worker uses it too).
     pub request_id: &'a str,
     /// Whether the usage event must be taken out of the stream.
@@ -186,7 +202,7 @@ impl Regional {
     /// Hands the request over (see [`Regional::forward`]) and takes what the edge still owes it:
     /// the conversation's home pool, recorded here so its next turn is sent home as without the
     /// hop. `None` when the regional Worker never answered (it threw): the edge serves the request
-    /// itself, with the reservation it still holds.
+    /// itself, and charges it.
     pub async fn hand_over(
         &self,
         h: Handoff<'_>,
@@ -225,7 +241,8 @@ impl Regional {
             client_region: h.plan.client_region.clone(),
             region: self.region.clone(),
             who: h.who.clone(),
-            reservation: h.reservation.cloned(),
+            reservation: None,
+            charge: h.charge,
             strip_usage_event: h.strip_usage_event,
         };
         let json = serde_json::to_vec(&context).map_err(|e| worker::Error::from(e.to_string()))?;

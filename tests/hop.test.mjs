@@ -121,7 +121,7 @@ test("a hang-up at the edge mid-stream reaches the regional Worker and its lease
   }, { timeoutMs: 3000, what: "the backend's request aborted" });
 });
 
-test("a reservation is charged once at the edge and settled once; the limit still holds through the hop", async () => {
+test("a reservation is charged once (by the regional Worker, beside its lease call) and settled once; the limit still holds through the hop", async () => {
   const fresh = await startWithHop({ region: REGION, bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", ...NETWORK } });
   closers.push(fresh);
   await addPool(fresh, "hop-eu", [sim], ["hop-model"]);
