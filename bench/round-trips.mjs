@@ -14,9 +14,16 @@
 // machine) and adds the round trip: the unavoidable path; then the gateway without the hop and
 // with it. Reports TTFB p50/p99 and the excess over the unavoidable path (the target: <= 10 ms at
 // p50 with the hop), then a local breakdown of the gateway's own time without any modelled network
-// (from its Server-Timing parts). Writes bench/results/round-trips-<date>.{json,md}.
+// (from its Server-Timing parts).
 //
-//   node bench/round-trips.mjs [--requests 150] [--warmup 20] [--rtts 50,150]
+// The same two again with rate limits on (a client key, limits high enough never to refuse), so
+// every request is charged to its key's rate limiter: without the hop the limiter is modelled as
+// far from the edge as the pool (SIMULATE_LIMITER_RTT_MS = the round trip: a key first seen near
+// its pool), asked beside the lease call; with the hop the regional Worker charges it, the limiter
+// in the pool's region (0 modelled). Both assumed. Writes bench/results/round-trips-<date>.{json,md}
+// (or -<suffix> with --suffix).
+//
+//   node bench/round-trips.mjs [--requests 150] [--warmup 20] [--rtts 50,150] [--suffix b]
 import { startSim, adminFetch, waitReady, ROOT } from "../tests/lib/harness.mjs";
 import { startWithHop } from "../tests/lib/hop.mjs";
 import { writeFileSync, mkdirSync } from "node:fs";
@@ -34,6 +41,8 @@ const CLIENT = "client-r";
 const POOL_REGION = "pool-r";
 const PROMPT_TOKENS = 64;
 const MAX_TOKENS = 16;
+const KEY = "sk-round-trips-client";
+const AUTH = { authorization: `Bearer ${KEY}` };
 
 /** `n` sequential streamed requests to `url` (after `warmup` unmeasured ones): their TTFBs. */
 async function ttfbs(url, n, headers = {}) {
@@ -56,7 +65,7 @@ async function records(url, n, headers = {}) {
   return out;
 }
 
-async function gateway(rtt, hop, sim) {
+async function gateway(rtt, hop, sim, limiterRtt = null) {
   const quiet = { handleRuntimeStdio: (o, e) => (o.resume(), e.resume()) };
   const bindings = {
     PROBE_INTERVAL_MS: "1000",
@@ -64,6 +73,14 @@ async function gateway(rtt, hop, sim) {
     SIMULATE_NETWORK: rtt > 0 ? "true" : "false",
     REGION_RTT_MS: JSON.stringify({ [CLIENT]: { [POOL_REGION]: rtt } }),
   };
+  if (limiterRtt !== null) {
+    Object.assign(bindings, {
+      CLIENT_API_KEYS: KEY,
+      RATE_LIMIT_RPM: "1000000",
+      RATE_LIMIT_TPM: "1000000000",
+      SIMULATE_LIMITER_RTT_MS: String(limiterRtt),
+    });
+  }
   const gw = await startWithHop({ region: POOL_REGION, bindings, hop, options: { host: "127.0.0.1", port: 0, ...quiet } });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, o) => adminFetch(url, p, o);
@@ -84,10 +101,17 @@ try {
   for (const rtt of RTTS) {
     const direct = await ttfbs(`${sim.url}/v1/chat/completions`, REQUESTS);
     const row = { rtt_ms: rtt, unavoidable: summary(direct, rtt), direct: summary(direct) };
-    for (const [name, hop] of [["without_hop", false], ["with_hop", true]]) {
-      const g = await gateway(rtt, hop, sim);
+    const runs = [
+      ["without_hop", false, null],
+      ["with_hop", true, null],
+      ["without_hop_limited", false, rtt],
+      ["with_hop_limited", true, 0],
+    ];
+    for (const [name, hop, limiterRtt] of runs) {
+      const g = await gateway(rtt, hop, sim, limiterRtt);
       try {
-        const t = await ttfbs(`${g.url}/v1/chat/completions`, REQUESTS, { "x-gateway-region": CLIENT });
+        const headers = { "x-gateway-region": CLIENT, ...(limiterRtt === null ? {} : AUTH) };
+        const t = await ttfbs(`${g.url}/v1/chat/completions`, REQUESTS, headers);
         const s = summary(t);
         row[name] = { ...s, excess_p50: s.p50 - row.unavoidable.p50, excess_p99: s.p99 - row.unavoidable.p99 };
       } finally {
@@ -133,7 +157,8 @@ const date = new Date().toISOString().slice(0, 10);
 const dir = path.join(ROOT, "bench/results");
 mkdirSync(dir, { recursive: true });
 const result = { bench: "round-trips", date, requests: REQUESTS, warmup: WARMUP, machine: machine(), rows, breakdown };
-writeFileSync(path.join(dir, `round-trips-${date}.json`), JSON.stringify(rounded(result), null, 2) + "\n");
+const stem = `round-trips-${date}${args.suffix ? `-${args.suffix}` : ""}`;
+writeFileSync(path.join(dir, `${stem}.json`), JSON.stringify(rounded(result), null, 2) + "\n");
 const f = (x) => x.toFixed(1);
 const md = [
   `# The gateway's own round trips (bench/round-trips.mjs), ${date}`,
@@ -145,6 +170,13 @@ const md = [
   "|---|---|---|---|---|---|",
   ...rows.map((r) =>
     `| ${r.rtt_ms} ms | ${f(r.unavoidable.p50)} / ${f(r.unavoidable.p99)} | ${f(r.without_hop.p50)} / ${f(r.without_hop.p99)} | ${f(r.without_hop.excess_p50)} / ${f(r.without_hop.excess_p99)} | ${f(r.with_hop.p50)} / ${f(r.with_hop.p99)} | ${f(r.with_hop.excess_p50)} / ${f(r.with_hop.excess_p99)} |`),
+  "",
+  "With rate limits on (every request charged to its key's limiter; without the hop the limiter modelled one round trip from the edge, asked beside the lease call; with the hop charged by the regional Worker, the limiter in the pool's region):",
+  "",
+  "| round trip | without hop p50 / p99 | excess p50 / p99 | with hop p50 / p99 | excess p50 / p99 |",
+  "|---|---|---|---|---|",
+  ...rows.map((r) =>
+    `| ${r.rtt_ms} ms | ${f(r.without_hop_limited.p50)} / ${f(r.without_hop_limited.p99)} | ${f(r.without_hop_limited.excess_p50)} / ${f(r.without_hop_limited.excess_p99)} | ${f(r.with_hop_limited.p50)} / ${f(r.with_hop_limited.p99)} | ${f(r.with_hop_limited.excess_p50)} / ${f(r.with_hop_limited.excess_p99)} |`),
   "",
   "Locally, no modelled network, without the hop (ms, p50 / p99; route and upstream from the Worker's Server-Timing, whole ms):",
   "",
@@ -159,5 +191,5 @@ const md = [
   `Machine: ${result.machine.nproc} cores, ${result.machine.model_name ?? "unknown CPU"}, load at start ${result.machine.loadavg_at_start.join(" ")}.`,
   "",
 ];
-writeFileSync(path.join(dir, `round-trips-${date}.md`), md.join("\n"));
+writeFileSync(path.join(dir, `${stem}.md`), md.join("\n"));
 console.log(md.join("\n"));
