@@ -166,15 +166,20 @@ fn target<'a>(
     })
 }
 
-/// Sends `msg` to the object `to` names and returns the answer unread: by RPC to a pool, by
-/// `fetch` to the others.
+/// Sends `msg` to the object `to` names and returns the answer unread: by RPC to a pool or a rate
+/// limiter, by `fetch` to the directory.
 pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Sent, ApiError> {
     let route = msg.route();
     let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
     match target(env, to, &route)? {
-        (stub, Some(address)) => Ok(Sent::Rpc(send_rpc(stub, address, &route, body).await?)),
-        (stub, None) => Ok(Sent::Response(send_web(stub, None, &route, body).await?)),
+        (stub, _) if by_rpc(to) => Ok(Sent::Rpc(send_rpc(stub, to, &route, body).await?)),
+        (stub, address) => Ok(Sent::Response(send_web(stub, address, &route, body).await?)),
     }
+}
+
+/// Whether calls to `to` go by RPC: a pool's and a rate limiter's (the request path's calls).
+fn by_rpc(to: To<'_>) -> bool {
+    matches!(to, To::Pool(..) | To::Limiter(_))
 }
 
 async fn send_web(
@@ -194,19 +199,22 @@ async fn send_web(
 
 async fn send_rpc(
     stub: worker::worker_sys::DurableObject,
-    to: ShardAddress<'_>,
+    to: To<'_>,
     route: &Route,
     body: Option<String>,
 ) -> Result<RpcAnswer, ApiError> {
     let object: StubRpc = stub.unchecked_into();
-    let shard = (to.shard != 0).then(|| to.shard.to_string());
+    let (pool, shard) = match to {
+        To::Pool(pool, shard) => (pool, shard),
+        _ => ("", 0),
+    };
+    let shard = (shard != 0).then(|| shard.to_string());
     let promise = object
-        .gateway_call(route.method().as_str(), &route.url(), to.pool, shard, body)
+        .gateway_call(route.method().as_str(), &route.url(), pool, shard, body)
         .map_err(worker::Error::from)?;
     let value = JsFuture::from(promise).await.map_err(worker::Error::from)?;
     RpcAnswer::from_js(&value).ok_or_else(|| {
-        worker::Error::RustError(format!("pool {}: an RPC answer of no known shape", to.pool))
-            .into()
+        worker::Error::RustError(format!("{to:?}: an RPC answer of no known shape")).into()
     })
 }
 
@@ -223,7 +231,7 @@ extern "C" {
         init: &web_sys::RequestInit,
     ) -> Result<js_sys::Promise, JsValue>;
 
-    /// A pool coordinator's stub, for its RPC method
+    /// A pool coordinator's or a rate limiter's stub, for its RPC method
     /// (`coordinator_protocol::call::RPC_METHOD`).
     type StubRpc;
 

@@ -6,9 +6,10 @@
 //! "reserved": N, "actual": M}` settles an admitted request with the tokens the backend reported
 //! (see `routing_core::request::rate_limit`). The buckets are kept in the object's storage (one JSON value,
 //! written after every change and read on the object's first request), so neither an eviction nor
-//! a deploy hands a client a fresh minute's allowance.
+//! a deploy hands a client a fresh minute's allowance. The Worker calls it by Durable Object RPC
+//! (`gatewayCall`, as the pool coordinator), `fetch` answers the same routes.
 
-use crate::call::{parse_route, read_body, reply, respond, Answered};
+use crate::call::{parse_route, parse_rpc_route, reply, respond, respond_rpc, Answered, Incoming};
 use coordinator_protocol::call::Ack;
 use coordinator_protocol::messages::{SettleRequest, TakeRequest};
 use coordinator_protocol::{ApiError, Object, Route};
@@ -36,16 +37,44 @@ impl DurableObject for ClientRateLimiter {
     }
 
     async fn fetch(&self, mut req: Request) -> Result<Response> {
-        let result = match parse_route(&req, Object::ClientRateLimiter) {
-            Ok(Route::SettleTokens) => self.settle(&mut req).await,
-            Ok(_) => self.take(&mut req).await,
-            Err(e) => Err(e),
-        };
-        respond(result)
+        let route = parse_route(&req, Object::ClientRateLimiter);
+        respond(self.dispatch(route, Incoming::Request(&mut req)).await)
+    }
+}
+
+/// The Worker's calls by Durable Object RPC: the same routes as `fetch` (named by method and URL,
+/// with the JSON body), the same signature as the pool coordinator's so one stub type calls both;
+/// `pool` and `shard` are unused here.
+#[wasm_bindgen::prelude::wasm_bindgen]
+impl ClientRateLimiter {
+    /// One call by RPC.
+    #[wasm_bindgen::prelude::wasm_bindgen(js_name = gatewayCall)]
+    pub async fn gateway_call(
+        &self,
+        method: String,
+        url: String,
+        _pool: Option<String>,
+        _shard: Option<String>,
+        body: Option<String>,
+    ) -> std::result::Result<wasm_bindgen::JsValue, wasm_bindgen::JsValue> {
+        let route = parse_rpc_route(&method, &url, Object::ClientRateLimiter);
+        Ok(respond_rpc(self.dispatch(route, Incoming::Rpc(body)).await))
     }
 }
 
 impl ClientRateLimiter {
+    /// Runs one call, however it came.
+    async fn dispatch(
+        &self,
+        route: std::result::Result<Route, ApiError>,
+        mut incoming: Incoming<'_>,
+    ) -> Answered {
+        match route? {
+            Route::SettleTokens => self.settle(&mut incoming).await,
+            _ => self.take(&mut incoming).await,
+        }
+    }
+
     /// The buckets, read from storage the first time (full ones when nothing was stored, or what
     /// was stored cannot be read).
     async fn load(&self) -> std::result::Result<(), ApiError> {
@@ -78,16 +107,16 @@ impl ClientRateLimiter {
         Ok(result)
     }
 
-    async fn settle(&self, req: &mut Request) -> Answered {
-        let s: SettleRequest = read_body(req, "settle request").await?;
+    async fn settle(&self, incoming: &mut Incoming<'_>) -> Answered {
+        let s: SettleRequest = incoming.body("settle request").await?;
         let now = Date::now().as_millis();
         self.change(|b| b.settle(&s.limits, s.reserved, s.actual, now))
             .await?;
         reply::<SettleRequest>(&Ack)
     }
 
-    async fn take(&self, req: &mut Request) -> Answered {
-        let take: TakeRequest = read_body(req, "take request").await?;
+    async fn take(&self, incoming: &mut Incoming<'_>) -> Answered {
+        let take: TakeRequest = incoming.body("take request").await?;
         let now = Date::now().as_millis();
         let result = self
             .change(|b| b.try_take(&take.limits, take.tokens, now))
