@@ -5,13 +5,15 @@
 // backend's work, not the client's reading (a stalled reader gives its share back when the
 // backend is done, and is cut off past SLOW_CLIENT_TIMEOUT_MS); a stream complete with
 // `data: [DONE]` stays complete whatever the socket does next; the key surface stays closed
-// (REQUIRE_CLIENT_KEYS, deleting the last minted key). After each test, leases are back to zero.
+// (REQUIRE_CLIENT_KEYS, deleting the last minted key); the rate limiter, asked beside the lease
+// call, never lets a refused request reach a backend or keep a lease or a queue place. After each
+// test, leases are back to zero.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 import { startGatewayServer, startSim, waitFor, waitReady, tempDir, setFaults, parseMetrics, metricValue, drained, poolState } from "./lib/harness.mjs";
 
-const KEYS = ["sk-trust-hangup", "sk-trust-refund", "sk-trust-restart", "sk-trust-steps", "sk-trust-spare"];
+const KEYS = ["sk-trust-hangup", "sk-trust-refund", "sk-trust-restart", "sk-trust-steps", "sk-trust-spare", "sk-trust-queued", "sk-trust-blocker"];
 const TPM = 1000;
 const SLOW_CLIENT_TIMEOUT_MS = 3000;
 
@@ -20,6 +22,7 @@ const closers = [];
 let persist;
 let limited; // client keys and a 1,000 tokens-per-minute limit
 let open; // no keys: slow readers and resets (its streams are larger than a minute's allowance)
+let far; // as `limited`, with the rate limiter modelled 300 ms away (started by the first test that needs it)
 let poolCount = 0;
 
 const limitedBindings = {
@@ -44,6 +47,18 @@ after(async () => {
   await open?.close();
   persist?.cleanup();
 });
+
+/** The gateway whose rate limiter is modelled 300 ms away (its pools are local): a pool's answer
+ * comes back before the limiter's, so what the overlap does is what a test sees. */
+async function farGateway() {
+  if (!far) {
+    far = await startGatewayServer({
+      bindings: { ...limitedBindings, SIMULATE_NETWORK: "true", SIMULATE_LIMITER_RTT_MS: "300" },
+    });
+    closers.push(() => far.close());
+  }
+  return far;
+}
 
 async function sim(args) {
   const s = await startSim(args);
@@ -141,12 +156,8 @@ test("a request every pool refuses gives its reservation back", async () => {
 });
 
 test("the limiter is asked beside the lease call: a refused request never reaches a backend or keeps a lease, and a refused client is asked first", async () => {
-  // The limiter modelled 300 ms away (its pool is local): the pool's grant comes back before the
-  // limiter's answer, so the overlap is what this test sees.
-  const far = await startGatewayServer({
-    bindings: { ...limitedBindings, SIMULATE_NETWORK: "true", SIMULATE_LIMITER_RTT_MS: "300" },
-  });
-  closers.push(() => far.close());
+  // The pool's grant comes back before the limiter's answer.
+  const far = await farGateway();
   const p = await freshPool(far, ["--time-scale", "1000"]);
   const key = KEYS[4];
   const decisions = async () => (await metrics(far))
@@ -180,6 +191,41 @@ test("the limiter is asked beside the lease call: a refused request never reache
   assert.equal(await served(), done, "a refused request reached the backend");
   const state = await drained(far, p.name);
   assert.equal(state.in_flight, 0);
+});
+
+test("a refusal by the limiter while the request waits in the pool's queue ends the wait: 429, nothing left queued", async () => {
+  const far = await farGateway();
+  // One sequence at a time, queueing on: a 300-token blocker (3 s) holds the only slot.
+  const slow = await freshPool(far, ["--time-scale", "1", "--max-num-seqs", "1"], {
+    admission: { enabled: true, poll_ms: 1000, max_wait_ms: 20000 },
+    backend: { max_num_seqs: 1 },
+  });
+  const fast = await freshPool(far, ["--time-scale", "1000"]);
+  const key = KEYS[5];
+  // 900 tokens generated elsewhere: the key has about 90 left of its minute.
+  const big = await chat(far, fast.model, { key, max_tokens: 900 });
+  assert.equal(big.status, 200, big.text);
+  const blocker = chat(far, slow.model, { key: KEYS[6], max_tokens: 300 });
+  await waitFor(async () => (await poolState(far, slow.name)).in_flight === 1, { what: "the blocker's lease" });
+  // Asked beside its lease call, the over-limit request waits in the queue until the limiter's
+  // refusal comes (300 ms), not until the blocker is done.
+  const over = chat(far, slow.model, { key, max_tokens: 500 });
+  await waitFor(async () => (await poolState(far, slow.name)).queue.length === 1, { intervalMs: 20, what: "the request queued" });
+  const refused = await over;
+  assert.equal(refused.status, 429, refused.text);
+  assert.equal(JSON.parse(refused.text).error.code, "rate_limit_exceeded");
+  assert.equal(refused.headers.get("x-gateway-queue-drop"), null, "refused by the queue, not the limiter");
+  const state = await waitFor(async () => {
+    const s = await poolState(far, slow.name);
+    return s.queue.length === 0 ? s : null;
+  }, { what: "the queue empty" });
+  assert.equal(state.in_flight, 1, "the blocker ended before the refusal: the test saw nothing");
+  const done = await blocker;
+  assert.equal(done.status, 200, done.text);
+  await drained(far, slow.name);
+  const r = await fetch(`${slow.sim.url}/metrics`);
+  const served = parseMetrics(await r.text()).filter((x) => x.name === "vllm:request_success_total").reduce((n, x) => n + x.value, 0);
+  assert.equal(served, 1, "the refused request reached the backend");
 });
 
 test("a hang-up while waiting for the first byte, and one mid-stream, leave leases and reservations at zero", async () => {
