@@ -160,9 +160,15 @@ pub struct Reservation {
     pub tokens: u64,
 }
 
-/// Whether rate limits are configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
+/// The rate limits, when any is configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
+fn configured_limits(env: &Env) -> Option<RateLimits> {
+    let limits = crate::settings::settings(env).rate_limits;
+    (limits != RateLimits::default()).then_some(limits)
+}
+
+/// Whether rate limits are configured.
 pub fn rate_limited(env: &Env) -> bool {
-    crate::settings::settings(env).rate_limits != RateLimits::default()
+    configured_limits(env).is_some()
 }
 
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
@@ -173,10 +179,9 @@ pub async fn reserve(
     client: &str,
     estimate: u64,
 ) -> Result<Option<Reservation>, ApiError> {
-    let limits = crate::settings::settings(env).rate_limits;
-    if limits == RateLimits::default() {
+    let Some(limits) = configured_limits(env) else {
         return Ok(None);
-    }
+    };
     let body = TakeRequest {
         limits,
         tokens: estimate,
