@@ -69,8 +69,8 @@ pub struct HopContext {
     pub region: String,
     /// The client's tenant, priority and wait limit, for admission.
     pub who: AdmissionRequest,
-    /// The tokens the edge charged, for the regional side to settle (or refund): an edge that
-    /// served the request itself after a failed hop, or one from before `charge`.
+    /// The tokens an edge from before `charge` charged, for the regional side to settle (or
+    /// refund); an edge of this build leaves the charging to the regional side and sends none.
     #[serde(default)]
     pub reservation: Option<Reservation>,
     /// What the regional side charges the client's rate limits, when they apply.
