@@ -8,11 +8,15 @@
 //   "loop":     a loop in `waitUntil` reads each chunk and writes it to a native
 //               `IdentityTransformStream`, as the gateway's relay does (which also hands each chunk
 //               to its wasm scanner, and writes one chunk per whole event).
+// With `WAIT_MS` set, it first waits that long on a timer, as the gateway waits out a modelled round
+// trip with SIMULATE_NETWORK=true (bench/round-trips.mjs: what the model itself costs).
 // Nothing else: no routing, leases, logging or parsing.
 
 export default {
   async fetch(request, env, ctx) {
     const url = new URL(request.url);
+    const wait = Number(env.WAIT_MS ?? 0);
+    if (wait > 0) await new Promise((resolve) => setTimeout(resolve, wait));
     const upstream = await fetch(env.UPSTREAM + url.pathname, {
       method: request.method,
       headers: { "content-type": request.headers.get("content-type") ?? "application/json" },

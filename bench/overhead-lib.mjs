@@ -231,16 +231,17 @@ export async function gatewayWithSim({ pool, model = "bench-model", simArgs = []
 /**
  * The floor (bench/floor-worker.mjs): a minimal JavaScript Worker in its own workerd, with the
  * gateway's compatibility date and flags, that forwards every request to `upstream` in `mode`
- * ("pass", "identity" or "transform"). Returns { url, pid (its workerd), close }.
+ * ("pass", "identity" or "transform"), after a `waitMs` timer when given. Returns { url, pid (its
+ * workerd), close }.
  */
-export async function floorWorker({ upstream, mode }) {
+export async function floorWorker({ upstream, mode, waitMs = 0 }) {
   const mf = new Miniflare({
     name: `floor-${mode}`,
     scriptPath: path.join(ROOT, "bench/floor-worker.mjs"),
     modules: true,
     compatibilityDate: "2026-08-01",
     compatibilityFlags: ["enable_request_signal"],
-    bindings: { UPSTREAM: upstream, MODE: mode },
+    bindings: { UPSTREAM: upstream, MODE: mode, WAIT_MS: String(waitMs) },
     host: "127.0.0.1",
     port: 0,
     handleRuntimeStdio: (out, err) => (out.resume(), err.resume()),
