@@ -266,7 +266,7 @@ test("a hang-up while waiting for the first byte, and one mid-stream, leave leas
   await drained(limited, p.name);
 });
 
-test("token buckets survive a restart of the gateway (written to the rate limiter's storage within a second)", async () => {
+test("token buckets survive a restart of the gateway (written behind to the rate limiter's storage)", async () => {
   const p = await freshPool(limited, ["--time-scale", "1000"]);
   const key = KEYS[2];
   // 900 tokens generated: the key has about 90 left of its minute.
@@ -274,8 +274,8 @@ test("token buckets survive a restart of the gateway (written to the rate limite
   assert.equal(big.status, 200, big.text);
   assert.equal(JSON.parse(big.text).usage.completion_tokens, 900);
   await drained(limited, p.name);
-  // The limiter writes its buckets behind, within a second of a change (FLUSH_AFTER_MS): a
-  // restart loses at most that second's charges.
+  // The limiter writes its buckets behind, a second after a change (FLUSH_AFTER_MS): a
+  // restart loses the charges not yet written.
   await new Promise((resolve) => setTimeout(resolve, 1500));
   await limited.close();
   limited = await startGatewayServer({ bindings: limitedBindings, persistDir: persist.dir });

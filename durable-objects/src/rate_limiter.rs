@@ -8,10 +8,13 @@
 //! object's storage (one JSON value, read on the object's first request), so neither an eviction
 //! nor a deploy hands a client a fresh minute's allowance. They are written behind: a change sets
 //! an alarm [`FLUSH_AFTER_MS`] ahead (unless one is set), and the alarm writes whatever the
-//! buckets are by then, so a busy key costs one storage write a second, not two per request
-//! (each one a commit that the object's answer waits for: about 2 ms of a request's time to first
-//! byte under Miniflare, in `make bench-round-trips`). What a crash or a deploy can lose is the
-//! charges of at most the last `FLUSH_AFTER_MS`. The Worker calls it by Durable Object RPC
+//! buckets are by then, so a busy key costs two storage writes a second (setting the alarm, which
+//! the first request of each second waits for, and storing), not two per request (each one a
+//! commit that the object's answer waited for: about 2 ms of a request's time to first byte under
+//! Miniflare, in `make bench-round-trips`). What a crash, a deploy or a panic in the object can
+//! lose is the charges not yet stored: usually those of the last `FLUSH_AFTER_MS`, longer when
+//! the platform delays the alarm (up to a minute, by its documentation) or its write fails and
+//! is retried. The Worker calls it by Durable Object RPC
 //! (`gatewayCall`, as the pool coordinator), `fetch` answers the same routes.
 
 use crate::call::{parse_route, parse_rpc_route, reply, respond, respond_rpc, Answered, Incoming};
@@ -110,7 +113,7 @@ impl ClientRateLimiter {
         Ok(())
     }
 
-    /// Applies `change` to the buckets; the alarm stores them within `FLUSH_AFTER_MS` (or they
+    /// Applies `change` to the buckets; the alarm stores them `FLUSH_AFTER_MS` later (or they
     /// are stored now, when the alarm cannot be set).
     async fn change<T>(
         &self,
