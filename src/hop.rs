@@ -18,17 +18,17 @@
 //! plan's pools (lease, fetch, relay, lease guard), charges and settles the reservation, as the
 //! edge would.
 
-use crate::auth::{constant_time_eq, secret};
+use crate::auth::constant_time_eq;
 use crate::http::{hex, unhex};
 use crate::keys::Reservation;
 use crate::regions::{self, Plan};
+use crate::settings::settings;
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::admission::AdmissionRequest;
 use routing_core::region::ChoiceReason;
 use routing_core::request::prompt::RequestFeatures;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use worker::{Env, Fetcher, Headers, Request, Response};
 
 /// The internal header carrying a [`HopContext`] (hex-encoded JSON) from the edge to a regional
@@ -41,15 +41,15 @@ const HOP_AUTH_HEADER: &str = "x-gateway-hop-auth";
 /// and regional side together (tests count them instead of timing them).
 pub const SIMULATED_WAITS_HEADER: &str = "x-gateway-simulated-waits";
 
-/// Whether this deployment is a regional Worker (`GATEWAY_ROLE = "regional"`).
+/// Whether this deployment is a regional Worker (`GATEWAY_ROLE = "regional"`, read once per
+/// isolate with the other settings).
 fn is_regional(env: &Env) -> bool {
-    env.var("GATEWAY_ROLE")
-        .is_ok_and(|v| v.to_string().trim() == "regional")
+    settings(env).regional
 }
 
 /// The `HOP_SECRET` secret (or var) both roles share, if set.
 fn hop_secret(env: &Env) -> Option<String> {
-    secret(env, "HOP_SECRET")
+    settings(env).hop_secret.clone()
 }
 
 /// What the edge decided, for the regional Worker that carries it out.
@@ -142,12 +142,8 @@ pub fn regional_for(env: &Env, plan: &Plan) -> Option<Regional> {
         return None;
     }
     let first = plan.pools.first()?;
-    let map: HashMap<String, String> = env
-        .var("REGIONAL_WORKERS")
-        .ok()
-        .and_then(|v| serde_json::from_str(&v.to_string()).ok())?;
-    let binding = map.get(&first.region)?;
-    match env.service(binding) {
+    let binding = settings(env).regional_workers.get(&first.region)?.clone();
+    match env.service(&binding) {
         Ok(fetcher) => Some(Regional {
             fetcher,
             region: first.region.clone(),

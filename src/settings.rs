@@ -3,7 +3,7 @@
 //!
 //! An isolate runs one version of the Worker, whose bindings do not change while it lives, so the
 //! dozen vars every proxied request consults (feature extraction, proxy timeouts, body limit, the
-//! client keys and rate limits, the region map) are parsed on its first request and kept. Each
+//! client keys and rate limits, the region map, the regional hop's role, bindings and secret) are parsed on its first request and kept. Each
 //! lookup crosses into JavaScript, and together they were a measurable share of a request's CPU.
 //! The admin API and the cron handler still read the environment directly.
 
@@ -46,6 +46,12 @@ pub struct Settings {
     pub region_header: bool,
     /// `REGION_MAP`: colo or continent code to region.
     pub region_map: HashMap<String, String>,
+    /// `GATEWAY_ROLE = "regional"`: this deployment is a regional Worker (`hop.rs`).
+    pub regional: bool,
+    /// `REGIONAL_WORKERS`: a pool region to the service binding of its regional Worker.
+    pub regional_workers: HashMap<String, String>,
+    /// The `HOP_SECRET` secret (or var), if set: never logged or sent anywhere but the hop.
+    pub hop_secret: Option<String>,
 }
 
 impl Settings {
@@ -86,6 +92,13 @@ impl Settings {
                 .ok()
                 .and_then(|v| serde_json::from_str(&v.to_string()).ok())
                 .unwrap_or_default(),
+            regional: var_or(env, "GATEWAY_ROLE", String::new()).trim() == "regional",
+            regional_workers: env
+                .var("REGIONAL_WORKERS")
+                .ok()
+                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
+                .unwrap_or_default(),
+            hop_secret: secret(env, "HOP_SECRET"),
         }
     }
 }
