@@ -55,11 +55,17 @@ async function devtools(url) {
   };
 }
 
-/** Self and inclusive sample counts per function name of a CPU profile. */
-function tally(profile) {
+/** A CPU profile's nodes by id, and each node's parent id. */
+function tree(profile) {
   const byId = new Map(profile.nodes.map((n) => [n.id, n]));
   const parent = new Map();
   for (const n of profile.nodes) for (const c of n.children ?? []) parent.set(c, n.id);
+  return { byId, parent };
+}
+
+/** Self and inclusive sample counts per function name of a CPU profile. */
+function tally(profile) {
+  const { byId, parent } = tree(profile);
   const hits = new Map();
   for (const s of profile.samples) hits.set(s, (hits.get(s) ?? 0) + 1);
   const self = new Map();
@@ -86,9 +92,7 @@ function tally(profile) {
  */
 function ttfbSplit(profile, windows, ok) {
   windows.sort((a, b) => a[0] - b[0]);
-  const byId = new Map(profile.nodes.map((n) => [n.id, n]));
-  const parent = new Map();
-  for (const n of profile.nodes) for (const c of n.children ?? []) parent.set(c, n.id);
+  const { byId, parent } = tree(profile);
   const name = (n) => n.callFrame.functionName.replace(/::h[0-9a-f]{16}.*/, "") || `(anonymous ${n.callFrame.url.split("/").pop()}:${n.callFrame.columnNumber})`;
   const usPerSample = (profile.endTime - profile.startTime) / profile.samples.length;
   const self = new Map();

@@ -101,6 +101,14 @@ pub fn var_or<T: std::str::FromStr>(env: &Env, name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// A `wrangler.toml` var holding JSON, parsed as `T`, or `T::default()` when unset or unparsable.
+pub fn json_var_or_default<T: serde::de::DeserializeOwned + Default>(env: &Env, name: &str) -> T {
+    env.var(name)
+        .ok()
+        .and_then(|v| serde_json::from_str(&v.to_string()).ok())
+        .unwrap_or_default()
+}
+
 /// Reads the body, refusing it (413) past `limit` bytes (declared or actual). At most `limit`
 /// bytes ever enter wasm; an oversize body is drained on the JS side (for a few seconds at most)
 /// before the 413, so the client, still sending, reads the answer instead of a reset connection.

@@ -15,7 +15,7 @@
 //! The isolate's memory holds the network measurements and the conversations' home pools, both
 //! bounded (`routing_core::region`).
 
-use crate::http::var_or;
+use crate::http::{json_var_or_default, var_or};
 use crate::settings::Settings;
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
@@ -122,11 +122,8 @@ fn with_settings<R>(env: &Env, f: impl FnOnce(&RegionSettings) -> R) -> R {
 fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
     NETWORK.with(|n| {
         let cell = n.get_or_init(|| {
-            let table: HashMap<String, HashMap<String, u32>> = env
-                .var("REGION_RTT_MS")
-                .ok()
-                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
-                .unwrap_or_default();
+            let table: HashMap<String, HashMap<String, u32>> =
+                json_var_or_default(env, "REGION_RTT_MS");
             RefCell::new(NetworkModel::new(
                 &table,
                 var_or(env, "REGION_RTT_DEFAULT_MS", 100),

@@ -3,12 +3,13 @@
 //!
 //! An isolate runs one version of the Worker, whose bindings do not change while it lives, so the
 //! dozen vars every proxied request consults (feature extraction, proxy timeouts, body limit, the
-//! client keys and rate limits, the region map, the regional hop's role, bindings and secret) are parsed on its first request and kept. Each
-//! lookup crosses into JavaScript, and together they were a measurable share of a request's CPU.
+//! client keys and rate limits, the region map, the regional hop's role, bindings and secret) are
+//! parsed on its first request and kept. Each lookup crosses into JavaScript, and together they
+//! were a measurable share of a request's CPU.
 //! The admin API and the cron handler still read the environment directly.
 
 use crate::auth::{hash_key, secret};
-use crate::http::var_or;
+use crate::http::{json_var_or_default, var_or};
 use routing_core::request::prompt::FeatureConfig;
 use routing_core::request::rate_limit::RateLimits;
 use std::collections::HashMap;
@@ -87,17 +88,9 @@ impl Settings {
                 tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
             },
             region_header: var_or(env, "ALLOW_REGION_HEADER", String::new()) == "true",
-            region_map: env
-                .var("REGION_MAP")
-                .ok()
-                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
-                .unwrap_or_default(),
+            region_map: json_var_or_default(env, "REGION_MAP"),
             regional: var_or(env, "GATEWAY_ROLE", String::new()).trim() == "regional",
-            regional_workers: env
-                .var("REGIONAL_WORKERS")
-                .ok()
-                .and_then(|v| serde_json::from_str(&v.to_string()).ok())
-                .unwrap_or_default(),
+            regional_workers: json_var_or_default(env, "REGIONAL_WORKERS"),
             hop_secret: secret(env, "HOP_SECRET"),
         }
     }
