@@ -132,7 +132,7 @@ pub async fn handle(
     // Charged beside the first lease call, not before it (`reserving`); a hop from an edge that
     // charged already carries its reservation.
     let reserved = match (&charge, &hop_in) {
-        (Some(c), _) => Reserved::start(env, &c.client, c.estimate).await?,
+        (Some(c), _) => Reserved::start(ctx, env, &c.client, c.estimate).await?,
         (None, Some(h)) => Reserved::Known(h.reservation.clone()),
         (None, None) => Reserved::Known(None),
     };

@@ -17,7 +17,7 @@ use crate::do_client::{call, stale_while_revalidate, CacheSlot, To};
 use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::ApiError;
-use routing_core::request::rate_limit::RateLimits;
+use routing_core::request::rate_limit::{Left, RateLimits};
 use std::cell::RefCell;
 use worker::{Context, Env, Request};
 
@@ -158,17 +158,16 @@ pub struct Reservation {
     limits: RateLimits,
     /// The estimate charged.
     pub tokens: u64,
+    /// The charge on its way, for a request served ahead of its answer (resolving to whether it
+    /// landed): a settlement waits for it, so the limiter sees the charge first.
+    #[serde(skip)]
+    pub charging: Option<js_sys::Promise>,
 }
 
 /// The rate limits, when any is configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
-fn configured_limits(env: &Env) -> Option<RateLimits> {
+pub fn configured_limits(env: &Env) -> Option<RateLimits> {
     let limits = crate::settings::settings(env).rate_limits;
     (limits != RateLimits::default()).then_some(limits)
-}
-
-/// Whether rate limits are configured.
-pub fn rate_limited(env: &Env) -> bool {
-    configured_limits(env).is_some()
 }
 
 /// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
@@ -178,31 +177,64 @@ pub async fn reserve(
     env: &Env,
     client: &str,
     estimate: u64,
-) -> Result<Option<Reservation>, ApiError> {
+) -> Result<(Option<Reservation>, Left), ApiError> {
     let Some(limits) = configured_limits(env) else {
-        return Ok(None);
+        return Ok((None, Left::default()));
     };
     let body = TakeRequest {
         limits,
         tokens: estimate,
+        force: false,
     };
-    call(env, To::Limiter(client), &body).await?;
-    Ok((limits.tokens_per_minute > 0).then(|| Reservation {
+    let taken = call(env, To::Limiter(client), &body).await?;
+    Ok((reservation(client, limits, estimate), taken.left))
+}
+
+/// What a request charged `estimate` settles when it ends (nothing without a token limit).
+pub fn reservation(client: &str, limits: RateLimits, estimate: u64) -> Option<Reservation> {
+    (limits.tokens_per_minute > 0).then(|| Reservation {
         client: client.to_string(),
         limits,
         tokens: estimate,
-    }))
+        charging: None,
+    })
+}
+
+/// Charges a request the limiter refused after it was served ahead of the answer: whatever the
+/// buckets hold, so the client's next requests wait for the debt. Failures are logged.
+pub async fn force_charge(env: &Env, client: &str, limits: RateLimits, estimate: u64) -> bool {
+    let body = TakeRequest {
+        limits,
+        tokens: estimate,
+        force: true,
+    };
+    match call(env, To::Limiter(client), &body).await {
+        Ok(_) => true,
+        Err(e) => {
+            worker::console_error!("charging a request served ahead of its limiter failed: {e}");
+            false
+        }
+    }
 }
 
 /// Settles a reservation with the tokens the request really used (the backend's usage); failures
 /// are logged: the estimate stands.
 pub async fn settle(env: &Env, reservation: &Reservation, actual: u64) {
-    if actual == reservation.tokens {
+    // A request served ahead of its charge: settled after the charge, and, if the charge never
+    // landed (the limiter failed), charged what it used with nothing to refund.
+    let reserved = match &reservation.charging {
+        Some(charging) => match wasm_bindgen_futures::JsFuture::from(charging.clone()).await {
+            Ok(landed) if landed.as_bool() == Some(false) => 0,
+            _ => reservation.tokens,
+        },
+        None => reservation.tokens,
+    };
+    if actual == reserved {
         return;
     }
     let body = SettleRequest {
         limits: reservation.limits,
-        reserved: reservation.tokens,
+        reserved,
         actual,
     };
     if let Err(e) = call(env, To::Limiter(&reservation.client), &body).await {

@@ -9,12 +9,21 @@
 //! is told, as for a client that hangs up). A client the limiter refused is asked first again until
 //! its `Retry-After` has passed, so a client over its limits costs the pools no lease call beyond
 //! the first refused one per isolate and retry period.
+//!
+//! With `RATE_LIMIT_AHEAD`, a client well within its limits by the limiter's last answer to this
+//! isolate ([`AheadBook`]: every limited bucket at least half full after the charges in flight
+//! and this one, the answer at most 10 s old) is served without waiting for its charge's answer:
+//! the charge goes on in the background, and if the limiter refuses it, the request, already
+//! served, is charged all the same (`force`), so the client's next requests wait for the debt.
+//! A client near its limits, refused recently or unknown to the isolate waits for its answer, as
+//! without the setting.
 
 use crate::keys::{self, Reservation};
 use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::LeaseId;
+use routing_core::request::rate_limit::AheadBook;
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -29,6 +38,8 @@ const MAX_REFUSED: usize = 4_096;
 thread_local! {
     /// Clients the limiter refused, with when (ms since the epoch) they may be asked beside again.
     static REFUSED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
+    /// What this isolate knows of its clients' buckets, with `RATE_LIMIT_AHEAD`.
+    static BOOK: RefCell<AheadBook> = RefCell::new(AheadBook::new());
 }
 
 /// The limiter's answer, once it came.
@@ -48,29 +59,59 @@ pub enum Reserved {
 
 impl Reserved {
     /// Starts charging `client` an estimate of `estimate` tokens: asked at once and waited for when
-    /// the limiter refused the client recently, else left running beside what follows.
-    pub async fn start(env: &Env, client: &str, estimate: u64) -> Result<Reserved, ApiError> {
-        if !keys::rate_limited(env) {
+    /// the limiter refused the client recently, charged in the background when the client may go
+    /// ahead (`RATE_LIMIT_AHEAD`), else left running beside what follows.
+    pub async fn start(
+        ctx: &Context,
+        env: &Env,
+        client: &str,
+        estimate: u64,
+    ) -> Result<Reserved, ApiError> {
+        let Some(limits) = keys::configured_limits(env) else {
             return Ok(Reserved::Known(None));
-        }
-        if refused_recently(client, crate::http::now_ms()) {
-            let answer = charge(env, client, estimate).await;
-            note(client, &answer);
-            return answer.map(Reserved::Known);
-        }
-        let slot: Slot = Rc::default();
-        let (refused, refuse) = crate::lease_guard::signal_promise();
-        let (env, client, filled) = (env.clone(), client.to_string(), slot.clone());
-        let done = wasm_bindgen_futures::future_to_promise(async move {
-            let answer = charge(&env, &client, estimate).await;
-            note(&client, &answer);
-            let is_refusal = answer.is_err();
-            *filled.borrow_mut() = Some(answer);
-            if is_refusal {
-                let _ = refuse.call0(&JsValue::UNDEFINED);
+        };
+        let now = crate::http::now_ms();
+        let book = crate::settings::settings(env).rate_limit_ahead;
+        let may_go_ahead =
+            book && BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
+        if refused_recently(client, now) {
+            let (slot, done, _) = kept_charge(ctx, env, client, estimate, book);
+            return Reserved::Pending {
+                slot,
+                done,
+                refused: js_sys::Promise::resolve(&JsValue::UNDEFINED),
             }
-            Ok(JsValue::UNDEFINED)
-        });
+            .resolve()
+            .await
+            .map(Reserved::Known);
+        }
+        if may_go_ahead {
+            let (env, owned) = (env.clone(), client.to_string());
+            // Resolves to whether the charge landed, for the settlement.
+            let charging = wasm_bindgen_futures::future_to_promise(async move {
+                let charged = match charge(&env, &owned, estimate, true).await {
+                    Ok(_) => true,
+                    // Served already: paid for all the same.
+                    Err(e) if e.status == 429 => {
+                        keys::force_charge(&env, &owned, limits, estimate).await
+                    }
+                    Err(e) => {
+                        worker::console_error!(
+                            "charging a request served ahead of its limiter failed: {e}"
+                        );
+                        false
+                    }
+                };
+                Ok(JsValue::from_bool(charged))
+            });
+            keep_alive(ctx, &charging);
+            let mut reservation = keys::reservation(client, limits, estimate);
+            if let Some(r) = &mut reservation {
+                r.charging = Some(charging);
+            }
+            return Ok(Reserved::Known(reservation));
+        }
+        let (slot, done, refused) = kept_charge(ctx, env, client, estimate, book);
         Ok(Reserved::Pending {
             slot,
             done,
@@ -132,13 +173,62 @@ pub fn release_unused(
     ctx.wait_until(async move { crate::releases::release(&env, &pool, shard, req).await });
 }
 
-/// Charges `client` (after the modelled round trip to its limiter, in local runs that model one).
-async fn charge(env: &Env, client: &str, estimate: u64) -> Result<Option<Reservation>, ApiError> {
+/// Starts charging `client`, kept running to its answer by the invocation whatever becomes of the
+/// request (so the answer always reaches the refusals and the book): the answer goes into the
+/// slot, `done` settles once it is there, `refused` only if it is a refusal.
+fn kept_charge(
+    ctx: &Context,
+    env: &Env,
+    client: &str,
+    estimate: u64,
+    book: bool,
+) -> (Slot, js_sys::Promise, js_sys::Promise) {
+    let slot: Slot = Rc::default();
+    let (refused, refuse) = crate::lease_guard::signal_promise();
+    let (env, client, filled) = (env.clone(), client.to_string(), slot.clone());
+    let done = wasm_bindgen_futures::future_to_promise(async move {
+        let answer = charge(&env, &client, estimate, book).await;
+        let is_refusal = answer.is_err();
+        *filled.borrow_mut() = Some(answer);
+        if is_refusal {
+            let _ = refuse.call0(&JsValue::UNDEFINED);
+        }
+        Ok(JsValue::UNDEFINED)
+    });
+    keep_alive(ctx, &done);
+    (slot, done, refused)
+}
+
+/// Keeps the invocation alive until `promise` settles.
+fn keep_alive(ctx: &Context, promise: &js_sys::Promise) {
+    let promise = promise.clone();
+    ctx.wait_until(async move {
+        let _ = JsFuture::from(promise).await;
+    });
+}
+
+/// Charges `client` (after the modelled round trip to its limiter, in local runs that model one),
+/// and remembers the answer: a refusal until its `Retry-After`, and, with `book`, what is left in
+/// the isolate's [`AheadBook`].
+async fn charge(
+    env: &Env,
+    client: &str,
+    estimate: u64,
+    book: bool,
+) -> Result<Option<Reservation>, ApiError> {
     let rtt = crate::regions::simulated_limiter_rtt_ms(env);
     if rtt > 0 {
         worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
     }
-    keys::reserve(env, client, estimate).await
+    let answer = keys::reserve(env, client, estimate).await;
+    if book {
+        let left = answer.as_ref().ok().map(|(_, left)| *left);
+        let now = crate::http::now_ms();
+        BOOK.with(|b| b.borrow_mut().answered(client, estimate, left, now));
+    }
+    let answer = answer.map(|(reservation, _)| reservation);
+    note(client, &answer);
+    answer
 }
 
 /// Whether the limiter refused `client` and its `Retry-After` has not passed.

@@ -43,6 +43,9 @@ pub struct Settings {
     pub slow_client_timeout_ms: u64,
     /// `RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`.
     pub rate_limits: RateLimits,
+    /// `RATE_LIMIT_AHEAD = "true"`: a client well within its limits is served without waiting
+    /// for its charge's answer (`reserving.rs`).
+    pub rate_limit_ahead: bool,
     /// `ALLOW_REGION_HEADER`: whether `x-gateway-region` is trusted.
     pub region_header: bool,
     /// `REGION_MAP`: colo or continent code to region.
@@ -87,6 +90,7 @@ impl Settings {
                 requests_per_minute: var_or(env, "RATE_LIMIT_RPM", 0),
                 tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
             },
+            rate_limit_ahead: var_or(env, "RATE_LIMIT_AHEAD", String::new()) == "true",
             region_header: var_or(env, "ALLOW_REGION_HEADER", String::new()) == "true",
             region_map: json_var_or_default(env, "REGION_MAP"),
             regional: var_or(env, "GATEWAY_ROLE", String::new()).trim() == "regional",

@@ -2,7 +2,8 @@
 // a second time as a regional Worker (GATEWAY_ROLE=regional) sharing its Durable Objects, reached
 // through a service binding named in REGIONAL_WORKERS; real vllm-sim backends on 127.0.0.1. A
 // request through the hop gets the same answer and headers as without it; a hang-up mid-stream
-// releases the lease; a token reservation is charged once and settled; hop headers from a public
+// releases the lease; a token reservation is charged once and settled (and, with RATE_LIMIT_AHEAD,
+// a request served ahead of a charge the limiter refuses is paid for); hop headers from a public
 // request are not trusted (at the edge, and at a regional Worker without the HOP_SECRET); and with
 // SIMULATE_NETWORK the hop waits out one modelled round trip where the edge alone waits two
 // (counted, never timed).
@@ -49,8 +50,8 @@ afterEach(async () => {
   for (const [g, name] of drains) await drained(g, name);
 });
 
-async function addPool(g, name, sims, models) {
-  const put = await g.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: REGION } });
+async function addPool(g, name, sims, models, region = REGION) {
+  const put = await g.admin(`/admin/pools/${name}`, { method: "PUT", body: { region } });
   assert.equal(put.status, 200, await put.text());
   for (const [i, s] of sims.entries()) {
     const id = `${name}-b${i}`;
@@ -138,6 +139,44 @@ test("a reservation is charged once (by the regional Worker, beside its lease ca
   // Both were settled at their real usage, not refunded: a third does not fit.
   const third = await chat(fresh, { maxTokens: 440, headers: via });
   assert.equal(third.status, 429, await third.text());
+});
+
+test("with RATE_LIMIT_AHEAD a request served ahead of its charge that the limiter then refuses is paid for all the same", async () => {
+  // Two isolates charge one key's limiter: the regional Worker (the eu-west pool) and the edge
+  // itself (a us-east pool, which has no regional Worker). Each knows only its own answers.
+  const g = await startWithHop({
+    region: REGION,
+    bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", RATE_LIMIT_AHEAD: "true", ...NETWORK },
+  });
+  closers.push(g);
+  const us = await startSim(["--model", "hop-us", "--time-scale", "1000", "--seed", "8"]);
+  closers.push(us);
+  await addPool(g, "hop-eu", [sim], ["hop-model"]);
+  await addPool(g, "hop-us", [us], ["hop-us"], "us-east");
+  const via = { "x-gateway-region": "us-east" };
+  // The edge charges a small request and learns the key has nearly all its minute left.
+  const small = await chat(g, { model: "hop-us", headers: via });
+  assert.equal(small.status, 200, await small.clone().text());
+  assert.equal(small.headers.get("x-gateway-pool"), "hop-us");
+  await small.text();
+  // The regional Worker spends most of the rest (about 900 tokens), unseen by the edge.
+  const big = await chat(g, { maxTokens: 880, headers: via });
+  assert.equal(big.status, 200, await big.clone().text());
+  assert.equal(big.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  await big.text();
+  // By the edge's last answer the key is well within its limit: served ahead of its charge,
+  // which the limiter refuses (about 100 tokens left for about 310).
+  const ahead = await chat(g, { model: "hop-us", maxTokens: 300, headers: via });
+  assert.equal(ahead.status, 200, `not served ahead: ${await ahead.clone().text()}`);
+  await ahead.text();
+  await new Promise((r) => setTimeout(r, 300));
+  // It was charged all the same: the key owes about 200 tokens, so even a small request waits
+  // for more than ten seconds of refill (without the forced charge, it would fit at once).
+  const after = await chat(g, { model: "hop-us", headers: via });
+  assert.equal(after.status, 429, await after.clone().text());
+  await after.text();
+  const retry = Number(after.headers.get("retry-after"));
+  assert.ok(retry >= 8, `Retry-After ${retry}: the request served ahead was not charged`);
 });
 
 test("hop headers on a public request to the edge are not trusted", async () => {

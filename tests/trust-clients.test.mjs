@@ -6,14 +6,15 @@
 // backend is done, and is cut off past SLOW_CLIENT_TIMEOUT_MS); a stream complete with
 // `data: [DONE]` stays complete whatever the socket does next; the key surface stays closed
 // (REQUIRE_CLIENT_KEYS, deleting the last minted key); the rate limiter, asked beside the lease
-// call, never lets a refused request reach a backend or keep a lease or a queue place. After each
-// test, leases are back to zero.
+// call, never lets a refused request reach a backend or keep a lease or a queue place; with
+// RATE_LIMIT_AHEAD a key well within its limits does not wait for the limiter, and one near or over
+// them is checked as before. After each test, leases are back to zero.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 import { startGatewayServer, startSim, waitFor, waitReady, tempDir, setFaults, parseMetrics, metricValue, drained, poolState } from "./lib/harness.mjs";
 
-const KEYS = ["sk-trust-hangup", "sk-trust-refund", "sk-trust-restart", "sk-trust-steps", "sk-trust-spare", "sk-trust-queued", "sk-trust-blocker"];
+const KEYS = ["sk-trust-hangup", "sk-trust-refund", "sk-trust-restart", "sk-trust-steps", "sk-trust-spare", "sk-trust-queued", "sk-trust-blocker", "sk-trust-ahead"];
 const TPM = 1000;
 const SLOW_CLIENT_TIMEOUT_MS = 3000;
 
@@ -190,6 +191,48 @@ test("the limiter is asked beside the lease call: a refused request never reache
   assert.equal(await decisions(), decided + 1, "a client refused recently was routed before the limiter answered");
   assert.equal(await served(), done, "a refused request reached the backend");
   const state = await drained(far, p.name);
+  assert.equal(state.in_flight, 0);
+});
+
+test("with RATE_LIMIT_AHEAD a key well within its limits is served without waiting for its limiter, and still charged; near them it waits, and over them it is refused", async () => {
+  // The limiter modelled 1.5 s away: a request that waits for its answer takes longer than that,
+  // one served ahead of it a few milliseconds. The key has 1,000 tokens a minute.
+  const g = await startGatewayServer({
+    bindings: { ...limitedBindings, RATE_LIMIT_AHEAD: "true", SIMULATE_NETWORK: "true", SIMULATE_LIMITER_RTT_MS: "1500" },
+  });
+  closers.push(() => g.close());
+  const p = await freshPool(g, ["--time-scale", "1000"]);
+  const key = KEYS[7];
+  const served = async () => {
+    const r = await fetch(`${p.sim.url}/metrics`);
+    return parseMetrics(await r.text()).filter((s) => s.name === "vllm:request_success_total").reduce((n, s) => n + s.value, 0);
+  };
+  const timed = async (max_tokens) => {
+    const t0 = performance.now();
+    const r = await chat(g, p.model, { key, max_tokens });
+    return { ...r, ms: performance.now() - t0 };
+  };
+  // Nothing known of the key yet: the first request waits for the limiter.
+  const first = await timed(8);
+  assert.equal(first.status, 200, first.text);
+  assert.ok(first.ms >= 1500, `the first request did not wait for the limiter (${first.ms.toFixed(0)} ms)`);
+  // Nearly all of its minute left: about 410 tokens leave more than half, served ahead.
+  const ahead = await timed(400);
+  assert.equal(ahead.status, 200, ahead.text);
+  assert.ok(ahead.ms < 1000, `a key well within its limit waited for the limiter (${ahead.ms.toFixed(0)} ms)`);
+  // With those 410 still on their way to the limiter, another 300 would leave under half: it
+  // waits (counted alone it would have gone ahead), and fits.
+  const near = await timed(292);
+  assert.equal(near.status, 200, near.text);
+  assert.ok(near.ms >= 1500, `a request that would leave under half went ahead (${near.ms.toFixed(0)} ms)`);
+  const before = await served();
+  // About 500 more do not fit, because the request served ahead was charged (without its charge
+  // they would): refused, as without the setting, and never served.
+  const over = await timed(492);
+  assert.equal(over.status, 429, `the request served ahead was not charged: ${over.text}`);
+  assert.equal(JSON.parse(over.text).error.code, "rate_limit_exceeded");
+  assert.equal(await served(), before, "a refused request reached the backend");
+  const state = await drained(g, p.name);
   assert.equal(state.in_flight, 0);
 });
 

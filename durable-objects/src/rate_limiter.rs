@@ -2,7 +2,9 @@
 //! client's budget is shared by every edge location that serves it.
 //!
 //! `POST /take {"limits": {...}, "tokens": N}` answers 200 when the request fits (charging the
-//! estimate `N`) and 429 with `Retry-After` when it does not; `POST /settle {"limits": {...},
+//! estimate `N`, and saying what is left) and 429 with `Retry-After` when it does not (with
+//! `"force": true` it charges whatever the buckets hold: a request served ahead of its charge's
+//! answer is paid for); `POST /settle {"limits": {...},
 //! "reserved": N, "actual": M}` settles an admitted request with the tokens the backend reported
 //! (see `routing_core::request::rate_limit`). The buckets live in memory and are kept in the
 //! object's storage (one JSON value, read on the object's first request), so neither an eviction
@@ -19,7 +21,7 @@
 
 use crate::call::{parse_route, parse_rpc_route, reply, respond, respond_rpc, Answered, Incoming};
 use coordinator_protocol::call::Ack;
-use coordinator_protocol::messages::{SettleRequest, TakeRequest};
+use coordinator_protocol::messages::{SettleRequest, TakeRequest, Taken};
 use coordinator_protocol::{ApiError, Object, Route};
 use routing_core::request::rate_limit::RateLimiter as Buckets;
 use std::cell::{Cell, RefCell};
@@ -152,10 +154,18 @@ impl ClientRateLimiter {
         let take: TakeRequest = incoming.body("take request").await?;
         let now = Date::now().as_millis();
         let result = self
-            .change(|b| b.try_take(&take.limits, take.tokens, now))
+            .change(|b| {
+                if take.force {
+                    b.force_take(&take.limits, take.tokens, now);
+                    Ok(b.left(&take.limits, now))
+                } else {
+                    b.try_take(&take.limits, take.tokens, now)
+                        .map(|()| b.left(&take.limits, now))
+                }
+            })
             .await?;
         match result {
-            Ok(()) => reply::<TakeRequest>(&Ack),
+            Ok(left) => reply::<TakeRequest>(&Taken { left }),
             Err(refusal) => Err(match refusal.retry_after_ms {
                 Some(ms) => ApiError::rate_limited(
                     "Rate limit exceeded for this API key.",

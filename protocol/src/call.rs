@@ -19,7 +19,7 @@ use crate::messages::{
     DequeueAnswer, DequeueRequest, KeyPatch, KeyPatchAnswer, LoadReportAnswer, ModelsAnswer,
     PoolEntry, PoolSummary, PrefillDone, PrefillDoneAnswer, ProbeRound, ReassignAnswer,
     ReassignRequest, ReleaseAnswer, ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer,
-    RenewRequest, SettleRequest, ShardAck, ShardRegistry, StoredKey, TakeRequest,
+    RenewRequest, SettleRequest, ShardAck, ShardRegistry, StoredKey, TakeRequest, Taken,
 };
 use crate::settings::PoolSettings;
 use crate::Route;
@@ -325,7 +325,22 @@ impl Answer for DeleteAnswer {
     }
 }
 
-/// A 2xx answer whose body says nothing more (the rate limiter's `ok`).
+impl Answer for Taken {
+    fn reply(&self) -> Result<Reply, serde_json::Error> {
+        Reply::json(200, self)
+    }
+    /// A limiter deployed before its answers said what is left answers `ok`: read as nothing
+    /// known (the client then waits for its answers, as without `RATE_LIMIT_AHEAD`), so a
+    /// regional Worker deployed before the edge keeps charging through the old limiter.
+    fn read(_status: u16, body: &str) -> Result<Self, serde_json::Error> {
+        if body.trim() == "ok" {
+            return Ok(Taken::default());
+        }
+        serde_json::from_str(body)
+    }
+}
+
+/// A 2xx answer whose body says nothing more (the rate limiter's settle).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ack;
 
@@ -410,7 +425,7 @@ json_calls! {
     ProbeRound => ShardAck, Route::ShardProbes;
     ShardRegistry => ShardAck, Route::ShardRegistry;
     StoredKey => StoredKey, Route::AddKey;
-    TakeRequest => Ack, Route::TakeTokens;
+    TakeRequest => Taken, Route::TakeTokens;
     SettleRequest => Ack, Route::SettleTokens;
 }
 

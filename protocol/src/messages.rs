@@ -11,7 +11,7 @@ use routing_core::policy::PolicyKind;
 use routing_core::pool::lease::{LeaseId, LeaseTerms};
 use routing_core::pool::{BackendView, CandidateView, Refusal};
 use routing_core::region::TimeCard;
-use routing_core::request::rate_limit::RateLimits;
+use routing_core::request::rate_limit::{Left, RateLimits};
 use routing_core::stream::outcome::Outcome;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -528,6 +528,19 @@ pub struct TakeRequest {
     pub limits: RateLimits,
     /// Tokens the request is charged.
     pub tokens: u64,
+    /// Charge it whatever the buckets hold, never refusing: a request already served ahead of
+    /// its charge's answer that the limiter refused (`RATE_LIMIT_AHEAD`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
+}
+
+/// Answer of `POST /take` when the request was admitted (or forced): what the client's limited
+/// buckets hold after it, for the isolate's [`routing_core::request::rate_limit::AheadBook`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Taken {
+    /// Requests and tokens left of the minute's allowance.
+    pub left: Left,
 }
 
 /// Body of `POST /settle`: correct an admitted request's charge with what it really used.

@@ -135,7 +135,7 @@ pub enum Route {
     PatchKey(String),
     /// `DELETE /keys/{id}` (directory): -> `DeleteAnswer`.
     DeleteKey(String),
-    /// `POST /take` (rate limiter): `TakeRequest` -> `Ack`, or 429.
+    /// `POST /take` (rate limiter): `TakeRequest` -> `Taken`, or 429.
     TakeTokens,
     /// `POST /settle` (rate limiter): `SettleRequest` -> `Ack`.
     SettleTokens,

@@ -221,3 +221,20 @@ fn each_message_names_its_route_and_body() {
     assert_eq!(acquire.route(), Route::Acquire { spill_ok: true });
     assert_eq!(acquire.body().unwrap(), Some(body.call(None)));
 }
+
+#[test]
+fn a_take_answer_says_what_is_left_and_an_old_limiters_ok_reads_as_nothing_known() {
+    use crate::messages::Taken;
+    use routing_core::request::rate_limit::Left;
+    let taken = Taken {
+        left: Left {
+            requests: Some(3.0),
+            tokens: None,
+        },
+    };
+    let reply = taken.reply().unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(Taken::read(200, &reply.body).unwrap(), taken);
+    assert_eq!(Taken::read(200, "ok").unwrap(), Taken::default());
+    assert!(Taken::read(200, "garbage").is_err());
+}

@@ -7,10 +7,15 @@
 //! for `Retry-After`. A request is charged an estimate when admitted and settled with the tokens
 //! the backend reported when it ends ([`RateLimiter::settle`]): the difference is refunded or
 //! charged, so the bucket may go below zero and later requests wait for it. Time is passed in. The
-//! buckets serialize (the rate limiter's Durable Object stores them after every change, so an
+//! buckets serialize (the rate limiter's Durable Object writes them behind its changes, so an
 //! eviction or a deploy does not refill them).
+//!
+//! [`AheadBook`] is an isolate's view of its clients' buckets, from the limiter's answers, for
+//! admitting a request before the limiter has answered (`RATE_LIMIT_AHEAD`): only while every
+//! limited bucket would stay at least half full after the charges in flight and this one.
 
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// A client's limits; 0 means unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -141,6 +146,139 @@ impl RateLimiter {
         let capacity = limits.tokens_per_minute as f64;
         self.tokens.level = self.tokens.level.min(capacity);
     }
+
+    /// Takes one request and `tokens` tokens whatever the buckets hold, so they may go below zero:
+    /// a request admitted ahead of the limiter's answer that the limiter then refused is paid for
+    /// all the same, and the client's next requests wait for the debt.
+    pub fn force_take(&mut self, limits: &RateLimits, tokens: u64, now_ms: u64) {
+        if limits.requests_per_minute > 0 {
+            self.requests.take(limits.requests_per_minute, 1.0, now_ms);
+        }
+        if limits.tokens_per_minute > 0 {
+            self.tokens
+                .take(limits.tokens_per_minute, tokens as f64, now_ms);
+        }
+    }
+
+    /// What is left in each limited bucket at `now_ms`.
+    pub fn left(&self, limits: &RateLimits, now_ms: u64) -> Left {
+        let level =
+            |b: &Bucket, per_minute: u64| (per_minute > 0).then(|| b.refilled(per_minute, now_ms));
+        Left {
+            requests: level(&self.requests, limits.requests_per_minute),
+            tokens: level(&self.tokens, limits.tokens_per_minute),
+        }
+    }
+}
+
+/// What a limiter answers an admitted charge: what is left in each limited bucket after it
+/// (`None`: unlimited, or not said).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Left {
+    /// Requests left of the minute's allowance.
+    pub requests: Option<f64>,
+    /// Tokens left of the minute's allowance.
+    pub tokens: Option<f64>,
+}
+
+/// How old the limiter's last answer may be for a request to go ahead of the next one: the other
+/// isolates' spending since is what the book cannot see.
+pub const AHEAD_MAX_AGE_MS: u64 = 10_000;
+/// Most clients a book remembers; past it, it starts again (every client then waits once).
+const AHEAD_MAX_CLIENTS: usize = 4_096;
+
+/// One client in an [`AheadBook`].
+#[derive(Debug, Clone, Default)]
+struct AheadEntry {
+    /// The last answer's levels and when it came.
+    left: Option<(Left, u64)>,
+    /// Charges sent and not answered yet: requests and tokens.
+    in_flight: (u64, u64),
+}
+
+/// An isolate's view of its clients' rate-limit buckets, for serving a request before its charge
+/// is answered. A request goes ahead only when the limiter's last answer for its client is at
+/// most [`AHEAD_MAX_AGE_MS`] old and every limited bucket, refilled since, less every charge this
+/// isolate has in flight and this one, stays at or above half its capacity; otherwise it waits
+/// for the answer, as without the book. So a client near its limits is checked exactly, and an
+/// isolate that alone charges a client never spends past what the limiter last said. Isolates that
+/// charge the same client see each other's spending only through the limiter's answers, so each
+/// one serving it ahead can take it past a limit by at most what its view held above half the
+/// allowance: half a minute's allowance per isolate at most, for as long as its view may be old.
+/// The limiter charges those requests all the same ([`RateLimiter::force_take`]), so the excess is
+/// repaid by the client's next requests waiting.
+#[derive(Debug, Default)]
+pub struct AheadBook {
+    clients: HashMap<String, AheadEntry>,
+}
+
+impl AheadBook {
+    /// An empty book.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A charge of one request and `tokens` tokens is being sent for `client`: counted in flight
+    /// until [`AheadBook::answered`]. Returns whether the request may go ahead of the answer.
+    pub fn charge(&mut self, client: &str, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
+        if self.clients.len() >= AHEAD_MAX_CLIENTS && !self.clients.contains_key(client) {
+            self.clients.clear();
+        }
+        let entry = self.clients.entry(client.to_string()).or_default();
+        let ahead = entry.may_go_ahead(limits, tokens, now_ms);
+        entry.in_flight.0 += 1;
+        entry.in_flight.1 += tokens;
+        ahead
+    }
+
+    /// The limiter answered a charge of `tokens` for `client`: with what is left after it, or
+    /// `None` when it refused or failed (the client's next requests then wait for their answers
+    /// until one admits them).
+    pub fn answered(&mut self, client: &str, tokens: u64, left: Option<Left>, now_ms: u64) {
+        let Some(entry) = self.clients.get_mut(client) else {
+            return;
+        };
+        entry.in_flight.0 = entry.in_flight.0.saturating_sub(1);
+        entry.in_flight.1 = entry.in_flight.1.saturating_sub(tokens);
+        entry.left = left.map(|l| (l, now_ms));
+    }
+}
+
+impl AheadEntry {
+    fn may_go_ahead(&self, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
+        let Some((left, at_ms)) = self.left else {
+            return false;
+        };
+        let elapsed = now_ms.saturating_sub(at_ms);
+        if elapsed > AHEAD_MAX_AGE_MS {
+            return false;
+        }
+        // Each limited bucket, refilled since the answer, less what is in flight and this charge,
+        // stays at least half full; a limited bucket the answer did not report never goes ahead.
+        let stays_half_full = |per_minute: u64, level: Option<f64>, in_flight: u64, this: f64| {
+            if per_minute == 0 {
+                return true;
+            }
+            let Some(level) = level else {
+                return false;
+            };
+            let capacity = per_minute as f64;
+            let refilled = (level + elapsed as f64 * capacity / 60_000.0).min(capacity);
+            refilled - in_flight as f64 - this >= capacity / 2.0
+        };
+        stays_half_full(
+            limits.requests_per_minute,
+            left.requests,
+            self.in_flight.0,
+            1.0,
+        ) && stays_half_full(
+            limits.tokens_per_minute,
+            left.tokens,
+            self.in_flight.1,
+            tokens as f64,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -241,5 +379,139 @@ mod tests {
         assert_eq!(restored, l);
         // The restored buckets remember the 900 taken: a second 900 does not fit.
         assert!(restored.try_take(&limits, 900, 5_000).is_err());
+    }
+
+    #[test]
+    fn a_forced_take_goes_below_zero_and_what_is_left_is_reported() {
+        let limits = RateLimits {
+            requests_per_minute: 10,
+            tokens_per_minute: 1000,
+        };
+        let mut l = RateLimiter::new();
+        assert!(l.try_take(&limits, 900, 0).is_ok());
+        assert_eq!(
+            l.left(&limits, 0),
+            Left {
+                requests: Some(9.0),
+                tokens: Some(100.0)
+            }
+        );
+        assert!(l.try_take(&limits, 300, 0).is_err());
+        l.force_take(&limits, 300, 0);
+        assert_eq!(l.left(&limits, 0).tokens, Some(-200.0));
+        // The debt is repaid before the next request fits: 210 tokens take 12.6 s.
+        assert_eq!(
+            l.try_take(&limits, 10, 0).unwrap_err().retry_after_ms,
+            Some(12_600)
+        );
+        let unlimited = RateLimits {
+            requests_per_minute: 10,
+            tokens_per_minute: 0,
+        };
+        assert_eq!(l.left(&unlimited, 0).tokens, None);
+    }
+
+    const TPM: RateLimits = RateLimits {
+        requests_per_minute: 0,
+        tokens_per_minute: 1000,
+    };
+
+    /// A limiter's answer with `tokens` left (and no request limit).
+    fn tokens_left(tokens: f64) -> Option<Left> {
+        Some(Left {
+            requests: None,
+            tokens: Some(tokens),
+        })
+    }
+
+    #[test]
+    fn a_client_goes_ahead_only_after_an_answer_and_only_while_half_its_allowance_stays() {
+        let mut book = AheadBook::new();
+        // No answer yet: wait.
+        assert!(!book.charge("a", &TPM, 100, 0));
+        book.answered("a", 100, tokens_left(900.0), 10);
+        // 900 left: 300 leaves 600, ahead; with it in flight another 300 would leave 300: wait.
+        assert!(book.charge("a", &TPM, 300, 20));
+        assert!(!book.charge("a", &TPM, 300, 20));
+        // Both answered, 300 left: even a small one waits.
+        book.answered("a", 300, tokens_left(600.0), 30);
+        book.answered("a", 300, tokens_left(300.0), 30);
+        assert!(!book.charge("a", &TPM, 10, 30));
+        book.answered("a", 10, tokens_left(290.0), 40);
+        // The bucket refills: 290 + 250 (15 s) would do, but the answer is too old by then.
+        assert!(!book.charge("a", &TPM, 10, 40 + AHEAD_MAX_AGE_MS + 1));
+        book.answered("a", 10, tokens_left(280.0), 5_000);
+        // 280 + 9 s of refill (150) = 430: still under half.
+        assert!(!book.charge("a", &TPM, 1, 14_000));
+        book.answered("a", 1, tokens_left(429.0), 14_000);
+        // 429 + 6 s (100) = 529, less 20: ahead.
+        assert!(book.charge("a", &TPM, 20, 20_000));
+        // Another client has its own view.
+        assert!(!book.charge("b", &TPM, 1, 20_000));
+    }
+
+    #[test]
+    fn a_refusal_or_a_failure_makes_the_client_wait_again() {
+        let mut book = AheadBook::new();
+        book.charge("a", &TPM, 10, 0);
+        book.answered("a", 10, tokens_left(990.0), 0);
+        assert!(book.charge("a", &TPM, 10, 0));
+        book.answered("a", 10, None, 0);
+        assert!(!book.charge("a", &TPM, 10, 0));
+    }
+
+    #[test]
+    fn every_limited_bucket_must_stay_half_full_and_an_unreported_one_never_goes_ahead() {
+        let limits = RateLimits {
+            requests_per_minute: 4,
+            tokens_per_minute: 1000,
+        };
+        let mut book = AheadBook::new();
+        book.charge("a", &limits, 10, 0);
+        book.answered(
+            "a",
+            10,
+            Some(Left {
+                requests: Some(3.0),
+                tokens: Some(990.0),
+            }),
+            0,
+        );
+        // 3 requests left: one more leaves 2, half of 4.
+        assert!(book.charge("a", &limits, 10, 0));
+        // With that one in flight, another would leave 1.
+        assert!(!book.charge("a", &limits, 10, 0));
+        let mut book = AheadBook::new();
+        book.charge("a", &limits, 10, 0);
+        book.answered("a", 10, tokens_left(990.0), 0);
+        assert!(!book.charge("a", &limits, 10, 0));
+    }
+
+    #[test]
+    fn sequential_requests_are_refused_exactly_at_the_limit() {
+        // One isolate, one request at a time, every answer in before the next: the limiter's
+        // buckets and the book agree, so the first refusal comes where it would without the book.
+        let limits = RateLimits {
+            requests_per_minute: 0,
+            tokens_per_minute: 1000,
+        };
+        let mut limiter = RateLimiter::new();
+        let mut book = AheadBook::new();
+        let mut served = 0;
+        for _ in 0..20 {
+            let ahead = book.charge("a", &limits, 90, 0);
+            match limiter.try_take(&limits, 90, 0) {
+                Ok(()) => {
+                    book.answered("a", 90, Some(limiter.left(&limits, 0)), 0);
+                    served += 1;
+                }
+                Err(_) => {
+                    assert!(!ahead, "a request went ahead and was refused");
+                    book.answered("a", 90, None, 0);
+                    break;
+                }
+            }
+        }
+        assert_eq!(served, 11);
     }
 }
