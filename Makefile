@@ -15,7 +15,7 @@ help:
 	@echo "make bench-compare-smg - the trace replays through the SGLang/Shepherd gateway (smg 1.9.0, cache_aware) and ours, same run (~6 min)"
 	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
-	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop and rate limits (~4 min)"
+	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop and rate limits (~6 min)"
 	@echo "make bench-profile   - a CPU profile of the Worker's isolate over streamed requests, top functions (~1 min)"
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"

@@ -20,7 +20,10 @@
 // every request is charged to its key's rate limiter: without the hop the limiter is modelled as
 // far from the edge as the pool (SIMULATE_LIMITER_RTT_MS = the round trip: a key first seen near
 // its pool), asked beside the lease call; with the hop the regional Worker charges it, the limiter
-// in the pool's region (0 modelled). Both assumed.
+// in the pool's region (0 modelled). Both assumed. And with the hop twice more, for a key whose
+// limiter is one round trip from the pool's region (a key first seen elsewhere; assumed the same
+// round trip): charged exactly (the request waits for the limiter) and with RATE_LIMIT_AHEAD (a
+// key this far from its limits is served without waiting).
 //
 // The model has a cost of its own: a timer in workerd fires a little late, and work after an idle
 // wait runs on a cold core. So each round trip also measures the modelled floor: a forward-only
@@ -71,7 +74,7 @@ async function records(url, n, headers = {}) {
   return out;
 }
 
-async function gateway(rtt, hop, sim, limiterRtt = null) {
+async function gateway(rtt, hop, sim, limiterRtt = null, ahead = false) {
   const quiet = { handleRuntimeStdio: (o, e) => (o.resume(), e.resume()) };
   const bindings = {
     PROBE_INTERVAL_MS: "1000",
@@ -85,6 +88,7 @@ async function gateway(rtt, hop, sim, limiterRtt = null) {
       RATE_LIMIT_RPM: "1000000",
       RATE_LIMIT_TPM: "1000000000",
       SIMULATE_LIMITER_RTT_MS: String(limiterRtt),
+      RATE_LIMIT_AHEAD: String(ahead),
     });
   }
   const gw = await startWithHop({ region: POOL_REGION, bindings, hop, options: { host: "127.0.0.1", port: 0, ...quiet } });
@@ -118,9 +122,11 @@ try {
       ["with_hop", true, null],
       ["without_hop_limited", false, rtt],
       ["with_hop_limited", true, 0],
+      ["with_hop_far_limiter", true, rtt],
+      ["with_hop_far_limiter_ahead", true, rtt, true],
     ];
-    for (const [name, hop, limiterRtt] of runs) {
-      const g = await gateway(rtt, hop, sim, limiterRtt);
+    for (const [name, hop, limiterRtt, ahead = false] of runs) {
+      const g = await gateway(rtt, hop, sim, limiterRtt, ahead);
       try {
         const headers = { "x-gateway-region": CLIENT, ...(limiterRtt === null ? {} : AUTH) };
         const t = await ttfbs(`${g.url}/v1/chat/completions`, REQUESTS, headers);
@@ -195,6 +201,13 @@ const md = [
   "|---|---|---|---|---|",
   ...rows.map((r) =>
     `| ${r.rtt_ms} ms | ${f(r.without_hop_limited.p50)} / ${f(r.without_hop_limited.p99)} | ${f(r.without_hop_limited.excess_p50)} / ${f(r.without_hop_limited.excess_p99)} | ${f(r.with_hop_limited.p50)} / ${f(r.with_hop_limited.p99)} | ${f(r.with_hop_limited.excess_p50)} / ${f(r.with_hop_limited.excess_p99)} |`),
+  "",
+  "With the hop, for a key whose rate limiter is one round trip from the pool's region (assumed: a key first seen in another region), charged exactly or with RATE_LIMIT_AHEAD (a key far from its limits served without waiting for the limiter):",
+  "",
+  "| round trip | exact p50 / p99 | excess p50 / p99 | ahead p50 / p99 | excess p50 / p99 |",
+  "|---|---|---|---|---|",
+  ...rows.map((r) =>
+    `| ${r.rtt_ms} ms | ${f(r.with_hop_far_limiter.p50)} / ${f(r.with_hop_far_limiter.p99)} | ${f(r.with_hop_far_limiter.excess_p50)} / ${f(r.with_hop_far_limiter.excess_p99)} | ${f(r.with_hop_far_limiter_ahead.p50)} / ${f(r.with_hop_far_limiter_ahead.p99)} | ${f(r.with_hop_far_limiter_ahead.excess_p50)} / ${f(r.with_hop_far_limiter_ahead.excess_p99)} |`),
   "",
   "Against the modelled floor (a forward-only JavaScript Worker in its own workerd that waits the same round trip on a timer, then forwards: the unavoidable path as this model realizes it), ms p50 / p99:",
   "",
