@@ -209,6 +209,9 @@ pub async fn handle(
                 let card = grant.card.as_deref().or(pool.card.as_ref());
                 regions::served(env, &pool.name, card, &features, grant.lease_id, now);
                 let mut extra = vec![("x-gateway-pool-choice", pool_choice.to_string())];
+                if let Some(c) = &charge {
+                    extra.extend(reserving::rate_limit_headers(env, &c.client));
+                }
                 // The prediction is the planned first pool's, not a spill's.
                 if let (Some(ms), false) = (plan.predicted_ms, pool_choice == "spill") {
                     extra.push(("x-gateway-pool-predicted-ms", ms.to_string()));

@@ -16,14 +16,15 @@
 //! the charge goes on in the background, and if the limiter refuses it, the request, already
 //! served, is charged all the same (`force`), so the client's next requests wait for the debt.
 //! A client near its limits, refused recently or unknown to the isolate waits for its answer, as
-//! without the setting.
+//! without the setting. The book is kept with or without the setting: it also gives an admitted
+//! request the OpenAI API's rate-limit headers ([`rate_limit_headers`]).
 
 use crate::keys::{self, Reservation};
 use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::LeaseId;
-use routing_core::request::rate_limit::AheadBook;
+use routing_core::request::rate_limit::{openai_headers, AheadBook};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ const MAX_REFUSED: usize = 4_096;
 thread_local! {
     /// Clients the limiter refused, with when (ms since the epoch) they may be asked beside again.
     static REFUSED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
-    /// What this isolate knows of its clients' buckets, with `RATE_LIMIT_AHEAD`.
+    /// What this isolate knows of its clients' buckets, from the limiter's answers.
     static BOOK: RefCell<AheadBook> = RefCell::new(AheadBook::new());
 }
 
@@ -71,11 +72,12 @@ impl Reserved {
             return Ok(Reserved::Known(None));
         };
         let now = crate::http::now_ms();
-        let book = crate::settings::settings(env).rate_limit_ahead;
-        let may_go_ahead =
-            book && BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
+        // The book is kept either way (it also gives the rate-limit headers); only
+        // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
+        let may_go_ahead = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now))
+            && crate::settings::settings(env).rate_limit_ahead;
         if refused_recently(client, now) {
-            let (slot, done, _) = kept_charge(ctx, env, client, estimate, book);
+            let (slot, done, _) = kept_charge(ctx, env, client, estimate);
             return Reserved::Pending {
                 slot,
                 done,
@@ -89,7 +91,7 @@ impl Reserved {
             let (env, owned) = (env.clone(), client.to_string());
             // Resolves to whether the charge landed, for the settlement.
             let charging = wasm_bindgen_futures::future_to_promise(async move {
-                let charged = match charge(&env, &owned, estimate, true).await {
+                let charged = match charge(&env, &owned, estimate).await {
                     Ok(_) => true,
                     // Served already: paid for all the same.
                     Err(e) if e.status == 429 => {
@@ -111,7 +113,7 @@ impl Reserved {
             }
             return Ok(Reserved::Known(reservation));
         }
-        let (slot, done, refused) = kept_charge(ctx, env, client, estimate, book);
+        let (slot, done, refused) = kept_charge(ctx, env, client, estimate);
         Ok(Reserved::Pending {
             slot,
             done,
@@ -181,13 +183,12 @@ fn kept_charge(
     env: &Env,
     client: &str,
     estimate: u64,
-    book: bool,
 ) -> (Slot, js_sys::Promise, js_sys::Promise) {
     let slot: Slot = Rc::default();
     let (refused, refuse) = crate::lease_guard::signal_promise();
     let (env, client, filled) = (env.clone(), client.to_string(), slot.clone());
     let done = wasm_bindgen_futures::future_to_promise(async move {
-        let answer = charge(&env, &client, estimate, book).await;
+        let answer = charge(&env, &client, estimate).await;
         let is_refusal = answer.is_err();
         *filled.borrow_mut() = Some(answer);
         if is_refusal {
@@ -208,27 +209,33 @@ fn keep_alive(ctx: &Context, promise: &js_sys::Promise) {
 }
 
 /// Charges `client` (after the modelled round trip to its limiter, in local runs that model one),
-/// and remembers the answer: a refusal until its `Retry-After`, and, with `book`, what is left in
-/// the isolate's [`AheadBook`].
-async fn charge(
-    env: &Env,
-    client: &str,
-    estimate: u64,
-    book: bool,
-) -> Result<Option<Reservation>, ApiError> {
+/// and remembers the answer: a refusal until its `Retry-After`, and what is left in the isolate's
+/// [`AheadBook`].
+async fn charge(env: &Env, client: &str, estimate: u64) -> Result<Option<Reservation>, ApiError> {
     let rtt = crate::regions::simulated_limiter_rtt_ms(env);
     if rtt > 0 {
         worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
     }
     let answer = keys::reserve(env, client, estimate).await;
-    if book {
-        let left = answer.as_ref().ok().map(|(_, left)| *left);
-        let now = crate::http::now_ms();
-        BOOK.with(|b| b.borrow_mut().answered(client, estimate, left, now));
-    }
+    let left = answer.as_ref().ok().map(|(_, left)| *left);
+    let now = crate::http::now_ms();
+    BOOK.with(|b| b.borrow_mut().answered(client, estimate, left, now));
     let answer = answer.map(|(reservation, _)| reservation);
     note(client, &answer);
     answer
+}
+
+/// The OpenAI API's rate-limit headers for `client`'s admitted request: its buckets by the
+/// isolate's account (the limiter's last answer, refilled since, less the charges in flight), so
+/// exact for a request that waited for its answer and an estimate for one served ahead of it.
+pub fn rate_limit_headers(env: &Env, client: &str) -> Vec<(&'static str, String)> {
+    let Some(limits) = keys::configured_limits(env) else {
+        return Vec::new();
+    };
+    let now = crate::http::now_ms();
+    BOOK.with(|b| b.borrow().view(client, &limits, now))
+        .map(|left| openai_headers(&limits, &left))
+        .unwrap_or_default()
 }
 
 /// Whether the limiter refused `client` and its `Retry-After` has not passed.

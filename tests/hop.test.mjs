@@ -131,6 +131,9 @@ test("a reservation is charged once (by the regional Worker, beside its lease ca
   const first = await chat(fresh, { maxTokens: 440, headers: via });
   assert.equal(first.status, 200, await first.clone().text());
   assert.equal(first.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  // The regional Worker charged it, and its rate-limit headers reach the client.
+  assert.equal(first.headers.get("x-ratelimit-limit-tokens"), "1000");
+  assert.ok(Number(first.headers.get("x-ratelimit-remaining-tokens")) < 600, first.headers.get("x-ratelimit-remaining-tokens"));
   const used = (await first.json()).usage.total_tokens;
   assert.ok(used > 400, `usage ${used}`);
   const second = await chat(fresh, { maxTokens: 440, headers: via });

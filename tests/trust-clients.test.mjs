@@ -171,6 +171,12 @@ test("the limiter is asked beside the lease call: a refused request never reache
   // 900 tokens generated: the key has about 90 left of its minute.
   const big = await chat(far, p.model, { key, max_tokens: 900 });
   assert.equal(big.status, 200, big.text);
+  // The OpenAI API's rate-limit headers, from the limiter's answer to this request.
+  assert.equal(big.headers.get("x-ratelimit-limit-tokens"), "1000");
+  const remaining = Number(big.headers.get("x-ratelimit-remaining-tokens"));
+  assert.ok(remaining >= 0 && remaining < 100, `remaining tokens ${remaining} after a 900-token request`);
+  assert.match(big.headers.get("x-ratelimit-reset-tokens"), /^(\d+m)?\d+(ms|s)$/);
+  assert.equal(big.headers.get("x-ratelimit-limit-requests"), null, "no request limit set");
   await drained(far, p.name);
   const [decided, done] = [await decisions(), await served()];
   assert.ok(decided >= 1 && done >= 1, `the served request was not counted (${decided} decisions, ${done} served)`);
@@ -220,6 +226,9 @@ test("with RATE_LIMIT_AHEAD a key well within its limits is served without waiti
   const ahead = await timed(400);
   assert.equal(ahead.status, 200, ahead.text);
   assert.ok(ahead.ms < 1000, `a key well within its limit waited for the limiter (${ahead.ms.toFixed(0)} ms)`);
+  // Its rate-limit headers are the isolate's estimate, the charge in flight counted.
+  const [r1, r2] = [first, ahead].map((r) => Number(r.headers.get("x-ratelimit-remaining-tokens")));
+  assert.ok(r1 > 900 && r2 <= r1 - 400, `remaining tokens ${r1} then ${r2}`);
   // With those 410 still on their way to the limiter, another 300 would leave under half: it
   // waits (counted alone it would have gone ahead), and fits.
   const near = await timed(292);

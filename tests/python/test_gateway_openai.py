@@ -191,6 +191,33 @@ def test_backend_gets_its_own_key_never_the_clients(keyed_gw, keyed_sim):
     assert len(c.embeddings.create(model=MODEL, input="hi").data[0].embedding) > 0
 
 
+@pytest.fixture(scope="module")
+def limited_gw(module_gateway, module_vllm_sim):
+    """A gateway with a client key and rate limits, in front of one vllm-sim."""
+    gw = module_gateway({"CLIENT_API_KEYS": CLIENT_KEYS[0], "RATE_LIMIT_RPM": "100", "RATE_LIMIT_TPM": "10000"})
+    sim = module_vllm_sim(*SIM_ARGS, "--seed", "5")
+    gw.wait_ready(gw.register(sim.base_url, [MODEL])["id"])
+    return gw
+
+
+def test_rate_limit_headers_as_the_openai_api_sends_them(limited_gw):
+    c = make_client(limited_gw, CLIENT_KEYS[0])
+    seen = []
+    for _ in range(2):
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=50, **FULL)
+        assert raw.parse().usage.completion_tokens == 50
+        h = raw.headers
+        assert h["x-ratelimit-limit-requests"] == "100"
+        assert h["x-ratelimit-limit-tokens"] == "10000"
+        seen.append((int(h["x-ratelimit-remaining-requests"]), int(h["x-ratelimit-remaining-tokens"])))
+        for name in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"):
+            assert h[name].endswith("s"), h[name]
+    # Charged at admission: each request one unit and its estimate (prompt plus 50 tokens).
+    (req1, tok1), (req2, tok2) = seen
+    assert req1 <= 99 and tok1 <= 10000 - 50, seen
+    assert req2 < req1 and tok2 <= tok1 - 20, seen
+
+
 def test_minted_key_works_until_revoked(keyed_gw):
     status, minted = keyed_gw.admin("POST", "/admin/keys", {"name": "ci"})
     assert status == 201, minted

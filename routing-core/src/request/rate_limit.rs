@@ -245,6 +245,77 @@ impl AheadBook {
     }
 }
 
+impl AheadBook {
+    /// What `client`'s buckets hold by this isolate's account at `now_ms`: the last answer,
+    /// refilled since, less the charges in flight (`None` before any answer).
+    pub fn view(&self, client: &str, limits: &RateLimits, now_ms: u64) -> Option<Left> {
+        let entry = self.clients.get(client)?;
+        let (left, at_ms) = entry.left?;
+        let elapsed = now_ms.saturating_sub(at_ms) as f64;
+        let now = |per_minute: u64, level: Option<f64>, in_flight: u64| {
+            let capacity = per_minute as f64;
+            level.map(|l| (l + elapsed * capacity / 60_000.0).min(capacity) - in_flight as f64)
+        };
+        Some(Left {
+            requests: now(limits.requests_per_minute, left.requests, entry.in_flight.0),
+            tokens: now(limits.tokens_per_minute, left.tokens, entry.in_flight.1),
+        })
+    }
+}
+
+/// The OpenAI API's rate-limit headers for `limits` and what is `left`:
+/// `x-ratelimit-limit-*`, `x-ratelimit-remaining-*` (whole units, never below 0) and
+/// `x-ratelimit-reset-*` (how long until the bucket is full again, as `250ms`, `12s` or `1m30s`),
+/// for requests and tokens, each only when that limit is set and its level known.
+pub fn openai_headers(limits: &RateLimits, left: &Left) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let mut bucket = |names: [&'static str; 3], per_minute: u64, level: Option<f64>| {
+        let Some(level) = level.filter(|_| per_minute > 0) else {
+            return;
+        };
+        let capacity = per_minute as f64;
+        let level = level.min(capacity);
+        let reset_ms = ((capacity - level) * 60_000.0 / capacity).ceil().max(0.0) as u64;
+        out.push((names[0], per_minute.to_string()));
+        out.push((names[1], (level.max(0.0).floor() as u64).to_string()));
+        out.push((names[2], duration(reset_ms)));
+    };
+    bucket(
+        [
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+        ],
+        limits.requests_per_minute,
+        left.requests,
+    );
+    bucket(
+        [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+        ],
+        limits.tokens_per_minute,
+        left.tokens,
+    );
+    out
+}
+
+/// A duration as the OpenAI API writes its resets: `0s`, `250ms`, `12s`, `1m30s`.
+fn duration(ms: u64) -> String {
+    match ms {
+        0 => "0s".to_string(),
+        1..=999 => format!("{ms}ms"),
+        _ => {
+            let s = ms.div_ceil(1_000);
+            match s / 60 {
+                0 => format!("{s}s"),
+                m => format!("{m}m{}s", s % 60),
+            }
+        }
+    }
+}
+
 impl AheadEntry {
     fn may_go_ahead(&self, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
         let Some((left, at_ms)) = self.left else {
@@ -485,6 +556,69 @@ mod tests {
         book.charge("a", &limits, 10, 0);
         book.answered("a", 10, tokens_left(990.0), 0);
         assert!(!book.charge("a", &limits, 10, 0));
+    }
+
+    #[test]
+    fn the_book_s_view_and_the_openai_headers() {
+        let limits = RateLimits {
+            requests_per_minute: 60,
+            tokens_per_minute: 1000,
+        };
+        let mut book = AheadBook::new();
+        assert_eq!(book.view("a", &limits, 0), None);
+        book.charge("a", &limits, 100, 0);
+        book.answered(
+            "a",
+            100,
+            Some(Left {
+                requests: Some(59.0),
+                tokens: Some(900.0),
+            }),
+            0,
+        );
+        // One more in flight, and 3 s of refill: 59 + 3 (capped at 60) - 1 requests, 900 + 50 -
+        // 200 tokens.
+        book.charge("a", &limits, 200, 3_000);
+        let view = book.view("a", &limits, 3_000).unwrap();
+        assert_eq!(view.requests, Some(59.0));
+        assert_eq!(view.tokens, Some(750.0));
+        let headers = openai_headers(&limits, &view);
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("x-ratelimit-limit-requests"), Some("60"));
+        assert_eq!(get("x-ratelimit-remaining-requests"), Some("59"));
+        assert_eq!(get("x-ratelimit-reset-requests"), Some("1s"));
+        assert_eq!(get("x-ratelimit-limit-tokens"), Some("1000"));
+        assert_eq!(get("x-ratelimit-remaining-tokens"), Some("750"));
+        // 250 tokens short of full at 1,000 a minute: 15 s.
+        assert_eq!(get("x-ratelimit-reset-tokens"), Some("15s"));
+        // A bucket in debt: nothing remaining, full again after more than a minute.
+        let debt = Left {
+            requests: None,
+            tokens: Some(-500.0),
+        };
+        let headers = openai_headers(&limits, &debt);
+        assert_eq!(
+            headers.len(),
+            3,
+            "no request level known: no request headers"
+        );
+        assert_eq!(
+            headers[1],
+            ("x-ratelimit-remaining-tokens", "0".to_string())
+        );
+        assert_eq!(
+            headers[2],
+            ("x-ratelimit-reset-tokens", "1m30s".to_string())
+        );
+        assert_eq!(duration(999), "999ms");
+        assert_eq!(duration(1_001), "2s");
+        // No limit set: no headers, whatever is known.
+        assert!(openai_headers(&RateLimits::default(), &view).is_empty());
     }
 
     #[test]
