@@ -74,10 +74,14 @@ impl Reserved {
         let now = crate::http::now_ms();
         // The book is kept either way (it also gives the rate-limit headers); only
         // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
-        let may_go_ahead = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now))
-            && crate::settings::settings(env).rate_limit_ahead;
+        let sent = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
+        let may_go_ahead = sent.ahead && crate::settings::settings(env).rate_limit_ahead;
+        let this = Charge {
+            estimate,
+            seq: sent.seq,
+        };
         if refused_recently(client, now) {
-            let (slot, done, _) = kept_charge(ctx, env, client, estimate);
+            let (slot, done, _) = kept_charge(ctx, env, client, this);
             return Reserved::Pending {
                 slot,
                 done,
@@ -91,7 +95,7 @@ impl Reserved {
             let (env, owned) = (env.clone(), client.to_string());
             // Resolves to whether the charge landed, for the settlement.
             let charging = wasm_bindgen_futures::future_to_promise(async move {
-                let charged = match charge(&env, &owned, estimate).await {
+                let charged = match charge(&env, &owned, this).await {
                     Ok(_) => true,
                     // Served already: paid for all the same.
                     Err(e) if e.status == 429 => {
@@ -113,7 +117,7 @@ impl Reserved {
             }
             return Ok(Reserved::Known(reservation));
         }
-        let (slot, done, refused) = kept_charge(ctx, env, client, estimate);
+        let (slot, done, refused) = kept_charge(ctx, env, client, this);
         Ok(Reserved::Pending {
             slot,
             done,
@@ -175,6 +179,13 @@ pub fn release_unused(
     ctx.wait_until(async move { crate::releases::release(&env, &pool, shard, req).await });
 }
 
+/// One charge: its estimate, and its number in the book.
+#[derive(Clone, Copy)]
+struct Charge {
+    estimate: u64,
+    seq: u64,
+}
+
 /// Starts charging `client`, kept running to its answer by the invocation whatever becomes of the
 /// request (so the answer always reaches the refusals and the book): the answer goes into the
 /// slot, `done` settles once it is there, `refused` only if it is a refusal.
@@ -182,13 +193,13 @@ fn kept_charge(
     ctx: &Context,
     env: &Env,
     client: &str,
-    estimate: u64,
+    this: Charge,
 ) -> (Slot, js_sys::Promise, js_sys::Promise) {
     let slot: Slot = Rc::default();
     let (refused, refuse) = crate::lease_guard::signal_promise();
     let (env, client, filled) = (env.clone(), client.to_string(), slot.clone());
     let done = wasm_bindgen_futures::future_to_promise(async move {
-        let answer = charge(&env, &client, estimate).await;
+        let answer = charge(&env, &client, this).await;
         let is_refusal = answer.is_err();
         *filled.borrow_mut() = Some(answer);
         if is_refusal {
@@ -211,15 +222,18 @@ fn keep_alive(ctx: &Context, promise: &js_sys::Promise) {
 /// Charges `client` (after the modelled round trip to its limiter, in local runs that model one),
 /// and remembers the answer: a refusal until its `Retry-After`, and what is left in the isolate's
 /// [`AheadBook`].
-async fn charge(env: &Env, client: &str, estimate: u64) -> Result<Option<Reservation>, ApiError> {
+async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservation>, ApiError> {
     let rtt = crate::regions::simulated_limiter_rtt_ms(env);
     if rtt > 0 {
         worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
     }
-    let answer = keys::reserve(env, client, estimate).await;
+    let answer = keys::reserve(env, client, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
     let now = crate::http::now_ms();
-    BOOK.with(|b| b.borrow_mut().answered(client, estimate, left, now));
+    BOOK.with(|b| {
+        let mut book = b.borrow_mut();
+        book.answered(client, this.seq, this.estimate, left, now);
+    });
     let answer = answer.map(|(reservation, _)| reservation);
     note(client, &answer);
     answer

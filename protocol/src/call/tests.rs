@@ -230,6 +230,7 @@ fn a_take_answer_says_what_is_left_and_an_old_limiters_ok_reads_as_nothing_known
         left: Left {
             requests: Some(3.0),
             tokens: None,
+            version: 7,
         },
     };
     let reply = taken.reply().unwrap();

@@ -78,6 +78,9 @@ pub struct Refusal {
 pub struct RateLimiter {
     requests: Bucket,
     tokens: Bucket,
+    /// Changes made to the buckets so far: what [`Left::version`] reports.
+    #[serde(default)]
+    changes: u64,
 }
 
 impl RateLimiter {
@@ -132,6 +135,7 @@ impl RateLimiter {
             self.tokens
                 .take(limits.tokens_per_minute, tokens as f64, now_ms);
         }
+        self.changes += 1;
         Ok(())
     }
 
@@ -145,6 +149,7 @@ impl RateLimiter {
         self.tokens.take(limits.tokens_per_minute, delta, now_ms);
         let capacity = limits.tokens_per_minute as f64;
         self.tokens.level = self.tokens.level.min(capacity);
+        self.changes += 1;
     }
 
     /// Takes one request and `tokens` tokens whatever the buckets hold, so they may go below zero:
@@ -158,6 +163,7 @@ impl RateLimiter {
             self.tokens
                 .take(limits.tokens_per_minute, tokens as f64, now_ms);
         }
+        self.changes += 1;
     }
 
     /// What is left in each limited bucket at `now_ms`.
@@ -167,6 +173,7 @@ impl RateLimiter {
         Left {
             requests: level(&self.requests, limits.requests_per_minute),
             tokens: level(&self.tokens, limits.tokens_per_minute),
+            version: self.changes,
         }
     }
 }
@@ -180,6 +187,9 @@ pub struct Left {
     pub requests: Option<f64>,
     /// Tokens left of the minute's allowance.
     pub tokens: Option<f64>,
+    /// How many changes the limiter had made to the buckets when this was so: of two answers,
+    /// the one with the higher version is the newer state, whichever came first (0: not said).
+    pub version: u64,
 }
 
 /// How old the limiter's last answer may be for a request to go ahead of the next one: the other
@@ -191,26 +201,46 @@ const AHEAD_MAX_CLIENTS: usize = 4_096;
 /// One client in an [`AheadBook`].
 #[derive(Debug, Clone, Default)]
 struct AheadEntry {
-    /// The last answer's levels and when it came.
+    /// What the answers say is left, and when that was.
     left: Option<(Left, u64)>,
     /// Charges sent and not answered yet: requests and tokens.
     in_flight: (u64, u64),
+    /// The first charge of this entry (an answer to an earlier one belongs to an entry the book
+    /// has since forgotten).
+    first_seq: u64,
+    /// The highest [`Left::version`] answered so far, a refusal since or not.
+    newest_version: u64,
+}
+
+/// A charge counted in an [`AheadBook`]: whether its request may go ahead of the answer, and the
+/// number to give [`AheadBook::answered`] with the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sent {
+    /// Whether the request may be served before the answer.
+    pub ahead: bool,
+    /// The charge's number in this book.
+    pub seq: u64,
 }
 
 /// An isolate's view of its clients' rate-limit buckets, for serving a request before its charge
 /// is answered. A request goes ahead only when the limiter's last answer for its client is at
 /// most [`AHEAD_MAX_AGE_MS`] old and every limited bucket, refilled since, less every charge this
 /// isolate has in flight and this one, stays at or above half its capacity; otherwise it waits
-/// for the answer, as without the book. So a client near its limits is checked exactly, and an
-/// isolate that alone charges a client never spends past what the limiter last said. Isolates that
-/// charge the same client see each other's spending only through the limiter's answers, so each
-/// one serving it ahead can take it past a limit by at most what its view held above half the
-/// allowance: half a minute's allowance per isolate at most, for as long as its view may be old.
-/// The limiter charges those requests all the same ([`RateLimiter::force_take`]), so the excess is
-/// repaid by the client's next requests waiting.
+/// for the answer, as without the book. Answers may come back in any order: the book keeps the
+/// newest state by the limiter's [`Left::version`]. So a client near its limits is checked
+/// exactly, and an isolate that alone charges a client never spends past what the limiter said,
+/// as long as its charges reach the limiter in the order it sent them (a request that waited could
+/// otherwise take the headroom one served ahead was counted against). Isolates that charge the
+/// same client see each other's spending only through the limiter's answers, so each one serving
+/// it ahead (and a lone one whose charges are reordered) can take it past a limit by at most what
+/// its view held above half the allowance: half a minute's allowance per isolate at most, for as
+/// long as its view may be old. The limiter charges those requests all the same
+/// ([`RateLimiter::force_take`]), so the excess is repaid by the client's next requests waiting.
+/// A randomized test checks both bounds (1 to 4 isolates, 300 orders each, no refill).
 #[derive(Debug, Default)]
 pub struct AheadBook {
     clients: HashMap<String, AheadEntry>,
+    next_seq: u64,
 }
 
 impl AheadBook {
@@ -220,28 +250,56 @@ impl AheadBook {
     }
 
     /// A charge of one request and `tokens` tokens is being sent for `client`: counted in flight
-    /// until [`AheadBook::answered`]. Returns whether the request may go ahead of the answer.
-    pub fn charge(&mut self, client: &str, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
+    /// until [`AheadBook::answered`]. Says whether the request may go ahead of the answer.
+    pub fn charge(&mut self, client: &str, limits: &RateLimits, tokens: u64, now_ms: u64) -> Sent {
         if self.clients.len() >= AHEAD_MAX_CLIENTS && !self.clients.contains_key(client) {
             self.clients.clear();
         }
-        let entry = self.clients.entry(client.to_string()).or_default();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let entry = self
+            .clients
+            .entry(client.to_string())
+            .or_insert_with(|| AheadEntry {
+                first_seq: seq,
+                ..AheadEntry::default()
+            });
         let ahead = entry.may_go_ahead(limits, tokens, now_ms);
         entry.in_flight.0 += 1;
         entry.in_flight.1 += tokens;
-        ahead
+        Sent { ahead, seq }
     }
 
-    /// The limiter answered a charge of `tokens` for `client`: with what is left after it, or
+    /// The limiter answered charge `seq` of `tokens` for `client`: with what is left after it, or
     /// `None` when it refused or failed (the client's next requests then wait for their answers
-    /// until one admits them).
-    pub fn answered(&mut self, client: &str, tokens: u64, left: Option<Left>, now_ms: u64) {
+    /// until one admits them). Answers may come in any order: the book keeps the newest state of
+    /// the buckets by the limiter's [`Left::version`], so an answer given before the one it holds
+    /// only takes its charge out of those in flight.
+    pub fn answered(
+        &mut self,
+        client: &str,
+        seq: u64,
+        tokens: u64,
+        left: Option<Left>,
+        now_ms: u64,
+    ) {
         let Some(entry) = self.clients.get_mut(client) else {
             return;
         };
+        if seq < entry.first_seq {
+            return;
+        }
         entry.in_flight.0 = entry.in_flight.0.saturating_sub(1);
         entry.in_flight.1 = entry.in_flight.1.saturating_sub(tokens);
-        entry.left = left.map(|l| (l, now_ms));
+        match left {
+            // An answer given before the newest one the book has seen says less than it did.
+            Some(new) if new.version < entry.newest_version => {}
+            Some(new) => {
+                entry.newest_version = new.version;
+                entry.left = Some((new, now_ms));
+            }
+            None => entry.left = None,
+        }
     }
 }
 
@@ -251,15 +309,30 @@ impl AheadBook {
     pub fn view(&self, client: &str, limits: &RateLimits, now_ms: u64) -> Option<Left> {
         let entry = self.clients.get(client)?;
         let (left, at_ms) = entry.left?;
-        let elapsed = now_ms.saturating_sub(at_ms) as f64;
-        let now = |per_minute: u64, level: Option<f64>, in_flight: u64| {
-            let capacity = per_minute as f64;
-            level.map(|l| (l + elapsed * capacity / 60_000.0).min(capacity) - in_flight as f64)
-        };
+        let now = refilled(&left, limits, now_ms.saturating_sub(at_ms));
         Some(Left {
-            requests: now(limits.requests_per_minute, left.requests, entry.in_flight.0),
-            tokens: now(limits.tokens_per_minute, left.tokens, entry.in_flight.1),
+            requests: now.requests.map(|l| l - entry.in_flight.0 as f64),
+            tokens: now.tokens.map(|l| l - entry.in_flight.1 as f64),
+            version: left.version,
         })
+    }
+}
+
+/// What `left` becomes after `elapsed_ms` of refill at `limits` (a limit of 0 leaves it as is).
+fn refilled(left: &Left, limits: &RateLimits, elapsed_ms: u64) -> Left {
+    let refill = |level: Option<f64>, per_minute: u64| {
+        level.map(|l| match per_minute {
+            0 => l,
+            _ => {
+                let capacity = per_minute as f64;
+                (l + elapsed_ms as f64 * capacity / 60_000.0).min(capacity)
+            }
+        })
+    };
+    Left {
+        requests: refill(left.requests, limits.requests_per_minute),
+        tokens: refill(left.tokens, limits.tokens_per_minute),
+        version: left.version,
     }
 }
 
@@ -325,6 +398,7 @@ impl AheadEntry {
         if elapsed > AHEAD_MAX_AGE_MS {
             return false;
         }
+        let left = refilled(&left, limits, elapsed);
         // Each limited bucket, refilled since the answer, less what is in flight and this charge,
         // stays at least half full; a limited bucket the answer did not report never goes ahead.
         let stays_half_full = |per_minute: u64, level: Option<f64>, in_flight: u64, this: f64| {
@@ -334,9 +408,7 @@ impl AheadEntry {
             let Some(level) = level else {
                 return false;
             };
-            let capacity = per_minute as f64;
-            let refilled = (level + elapsed as f64 * capacity / 60_000.0).min(capacity);
-            refilled - in_flight as f64 - this >= capacity / 2.0
+            level - in_flight as f64 - this >= per_minute as f64 / 2.0
         };
         stays_half_full(
             limits.requests_per_minute,
@@ -464,7 +536,8 @@ mod tests {
             l.left(&limits, 0),
             Left {
                 requests: Some(9.0),
-                tokens: Some(100.0)
+                tokens: Some(100.0),
+                version: 1,
             }
         );
         assert!(l.try_take(&limits, 300, 0).is_err());
@@ -487,11 +560,20 @@ mod tests {
         tokens_per_minute: 1000,
     };
 
-    /// A limiter's answer with `tokens` left (and no request limit).
+    std::thread_local! {
+        static VERSION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A limiter's answer with `tokens` left (and no request limit), newer than every one before.
     fn tokens_left(tokens: f64) -> Option<Left> {
+        let version = VERSION.with(|v| {
+            v.set(v.get() + 1);
+            v.get()
+        });
         Some(Left {
             requests: None,
             tokens: Some(tokens),
+            version,
         })
     }
 
@@ -499,36 +581,36 @@ mod tests {
     fn a_client_goes_ahead_only_after_an_answer_and_only_while_half_its_allowance_stays() {
         let mut book = AheadBook::new();
         // No answer yet: wait.
-        assert!(!book.charge("a", &TPM, 100, 0));
-        book.answered("a", 100, tokens_left(900.0), 10);
+        assert!(!book.charge("a", &TPM, 100, 0).ahead);
+        book.answered("a", 0, 100, tokens_left(900.0), 10);
         // 900 left: 300 leaves 600, ahead; with it in flight another 300 would leave 300: wait.
-        assert!(book.charge("a", &TPM, 300, 20));
-        assert!(!book.charge("a", &TPM, 300, 20));
+        assert!(book.charge("a", &TPM, 300, 20).ahead);
+        assert!(!book.charge("a", &TPM, 300, 20).ahead);
         // Both answered, 300 left: even a small one waits.
-        book.answered("a", 300, tokens_left(600.0), 30);
-        book.answered("a", 300, tokens_left(300.0), 30);
-        assert!(!book.charge("a", &TPM, 10, 30));
-        book.answered("a", 10, tokens_left(290.0), 40);
+        book.answered("a", 1, 300, tokens_left(600.0), 30);
+        book.answered("a", 2, 300, tokens_left(300.0), 30);
+        assert!(!book.charge("a", &TPM, 10, 30).ahead);
+        book.answered("a", 3, 10, tokens_left(290.0), 40);
         // The bucket refills: 290 + 250 (15 s) would do, but the answer is too old by then.
-        assert!(!book.charge("a", &TPM, 10, 40 + AHEAD_MAX_AGE_MS + 1));
-        book.answered("a", 10, tokens_left(280.0), 5_000);
+        assert!(!book.charge("a", &TPM, 10, 40 + AHEAD_MAX_AGE_MS + 1).ahead);
+        book.answered("a", 4, 10, tokens_left(280.0), 5_000);
         // 280 + 9 s of refill (150) = 430: still under half.
-        assert!(!book.charge("a", &TPM, 1, 14_000));
-        book.answered("a", 1, tokens_left(429.0), 14_000);
+        assert!(!book.charge("a", &TPM, 1, 14_000).ahead);
+        book.answered("a", 5, 1, tokens_left(429.0), 14_000);
         // 429 + 6 s (100) = 529, less 20: ahead.
-        assert!(book.charge("a", &TPM, 20, 20_000));
+        assert!(book.charge("a", &TPM, 20, 20_000).ahead);
         // Another client has its own view.
-        assert!(!book.charge("b", &TPM, 1, 20_000));
+        assert!(!book.charge("b", &TPM, 1, 20_000).ahead);
     }
 
     #[test]
     fn a_refusal_or_a_failure_makes_the_client_wait_again() {
         let mut book = AheadBook::new();
         book.charge("a", &TPM, 10, 0);
-        book.answered("a", 10, tokens_left(990.0), 0);
-        assert!(book.charge("a", &TPM, 10, 0));
-        book.answered("a", 10, None, 0);
-        assert!(!book.charge("a", &TPM, 10, 0));
+        book.answered("a", 0, 10, tokens_left(990.0), 0);
+        assert!(book.charge("a", &TPM, 10, 0).ahead);
+        book.answered("a", 1, 10, None, 0);
+        assert!(!book.charge("a", &TPM, 10, 0).ahead);
     }
 
     #[test]
@@ -541,21 +623,23 @@ mod tests {
         book.charge("a", &limits, 10, 0);
         book.answered(
             "a",
+            0,
             10,
             Some(Left {
                 requests: Some(3.0),
                 tokens: Some(990.0),
+                version: 1,
             }),
             0,
         );
         // 3 requests left: one more leaves 2, half of 4.
-        assert!(book.charge("a", &limits, 10, 0));
+        assert!(book.charge("a", &limits, 10, 0).ahead);
         // With that one in flight, another would leave 1.
-        assert!(!book.charge("a", &limits, 10, 0));
+        assert!(!book.charge("a", &limits, 10, 0).ahead);
         let mut book = AheadBook::new();
         book.charge("a", &limits, 10, 0);
-        book.answered("a", 10, tokens_left(990.0), 0);
-        assert!(!book.charge("a", &limits, 10, 0));
+        book.answered("a", 0, 10, tokens_left(990.0), 0);
+        assert!(!book.charge("a", &limits, 10, 0).ahead);
     }
 
     #[test]
@@ -569,10 +653,12 @@ mod tests {
         book.charge("a", &limits, 100, 0);
         book.answered(
             "a",
+            0,
             100,
             Some(Left {
                 requests: Some(59.0),
                 tokens: Some(900.0),
+                version: 1,
             }),
             0,
         );
@@ -600,6 +686,7 @@ mod tests {
         let debt = Left {
             requests: None,
             tokens: Some(-500.0),
+            version: 0,
         };
         let headers = openai_headers(&limits, &debt);
         assert_eq!(
@@ -633,19 +720,122 @@ mod tests {
         let mut book = AheadBook::new();
         let mut served = 0;
         for _ in 0..20 {
-            let ahead = book.charge("a", &limits, 90, 0);
+            let sent = book.charge("a", &limits, 90, 0);
             match limiter.try_take(&limits, 90, 0) {
                 Ok(()) => {
-                    book.answered("a", 90, Some(limiter.left(&limits, 0)), 0);
+                    book.answered("a", sent.seq, 90, Some(limiter.left(&limits, 0)), 0);
                     served += 1;
                 }
                 Err(_) => {
-                    assert!(!ahead, "a request went ahead and was refused");
-                    book.answered("a", 90, None, 0);
+                    assert!(!sent.ahead, "a request went ahead and was refused");
+                    book.answered("a", sent.seq, 90, None, 0);
                     break;
                 }
             }
         }
         assert_eq!(served, 11);
+    }
+
+    #[test]
+    fn an_answer_older_than_the_view_only_takes_its_charge_out_of_those_in_flight() {
+        let mut book = AheadBook::new();
+        let first = book.charge("a", &TPM, 10, 0);
+        book.answered("a", first.seq, 10, tokens_left(990.0), 0);
+        let (a, b) = (
+            book.charge("a", &TPM, 100, 0),
+            book.charge("a", &TPM, 100, 0),
+        );
+        assert!(a.ahead && b.ahead);
+        // The limiter took a then b, but b's answer comes first: 790 left, not a's 890.
+        let after = |tokens: f64, version: u64| {
+            Some(Left {
+                requests: None,
+                tokens: Some(tokens),
+                version,
+            })
+        };
+        book.answered("a", b.seq, 100, after(790.0, 3), 0);
+        book.answered("a", a.seq, 100, after(890.0, 2), 0);
+        assert_eq!(book.view("a", &TPM, 0).unwrap().tokens, Some(790.0));
+    }
+
+    /// `isolates` books charging one client's limiter, no refill: what is served against a
+    /// minute's allowance of 1,000 tokens. The answers come back in a random order; the charges
+    /// reach the limiter in a random order too, or, with `in_order`, each isolate's in the order
+    /// it sent them.
+    fn served_by(isolates: usize, in_order: bool, seed: u64) -> u64 {
+        use crate::random::{RandomSource, SplitMix64};
+        const CAP: u64 = 1_000;
+        let mut rng = SplitMix64::new(seed);
+        let mut limiter = RateLimiter::new();
+        let mut books: Vec<AheadBook> = (0..isolates).map(|_| AheadBook::new()).collect();
+        // Charges on their way to the limiter, and answers on their way back:
+        // (isolate, seq, tokens, served ahead, what the limiter said).
+        let mut to_limiter: Vec<(usize, u64, u64, bool)> = Vec::new();
+        let mut to_isolate: Vec<(usize, u64, u64, Option<Left>)> = Vec::new();
+        let mut served = 0;
+        for _ in 0..400 {
+            match rng.below(3) {
+                0 => {
+                    let i = rng.below(isolates as u64) as usize;
+                    let tokens = 10 + rng.below(150);
+                    let sent = books[i].charge("k", &TPM, tokens, 0);
+                    if sent.ahead {
+                        served += tokens;
+                    }
+                    to_limiter.push((i, sent.seq, tokens, sent.ahead));
+                }
+                1 if !to_limiter.is_empty() => {
+                    let mut at = rng.below(to_limiter.len() as u64) as usize;
+                    if in_order {
+                        // That isolate's oldest charge.
+                        let i = to_limiter[at].0;
+                        at = to_limiter.iter().position(|c| c.0 == i).unwrap_or(at);
+                    }
+                    let (i, seq, tokens, ahead) = to_limiter.remove(at);
+                    let left = match limiter.try_take(&TPM, tokens, 0) {
+                        Ok(()) => {
+                            if !ahead {
+                                served += tokens;
+                            }
+                            Some(limiter.left(&TPM, 0))
+                        }
+                        Err(_) => {
+                            if ahead {
+                                limiter.force_take(&TPM, tokens, 0);
+                            }
+                            None
+                        }
+                    };
+                    to_isolate.push((i, seq, tokens, left));
+                }
+                _ if !to_isolate.is_empty() => {
+                    let at = rng.below(to_isolate.len() as u64) as usize;
+                    let (i, seq, tokens, left) = to_isolate.swap_remove(at);
+                    books[i].answered("k", seq, tokens, left, 0);
+                }
+                _ => {}
+            }
+        }
+        assert!(
+            served <= CAP + CAP * isolates as u64 / 2,
+            "{isolates} isolates served {served}"
+        );
+        served
+    }
+
+    #[test]
+    fn the_overshoot_stays_within_half_an_allowance_per_isolate_and_a_lone_one_never_overshoots() {
+        let mut over = [0u64; 5];
+        for seed in 0..300 {
+            // A lone isolate whose charges reach the limiter in order, its answers in any order.
+            assert!(served_by(1, true, seed) <= 1_000, "seed {seed}");
+            // Otherwise at most half an allowance over per isolate (`served_by` asserts it).
+            for (isolates, most) in over.iter_mut().enumerate().skip(1) {
+                *most = (*most).max(served_by(isolates, false, seed));
+            }
+        }
+        // The bound is approached, not just never reached: isolates do overshoot.
+        assert!(over[4] > 1_000, "{over:?}");
     }
 }
