@@ -230,12 +230,12 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
     let answer = keys::reserve(env, client, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
     let now = crate::http::now_ms();
-    BOOK.with(|b| {
+    let newest = BOOK.with(|b| {
         let mut book = b.borrow_mut();
-        book.answered(client, this.seq, this.estimate, left, now);
+        book.answered(client, this.seq, this.estimate, left, now)
     });
     let answer = answer.map(|(reservation, _)| reservation);
-    note(client, &answer);
+    note(client, &answer, newest);
     answer
 }
 
@@ -257,8 +257,9 @@ fn refused_recently(client: &str, now_ms: u64) -> bool {
     REFUSED.with(|m| m.borrow().get(client).is_some_and(|&until| now_ms < until))
 }
 
-/// Remembers a refusal (429) until its `Retry-After`; forgets the client when it was admitted.
-fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>) {
+/// Remembers a refusal (429) until its `Retry-After`; forgets the client when it was admitted, by
+/// an answer that is the `newest` word on it (not an admission given before a refusal).
+fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>, newest: bool) {
     REFUSED.with(|m| {
         let mut m = m.borrow_mut();
         match answer {
@@ -269,10 +270,10 @@ fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>) {
                 let wait_ms = u64::from(e.retry_after_s.unwrap_or(1).max(1)) * 1_000;
                 m.insert(client.to_string(), crate::http::now_ms() + wait_ms);
             }
-            Ok(_) => {
+            Ok(_) if newest => {
                 m.remove(client);
             }
-            Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
     });
 }

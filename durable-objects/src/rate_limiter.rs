@@ -107,9 +107,11 @@ impl ClientRateLimiter {
             return Ok(());
         }
         let stored: Option<String> = self.state.storage().get(BUCKETS_KEY).await?;
-        let buckets = stored
+        let mut buckets = stored
             .and_then(|s| serde_json::from_str::<Buckets>(&s).ok())
             .unwrap_or_default();
+        // The changes not yet written are lost: this instance's states count above them.
+        buckets.restarted();
         // Another request may have loaded them while this one read: keep the first.
         self.buckets.borrow_mut().get_or_insert(buckets);
         Ok(())

@@ -166,6 +166,13 @@ impl RateLimiter {
         self.changes += 1;
     }
 
+    /// The buckets were read back from storage by a new instance, which may have lost the
+    /// changes not yet written: its states are numbered above every one before, so a book that
+    /// holds a newer-looking answer from before takes the new instance's answers as the newer.
+    pub fn restarted(&mut self) {
+        self.changes = ((self.changes >> 32) + 1) << 32;
+    }
+
     /// What is left in each limited bucket at `now_ms`.
     pub fn left(&self, limits: &RateLimits, now_ms: u64) -> Left {
         let level =
@@ -210,6 +217,9 @@ struct AheadEntry {
     first_seq: u64,
     /// The highest [`Left::version`] answered so far, a refusal since or not.
     newest_version: u64,
+    /// The latest charge refused: an admission of an earlier one that comes after the refusal
+    /// is older news (a refusal carries no version).
+    refused_seq: Option<u64>,
 }
 
 /// A charge counted in an [`AheadBook`]: whether its request may go ahead of the answer, and the
@@ -227,15 +237,17 @@ pub struct Sent {
 /// most [`AHEAD_MAX_AGE_MS`] old and every limited bucket, refilled since, less every charge this
 /// isolate has in flight and this one, stays at or above half its capacity; otherwise it waits
 /// for the answer, as without the book. Answers may come back in any order: the book keeps the
-/// newest state by the limiter's [`Left::version`]. So a client near its limits is checked
-/// exactly, and an isolate that alone charges a client never spends past what the limiter said,
-/// as long as its charges reach the limiter in the order it sent them (a request that waited could
-/// otherwise take the headroom one served ahead was counted against). Isolates that charge the
-/// same client see each other's spending only through the limiter's answers, so each one serving
-/// it ahead (and a lone one whose charges are reordered) can take it past a limit by at most what
-/// its view held above half the allowance: half a minute's allowance per isolate at most, for as
-/// long as its view may be old. The limiter charges those requests all the same
-/// ([`RateLimiter::force_take`]), so the excess is repaid by the client's next requests waiting.
+/// newest state by the limiter's [`Left::version`] (a new limiter instance numbers its states above
+/// its predecessor's), and an admission of a charge sent before a refused one counts as older than
+/// the refusal. So a client near its limits is checked exactly, and an isolate that alone charges
+/// a client never spends past what the limiter said, as long as its charges reach the limiter in
+/// the order it sent them and its requests use no more than their estimates (a settlement beyond
+/// an estimate is seen only in the next answer). Otherwise, and for isolates that charge the same
+/// client (which see each other's spending only through the limiter's answers), each isolate can
+/// take the client past a limit by at most what each view it is given held above half the
+/// allowance, before its next answer: half a minute's allowance at most, for as long as its view
+/// may be old. The limiter charges those requests all the same ([`RateLimiter::force_take`]), so
+/// the excess is repaid by the client's next requests waiting.
 /// A randomized test checks both bounds (1 to 4 isolates, 300 orders each, no refill).
 #[derive(Debug, Default)]
 pub struct AheadBook {
@@ -273,8 +285,9 @@ impl AheadBook {
     /// The limiter answered charge `seq` of `tokens` for `client`: with what is left after it, or
     /// `None` when it refused or failed (the client's next requests then wait for their answers
     /// until one admits them). Answers may come in any order: the book keeps the newest state of
-    /// the buckets by the limiter's [`Left::version`], so an answer given before the one it holds
-    /// only takes its charge out of those in flight.
+    /// the buckets by the limiter's [`Left::version`], and an admission of a charge sent before
+    /// one that was refused counts as older than the refusal; an older answer only takes its
+    /// charge out of those in flight. Returns whether the answer is the newest word on the client.
     pub fn answered(
         &mut self,
         client: &str,
@@ -282,23 +295,32 @@ impl AheadBook {
         tokens: u64,
         left: Option<Left>,
         now_ms: u64,
-    ) {
+    ) -> bool {
         let Some(entry) = self.clients.get_mut(client) else {
-            return;
+            return false;
         };
         if seq < entry.first_seq {
-            return;
+            return false;
         }
         entry.in_flight.0 = entry.in_flight.0.saturating_sub(1);
         entry.in_flight.1 = entry.in_flight.1.saturating_sub(tokens);
         match left {
-            // An answer given before the newest one the book has seen says less than it did.
-            Some(new) if new.version < entry.newest_version => {}
+            Some(new)
+                if new.version < entry.newest_version
+                    || entry.refused_seq.is_some_and(|refused| seq < refused) =>
+            {
+                false
+            }
             Some(new) => {
                 entry.newest_version = new.version;
                 entry.left = Some((new, now_ms));
+                true
             }
-            None => entry.left = None,
+            None => {
+                entry.left = None;
+                entry.refused_seq = entry.refused_seq.max(Some(seq));
+                true
+            }
         }
     }
 }
@@ -757,6 +779,48 @@ mod tests {
         book.answered("a", b.seq, 100, after(790.0, 3), 0);
         book.answered("a", a.seq, 100, after(890.0, 2), 0);
         assert_eq!(book.view("a", &TPM, 0).unwrap().tokens, Some(790.0));
+    }
+
+    #[test]
+    fn an_admission_that_comes_after_a_later_charge_s_refusal_is_older_news() {
+        let mut book = AheadBook::new();
+        let first = book.charge("a", &TPM, 10, 0);
+        book.answered("a", first.seq, 10, tokens_left(990.0), 0);
+        // p goes ahead; its answer is slow. Three more go ahead and are refused (another isolate
+        // spent the bucket meanwhile).
+        let p = book.charge("a", &TPM, 10, 0);
+        let late: Vec<Sent> = (0..3).map(|_| book.charge("a", &TPM, 150, 0)).collect();
+        assert!(p.ahead && late.iter().all(|s| s.ahead));
+        for s in &late {
+            assert!(book.answered("a", s.seq, 150, None, 0));
+        }
+        // p's admission, given before those refusals, arrives last: it brings nothing back.
+        assert!(!book.answered("a", p.seq, 10, tokens_left(980.0), 0));
+        assert!(!book.charge("a", &TPM, 10, 0).ahead);
+        assert_eq!(book.view("a", &TPM, 0), None);
+    }
+
+    #[test]
+    fn a_restarted_limiter_numbers_its_states_above_every_one_before() {
+        let mut l = RateLimiter::new();
+        for _ in 0..5 {
+            assert!(l.try_take(&TPM, 10, 0).is_ok());
+        }
+        let before = l.left(&TPM, 0).version;
+        // Read back as stored two changes earlier, by a new instance.
+        let mut stored = RateLimiter::new();
+        for _ in 0..3 {
+            assert!(stored.try_take(&TPM, 10, 0).is_ok());
+        }
+        stored.restarted();
+        assert!(stored.try_take(&TPM, 10, 0).is_ok());
+        assert!(stored.left(&TPM, 0).version > before);
+        // And buckets stored before states were numbered read as version 0.
+        let old: RateLimiter = serde_json::from_str(
+            r#"{"requests":{"level":0.0,"last_ms":0,"started":false},"tokens":{"level":500.0,"last_ms":0,"started":true}}"#,
+        )
+        .unwrap();
+        assert_eq!(old.left(&TPM, 0).version, 0);
     }
 
     /// `isolates` books charging one client's limiter, no refill: what is served against a
