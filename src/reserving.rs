@@ -240,8 +240,9 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
 }
 
 /// The OpenAI API's rate-limit headers for `client`'s admitted request: its buckets by the
-/// isolate's account (the limiter's last answer, refilled since, less the charges in flight), so
-/// exact for a request that waited for its answer and an estimate for one served ahead of it.
+/// isolate's account (the limiter's newest answer, refilled since, less the charges in flight):
+/// for a request that waited, usually the answer to its own charge; for one served ahead of it,
+/// an estimate.
 pub fn rate_limit_headers(env: &Env, client: &str) -> Vec<(&'static str, String)> {
     let Some(limits) = keys::configured_limits(env) else {
         return Vec::new();
