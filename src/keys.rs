@@ -181,13 +181,24 @@ pub async fn reserve(
     let Some(limits) = configured_limits(env) else {
         return Ok((None, Left::default()));
     };
+    let left = take(env, client, limits, estimate, false).await?;
+    Ok((reservation(client, limits, estimate), left))
+}
+
+/// One `take` call to `client`'s limiter: what is left after it, or the refusal.
+async fn take(
+    env: &Env,
+    client: &str,
+    limits: RateLimits,
+    tokens: u64,
+    force: bool,
+) -> Result<Left, ApiError> {
     let body = TakeRequest {
         limits,
-        tokens: estimate,
-        force: false,
+        tokens,
+        force,
     };
-    let taken = call(env, To::Limiter(client), &body).await?;
-    Ok((reservation(client, limits, estimate), taken.left))
+    Ok(call(env, To::Limiter(client), &body).await?.left)
 }
 
 /// What a request charged `estimate` settles when it ends (nothing without a token limit).
@@ -201,20 +212,14 @@ pub fn reservation(client: &str, limits: RateLimits, estimate: u64) -> Option<Re
 }
 
 /// Charges a request the limiter refused after it was served ahead of the answer: whatever the
-/// buckets hold, so the client's next requests wait for the debt. Failures are logged.
-pub async fn force_charge(env: &Env, client: &str, limits: RateLimits, estimate: u64) -> bool {
-    let body = TakeRequest {
-        limits,
-        tokens: estimate,
-        force: true,
-    };
-    match call(env, To::Limiter(client), &body).await {
-        Ok(_) => true,
-        Err(e) => {
-            worker::console_error!("charging a request served ahead of its limiter failed: {e}");
-            false
-        }
-    }
+/// buckets hold, so the client's next requests wait for the debt.
+pub async fn force_charge(
+    env: &Env,
+    client: &str,
+    limits: RateLimits,
+    estimate: u64,
+) -> Result<(), ApiError> {
+    take(env, client, limits, estimate, true).await.map(drop)
 }
 
 /// Settles a reservation with the tokens the request really used (the backend's usage); failures

@@ -96,19 +96,19 @@ impl Reserved {
             // Resolves to whether the charge landed, for the settlement.
             let charging = wasm_bindgen_futures::future_to_promise(async move {
                 let charged = match charge(&env, &owned, this).await {
-                    Ok(_) => true,
+                    Ok(_) => Ok(()),
                     // Served already: paid for all the same.
                     Err(e) if e.status == 429 => {
                         keys::force_charge(&env, &owned, limits, estimate).await
                     }
-                    Err(e) => {
-                        worker::console_error!(
-                            "charging a request served ahead of its limiter failed: {e}"
-                        );
-                        false
-                    }
+                    Err(e) => Err(e),
                 };
-                Ok(JsValue::from_bool(charged))
+                if let Err(e) = &charged {
+                    worker::console_error!(
+                        "charging a request served ahead of its limiter failed: {e}"
+                    );
+                }
+                Ok(JsValue::from_bool(charged.is_ok()))
             });
             keep_alive(ctx, &charging);
             let mut reservation = keys::reservation(client, limits, estimate);

@@ -157,13 +157,13 @@ impl ClientRateLimiter {
         let now = Date::now().as_millis();
         let result = self
             .change(|b| {
-                if take.force {
+                let taken = if take.force {
                     b.force_take(&take.limits, take.tokens, now);
-                    Ok(b.left(&take.limits, now))
+                    Ok(())
                 } else {
                     b.try_take(&take.limits, take.tokens, now)
-                        .map(|()| b.left(&take.limits, now))
-                }
+                };
+                taken.map(|()| b.left(&take.limits, now))
             })
             .await?;
         match result {

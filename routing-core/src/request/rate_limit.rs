@@ -34,15 +34,19 @@ struct Bucket {
     started: bool,
 }
 
+/// `level` after `elapsed_ms` of refill in a bucket of `per_minute` capacity.
+fn refill(level: f64, per_minute: u64, elapsed_ms: u64) -> f64 {
+    let capacity = per_minute as f64;
+    (level + elapsed_ms as f64 * capacity / 60_000.0).min(capacity)
+}
+
 impl Bucket {
     /// Level after refilling up to `now_ms`, for a bucket of `per_minute` capacity.
     fn refilled(&self, per_minute: u64, now_ms: u64) -> f64 {
-        let capacity = per_minute as f64;
         if !self.started {
-            return capacity;
+            return per_minute as f64;
         }
-        let elapsed = now_ms.saturating_sub(self.last_ms) as f64;
-        (self.level + elapsed * capacity / 60_000.0).min(capacity)
+        refill(self.level, per_minute, now_ms.saturating_sub(self.last_ms))
     }
 
     /// Milliseconds until `amount` fits (`None` if it never can: more than a minute's worth).
@@ -128,14 +132,7 @@ impl RateLimiter {
                 retry_after_ms: Some(wait),
             });
         }
-        if limits.requests_per_minute > 0 {
-            self.requests.take(limits.requests_per_minute, 1.0, now_ms);
-        }
-        if limits.tokens_per_minute > 0 {
-            self.tokens
-                .take(limits.tokens_per_minute, tokens as f64, now_ms);
-        }
-        self.changes += 1;
+        self.force_take(limits, tokens, now_ms);
         Ok(())
     }
 
@@ -323,38 +320,11 @@ impl AheadBook {
             }
         }
     }
-}
 
-impl AheadBook {
     /// What `client`'s buckets hold by this isolate's account at `now_ms`: the last answer,
     /// refilled since, less the charges in flight (`None` before any answer).
     pub fn view(&self, client: &str, limits: &RateLimits, now_ms: u64) -> Option<Left> {
-        let entry = self.clients.get(client)?;
-        let (left, at_ms) = entry.left?;
-        let now = refilled(&left, limits, now_ms.saturating_sub(at_ms));
-        Some(Left {
-            requests: now.requests.map(|l| l - entry.in_flight.0 as f64),
-            tokens: now.tokens.map(|l| l - entry.in_flight.1 as f64),
-            version: left.version,
-        })
-    }
-}
-
-/// What `left` becomes after `elapsed_ms` of refill at `limits` (a limit of 0 leaves it as is).
-fn refilled(left: &Left, limits: &RateLimits, elapsed_ms: u64) -> Left {
-    let refill = |level: Option<f64>, per_minute: u64| {
-        level.map(|l| match per_minute {
-            0 => l,
-            _ => {
-                let capacity = per_minute as f64;
-                (l + elapsed_ms as f64 * capacity / 60_000.0).min(capacity)
-            }
-        })
-    };
-    Left {
-        requests: refill(left.requests, limits.requests_per_minute),
-        tokens: refill(left.tokens, limits.tokens_per_minute),
-        version: left.version,
+        self.clients.get(client)?.view(limits, now_ms)
     }
 }
 
@@ -412,37 +382,38 @@ fn duration(ms: u64) -> String {
 }
 
 impl AheadEntry {
-    fn may_go_ahead(&self, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
-        let Some((left, at_ms)) = self.left else {
-            return false;
-        };
+    /// The last answer, refilled to `now_ms`, less the charges in flight (a limit of 0 leaves
+    /// its level as the answer said).
+    fn view(&self, limits: &RateLimits, now_ms: u64) -> Option<Left> {
+        let (left, at_ms) = self.left?;
         let elapsed = now_ms.saturating_sub(at_ms);
-        if elapsed > AHEAD_MAX_AGE_MS {
-            return false;
-        }
-        let left = refilled(&left, limits, elapsed);
-        // Each limited bucket, refilled since the answer, less what is in flight and this charge,
-        // stays at least half full; a limited bucket the answer did not report never goes ahead.
-        let stays_half_full = |per_minute: u64, level: Option<f64>, in_flight: u64, this: f64| {
-            if per_minute == 0 {
-                return true;
-            }
-            let Some(level) = level else {
-                return false;
-            };
-            level - in_flight as f64 - this >= per_minute as f64 / 2.0
+        let now = |level: Option<f64>, per_minute: u64, in_flight: u64| {
+            level.map(|l| match per_minute {
+                0 => l,
+                _ => refill(l, per_minute, elapsed) - in_flight as f64,
+            })
         };
-        stays_half_full(
-            limits.requests_per_minute,
-            left.requests,
-            self.in_flight.0,
-            1.0,
-        ) && stays_half_full(
-            limits.tokens_per_minute,
-            left.tokens,
-            self.in_flight.1,
-            tokens as f64,
-        )
+        Some(Left {
+            requests: now(left.requests, limits.requests_per_minute, self.in_flight.0),
+            tokens: now(left.tokens, limits.tokens_per_minute, self.in_flight.1),
+            version: left.version,
+        })
+    }
+
+    fn may_go_ahead(&self, limits: &RateLimits, tokens: u64, now_ms: u64) -> bool {
+        let fresh = self
+            .left
+            .is_some_and(|(_, at_ms)| now_ms.saturating_sub(at_ms) <= AHEAD_MAX_AGE_MS);
+        let Some(view) = self.view(limits, now_ms).filter(|_| fresh) else {
+            return false;
+        };
+        // Each limited bucket, less what is in flight and this charge, stays at least half full;
+        // a limited bucket the answer did not report never goes ahead.
+        let stays_half_full = |per_minute: u64, level: Option<f64>, this: f64| {
+            per_minute == 0 || level.is_some_and(|l| l - this >= per_minute as f64 / 2.0)
+        };
+        stays_half_full(limits.requests_per_minute, view.requests, 1.0)
+            && stays_half_full(limits.tokens_per_minute, view.tokens, tokens as f64)
     }
 }
 
