@@ -14,7 +14,7 @@
 //! resumption (`resume.rs`) can go on making them from `wait_until`.
 
 use crate::do_client::{call, To};
-use crate::http::{HeaderList, Sleep};
+use crate::http::{Deadlines, HeaderList, Sleep};
 use crate::lease_guard::LeaseGuard;
 use crate::relay::Upstream;
 use crate::request::RequestContext;
@@ -23,16 +23,21 @@ use crate::upstream_body::{
     is_model_not_found, not_an_answer, read_first_chunk, read_whole, AttemptFailure,
 };
 use coordinator_protocol::messages::{ReassignAnswer, ReassignRequest};
-use coordinator_protocol::timed_fetch::{fetch_web_until, FetchFailure, LinkedAbort};
+use coordinator_protocol::timed_fetch::{
+    send_until as await_fetch, start_web_fetch, FetchFailure, LinkedAbort,
+};
 use coordinator_protocol::ApiError;
 use futures_util::future::{select, Either};
+use routing_core::backend::BackendId;
 use routing_core::pool::{CandidateView, Refusal};
+use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use routing_core::stream::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
-use wasm_bindgen::JsValue;
+use wasm_bindgen::{JsCast, JsValue};
+use wasm_bindgen_futures::JsFuture;
 use worker::{console_error, AbortSignal, Headers};
 
 /// Upstream response headers passed to the client.
@@ -102,6 +107,155 @@ impl Answer {
     }
 }
 
+/// What an upstream request is made of, besides its backend and body: known before any pool
+/// is asked, so a fetch can be sent beside the lease call (`ahead.rs`).
+pub(crate) struct UpstreamCall<'a> {
+    pub(crate) forwarded_headers: &'a [(String, String)],
+    pub(crate) request_id: &'a str,
+    pub(crate) endpoint: Endpoint,
+    /// The first byte's deadline (a stream) or the whole answer's.
+    pub(crate) timeout: Duration,
+    pub(crate) deadlines: &'a Deadlines,
+}
+
+impl UpstreamCall<'_> {
+    /// The deadline an attempt has: to a stream's first byte, or to a whole answer.
+    pub(crate) fn timeout_for(proxy: &ProxySettings, stream: bool) -> Duration {
+        match stream {
+            true => proxy.first_byte_timeout,
+            false => proxy.response_timeout,
+        }
+    }
+
+    /// A granted request's.
+    pub(crate) fn of(request: &RequestContext) -> UpstreamCall<'_> {
+        UpstreamCall {
+            forwarded_headers: &request.forwarded_headers,
+            request_id: &request.request_id,
+            endpoint: request.endpoint,
+            timeout: Self::timeout_for(&request.settings.proxy, request.stream()),
+            deadlines: &request.deadlines,
+        }
+    }
+}
+
+/// An upstream fetch sent and not yet answered: its promise, its abort, its deadline.
+pub(crate) struct Sent {
+    fetch: js_sys::Promise,
+    /// Taken when the fetch is waited for; a `Sent` dropped before that aborts it.
+    abort: Option<LinkedAbort>,
+    deadline: Sleep,
+    started_ms: u64,
+    timeout: Duration,
+    backend: BackendId,
+}
+
+impl Sent {
+    /// The backend it went to.
+    pub(crate) fn backend(&self) -> &BackendId {
+        &self.backend
+    }
+
+    /// Its response, by its deadline.
+    pub(crate) async fn response(
+        mut self,
+    ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
+        self.wait().await
+    }
+
+    /// Waits for the response by the deadline; from here on the abort is the caller's.
+    async fn wait(&mut self) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
+        let Some(abort) = self.abort.take() else {
+            return Err(FetchFailure::Transport(
+                "the fetch was waited for already".into(),
+            ));
+        };
+        await_fetch(self.fetch.clone(), abort, &mut self.deadline).await
+    }
+
+    /// Aborts it: the backend stops on the request, and nothing of it is read.
+    pub(crate) fn abort(mut self) {
+        if let Some(abort) = self.abort.take() {
+            abort.abort();
+        }
+    }
+}
+
+impl Drop for Sent {
+    fn drop(&mut self) {
+        if let Some(abort) = self.abort.take() {
+            abort.abort();
+        }
+    }
+}
+
+/// Sends `body` to backend `c` now, after `delay_ms` (a modelled round trip, `SIMULATE_NETWORK`
+/// only): the forwarded headers, the backend's key, redirects not followed.
+pub(crate) fn send(
+    call: &UpstreamCall<'_>,
+    c: &CandidateView,
+    body: &[u8],
+    client_signal: &AbortSignal,
+    delay_ms: u64,
+) -> Result<Sent, AttemptFailure> {
+    let built = || -> Result<web_sys::RequestInit, JsValue> {
+        let mut list = HeaderList::new();
+        for (name, value) in call.forwarded_headers {
+            list.set(name, value);
+        }
+        list.set("content-type", "application/json");
+        list.set("x-request-id", call.request_id);
+        if let Some(key) = &c.api_key {
+            list.set("authorization", &format!("Bearer {key}"));
+        }
+        let headers = list.build()?;
+        let init = web_sys::RequestInit::new();
+        init.set_method("POST");
+        // A 3xx comes back as it is, and counts as the backend's failure.
+        init.set_redirect(web_sys::RequestRedirect::Manual);
+        init.set_headers(&headers);
+        init.set_body(&js_sys::Uint8Array::from(body));
+        Ok(init)
+    };
+    let init = built().map_err(|e| {
+        console_error!(
+            "request {}: cannot build the request to backend {}: {}",
+            call.request_id,
+            c.id.0,
+            worker::Error::from(e)
+        );
+        AttemptFailure::new(
+            OutcomeKind::Transport,
+            format!("the request to backend {} could not be built", c.id.0),
+        )
+    })?;
+    let url = format!("{}{}", c.url, call.endpoint.path());
+    let started_ms = crate::http::now_ms();
+    // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
+    let deadline = call.deadlines.sleep(call.timeout);
+    let (fetch, abort) = match delay_ms {
+        0 => start_web_fetch(&url, &init, Some(client_signal)),
+        _ => {
+            let abort = LinkedAbort::new(Some(client_signal));
+            init.set_signal(Some(abort.signal()));
+            let fetch = wasm_bindgen_futures::future_to_promise(async move {
+                worker::Delay::from(Duration::from_millis(delay_ms)).await;
+                let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
+                JsFuture::from(global.fetch_with_str_and_init(&url, &init)).await
+            });
+            (fetch, abort)
+        }
+    };
+    Ok(Sent {
+        fetch,
+        abort: Some(abort),
+        deadline,
+        started_ms,
+        timeout: call.timeout,
+        backend: c.id.clone(),
+    })
+}
+
 /// How the lease moved after a failed attempt.
 pub(crate) enum Moved {
     /// To this candidate, for the next attempt.
@@ -154,58 +308,49 @@ impl Attempts {
         body: &[u8],
         client_signal: &AbortSignal,
     ) -> Result<Answer, AttemptFailure> {
-        let started = crate::http::now_ms();
+        let sent = send(&UpstreamCall::of(&self.request), c, body, client_signal, 0)?;
+        self.attempt_sent(c, sent).await
+    }
+
+    /// The attempt whose fetch was sent already (by [`Attempts::attempt`], or beside the lease
+    /// call, `ahead.rs`) on `c`.
+    pub(crate) async fn attempt_sent(
+        &self,
+        c: &CandidateView,
+        sent: Sent,
+    ) -> Result<Answer, AttemptFailure> {
+        let mut sent = sent;
+        let (started, timeout) = (sent.started_ms, sent.timeout);
         let elapsed = || crate::http::now_ms().saturating_sub(started);
-        let (url, init) = self.request(c, body).map_err(|e| {
-            console_error!(
-                "request {}: cannot build the request to backend {}: {}",
-                self.request.request_id,
-                c.id.0,
-                worker::Error::from(e)
-            );
-            AttemptFailure::new(
-                OutcomeKind::Transport,
-                format!("the request to backend {} could not be built", c.id.0),
-            )
-        })?;
-        let timeout = if self.request.stream() {
-            self.settings().first_byte_timeout
-        } else {
-            self.settings().response_timeout
-        };
-        // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
-        let mut deadline = self.request.deadlines.sleep(timeout);
-        let (resp, abort) = fetch_web_until(&url, &init, &mut deadline, Some(client_signal))
-            .await
-            .map_err(|f| match f {
-                FetchFailure::Timeout => AttemptFailure {
-                    // How long it waited, for the pool to weigh against the backend's queue.
-                    outcome: Outcome {
-                        ttfb_ms: Some(elapsed()),
-                        ..Outcome::of_kind(OutcomeKind::Timeout)
-                    },
-                    ..AttemptFailure::new(
-                        OutcomeKind::Timeout,
-                        format!(
-                            "backend {} sent no response within {} ms",
-                            c.id.0,
-                            timeout.as_millis()
-                        ),
-                    )
+        let (resp, abort) = sent.wait().await.map_err(|f| match f {
+            FetchFailure::Timeout => AttemptFailure {
+                // How long it waited, for the pool to weigh against the backend's queue.
+                outcome: Outcome {
+                    ttfb_ms: Some(elapsed()),
+                    ..Outcome::of_kind(OutcomeKind::Timeout)
                 },
-                FetchFailure::Transport(e) => {
-                    // The platform's text stays in the log: it is not the client's business.
-                    console_error!(
-                        "request {}: backend {} could not be reached: {e}",
-                        self.request.request_id,
-                        c.id.0
-                    );
-                    AttemptFailure::new(
-                        OutcomeKind::Transport,
-                        format!("backend {} could not be reached", c.id.0),
-                    )
-                }
-            })?;
+                ..AttemptFailure::new(
+                    OutcomeKind::Timeout,
+                    format!(
+                        "backend {} sent no response within {} ms",
+                        c.id.0,
+                        timeout.as_millis()
+                    ),
+                )
+            },
+            FetchFailure::Transport(e) => {
+                // The platform's text stays in the log: it is not the client's business.
+                console_error!(
+                    "request {}: backend {} could not be reached: {e}",
+                    self.request.request_id,
+                    c.id.0
+                );
+                AttemptFailure::new(
+                    OutcomeKind::Transport,
+                    format!("backend {} could not be reached", c.id.0),
+                )
+            }
+        })?;
         let status = resp.status();
         let kind = OutcomeKind::from_status(status);
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
@@ -249,7 +394,7 @@ impl Attempts {
             let text = match resp.body() {
                 Some(stream) => {
                     let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
-                    match select(read, &mut deadline).await {
+                    match select(read, &mut sent.deadline).await {
                         Either::Left((Ok(bytes), _)) => bytes,
                         _ => Vec::new(),
                     }
@@ -290,7 +435,7 @@ impl Attempts {
             let text = match resp.body() {
                 Some(stream) => {
                     let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
-                    match select(read, &mut deadline).await {
+                    match select(read, &mut sent.deadline).await {
                         Either::Left((Ok(bytes), _)) => {
                             String::from_utf8_lossy(&bytes).into_owned()
                         }
@@ -314,7 +459,7 @@ impl Attempts {
         };
         // Whatever fails from here on, the upstream request is closed, not left to the collector.
         let read = self
-            .read_answer(&mut answer, body, &mut deadline, timeout, &c.id.0)
+            .read_answer(&mut answer, body, &mut sent.deadline, timeout, &c.id.0)
             .await;
         if let Err(failure) = read {
             answer.abort.abort();
@@ -389,32 +534,6 @@ impl Attempts {
         })?;
         answer.whole = Some(bytes);
         Ok(())
-    }
-
-    /// The upstream request for `c` with `body`: its URL and everything else (the platform makes
-    /// the request object itself when it is sent, so it makes one, not two).
-    pub(crate) fn request(
-        &self,
-        c: &CandidateView,
-        body: &[u8],
-    ) -> Result<(String, web_sys::RequestInit), JsValue> {
-        let mut list = HeaderList::new();
-        for (name, value) in &self.request.forwarded_headers {
-            list.set(name, value);
-        }
-        list.set("content-type", "application/json");
-        list.set("x-request-id", &self.request.request_id);
-        if let Some(key) = &c.api_key {
-            list.set("authorization", &format!("Bearer {key}"));
-        }
-        let headers = list.build()?;
-        let init = web_sys::RequestInit::new();
-        init.set_method("POST");
-        // A 3xx comes back as it is, and counts as the backend's failure.
-        init.set_redirect(web_sys::RequestRedirect::Manual);
-        init.set_headers(&headers);
-        init.set_body(&js_sys::Uint8Array::from(body));
-        Ok((format!("{}{}", c.url, self.request.endpoint.path()), init))
     }
 
     /// Candidates of the ranking not tried yet.

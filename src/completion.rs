@@ -6,6 +6,8 @@
 //! context, the lease guard and the streaming proxy (`proxy.rs`).
 
 use crate::admission::{self, Asked};
+use crate::ahead::{self, Ahead};
+use crate::attempts::UpstreamCall;
 use crate::lease_guard::{self, Lease, LeaseGuard};
 use crate::request::{self, RequestContext};
 use crate::reserving::{self, Reserved};
@@ -158,6 +160,7 @@ pub async fn handle(
     let mut acquire_body = AcquireBody::new(&features);
     // The request's deadlines, from its lease calls to its stream's watchdog, on one timer.
     let deadlines = http::Deadlines::new();
+    let mut first_ask = true;
     while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
         let pool = &pools[pool];
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
@@ -169,6 +172,27 @@ pub async fn handle(
         };
         acquire_body.set_choice(&note);
         let network_delay_ms = regions::simulated_rtt_ms(env, simulate_from.as_deref(), pool);
+        // With `ROUTE_AHEAD`, the backend fetch goes beside the lease call, to the backend this
+        // isolate expects the shard to choose; kept only if it does (`ahead.rs`).
+        let ahead = settings.route_ahead.then(|| {
+            let ask = ahead::Ask {
+                pool: &pool.name,
+                shard,
+                model: &features.model,
+                block_hashes: &features.block_hashes,
+                may_send: first_ask && reserved.is_known(),
+                delay_ms: network_delay_ms,
+            };
+            let call = UpstreamCall {
+                forwarded_headers: &forwarded_headers,
+                request_id,
+                endpoint,
+                timeout: UpstreamCall::timeout_for(&settings.proxy, stream),
+                deadlines: &deadlines,
+            };
+            Ahead::start(ask, &call, &body, &client_signal)
+        });
+        first_ask = false;
         let asked_ms = crate::http::now_ms();
         if network_delay_ms > 0 {
             simulated_waits += 1;
@@ -197,6 +221,10 @@ pub async fn handle(
                         return Err(e);
                     }
                 };
+                let (sent_ahead, ahead_note) = match ahead {
+                    Some(a) => a.granted(&features.block_hashes, &grant, queued_ms > 0),
+                    None => (None, None),
+                };
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = crate::http::now_ms();
                 if queued_ms == 0 {
@@ -219,6 +247,9 @@ pub async fn handle(
                         extra.push(("x-gateway-pool-anchor-ms", anchor.to_string()));
                     }
                 }
+                if let Some(note) = ahead_note {
+                    extra.push((ahead::AHEAD_HEADER, note.to_string()));
+                }
                 if queued_ms > 0 {
                     extra.push((
                         coordinator_protocol::messages::QUEUE_WAIT_HEADER,
@@ -227,7 +258,8 @@ pub async fn handle(
                 }
                 if regions::simulating(env) {
                     // The proxy waits once more, before the backend fetch.
-                    let waits = simulated_waits + u32::from(network_delay_ms > 0);
+                    let waits =
+                        simulated_waits + u32::from(network_delay_ms > 0 && sent_ahead.is_none());
                     extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
                 }
                 let timing = proxy::Timing {
@@ -268,6 +300,7 @@ pub async fn handle(
                     timing,
                     extra_headers: extra,
                     network_delay_ms,
+                    ahead: sent_ahead,
                 };
                 let resp = if disaggregated {
                     forward.run_disaggregated().await?
@@ -283,6 +316,9 @@ pub async fn handle(
                 return Err(ApiError::client_closed());
             }
             Asked::Refused(refusal) => {
+                if let Some(a) = ahead {
+                    a.refused();
+                }
                 if let Verdict::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
                     reserved.refund(ctx, env);
                     return Err(refusal.into());
@@ -290,6 +326,9 @@ pub async fn handle(
             }
             // The pool's object failed: the next pool may still serve the request.
             Asked::Failed(e) => {
+                if let Some(a) = ahead {
+                    a.refused();
+                }
                 console_error!("pool {} failed to answer an acquire: {e}", pool.name);
                 walk.feed(PoolAnswer::Failed);
             }

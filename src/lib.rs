@@ -5,6 +5,7 @@
 
 mod admin;
 mod admission;
+mod ahead;
 mod attempts;
 mod auth;
 mod completion;

@@ -18,8 +18,8 @@
 //! lease from `wait_until`. A client that hangs up aborts the upstream fetch through its signal.
 
 use crate::attempts::{
-    final_error, request_error, stream_upstream, with_usage, Answer, Attempts, Moved,
-    MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
+    final_error, request_error, send, stream_upstream, with_usage, Answer, Attempts, Moved, Sent,
+    UpstreamCall, MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
 use crate::http::HeaderList;
 use crate::lease_guard::LeaseGuard;
@@ -27,7 +27,7 @@ use crate::relay::Relay;
 use crate::request::RequestContext;
 use crate::resume::Resumption;
 use crate::upstream_body::{read_whole, AttemptFailure};
-use coordinator_protocol::timed_fetch::{fetch_web_with_timeout, FetchFailure};
+use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
@@ -56,6 +56,9 @@ pub struct Forward<'a> {
     /// A modelled edge-to-pool round trip waited out before the first attempt (local runs with
     /// `SIMULATE_NETWORK` only; 0 on the platform).
     pub network_delay_ms: u64,
+    /// The first attempt's fetch, sent beside the lease call to the backend the grant chose
+    /// (`ahead.rs`), if it was.
+    pub ahead: Option<Sent>,
 }
 
 /// Where a request's time to its response went before the attempts, for `Server-Timing` (whole
@@ -93,9 +96,11 @@ impl Forward<'_> {
 
     /// Runs the attempts on the grant's candidates (the decode candidates of a disaggregated
     /// request whose prefill ran on `prefill_backend`: those are not retried elsewhere).
-    async fn run_on(self, prefill_backend: Option<String>) -> Result<Response, ApiError> {
+    async fn run_on(mut self, prefill_backend: Option<String>) -> Result<Response, ApiError> {
         let client_signal = self.request.client_signal.clone();
-        if self.network_delay_ms > 0 {
+        // Sent beside the lease call, it waited its modelled round trip already.
+        let mut ahead = self.ahead.take();
+        if self.network_delay_ms > 0 && ahead.is_none() {
             worker::Delay::from(std::time::Duration::from_millis(self.network_delay_ms)).await;
         }
         let max_retries = match prefill_backend {
@@ -113,10 +118,15 @@ impl Forward<'_> {
         let mut earlier_5xx: Option<u16> = None;
         loop {
             attempts.count += 1;
-            let mut failure = match attempts
-                .attempt(&candidate, &self.body, &client_signal)
-                .await
-            {
+            let tried = match ahead.take() {
+                Some(sent) => attempts.attempt_sent(&candidate, sent).await,
+                None => {
+                    attempts
+                        .attempt(&candidate, &self.body, &client_signal)
+                        .await
+                }
+            };
+            let mut failure = match tried {
                 Ok(answer) => {
                     return self.respond(answer, &candidate, attempts, prefill_backend);
                 }
@@ -300,44 +310,30 @@ impl Forward<'_> {
         let client_signal = self.request.client_signal.clone();
         let fail = |kind: OutcomeKind, reason: String| AttemptFailure::new(kind, reason);
         let params = async {
-            let (url, init) = self.attempts().request(&prefill, &bytes).map_err(|e| {
-                worker::console_error!(
-                    "request {}: cannot build the prefill request: {}",
-                    self.request.request_id,
-                    ApiError::from(worker::Error::from(e))
-                );
-                fail(
-                    OutcomeKind::Transport,
-                    format!(
-                        "the request to prefill backend {} could not be built",
-                        prefill.id.0
+            let call = UpstreamCall {
+                timeout: self.request.settings.proxy.response_timeout,
+                ..UpstreamCall::of(&self.request)
+            };
+            let (resp, _abort) = send(&call, &prefill, &bytes, &client_signal, 0)?
+                .response()
+                .await
+                .map_err(|f| match f {
+                    FetchFailure::Timeout => fail(
+                        OutcomeKind::Timeout,
+                        format!("prefill backend {} timed out", prefill.id.0),
                     ),
-                )
-            })?;
-            let (resp, _abort) = fetch_web_with_timeout(
-                &url,
-                &init,
-                self.request.settings.proxy.response_timeout,
-                Some(&client_signal),
-            )
-            .await
-            .map_err(|f| match f {
-                FetchFailure::Timeout => fail(
-                    OutcomeKind::Timeout,
-                    format!("prefill backend {} timed out", prefill.id.0),
-                ),
-                FetchFailure::Transport(e) => {
-                    worker::console_error!(
-                        "request {}: prefill backend {} could not be reached: {e}",
-                        self.request.request_id,
-                        prefill.id.0
-                    );
-                    fail(
-                        OutcomeKind::Transport,
-                        format!("prefill backend {} could not be reached", prefill.id.0),
-                    )
-                }
-            })?;
+                    FetchFailure::Transport(e) => {
+                        worker::console_error!(
+                            "request {}: prefill backend {} could not be reached: {e}",
+                            self.request.request_id,
+                            prefill.id.0
+                        );
+                        fail(
+                            OutcomeKind::Transport,
+                            format!("prefill backend {} could not be reached", prefill.id.0),
+                        )
+                    }
+                })?;
             let status = resp.status();
             if !(200..300).contains(&status) {
                 return Err(AttemptFailure {

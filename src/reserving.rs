@@ -125,6 +125,12 @@ impl Reserved {
         })
     }
 
+    /// Whether the charge is settled already (nothing to charge, or served ahead of the
+    /// limiter's answer).
+    pub fn is_known(&self) -> bool {
+        matches!(self, Reserved::Known(_))
+    }
+
     /// What a lease call gives up on: the client's hang-up, or the limiter's refusal while the
     /// answer is on its way.
     pub fn give_up_on(&self, hung_up: &js_sys::Promise) -> js_sys::Promise {

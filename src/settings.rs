@@ -46,6 +46,9 @@ pub struct Settings {
     /// `RATE_LIMIT_AHEAD = "true"`: a client well within its limits is served without waiting
     /// for its charge's answer (`reserving.rs`).
     pub rate_limit_ahead: bool,
+    /// `ROUTE_AHEAD = "true"`: a request's backend fetch is sent beside its lease call, to the
+    /// backend the isolate expects the pool to choose, and kept only if it does (`ahead.rs`).
+    pub route_ahead: bool,
     /// `ALLOW_REGION_HEADER`: whether `x-gateway-region` is trusted.
     pub region_header: bool,
     /// `REGION_MAP`: colo or continent code to region.
@@ -91,6 +94,7 @@ impl Settings {
                 tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
             },
             rate_limit_ahead: var_or(env, "RATE_LIMIT_AHEAD", String::new()) == "true",
+            route_ahead: var_or(env, "ROUTE_AHEAD", String::new()) == "true",
             region_header: var_or(env, "ALLOW_REGION_HEADER", String::new()) == "true",
             region_map: json_var_or_default(env, "REGION_MAP"),
             regional: var_or(env, "GATEWAY_ROLE", String::new()).trim() == "regional",

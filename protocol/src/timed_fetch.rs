@@ -112,17 +112,28 @@ pub async fn fetch_web_until(
     deadline: &mut (impl std::future::Future<Output = ()> + Unpin),
     parent: Option<&AbortSignal>,
 ) -> Result<(web_sys::Response, LinkedAbort), FetchFailure> {
+    let (send, abort) = start_web_fetch(url, init, parent);
+    send_until(send, abort, deadline).await
+}
+
+/// Sends `url` with `init` now (the platform starts the request when `fetch` is called, not when
+/// its promise is awaited), with an abort signal linked to `parent`: the fetch and its abort, to
+/// wait for with [`send_until`]. `init` gets the signal.
+pub fn start_web_fetch(
+    url: &str,
+    init: &web_sys::RequestInit,
+    parent: Option<&AbortSignal>,
+) -> (js_sys::Promise, LinkedAbort) {
     let abort = LinkedAbort::new(parent);
     let signal: &web_sys::AbortSignal = abort.signal();
     init.set_signal(Some(signal));
     let global: web_sys::WorkerGlobalScope = js_sys::global().unchecked_into();
-    let send = global.fetch_with_str_and_init(url, init);
-    send_until(send, abort, deadline).await
+    (global.fetch_with_str_and_init(url, init), abort)
 }
 
 /// Waits for a fetch sent with `abort`'s signal until `deadline`, aborting it when the deadline
 /// wins.
-async fn send_until(
+pub async fn send_until(
     send: js_sys::Promise,
     abort: LinkedAbort,
     deadline: &mut (impl std::future::Future<Output = ()> + Unpin),

@@ -20,7 +20,8 @@
 //! per slot), `registry` (adding, changing and probing backends), `acquire/` (the decision:
 //! eligible -> rank -> admit -> lease), `lease` (the lease table and a lease's terms), `leases` (a
 //! lease's life after the grant), `affinity` (the prefix-affinity table: which backend recently
-//! served which prompt prefix), `persistence` (snapshots and restore), `shard` (which coordinator
+//! served which prompt prefix), `guess` (an isolate's guess of a shard's choice, for a fetch sent
+//! beside the lease call), `persistence` (snapshots and restore), `shard` (which coordinator
 //! shard owns a request, and the load reports shards exchange), `siblings` (this pool as one of
 //! several coordinator shards), `stats` (the counters) and `render` (Prometheus text).
 
@@ -30,6 +31,7 @@ mod capacity;
 mod config;
 mod entry;
 mod errors;
+pub mod guess;
 pub mod lease;
 mod leases;
 mod persistence;

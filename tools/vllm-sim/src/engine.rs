@@ -288,12 +288,15 @@ impl Engine {
     }
 
     fn add(&mut self, submission: Submission) {
-        if submission.events.is_closed() {
-            return;
-        }
         let id = self.next_id;
         self.next_id += 1;
         self.scheduler.add(id, submission.spec);
+        if submission.events.is_closed() {
+            // Its client went away before the engine took it: aborted, as vLLM counts a request
+            // aborted from its waiting queue (`finished_reason="abort"`).
+            self.scheduler.abort(id);
+            return;
+        }
         self.clients.insert(
             id,
             Client {

@@ -1,0 +1,382 @@
+//! An isolate's guess of the backend a pool shard will choose, so the Worker can send the
+//! request's backend fetch beside its lease call instead of after it (`ROUTE_AHEAD`).
+//!
+//! The pool still decides: a fetch sent ahead is kept only when the grant names the backend it
+//! went to, and is aborted otherwise, before anything of it reaches the client, so every request
+//! is served by the backend its pool chose. What the guess changes is only when the fetch starts.
+//! A guess is made from this isolate's own grants, per pool shard:
+//!
+//! - the backend granted to an earlier request sharing the longest sampled prompt prefix with
+//!   this one (block indices `2^k - 1` and each request's last block: a conversation's next turn
+//!   finds its history's backend), else the backend granted to the last request whose prefix was
+//!   new to the book;
+//! - only from a grant at most [`FRESH_MS`] old (the backend's URL and key come from it, so a
+//!   removed or drained backend drops out of guesses within that time), and not once a guess of
+//!   it was wrong, until a grant names it again;
+//! - not for [`BUSY_HOLD_MS`] after the shard queued, refused, or paired a request
+//!   (disaggregated), when a fetch sent ahead would land on a full backend or the wrong role;
+//! - only while at most [`MAX_MISSES`] of the shard's last [`WINDOW`] guesses were wrong. Guesses
+//!   are scored whether or not a fetch was sent, so a shard whose choices this isolate cannot
+//!   predict stops being sent ahead, and starts again once its guesses come right.
+//!
+//! So at most [`MAX_MISSES`] of any [`WINDOW`] consecutive guesses of a shard, plus the one that
+//! tips the window, send a fetch that is aborted: the backend computes at most the part of such a
+//! prompt that it reaches before the abort (the lease call's time).
+
+use crate::backend::BackendId;
+use crate::pool::CandidateView;
+use std::collections::{HashMap, VecDeque};
+
+/// How old (ms) a grant may be for its backend to be guessed.
+pub const FRESH_MS: u64 = 5_000;
+/// How long (ms) after a queued, refused or paired request no fetch is sent ahead.
+pub const BUSY_HOLD_MS: u64 = 2_000;
+/// The guesses scored per shard.
+pub const WINDOW: u32 = 16;
+/// Most wrong guesses among the last [`WINDOW`] for fetches to be sent ahead.
+pub const MAX_MISSES: u32 = 4;
+/// Most prefix entries kept per shard (oldest forgotten first).
+pub const MAX_PREFIXES: usize = 4_096;
+/// Most places (pool shard and model) kept; past it the book starts again.
+pub const MAX_SHARDS: usize = 256;
+
+/// What an isolate knows of its pool shards' choices.
+#[derive(Debug, Default)]
+pub struct GuessBook {
+    shards: HashMap<Place, ShardBook>,
+}
+
+/// Where a request asks: a pool shard, for a model (a pool's backends may serve different
+/// models, and a request for one never goes to a backend without it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Place {
+    /// The pool.
+    pub pool: String,
+    /// Its coordinator shard.
+    pub shard: u32,
+    /// The model asked for.
+    pub model: String,
+}
+
+impl Place {
+    /// `pool`'s `shard`, for `model`.
+    pub fn new(pool: &str, shard: u32, model: &str) -> Place {
+        Place {
+            pool: pool.to_string(),
+            shard,
+            model: model.to_string(),
+        }
+    }
+}
+
+/// One shard's book.
+#[derive(Debug, Default)]
+struct ShardBook {
+    /// Backends seen in grants: how to call them, and when.
+    backends: HashMap<BackendId, (CandidateView, u64)>,
+    /// Sampled prefix hashes to the backend last granted for them.
+    prefixes: HashMap<u64, BackendId>,
+    /// Insertion order of `prefixes`, for forgetting.
+    order: VecDeque<u64>,
+    /// The backend granted to the last request whose prefix was new to the book.
+    cold: Option<BackendId>,
+    /// Until when (ms) nothing is sent ahead.
+    hold_until_ms: u64,
+    /// The last [`WINDOW`] guesses, newest in bit 0: 1 for a wrong one.
+    misses: u32,
+}
+
+/// A guess: the backend, and whether a fetch may be sent to it ahead of the grant.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Guess {
+    /// The backend the shard is expected to choose.
+    pub backend: CandidateView,
+    /// Whether the shard's record allows sending ahead now (else the guess is only scored).
+    pub send: bool,
+}
+
+/// What a grant said, for [`GuessBook::granted`].
+pub struct Granted<'a> {
+    /// The chosen backend.
+    pub backend: &'a CandidateView,
+    /// Whether it is a disaggregated pair (never guessed).
+    pub paired: bool,
+    /// Whether the request waited in the shard's queue.
+    pub queued: bool,
+}
+
+impl GuessBook {
+    /// An empty book.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The backend expected to be chosen at `place` for a request with `block_hashes`.
+    pub fn guess(&self, place: &Place, block_hashes: &[u64], now_ms: u64) -> Option<Guess> {
+        let book = self.shards.get(place)?;
+        let fresh = |id: &BackendId| {
+            book.backends
+                .get(id)
+                .filter(|(_, seen)| now_ms.saturating_sub(*seen) <= FRESH_MS)
+        };
+        let (view, _) = sampled(block_hashes)
+            .filter_map(|h| book.prefixes.get(&h))
+            .chain(book.cold.as_ref())
+            .find_map(fresh)?;
+        let send = now_ms >= book.hold_until_ms && book.wrong() <= MAX_MISSES;
+
+        Some(Guess {
+            backend: view.clone(),
+            send,
+        })
+    }
+
+    /// Learns from a grant at `place` for a request with `block_hashes`, and scores `guessed`
+    /// (what [`GuessBook::guess`] said before it, if anything) against it.
+    pub fn granted(
+        &mut self,
+        place: &Place,
+        block_hashes: &[u64],
+        grant: Granted<'_>,
+        guessed: Option<&BackendId>,
+        now_ms: u64,
+    ) {
+        if self.shards.len() >= MAX_SHARDS && !self.shards.contains_key(place) {
+            self.shards.clear();
+        }
+        let book = self.shards.entry(place.clone()).or_default();
+        if let Some(g) = guessed {
+            let wrong = g != &grant.backend.id;
+            book.score(wrong);
+            // Not guessed again until a grant names it: a drained, removed or full backend
+            // costs one fetch in vain per isolate, not one per request.
+            if wrong {
+                book.backends.remove(g);
+            }
+        }
+        if grant.paired || grant.queued {
+            book.hold_until_ms = now_ms.saturating_add(BUSY_HOLD_MS);
+        }
+        if grant.paired {
+            return;
+        }
+        let id = grant.backend.id.clone();
+        let known = sampled(block_hashes).any(|h| book.prefixes.contains_key(&h));
+        if !known {
+            book.cold = Some(id.clone());
+        }
+        for h in sampled(block_hashes) {
+            if book.prefixes.insert(h, id.clone()).is_none() {
+                book.order.push_back(h);
+            }
+        }
+        while book.order.len() > MAX_PREFIXES {
+            if let Some(old) = book.order.pop_front() {
+                book.prefixes.remove(&old);
+            }
+        }
+        book.backends.insert(id, (grant.backend.clone(), now_ms));
+        book.backends
+            .retain(|_, (_, seen)| now_ms.saturating_sub(*seen) <= FRESH_MS);
+    }
+
+    /// The shard refused a request, or could not be asked: nothing is sent ahead to it for a
+    /// while.
+    pub fn busy(&mut self, place: &Place, now_ms: u64) {
+        if let Some(book) = self.shards.get_mut(place) {
+            book.hold_until_ms = now_ms.saturating_add(BUSY_HOLD_MS);
+        }
+    }
+}
+
+impl ShardBook {
+    fn score(&mut self, wrong: bool) {
+        let mask = (1u32 << WINDOW) - 1;
+        self.misses = ((self.misses << 1) | u32::from(wrong)) & mask;
+    }
+
+    fn wrong(&self) -> u32 {
+        self.misses.count_ones()
+    }
+}
+
+/// The prefix hashes a request is filed and looked up under, longest first: its last block, then
+/// blocks `2^k - 1` from the largest below it down to the first.
+fn sampled(block_hashes: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    let n = block_hashes.len();
+    let last = n.checked_sub(1);
+    let top = match n {
+        0 => 0,
+        _ => usize::BITS - n.leading_zeros(),
+    };
+    let powers = (0..top)
+        .rev()
+        .map(|k| (1usize << k) - 1)
+        .filter(move |&i| Some(i) != last && i < n);
+    last.into_iter().chain(powers).map(|i| block_hashes[i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(id: &str) -> CandidateView {
+        CandidateView {
+            id: BackendId(id.into()),
+            url: format!("http://{id}"),
+            ..CandidateView::default()
+        }
+    }
+
+    fn at(shard: u32) -> Place {
+        Place::new("p", shard, "m")
+    }
+
+    fn grant(v: &CandidateView) -> Granted<'_> {
+        Granted {
+            backend: v,
+            paired: false,
+            queued: false,
+        }
+    }
+
+    #[test]
+    fn samples_the_last_block_and_powers_of_two() {
+        let hashes: Vec<u64> = (0..10).collect();
+        assert_eq!(sampled(&hashes).collect::<Vec<_>>(), vec![9, 7, 3, 1, 0]);
+        assert_eq!(sampled(&[5]).collect::<Vec<_>>(), vec![5]);
+        assert_eq!(sampled(&[]).count(), 0);
+        let eight: Vec<u64> = (0..8).collect();
+        assert_eq!(sampled(&eight).collect::<Vec<_>>(), vec![7, 3, 1, 0]);
+    }
+
+    #[test]
+    fn guesses_the_backend_of_the_longest_shared_prefix_then_the_last_cold_one() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        assert_eq!(book.guess(&at(0), &[1, 2, 3], 0), None);
+        book.granted(&at(0), &[1, 2, 3, 4], grant(&a), None, 0);
+        book.granted(&at(0), &[9, 8], grant(&b), None, 10);
+        // Shares blocks 0..4 with the first request: its backend.
+        let g = book.guess(&at(0), &[1, 2, 3, 4, 5, 6], 20).unwrap();
+        assert_eq!(g.backend.id.0, "a");
+        assert!(g.send);
+        // Nothing shared: the last cold grant's backend.
+        assert_eq!(book.guess(&at(0), &[7], 20).unwrap().backend.id.0, "b");
+        // Another shard knows nothing, nor does another model's book.
+        assert_eq!(book.guess(&at(1), &[1, 2], 20), None);
+        assert_eq!(
+            book.guess(&Place::new("p", 0, "other"), &[1, 2, 3, 4], 20),
+            None
+        );
+    }
+
+    #[test]
+    fn old_grants_are_not_guessed() {
+        let mut book = GuessBook::new();
+        book.granted(&at(0), &[1], grant(&view("a")), None, 0);
+        assert!(book.guess(&at(0), &[1], FRESH_MS).is_some());
+        assert_eq!(book.guess(&at(0), &[1], FRESH_MS + 1), None);
+    }
+
+    #[test]
+    fn a_busy_shard_is_scored_but_not_sent_ahead() {
+        let mut book = GuessBook::new();
+        let a = view("a");
+        book.granted(&at(0), &[1], grant(&a), None, 0);
+        let queued = Granted {
+            queued: true,
+            ..grant(&a)
+        };
+        book.granted(&at(0), &[1], queued, None, 100);
+        assert!(
+            !book
+                .guess(&at(0), &[1], 100 + BUSY_HOLD_MS - 1)
+                .unwrap()
+                .send
+        );
+        assert!(book.guess(&at(0), &[1], 100 + BUSY_HOLD_MS).unwrap().send);
+        book.busy(&at(0), 3_000);
+        assert!(!book.guess(&at(0), &[1], 3_001).unwrap().send);
+    }
+
+    #[test]
+    fn paired_grants_are_never_guessed() {
+        let mut book = GuessBook::new();
+        let a = view("a");
+        let paired = Granted {
+            paired: true,
+            ..grant(&a)
+        };
+        book.granted(&at(0), &[1], paired, None, 0);
+        assert_eq!(book.guess(&at(0), &[1], 1), None);
+    }
+
+    #[test]
+    fn stops_sending_ahead_after_too_many_wrong_guesses_and_starts_again() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        book.granted(&at(0), &[1], grant(&a), None, 0);
+        let a_id = a.id.clone();
+        // The shard keeps choosing b where a was guessed, then a again (alternating cold
+        // requests): every other guess wrong.
+        let mut sent_wrong = 0;
+        for i in 0..200u64 {
+            let g = book.guess(&at(0), &[1000 + i], i).unwrap();
+            let chosen = if i % 2 == 0 { &b } else { &a };
+            if g.send && g.backend.id != chosen.id {
+                sent_wrong += 1;
+            }
+            book.granted(&at(0), &[1000 + i], grant(chosen), Some(&g.backend.id), i);
+        }
+        // Half the guesses are wrong: past the bound, so almost nothing is sent ahead.
+        assert!(sent_wrong <= MAX_MISSES + 1, "{sent_wrong} sent in vain");
+        // Right guesses bring it back once the window holds few enough wrong ones.
+        for i in 200..200 + u64::from(WINDOW) {
+            book.granted(&at(0), &[1], grant(&a), Some(&a_id), i);
+        }
+        assert!(book.guess(&at(0), &[1], 300).unwrap().send);
+    }
+
+    #[test]
+    fn a_backend_guessed_wrong_is_not_guessed_until_granted_again() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        book.granted(&at(0), &[1, 2, 3, 4], grant(&a), None, 0);
+        book.granted(&at(0), &[7, 8], grant(&b), None, 1);
+        let g = book.guess(&at(0), &[1, 2, 3, 4, 5], 2).unwrap();
+        assert_eq!(g.backend.id.0, "a");
+        // The pool chose b for a prompt a held (a was drained, say).
+        book.granted(&at(0), &[1, 2, 3, 4, 5], grant(&b), Some(&g.backend.id), 3);
+        // a's other prefixes now fall through to what is known: b.
+        assert_eq!(
+            book.guess(&at(0), &[1, 2, 3, 4, 6, 9], 4)
+                .unwrap()
+                .backend
+                .id
+                .0,
+            "b"
+        );
+        assert_eq!(
+            book.guess(&at(0), &[1, 2, 3, 4], 4).unwrap().backend.id.0,
+            "b"
+        );
+        book.granted(&at(0), &[1, 2, 3, 4], grant(&a), None, 5);
+        assert_eq!(
+            book.guess(&at(0), &[1, 2, 3, 4], 6).unwrap().backend.id.0,
+            "a"
+        );
+    }
+
+    #[test]
+    fn the_prefix_table_is_bounded() {
+        let mut book = GuessBook::new();
+        let a = view("a");
+        for i in 0..(MAX_PREFIXES as u64 + 100) {
+            book.granted(&at(0), &[i], grant(&a), None, 0);
+        }
+        let shard = &book.shards[&at(0)];
+        assert_eq!(shard.prefixes.len(), MAX_PREFIXES);
+        assert_eq!(shard.order.len(), MAX_PREFIXES);
+    }
+}

@@ -1,0 +1,125 @@
+//! A request's backend fetch sent beside its lease call (`ROUTE_AHEAD`), to the backend this
+//! isolate expects the pool shard to choose, so the lease call's round trip and the backend's
+//! overlap instead of following each other.
+//!
+//! The pool still decides every request: the fetch sent ahead becomes the request's first attempt
+//! only when the grant names its backend (and the grant is not a disaggregated pair); otherwise,
+//! and on every other way out (a refusal, a queue, a hang-up, the limiter's refusal), it is
+//! aborted before anything of it is read, so nothing of it reaches the client, it is never charged
+//! to the client, and the request's attempts go on exactly as without the setting. The guess and
+//! its limits (fresh grants only, not while the shard queues or refuses, not while its guesses
+//! keep coming out wrong) are `routing_core::pool::guess`'s; this file sends and settles.
+//!
+//! A fetch is sent ahead only for the first pool a request asks, and only when its rate-limit
+//! charge is already settled (no limits, or served ahead of its limiter): the backend is never
+//! fetched before the limiter has admitted the request.
+
+use crate::attempts::{send, Sent, UpstreamCall};
+use routing_core::backend::BackendId;
+use routing_core::pool::guess::{Granted, GuessBook, Place};
+use routing_core::pool::Grant;
+use std::cell::RefCell;
+use worker::AbortSignal;
+
+thread_local! {
+    /// This isolate's record of its pool shards' choices.
+    static BOOK: RefCell<GuessBook> = RefCell::new(GuessBook::new());
+}
+
+/// The response header saying what became of a fetch sent ahead: `kept` (it is the answer's
+/// first attempt) or `missed` (the pool chose another backend, and it was aborted).
+pub const AHEAD_HEADER: &str = "x-gateway-ahead";
+
+/// One lease call's guess, and the fetch sent on it, if one was.
+pub(crate) struct Ahead {
+    place: Place,
+    guessed: Option<BackendId>,
+    sent: Option<Sent>,
+}
+
+/// What a request gives [`Ahead::start`].
+pub(crate) struct Ask<'a> {
+    pub(crate) pool: &'a str,
+    pub(crate) shard: u32,
+    pub(crate) model: &'a str,
+    pub(crate) block_hashes: &'a [u64],
+    /// Whether a fetch may be sent at all: `ROUTE_AHEAD` on, the first pool asked, the rate-limit
+    /// charge settled.
+    pub(crate) may_send: bool,
+    /// A modelled round trip to the backend (`SIMULATE_NETWORK` only).
+    pub(crate) delay_ms: u64,
+}
+
+impl Ahead {
+    /// Guesses the shard's choice and, when allowed, sends `body` to it now.
+    pub(crate) fn start(
+        ask: Ask<'_>,
+        call: &UpstreamCall<'_>,
+        body: &[u8],
+        client_signal: &AbortSignal,
+    ) -> Ahead {
+        let now = crate::http::now_ms();
+        let place = Place::new(ask.pool, ask.shard, ask.model);
+        let guess = BOOK.with(|b| b.borrow().guess(&place, ask.block_hashes, now));
+        let sent = match &guess {
+            Some(g) if g.send && ask.may_send => {
+                send(call, &g.backend, body, client_signal, ask.delay_ms).ok()
+            }
+            _ => None,
+        };
+        Ahead {
+            place,
+            guessed: guess.map(|g| g.backend.id),
+            sent,
+        }
+    }
+
+    /// The shard granted `grant` (after `queued`): the book learns it, and the fetch sent ahead
+    /// comes back when it went where the grant says, with the header's value.
+    pub(crate) fn granted(
+        mut self,
+        block_hashes: &[u64],
+        grant: &Grant,
+        queued: bool,
+    ) -> (Option<Sent>, Option<&'static str>) {
+        let paired = !grant.decode_candidates.is_empty();
+        let Some(first) = grant.candidates.first() else {
+            return (None, None);
+        };
+        BOOK.with(|b| {
+            b.borrow_mut().granted(
+                &self.place,
+                block_hashes,
+                Granted {
+                    backend: first,
+                    paired,
+                    queued,
+                },
+                self.guessed.as_ref(),
+                crate::http::now_ms(),
+            )
+        });
+        match self.sent.take() {
+            Some(sent) if !paired && sent.backend() == &first.id => (Some(sent), Some("kept")),
+            Some(sent) => {
+                sent.abort();
+                (None, Some("missed"))
+            }
+            None => (None, None),
+        }
+    }
+
+    /// The shard refused the request or could not be asked: nothing goes ahead to it for a
+    /// while (the fetch sent, if any, is aborted as this is dropped).
+    pub(crate) fn refused(self) {
+        BOOK.with(|b| b.borrow_mut().busy(&self.place, crate::http::now_ms()));
+    }
+}
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        if let Some(sent) = self.sent.take() {
+            sent.abort();
+        }
+    }
+}

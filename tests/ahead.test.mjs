@@ -1,0 +1,177 @@
+// ROUTE_AHEAD (issue 27): the backend fetch sent beside the lease call, to the backend the
+// isolate expects its pool shard to choose, and kept only if the shard chose it. The built Worker
+// in workerd, real vllm-sim backends on 127.0.0.1. A conversation's next turns are sent ahead to
+// the backend holding their history and served by it, with no second request to any backend; a
+// fetch sent ahead to a backend the pool no longer chooses (drained meanwhile) is aborted at that
+// backend (vLLM's finished_reason="abort") and the answer comes whole from the chosen one; a key's
+// first request, whose limiter has not answered yet, is not sent ahead; and with SIMULATE_NETWORK
+// a request sent ahead waits one modelled round trip where one without waits two (counted, never
+// timed).
+import { test, before, after, afterEach } from "node:test";
+import assert from "node:assert/strict";
+import { startGateway, startSim, waitFor, waitReady, drained, parseMetrics } from "./lib/harness.mjs";
+
+const KEY = "sk-ahead-client-1";
+const REGION = "eu-west";
+const closers = [];
+const drains = [];
+let gw;
+let sims; // fast (time scale 1000), pool ahead-p
+let slowSims; // real time, pool ahead-slow: a request is still running when its abort comes
+
+before(async () => {
+  gw = await startGateway({
+    bindings: {
+      PROBE_INTERVAL_MS: "500",
+      ROUTE_AHEAD: "true",
+      CLIENT_API_KEYS: KEY,
+      RATE_LIMIT_TPM: "10000000",
+      RATE_LIMIT_AHEAD: "true",
+      ALLOW_REGION_HEADER: "true",
+      SIMULATE_NETWORK: "true",
+      REGION_RTT_MS: JSON.stringify({ "us-east": { [REGION]: 20 } }),
+    },
+  });
+  closers.push(gw);
+  sims = [];
+  for (let i = 0; i < 2; i++) {
+    sims.push(await startSim(["--model", "ahead-model", "--time-scale", "1000", "--seed", String(11 + i)]));
+  }
+  closers.push(...sims);
+  slowSims = [];
+  for (let i = 0; i < 2; i++) {
+    slowSims.push(await startSim(["--model", "ahead-slow", "--time-scale", "1", "--seed", String(21 + i)]));
+  }
+  closers.push(...slowSims);
+  await addPool("ahead-p", sims, "ahead-model");
+  await addPool("ahead-slow", slowSims, "ahead-slow");
+});
+
+async function addPool(name, list, model) {
+  const put = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: REGION } });
+  assert.equal(put.status, 200, await put.text());
+  for (const [i, s] of list.entries()) {
+    const reg = await gw.admin("/admin/backends", {
+      method: "POST",
+      body: { url: s.url, pool: name, models: [model], id: `${name}-b${i}` },
+    });
+    assert.equal(reg.status, 201, await reg.text());
+    await waitReady(gw, `${name}-b${i}`);
+  }
+  drains.push([gw, name]);
+}
+
+after(async () => {
+  for (const c of closers.reverse()) await c.close();
+});
+
+afterEach(async () => {
+  for (const [g, name] of drains) await drained(g, name);
+});
+
+// Requests each sim has seen end, by how they ended.
+async function finished(sim) {
+  const text = await (await fetch(`${sim.url}/metrics`)).text();
+  const out = {};
+  for (const s of parseMetrics(text).filter((s) => s.name === "vllm:request_success_total")) {
+    out[s.labels.finished_reason] = s.value;
+  }
+  return out;
+}
+
+// Requests running or waiting in a sim's engine.
+async function engineBusy(sim) {
+  const samples = parseMetrics(await (await fetch(`${sim.url}/metrics`)).text());
+  return samples
+    .filter((s) => s.name === "vllm:num_requests_running" || s.name === "vllm:num_requests_waiting")
+    .reduce((n, s) => n + s.value, 0);
+}
+
+async function totals() {
+  const all = await Promise.all(sims.map(finished));
+  return all.map((f) => ({ done: (f.stop ?? 0) + (f.length ?? 0), abort: f.abort ?? 0 }));
+}
+
+const history = (turns) =>
+  Array.from({ length: turns }, (_, i) => [
+    { role: "user", content: `Turn ${i}: tell me about the harbour at dusk, the boats and the lights, in detail please.` },
+    { role: "assistant", content: `The harbour at dusk, turn ${i}: boats, lanterns and the slow water under them.` },
+  ]).flat();
+
+async function chat(messages, headers = {}, model = "ahead-model") {
+  const r = await gw.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json", authorization: `Bearer ${KEY}`, ...headers },
+    body: JSON.stringify({ model, messages, max_tokens: 8, stream: true }),
+  });
+  const text = await r.text();
+  assert.equal(r.status, 200, text);
+  assert.match(text, /data: \[DONE\]/, "a whole stream");
+  return { r, text };
+}
+
+test("a conversation's next turns are sent ahead to the backend holding its history, and served by it alone", async () => {
+  const before = await totals();
+  const seen = [];
+  for (let turn = 1; turn <= 6; turn++) {
+    const { r } = await chat([...history(turn), { role: "user", content: "And then?" }]);
+    seen.push({ ahead: r.headers.get("x-gateway-ahead"), backend: r.headers.get("x-gateway-backend") });
+  }
+  // The key's first request waits for its limiter (RATE_LIMIT_AHEAD has no answer yet): not sent ahead.
+  assert.equal(seen[0].ahead, null, JSON.stringify(seen));
+  const kept = seen.filter((s) => s.ahead === "kept");
+  assert.ok(kept.length >= 4, `most turns sent ahead and kept: ${JSON.stringify(seen)}`);
+  const missed = seen.filter((s) => s.ahead === "missed").length;
+  // Each request reached a backend once, plus one aborted fetch per miss: nothing else.
+  await waitFor(async () => {
+    const after = await totals();
+    const done = after.reduce((n, t, i) => n + t.done - before[i].done, 0);
+    const aborted = after.reduce((n, t, i) => n + t.abort - before[i].abort, 0);
+    return done === seen.length && aborted === missed;
+  }, { what: "one finished request per answer, one abort per miss" });
+});
+
+test("a fetch sent ahead to a backend the pool no longer chooses is aborted there, and the answer comes from the chosen one", async () => {
+  const messages = [...history(3), { role: "user", content: "Something else now, about rivers." }];
+  const slow = (m) => chat(m, {}, "ahead-slow");
+  const first = await slow(messages);
+  const held = first.r.headers.get("x-gateway-backend");
+  const other = held === "ahead-slow-b0" ? "ahead-slow-b1" : "ahead-slow-b0";
+  const heldSim = slowSims[Number(held.at(-1))];
+  const before = await finished(heldSim);
+  const drain = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { drain: true } });
+  assert.equal(drain.status, 200, await drain.text());
+  try {
+    const next = await slow([...messages, { role: "assistant", content: "Rivers run." }, { role: "user", content: "More." }]);
+    assert.equal(next.r.headers.get("x-gateway-ahead"), "missed");
+    assert.equal(next.r.headers.get("x-gateway-backend"), other, "served where the pool chose");
+    // The drained backend ran nothing to its end: the fetch sent there was aborted (counted as
+    // vLLM's finished_reason="abort" when the abort found it in the engine; a fetch aborted before
+    // the backend read it never reaches the engine at all).
+    await waitFor(async () => (await engineBusy(heldSim)) === 0, { what: "the drained backend idle" });
+    const after = await finished(heldSim);
+    assert.equal(after.stop ?? 0, before.stop ?? 0, "nothing answered there");
+    assert.equal(after.length ?? 0, before.length ?? 0, "nothing answered there");
+    assert.ok((after.abort ?? 0) - (before.abort ?? 0) <= 1, "at most the one fetch sent ahead aborted");
+    // The isolate no longer guesses the backend it missed on: the next turn goes ahead to the other.
+    const third = await slow([...messages, { role: "user", content: "Yet more." }]);
+    assert.equal(third.r.headers.get("x-gateway-ahead"), "kept");
+    assert.equal(third.r.headers.get("x-gateway-backend"), other);
+  } finally {
+    const back = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { drain: false } });
+    assert.equal(back.status, 200, await back.text());
+  }
+});
+
+test("with SIMULATE_NETWORK a request sent ahead waits one modelled round trip, not two", async () => {
+  const messages = [...history(2), { role: "user", content: "Tell me about lighthouses, from far away." }];
+  const far = { "x-gateway-region": "us-east" };
+  const first = await chat(messages, far);
+  const second = await chat([...messages, { role: "user", content: "And their keepers?" }], far);
+  const waits = (r) => r.headers.get("x-gateway-simulated-waits");
+  // The first of a new prefix may go ahead on the last cold grant's backend; either way the
+  // count says whether the fetch waited after the lease call.
+  assert.equal(waits(first.r), first.r.headers.get("x-gateway-ahead") === "kept" ? "1" : "2");
+  assert.equal(second.r.headers.get("x-gateway-ahead"), "kept");
+  assert.equal(waits(second.r), "1", "the lease call and the fetch overlapped");
+});
