@@ -10,7 +10,8 @@
 // is gateway minus direct at the same percentile; the rate ratio is gateway over direct. Then the
 // floors (bench/floor-worker.mjs, a JavaScript Worker that only forwards, each in its own workerd)
 // run the same phase: "pass" returns the body as is (the least any Worker adds), "loop" reads it
-// chunk by chunk into a native stream, as the gateway's relay does.
+// chunk by chunk into a native stream, as the gateway's relay does. Last, the same gateway with
+// ROUTE_AHEAD (its own workerd, the same sim): the backend fetch sent beside the lease call.
 //
 // Each gateway phase also splits its time to first byte per request (`breakdown`), from the
 // Worker's `Server-Timing` (whole milliseconds: workerd's clock) and the client's timestamps:
@@ -90,10 +91,16 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
   const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "1000"] });
   const pid = workerdPid();
   const floors = [];
+  let ahead = null;
   try {
+    // The same gateway with ROUTE_AHEAD (the backend fetch sent beside the lease call), in its
+    // own workerd, on the same sim.
+    ahead = await gatewayWithSim({ pool: POOL, sim: env.sim, bindings: { ROUTE_AHEAD: "true" } });
+    ahead.pid = workerdPid();
     for (const mode of FLOOR_MODES) floors.push({ mode, ...(await floorWorker({ upstream: env.sim.url, mode })) });
   } catch (e) {
     for (const fl of floors) await fl.close();
+    await ahead?.close();
     await env.close();
     throw e;
   }
@@ -103,15 +110,21 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
     const gateway = `${env.url}/v1/chat/completions`;
     const points = [];
     for (const [k, c] of concurrencies.entries()) {
-      const nonce = (j) => 1e7 * ((2 + FLOOR_MODES.length) * k + j);
+      const nonce = (j) => 1e7 * ((3 + FLOOR_MODES.length) * k + j);
       const d = await closedPhase(client, pid, direct, env.model, c, seconds, nonce(1));
       const g = await closedPhase(client, pid, gateway, env.model, c, seconds, nonce(2));
+      const a = await closedPhase(client, ahead.pid, `${ahead.url}/v1/chat/completions`, env.model, c, seconds, nonce(3 + FLOOR_MODES.length));
       const point = {
         concurrency: c,
         direct: d,
         gateway: g,
         added_ttfb_ms: { p50: g.ttfb_ms.p50 - d.ttfb_ms.p50, p99: g.ttfb_ms.p99 - d.ttfb_ms.p99 },
         rate_ratio: g.requests_per_s / d.requests_per_s,
+        route_ahead: {
+          ...a,
+          added_ttfb_ms: { p50: a.ttfb_ms.p50 - d.ttfb_ms.p50, p99: a.ttfb_ms.p99 - d.ttfb_ms.p99 },
+          rate_ratio: a.requests_per_s / d.requests_per_s,
+        },
         floors: [],
       };
       for (const [j, fl] of floors.entries()) {
@@ -125,7 +138,8 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
       }
       log(
         `latency: c=${c}: direct ${d.requests_per_s.toFixed(0)} req/s, TTFB p50 ${d.ttfb_ms.p50.toFixed(2)} p99 ${d.ttfb_ms.p99.toFixed(2)} ms; ` +
-          `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core)` +
+          `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core); ` +
+          `ROUTE_AHEAD ${a.requests_per_s.toFixed(0)} req/s, p50 ${a.ttfb_ms.p50.toFixed(2)} p99 ${a.ttfb_ms.p99.toFixed(2)} ms` +
           point.floors.map((f) => `; floor ${f.mode} ${f.requests_per_s.toFixed(0)} req/s, p50 ${f.ttfb_ms.p50.toFixed(2)} p99 ${f.ttfb_ms.p99.toFixed(2)} ms`).join(""),
       );
       points.push(point);
@@ -144,6 +158,7 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
   } finally {
     client.close();
     for (const fl of floors) await fl.close();
+    await ahead.close();
     await env.close();
   }
 }

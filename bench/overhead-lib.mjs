@@ -204,15 +204,16 @@ export function rounded(value, digits = 4) {
  * (`options`: more Miniflare options, e.g. `inspectorPort`).
  * Returns { gw, url, admin, sim, model, close }.
  */
-export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [], options = {} }) {
+export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [], options = {}, bindings: extra = {}, sim: shared = null }) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
   // MAX_STREAM_RESUMES=0 measures the stream path without resumption (the answer is not read).
   const resumes = process.env.MAX_STREAM_RESUMES;
-  const bindings = { PROBE_INTERVAL_MS: "1000", ...(resumes === undefined ? {} : { MAX_STREAM_RESUMES: resumes }) };
+  const bindings = { PROBE_INTERVAL_MS: "1000", ...(resumes === undefined ? {} : { MAX_STREAM_RESUMES: resumes }), ...extra };
   const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet, ...options }, extraWorkers });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, opts) => adminFetch(url, p, opts);
-  const sim = await startSim(["--model", model, "--max-num-seqs", "256", ...simArgs]);
+  // A second gateway may share the first one's sim (`sim`), which it then leaves running.
+  const sim = shared ?? (await startSim(["--model", model, "--max-num-seqs", "256", ...simArgs]));
   try {
     const r = await admin("/admin/backends", { method: "POST", body: { url: sim.url, pool, models: [model], id: `${pool}-sim` } });
     if (r.status !== 201) throw new Error(`register: ${r.status} ${await r.text()}`);
@@ -222,10 +223,10 @@ export async function gatewayWithSim({ pool, model = "bench-model", simArgs = []
     if (c.status !== 200) throw new Error(`pool config: ${c.status} ${await c.text()}`);
   } catch (e) {
     await gw.close();
-    await sim.close();
+    if (!shared) await sim.close();
     throw e;
   }
-  return { gw, url, admin, sim, model, close: async () => { await gw.close(); await sim.close(); } };
+  return { gw, url, admin, sim, model, close: async () => { await gw.close(); if (!shared) await sim.close(); } };
 }
 
 /**

@@ -72,6 +72,11 @@ function targets(parts) {
     if (p.concurrency === 1 || p.concurrency === 16) {
       out.push({ target: `added TTFB p50 at ${p.concurrency} (<= 2 ms)`, value: p.added_ttfb_ms.p50, met: p.added_ttfb_ms.p50 <= 2 });
       out.push({ target: `added TTFB p99 at ${p.concurrency} (<= 5 ms)`, value: p.added_ttfb_ms.p99, met: p.added_ttfb_ms.p99 <= 5 });
+      if (p.route_ahead) {
+        const a = p.route_ahead.added_ttfb_ms;
+        out.push({ target: `added TTFB p50 at ${p.concurrency}, ROUTE_AHEAD (<= 2 ms)`, value: a.p50, met: a.p50 <= 2 });
+        out.push({ target: `added TTFB p99 at ${p.concurrency}, ROUTE_AHEAD (<= 5 ms)`, value: a.p99, met: a.p99 <= 5 });
+      }
     }
     if (p.concurrency === 16 || p.concurrency === 64) {
       out.push({ target: `gateway/direct rate at ${p.concurrency} (>= 0.85)`, value: p.rate_ratio, met: p.rate_ratio >= 0.85 });
@@ -144,6 +149,19 @@ function markdown(r) {
       "|---|---|---|---|---|---|---|---|---|---|",
       ...la.points.map((p) =>
         `| ${p.concurrency} | ${f(p.direct.requests_per_s, 0)} | ${f(p.gateway.requests_per_s, 0)} | ${f(p.rate_ratio)} | ${f(p.direct.ttfb_ms.p50)} / ${f(p.direct.ttfb_ms.p99)} | ${f(p.gateway.ttfb_ms.p50)} / ${f(p.gateway.ttfb_ms.p99)} | ${f(p.added_ttfb_ms.p50)} / ${f(p.added_ttfb_ms.p99)} | ${f(p.gateway.workerd_cpu_share * 100, 0)}% | ${f(p.direct.client_cpu_ms_per_request)} / ${f(p.gateway.client_cpu_ms_per_request)} | ${p.direct.errors}/${p.gateway.errors} |`),
+      ...(la.points.some((p) => p.route_ahead)
+        ? [
+          "",
+          "The same gateway with `ROUTE_AHEAD` (the backend fetch sent beside the lease call; its own workerd, the same sim), in the same run:",
+          "",
+          "| concurrency | req/s | ratio to direct | TTFB p50 / p99 ms | added p50 / p99 ms | against the gateway without it, p50 / p99 ms | workerd busy | errors |",
+          "|---|---|---|---|---|---|---|---|",
+          ...la.points.filter((p) => p.route_ahead).map((p) => {
+            const a = p.route_ahead;
+            return `| ${p.concurrency} | ${f(a.requests_per_s, 0)} | ${f(a.rate_ratio)} | ${f(a.ttfb_ms.p50)} / ${f(a.ttfb_ms.p99)} | ${f(a.added_ttfb_ms.p50)} / ${f(a.added_ttfb_ms.p99)} | ${f(a.ttfb_ms.p50 - p.gateway.ttfb_ms.p50)} / ${f(a.ttfb_ms.p99 - p.gateway.ttfb_ms.p99)} | ${f(a.workerd_cpu_share * 100, 0)}% | ${a.errors} |`;
+          }),
+        ]
+        : []),
       ...(la.points.some((p) => p.floors?.length)
         ? [
           "",

@@ -23,7 +23,9 @@
 // in the pool's region (0 modelled). Both assumed. And with the hop twice more, for a key whose
 // limiter is one round trip from the pool's region (a key first seen elsewhere; assumed the same
 // round trip): charged exactly (the request waits for the limiter) and with RATE_LIMIT_AHEAD (a
-// key this far from its limits is served without waiting).
+// key this far from its limits is served without waiting). And both without and with the hop
+// once more with ROUTE_AHEAD: the backend fetch sent beside the lease call (without the hop the
+// edge then waits its two round trips at once, not one after the other).
 //
 // The model has a cost of its own: a timer in workerd fires a little late, and work after an idle
 // wait runs on a cold core. So each round trip also measures the modelled floor: a forward-only
@@ -74,13 +76,14 @@ async function records(url, n, headers = {}) {
   return out;
 }
 
-async function gateway(rtt, hop, sim, limiterRtt = null, ahead = false) {
+async function gateway(rtt, hop, sim, limiterRtt = null, ahead = false, routeAhead = false) {
   const quiet = { handleRuntimeStdio: (o, e) => (o.resume(), e.resume()) };
   const bindings = {
     PROBE_INTERVAL_MS: "1000",
     ALLOW_REGION_HEADER: "true",
     SIMULATE_NETWORK: rtt > 0 ? "true" : "false",
     REGION_RTT_MS: JSON.stringify({ [CLIENT]: { [POOL_REGION]: rtt } }),
+    ROUTE_AHEAD: String(routeAhead),
   };
   if (limiterRtt !== null) {
     Object.assign(bindings, {
@@ -124,9 +127,11 @@ try {
       ["with_hop_limited", true, 0],
       ["with_hop_far_limiter", true, rtt],
       ["with_hop_far_limiter_ahead", true, rtt, true],
+      ["without_hop_route_ahead", false, null, false, true],
+      ["with_hop_route_ahead", true, null, false, true],
     ];
-    for (const [name, hop, limiterRtt, ahead = false] of runs) {
-      const g = await gateway(rtt, hop, sim, limiterRtt, ahead);
+    for (const [name, hop, limiterRtt, ahead = false, routeAhead = false] of runs) {
+      const g = await gateway(rtt, hop, sim, limiterRtt, ahead, routeAhead);
       try {
         const headers = { "x-gateway-region": CLIENT, ...(limiterRtt === null ? {} : AUTH) };
         const t = await ttfbs(`${g.url}/v1/chat/completions`, REQUESTS, headers);
@@ -208,6 +213,16 @@ const md = [
   "|---|---|---|---|---|",
   ...rows.map((r) =>
     `| ${r.rtt_ms} ms | ${f(r.with_hop_far_limiter.p50)} / ${f(r.with_hop_far_limiter.p99)} | ${f(r.with_hop_far_limiter.excess_p50)} / ${f(r.with_hop_far_limiter.excess_p99)} | ${f(r.with_hop_far_limiter_ahead.p50)} / ${f(r.with_hop_far_limiter_ahead.p99)} | ${f(r.with_hop_far_limiter_ahead.excess_p50)} / ${f(r.with_hop_far_limiter_ahead.excess_p99)} |`),
+  "",
+  "With ROUTE_AHEAD (the backend fetch sent beside the lease call, to the backend the isolate expects the pool to choose; one backend here, so every guess is right), without and with the hop:",
+  "",
+  "| round trip | without hop p50 / p99 | excess p50 / p99 | over floor p50 / p99 | with hop p50 / p99 | excess p50 / p99 | over floor p50 / p99 |",
+  "|---|---|---|---|---|---|---|",
+  ...rows.map((r) => {
+    const a = r.without_hop_route_ahead;
+    const b = r.with_hop_route_ahead;
+    return `| ${r.rtt_ms} ms | ${f(a.p50)} / ${f(a.p99)} | ${f(a.excess_p50)} / ${f(a.excess_p99)} | ${f(a.over_floor_p50)} / ${f(a.over_floor_p99)} | ${f(b.p50)} / ${f(b.p99)} | ${f(b.excess_p50)} / ${f(b.excess_p99)} | ${f(b.over_floor_p50)} / ${f(b.over_floor_p99)} |`;
+  }),
   "",
   "Against the modelled floor (a forward-only JavaScript Worker in its own workerd that waits the same round trip on a timer, then forwards: the unavoidable path as this model realizes it), ms p50 / p99:",
   "",

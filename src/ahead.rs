@@ -18,6 +18,7 @@ use crate::attempts::{send, Sent, UpstreamCall};
 use routing_core::backend::BackendId;
 use routing_core::pool::guess::{Granted, GuessBook, Place};
 use routing_core::pool::Grant;
+use routing_core::request::prompt::SentAhead;
 use std::cell::RefCell;
 use worker::AbortSignal;
 
@@ -27,7 +28,8 @@ thread_local! {
 }
 
 /// The response header saying what became of a fetch sent ahead: `kept` (it is the answer's
-/// first attempt) or `missed` (the pool chose another backend, and it was aborted).
+/// first attempt), `missed` (the pool chose another backend, and it was aborted) or `queued` (the
+/// pool queued the request, and it was aborted: the request waits its turn like any other).
 pub const AHEAD_HEADER: &str = "x-gateway-ahead";
 
 /// One lease call's guess, and the fetch sent on it, if one was.
@@ -35,6 +37,7 @@ pub(crate) struct Ahead {
     place: Place,
     guessed: Option<BackendId>,
     sent: Option<Sent>,
+    told: Option<SentAhead>,
 }
 
 /// What a request gives [`Ahead::start`].
@@ -48,6 +51,8 @@ pub(crate) struct Ask<'a> {
     pub(crate) may_send: bool,
     /// A modelled round trip to the backend (`SIMULATE_NETWORK` only).
     pub(crate) delay_ms: u64,
+    /// What a re-send to another backend would add, ms: the pool prices it against the others.
+    pub(crate) resend_ms: u32,
 }
 
 impl Ahead {
@@ -67,11 +72,21 @@ impl Ahead {
             }
             _ => None,
         };
+        let told = sent.as_ref().map(|s| SentAhead {
+            backend: s.backend().0.clone(),
+            resend_ms: ask.resend_ms,
+        });
         Ahead {
             place,
             guessed: guess.map(|g| g.backend.id),
             sent,
+            told,
         }
+    }
+
+    /// What the lease call tells the pool: the backend the fetch went to, if one went.
+    pub(crate) fn told(&self) -> Option<&SentAhead> {
+        self.told.as_ref()
     }
 
     /// The shard granted `grant` (after `queued`): the book learns it, and the fetch sent ahead
@@ -94,12 +109,22 @@ impl Ahead {
                     backend: first,
                     paired,
                     queued,
+                    alt: grant
+                        .receipt
+                        .as_ref()
+                        .and_then(|r| r.alt.as_ref())
+                        .and_then(|alt| grant.candidates.iter().find(|c| &c.id == alt)),
                 },
                 self.guessed.as_ref(),
                 crate::http::now_ms(),
             )
         });
         match self.sent.take() {
+            // A request the shard queued waits its turn: what was sent before it is not kept.
+            Some(sent) if queued => {
+                sent.abort();
+                (None, Some("queued"))
+            }
             Some(sent) if !paired && sent.backend() == &first.id => (Some(sent), Some("kept")),
             Some(sent) => {
                 sent.abort();

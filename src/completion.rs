@@ -182,6 +182,7 @@ pub async fn handle(
                 block_hashes: &features.block_hashes,
                 may_send: first_ask && reserved.is_known(),
                 delay_ms: network_delay_ms,
+                resend_ms: regions::rtt_estimate_ms(env, simulate_from.as_deref(), pool),
             };
             let call = UpstreamCall {
                 forwarded_headers: &forwarded_headers,
@@ -193,6 +194,8 @@ pub async fn handle(
             Ahead::start(ask, &call, &body, &client_signal)
         });
         first_ask = false;
+        // The pool weighs the backend sent to against a re-send elsewhere (this call only).
+        acquire_body.set_ahead(ahead.as_ref().and_then(Ahead::told));
         let asked_ms = crate::http::now_ms();
         if network_delay_ms > 0 {
             simulated_waits += 1;

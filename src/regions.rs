@@ -405,6 +405,13 @@ pub fn simulating(env: &Env) -> bool {
     with_settings(env, |s| s.simulate_network)
 }
 
+/// The isolate's estimate of the round trip from a Worker in `from` to `pool` (measured on its
+/// lease calls, else configured, else 0): what sending the request to another of the pool's
+/// backends after the lease call would add (`ahead.rs`).
+pub fn rtt_estimate_ms(env: &Env, from: Option<&str>, pool: &PoolEntry) -> u32 {
+    with_network(env, |n| n.rtt_ms(from, &pool.name, &pool.region))
+}
+
 /// Records one measured round trip to `pool` from a client in `client_region` (an acquire that
 /// did not wait in a queue).
 pub fn observe_rtt(env: &Env, client_region: Option<&str>, pool: &str, ms: u64) {

@@ -14,7 +14,7 @@ use crate::messages::Queued;
 use routing_core::admission::AdmissionRequest;
 use routing_core::pool::{Grant, Refusal};
 use routing_core::region::ChoiceNote;
-use routing_core::request::prompt::RequestFeatures;
+use routing_core::request::prompt::{RequestFeatures, SentAhead};
 use serde::de::{DeserializeSeed, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::borrow::Cow;
@@ -32,6 +32,10 @@ pub struct AcquireRequest {
     /// Why the Worker asked this pool (counted by the pool; absent from older Workers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub choice: Option<ChoiceNote>,
+    /// The backend the Worker sent the request to beside this call (`ROUTE_AHEAD`), and what a
+    /// re-send elsewhere would cost; the pool puts it in the features it decides on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ahead: Option<SentAhead>,
 }
 
 /// A request's acquire body, serialised once; each call adds only its admission part.
@@ -41,6 +45,8 @@ pub struct AcquireBody {
     head: String,
     /// `,"choice":{...}` for the pool being asked, when set.
     note: String,
+    /// `,"ahead":{...}` while a fetch sent ahead waits on the pool being asked.
+    ahead: String,
 }
 
 impl AcquireBody {
@@ -50,6 +56,7 @@ impl AcquireBody {
         AcquireBody {
             head: format!("{{\"features\":{features}"),
             note: String::new(),
+            ahead: String::new(),
         }
     }
 
@@ -60,13 +67,24 @@ impl AcquireBody {
             .unwrap_or_default();
     }
 
+    /// Says which backend the request was sent to ahead of the next calls, or (`None`) that none
+    /// was.
+    pub fn set_ahead(&mut self, ahead: Option<&SentAhead>) {
+        self.ahead = ahead
+            .and_then(|a| serde_json::to_string(a).ok())
+            .map(|a| format!(",\"ahead\":{a}"))
+            .unwrap_or_default();
+    }
+
     /// The body of one call: the features, plus `admission` when given.
     pub fn call(&self, admission: Option<&AdmissionRequest>) -> String {
         let admission = admission.and_then(|a| serde_json::to_string(a).ok());
         let extra = admission.as_ref().map_or(0, |a| a.len() + 14);
-        let mut body = String::with_capacity(self.head.len() + self.note.len() + extra + 1);
+        let len = self.head.len() + self.note.len() + self.ahead.len() + extra + 1;
+        let mut body = String::with_capacity(len);
         body.push_str(&self.head);
         body.push_str(&self.note);
+        body.push_str(&self.ahead);
         if let Some(a) = admission {
             body.push_str(",\"admission\":");
             body.push_str(&a);
@@ -256,7 +274,26 @@ mod tests {
             let back: AcquireRequest = serde_json::from_str(&body.call(admission)).unwrap();
             assert_eq!(back.features, f);
             assert_eq!(back.admission.as_ref(), admission);
+            assert_eq!(back.ahead, None);
         }
+    }
+
+    #[test]
+    fn a_fetch_sent_ahead_travels_beside_the_features_until_cleared() {
+        let f = features(100);
+        let mut body = AcquireBody::new(&f);
+        let ahead = SentAhead {
+            backend: "gpu-3".into(),
+            resend_ms: 42,
+        };
+        body.set_ahead(Some(&ahead));
+        let back: AcquireRequest = serde_json::from_str(&body.call(None)).unwrap();
+        assert_eq!(back.ahead.as_ref(), Some(&ahead));
+        // Not inside the features: the pool sets those from the call.
+        assert_eq!(back.features.sent_ahead, None);
+        body.set_ahead(None);
+        let back: AcquireRequest = serde_json::from_str(&body.call(None)).unwrap();
+        assert_eq!(back.ahead, None);
     }
 
     #[test]

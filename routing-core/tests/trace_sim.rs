@@ -44,7 +44,7 @@
 
 mod common;
 
-use common::timed::{averaged, pct, Conditions, Record, Report, Workload, SIM_SPEED};
+use common::timed::{averaged, pct, sim_rtt_ms, Conditions, Record, Report, Workload, SIM_SPEED};
 use common::trace::{load, Trace, TraceRequest};
 use routing_core::PolicyKind;
 use std::collections::HashMap;
@@ -173,6 +173,26 @@ fn run(
             100.0 * r.hit_rate,
             r.busiest_over_mean,
             r.preempted
+        );
+        let sent = r.records.iter().filter(|x| x.ahead.is_some()).count();
+        let kept = r.records.iter().filter(|x| x.ahead == Some(true)).count();
+        // At the client, past the one round trip every request pays: the time to first token,
+        // plus the lease call's round trip unless the fetch went ahead and was kept.
+        let rtt = sim_rtt_ms();
+        let mut client: Vec<f64> = r
+            .records
+            .iter()
+            .map(|x| x.ttft_ms + if x.ahead == Some(true) { 0.0 } else { rtt })
+            .collect();
+        println!(
+            "  {:>17}  guesses (one isolate{}): {:.1}% of requests sent ahead, {:.1}% of those kept; \
+             TTFT + lease round trip ({rtt:.0} ms) unless kept: p50 {:.1} p99 {:.1} ms",
+            "",
+            if std::env::var("SIM_ROUTE_AHEAD").is_ok() { ", ROUTE_AHEAD" } else { ", scored only" },
+            100.0 * sent as f64 / r.records.len().max(1) as f64,
+            100.0 * kept as f64 / sent.max(1) as f64,
+            pct(&mut client.clone(), 0.5),
+            pct(&mut client, 0.99),
         );
         out.insert(policy, r);
     }

@@ -21,10 +21,12 @@ impl PoolCoordinator {
         signal: Option<web_sys::AbortSignal>,
     ) -> ApiResult {
         let AcquireRequest {
-            features,
+            mut features,
             admission,
             choice,
+            ahead,
         } = req;
+        features.sent_ahead = ahead;
         let step = self.with(|shard| {
             let now = now_ms();
             let (step, effects) = shard.coordinator.acquire(

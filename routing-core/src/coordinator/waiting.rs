@@ -250,6 +250,9 @@ impl WaitingRoom {
             return Step::Spill;
         }
         let waited_ms = who.waited_ms;
+        // A request that waits is sent again once granted (the Worker aborts what it sent ahead).
+        let mut request = request;
+        request.features.sent_ahead = None;
         if request.deadline_ms <= now_ms {
             self.queue.record_drop(DropReason::Timeout);
             let reason = DropReason::Timeout;

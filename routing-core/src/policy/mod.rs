@@ -227,6 +227,11 @@ pub struct Candidate {
     /// the table has no bound for it): breaks near ties towards the backend with the most room
     /// for a new conversation's history.
     pub cache_fill: f64,
+    /// The time it would take the Worker to send the request here, in ms: 0 where its fetch went
+    /// ahead of the lease call (`ROUTE_AHEAD`) or none went, the round trip of a re-send
+    /// elsewhere. Only `predicted_latency` prices it (as time to first token); the other
+    /// policies decide as if no fetch had gone ahead.
+    pub resend_ms: f64,
 }
 
 impl Candidate {

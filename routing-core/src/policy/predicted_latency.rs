@@ -15,6 +15,11 @@
 //! holder's prefill backlog exceeds a cold prefill on another backend (the pool then records the
 //! prefix on the new holder too).
 //!
+//! A request whose fetch the Worker sent ahead to one backend (`ROUTE_AHEAD`) would reach any
+//! other a re-send later: that round trip (`Candidate::resend_ms`) counts in the others' time to
+//! first token, so the backend already sent to keeps the request unless another is predicted
+//! faster by more than the re-send costs.
+//!
 //! Costs within 1 ms of the best count as tied, and ties go to the backend whose KV
 //! cache the prefix-affinity table finds least full, so idle-time conversations spread.
 //!
@@ -137,7 +142,7 @@ impl RoutingPolicy for PredictedLatency {
         let cfg = &self.config;
         let score = |i: usize| {
             let c = &cands[i];
-            let ttft = c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms;
+            let ttft = c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms;
             cfg.ttft_weight * ttft
                 + cfg.decode_weight * c.decode_ms
                 + cfg.harm_weight * c.harm_ms
@@ -191,6 +196,22 @@ mod tests {
         let mut p = PredictedLatency::new(PredictedLatencyConfig::default());
         let kind = p.rank(&input, &mut SplitMix64::new(7), &mut order);
         (kind, order)
+    }
+
+    #[test]
+    fn a_backend_sent_ahead_to_keeps_the_request_unless_another_is_faster_by_more_than_a_resend() {
+        let mut c = candidates(&[0.0; 3]);
+        for (i, t) in [100.0, 130.0, 90.0].into_iter().enumerate() {
+            c[i].ttft_ms = t;
+        }
+        // Sent ahead to slot 1: the others are a 50 ms re-send away.
+        c[0].resend_ms = 50.0;
+        c[2].resend_ms = 50.0;
+        assert_eq!(rank(&c).1[0], 1);
+        // A re-send of 20 ms: slot 2 is still faster by more than that.
+        c[0].resend_ms = 20.0;
+        c[2].resend_ms = 20.0;
+        assert_eq!(rank(&c).1[0], 2);
     }
 
     #[test]

@@ -8,8 +8,10 @@
 //!
 //! - the backend granted to an earlier request sharing the longest sampled prompt prefix with
 //!   this one (block indices `2^k - 1` and each request's last block: a conversation's next turn
-//!   finds its history's backend), else the backend granted to the last request whose prefix was
-//!   new to the book;
+//!   finds its history's backend), else the best alternative the shard weighed for the last
+//!   request (its receipt's: with that request placed, where a request with nothing cached most
+//!   likely goes next), else the backend granted to the last request whose prefix was new to the
+//!   book;
 //! - only from a grant at most [`FRESH_MS`] old (the backend's URL and key come from it, so a
 //!   removed or drained backend drops out of guesses within that time), and not once a guess of
 //!   it was wrong, until a grant names it again;
@@ -103,6 +105,10 @@ pub struct Granted<'a> {
     pub paired: bool,
     /// Whether the request waited in the shard's queue.
     pub queued: bool,
+    /// The best alternative the shard weighed (its receipt's), if it is among the grant's
+    /// candidates: where the next request with nothing cached most likely goes, now that the
+    /// chosen backend has this one.
+    pub alt: Option<&'a CandidateView>,
 }
 
 impl GuessBook {
@@ -162,8 +168,13 @@ impl GuessBook {
         }
         let id = grant.backend.id.clone();
         let known = sampled(block_hashes).any(|h| book.prefixes.contains_key(&h));
-        if !known {
-            book.cold = Some(id.clone());
+        match grant.alt {
+            Some(alt) => {
+                book.cold = Some(alt.id.clone());
+                book.backends.insert(alt.id.clone(), (alt.clone(), now_ms));
+            }
+            None if !known => book.cold = Some(id.clone()),
+            None => {}
         }
         for h in sampled(block_hashes) {
             if book.prefixes.insert(h, id.clone()).is_none() {
@@ -237,6 +248,7 @@ mod tests {
             backend: v,
             paired: false,
             queued: false,
+            alt: None,
         }
     }
 
@@ -269,6 +281,19 @@ mod tests {
             book.guess(&Place::new("p", 0, "other"), &[1, 2, 3, 4], 20),
             None
         );
+    }
+
+    #[test]
+    fn a_new_prompt_is_guessed_to_the_last_grants_best_alternative() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        let with_alt = Granted {
+            alt: Some(&b),
+            ..grant(&a)
+        };
+        book.granted(&at(0), &[1, 2], with_alt, None, 0);
+        assert_eq!(book.guess(&at(0), &[9], 1).unwrap().backend.id.0, "b");
+        assert_eq!(book.guess(&at(0), &[1, 2, 3], 1).unwrap().backend.id.0, "a");
     }
 
     #[test]

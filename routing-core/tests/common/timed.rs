@@ -16,8 +16,9 @@
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
 //! duration and completion tokens.
 use super::ServerCache;
+use routing_core::pool::guess::{Granted as Learned, GuessBook, Place};
 use routing_core::pool::shard;
-use routing_core::request::prompt::{request_features, FeatureConfig};
+use routing_core::request::prompt::{request_features, FeatureConfig, SentAhead};
 use routing_core::{
     BackendId, Capacity, Outcome, PolicyKind, Pool, RandomSource, RequestFeatures, SplitMix64,
 };
@@ -468,6 +469,9 @@ pub struct Record {
     /// The chosen and the alternative engine's queue and running batch when it was granted.
     pub chosen_state: (usize, usize),
     pub alt_state: (usize, usize),
+    /// With `ROUTE_AHEAD`'s guess (one gateway isolate, `routing_core::pool::guess`): whether a
+    /// fetch would have been sent beside the lease call, and if so whether the grant kept it.
+    pub ahead: Option<bool>,
 }
 
 pub struct Report {
@@ -502,6 +506,15 @@ impl std::fmt::Debug for Report {
             self.preempted
         )
     }
+}
+
+/// The round trip between the gateway's edge and a pool (`SIM_RTT_MS`, default 50 ms): what a
+/// request pays once more when its backend fetch waits for the lease call.
+pub fn sim_rtt_ms() -> f64 {
+    std::env::var("SIM_RTT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50.0)
 }
 
 pub fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -611,6 +624,10 @@ pub fn simulate(
     let trace_timing =
         std::env::var("SIM_TIMING").is_ok() && policy == PolicyKind::PredictedLatency;
     let mut next_timing = 0.0;
+    let mut guesses = GuessBook::new();
+    let route_ahead_rtt = std::env::var("SIM_ROUTE_AHEAD")
+        .is_ok()
+        .then(|| sim_rtt_ms() as u32);
     loop {
         // A replayed trace's arrivals are sorted (the earliest last): no scan over thousands.
         let next_arrival = if scheduled.is_some() {
@@ -723,7 +740,32 @@ pub fn simulate(
                         real.join(" ")
                     );
                 }
+                let place = Place::new("sim", s as u32, &f.model);
+                let guess = guesses.guess(&place, &f.block_hashes, now as u64);
+                // With `SIM_ROUTE_AHEAD`, the guessed backend is told to the pool as sent to,
+                // the others a re-send (`SIM_RTT_MS`) away.
+                let mut f = f;
+                if let (Some(rtt), Some(g)) = (route_ahead_rtt, guess.as_ref().filter(|g| g.send)) {
+                    f.sent_ahead = Some(SentAhead {
+                        backend: g.backend.id.0.clone(),
+                        resend_ms: rtt,
+                    });
+                }
                 let grant = pools[s].acquire(&f, now as u64, &mut rng).unwrap();
+                let alt_id = grant.receipt.as_ref().and_then(|r| r.alt.clone());
+                let learned = Learned {
+                    backend: &grant.candidates[0],
+                    paired: false,
+                    queued: false,
+                    alt: alt_id
+                        .as_ref()
+                        .and_then(|a| grant.candidates.iter().find(|c| &c.id == a)),
+                };
+                let guessed = guess.as_ref().map(|g| &g.backend.id);
+                guesses.granted(&place, &f.block_hashes, learned, guessed, now as u64);
+                let ahead = guess
+                    .filter(|g| g.send && route_ahead_rtt.is_some())
+                    .map(|g| g.backend.id == grant.backend);
                 lease_shard.insert(grant.lease_id, s);
                 let b = index[&grant.backend];
                 prompt_tokens += u64::from(f.prompt_tokens);
@@ -742,6 +784,7 @@ pub fn simulate(
                         alt_predicted_ttft_ms: receipt.alt_predicted_ttft_ms.map_or(0.0, f64::from),
                         chosen_state: state(&engines[b]),
                         alt_state: alt.map_or((0, 0), |a| state(&engines[a])),
+                        ahead,
                         ..Record::default()
                     },
                 );

@@ -226,6 +226,10 @@ impl<'a> Pricing<'a> {
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
             cache_fill,
+            resend_ms: match &f.sent_ahead {
+                Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),
+                _ => 0.0,
+            },
         }
     }
 }

@@ -66,6 +66,7 @@ impl Pool {
                 block_tokens: 0,
                 block_hashes: Vec::new(),
                 role_hint: None,
+                sent_ahead: None,
             };
             self.eligible(&features, now_ms, headroom).ok()?;
             let best = self

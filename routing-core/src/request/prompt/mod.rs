@@ -87,6 +87,21 @@ pub struct RequestFeatures {
     /// Restricts candidates to backends of this role (for callers that stage prefill and decode
     /// themselves); `None` lets the pool's policy decide.
     pub role_hint: Option<Role>,
+    /// The backend the Worker sent the request to ahead of this lease call (`ROUTE_AHEAD`), and
+    /// what a re-send elsewhere would cost. Set by the pool's coordinator from the acquire call,
+    /// which carries it beside the features (only the first pool asked gets it).
+    #[serde(skip)]
+    pub sent_ahead: Option<SentAhead>,
+}
+
+/// A request's fetch sent ahead of its lease call: where to, and how long (ms) sending it to any
+/// other backend instead would take.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentAhead {
+    /// The id of the backend the fetch went to.
+    pub backend: String,
+    /// The round trip of a re-send from the Worker, ms.
+    pub resend_ms: u32,
 }
 
 /// The body as an object, and its `model` (every endpoint reads these the same way).
@@ -147,6 +162,7 @@ pub fn request_features(
         block_tokens: u32::try_from(block_tokens).unwrap_or(u32::MAX),
         block_hashes: block_hashes(hashed, block_tokens),
         role_hint: None,
+        sent_ahead: None,
     })
 }
 
