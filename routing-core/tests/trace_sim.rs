@@ -39,7 +39,11 @@
 //! (slow requests to print), `SIM_RNG` (other coin tosses), `SIM_VERBOSE` (each window's p99),
 //! `SIM_TIMING` (the default's learned rates, overhead, backlog and leases beside each engine's
 //! queue, batch and memory, four times a simulated second), `SIM_PREDICTED_LATENCY` and
-//! `SIM_TIME_MODEL` (knobs as JSON) widen it for screening:
+//! `SIM_TIME_MODEL` (knobs as JSON) widen it for screening; `SIM_ROUTE_AHEAD` replays each
+//! request's `ROUTE_AHEAD` guess (one isolate's `routing_core::pool::guess`) and tells the pool of
+//! the fetch sent ahead, with `SIM_RTT_MS` (default 50) as the re-send's round trip, and prints
+//! how many were sent ahead and kept and the TTFT with the lease call's round trip added unless
+//! kept:
 //! `TRACE_SEEDS=6 cargo test --release -q -p routing-core --test trace_sim -- --nocapture`.
 
 mod common;
