@@ -16,7 +16,7 @@
 
 use crate::attempts::{send, Sent, UpstreamCall};
 use routing_core::backend::BackendId;
-use routing_core::pool::guess::{Granted, GuessBook, Place};
+use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
 use routing_core::pool::Grant;
 use routing_core::request::prompt::SentAhead;
 use std::cell::RefCell;
@@ -38,6 +38,7 @@ pub(crate) struct Ahead {
     guessed: Option<BackendId>,
     sent: Option<Sent>,
     told: Option<SentAhead>,
+    resend_ms: u32,
 }
 
 /// What a request gives [`Ahead::start`].
@@ -81,6 +82,7 @@ impl Ahead {
             guessed: guess.map(|g| g.backend.id),
             sent,
             told,
+            resend_ms: ask.resend_ms,
         }
     }
 
@@ -114,8 +116,16 @@ impl Ahead {
                         .as_ref()
                         .and_then(|r| r.alt.as_ref())
                         .and_then(|alt| grant.candidates.iter().find(|c| &c.id == alt)),
+                    alt_margin_ms: grant.receipt.as_ref().and_then(|r| {
+                        let alt = r.alt_predicted_ttft_ms?;
+                        Some(alt.saturating_sub(r.predicted_ttft_ms))
+                    }),
                 },
-                self.guessed.as_ref(),
+                self.guessed.as_ref().map(|backend| Scored {
+                    backend,
+                    sent: self.sent.is_some(),
+                    resend_ms: self.resend_ms,
+                }),
                 crate::http::now_ms(),
             )
         });

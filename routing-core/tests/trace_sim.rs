@@ -189,12 +189,14 @@ fn run(
             .map(|x| x.ttft_ms + if x.ahead == Some(true) { 0.0 } else { rtt })
             .collect();
         println!(
-            "  {:>17}  guesses (one isolate{}): {:.1}% of requests sent ahead, {:.1}% of those kept; \
-             TTFT + lease round trip ({rtt:.0} ms) unless kept: p50 {:.1} p99 {:.1} ms",
+            "  {:>17}  guesses (one isolate{}): {:.1}% of requests sent ahead, {:.1}% of those kept \
+             ({:.1}% of requests sent in vain); TTFT + lease round trip ({rtt:.0} ms) unless kept: \
+             p50 {:.1} p99 {:.1} ms",
             "",
             if std::env::var("SIM_ROUTE_AHEAD").is_ok() { ", ROUTE_AHEAD" } else { ", scored only" },
             100.0 * sent as f64 / r.records.len().max(1) as f64,
             100.0 * kept as f64 / sent.max(1) as f64,
+            100.0 * (sent - kept) as f64 / r.records.len().max(1) as f64,
             pct(&mut client.clone(), 0.5),
             pct(&mut client, 0.99),
         );

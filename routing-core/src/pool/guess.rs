@@ -19,7 +19,10 @@
 //!   (disaggregated), when a fetch sent ahead would land on a full backend or the wrong role;
 //! - only while at most [`MAX_MISSES`] of the shard's last [`WINDOW`] guesses were wrong. Guesses
 //!   are scored whether or not a fetch was sent, so a shard whose choices this isolate cannot
-//!   predict stops being sent ahead, and starts again once its guesses come right.
+//!   predict stops being sent ahead, and starts again once its guesses come right. A guess no
+//!   fetch went out on counts as right when the shard chose it, or weighed it as its best
+//!   alternative within a re-send's round trip of its choice (its receipt's margin: the pool
+//!   would have kept a fetch sent there, to the receipt's precision).
 //!
 //! So at most [`MAX_MISSES`] of any [`WINDOW`] consecutive guesses of a shard, plus the one that
 //! tips the window, send a fetch that is aborted: the backend computes at most the part of such a
@@ -109,6 +112,22 @@ pub struct Granted<'a> {
     /// candidates: where the next request with nothing cached most likely goes, now that the
     /// chosen backend has this one.
     pub alt: Option<&'a CandidateView>,
+    /// How much later (ms) the shard predicted the first token on `alt` than on the chosen
+    /// backend (its receipt's), for scoring a guess no fetch went out on.
+    pub alt_margin_ms: Option<u32>,
+}
+
+/// A guess made before a grant, to score against it.
+#[derive(Clone, Copy, Debug)]
+pub struct Scored<'a> {
+    /// The backend guessed.
+    pub backend: &'a BackendId,
+    /// Whether a fetch went to it (the shard then priced it: the grant is the truth).
+    pub sent: bool,
+    /// The round trip a re-send would have cost, which the shard would have priced had a fetch
+    /// gone: a guess no fetch went out on counts as right when it was the shard's best
+    /// alternative within that much of the chosen backend.
+    pub resend_ms: u32,
 }
 
 impl GuessBook {
@@ -144,7 +163,7 @@ impl GuessBook {
         place: &Place,
         block_hashes: &[u64],
         grant: Granted<'_>,
-        guessed: Option<&BackendId>,
+        guessed: Option<Scored<'_>>,
         now_ms: u64,
     ) {
         if self.shards.len() >= MAX_SHARDS && !self.shards.contains_key(place) {
@@ -152,12 +171,15 @@ impl GuessBook {
         }
         let book = self.shards.entry(place.clone()).or_default();
         if let Some(g) = guessed {
-            let wrong = g != &grant.backend.id;
-            book.score(wrong);
+            let chosen = g.backend == &grant.backend.id;
+            let close_alt = !g.sent
+                && grant.alt.is_some_and(|a| &a.id == g.backend)
+                && grant.alt_margin_ms.is_some_and(|m| m <= g.resend_ms);
+            book.score(!(chosen || close_alt));
             // Not guessed again until a grant names it: a drained, removed or full backend
             // costs one fetch in vain per isolate, not one per request.
-            if wrong {
-                book.backends.remove(g);
+            if !chosen && !close_alt {
+                book.backends.remove(g.backend);
             }
         }
         if grant.paired || grant.queued {
@@ -239,6 +261,14 @@ mod tests {
         }
     }
 
+    fn sent(id: &BackendId) -> Scored<'_> {
+        Scored {
+            backend: id,
+            sent: true,
+            resend_ms: 50,
+        }
+    }
+
     fn at(shard: u32) -> Place {
         Place::new("p", shard, "m")
     }
@@ -249,6 +279,7 @@ mod tests {
             paired: false,
             queued: false,
             alt: None,
+            alt_margin_ms: None,
         }
     }
 
@@ -352,13 +383,19 @@ mod tests {
             if g.send && g.backend.id != chosen.id {
                 sent_wrong += 1;
             }
-            book.granted(&at(0), &[1000 + i], grant(chosen), Some(&g.backend.id), i);
+            book.granted(
+                &at(0),
+                &[1000 + i],
+                grant(chosen),
+                Some(sent(&g.backend.id)),
+                i,
+            );
         }
         // Half the guesses are wrong: past the bound, so almost nothing is sent ahead.
         assert!(sent_wrong <= MAX_MISSES + 1, "{sent_wrong} sent in vain");
         // Right guesses bring it back once the window holds few enough wrong ones.
         for i in 200..200 + u64::from(WINDOW) {
-            book.granted(&at(0), &[1], grant(&a), Some(&a_id), i);
+            book.granted(&at(0), &[1], grant(&a), Some(sent(&a_id)), i);
         }
         assert!(book.guess(&at(0), &[1], 300).unwrap().send);
     }
@@ -372,7 +409,13 @@ mod tests {
         let g = book.guess(&at(0), &[1, 2, 3, 4, 5], 2).unwrap();
         assert_eq!(g.backend.id.0, "a");
         // The pool chose b for a prompt a held (a was drained, say).
-        book.granted(&at(0), &[1, 2, 3, 4, 5], grant(&b), Some(&g.backend.id), 3);
+        book.granted(
+            &at(0),
+            &[1, 2, 3, 4, 5],
+            grant(&b),
+            Some(sent(&g.backend.id)),
+            3,
+        );
         // a's other prefixes now fall through to what is known: b.
         assert_eq!(
             book.guess(&at(0), &[1, 2, 3, 4, 6, 9], 4)
@@ -391,6 +434,34 @@ mod tests {
             book.guess(&at(0), &[1, 2, 3, 4], 6).unwrap().backend.id.0,
             "a"
         );
+    }
+
+    #[test]
+    fn a_guess_no_fetch_went_on_is_right_when_the_shard_weighed_it_within_a_resend() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        book.granted(&at(0), &[1], grant(&a), None, 0);
+        let shadow = |id| Scored {
+            backend: id,
+            sent: false,
+            resend_ms: 50,
+        };
+        let near = |margin| Granted {
+            alt: Some(&a),
+            alt_margin_ms: Some(margin),
+            ..grant(&b)
+        };
+        // Guessed a, the shard chose b with a 30 ms behind: a fetch sent to a would have stayed.
+        for i in 0..(u64::from(WINDOW)) {
+            book.granted(&at(0), &[1], near(30), Some(shadow(&a.id)), i);
+        }
+        assert!(book.guess(&at(0), &[1], 20).unwrap().send);
+        // 80 ms behind: wrong, and after enough of those nothing is sent.
+        for i in 0..(u64::from(MAX_MISSES) + 1) {
+            book.granted(&at(0), &[1], grant(&a), None, 30 + i);
+            book.granted(&at(0), &[1], near(80), Some(shadow(&a.id)), 30 + i);
+        }
+        assert!(!book.guess(&at(0), &[2], 40).unwrap().send);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! only what the real gateway sees: a grant per request, and a release with time to first byte,
 //! duration and completion tokens.
 use super::ServerCache;
-use routing_core::pool::guess::{Granted as Learned, GuessBook, Place};
+use routing_core::pool::guess::{Granted as Learned, GuessBook, Place, Scored};
 use routing_core::pool::shard;
 use routing_core::request::prompt::{request_features, FeatureConfig, SentAhead};
 use routing_core::{
@@ -760,8 +760,15 @@ pub fn simulate(
                     alt: alt_id
                         .as_ref()
                         .and_then(|a| grant.candidates.iter().find(|c| &c.id == a)),
+                    alt_margin_ms: grant.receipt.as_ref().and_then(|r| {
+                        Some(r.alt_predicted_ttft_ms?.saturating_sub(r.predicted_ttft_ms))
+                    }),
                 };
-                let guessed = guess.as_ref().map(|g| &g.backend.id);
+                let guessed = guess.as_ref().map(|g| Scored {
+                    backend: &g.backend.id,
+                    sent: g.send && route_ahead_rtt.is_some(),
+                    resend_ms: route_ahead_rtt.unwrap_or(0),
+                });
                 guesses.granted(&place, &f.block_hashes, learned, guessed, now as u64);
                 let ahead = guess
                     .filter(|g| g.send && route_ahead_rtt.is_some())
