@@ -260,10 +260,8 @@ pub async fn handle(
                     ));
                 }
                 if regions::simulating(env) {
-                    // The proxy waits once more, before the backend fetch.
-                    let waits =
-                        simulated_waits + u32::from(network_delay_ms > 0 && sent_ahead.is_none());
-                    extra.push((hop::SIMULATED_WAITS_HEADER, waits.to_string()));
+                    // The waits so far; the proxy counts its own, before the backend fetch.
+                    extra.push((hop::SIMULATED_WAITS_HEADER, simulated_waits.to_string()));
                 }
                 let timing = proxy::Timing {
                     entered_ms,

@@ -101,6 +101,7 @@ impl Forward<'_> {
         // Sent beside the lease call, it waited its modelled round trip already.
         let mut ahead = self.ahead.take();
         if self.network_delay_ms > 0 && ahead.is_none() {
+            self.count_simulated_wait();
             worker::Delay::from(std::time::Duration::from_millis(self.network_delay_ms)).await;
         }
         let max_retries = match prefill_backend {
@@ -173,6 +174,14 @@ impl Forward<'_> {
                     return Err(final_error(&failure, attempts.count, ""));
                 }
             }
+        }
+    }
+
+    /// Counts a modelled round trip waited out here in the waits header (`SIMULATE_NETWORK`).
+    fn count_simulated_wait(&mut self) {
+        let header = crate::hop::SIMULATED_WAITS_HEADER;
+        if let Some((_, v)) = self.extra_headers.iter_mut().find(|(k, _)| *k == header) {
+            *v = (v.parse::<u32>().unwrap_or(0) + 1).to_string();
         }
     }
 
