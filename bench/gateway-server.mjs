@@ -7,7 +7,7 @@
 // concurrent streams; a deployed Worker has no such hop. `BENCH_GATEWAY=wrangler make bench` still
 // runs the benchmark under `wrangler dev` for comparison.
 //
-//   ADMIN_TOKEN=... node bench/gateway-server.mjs PORT PERSIST_DIR
+//   ADMIN_TOKEN=... [BENCH_VARS='{"ROUTE_AHEAD":"true"}'] node bench/gateway-server.mjs PORT PERSIST_DIR
 import { readFileSync } from "node:fs";
 import path from "node:path";
 import { ROOT, startGateway } from "../tests/lib/harness.mjs";
@@ -24,9 +24,11 @@ if (!port || !persistDir || !process.env.ADMIN_TOKEN) {
   console.error("usage: ADMIN_TOKEN=... node bench/gateway-server.mjs PORT PERSIST_DIR");
   process.exit(2);
 }
+// BENCH_VARS (JSON) sets more vars on top, e.g. '{"ROUTE_AHEAD":"true"}' to bench a setting.
+const extra = process.env.BENCH_VARS ? JSON.parse(process.env.BENCH_VARS) : {};
 const gw = await startGateway({
   persistDir,
-  bindings: { ...wranglerVars(), ADMIN_TOKEN: process.env.ADMIN_TOKEN, PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true" },
+  bindings: { ...wranglerVars(), ADMIN_TOKEN: process.env.ADMIN_TOKEN, PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...extra },
   options: { host: "127.0.0.1", port: Number(port) },
 });
 console.log(`gateway: the built Worker in workerd on ${await gw.mf.ready}`);

@@ -62,6 +62,8 @@ pub struct StreamResult {
     /// `x-gateway-route-receipt`: what the router predicted for the chosen backend and the
     /// runner-up.
     pub route_receipt: Option<RouteReceipt>,
+    /// `x-gateway-ahead`: what became of a fetch sent ahead of the lease call (`ROUTE_AHEAD`).
+    pub ahead: Option<String>,
 }
 
 /// Where a request's engine time to first token went, as vllm-sim reports it in the usage chunk
@@ -262,6 +264,7 @@ impl Http {
         out.server_timing = header("server-timing");
         out.predicted_ttft_ms = header("x-gateway-predicted-ttft-ms").and_then(|v| v.parse().ok());
         out.route_receipt = header("x-gateway-route-receipt").and_then(|v| RouteReceipt::parse(&v));
+        out.ahead = header("x-gateway-ahead");
         let mut body = resp.into_body();
         if out.status != 200 {
             let bytes = body

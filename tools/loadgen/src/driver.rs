@@ -106,6 +106,9 @@ pub struct Record {
     /// `x-gateway-route-receipt`: the predictions for the chosen backend and the runner-up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route_receipt: Option<RouteReceipt>,
+    /// `x-gateway-ahead`: `kept`, `missed` or `queued` when a fetch went ahead of the lease call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ahead: Option<String>,
 }
 
 /// Writes records as JSON lines (`loadgen run --records`, and every bench run's records in its
@@ -213,6 +216,7 @@ impl Shared {
             predicted_ttft_ms: r.predicted_ttft_ms,
             engine_split: r.engine_split,
             route_receipt: r.route_receipt.clone(),
+            ahead: r.ahead.clone(),
         });
         r
     }

@@ -24,6 +24,7 @@ pub fn rec(backend: &str, ttft: f64) -> Record {
         predicted_ttft_ms: None,
         engine_split: None,
         route_receipt: None,
+        ahead: None,
     }
 }
 
