@@ -176,7 +176,7 @@ pub enum Asked {
 
 /// Asks shard `shard` of `pool` for a lease (`spill_ok`: a further pool could take the request),
 /// waiting in its queue while it answers with a ticket. `body` holds the request's features,
-/// serialised once.
+/// serialised once; `on_queued` runs when the pool first queues the request.
 #[allow(clippy::too_many_arguments)]
 pub async fn acquire(
     env: &Env,
@@ -188,6 +188,7 @@ pub async fn acquire(
     body: &AcquireBody,
     who: &AdmissionRequest,
     deadlines: &crate::http::Deadlines,
+    on_queued: &dyn Fn(),
 ) -> Asked {
     let started = crate::http::now_ms();
     let mut who = who.clone();
@@ -223,6 +224,9 @@ pub async fn acquire(
             Some(Ok(resp)) => match answer_of::<AcquireAnswer>(resp).await {
                 Ok(AcquireAnswer::Granted(granted)) => return Asked::Granted(granted),
                 Ok(AcquireAnswer::Queued(queued)) => {
+                    if who.ticket.is_none() {
+                        on_queued();
+                    }
                     who.ticket = Some(queued.ticket);
                     failures = 0;
                     keep_alive.get_or_insert_with(|| KeepAlive::new(ctx));

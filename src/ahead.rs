@@ -10,8 +10,8 @@
 //! its limits (fresh grants only, not while the shard queues or refuses, not while its guesses
 //! keep coming out wrong) are `routing_core::pool::guess`'s; this file sends and settles.
 //!
-//! A fetch is sent ahead only for the first pool a request asks, and only when its rate-limit
-//! charge is already settled (no limits, or served ahead of its limiter): the backend is never
+//! A request sends at most one fetch ahead, to the first pool it asks that the isolate has a
+//! guess for, and only when its rate-limit charge is already settled (no limits, or served ahead of its limiter): the backend is never
 //! fetched before the limiter has admitted the request.
 
 use crate::attempts::{send, Sent, UpstreamCall};
@@ -36,7 +36,8 @@ pub const AHEAD_HEADER: &str = "x-gateway-ahead";
 pub(crate) struct Ahead {
     place: Place,
     guessed: Option<BackendId>,
-    sent: Option<Sent>,
+    /// The fetch, until it is kept or aborted.
+    sent: RefCell<Option<Sent>>,
     told: Option<SentAhead>,
     resend_ms: u32,
 }
@@ -47,8 +48,8 @@ pub(crate) struct Ask<'a> {
     pub(crate) shard: u32,
     pub(crate) model: &'a str,
     pub(crate) block_hashes: &'a [u64],
-    /// Whether a fetch may be sent at all: `ROUTE_AHEAD` on, the first pool asked, the rate-limit
-    /// charge settled.
+    /// Whether a fetch may be sent at all: `ROUTE_AHEAD` on, none sent for the request yet, the
+    /// rate-limit charge settled.
     pub(crate) may_send: bool,
     /// A modelled round trip to the backend (`SIMULATE_NETWORK` only).
     pub(crate) delay_ms: u64,
@@ -80,9 +81,18 @@ impl Ahead {
         Ahead {
             place,
             guessed: guess.map(|g| g.backend.id),
-            sent,
+            sent: RefCell::new(sent),
             told,
             resend_ms: ask.resend_ms,
+        }
+    }
+
+    /// The pool queued the request: what was sent ahead is aborted now, not when the grant
+    /// comes (the request waits its turn like any other, and its backend is not computing it
+    /// meanwhile).
+    pub(crate) fn queued(&self) {
+        if let Some(sent) = self.sent.borrow_mut().take() {
+            sent.abort();
         }
     }
 
@@ -94,7 +104,7 @@ impl Ahead {
     /// The shard granted `grant` (after `queued`): the book learns it, and the fetch sent ahead
     /// comes back when it went where the grant says, with the header's value.
     pub(crate) fn granted(
-        mut self,
+        self,
         block_hashes: &[u64],
         grant: &Grant,
         queued: bool,
@@ -123,18 +133,17 @@ impl Ahead {
                 },
                 self.guessed.as_ref().map(|backend| Scored {
                     backend,
-                    sent: self.sent.is_some(),
+                    sent: self.told.is_some(),
                     resend_ms: self.resend_ms,
                 }),
                 crate::http::now_ms(),
             )
         });
-        match self.sent.take() {
-            // A request the shard queued waits its turn: what was sent before it is not kept.
-            Some(sent) if queued => {
-                sent.abort();
-                (None, Some("queued"))
-            }
+        let sent = self.sent.borrow_mut().take();
+        match sent {
+            // A request the shard queued waits its turn: what was sent before it is not kept
+            // (and was aborted when the pool first queued it).
+            _ if queued && self.told.is_some() => (None, Some("queued")),
             Some(sent) if !paired && sent.backend() == &first.id => (Some(sent), Some("kept")),
             Some(sent) => {
                 sent.abort();
@@ -153,7 +162,7 @@ impl Ahead {
 
 impl Drop for Ahead {
     fn drop(&mut self) {
-        if let Some(sent) = self.sent.take() {
+        if let Some(sent) = self.sent.get_mut().take() {
             sent.abort();
         }
     }

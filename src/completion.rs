@@ -160,7 +160,8 @@ pub async fn handle(
     let mut acquire_body = AcquireBody::new(&features);
     // The request's deadlines, from its lease calls to its stream's watchdog, on one timer.
     let deadlines = http::Deadlines::new();
-    let mut first_ask = true;
+    // At most one fetch goes ahead per request: to the first pool asked that it is guessed for.
+    let mut sent_ahead_once = false;
     while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
         let pool = &pools[pool];
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
@@ -180,7 +181,7 @@ pub async fn handle(
                 shard,
                 model: &features.model,
                 block_hashes: &features.block_hashes,
-                may_send: first_ask && reserved.is_known(),
+                may_send: !sent_ahead_once && reserved.is_known(),
                 delay_ms: network_delay_ms,
                 resend_ms: regions::rtt_estimate_ms(env, simulate_from.as_deref(), pool),
             };
@@ -193,7 +194,7 @@ pub async fn handle(
             };
             Ahead::start(ask, &call, &body, &client_signal)
         });
-        first_ask = false;
+        sent_ahead_once |= ahead.as_ref().is_some_and(|a| a.told().is_some());
         // The pool weighs the backend sent to against a re-send elsewhere (this call only).
         acquire_body.set_ahead(ahead.as_ref().and_then(Ahead::told));
         let asked_ms = crate::http::now_ms();
@@ -202,6 +203,11 @@ pub async fn handle(
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
         }
         let give_up = reserved.give_up_on(&hung_up);
+        let on_queued = || {
+            if let Some(a) = &ahead {
+                a.queued();
+            }
+        };
         let admitted = admission::acquire(
             env,
             ctx,
@@ -212,6 +218,7 @@ pub async fn handle(
             &acquire_body,
             &who,
             &deadlines,
+            &on_queued,
         );
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {

@@ -3,13 +3,15 @@
 // in workerd, real vllm-sim backends on 127.0.0.1. A conversation's next turns are sent ahead to
 // the backend holding their history and served by it, with no second request to any backend; a
 // fetch sent ahead to a backend the pool no longer chooses (drained meanwhile) is aborted at that
-// backend (vLLM's finished_reason="abort") and the answer comes whole from the chosen one; a key's
-// first request, whose limiter has not answered yet, is not sent ahead; and with SIMULATE_NETWORK
+// backend (vLLM's finished_reason="abort") and the answer comes whole from the chosen one; a fetch
+// sent ahead of a request the pool queues is aborted when the pool queues it, and the request is
+// sent again when its turn comes (the pool counts each case in llm_gateway_pool_sent_ahead_total);
+// a key's first request, whose limiter has not answered yet, is not sent ahead; and with SIMULATE_NETWORK
 // a request sent ahead waits one modelled round trip where one without waits two (counted, never
 // timed).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, drained, parseMetrics } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, drained, parseMetrics, metricValue } from "./lib/harness.mjs";
 
 const KEY = "sk-ahead-client-1";
 const REGION = "eu-west";
@@ -19,19 +21,19 @@ let gw;
 let sims; // fast (time scale 1000), pool ahead-p
 let slowSims; // real time, pool ahead-slow: a request is still running when its abort comes
 
+const BINDINGS = {
+  PROBE_INTERVAL_MS: "500",
+  ROUTE_AHEAD: "true",
+  CLIENT_API_KEYS: KEY,
+  RATE_LIMIT_TPM: "10000000",
+  RATE_LIMIT_AHEAD: "true",
+  ALLOW_REGION_HEADER: "true",
+  SIMULATE_NETWORK: "true",
+  REGION_RTT_MS: JSON.stringify({ "us-east": { [REGION]: 20 } }),
+};
+
 before(async () => {
-  gw = await startGateway({
-    bindings: {
-      PROBE_INTERVAL_MS: "500",
-      ROUTE_AHEAD: "true",
-      CLIENT_API_KEYS: KEY,
-      RATE_LIMIT_TPM: "10000000",
-      RATE_LIMIT_AHEAD: "true",
-      ALLOW_REGION_HEADER: "true",
-      SIMULATE_NETWORK: "true",
-      REGION_RTT_MS: JSON.stringify({ "us-east": { [REGION]: 20 } }),
-    },
-  });
+  gw = await startGateway({ bindings: BINDINGS });
   closers.push(gw);
   sims = [];
   for (let i = 0; i < 2; i++) {
@@ -45,20 +47,30 @@ before(async () => {
   closers.push(...slowSims);
   await addPool("ahead-p", sims, "ahead-model");
   await addPool("ahead-slow", slowSims, "ahead-slow");
+  // A gateway of its own with one pool (so a full pool queues rather than spills): one real-time
+  // backend with one sequence slot, admission control on.
+  queueGw = await startGateway({ bindings: BINDINGS });
+  closers.push(queueGw);
+  queueSim = await startSim(["--model", "ahead-queue", "--time-scale", "1", "--max-num-seqs", "1", "--seed", "31"]);
+  closers.push(queueSim);
+  await addPool("ahead-q", [queueSim], "ahead-queue", { admission: { enabled: true, poll_ms: 1000 } }, 1, queueGw);
 });
 
-async function addPool(name, list, model) {
-  const put = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: REGION } });
+let queueGw;
+let queueSim;
+
+async function addPool(name, list, model, settings = {}, seqs = undefined, g = gw) {
+  const put = await g.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: REGION, ...settings } });
   assert.equal(put.status, 200, await put.text());
   for (const [i, s] of list.entries()) {
-    const reg = await gw.admin("/admin/backends", {
+    const reg = await g.admin("/admin/backends", {
       method: "POST",
-      body: { url: s.url, pool: name, models: [model], id: `${name}-b${i}` },
+      body: { url: s.url, pool: name, models: [model], id: `${name}-b${i}`, ...(seqs ? { max_num_seqs: seqs } : {}) },
     });
     assert.equal(reg.status, 201, await reg.text());
-    await waitReady(gw, `${name}-b${i}`);
+    await waitReady(g, `${name}-b${i}`);
   }
-  drains.push([gw, name]);
+  drains.push([g, name]);
 }
 
 after(async () => {
@@ -98,11 +110,11 @@ const history = (turns) =>
     { role: "assistant", content: `The harbour at dusk, turn ${i}: boats, lanterns and the slow water under them.` },
   ]).flat();
 
-async function chat(messages, headers = {}, model = "ahead-model") {
-  const r = await gw.fetch("/v1/chat/completions", {
+async function chat(messages, headers = {}, model = "ahead-model", maxTokens = 8, g = gw) {
+  const r = await g.fetch("/v1/chat/completions", {
     method: "POST",
     headers: { "content-type": "application/json", authorization: `Bearer ${KEY}`, ...headers },
-    body: JSON.stringify({ model, messages, max_tokens: 8, stream: true }),
+    body: JSON.stringify({ model, messages, max_tokens: maxTokens, stream: true, ignore_eos: true }),
   });
   const text = await r.text();
   assert.equal(r.status, 200, text);
@@ -161,6 +173,38 @@ test("a fetch sent ahead to a backend the pool no longer chooses is aborted ther
     const back = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { drain: false } });
     assert.equal(back.status, 200, await back.text());
   }
+});
+
+test("a fetch sent ahead of a request the pool queues is aborted when it is queued, and the request is sent again at its turn", async () => {
+  const model = "ahead-queue";
+  // Its own conversation: one that shares another test's history has its home in that pool.
+  const messages = [
+    { role: "user", content: "Queue test: describe a railway station at noon, the trains and the clocks." },
+    { role: "assistant", content: "At noon the station hums: trains in, trains out, every clock agreeing." },
+    { role: "user", content: "A queue, please." },
+  ];
+  // Teach the isolate the backend (the key's first request may wait for its limiter).
+  await chat(messages, {}, model, 8, queueGw);
+  await chat([...messages, { role: "user", content: "Again." }], {}, model, 8, queueGw);
+  const before = await finished(queueSim);
+  // One long answer holds the backend's only slot; the next request is sent ahead and queued.
+  const long = chat([...messages, { role: "user", content: "A long one." }], {}, model, 60, queueGw);
+  await waitFor(async () => (await engineBusy(queueSim)) === 1, { what: "the long answer running" });
+  const queued = await chat([...messages, { role: "user", content: "Queued." }], {}, model, 8, queueGw);
+  const held = await long;
+  assert.equal(held.r.headers.get("x-gateway-ahead"), "kept");
+  assert.equal(queued.r.headers.get("x-gateway-ahead"), "queued");
+  assert.ok(Number(queued.r.headers.get("x-gateway-queue-wait-ms")) > 0, "it waited in the pool's queue");
+  await waitFor(async () => (await engineBusy(queueSim)) === 0, { what: "the backend idle" });
+  const after = await finished(queueSim);
+  // Two answers, and at most the one fetch sent ahead aborted (none when the abort came before the
+  // backend read it).
+  assert.equal((after.length ?? 0) + (after.stop ?? 0) - (before.length ?? 0) - (before.stop ?? 0), 2);
+  assert.ok((after.abort ?? 0) - (before.abort ?? 0) <= 1);
+  // The pool counted the queued request's fetch as not granted, and the others as kept.
+  const m = parseMetrics(await (await queueGw.admin("/metrics")).text());
+  assert.equal(metricValue(m, "llm_gateway_pool_sent_ahead_total", { pool: "ahead-q", result: "not_granted" }), 1);
+  assert.ok(metricValue(m, "llm_gateway_pool_sent_ahead_total", { pool: "ahead-q", result: "kept" }) >= 2);
 });
 
 test("with SIMULATE_NETWORK a request sent ahead waits one modelled round trip, not two", async () => {

@@ -21,6 +21,42 @@ impl Coordinator {
         now_ms: u64,
         callers: &dyn Callers,
     ) -> (Step, Effects) {
+        // Counted on a request's first call only (a queued request asks again with its ticket,
+        // and the Worker aborted its fetch when it was first queued: nothing left to price).
+        let first_call = admission.as_ref().is_none_or(|a| a.ticket.is_none());
+        let mut features = features;
+        if !first_call {
+            features.sent_ahead = None;
+        }
+        let ahead = features
+            .sent_ahead
+            .as_ref()
+            .filter(|_| first_call)
+            .map(|a| a.backend.clone());
+        let (step, effects) =
+            self.acquire_step(features, admission, choice, spill_ok, now_ms, callers);
+        if let Some(sent_to) = ahead {
+            let counts = &mut self.sent_ahead;
+            match &step {
+                Step::Done(Verdict::Granted { grant, .. }) if grant.backend.0 == sent_to => {
+                    counts.kept += 1
+                }
+                Step::Done(Verdict::Granted { .. }) => counts.missed += 1,
+                _ => counts.not_granted += 1,
+            }
+        }
+        (step, effects)
+    }
+
+    fn acquire_step(
+        &mut self,
+        features: RequestFeatures,
+        admission: Option<AdmissionRequest>,
+        choice: Option<&ChoiceNote>,
+        spill_ok: bool,
+        now_ms: u64,
+        callers: &dyn Callers,
+    ) -> (Step, Effects) {
         let mut effects = Effects::new();
         let first_call = admission.as_ref().is_none_or(|a| a.ticket.is_none());
         if let (Some(note), true) = (choice, first_call) {

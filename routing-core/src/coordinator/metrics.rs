@@ -20,6 +20,19 @@ pub struct CoordinatorCounters {
     pub probes_ok: u64,
     /// Probes that failed.
     pub probes_failed: u64,
+    /// Acquires whose fetch the Worker had sent ahead (`ROUTE_AHEAD`), by what became of it.
+    pub sent_ahead: SentAheadCounts,
+}
+
+/// Acquires that came with a fetch sent ahead, by what became of it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SentAheadCounts {
+    /// Granted at once on the backend it went to: the Worker keeps it.
+    pub kept: u64,
+    /// Granted at once on another backend: the Worker aborts it.
+    pub missed: u64,
+    /// Parked in the waiting room, refused or spilled: the Worker aborts it.
+    pub not_granted: u64,
 }
 
 /// One backend's last probe.
@@ -61,7 +74,7 @@ struct Figures {
 }
 
 /// The pool-wide families, in page order.
-const POOL_FAMILIES: [Family<Figures>; 10] = [
+const POOL_FAMILIES: [Family<Figures>; 11] = [
     Kind::Counter.family(
         "llm_gateway_retries_total",
         "Leases moved to the next candidate after a failure before the first byte.",
@@ -101,6 +114,19 @@ const POOL_FAMILIES: [Family<Figures>; 10] = [
         "llm_gateway_pool_autoscale_target_waiting",
         "The waiting-per-replica target of the autoscaling signal.",
         |f, s| s.value(&[], f.autoscale_target_waiting),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_pool_sent_ahead_total",
+        "Acquires whose backend fetch the Worker sent ahead of them (ROUTE_AHEAD): kept (granted on that backend), missed (granted on another) or not_granted (queued, refused or spilled); the Worker aborts all but the kept.",
+        |f, s| {
+            let a = f.counters.sent_ahead;
+            let results = [
+                ("kept", a.kept),
+                ("missed", a.missed),
+                ("not_granted", a.not_granted),
+            ];
+            s.each(&[], "result", results.map(|(r, n)| (r, n as f64)))
+        },
     ),
     Kind::Counter.family(
         "llm_gateway_probe_rounds_total",
@@ -176,7 +202,7 @@ mod tests {
             "llm_gateway_probe_duration_seconds{pool=\"eu\\\"west\",backend=\"b-1\"} 1.5\n"
         ));
         assert!(out.contains("llm_gateway_pool_desired_replicas{pool=\"eu\\\"west\"} 2\n"));
-        assert_eq!(out.matches("# HELP").count(), 13);
+        assert_eq!(out.matches("# HELP").count(), 14);
     }
 
     /// The whole page, byte for byte: family order, `# HELP` text, labels, numbers.
@@ -189,6 +215,11 @@ mod tests {
             probe_rounds: 9,
             probes_ok: 17,
             probes_failed: 1,
+            sent_ahead: SentAheadCounts {
+                kept: 5,
+                missed: 2,
+                not_granted: 1,
+            },
         };
         let load = PoolLoad {
             ready: 2,
@@ -240,6 +271,11 @@ llm_gateway_pool_desired_replicas{pool="eu\"1"} 3
 # HELP llm_gateway_pool_autoscale_target_waiting The waiting-per-replica target of the autoscaling signal.
 # TYPE llm_gateway_pool_autoscale_target_waiting gauge
 llm_gateway_pool_autoscale_target_waiting{pool="eu\"1"} 4
+# HELP llm_gateway_pool_sent_ahead_total Acquires whose backend fetch the Worker sent ahead of them (ROUTE_AHEAD): kept (granted on that backend), missed (granted on another) or not_granted (queued, refused or spilled); the Worker aborts all but the kept.
+# TYPE llm_gateway_pool_sent_ahead_total counter
+llm_gateway_pool_sent_ahead_total{pool="eu\"1",result="kept"} 5
+llm_gateway_pool_sent_ahead_total{pool="eu\"1",result="missed"} 2
+llm_gateway_pool_sent_ahead_total{pool="eu\"1",result="not_granted"} 1
 # HELP llm_gateway_probe_rounds_total Probe rounds run by the pool's alarm.
 # TYPE llm_gateway_probe_rounds_total counter
 llm_gateway_probe_rounds_total{pool="eu\"1"} 9

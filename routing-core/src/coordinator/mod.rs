@@ -158,6 +158,8 @@ pub struct Coordinator {
     history: History,
     /// Acquires by why the Worker chose this pool.
     routed: RoutedCounts,
+    /// Acquires that came with a fetch sent ahead, by what became of it.
+    sent_ahead: metrics::SentAheadCounts,
     /// The time card grants carry, kept for [`GRANT_CARD_MS`].
     grant_card: Option<TimeCard>,
     /// The last card published to the directory showed a wait ([`card::BUSY_CARD_MS`]): the
@@ -221,6 +223,7 @@ impl Coordinator {
             persisted: HashMap::new(),
             history: History::default(),
             routed: RoutedCounts::default(),
+            sent_ahead: metrics::SentAheadCounts::default(),
             grant_card: None,
             published_busy: false,
             exchange: Exchange::default(),

@@ -22,6 +22,7 @@ impl Coordinator {
             probe_rounds: self.probes.rounds,
             probes_ok: self.probes.ok,
             probes_failed: self.probes.failed,
+            sent_ahead: self.sent_ahead,
         }
     }
 
