@@ -15,11 +15,11 @@
 //! fetched before the limiter has admitted the request.
 
 use crate::attempts::{send, Sent, UpstreamCall};
-use routing_core::backend::BackendId;
 use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
-use routing_core::pool::Grant;
+use routing_core::pool::{CandidateView, Grant};
 use routing_core::request::prompt::SentAhead;
-use std::cell::RefCell;
+use routing_core::PolicyKind;
+use std::cell::{Cell, RefCell};
 use worker::AbortSignal;
 
 thread_local! {
@@ -35,11 +35,14 @@ pub const AHEAD_HEADER: &str = "x-gateway-ahead";
 /// One lease call's guess, and the fetch sent on it, if one was.
 pub(crate) struct Ahead {
     place: Place,
-    guessed: Option<BackendId>,
+    /// The backend guessed, as the grant that taught it named it (URL and key included).
+    guessed: Option<CandidateView>,
     /// The fetch, until it is kept or aborted.
     sent: RefCell<Option<Sent>>,
     told: Option<SentAhead>,
     resend_ms: u32,
+    /// Whether the book has heard how the fetch sent ahead ended.
+    settled: Cell<bool>,
 }
 
 /// What a request gives [`Ahead::start`].
@@ -74,16 +77,20 @@ impl Ahead {
             }
             _ => None,
         };
+        if sent.is_some() {
+            BOOK.with(|b| b.borrow_mut().sending(&place));
+        }
         let told = sent.as_ref().map(|s| SentAhead {
             backend: s.backend().0.clone(),
             resend_ms: ask.resend_ms,
         });
         Ahead {
             place,
-            guessed: guess.map(|g| g.backend.id),
+            guessed: guess.map(|g| g.backend),
             sent: RefCell::new(sent),
             told,
             resend_ms: ask.resend_ms,
+            settled: Cell::new(false),
         }
     }
 
@@ -93,6 +100,11 @@ impl Ahead {
     pub(crate) fn queued(&self) {
         if let Some(sent) = self.sent.borrow_mut().take() {
             sent.abort();
+            self.settled.set(true);
+            BOOK.with(|b| {
+                b.borrow_mut()
+                    .busy(&self.place, true, crate::http::now_ms())
+            });
         }
     }
 
@@ -130,21 +142,37 @@ impl Ahead {
                         let alt = r.alt_predicted_ttft_ms?;
                         Some(alt.saturating_sub(r.predicted_ttft_ms))
                     }),
+                    prices_resend: grant.policy == PolicyKind::PredictedLatency,
                 },
-                self.guessed.as_ref().map(|backend| Scored {
-                    backend,
-                    sent: self.told.is_some(),
-                    resend_ms: self.resend_ms,
-                }),
+                // Scored once: a fetch aborted when the pool queued the request was already.
+                self.guessed
+                    .as_ref()
+                    .filter(|_| !self.settled.get())
+                    .map(|g| Scored {
+                        backend: &g.id,
+                        sent: self.told.is_some(),
+                        resend_ms: self.resend_ms,
+                    }),
                 crate::http::now_ms(),
             )
         });
+        self.settled.set(true);
+        // Kept only if it went where the grant says, as the grant says to call it: a backend
+        // whose URL or key changed since the guess was learned is sent to again.
+        let same_call =
+            |view: &CandidateView| view.url == first.url && view.api_key == first.api_key;
         let sent = self.sent.borrow_mut().take();
         match sent {
             // A request the shard queued waits its turn: what was sent before it is not kept
             // (and was aborted when the pool first queued it).
             _ if queued && self.told.is_some() => (None, Some("queued")),
-            Some(sent) if !paired && sent.backend() == &first.id => (Some(sent), Some("kept")),
+            Some(sent)
+                if !paired
+                    && sent.backend() == &first.id
+                    && self.guessed.as_ref().is_some_and(same_call) =>
+            {
+                (Some(sent), Some("kept"))
+            }
             Some(sent) => {
                 sent.abort();
                 (None, Some("missed"))
@@ -156,7 +184,12 @@ impl Ahead {
     /// The shard refused the request or could not be asked: nothing goes ahead to it for a
     /// while (the fetch sent, if any, is aborted as this is dropped).
     pub(crate) fn refused(self) {
-        BOOK.with(|b| b.borrow_mut().busy(&self.place, crate::http::now_ms()));
+        let sent = self.told.is_some() && !self.settled.get();
+        self.settled.set(true);
+        BOOK.with(|b| {
+            b.borrow_mut()
+                .busy(&self.place, sent, crate::http::now_ms())
+        });
     }
 }
 
@@ -164,6 +197,10 @@ impl Drop for Ahead {
     fn drop(&mut self) {
         if let Some(sent) = self.sent.get_mut().take() {
             sent.abort();
+        }
+        // The client left (or the limiter refused) before the pool answered: not scored.
+        if self.told.is_some() && !self.settled.get() {
+            BOOK.with(|b| b.borrow_mut().abandoned(&self.place));
         }
     }
 }

@@ -175,17 +175,25 @@ impl Sent {
 
     /// Aborts it: the backend stops on the request, and nothing of it is read.
     pub(crate) fn abort(mut self) {
+        self.abort_unread();
+    }
+
+    /// Aborts a fetch nobody waits for, and waits for its rejection itself (an abort rejects the
+    /// fetch's promise: unawaited, that would be an unhandled rejection in the runtime's log).
+    fn abort_unread(&mut self) {
         if let Some(abort) = self.abort.take() {
             abort.abort();
+            let fetch = self.fetch.clone();
+            wasm_bindgen_futures::spawn_local(async move {
+                let _ = JsFuture::from(fetch).await;
+            });
         }
     }
 }
 
 impl Drop for Sent {
     fn drop(&mut self) {
-        if let Some(abort) = self.abort.take() {
-            abort.abort();
-        }
+        self.abort_unread();
     }
 }
 

@@ -183,7 +183,12 @@ pub async fn handle(
                 block_hashes: &features.block_hashes,
                 may_send: !sent_ahead_once && reserved.is_known(),
                 delay_ms: network_delay_ms,
-                resend_ms: regions::rtt_estimate_ms(env, simulate_from.as_deref(), pool),
+                resend_ms: regions::rtt_estimate_ms(
+                    env,
+                    plan.client_region.as_deref(),
+                    simulate_from.as_deref(),
+                    pool,
+                ),
             };
             let call = UpstreamCall {
                 forwarded_headers: &forwarded_headers,
@@ -195,7 +200,8 @@ pub async fn handle(
             Ahead::start(ask, &call, &body, &client_signal)
         });
         sent_ahead_once |= ahead.as_ref().is_some_and(|a| a.told().is_some());
-        // The pool weighs the backend sent to against a re-send elsewhere (this call only).
+        // The pool weighs the backend sent to against a re-send elsewhere (on this pool's first
+        // call: it ignores the part on the calls of a wait).
         acquire_body.set_ahead(ahead.as_ref().and_then(Ahead::told));
         let asked_ms = crate::http::now_ms();
         if network_delay_ms > 0 {

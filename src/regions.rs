@@ -408,8 +408,20 @@ pub fn simulating(env: &Env) -> bool {
 /// The isolate's estimate of the round trip from a Worker in `from` to `pool` (measured on its
 /// lease calls, else configured, else 0): what sending the request to another of the pool's
 /// backends after the lease call would add (`ahead.rs`).
-pub fn rtt_estimate_ms(env: &Env, from: Option<&str>, pool: &PoolEntry) -> u32 {
-    with_network(env, |n| n.rtt_ms(from, &pool.name, &pool.region))
+///
+/// Measurements are kept under the client's region (`observe_rtt`), also at a regional Worker,
+/// where they are its own lease calls' round trips; without enough of them, the configured round
+/// trip from where this Worker runs (`from`: the pool's region at a regional Worker).
+pub fn rtt_estimate_ms(
+    env: &Env,
+    client_region: Option<&str>,
+    from: Option<&str>,
+    pool: &PoolEntry,
+) -> u32 {
+    with_network(env, |n| match n.is_measured(client_region, &pool.name) {
+        true => n.rtt_ms(client_region, &pool.name, &pool.region),
+        false => n.configured_ms(from, &pool.region).unwrap_or(0),
+    })
 }
 
 /// Records one measured round trip to `pool` from a client in `client_region` (an acquire that

@@ -175,6 +175,26 @@ test("a fetch sent ahead to a backend the pool no longer chooses is aborted ther
   }
 });
 
+test("a fetch sent ahead with a backend's old key is not kept: the request is sent again as the grant says", async () => {
+  const messages = [
+    { role: "user", content: "Key test: tell me about the lighthouse keeper's logbook, entry by entry." },
+    { role: "assistant", content: "Entry one: fog. Entry two: more fog, and a ship's bell far off." },
+  ];
+  const first = await chat([...messages, { role: "user", content: "Go on." }]);
+  const held = first.r.headers.get("x-gateway-backend");
+  const next = await chat([...messages, { role: "user", content: "And then?" }]);
+  assert.equal(next.r.headers.get("x-gateway-ahead"), "kept", "the isolate knows the backend");
+  assert.equal(next.r.headers.get("x-gateway-backend"), held);
+  // The operator rotates the backend's key: the isolate's view of it is now stale.
+  const patch = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { api_key: "sk-rotated-ahead-1" } });
+  assert.equal(patch.status, 200, await patch.text());
+  const after = await chat([...messages, { role: "user", content: "After the rotation?" }]);
+  assert.equal(after.r.headers.get("x-gateway-backend"), held, "the pool still chooses it");
+  assert.equal(after.r.headers.get("x-gateway-ahead"), "missed", "sent with the old key: not kept");
+  const again = await chat([...messages, { role: "user", content: "Once more." }]);
+  assert.equal(again.r.headers.get("x-gateway-ahead"), "kept", "learned with the new key");
+});
+
 test("a fetch sent ahead of a request the pool queues is aborted when it is queued, and the request is sent again at its turn", async () => {
   const model = "ahead-queue";
   // Its own conversation: one that shares another test's history has its home in that pool.

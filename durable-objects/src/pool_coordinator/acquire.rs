@@ -26,6 +26,9 @@ impl PoolCoordinator {
             choice,
             ahead,
         } = req;
+        // A first call whose fetch went ahead hears at once that it must wait, so the Worker
+        // aborts that fetch now rather than when its wait ends (a later call waits as usual).
+        let answer_now = ahead.is_some() && admission.as_ref().is_none_or(|a| a.ticket.is_none());
         features.sent_ahead = ahead;
         let step = self.with(|shard| {
             let now = now_ms();
@@ -53,6 +56,7 @@ impl PoolCoordinator {
                 until_ms,
             } => {
                 let rx = self.with(|shard| shard.calls.open(ticket, call_id, signal));
+                let until_ms = if answer_now { now_ms() } else { until_ms };
                 (ticket, call_id, rx, until_ms)
             }
         };

@@ -38,7 +38,10 @@ impl Coordinator {
         if let Some(sent_to) = ahead {
             let counts = &mut self.sent_ahead;
             match &step {
-                Step::Done(Verdict::Granted { grant, .. }) if grant.backend.0 == sent_to => {
+                // A disaggregated pair is never kept (the Worker aborts what it sent).
+                Step::Done(Verdict::Granted { grant, .. })
+                    if grant.backend.0 == sent_to && grant.decode_candidates.is_empty() =>
+                {
                     counts.kept += 1
                 }
                 Step::Done(Verdict::Granted { .. }) => counts.missed += 1,

@@ -17,16 +17,24 @@
 //!   it was wrong, until a grant names it again;
 //! - not for [`BUSY_HOLD_MS`] after the shard queued, refused, or paired a request
 //!   (disaggregated), when a fetch sent ahead would land on a full backend or the wrong role;
-//! - only while at most [`MAX_MISSES`] of the shard's last [`WINDOW`] guesses were wrong. Guesses
-//!   are scored whether or not a fetch was sent, so a shard whose choices this isolate cannot
-//!   predict stops being sent ahead, and starts again once its guesses come right. A guess no
-//!   fetch went out on counts as right when the shard chose it, or weighed it as its best
-//!   alternative within a re-send's round trip of its choice (its receipt's margin: the pool
-//!   would have kept a fetch sent there, to the receipt's precision).
+//! - only while the shard's wrong guesses among its last [`WINDOW`], plus the fetches sent ahead
+//!   to it that have not been settled yet, are at most [`MAX_MISSES`]. Guesses are scored whether
+//!   or not a fetch was sent, so a shard whose choices this isolate cannot predict stops being
+//!   sent ahead, and starts again once its guesses come right. A fetch that went out counts as
+//!   right only when it was kept (the grant named its backend at once, unpaired); refused,
+//!   queued, paired or granted elsewhere, it counts as wrong. A guess no fetch went out on counts
+//!   as right when the shard chose it or, under `predicted_latency` (the one policy that prices a
+//!   re-send), weighed it as its best alternative within a re-send's round trip of its choice by
+//!   the receipt's predicted times to first token (the policy's own score also weighs queue,
+//!   decode and harm: an approximation, for the window only).
 //!
-//! So at most [`MAX_MISSES`] of any [`WINDOW`] consecutive guesses of a shard, plus the one that
-//! tips the window, send a fetch that is aborted: the backend computes at most the part of such a
-//! prompt that it reaches before the abort (the lease call's time).
+//! Every fetch sent ahead is either settled (kept or scored wrong) or counted pending, so with
+//! requests in flight at once the window still holds: no fetch is sent while the wrong ones and
+//! the pending ones together reach [`MAX_MISSES`] + 1, and of any [`WINDOW`] consecutive settled
+//! guesses of a shard at most [`MAX_MISSES`] + 1 sent a fetch in vain (a request that hangs up
+//! while its fetch is pending is not scored). An aborted fetch costs its backend at most what it
+//! computed before the abort: until the lease call's answer, or the pool's first word that it
+//! queued the request (it says so at once to a call with a fetch sent ahead).
 
 use crate::backend::BackendId;
 use crate::pool::CandidateView;
@@ -40,10 +48,10 @@ pub const BUSY_HOLD_MS: u64 = 2_000;
 pub const WINDOW: u32 = 16;
 /// Most wrong guesses among the last [`WINDOW`] for fetches to be sent ahead.
 pub const MAX_MISSES: u32 = 4;
-/// Most prefix entries kept per shard (oldest forgotten first).
-pub const MAX_PREFIXES: usize = 4_096;
-/// Most places (pool shard and model) kept; past it the book starts again.
-pub const MAX_SHARDS: usize = 256;
+/// Most prefix entries kept per place (oldest forgotten first).
+pub const MAX_PREFIXES: usize = 1_024;
+/// Most places (pool shard and model) kept; past it the book starts again (a few MB in all).
+pub const MAX_SHARDS: usize = 64;
 
 /// What an isolate knows of its pool shards' choices.
 #[derive(Debug, Default)]
@@ -89,6 +97,8 @@ struct ShardBook {
     hold_until_ms: u64,
     /// The last [`WINDOW`] guesses, newest in bit 0: 1 for a wrong one.
     misses: u32,
+    /// Fetches sent ahead to this shard and not settled yet.
+    pending: u32,
 }
 
 /// A guess: the backend, and whether a fetch may be sent to it ahead of the grant.
@@ -115,6 +125,8 @@ pub struct Granted<'a> {
     /// How much later (ms) the shard predicted the first token on `alt` than on the chosen
     /// backend (its receipt's), for scoring a guess no fetch went out on.
     pub alt_margin_ms: Option<u32>,
+    /// Whether the shard's policy prices a re-send (`predicted_latency`).
+    pub prices_resend: bool,
 }
 
 /// A guess made before a grant, to score against it.
@@ -148,7 +160,7 @@ impl GuessBook {
             .filter_map(|h| book.prefixes.get(&h))
             .chain(book.cold.as_ref())
             .find_map(fresh)?;
-        let send = now_ms >= book.hold_until_ms && book.wrong() <= MAX_MISSES;
+        let send = now_ms >= book.hold_until_ms && book.wrong() + book.pending <= MAX_MISSES;
 
         Some(Guess {
             backend: view.clone(),
@@ -172,13 +184,22 @@ impl GuessBook {
         let book = self.shards.entry(place.clone()).or_default();
         if let Some(g) = guessed {
             let chosen = g.backend == &grant.backend.id;
-            let close_alt = !g.sent
-                && grant.alt.is_some_and(|a| &a.id == g.backend)
-                && grant.alt_margin_ms.is_some_and(|m| m <= g.resend_ms);
-            book.score(!(chosen || close_alt));
+            let right = match g.sent {
+                true => {
+                    book.pending = book.pending.saturating_sub(1);
+                    chosen && !grant.queued && !grant.paired
+                }
+                false => {
+                    chosen
+                        || (grant.prices_resend
+                            && grant.alt.is_some_and(|a| &a.id == g.backend)
+                            && grant.alt_margin_ms.is_some_and(|m| m <= g.resend_ms))
+                }
+            };
+            book.score(!right);
             // Not guessed again until a grant names it: a drained, removed or full backend
-            // costs one fetch in vain per isolate, not one per request.
-            if !chosen && !close_alt {
+            // costs one fetch in vain per isolate and lease round trip, not one per request.
+            if !right && !chosen {
                 book.backends.remove(g.backend);
             }
         }
@@ -213,11 +234,30 @@ impl GuessBook {
             .retain(|_, (_, seen)| now_ms.saturating_sub(*seen) <= FRESH_MS);
     }
 
-    /// The shard refused a request, or could not be asked: nothing is sent ahead to it for a
-    /// while.
-    pub fn busy(&mut self, place: &Place, now_ms: u64) {
+    /// A fetch is being sent ahead to `place`: pending until it is settled.
+    pub fn sending(&mut self, place: &Place) {
+        if let Some(book) = self.shards.get_mut(place) {
+            book.pending += 1;
+        }
+    }
+
+    /// The shard refused a request, queued it, or could not be asked: nothing is sent ahead to it
+    /// for a while, and a fetch that went out on it (`sent`) counts as a wrong guess.
+    pub fn busy(&mut self, place: &Place, sent: bool, now_ms: u64) {
         if let Some(book) = self.shards.get_mut(place) {
             book.hold_until_ms = now_ms.saturating_add(BUSY_HOLD_MS);
+            if sent {
+                book.pending = book.pending.saturating_sub(1);
+                book.score(true);
+            }
+        }
+    }
+
+    /// A fetch sent ahead to `place` will not be settled (the client left first): no longer
+    /// pending, and not scored.
+    pub fn abandoned(&mut self, place: &Place) {
+        if let Some(book) = self.shards.get_mut(place) {
+            book.pending = book.pending.saturating_sub(1);
         }
     }
 }
@@ -261,6 +301,10 @@ mod tests {
         }
     }
 
+    fn sent_ok(id: &BackendId) -> Scored<'_> {
+        sent(id)
+    }
+
     fn sent(id: &BackendId) -> Scored<'_> {
         Scored {
             backend: id,
@@ -280,6 +324,7 @@ mod tests {
             queued: false,
             alt: None,
             alt_margin_ms: None,
+            prices_resend: true,
         }
     }
 
@@ -352,7 +397,7 @@ mod tests {
                 .send
         );
         assert!(book.guess(&at(0), &[1], 100 + BUSY_HOLD_MS).unwrap().send);
-        book.busy(&at(0), 3_000);
+        book.busy(&at(0), false, 3_000);
         assert!(!book.guess(&at(0), &[1], 3_001).unwrap().send);
     }
 
@@ -462,6 +507,51 @@ mod tests {
             book.granted(&at(0), &[1], near(80), Some(shadow(&a.id)), 30 + i);
         }
         assert!(!book.guess(&at(0), &[2], 40).unwrap().send);
+    }
+
+    #[test]
+    fn fetches_in_flight_count_against_the_window_until_settled() {
+        let mut book = GuessBook::new();
+        let a = view("a");
+        book.granted(&at(0), &[1], grant(&a), None, 0);
+        // Requests arriving together: each fetch sent is pending, so only MAX_MISSES + 1 go.
+        let mut sent = 0;
+        for _ in 0..50 {
+            if book.guess(&at(0), &[1], 1).unwrap().send {
+                book.sending(&at(0));
+                sent += 1;
+            }
+        }
+        assert_eq!(sent, MAX_MISSES + 1);
+        // Settled as kept, they free the window again.
+        for _ in 0..sent {
+            book.granted(&at(0), &[1], grant(&a), Some(sent_ok(&a.id)), 2);
+        }
+        assert!(book.guess(&at(0), &[1], 3).unwrap().send);
+        // A hang-up frees its place without a score.
+        book.sending(&at(0));
+        book.abandoned(&at(0));
+        assert_eq!(book.shards[&at(0)].pending, 0);
+    }
+
+    #[test]
+    fn a_fetch_sent_to_a_shard_that_queues_or_refuses_is_a_wrong_guess() {
+        let mut book = GuessBook::new();
+        let a = view("a");
+        book.granted(&at(0), &[1], grant(&a), None, 0);
+        for i in 0..u64::from(MAX_MISSES + 1) {
+            book.sending(&at(0));
+            let queued = Granted {
+                queued: true,
+                ..grant(&a)
+            };
+            book.granted(&at(0), &[1], queued, Some(sent_ok(&a.id)), i * 10_000);
+        }
+        assert_eq!(book.shards[&at(0)].misses.count_ones(), MAX_MISSES + 1);
+        book.sending(&at(0));
+        book.busy(&at(0), true, 100_000);
+        assert_eq!(book.shards[&at(0)].misses.count_ones(), MAX_MISSES + 2);
+        assert_eq!(book.shards[&at(0)].pending, 0);
     }
 
     #[test]

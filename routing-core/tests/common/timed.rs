@@ -750,6 +750,7 @@ pub fn simulate(
                         backend: g.backend.id.0.clone(),
                         resend_ms: rtt,
                     });
+                    guesses.sending(&place);
                 }
                 let grant = pools[s].acquire(&f, now as u64, &mut rng).unwrap();
                 let alt_id = grant.receipt.as_ref().and_then(|r| r.alt.clone());
@@ -763,6 +764,7 @@ pub fn simulate(
                     alt_margin_ms: grant.receipt.as_ref().and_then(|r| {
                         Some(r.alt_predicted_ttft_ms?.saturating_sub(r.predicted_ttft_ms))
                     }),
+                    prices_resend: policy == PolicyKind::PredictedLatency,
                 };
                 let guessed = guess.as_ref().map(|g| Scored {
                     backend: &g.backend.id,
