@@ -2,12 +2,21 @@
 // local servers on 127.0.0.1 for it to call. Every helper returns something with a close() so tests
 // can always clean up what they started.
 import { Miniflare } from "miniflare";
+import { Agent, setGlobalDispatcher } from "undici";
 import http from "node:http";
 import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
+
+// workerd closes an idle keep-alive connection 5 s after its last response and sends no Keep-Alive
+// header (workerd issue #7169). Node's fetch (and the OpenAI client on it) keeps idle sockets 4 s on
+// coarse timers that can fire a second late on a loaded machine, so a request could go out on a
+// socket workerd was closing and fail with "other side closed" (a CI run of 2026-12-04, in a test
+// that polls the admin API while a stream stalls). Every test process's fetches drop idle sockets
+// after 1 s instead, well inside workerd's 5 s.
+setGlobalDispatcher(new Agent({ keepAliveTimeout: 1000, keepAliveMaxTimeout: 1000 }));
 
 export const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
