@@ -34,7 +34,22 @@
 //! saves above its share of the time to first token (an affinity bonus, weights 0.5 to 4 of it,
 //! screened on 2026-12-02) raised the hit rate from 12-13% to cache-aware's 16% and moved the p50
 //! by 0.01x to 0.03x, but raised the conversation trace's e2e p99 on other windows (9 of 400: 1.04x
-//! to 1.11x), so it was not adopted.
+//! to 1.11x), so it was not adopted. Screened for the saturated loads' tail and not adopted either
+//! (2026-12, means over 6 windows of 500, 9 of 400 and 7 of 500 under `SIM_RNG` 1-3; TTFT p99 at
+//! the four shapes 0.94x / 0.89x / 0.95x / 0.95x as it stands): the harm terms pull a long prompt
+//! away from the backend predicted fastest (the slowest 1% at synthetic saturated: 744 ms on the
+//! chosen, 597 ms on one running 14.5 sequences), but they also keep everyone's prefill short (all
+//! requests' mean 92 ms against 120 ms with none), so a guard letting them pull only within a
+//! budget of the best predicted TTFT (0 to 300 ms, 0.25x to 0.4x of it, from 300 or 400 ms, with or
+//! without the first-token harm) moved the tail to other requests: TTFT p99 at synthetic saturated
+//! 0.92x to 1.07x against 0.94x on the same 6 windows of 500 and 1.00x to 1.09x against 1.03x on 9
+//! of 400, e2e p99 at conversation saturated 1.08x to 1.44x (budgets of 300 down to 25 ms) against
+//! 1.08x. Harm weights shrunk as the best predicted TTFT grows (`1 / (1 + best / 1 or 2 s)`), a
+//! wait quantile of 3.5 or 4, harm 0.3 to 0.35 with first-token harm 0.35 to 0.4, or those weights
+//! only when every candidate waits 35 to 100 ms (0.90x to 0.92x at synthetic saturated) each gained
+//! at a saturated load only by costing the other one, the synthetic trace's saturated p50 (up to
+//! 0.67x from 0.63x) or the conversation trace's e2e p99 (24 windows of 500: 0.85x / 1.04x at
+//! conversation saturated became 0.84x to 0.87x / 1.06x to 1.07x).
 //! `TRACE_SEEDS`, `TRACE_WINDOW`, `TRACE_LOAD` (percent), `TRACE_SCALE`, `TRACE_KV`, `TRACE_SHOW`
 //! (slow requests to print), `SIM_RNG` (other coin tosses), `SIM_VERBOSE` (each window's p99),
 //! `SIM_TIMING` (the default's learned rates, overhead, backlog and leases beside each engine's
