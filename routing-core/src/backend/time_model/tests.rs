@@ -257,6 +257,10 @@ fn validation() {
             decode_ms_per_seq: f64::NAN,
             ..cfg()
         },
+        TimeModelConfig {
+            prefill_interference: -1.0,
+            ..cfg()
+        },
     ] {
         assert!(bad.validate().is_err(), "{bad:?}");
     }
@@ -296,6 +300,41 @@ fn the_recent_prefill_share_rises_with_admitted_prefill_and_decays() {
         t.admit(&c, 100_000, 0.0, 6_000);
     }
     assert_eq!(t.prefill_share(6_000), 0.9);
+}
+
+#[test]
+fn prompts_arriving_later_stretch_a_prefill_by_the_recent_share_in_prefill() {
+    // Off by default.
+    let mut t = BackendTiming::default();
+    t.admit(&cfg(), 10_000, 0.0, 1_000);
+    assert_eq!(t.interference_ms(&cfg(), 300.0, 1_000), 0.0);
+    let c = TimeModelConfig {
+        prefill_interference: 1.0,
+        ..cfg()
+    };
+    let mut t = BackendTiming::default();
+    // Nothing admitted lately: nothing arrives to share the steps.
+    assert_eq!(t.interference_ms(&c, 300.0, 0), 0.0);
+    // A fifth of the last 5 s in prefill: a 300 ms prefill gains a fifth of itself (k = 1).
+    t.admit(&c, 10_000, 0.0, 1_000);
+    assert!((t.interference_ms(&c, 300.0, 1_000) - 60.0).abs() < 1e-9);
+    // In proportion to k; off at 0; nothing to stretch without a prefill of its own.
+    let half = TimeModelConfig {
+        prefill_interference: 0.5,
+        ..c
+    };
+    assert!((t.interference_ms(&half, 300.0, 1_000) - 30.0).abs() < 1e-9);
+    let off = TimeModelConfig {
+        prefill_interference: 0.0,
+        ..c
+    };
+    assert_eq!(t.interference_ms(&off, 300.0, 1_000), 0.0);
+    assert_eq!(t.interference_ms(&c, 0.0, 1_000), 0.0);
+    // A hot backend is credited with at most 0.9 of its time in prefill.
+    for _ in 0..10 {
+        t.admit(&c, 100_000, 0.0, 1_000);
+    }
+    assert!((t.interference_ms(&c, 300.0, 1_000) - 270.0).abs() < 1e-9);
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! The prices of step 1: for a backend the filters let through, how much of the request's prompt
 //! it probably holds (the prefix-affinity match, less what running requests have not computed
 //! yet) and what the request would cost there: the cost model's load and cache benefit, and the
-//! time model's time to first token (with the wait for room), decode time and harm to the
-//! sequences running there. Prices decide nothing (see `filter.rs`); the policy ranks on them.
+//! time model's time to first token (with the wait for room and the stretch of its prefill by
+//! prompts arriving after it), decode time and harm to the sequences running there. Prices
+//! decide nothing (see `filter.rs`); the policy ranks on them.
 
 use super::super::entry::BackendEntry;
 use super::super::Pool;
@@ -199,11 +200,13 @@ impl<'a> Pricing<'a> {
                 .timing
                 .excess_overhead_ms(self.overhead_floor_ms, now_ms);
         let share = entry.timing.prefill_share(now_ms);
-        let own_chunk = if role == Role::Decode {
-            0
-        } else {
-            m.uncached.min(u64::from(tm.step_token_budget))
-        };
+        let own_uncached = if role == Role::Decode { 0 } else { m.uncached };
+        // Prompts arriving after this one share its prefill's steps (see
+        // `BackendTiming::interference_ms`).
+        let own_prefill_ms = own_uncached as f64 * entry.timing.prefill_ms_per_token(tm);
+        let interference_ms = entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
+        predicted.ttft_ms += interference_ms;
+        let own_chunk = own_uncached.min(u64::from(tm.step_token_budget));
         let first_token_harm_ms = entry.timing.prefilling(now_ms) as f64
             * own_chunk as f64
             * entry.timing.prefill_ms_per_token(tm);
@@ -225,6 +228,7 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
+            interference_ms,
             cache_fill,
             resend_ms: match &f.sent_ahead {
                 Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),

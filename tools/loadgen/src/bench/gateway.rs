@@ -85,9 +85,24 @@ impl Gateway {
     }
 
     /// Sets the pool's policy (probing every second so scraped load stays fresh). `Ok(Err(..))`:
-    /// the gateway refused the policy (400, e.g. a name this build does not know).
+    /// the gateway refused the policy (400, e.g. a name this build does not know). A policy
+    /// written `name+{json}` also sets the pool's knobs in that JSON object (for example
+    /// `predicted_latency+{"time_model":{"prefill_interference":0}}`), so a knob's variants run
+    /// side by side in one bench as rows of their own.
     pub async fn set_policy(&self, policy: &str) -> Result<Result<(), String>, String> {
-        let body = json!({"policy": policy, "probe_interval_ms": 1000});
+        let (name, knobs) = match policy.split_once('+') {
+            Some((name, knobs)) => match serde_json::from_str::<serde_json::Value>(knobs) {
+                Ok(serde_json::Value::Object(knobs)) => (name, knobs),
+                _ => {
+                    return Ok(Err(format!(
+                        "{policy}: the knobs after '+' are not a JSON object"
+                    )))
+                }
+            },
+            None => (policy, serde_json::Map::new()),
+        };
+        let mut body = json!({"policy": name, "probe_interval_ms": 1000});
+        body.as_object_mut().expect("a JSON object").extend(knobs);
         match self
             .admin(Method::PUT, &format!("/pools/{}", self.pool), Some(body))
             .await?
