@@ -10,8 +10,12 @@
 // is gateway minus direct at the same percentile; the rate ratio is gateway over direct. Then the
 // floors (bench/floor-worker.mjs, a JavaScript Worker that only forwards, each in its own workerd)
 // run the same phase: "pass" returns the body as is (the least any Worker adds), "loop" reads it
-// chunk by chunk into a native stream, as the gateway's relay does. Last, the same gateway with
-// ROUTE_AHEAD (its own workerd, the same sim): the backend fetch sent beside the lease call.
+// chunk by chunk into a native stream, as the gateway's relay does. Before the floors, at each
+// concurrency: the same gateway with ROUTE_AHEAD (its own workerd, the same sim: the backend fetch
+// sent beside the lease call), and the first gateway through its second door, a socket workerd
+// serves straight to the Worker (Miniflare's `unsafeDirectSockets`), without Miniflare's entry
+// worker, the JavaScript proxy `wrangler dev` and Miniflare put in front of every Worker (on the
+// platform no such proxy runs; the front line is Cloudflare's own).
 //
 // Each gateway phase also splits its time to first byte per request (`breakdown`), from the
 // Worker's `Server-Timing` (whole milliseconds: workerd's clock) and the client's timestamps:
@@ -88,8 +92,13 @@ async function closedPhase(client, pid, target, model, concurrency, seconds, non
 
 /** Part (c). `seconds`: measured time of each phase (direct and gateway at each concurrency). */
 export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64], log = console.error } = {}) {
-  const env = await gatewayWithSim({ pool: POOL, simArgs: ["--time-scale", "1000"] });
+  const env = await gatewayWithSim({
+    pool: POOL,
+    simArgs: ["--time-scale", "1000"],
+    workerOptions: { unsafeDirectSockets: [{ host: "127.0.0.1", port: 0 }] },
+  });
   const pid = workerdPid();
+  const bypass = (await env.gw.mf.unsafeGetDirectURL()).origin;
   const floors = [];
   let ahead = null;
   try {
@@ -110,10 +119,11 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
     const gateway = `${env.url}/v1/chat/completions`;
     const points = [];
     for (const [k, c] of concurrencies.entries()) {
-      const nonce = (j) => 1e7 * ((3 + FLOOR_MODES.length) * k + j);
+      const nonce = (j) => 1e7 * ((5 + FLOOR_MODES.length) * k + j);
       const d = await closedPhase(client, pid, direct, env.model, c, seconds, nonce(1));
       const g = await closedPhase(client, pid, gateway, env.model, c, seconds, nonce(2));
       const a = await closedPhase(client, ahead.pid, `${ahead.url}/v1/chat/completions`, env.model, c, seconds, nonce(3 + FLOOR_MODES.length));
+      const b = await closedPhase(client, pid, `${bypass}/v1/chat/completions`, env.model, c, seconds, nonce(4 + FLOOR_MODES.length));
       const point = {
         concurrency: c,
         direct: d,
@@ -124,6 +134,11 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
           ...a,
           added_ttfb_ms: { p50: a.ttfb_ms.p50 - d.ttfb_ms.p50, p99: a.ttfb_ms.p99 - d.ttfb_ms.p99 },
           rate_ratio: a.requests_per_s / d.requests_per_s,
+        },
+        direct_socket: {
+          ...b,
+          added_ttfb_ms: { p50: b.ttfb_ms.p50 - d.ttfb_ms.p50, p99: b.ttfb_ms.p99 - d.ttfb_ms.p99 },
+          rate_ratio: b.requests_per_s / d.requests_per_s,
         },
         floors: [],
       };
@@ -139,7 +154,8 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
       log(
         `latency: c=${c}: direct ${d.requests_per_s.toFixed(0)} req/s, TTFB p50 ${d.ttfb_ms.p50.toFixed(2)} p99 ${d.ttfb_ms.p99.toFixed(2)} ms; ` +
           `gateway ${g.requests_per_s.toFixed(0)} req/s, p50 ${g.ttfb_ms.p50.toFixed(2)} p99 ${g.ttfb_ms.p99.toFixed(2)} ms (workerd ${(g.workerd_cpu_share * 100).toFixed(0)}% of a core); ` +
-          `ROUTE_AHEAD ${a.requests_per_s.toFixed(0)} req/s, p50 ${a.ttfb_ms.p50.toFixed(2)} p99 ${a.ttfb_ms.p99.toFixed(2)} ms` +
+          `ROUTE_AHEAD ${a.requests_per_s.toFixed(0)} req/s, p50 ${a.ttfb_ms.p50.toFixed(2)} p99 ${a.ttfb_ms.p99.toFixed(2)} ms; ` +
+          `direct socket ${b.requests_per_s.toFixed(0)} req/s, p50 ${b.ttfb_ms.p50.toFixed(2)} p99 ${b.ttfb_ms.p99.toFixed(2)} ms` +
           point.floors.map((f) => `; floor ${f.mode} ${f.requests_per_s.toFixed(0)} req/s, p50 ${f.ttfb_ms.p50.toFixed(2)} p99 ${f.ttfb_ms.p99.toFixed(2)} ms`).join(""),
       );
       points.push(point);
@@ -147,9 +163,11 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
     return {
       method:
         `Closed loop, Node http client (keep-alive), streamed chat, unique ${PROMPT_TOKENS}-token prompt, ${MAX_TOKENS} output tokens (ignore_eos); ` +
-        `one vllm-sim --time-scale 1000 --max-num-seqs 256; each phase ${seconds} s after a 0.5 s warm-up; direct first, then the gateway ` +
-        "(built Worker under Miniflare/workerd on its own 127.0.0.1 port), then the floors (a JavaScript Worker in its own workerd that forwards with " +
-        "fetch and returns the body as is, `pass`, or reads it chunk by chunk into a native stream, `loop`). TTFB = first body byte at the client.",
+        `one vllm-sim --time-scale 1000 --max-num-seqs 256; each phase ${seconds} s after a 0.5 s warm-up; at each concurrency direct first, then the gateway ` +
+        "(built Worker under Miniflare/workerd on its own 127.0.0.1 port, through Miniflare's entry worker as `wrangler dev` serves it), the same gateway with " +
+        "ROUTE_AHEAD (its own workerd), the first gateway through a socket workerd serves straight to it (no Miniflare entry worker, as on the platform), then " +
+        "the floors (a JavaScript Worker in its own workerd that forwards with fetch and returns the body as is, `pass`, or reads it chunk by chunk into a native " +
+        "stream, `loop`). TTFB = first body byte at the client.",
       prompt_tokens: PROMPT_TOKENS,
       max_tokens: MAX_TOKENS,
       seconds,

@@ -204,12 +204,12 @@ export function rounded(value, digits = 4) {
  * (`options`: more Miniflare options, e.g. `inspectorPort`).
  * Returns { gw, url, admin, sim, model, close }.
  */
-export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [], options = {}, bindings: extra = {}, sim: shared = null }) {
+export async function gatewayWithSim({ pool, model = "bench-model", simArgs = [], extraWorkers = [], options = {}, workerOptions = {}, bindings: extra = {}, sim: shared = null }) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
   // MAX_STREAM_RESUMES=0 measures the stream path without resumption (the answer is not read).
   const resumes = process.env.MAX_STREAM_RESUMES;
   const bindings = { PROBE_INTERVAL_MS: "1000", ...(resumes === undefined ? {} : { MAX_STREAM_RESUMES: resumes }), ...extra };
-  const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet, ...options }, extraWorkers });
+  const gw = await startGateway({ bindings, options: { host: "127.0.0.1", port: 0, ...quiet, ...options }, extraWorkers, workerOptions });
   const url = new URL(await gw.mf.ready).origin;
   const admin = (p, opts) => adminFetch(url, p, opts);
   // A second gateway may share the first one's sim (`sim`), which it then leaves running.

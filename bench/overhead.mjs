@@ -72,6 +72,11 @@ function targets(parts) {
     if (p.concurrency === 1 || p.concurrency === 16) {
       out.push({ target: `added TTFB p50 at ${p.concurrency} (<= 2 ms)`, value: p.added_ttfb_ms.p50, met: p.added_ttfb_ms.p50 <= 2 });
       out.push({ target: `added TTFB p99 at ${p.concurrency} (<= 5 ms)`, value: p.added_ttfb_ms.p99, met: p.added_ttfb_ms.p99 <= 5 });
+      if (p.direct_socket) {
+        const b = p.direct_socket.added_ttfb_ms;
+        out.push({ target: `added TTFB p50 at ${p.concurrency}, direct socket (<= 2 ms)`, value: b.p50, met: b.p50 <= 2 });
+        out.push({ target: `added TTFB p99 at ${p.concurrency}, direct socket (<= 5 ms)`, value: b.p99, met: b.p99 <= 5 });
+      }
       if (p.route_ahead) {
         const a = p.route_ahead.added_ttfb_ms;
         out.push({ target: `added TTFB p50 at ${p.concurrency}, ROUTE_AHEAD (<= 2 ms)`, value: a.p50, met: a.p50 <= 2 });
@@ -159,6 +164,20 @@ function markdown(r) {
           ...la.points.filter((p) => p.route_ahead).map((p) => {
             const a = p.route_ahead;
             return `| ${p.concurrency} | ${f(a.requests_per_s, 0)} | ${f(a.rate_ratio)} | ${f(a.ttfb_ms.p50)} / ${f(a.ttfb_ms.p99)} | ${f(a.added_ttfb_ms.p50)} / ${f(a.added_ttfb_ms.p99)} | ${f(a.ttfb_ms.p50 - p.gateway.ttfb_ms.p50)} / ${f(a.ttfb_ms.p99 - p.gateway.ttfb_ms.p99)} | ${f(a.workerd_cpu_share * 100, 0)}% | ${a.errors} |`;
+          }),
+        ]
+        : []),
+      ...(la.points.some((p) => p.direct_socket)
+        ? [
+          "",
+          "The same gateway (the same workerd and Durable Objects) through a socket workerd serves straight to it, without Miniflare's entry worker " +
+            "(the JavaScript proxy `wrangler dev` and Miniflare put in front of a Worker; none runs on the platform), in the same run:",
+          "",
+          "| concurrency | req/s | ratio to direct | TTFB p50 / p99 ms | added p50 / p99 ms | against the entry worker's door, p50 / p99 ms | errors |",
+          "|---|---|---|---|---|---|---|",
+          ...la.points.filter((p) => p.direct_socket).map((p) => {
+            const b = p.direct_socket;
+            return `| ${p.concurrency} | ${f(b.requests_per_s, 0)} | ${f(b.rate_ratio)} | ${f(b.ttfb_ms.p50)} / ${f(b.ttfb_ms.p99)} | ${f(b.added_ttfb_ms.p50)} / ${f(b.added_ttfb_ms.p99)} | ${f(b.ttfb_ms.p50 - p.gateway.ttfb_ms.p50)} / ${f(b.ttfb_ms.p99 - p.gateway.ttfb_ms.p99)} | ${b.errors} |`;
           }),
         ]
         : []),
