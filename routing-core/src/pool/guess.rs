@@ -50,7 +50,9 @@ pub const WINDOW: u32 = 16;
 pub const MAX_MISSES: u32 = 4;
 /// Most prefix entries kept per place (oldest forgotten first).
 pub const MAX_PREFIXES: usize = 1_024;
-/// Most places (pool shard and model) kept; past it the book starts again (a few MB in all).
+/// Most places (pool shard and model) kept (a few MB in all); a new place past it takes the
+/// place of the one granted least recently among those with no fetch pending, so the bound on
+/// fetches out per place holds however many places an isolate sees.
 pub const MAX_SHARDS: usize = 64;
 
 /// What an isolate knows of its pool shards' choices.
@@ -99,6 +101,8 @@ struct ShardBook {
     misses: u32,
     /// Fetches sent ahead to this shard and not settled yet.
     pending: u32,
+    /// When (ms) it last learned from a grant.
+    last_grant_ms: u64,
 }
 
 /// A guess: the backend, and whether a fetch may be sent to it ahead of the grant.
@@ -179,9 +183,23 @@ impl GuessBook {
         now_ms: u64,
     ) {
         if self.shards.len() >= MAX_SHARDS && !self.shards.contains_key(place) {
-            self.shards.clear();
+            // Forgotten: the place granted least recently with no fetch pending. When every
+            // place has one pending, this grant is not learned (its place has no fetch out).
+            let idle = self
+                .shards
+                .iter()
+                .filter(|(_, b)| b.pending == 0)
+                .min_by_key(|(_, b)| b.last_grant_ms)
+                .map(|(p, _)| p.clone());
+            match idle {
+                Some(old) => {
+                    self.shards.remove(&old);
+                }
+                None => return,
+            }
         }
         let book = self.shards.entry(place.clone()).or_default();
+        book.last_grant_ms = now_ms;
         if let Some(g) = guessed {
             let chosen = g.backend == &grant.backend.id;
             let right = match g.sent {
@@ -564,5 +582,39 @@ mod tests {
         let shard = &book.shards[&at(0)];
         assert_eq!(shard.prefixes.len(), MAX_PREFIXES);
         assert_eq!(shard.order.len(), MAX_PREFIXES);
+    }
+
+    #[test]
+    fn past_its_places_the_book_forgets_the_idlest_and_never_one_with_a_fetch_out() {
+        let mut book = GuessBook::new();
+        let b = view("b");
+        let h = [1u64, 2, 3];
+        for shard in 0..MAX_SHARDS as u32 {
+            book.granted(&at(shard), &h, grant(&b), None, 1_000 + u64::from(shard));
+        }
+        // Place 0 (granted first) has a fetch out; place 1 is then the least recently granted.
+        book.sending(&at(0));
+        book.granted(&at(MAX_SHARDS as u32), &h, grant(&b), None, 2_000);
+        assert_eq!(book.shards.len(), MAX_SHARDS);
+        assert!(
+            book.shards.contains_key(&at(0)),
+            "a place with a fetch out is kept"
+        );
+        assert!(
+            !book.shards.contains_key(&at(1)),
+            "the idlest place is forgotten"
+        );
+        assert!(
+            book.guess(&at(2), &h, 2_000).is_some(),
+            "the others still guess"
+        );
+        assert_eq!(book.shards[&at(0)].pending, 1);
+        // With a fetch out at every place, a new place's grant is not learned.
+        for shard in 0..=MAX_SHARDS as u32 {
+            book.sending(&at(shard));
+        }
+        book.granted(&at(1_000), &h, grant(&b), None, 3_000);
+        assert_eq!(book.shards.len(), MAX_SHARDS);
+        assert!(!book.shards.contains_key(&at(1_000)));
     }
 }
