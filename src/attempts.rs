@@ -36,6 +36,7 @@ use routing_core::stream::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
+use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::{console_error, AbortSignal, Headers};
@@ -197,6 +198,11 @@ impl Drop for Sent {
     }
 }
 
+thread_local! {
+    /// A rejection handler that does nothing (see `send`).
+    static IGNORE_REJECTION: Closure<dyn FnMut(JsValue)> = Closure::new(|_: JsValue| {});
+}
+
 /// Sends `body` to backend `c` now, after `delay_ms` (a modelled round trip, `SIMULATE_NETWORK`
 /// only): the forwarded headers, the backend's key, redirects not followed.
 pub(crate) fn send(
@@ -254,6 +260,12 @@ pub(crate) fn send(
             (fetch, abort)
         }
     };
+    // Marked handled at once: a fetch sent ahead can reject (refused, or aborted by the client's
+    // hang-up) before anything waits for it, which the runtime would log as an unhandled
+    // rejection. Whatever waits for it later still sees the rejection.
+    IGNORE_REJECTION.with(|ignore| {
+        let _ = fetch.catch(ignore);
+    });
     Ok(Sent {
         fetch,
         abort: Some(abort),
