@@ -71,9 +71,22 @@ impl Ahead {
         let now = crate::http::now_ms();
         let place = Place::new(ask.pool, ask.shard, ask.model);
         let guess = BOOK.with(|b| b.borrow().guess(&place, ask.block_hashes, now));
+        // The fetch carries an id of its own (the request's, `-ahead`): when it is aborted and
+        // the request is sent again to the same backend (the pool queued it, paired it, or its
+        // choice failed and the next candidate is that backend), vLLM may still hold the first
+        // id until the abort reaches its engine, and before vllm-project/vllm PR #27987 it
+        // answers a second request with the same `X-Request-Id` 400 "already running".
+        let ahead_id = format!("{}-ahead", call.request_id);
+        let call = UpstreamCall {
+            forwarded_headers: call.forwarded_headers,
+            request_id: &ahead_id,
+            endpoint: call.endpoint,
+            timeout: call.timeout,
+            deadlines: call.deadlines,
+        };
         let sent = match &guess {
             Some(g) if g.send && ask.may_send => {
-                send(call, &g.backend, body, client_signal, ask.delay_ms).ok()
+                send(&call, &g.backend, body, client_signal, ask.delay_ms).ok()
             }
             _ => None,
         };
@@ -163,9 +176,12 @@ impl Ahead {
             |view: &CandidateView| view.url == first.url && view.api_key == first.api_key;
         let sent = self.sent.borrow_mut().take();
         match sent {
-            // A request the shard queued waits its turn: what was sent before it is not kept
-            // (and was aborted when the pool first queued it).
-            _ if queued && self.told.is_some() => (None, Some("queued")),
+            // A request the shard queued waited its turn: the fetch sent before it was aborted
+            // when the pool first said so (`queued`), and the request is sent again now.
+            None if self.told.is_some() => (None, Some("queued")),
+            // (A fetch still running when a queued request's grant came, because the grant came
+            // before the pool's first answer could say it was queued, is kept like any other if
+            // it went where the grant says.)
             Some(sent)
                 if !paired
                     && sent.backend() == &first.id

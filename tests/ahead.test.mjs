@@ -11,7 +11,7 @@
 // timed).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startSim, waitFor, waitReady, drained, parseMetrics, metricValue } from "./lib/harness.mjs";
+import { startGateway, startSim, waitFor, waitReady, drained, parseMetrics, metricValue, setFaults } from "./lib/harness.mjs";
 
 const KEY = "sk-ahead-client-1";
 const REGION = "eu-west";
@@ -207,6 +207,10 @@ test("a fetch sent ahead of a request the pool queues is aborted when it is queu
   await chat(messages, {}, model, 8, queueGw);
   await chat([...messages, { role: "user", content: "Again." }], {}, model, 8, queueGw);
   const before = await finished(queueSim);
+  // The backend refuses a request id it still holds, as vLLM before PR #27987 does while an
+  // aborted request's abort has not reached its engine: the request sent again at its turn must
+  // not carry the id of the fetch that was sent ahead and aborted.
+  await setFaults(queueSim, { request_id_linger_ms: 60000 });
   // One long answer holds the backend's only slot; the next request is sent ahead and queued.
   const long = chat([...messages, { role: "user", content: "A long one." }], {}, model, 60, queueGw);
   await waitFor(async () => (await engineBusy(queueSim)) === 1, { what: "the long answer running" });
@@ -225,6 +229,7 @@ test("a fetch sent ahead of a request the pool queues is aborted when it is queu
   const m = parseMetrics(await (await queueGw.admin("/metrics")).text());
   assert.equal(metricValue(m, "llm_gateway_pool_sent_ahead_total", { pool: "ahead-q", result: "not_granted" }), 1);
   assert.ok(metricValue(m, "llm_gateway_pool_sent_ahead_total", { pool: "ahead-q", result: "kept" }) >= 2);
+  await setFaults(queueSim, {});
 });
 
 test("with SIMULATE_NETWORK a request sent ahead waits one modelled round trip, not two", async () => {

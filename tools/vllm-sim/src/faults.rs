@@ -14,7 +14,9 @@
 //! `text/html` login page, as from a proxy in front of the server) and `redirect_to` (every
 //! request but `/sim/*` gets a 307 to that URL); and `route_not_found` makes the generation
 //! endpoints answer a plain 404, as a server without the route does. See [`FaultSettings::front_door`] and
-//! [`FaultSettings::poisons`].
+//! [`FaultSettings::poisons`]. `request_id_linger_ms` refuses a second request with an
+//! `X-Request-Id` still taken (vLLM's 400 "already running"), as vLLM before PR #27987 does while
+//! an aborted request's abort has not reached its engine.
 //!
 //! Each request draws exactly three numbers from one generator seeded by `--seed` (hang, 429, error, in
 //! that order), whatever the rates, so a run is reproducible; rates 0.0 and 1.0 are exact.
@@ -69,6 +71,14 @@ pub struct FaultSettings {
     /// Generation endpoints answer 404 `{"detail":"Not Found"}`, as a server without the route
     /// does (a backend registered with a wrong base URL): not vLLM's model-not-found answer.
     pub route_not_found: bool,
+    /// A generation request's `X-Request-Id` stays taken this long after it arrived (0: off),
+    /// and a second request with the same id meanwhile gets vLLM's 400 "Request id ... already
+    /// running". vLLM uses the header as its engine's request id and, from about 0.6.5 until a
+    /// random suffix was added (vllm-project/vllm PR #27987, November 2025), refuses an id it
+    /// still tracks; a request whose client left stays tracked until the abort reaches the
+    /// engine, which behind a proxy or across a WAN can be late. Only the id is modelled: the
+    /// first request runs as usual.
+    pub request_id_linger_ms: u64,
 }
 
 impl Default for FaultSettings {
@@ -89,6 +99,7 @@ impl Default for FaultSettings {
             login_page: false,
             redirect_to: None,
             route_not_found: false,
+            request_id_linger_ms: 0,
         }
     }
 }
@@ -127,6 +138,8 @@ pub struct FaultUpdate {
     pub redirect_to: Option<String>,
     /// See [`FaultSettings::route_not_found`].
     pub route_not_found: Option<bool>,
+    /// See [`FaultSettings::request_id_linger_ms`].
+    pub request_id_linger_ms: Option<u64>,
     /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
     pub loading_s: Option<f64>,
     /// Exit the process right after answering.
@@ -190,6 +203,7 @@ impl FaultUpdate {
             login_page: self.login_page.unwrap_or(false),
             redirect_to: self.redirect_to.clone(),
             route_not_found: self.route_not_found.unwrap_or(false),
+            request_id_linger_ms: self.request_id_linger_ms.unwrap_or(0),
         };
         settings.validate()?;
         if let Some(s) = self.loading_s {

@@ -155,6 +155,13 @@ async fn v1(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let bytes = read_body(request).await?;
+    if let Some(id) = &request_id {
+        if generation && !state.take_request_id(id) {
+            return Err(ApiError::BadRequest(format!(
+                "Request id {id} already running."
+            )));
+        }
+    }
 
     let decision = state.fault_decision();
     if !decision.first_byte_delay.is_zero() {

@@ -23,6 +23,8 @@ pub struct FaultState {
     pub rng: SplitMix64,
     /// End of the current loading phase, if any.
     pub loading_until: Option<Instant>,
+    /// Request ids taken, and until when (`request_id_linger_ms`).
+    pub taken_ids: std::collections::HashMap<String, Instant>,
 }
 
 /// What every request handler shares.
@@ -45,6 +47,29 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Takes `id` for `request_id_linger_ms` (see [`FaultSettings::request_id_linger_ms`]):
+    /// false when the fault is on and a request with the same id arrived within that time.
+    pub fn take_request_id(&self, id: &str) -> bool {
+        let Ok(mut f) = self.faults.lock() else {
+            return true;
+        };
+        let linger = Duration::from_millis(f.settings.request_id_linger_ms);
+        if linger.is_zero() {
+            return true;
+        }
+        let now = Instant::now();
+        f.taken_ids.retain(|_, until| *until > now);
+        if f.taken_ids.contains_key(id) {
+            return false;
+        }
+        // Bounded: a flood of distinct ids within the linger time keeps the newest 100,000.
+        if f.taken_ids.len() >= 100_000 {
+            f.taken_ids.clear();
+        }
+        f.taken_ids.insert(id.to_string(), now + linger);
+        true
+    }
+
     /// Shared state for a server configured by `config`.
     pub fn new(
         config: Config,
@@ -63,6 +88,7 @@ impl AppState {
             settings: config.initial_faults(),
             rng: SplitMix64::new(config.seed ^ 0xFA_u64),
             loading_until,
+            taken_ids: Default::default(),
         };
         AppState {
             metrics_info,

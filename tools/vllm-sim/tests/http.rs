@@ -9,7 +9,7 @@
 //! terminating chunks and half-written events are seen exactly as they arrive on the wire. Waits poll
 //! `/metrics` for a state with a generous deadline; no test asserts how fast anything happens.
 
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -757,4 +757,44 @@ fn route_not_found_answers_a_plain_404_that_is_not_model_not_found() {
     );
     assert_eq!(missing.status, 404);
     assert_eq!(missing.json()["error"]["type"], "NotFoundError");
+}
+
+/// One chat request with an `X-Request-Id`, read to the end.
+fn post_with_id(sim: &Sim, id: &str) -> Reply {
+    let body = chat(user("hi"), 3, false).to_string();
+    let mut stream = TcpStream::connect(&sim.address).expect("connects");
+    stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         X-Request-Id: {id}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        sim.address,
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("writes");
+    stream.write_all(body.as_bytes()).expect("writes");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("reads");
+    Reply::parse(&raw)
+}
+
+#[test]
+fn request_id_linger_refuses_an_id_still_taken_as_vllm_does() {
+    let sim = Sim::start(&[]);
+    // Off by default: the same id twice is served twice.
+    assert_eq!(post_with_id(&sim, "req-a").status, 200);
+    assert_eq!(post_with_id(&sim, "req-a").status, 200);
+    sim.faults(json!({"request_id_linger_ms": 60_000}));
+    assert_eq!(post_with_id(&sim, "req-b").status, 200);
+    let again = post_with_id(&sim, "req-b");
+    assert_eq!(again.status, 400, "{}", again.text());
+    assert_eq!(again.json()["error"]["type"], "BadRequestError");
+    assert!(
+        again.text().contains("req-b already running"),
+        "{}",
+        again.text()
+    );
+    // Another id is served; clearing the faults frees every id.
+    assert_eq!(post_with_id(&sim, "req-c").status, 200);
+    sim.faults(json!({}));
+    assert_eq!(post_with_id(&sim, "req-b").status, 200);
 }
