@@ -78,7 +78,10 @@ pub struct TimeModelConfig {
     /// against 724 measured (579 and 730 at 0). On the real stack (`make bench-traces`, three
     /// runs of each at synthetic x24, 2026-12-04) its TTFT p99 was within noise (559 to 669 ms
     /// against 561 to 635) and its e2e p99 longer in every pair (2,105 to 2,571 ms against 2,042
-    /// to 2,230), so it stays off. `share / (1 − share)` (k 0.1 to 2) won at one saturated load
+    /// to 2,230), so it stays off. The timed simulation agrees once it replays what the bench
+    /// replays (the first 1,000 requests, `TRACE_WINDOW=1000 TRACE_LOAD=130`: e2e p99 2,236 ms
+    /// at 1 against 1,960 at 0); its gain above came from other windows and was within their
+    /// spread (per-window differences of -266 to +228 ms). `share / (1 − share)` (k 0.1 to 2) won at one saturated load
     /// only by costing the other or the conversation trace's e2e p99, and counting the stretch
     /// in the harm terms too undid the gain (synthetic saturated 1.00x).
     pub prefill_interference: f64,
