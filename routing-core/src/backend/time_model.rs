@@ -81,9 +81,9 @@ pub struct TimeModelConfig {
     /// to 2,230), so it stays off. The timed simulation agrees once it replays what the bench
     /// replays (the first 1,000 requests, `TRACE_WINDOW=1000 TRACE_LOAD=130`: e2e p99 2,236 ms
     /// at 1 against 1,960 at 0); its gain above came from other windows and was within their
-    /// spread (per-window differences of -266 to +228 ms). `share / (1 − share)` (k 0.1 to 2) won at one saturated load
-    /// only by costing the other or the conversation trace's e2e p99, and counting the stretch
-    /// in the harm terms too undid the gain (synthetic saturated 1.00x).
+    /// spread (per-window differences of -266 to +228 ms). `share / (1 − share)` (k 0.1 to 2)
+    /// won at one saturated load only by costing the other or the conversation trace's e2e p99,
+    /// and counting the stretch in the harm terms too undid the gain (synthetic saturated 1.00x).
     pub prefill_interference: f64,
 }
 

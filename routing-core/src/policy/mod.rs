@@ -223,10 +223,6 @@ pub struct Candidate {
     /// decode times `share / (1 - share)`, where `share` is the backend's recent time in prefill
     /// ([`crate::backend::time_model::BackendTiming::prefill_share`]).
     pub stall_ms: f64,
-    /// Of `ttft_ms`, the time prompts arriving after this one would add to its own prefill there,
-    /// sharing its steps, in ms ([`crate::backend::time_model::BackendTiming::interference_ms`];
-    /// 0 when the time model's `prefill_interference` is 0).
-    pub interference_ms: f64,
     /// Share of its KV cache the prefix-affinity table records as holding prompts, 0 to 1 (0 when
     /// the table has no bound for it): breaks near ties towards the backend with the most room
     /// for a new conversation's history.

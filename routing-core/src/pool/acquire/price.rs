@@ -201,15 +201,16 @@ impl<'a> Pricing<'a> {
                 .excess_overhead_ms(self.overhead_floor_ms, now_ms);
         let share = entry.timing.prefill_share(now_ms);
         let own_uncached = if role == Role::Decode { 0 } else { m.uncached };
+        let prefill_ms_per_token = entry.timing.prefill_ms_per_token(tm);
         // Prompts arriving after this one share its prefill's steps (see
         // `BackendTiming::interference_ms`).
-        let own_prefill_ms = own_uncached as f64 * entry.timing.prefill_ms_per_token(tm);
-        let interference_ms = entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
-        predicted.ttft_ms += interference_ms;
+        predicted.ttft_ms +=
+            entry
+                .timing
+                .interference_ms(tm, own_uncached as f64 * prefill_ms_per_token, now_ms);
         let own_chunk = own_uncached.min(u64::from(tm.step_token_budget));
-        let first_token_harm_ms = entry.timing.prefilling(now_ms) as f64
-            * own_chunk as f64
-            * entry.timing.prefill_ms_per_token(tm);
+        let first_token_harm_ms =
+            entry.timing.prefilling(now_ms) as f64 * own_chunk as f64 * prefill_ms_per_token;
         Candidate {
             slot,
             weight: entry.spec.weight,
@@ -228,7 +229,6 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
-            interference_ms,
             cache_fill,
             resend_ms: match &f.sent_ahead {
                 Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),
