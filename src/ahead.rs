@@ -71,21 +71,19 @@ impl Ahead {
         let now = crate::http::now_ms();
         let place = Place::new(ask.pool, ask.shard, ask.model);
         let guess = BOOK.with(|b| b.borrow().guess(&place, ask.block_hashes, now));
-        // The fetch carries an id of its own (the request's, `-ahead`): when it is aborted and
-        // the request is sent again to the same backend (the pool queued it, paired it, or its
-        // choice failed and the next candidate is that backend), vLLM may still hold the first
-        // id until the abort reaches its engine, and before vllm-project/vllm PR #27987 it
-        // answers a second request with the same `X-Request-Id` 400 "already running".
-        let ahead_id = format!("{}-ahead", call.request_id);
-        let call = UpstreamCall {
-            forwarded_headers: call.forwarded_headers,
-            request_id: &ahead_id,
-            endpoint: call.endpoint,
-            timeout: call.timeout,
-            deadlines: call.deadlines,
-        };
         let sent = match &guess {
             Some(g) if g.send && ask.may_send => {
+                // The fetch carries an id of its own (the request's, `-ahead`): when it is aborted
+                // and the request is sent again to the same backend (the pool queued it, paired
+                // it, or its choice failed and the next candidate is that backend), vLLM may still
+                // hold the first id until the abort reaches its engine, and before
+                // vllm-project/vllm PR #27987 it answers a second request with the same
+                // `X-Request-Id` 400 "already running".
+                let ahead_id = format!("{}-ahead", call.request_id);
+                let call = UpstreamCall {
+                    request_id: &ahead_id,
+                    ..*call
+                };
                 send(&call, &g.backend, body, client_signal, ask.delay_ms).ok()
             }
             _ => None,

@@ -110,6 +110,7 @@ impl Answer {
 
 /// What an upstream request is made of, besides its backend and body: known before any pool
 /// is asked, so a fetch can be sent beside the lease call (`ahead.rs`).
+#[derive(Clone, Copy)]
 pub(crate) struct UpstreamCall<'a> {
     pub(crate) forwarded_headers: &'a [(String, String)],
     pub(crate) request_id: &'a str,
