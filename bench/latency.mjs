@@ -90,6 +90,15 @@ async function closedPhase(client, pid, target, model, concurrency, seconds, non
   };
 }
 
+/** A phase's figures with what it adds to calling vllm-sim directly (`d`, the same concurrency). */
+function againstDirect(x, d) {
+  return {
+    ...x,
+    added_ttfb_ms: { p50: x.ttfb_ms.p50 - d.ttfb_ms.p50, p99: x.ttfb_ms.p99 - d.ttfb_ms.p99 },
+    rate_ratio: x.requests_per_s / d.requests_per_s,
+  };
+}
+
 /** Part (c). `seconds`: measured time of each phase (direct and gateway at each concurrency). */
 export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64], log = console.error } = {}) {
   const env = await gatewayWithSim({
@@ -124,32 +133,20 @@ export async function measureLatency({ seconds = 8, concurrencies = [1, 16, 64],
       const g = await closedPhase(client, pid, gateway, env.model, c, seconds, nonce(2));
       const a = await closedPhase(client, ahead.pid, `${ahead.url}/v1/chat/completions`, env.model, c, seconds, nonce(3 + FLOOR_MODES.length));
       const b = await closedPhase(client, pid, `${bypass}/v1/chat/completions`, env.model, c, seconds, nonce(4 + FLOOR_MODES.length));
+      const { added_ttfb_ms, rate_ratio } = againstDirect(g, d);
       const point = {
         concurrency: c,
         direct: d,
         gateway: g,
-        added_ttfb_ms: { p50: g.ttfb_ms.p50 - d.ttfb_ms.p50, p99: g.ttfb_ms.p99 - d.ttfb_ms.p99 },
-        rate_ratio: g.requests_per_s / d.requests_per_s,
-        route_ahead: {
-          ...a,
-          added_ttfb_ms: { p50: a.ttfb_ms.p50 - d.ttfb_ms.p50, p99: a.ttfb_ms.p99 - d.ttfb_ms.p99 },
-          rate_ratio: a.requests_per_s / d.requests_per_s,
-        },
-        direct_socket: {
-          ...b,
-          added_ttfb_ms: { p50: b.ttfb_ms.p50 - d.ttfb_ms.p50, p99: b.ttfb_ms.p99 - d.ttfb_ms.p99 },
-          rate_ratio: b.requests_per_s / d.requests_per_s,
-        },
+        added_ttfb_ms,
+        rate_ratio,
+        route_ahead: againstDirect(a, d),
+        direct_socket: againstDirect(b, d),
         floors: [],
       };
       for (const [j, fl] of floors.entries()) {
         const f = await closedPhase(client, fl.pid, `${fl.url}/v1/chat/completions`, env.model, c, seconds, nonce(3 + j));
-        point.floors.push({
-          mode: fl.mode,
-          ...f,
-          added_ttfb_ms: { p50: f.ttfb_ms.p50 - d.ttfb_ms.p50, p99: f.ttfb_ms.p99 - d.ttfb_ms.p99 },
-          rate_ratio: f.requests_per_s / d.requests_per_s,
-        });
+        point.floors.push({ mode: fl.mode, ...againstDirect(f, d) });
       }
       log(
         `latency: c=${c}: direct ${d.requests_per_s.toFixed(0)} req/s, TTFB p50 ${d.ttfb_ms.p50.toFixed(2)} p99 ${d.ttfb_ms.p99.toFixed(2)} ms; ` +
