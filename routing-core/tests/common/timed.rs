@@ -64,6 +64,8 @@ pub struct Seq {
     admitted_ms: Option<f64>,
     /// When its first token came.
     first_token_ms: Option<f64>,
+    /// The leases whose prefill ran in its decode's steps, and for how long (ms, a step each).
+    stalled_by: Vec<(u64, f64)>,
 }
 
 impl Seq {
@@ -213,6 +215,18 @@ impl Engine {
             return;
         }
         let prefill_tokens = STEP_TOKEN_BUDGET - budget;
+        if !self.in_step.is_empty() && decoding > 0 {
+            // Who held up the sequences decoding in this step, for the receipts.
+            let per = self.speed.prefill_us_per_token / 1000.0;
+            let by: Vec<(u64, f64)> = self
+                .in_step
+                .iter()
+                .map(|&(i, take)| (self.running[i].lease, take as f64 * per))
+                .collect();
+            for s in self.running.iter_mut().filter(|s| s.prefill_left == 0) {
+                s.stalled_by.extend_from_slice(&by);
+            }
+        }
         let ms = self.speed.step_ms
             + self.speed.per_seq_ms * decoding as f64
             + self.speed.prefill_us_per_token * prefill_tokens as f64 / 1000.0;
@@ -472,6 +486,9 @@ pub struct Record {
     /// With `ROUTE_AHEAD`'s guess (one gateway isolate, `routing_core::pool::guess`): whether a
     /// fetch would have been sent beside the lease call, and if so whether the grant kept it.
     pub ahead: Option<bool>,
+    /// Its lease, and the leases whose prefill ran in its decode's steps with how long (ms).
+    pub lease: u64,
+    pub stalled_by: Vec<(u64, f64)>,
 }
 
 pub struct Report {
@@ -812,6 +829,7 @@ pub fn simulate(
                     shared: Vec::new(),
                     admitted_ms: None,
                     first_token_ms: None,
+                    stalled_by: Vec::new(),
                 };
                 let delay = conditions.dispatch_jitter_ms * drng.unit();
                 if delay > 0.0 {
@@ -841,6 +859,8 @@ pub fn simulate(
                         r.prefill_ms = first - admitted;
                         r.decode_ms = now - first;
                         r.uncached = s.uncached;
+                        r.lease = s.lease;
+                        r.stalled_by = s.stalled_by;
                         done_records.push(r);
                     }
                     // The gateway measures the first byte a network hop later than the engine,
@@ -923,10 +943,12 @@ pub fn averaged(
         .collect();
     if std::env::var("SIM_VERBOSE").is_ok() {
         let p99: Vec<String> = runs.iter().map(|r| format!("{:.0}", r.ttft_p99)).collect();
+        let e2e: Vec<String> = runs.iter().map(|r| format!("{:.0}", r.e2e_p99)).collect();
         println!(
-            "    {} TTFT p99 by window: {}",
+            "    {} TTFT p99 by window: {}; e2e p99: {}",
             policy.as_str(),
-            p99.join(" ")
+            p99.join(" "),
+            e2e.join(" ")
         );
     }
     let mean = |f: &dyn Fn(&Report) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;

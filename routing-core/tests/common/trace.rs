@@ -123,6 +123,18 @@ impl Trace {
             .collect()
     }
 
+    /// Each request's end-to-end floor: its time-to-first-token floor ([`Trace::floors`]) and its
+    /// later tokens at one step each on an engine decoding it alone.
+    pub fn e2e_floors(&self, speed: Speed) -> Vec<f64> {
+        self.floors(speed)
+            .into_iter()
+            .zip(&self.requests)
+            .map(|(ttft, (_, _, out))| {
+                ttft + f64::from(out.saturating_sub(1)) * (speed.step_ms + speed.per_seq_ms)
+            })
+            .collect()
+    }
+
     /// Mean scaled prompt and output tokens.
     pub fn mean_lengths(&self) -> (f64, f64) {
         let n = self.requests.len().max(1) as f64;
