@@ -42,10 +42,12 @@
 
 mod fit;
 mod room;
+mod tail;
 
 use fit::Fit;
 pub use room::room_wait_ms;
 use serde::{Deserialize, Serialize};
+pub use tail::TailEstimate;
 
 /// The time model's knobs, per pool (`time_model` in the pool's settings).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -160,6 +162,10 @@ pub struct SharePrediction {
     /// The backend's prefill admitted so far, this share's included, in microseconds: what is
     /// admitted after it runs while it decodes ([`BackendTiming::learn`] takes it out).
     pub admitted_through_us: u64,
+    /// Its predicted end-to-end time less `admitted_through_us`, in microseconds: with the
+    /// prefill admitted there since, its end-to-end time as predicted now
+    /// ([`BackendTiming::tail_harm_ms`]).
+    pub answer_base_us: i64,
 }
 
 impl SharePrediction {
@@ -268,6 +274,8 @@ pub struct BackendTiming {
     /// Where the prefills admitted and not yet predicted done end, in microseconds of pool time
     /// (one entry per share; pruned as time passes, removed when a share leaves early).
     pending_ends_us: Vec<u64>,
+    /// The shares here, by [`SharePrediction::answer_base_us`] (see `tail.rs`).
+    answers: Vec<i64>,
 }
 
 /// The largest lateness credited to a backend (see [`BackendTiming::lateness`]).
@@ -297,6 +305,7 @@ impl Default for BackendTiming {
             recent_prefill_us: 0.0,
             recent_at_us: 0,
             pending_ends_us: Vec::new(),
+            answers: Vec::new(),
             learned_at_ms: 0,
             room_blocked_until_ms: 0,
             late_log: 0.0,
@@ -473,6 +482,7 @@ impl BackendTiming {
         c: &TimeModelConfig,
         uncached: u64,
         running: f64,
+        out: f64,
         now_ms: u64,
     ) -> SharePrediction {
         let now_us = now_ms.saturating_mul(1000);
@@ -494,6 +504,11 @@ impl BackendTiming {
         if prefill_us > 0 {
             self.pending_ends_us.push(self.queue_end_us);
         }
+        let first_step_us = (self.step_ms(c, running) * 1000.0) as u64;
+        let tpot_us = (self.step_ms(c, running + 1.0) * 1000.0) as u64;
+        let e2e_us = (self.queue_end_us - now_us)
+            .saturating_add(first_step_us)
+            .saturating_add((out.clamp(0.0, 1e7) * tpot_us as f64) as u64);
         SharePrediction {
             admitted_through_us: self.admitted_prefill_us,
             prefill_us,
@@ -503,8 +518,9 @@ impl BackendTiming {
             queued_prefill_base_us: ((self.queue_end_us - now_us) as f64 / self.prefill_scale)
                 as u64,
             extra_wait_us: 0,
-            first_step_us: (self.step_ms(c, running) * 1000.0) as u64,
-            tpot_us: (self.step_ms(c, running + 1.0) * 1000.0) as u64,
+            first_step_us,
+            tpot_us,
+            answer_base_us: self.track_answer(e2e_us),
         }
     }
 
@@ -512,6 +528,7 @@ impl BackendTiming {
     /// the virtual queue (vLLM aborts it, or it was faster than predicted).
     pub fn leave(&mut self, share: &SharePrediction, now_ms: u64) {
         let now_us = now_ms.saturating_mul(1000);
+        self.forget_answer(share.answer_base_us);
         if let Some(i) = self
             .pending_ends_us
             .iter()

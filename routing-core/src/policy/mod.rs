@@ -223,6 +223,11 @@ pub struct Candidate {
     /// decode times `share / (1 - share)`, where `share` is the backend's recent time in prefill
     /// ([`crate::backend::time_model::BackendTiming::prefill_share`]).
     pub stall_ms: f64,
+    /// How far the request's prefill would push the answers running there past the pool's tail
+    /// of end-to-end times, summed, in ms
+    /// ([`crate::backend::time_model::BackendTiming::tail_harm_ms`]; 0 until the tail is
+    /// learned, or when `predicted_latency.tail_harm_weight` is 0).
+    pub tail_harm_ms: f64,
     /// Share of its KV cache the prefix-affinity table records as holding prompts, 0 to 1 (0 when
     /// the table has no bound for it): breaks near ties towards the backend with the most room
     /// for a new conversation's history.

@@ -254,6 +254,12 @@ impl Pool {
         if let Some(tokens) = outcome.completion_tokens {
             self.output_ratio.observe(tokens, lease.max_tokens);
         }
+        if lease.stream && !outcome.held_by_client {
+            self.e2e_tail.observe(
+                seen.duration_ms,
+                self.config.predicted_latency.tail_quantile,
+            );
+        }
         let time_model = self.config.time_model;
         if let Some(entry) = self.entry_for_key_mut(lease.primary.backend) {
             entry

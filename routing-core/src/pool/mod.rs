@@ -52,7 +52,7 @@ pub use stats::{BackendReport, BackendStats, PoolStats};
 pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult, RouteReceipt};
 
 use crate::backend::cost::InFlight;
-use crate::backend::time_model::OutputRatio;
+use crate::backend::time_model::{OutputRatio, TailEstimate};
 use crate::backend::{BackendId, BackendKey, BackendSpec};
 use crate::policy::ring::RingMember;
 use crate::policy::{self, PoolPolicies};
@@ -82,6 +82,10 @@ pub struct Pool {
     output_ratio: OutputRatio,
     /// Mean uncached prompt tokens per granted request (prices scraped waiting requests).
     mean_uncached_tokens: f64,
+    /// A high quantile of the end-to-end times of successful streamed requests (grant to
+    /// release), learned: answers predicted to end past it are the ones a prompt's prefill holds
+    /// up in the tail (`Candidate::tail_harm_ms`).
+    e2e_tail: TailEstimate,
     /// The overhead the backends have in common, as of the last release (see
     /// [`crate::backend::time_model::Observation::pool_overhead_ms`]).
     common_overhead_ms: Option<f64>,
@@ -134,6 +138,7 @@ impl Pool {
             scratch: Scratch::default(),
             output_ratio: OutputRatio::default(),
             mean_uncached_tokens: 0.0,
+            e2e_tail: TailEstimate::default(),
             common_overhead_ms: None,
             now_hint_ms: 0,
             freed: Vec::new(),
@@ -302,6 +307,13 @@ impl Pool {
 
     fn slot_of(&self, id: &BackendId) -> Result<u32, PoolError> {
         self.index.get(id).copied().ok_or_else(|| unknown(id))
+    }
+
+    /// The learned tail of the pool's end-to-end times, in ms (the `predicted_latency`
+    /// policy's `tail_quantile` of successful streamed requests' times from grant to release),
+    /// once enough requests have taught it.
+    pub fn e2e_tail_ms(&self) -> Option<f64> {
+        self.e2e_tail.ms()
     }
 
     fn entry(&self, slot: u32) -> Option<&BackendEntry> {

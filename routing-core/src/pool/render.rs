@@ -198,7 +198,7 @@ fn backend_families<'r>() -> [Family<BackendReport<'r>>; 20] {
 }
 
 /// The pool's families, after the backends', in page order.
-const POOL_FAMILIES: [Family<Pool>; 12] = [
+const POOL_FAMILIES: [Family<Pool>; 13] = [
     Kind::Counter.family(
         "llm_gateway_decisions_total",
         "Routing decisions by policy and kind.",
@@ -265,6 +265,15 @@ const POOL_FAMILIES: [Family<Pool>; 12] = [
         "llm_gateway_prefix_cached_blocks_total",
         "Prompt prefix blocks probably cached on the chosen backend.",
         |p, s| s.value(&[], p.stats().cached_blocks as f64),
+    ),
+    Kind::Gauge.family(
+        "llm_gateway_e2e_tail_seconds",
+        "The learned tail (predicted_latency.tail_quantile) of successful streamed requests' times from grant to release.",
+        |p, s| {
+            if let Some(ms) = p.e2e_tail_ms() {
+                s.value(&[], ms / 1000.0)
+            }
+        },
     ),
 ];
 

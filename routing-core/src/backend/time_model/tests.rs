@@ -11,9 +11,9 @@ fn cfg() -> TimeModelConfig {
 fn prefill_queue_adds_up_and_drains_in_real_time() {
     let c = cfg();
     let mut t = BackendTiming::default();
-    let a = t.admit(&c, 1_200, 0.0, 1_000);
+    let a = t.admit(&c, 1_200, 0.0, 1.0, 1_000);
     assert_eq!(a.prefill_us, 120_000);
-    let b = t.admit(&c, 1_200, 0.0, 1_000);
+    let b = t.admit(&c, 1_200, 0.0, 1.0, 1_000);
     assert_eq!(
         b.queued_prefill_us, 240_000,
         "the second waits behind the first"
@@ -59,8 +59,8 @@ fn a_full_backend_makes_requests_wait_for_room() {
 fn a_cancelled_prefill_leaves_the_queue() {
     let c = cfg();
     let mut t = BackendTiming::default();
-    let a = t.admit(&c, 1_000, 0.0, 0);
-    let b = t.admit(&c, 1_000, 0.0, 0);
+    let a = t.admit(&c, 1_000, 0.0, 1.0, 0);
+    let b = t.admit(&c, 1_000, 0.0, 1.0, 0);
     t.leave(&a, 50);
     assert!(
         (t.backlog_ms(50) - 100.0).abs() < 1e-9,
@@ -78,7 +78,7 @@ fn learns_a_slower_backend_within_bounds() {
     // The real backend prefills at 300 us/token and steps at 3x the configured cost.
     for i in 0..40u64 {
         let now = i * 10_000;
-        let share = t.admit(&c, 1_000, 0.0, now);
+        let share = t.admit(&c, 1_000, 0.0, 1.0, now);
         let ttfb = 300 + 30;
         let seen = Observation {
             ttfb_ms: Some(ttfb),
@@ -98,7 +98,7 @@ fn learns_a_slower_backend_within_bounds() {
     assert_eq!(v.observations, 40);
     let mut wild = BackendTiming::default();
     for _ in 0..200 {
-        let share = wild.admit(&c, 10_000, 0.0, 0);
+        let share = wild.admit(&c, 10_000, 0.0, 1.0, 0);
         let seen = Observation {
             ttfb_ms: Some(10_000_000),
             duration_ms: 10_000_000,
@@ -124,8 +124,8 @@ fn prefill_admitted_during_a_decode_is_not_learned_as_slow_decoding() {
     for i in 0..40u64 {
         let now = i * 10_000;
         for (t, extra) in [(&mut plain, 0), (&mut busy, 200)] {
-            let share = t.admit(&c, 0, 0.0, now);
-            let other = (extra > 0).then(|| t.admit(&c, 2_000, 1.0, now + 1));
+            let share = t.admit(&c, 0, 0.0, 1.0, now);
+            let other = (extra > 0).then(|| t.admit(&c, 2_000, 1.0, 1.0, now + 1));
             let seen = Observation {
                 ttfb_ms: Some(10),
                 duration_ms: 10 + 990 + extra,
@@ -156,7 +156,7 @@ fn network_overhead_is_learned_apart_from_the_prefill_rate() {
     for i in 0..200u64 {
         let now = i * 10_000;
         let uncached = [0, 200, 1_000, 3_000][(i % 4) as usize];
-        let share = t.admit(&c, uncached, 0.0, now);
+        let share = t.admit(&c, uncached, 0.0, 1.0, now);
         let ttfb = 40 + uncached / 10 + 10;
         let seen = Observation {
             ttfb_ms: Some(ttfb),
@@ -184,7 +184,7 @@ fn a_stream_the_client_held_up_does_not_teach_decode_speed() {
     for i in 0..40u64 {
         let now = i * 100_000;
         for (t, held_by_client) in [(&mut held, true), (&mut engine_slow, false)] {
-            let share = t.admit(&c, 0, 0.0, now);
+            let share = t.admit(&c, 0, 0.0, 1.0, now);
             let seen = Observation {
                 ttfb_ms: Some(10),
                 duration_ms: 30_000,
@@ -207,7 +207,7 @@ fn a_stream_the_client_held_up_does_not_teach_decode_speed() {
 fn tiny_prefills_teach_nothing() {
     let c = cfg();
     let mut t = BackendTiming::default();
-    let share = t.admit(&c, 10, 0.0, 0);
+    let share = t.admit(&c, 10, 0.0, 1.0, 0);
     let seen = Observation {
         ttfb_ms: Some(500),
         duration_ms: 500,
@@ -271,7 +271,7 @@ fn a_prompt_longer_than_a_step_is_found_cached_only_from_its_last_chunk() {
     let c = cfg();
     let mut t = BackendTiming::default();
     // 8,192 tokens fit one step: later arrivals find them cached once that step is under way.
-    let short = t.admit(&c, 8_192, 0.0, 0);
+    let short = t.admit(&c, 8_192, 0.0, 1.0, 0);
     assert_eq!(
         short.start_ms(),
         10,
@@ -280,7 +280,7 @@ fn a_prompt_longer_than_a_step_is_found_cached_only_from_its_last_chunk() {
     let mut t = BackendTiming::default();
     // 12,000 tokens take two steps: a chunk of 8,192 (819.2 ms), then the last 3,808; only a
     // request arriving after the last chunk's step starts finds the whole prompt.
-    let long = t.admit(&c, 12_000, 0.0, 0);
+    let long = t.admit(&c, 12_000, 0.0, 1.0, 0);
     assert_eq!(long.last_chunk_us, 380_800);
     assert_eq!(long.start_ms(), 829);
 }
@@ -291,13 +291,13 @@ fn the_recent_prefill_share_rises_with_admitted_prefill_and_decays() {
     let mut t = BackendTiming::default();
     assert_eq!(t.prefill_share(0), 0.0);
     // 1 s of prefill admitted at once: a fifth of the 5 s window.
-    t.admit(&c, 10_000, 0.0, 1_000);
+    t.admit(&c, 10_000, 0.0, 1.0, 1_000);
     assert!((t.prefill_share(1_000) - 0.2).abs() < 1e-9);
     // It decays with a 5 s time constant.
     assert!((t.prefill_share(6_000) - 0.2 * (-1.0f64).exp()).abs() < 1e-9);
     // Never credited with more than 0.9 of the backend's time.
     for _ in 0..10 {
-        t.admit(&c, 100_000, 0.0, 6_000);
+        t.admit(&c, 100_000, 0.0, 1.0, 6_000);
     }
     assert_eq!(t.prefill_share(6_000), 0.9);
 }
@@ -306,7 +306,7 @@ fn the_recent_prefill_share_rises_with_admitted_prefill_and_decays() {
 fn prompts_arriving_later_stretch_a_prefill_by_the_recent_share_in_prefill() {
     // Off by default.
     let mut t = BackendTiming::default();
-    t.admit(&cfg(), 10_000, 0.0, 1_000);
+    t.admit(&cfg(), 10_000, 0.0, 1.0, 1_000);
     assert_eq!(t.interference_ms(&cfg(), 300.0, 1_000), 0.0);
     let c = TimeModelConfig {
         prefill_interference: 1.0,
@@ -316,7 +316,7 @@ fn prompts_arriving_later_stretch_a_prefill_by_the_recent_share_in_prefill() {
     // Nothing admitted lately: nothing arrives to share the steps.
     assert_eq!(t.interference_ms(&c, 300.0, 0), 0.0);
     // A fifth of the last 5 s in prefill: a 300 ms prefill gains a fifth of itself (k = 1).
-    t.admit(&c, 10_000, 0.0, 1_000);
+    t.admit(&c, 10_000, 0.0, 1.0, 1_000);
     assert!((t.interference_ms(&c, 300.0, 1_000) - 60.0).abs() < 1e-9);
     // In proportion to k; off at 0; nothing to stretch without a prefill of its own.
     let half = TimeModelConfig {
@@ -332,7 +332,7 @@ fn prompts_arriving_later_stretch_a_prefill_by_the_recent_share_in_prefill() {
     assert_eq!(t.interference_ms(&c, 0.0, 1_000), 0.0);
     // A hot backend is credited with at most 0.9 of its time in prefill.
     for _ in 0..10 {
-        t.admit(&c, 100_000, 0.0, 1_000);
+        t.admit(&c, 100_000, 0.0, 1.0, 1_000);
     }
     assert!((t.interference_ms(&c, 300.0, 1_000) - 270.0).abs() < 1e-9);
 }
@@ -341,16 +341,16 @@ fn prompts_arriving_later_stretch_a_prefill_by_the_recent_share_in_prefill() {
 fn prompts_still_in_prefill_are_counted_until_their_predicted_end_or_their_leaving() {
     let c = cfg();
     let mut t = BackendTiming::default();
-    let a = t.admit(&c, 1_000, 0.0, 0); // prefill 0-100 ms
-    let b = t.admit(&c, 1_000, 0.0, 0); // 100-200 ms
-    t.admit(&c, 0, 0.0, 0); // nothing to prefill: never counted
+    let a = t.admit(&c, 1_000, 0.0, 1.0, 0); // prefill 0-100 ms
+    let b = t.admit(&c, 1_000, 0.0, 1.0, 0); // 100-200 ms
+    t.admit(&c, 0, 0.0, 1.0, 0); // nothing to prefill: never counted
     assert_eq!(t.prefilling(0), 2);
     assert_eq!(t.prefilling(150), 1);
     assert_eq!(t.prefilling(200), 0);
     // A share that leaves early is no longer prefilling.
     let mut t2 = BackendTiming::default();
-    let a2 = t2.admit(&c, 1_000, 0.0, 0);
-    t2.admit(&c, 1_000, 0.0, 0);
+    let a2 = t2.admit(&c, 1_000, 0.0, 1.0, 0);
+    t2.admit(&c, 1_000, 0.0, 1.0, 0);
     t2.leave(&a2, 10);
     assert_eq!(t2.prefilling(10), 1);
     assert_eq!((a.prefill_end_us, b.prefill_end_us), (100_000, 200_000));
@@ -363,7 +363,7 @@ fn teach_a_hidden_wait(t: &mut BackendTiming, extra_ms: u64, pool_overhead_ms: O
     for i in 0..60u64 {
         let now = i * 10_000;
         let tokens = 500 + (i % 7) * 500;
-        let share = t.admit(&c, tokens, 0.0, now);
+        let share = t.admit(&c, tokens, 0.0, 1.0, now);
         // Configured rates (100 us a token, 10 ms steps) plus a wait the model does not see.
         let ttfb = tokens / 10 + 10 + extra_ms;
         let seen = Observation {
@@ -416,7 +416,7 @@ fn a_backend_running_late_has_its_prompts_counted_computed_later() {
     };
     let mut late = BackendTiming::default();
     for i in 0..40u64 {
-        let share = late.admit(&fixed, 1_000, 0.0, i * 10_000);
+        let share = late.admit(&fixed, 1_000, 0.0, 1.0, i * 10_000);
         let seen = Observation {
             ttfb_ms: Some(330),
             duration_ms: 330,
@@ -433,8 +433,8 @@ fn a_backend_running_late_has_its_prompts_counted_computed_later() {
     // A share with 200 ms of queue ahead and a 10 ms step: ready after the queue and the step
     // on time, after a stretched queue when the backend runs late.
     let mut t = BackendTiming::default();
-    t.admit(&c, 2_000, 0.0, 0);
-    let share = t.admit(&c, 500, 0.0, 0);
+    t.admit(&c, 2_000, 0.0, 1.0, 0);
+    let share = t.admit(&c, 500, 0.0, 1.0, 0);
     assert_eq!(share.ready_ms(0, 1.0), share.start_ms());
     assert_eq!(share.ready_ms(0, 1.0), 210);
     assert_eq!(share.ready_ms(0, 2.0), 410);

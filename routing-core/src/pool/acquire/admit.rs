@@ -82,6 +82,7 @@ impl Pool {
         let breaker_config = self.config.breaker;
         let time_model = self.config.time_model;
         let twins = self.sibling_twins();
+        let out = output_tokens as f64 * self.output_ratio.get();
         let entry = self.entry_mut(slot)?;
         let trial = entry.breaker.admit(now_ms, &breaker_config)? == Admission::Trial;
         // A decode server pulls the prompt's KV cache instead of computing it.
@@ -92,7 +93,7 @@ impl Pool {
         };
         let predicted = entry
             .timing
-            .admit(&time_model, prefill, entry.running(twins), now_ms);
+            .admit(&time_model, prefill, entry.running(twins), out, now_ms);
         entry.in_flight.add(prompt_tokens, output_tokens);
         entry.stats.requests += 1;
         Some(LeaseShare {

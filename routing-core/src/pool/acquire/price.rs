@@ -33,6 +33,8 @@ pub(super) struct Pricing<'a> {
     /// The overhead the pool's backends have in common, in ms (see
     /// [`crate::backend::time_model::BackendTiming::excess_overhead_ms`]).
     overhead_floor_ms: f64,
+    /// The pool's tail of end-to-end times, in ms, when learned and priced.
+    e2e_tail_ms: Option<f64>,
 }
 
 /// How much of the request's prompt one backend holds.
@@ -71,6 +73,10 @@ impl<'a> Pricing<'a> {
             mean_uncached: pool.mean_uncached_tokens,
             longest,
             overhead_floor_ms: pool.common_overhead_ms.unwrap_or(f64::INFINITY),
+            e2e_tail_ms: pool
+                .e2e_tail
+                .ms()
+                .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
         }
     }
 
@@ -202,12 +208,13 @@ impl<'a> Pricing<'a> {
         let share = entry.timing.prefill_share(now_ms);
         let own_uncached = if role == Role::Decode { 0 } else { m.uncached };
         let prefill_ms_per_token = entry.timing.prefill_ms_per_token(tm);
+        let own_prefill_ms = own_uncached as f64 * prefill_ms_per_token;
         // Prompts arriving after this one share its prefill's steps (see
         // `BackendTiming::interference_ms`).
-        predicted.ttft_ms +=
-            entry
-                .timing
-                .interference_ms(tm, own_uncached as f64 * prefill_ms_per_token, now_ms);
+        predicted.ttft_ms += entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
+        let tail_harm_ms = self
+            .e2e_tail_ms
+            .map_or(0.0, |tail| entry.timing.tail_harm_ms(own_prefill_ms, tail));
         let own_chunk = own_uncached.min(u64::from(tm.step_token_budget));
         let first_token_harm_ms =
             entry.timing.prefilling(now_ms) as f64 * own_chunk as f64 * prefill_ms_per_token;
@@ -229,6 +236,7 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
+            tail_harm_ms,
             cache_fill,
             resend_ms: match &f.sent_ahead {
                 Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),

@@ -342,3 +342,53 @@ fn a_request_behind_one_waiting_for_memory_waits_as_long_until_there_is_room() {
         after.predicted_ttft_ms
     );
 }
+
+/// Tail harm: once the pool has learned its tail of end-to-end times (here about 1 s), a cold
+/// prompt goes to the backend whose running answer ends well inside it rather than to the one
+/// whose long answer (2,000 tokens, about 20 s) it would hold up further; with the weight at 0
+/// the two are tied and either may take it.
+#[test]
+fn a_prompt_keeps_off_the_answer_that_ends_in_the_tail() {
+    let place = |weight: f64, seed: u64| {
+        let mut config = PoolConfig {
+            policy: PolicyKind::PredictedLatency,
+            ..PoolConfig::default()
+        };
+        config.predicted_latency.tail_harm_weight = weight;
+        let mut pool = Pool::new("p1", config);
+        add_ready(&mut pool, spec("b0"));
+        add_ready(&mut pool, spec("b1"));
+        let mut rng = SplitMix64::new(seed);
+        let streamed = |text: &str, max_tokens: u32| {
+            let mut f = features(text);
+            f.stream = true;
+            f.max_tokens = max_tokens;
+            f
+        };
+        for i in 0..30u64 {
+            let g = pool
+                .acquire(&streamed(&format!("warm-up {i}"), 16), i * 2_000, &mut rng)
+                .unwrap();
+            assert!(pool.release(g.lease_id, &Outcome::from_status(200), i * 2_000 + 1_000));
+        }
+        assert!((900.0..=1_100.0).contains(&pool.e2e_tail_ms().unwrap()));
+        let now = 100_000;
+        let long = pool
+            .acquire(&streamed("a story", 2_000), now, &mut rng)
+            .unwrap();
+        let short = pool
+            .acquire(&streamed("yes or no", 1), now, &mut rng)
+            .unwrap();
+        assert_ne!(long.backend, short.backend);
+        let cold = streamed(&"a long cold document ".repeat(100), 16);
+        let g = pool.acquire(&cold, now + 1_000, &mut rng).unwrap();
+        (g.backend == long.backend, g.backend == short.backend)
+    };
+    for seed in 0..8 {
+        assert_eq!(place(0.5, seed), (false, true), "seed {seed}");
+    }
+    assert!(
+        (0..8).any(|seed| place(0.0, seed).0),
+        "without tail harm the two backends tie"
+    );
+}
