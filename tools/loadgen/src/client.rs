@@ -59,6 +59,12 @@ pub struct StreamResult {
     pub engine_ttft_ms: Option<f64>,
     /// vllm-sim's split of that time (`--report-engine-timing`).
     pub engine_split: Option<EngineSplit>,
+    /// vllm-sim's `usage.sim_engine_e2e_ms` (`--report-engine-timing`): the engine's own time
+    /// from the request's arrival to its last token.
+    pub engine_e2e_ms: Option<f64>,
+    /// vllm-sim's `usage.sim_engine_decode_stall_ms` (`--report-engine-timing`): after its first
+    /// token, the share of the steps it decoded in that went to other prompts' prefill, ms.
+    pub engine_decode_stall_ms: Option<f64>,
     /// `x-gateway-route-receipt`: what the router predicted for the chosen backend and the
     /// runner-up.
     pub route_receipt: Option<RouteReceipt>,
@@ -160,6 +166,8 @@ fn read_event(
             .map(|x| x as u32);
         out.engine_ttft_ms = u.get("sim_engine_ttft_ms").and_then(Value::as_f64);
         let ms = |k: &str| u.get(k).and_then(Value::as_f64);
+        out.engine_e2e_ms = ms("sim_engine_e2e_ms");
+        out.engine_decode_stall_ms = ms("sim_engine_decode_stall_ms");
         if let (Some(q), Some(p), Some(d)) = (
             ms("sim_engine_queue_ms"),
             ms("sim_engine_prefill_ms"),
@@ -420,6 +428,26 @@ mod tests {
                 decode_interference_ms: 2.5
             })
         );
+        assert_eq!(
+            (out.engine_e2e_ms, out.engine_decode_stall_ms),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn the_engine_e2e_and_decode_stall_come_from_the_usage_chunk() {
+        let mut out = StreamResult::default();
+        let (mut n, mut usage) = (0, None);
+        read_event(
+            r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":9,"sim_engine_ttft_ms":30.5,"sim_engine_queue_ms":10.0,"sim_engine_prefill_ms":15.0,"sim_engine_shared_prefill_ms":3.0,"sim_engine_decode_interference_ms":2.5,"sim_engine_e2e_ms":412.25,"sim_engine_decode_stall_ms":96.5}}"#,
+            &mut out,
+            &mut n,
+            &mut usage,
+        );
+        assert_eq!(out.engine_ttft_ms, Some(30.5));
+        assert_eq!(out.engine_e2e_ms, Some(412.25));
+        assert_eq!(out.engine_decode_stall_ms, Some(96.5));
+        assert_eq!(usage, Some(9));
     }
 
     #[test]

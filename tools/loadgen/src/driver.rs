@@ -103,6 +103,13 @@ pub struct Record {
     /// Where the engine's time to first token went (vllm-sim `--report-engine-timing`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_split: Option<EngineSplit>,
+    /// The engine's own arrival-to-last-token time (vllm-sim `--report-engine-timing`), ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_e2e_ms: Option<f64>,
+    /// After its first token, the share of the steps it decoded in that went to other prompts'
+    /// prefill (vllm-sim `--report-engine-timing`), ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_decode_stall_ms: Option<f64>,
     /// `x-gateway-route-receipt`: the predictions for the chosen backend and the runner-up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route_receipt: Option<RouteReceipt>,
@@ -215,6 +222,8 @@ impl Shared {
             engine_ttft_ms: r.engine_ttft_ms,
             predicted_ttft_ms: r.predicted_ttft_ms,
             engine_split: r.engine_split,
+            engine_e2e_ms: r.engine_e2e_ms,
+            engine_decode_stall_ms: r.engine_decode_stall_ms,
             route_receipt: r.route_receipt.clone(),
             ahead: r.ahead.clone(),
         });

@@ -125,7 +125,10 @@ pub struct Config {
     /// in its usage chunk as `usage.sim_engine_ttft_ms`, with its split into
     /// `sim_engine_queue_ms`, `sim_engine_prefill_ms`, `sim_engine_shared_prefill_ms` and
     /// `sim_engine_decode_interference_ms`
-    /// (they add up to it; see `scheduler::EngineSplit`): a sim-only extension for benchmarks.
+    /// (they add up to it; see `scheduler::EngineSplit`), and the rest of its answer as
+    /// `sim_engine_e2e_ms` (arrival to last token, ms) and `sim_engine_decode_stall_ms` (after the
+    /// first token: other sequences' prompt tokens' share of the steps it decoded in, ms; see
+    /// `scheduler::Finish`): a sim-only extension for benchmarks.
     #[arg(long)]
     pub report_engine_timing: bool,
 

@@ -9,7 +9,10 @@
 //! The engine also times each sequence (arrival, first scheduled step, first and last token) for the
 //! latency histograms, in wall-clock seconds, like the scraper-visible latencies of a real server,
 //! and splits each one's time to first token into queue, prefill and decode interference
-//! ([`EngineSplit`], reported with `--report-engine-timing`).
+//! ([`EngineSplit`], reported with `--report-engine-timing`). For the rest of the answer it keeps
+//! the engine's end-to-end time (arrival to last token) and the decode stall: the share of the
+//! steps it decoded in that went to other sequences' prompt tokens (`Finish::engine_e2e_ms`,
+//! `Finish::engine_decode_stall_ms`).
 //! When no sequence can compute (only stalled ones, see the `stall_after_tokens` fault), the engine
 //! waits for a submission or the next sweep instead of spinning.
 //!
@@ -108,6 +111,9 @@ struct Client {
     decode_interference_s: f64,
     /// Until the first token: other prompts' share of its steps so far, seconds.
     shared_prefill_s: f64,
+    /// After the first token: other sequences' prompt tokens' share of the steps it decoded in
+    /// so far, seconds.
+    decode_stall_s: f64,
 }
 
 /// Starts the engine task; `metrics` is updated after every step.
@@ -177,11 +183,7 @@ impl Engine {
                 deadline = None;
                 continue;
             }
-            for &(id, _) in &plan.work {
-                if let Some(client) = self.clients.get_mut(&id) {
-                    client.scheduled.get_or_insert(now);
-                }
-            }
+            self.mark_scheduled(&plan, now);
             let step = Duration::from_secs_f64(plan.duration_us / 1e6 / self.time_scale);
             let end = next_deadline(deadline, now, step);
             if end > now + MIN_SLEEP {
@@ -198,8 +200,20 @@ impl Engine {
         }
     }
 
-    /// Charges every sequence still waiting for its first token that computed in this step
-    /// (`wall` long) with the decoding sequences' share of the step and the other prompts' share.
+    /// Notes the start of the first step that computes each sequence of `plan` (starting `now`).
+    fn mark_scheduled(&mut self, plan: &crate::scheduler::StepPlan, now: Instant) {
+        for &(id, _) in &plan.work {
+            if let Some(client) = self.clients.get_mut(&id) {
+                client.scheduled.get_or_insert(now);
+            }
+        }
+    }
+
+    /// Shares out this step's wall time (`wall`) as the step model adds it up: every sequence
+    /// still waiting for its first token that computed in it is charged with the decoding
+    /// sequences' share and the other prompts' share; every sequence that decoded in it (one
+    /// token, after its first) with the prompt tokens' share, all of them other sequences' (a
+    /// decode is not a prompt token), as its decode stall.
     fn charge_shared_steps(&mut self, plan: &crate::scheduler::StepPlan, wall: Duration) {
         if plan.duration_us <= 0.0 {
             return;
@@ -207,11 +221,17 @@ impl Engine {
         let wall = wall.as_secs_f64();
         let share = |us: f64| wall * (us / plan.duration_us).clamp(0.0, 1.0);
         let decodes = share(self.timing.per_decode_seq_us * plan.decode_seqs as f64);
+        let prefills = share(self.timing.per_prefill_token_us * f64::from(plan.prefill_tokens));
         for &(id, tokens) in &plan.work {
             let Some(client) = self.clients.get_mut(&id) else {
                 continue;
             };
             if client.first_token.is_some() {
+                // A decode computes one token; more is the recompute of a preempted sequence,
+                // its own prompt, not a stall.
+                if tokens == 1 {
+                    client.decode_stall_s += prefills;
+                }
                 continue;
             }
             let others = plan.prefill_tokens.saturating_sub(tokens);
@@ -268,6 +288,15 @@ impl Engine {
                     }
                     _ => None,
                 };
+                finish.engine_e2e_ms = client
+                    .last_token
+                    .map(|last| secs(client.arrival, last) * 1e3);
+                finish.engine_decode_stall_ms = match (client.first_token, client.last_token) {
+                    (Some(first), Some(last)) => {
+                        Some(client.decode_stall_s.min(secs(first, last)) * 1e3)
+                    }
+                    _ => None,
+                };
                 observed.e2e.push(secs(client.arrival, now));
                 if let (Some(scheduled), Some(first), Some(last)) =
                     (client.scheduled, client.first_token, client.last_token)
@@ -308,6 +337,7 @@ impl Engine {
                 tokens: 0,
                 decode_interference_s: 0.0,
                 shared_prefill_s: 0.0,
+                decode_stall_s: 0.0,
             },
         );
     }
@@ -345,6 +375,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::StepPlan;
 
     #[test]
     fn deadlines_run_back_to_back_so_short_steps_keep_their_average_rate() {
@@ -368,6 +399,131 @@ mod tests {
         let end = next_deadline(Some(t0), late, Duration::from_millis(2));
         assert_eq!(end, late + Duration::from_millis(2));
         assert_eq!(next_deadline(None, t0, Duration::ZERO), t0);
+    }
+
+    /// An engine that is not running, to be stepped by hand on a virtual clock.
+    fn idle_engine(max_num_batched_tokens: u32) -> Engine {
+        let config = SchedulerConfig {
+            max_num_seqs: 4,
+            max_num_batched_tokens,
+            num_blocks: 256,
+            block_size: 4,
+            max_model_len: 4096,
+            timing: StepTiming {
+                base_us: 1000.0,
+                per_decode_seq_us: 100.0,
+                per_prefill_token_us: 10.0,
+            },
+        };
+        Engine {
+            timing: config.timing,
+            scheduler: Scheduler::new(config),
+            clients: HashMap::new(),
+            next_id: 0,
+            time_scale: 1.0,
+            metrics: Arc::new(Mutex::new(MetricsState::default())),
+        }
+    }
+
+    /// Submits a streamed sequence of `prompt_tokens` tokens and `max_output_tokens` outputs
+    /// arriving at `arrival`.
+    fn submit(
+        engine: &mut Engine,
+        prompt_tokens: usize,
+        max_output_tokens: u32,
+        arrival: Instant,
+    ) -> mpsc::UnboundedReceiver<SeqEvent> {
+        let (events, receiver) = mpsc::unbounded_channel();
+        let spec = SequenceSpec {
+            prompt: vec![b'a' + engine.next_id as u8; 4 * prompt_tokens], // 4 bytes a token
+            max_output_tokens,
+            stream: true,
+            ..SequenceSpec::default()
+        };
+        engine.add(Submission {
+            spec,
+            events,
+            arrival,
+        });
+        receiver
+    }
+
+    /// Runs one step as [`Engine::run`] does, its wall time exactly its modelled duration, on the
+    /// virtual clock `now`; returns the step's plan.
+    fn step(engine: &mut Engine, now: &mut Instant) -> StepPlan {
+        let plan = engine.scheduler.schedule();
+        engine.mark_scheduled(&plan, *now);
+        let wall = Duration::from_secs_f64(plan.duration_us / 1e6);
+        *now += wall;
+        engine.charge_shared_steps(&plan, wall);
+        let outputs = engine.scheduler.complete(plan.clone());
+        engine.deliver(outputs, *now);
+        plan
+    }
+
+    fn finish_of(events: &mut mpsc::UnboundedReceiver<SeqEvent>) -> Finish {
+        while let Ok(event) = events.try_recv() {
+            if let SeqEvent::Finished(finish) = event {
+                return finish;
+            }
+        }
+        panic!("not finished");
+    }
+
+    #[test]
+    fn a_decode_alone_has_no_stall_and_its_e2e_is_its_steps() {
+        let mut engine = idle_engine(1024);
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut events = submit(&mut engine, 20, 10, t0);
+        let mut modelled_us = 0.0;
+        while !engine.scheduler.is_idle() {
+            modelled_us += step(&mut engine, &mut now).duration_us;
+        }
+        let f = finish_of(&mut events);
+        assert_eq!(f.output_tokens, 10);
+        assert_eq!(
+            f.engine_decode_stall_ms,
+            Some(0.0),
+            "nothing else prefilled"
+        );
+        // 20 prompt tokens in one step, then 9 decode steps.
+        assert!((modelled_us - (1000.0 + 200.0 + 9.0 * 1100.0)).abs() < 1e-6);
+        let e2e = f.engine_e2e_ms.expect("e2e");
+        assert!((e2e - modelled_us / 1e3).abs() < 1e-3, "{e2e} ms");
+        assert!(e2e > f.engine_ttft_ms.expect("ttft"));
+    }
+
+    #[test]
+    fn another_prompts_prefill_in_its_decode_steps_is_its_stall() {
+        // Chunks of 128 tokens: a 400-token prompt arriving while the first sequence decodes
+        // takes four steps, each of them also one of its decode steps.
+        let mut engine = idle_engine(128);
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut decoder = submit(&mut engine, 8, 12, t0);
+        step(&mut engine, &mut now); // its prefill and first token
+        let mut prompt = submit(&mut engine, 400, 1, now);
+        let mut plans = Vec::new();
+        while !engine.scheduler.is_idle() {
+            plans.push(step(&mut engine, &mut now));
+        }
+        let carried: u32 = plans
+            .iter()
+            .filter(|p| p.decode_seqs == 1)
+            .map(|p| p.prefill_tokens)
+            .sum();
+        assert_eq!(carried, 400, "the whole prompt shared its decode steps");
+        let d = finish_of(&mut decoder);
+        let stall = d.engine_decode_stall_ms.expect("stall");
+        // The prompt's modelled prefill time: 400 tokens x 10 us.
+        assert!((stall - 4.0).abs() < 1e-3, "{stall} ms");
+        let e2e = d.engine_e2e_ms.expect("e2e");
+        assert!(e2e > stall + d.engine_ttft_ms.expect("ttft"), "{e2e} ms");
+        // The prompt itself produced one token and never decoded: no stall, e2e = its TTFT.
+        let p = finish_of(&mut prompt);
+        assert_eq!(p.engine_decode_stall_ms, Some(0.0));
+        assert_eq!(p.engine_e2e_ms, p.engine_ttft_ms);
     }
 
     #[tokio::test]

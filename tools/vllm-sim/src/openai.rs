@@ -143,6 +143,16 @@ pub struct Usage {
     /// With `sim_engine_ttft_ms`: the decoding sequences' share of its prefill steps, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_engine_decode_interference_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: arrival at the engine to the last token, ms (wall clock, like
+    /// `sim_engine_ttft_ms`), so a benchmark can tell the engine's end-to-end time from the
+    /// client's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_e2e_ms: Option<f64>,
+    /// With `sim_engine_ttft_ms`: after the first token, other sequences' prompt tokens' share of
+    /// the steps it decoded in, ms (each step's wall time times their share of its modelled
+    /// duration): how long other prompts' prefill held up its decode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_engine_decode_stall_ms: Option<f64>,
 }
 
 impl Usage {
@@ -159,6 +169,8 @@ impl Usage {
             sim_engine_prefill_ms: None,
             sim_engine_shared_prefill_ms: None,
             sim_engine_decode_interference_ms: None,
+            sim_engine_e2e_ms: None,
+            sim_engine_decode_stall_ms: None,
         }
     }
 }

@@ -354,6 +354,8 @@ impl Scheduler {
                     },
                     engine_ttft_ms: None,
                     engine_split: None,
+                    engine_e2e_ms: None,
+                    engine_decode_stall_ms: None,
                 }
             });
             outputs.push(SeqOutput {
@@ -417,6 +419,8 @@ impl Scheduler {
                 block_ids: Vec::new(),
                 engine_ttft_ms: None,
                 engine_split: None,
+                engine_e2e_ms: None,
+                engine_decode_stall_ms: None,
             }),
         });
     }

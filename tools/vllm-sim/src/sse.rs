@@ -90,7 +90,8 @@ pub struct ChunkEncoder {
     /// Put `prompt_tokens_details.cached_tokens` in the usage chunk (`--enable-prompt-tokens-details`;
     /// on unless changed after [`ChunkEncoder::new`]).
     pub prompt_tokens_details: bool,
-    /// Put the engine's time to first token in the usage chunk (`--report-engine-timing`).
+    /// Put the engine's time to first token, end-to-end time and decode stall in the usage chunk
+    /// (`--report-engine-timing`).
     pub engine_timing: bool,
     role_sent: bool,
 }
@@ -179,6 +180,8 @@ impl ChunkEncoder {
             let mut usage = Usage::new(finish.prompt_tokens, finish.output_tokens, cached);
             if self.engine_timing {
                 usage.sim_engine_ttft_ms = finish.engine_ttft_ms;
+                usage.sim_engine_e2e_ms = finish.engine_e2e_ms;
+                usage.sim_engine_decode_stall_ms = finish.engine_decode_stall_ms;
                 if let Some(split) = finish.engine_split {
                     usage.sim_engine_queue_ms = Some(split.queue_ms);
                     usage.sim_engine_prefill_ms = Some(split.prefill_ms);

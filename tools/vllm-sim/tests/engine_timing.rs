@@ -1,9 +1,11 @@
 //! End-to-end checks of `--report-engine-timing`'s split of each streamed request's engine time
 //! to first token (queue wait, own prefill, shared prefill, decode interference;
-//! `usage.sim_engine_*_ms`), over real HTTP on 127.0.0.1 against the built `vllm-sim` binary: the
-//! parts add up to the engine TTFT, a request alone shares nothing, one that waits for a slot has
-//! its wait as queue time, one whose prefill shares steps with decoding sequences or with another
-//! prompt is charged for them, and without the flag nothing is reported.
+//! `usage.sim_engine_*_ms`) and of the rest of its answer (`sim_engine_e2e_ms`,
+//! `sim_engine_decode_stall_ms`), over real HTTP on 127.0.0.1 against the built `vllm-sim` binary:
+//! the parts add up to the engine TTFT, a request alone shares nothing and stalls on nothing, one
+//! that waits for a slot has its wait as queue time, one whose prefill shares steps with decoding
+//! sequences or with another prompt is charged for them, a decode whose steps carry another
+//! prompt's prefill is stalled by about that prefill, and without the flag nothing is reported.
 //!
 //! Each test starts its own sim (`--port 0`) and speaks HTTP/1.1 over `std::net::TcpStream` with
 //! `Connection: close`. The assertions compare the sim's own figures with each other (sums,
@@ -126,6 +128,17 @@ fn shared(usage: &Value) -> f64 {
         .unwrap_or_else(|| panic!("no sim_engine_shared_prefill_ms in {usage}"))
 }
 
+/// Arrival to the last token and the decode stall, ms.
+fn e2e_and_stall(usage: &Value) -> (f64, f64) {
+    let get = |k: &str| {
+        usage
+            .get(k)
+            .and_then(Value::as_f64)
+            .unwrap_or_else(|| panic!("no {k} in {usage}"))
+    };
+    (get("sim_engine_e2e_ms"), get("sim_engine_decode_stall_ms"))
+}
+
 fn assert_adds_up(usage: &Value) {
     let (q, p, d, ttft) = split(usage);
     let s = shared(usage);
@@ -145,6 +158,45 @@ fn a_request_alone_has_prefill_and_no_decode_interference() {
     assert_eq!(d, 0.0, "nothing else decoded: {usage}");
     assert_eq!(shared(&usage), 0.0, "no other prompt: {usage}");
     assert!(p > q, "an idle engine starts it at once: {usage}");
+    let (e2e, stall) = e2e_and_stall(&usage);
+    assert_eq!(stall, 0.0, "no other prompt in its decode steps: {usage}");
+    assert!(
+        e2e > split(&usage).3,
+        "3 decode steps after its first token: {usage}"
+    );
+}
+
+#[test]
+fn a_decode_whose_steps_carry_another_prompt_is_stalled_by_its_prefill() {
+    // Chunks of 256 tokens at 0.1 ms a token against a 1 ms step: a 2,000-token prompt sent
+    // while a long answer decodes takes some eight steps, each of them mostly its tokens and
+    // each also one of the answer's decode steps.
+    let sim = Sim::start(&[
+        "--report-engine-timing",
+        "--max-num-batched-tokens",
+        "256",
+        "--decode-ms-per-step",
+        "1",
+    ]);
+    let client = sim.client.clone();
+    let decoder = std::thread::spawn(move || client.stream_usage(8, 1000, "dec"));
+    sim.client.wait_running(1.0);
+    let prompt = sim.client.stream_usage(2000, 2, "long");
+    let decoder = decoder.join().expect("the decoder");
+    assert_adds_up(&decoder);
+    assert_adds_up(&prompt);
+    let (e2e, stall) = e2e_and_stall(&decoder);
+    // The prompt's own share of its prefill steps is its tokens (about 96% of each step) plus
+    // each step's fixed cost: the decoder's stall is most of it and never more.
+    let (_, prefill, _, _) = split(&prompt);
+    assert!(stall > 0.5 * prefill, "{decoder} vs {prompt}");
+    assert!(stall <= prefill + 1e-6, "{decoder} vs {prompt}");
+    assert!(e2e > stall + split(&decoder).3, "{decoder}");
+    assert_eq!(
+        e2e_and_stall(&prompt).1,
+        0.0,
+        "its one decode step: {prompt}"
+    );
 }
 
 #[test]
@@ -236,6 +288,8 @@ fn without_the_flag_no_split_is_reported() {
         "sim_engine_prefill_ms",
         "sim_engine_shared_prefill_ms",
         "sim_engine_decode_interference_ms",
+        "sim_engine_e2e_ms",
+        "sim_engine_decode_stall_ms",
     ] {
         assert!(usage.get(k).is_none(), "{k} in {usage}");
     }

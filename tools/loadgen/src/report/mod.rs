@@ -7,6 +7,7 @@
 //! [`markdown`] and [`charts`] (its renderings).
 
 mod charts;
+mod e2e_tail;
 mod format;
 mod markdown;
 mod result;

@@ -23,6 +23,8 @@ pub fn rec(backend: &str, ttft: f64) -> Record {
         engine_ttft_ms: None,
         predicted_ttft_ms: None,
         engine_split: None,
+        engine_e2e_ms: None,
+        engine_decode_stall_ms: None,
         route_receipt: None,
         ahead: None,
     }

@@ -2,8 +2,11 @@
 //! that count failed requests (as infinitely slow, so a policy cannot look better by dropping
 //! requests), the slowdown (TTFT over the request's own uncached prefill on an idle backend),
 //! the engine-side TTFT, the TTFT distribution for the CDF chart, and the slowest requests with
-//! where the engine's time went and what the router predicted.
+//! where the engine's time went and what the router predicted; and the end-to-end tail the same
+//! way ([`super::e2e_tail`]: the slowest by end-to-end latency with the engine's end-to-end time
+//! and decode stall).
 
+use super::e2e_tail::{e2e_tail, E2eTailMean, SlowE2eRequest};
 use crate::client::{EngineSplit, RouteReceipt};
 use crate::driver::Record;
 use crate::stats::percentile;
@@ -138,6 +141,12 @@ pub struct TraceFigures {
     /// The slowest requests by client TTFT (failed ones first), with their split and the router's
     /// predictions.
     pub slowest: Vec<SlowRequest>,
+    /// Means over the slowest 1% of answered requests by client end-to-end latency: client and
+    /// engine E2E, engine decode stall, completion tokens, client and engine TTFT.
+    pub e2e_tail_mean: Option<E2eTailMean>,
+    /// The slowest answered requests by client end-to-end latency, with the engine's E2E and
+    /// decode stall.
+    pub slowest_e2e: Vec<SlowE2eRequest>,
 }
 
 /// How many of the slowest requests a run lists.
@@ -192,6 +201,7 @@ pub fn trace_figures(records: &[Record], idle: &IdleModel) -> TraceFigures {
         .map(|(i, &t)| (t, (i + 1) as f64 / n))
         .collect();
     cdf.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
+    let (e2e_tail_mean, slowest_e2e) = e2e_tail(&answered, SLOWEST);
     TraceFigures {
         sent: records.len(),
         failed: records.len() - answered.len(),
@@ -222,6 +232,8 @@ pub fn trace_figures(records: &[Record], idle: &IdleModel) -> TraceFigures {
                 route_receipt: r.route_receipt.clone(),
             })
             .collect(),
+        e2e_tail_mean,
+        slowest_e2e,
     }
 }
 
@@ -326,6 +338,9 @@ pub fn markdown_section(runs: &[&super::RunReport], s: &mut String) {
         }
         let _ = writeln!(s, "\n</details>");
     }
+    let e2e: Vec<(&str, &TraceFigures)> =
+        runs.iter().map(|(r, t)| (r.policy.as_str(), *t)).collect();
+    super::e2e_tail::markdown_section(&e2e, s);
 }
 
 #[cfg(test)]

@@ -109,6 +109,14 @@ pub struct Finish {
     pub engine_ttft_ms: Option<f64>,
     /// Where that time went (set by the engine with `engine_ttft_ms`).
     pub engine_split: Option<EngineSplit>,
+    /// Arrival at the engine to the last token, ms (set by the engine; `None` when it produced
+    /// no token).
+    pub engine_e2e_ms: Option<f64>,
+    /// After the first token: the wall time of the steps it decoded in that went to other
+    /// sequences' prompt tokens, ms (each such step's wall time times those tokens' share of its
+    /// modelled duration, as [`EngineSplit`] shares out a step; set by the engine, `None` before
+    /// a first token).
+    pub engine_decode_stall_ms: Option<f64>,
 }
 
 /// A sequence's engine time to first token in four parts that add up to it, ms (wall clock). Its

@@ -14,6 +14,8 @@ fn finish(text: &str) -> Finish {
         block_ids: vec![],
         engine_ttft_ms: None,
         engine_split: None,
+        engine_e2e_ms: None,
+        engine_decode_stall_ms: None,
     }
 }
 
@@ -257,4 +259,24 @@ fn usage_chunk_carries_the_engine_ttft_only_when_asked() {
         events(&out).pop().unwrap()["usage"]["sim_engine_ttft_ms"],
         42.5
     );
+}
+
+#[test]
+fn usage_chunk_carries_the_engine_e2e_and_decode_stall_only_when_asked() {
+    let mut f = finish(" cat");
+    f.engine_ttft_ms = Some(42.5);
+    f.engine_e2e_ms = Some(120.0);
+    f.engine_decode_stall_ms = Some(7.25);
+    let mut enc = usage_encoder();
+    let mut out = Vec::new();
+    enc.finish(&mut out, &f);
+    let usage = events(&out).pop().unwrap()["usage"].clone();
+    assert!(usage.get("sim_engine_e2e_ms").is_none(), "{usage}");
+    assert!(usage.get("sim_engine_decode_stall_ms").is_none(), "{usage}");
+    enc.engine_timing = true;
+    let mut out = Vec::new();
+    enc.finish(&mut out, &f);
+    let usage = events(&out).pop().unwrap()["usage"].clone();
+    assert_eq!(usage["sim_engine_e2e_ms"], 120.0);
+    assert_eq!(usage["sim_engine_decode_stall_ms"], 7.25);
 }
