@@ -367,4 +367,45 @@ mod tests {
         let helps = out.lines().filter(|l| l.starts_with("# HELP")).count();
         assert_eq!(types, helps);
     }
+
+    /// The learned e2e tail appears once 20 streamed requests have taught it, in seconds.
+    #[test]
+    fn the_e2e_tail_shows_once_learned() {
+        let mut pool = Pool::new("p", PoolConfig::default());
+        let id = pool
+            .add_backend(
+                BackendSpec {
+                    id: "b".into(),
+                    url: "http://b:8000".into(),
+                    models: vec!["m".into()],
+                    ..BackendSpec::default()
+                },
+                0,
+            )
+            .unwrap();
+        let up = ProbeResult {
+            ok: true,
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&id, &up, 0).unwrap();
+        let mut rng = SplitMix64::new(1);
+        let page = |pool: &Pool| {
+            let mut out = String::new();
+            pool.render_metrics(&mut out);
+            out
+        };
+        let features = RequestFeatures {
+            model: "m".into(),
+            prompt_tokens: 10,
+            max_tokens: 5,
+            stream: true,
+            ..RequestFeatures::default()
+        };
+        for i in 0..20u64 {
+            let g = pool.acquire(&features, i * 3_000, &mut rng).unwrap();
+            assert!(!page(&pool).contains("llm_gateway_e2e_tail_seconds{"));
+            pool.release(g.lease_id, &Outcome::from_status(200), i * 3_000 + 2_000);
+        }
+        assert!(page(&pool).contains(r#"llm_gateway_e2e_tail_seconds{pool="p"} 2"#));
+    }
 }
