@@ -86,8 +86,11 @@
 //! against 0.94x); weighting running sequences by their output over the mean, or counting only
 //! those three times the mean, moved e2e p99 by a third as much and cost synthetic saturated
 //! TTFT p99 up to 1.4x. The real stack did not follow (four paired runs, see the knob's doc), so
-//! it is off. `TRACE_STALLS=1` lists who held up the slowest answers, `TRACE_ONLY=x8` (a
-//! substring of the shape's name) runs one shape.
+//! it is off. `TRACE_STALLS=1` lists who held up the slowest answers, `TRACE_EXPLAIN_ALL=1`
+//! explains the baselines' slowest too (cache_aware's slowest answers at conversation x8 stalled
+//! 125 ms against the default's 241: its load counts the tokens in flight, so cold prompts avoid
+//! the backends holding long answers; the real stack agreed, 191 against 377 ms), `TRACE_ONLY=x8`
+//! (a substring of the shape's name) runs one shape.
 //! `TRACE_BENCH=1` replays the bench's own shapes instead (below), `TRACE_SEEDS`, `TRACE_WINDOW`, `TRACE_LOAD` (percent), `TRACE_SCALE`, `TRACE_KV`, `TRACE_SHOW`
 //! (slow requests to print), `SIM_RNG` (other coin tosses), `SIM_VERBOSE` (each window's p99),
 //! `SIM_TIMING` (the default's learned rates, overhead, backlog and leases beside each engine's
@@ -298,6 +301,12 @@ fn run(
         out.insert(policy, r);
     }
     explain(&out[&PolicyKind::PredictedLatency]);
+    if env("TRACE_EXPLAIN_ALL", 0) == 1 {
+        for p in BASELINES {
+            println!("  {}:", p.as_str());
+            explain(&out[&p]);
+        }
+    }
     out
 }
 
