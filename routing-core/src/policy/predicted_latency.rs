@@ -83,8 +83,10 @@ pub struct PredictedLatencyConfig {
     /// saturated synthetic set (0.94x to 1.03x of the best baseline's); the receipts had shown
     /// the slowest 1% of answers spending 300-800 ms of their decode in other prompts' prefill,
     /// 97% of it from prompts that hit no cache there. On the real stack (`make bench-traces`,
-    /// four paired runs over three windows, 2026-12-05) it did not: e2e p99 +1% to +4% on
-    /// average at the four cells, within the runs' spread (±10% for one cell from run to run).
+    /// 2026-12-05: 4 paired runs over three windows, then 7 more windows of the conversation
+    /// trace and all 3 of the synthetic one) it took 2-4% off the conversation trace's e2e p99
+    /// and cost synthetic x24's TTFT p99 1.17x (every window), which the simulation did not show;
+    /// so it is off.
     pub tail_harm_weight: f64,
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
