@@ -226,7 +226,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Put, ["pools", pool]) => {
             validate_pool_name(pool)?;
             let text = body_text(&mut req).await?;
-            let settings: PoolSettings = parse(&text, "pool configuration")?;
+            let settings = PoolSettings::parse_strict(&text)?;
             settings.validate()?;
             let old_shards = shard_count(env, pool).await?;
             let entry = PoolEntry {

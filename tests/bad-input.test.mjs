@@ -301,6 +301,10 @@ const adminCases = [
   ["GET /admin/backends/no-such-backend", { method: "GET", path: "/admin/backends/no-such-backend" }, 404],
   ["GET /admin/pools/..%2Fx", { method: "GET", path: "/admin/pools/..%2Fx" }, 400, { param: "pool" }],
   ["PUT /admin/pools/a%20b", { method: "PUT", path: "/admin/pools/a%20b", body: {} }, 400, { param: "pool" }],
+  // A knob sent where no knob is (here at the top level, not under `predicted_latency`) is refused by its path,
+  // not dropped with the pool left on defaults.
+  ["PUT /admin/pools knob at the wrong level", { method: "PUT", path: "/admin/pools/bi", body: { tail_harm_weight: 0.5 } }, 400, { param: "tail_harm_weight" }],
+  ["PUT /admin/pools misspelt nested knob", { method: "PUT", path: "/admin/pools/bi", body: { predicted_latency: { tail_harm: 0.5 } } }, 400, { param: "predicted_latency.tail_harm" }],
   ["POST /admin/pools/..%2Fbi/probe", { method: "POST", path: "/admin/pools/..%2Fbi/probe" }, 400, { param: "pool" }],
   ["DELETE /admin/keys/..%2F..%2Fx", { method: "DELETE", path: "/admin/keys/..%2F..%2Fx" }, 400, { param: "id" }],
   ["POST id with a space", { path: "/admin/backends", body: { url: "http://127.0.0.1:1", id: "a b" } }, 400, { param: "id" }],

@@ -92,6 +92,28 @@ impl Default for PoolSettings {
 }
 
 impl PoolSettings {
+    /// Parses settings as the admin API takes them: like any JSON of them (missing knobs
+    /// default), but a key no knob has is refused (400 naming it, e.g.
+    /// `predicted_latency.tail_harm_weight` sent at the top level), instead of being dropped and the
+    /// pool running on defaults the caller did not ask for. (`deny_unknown_fields` does not work
+    /// through the flattened routing config, so the parsed settings are written back and every
+    /// key sent must be among those written.)
+    pub fn parse_strict(text: &str) -> Result<PoolSettings, ApiError> {
+        let sent: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
+        let settings: PoolSettings = serde_json::from_value(sent.clone())
+            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
+        let known = serde_json::to_value(&settings)
+            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
+        match unknown_key(&sent, &known, "") {
+            Some(key) => Err(ApiError::bad_request(format!(
+                "invalid pool configuration: unknown setting `{key}`"
+            ))
+            .with_param(key)),
+            None => Ok(settings),
+        }
+    }
+
     /// Checks every knob.
     pub fn validate(&self) -> Result<(), ApiError> {
         self.routing
@@ -145,9 +167,58 @@ impl PoolSettings {
     }
 }
 
+/// The first key of `sent` (dotted from `at`) that `known` lacks, looking into objects both have.
+fn unknown_key(sent: &serde_json::Value, known: &serde_json::Value, at: &str) -> Option<String> {
+    let (serde_json::Value::Object(sent), serde_json::Value::Object(known)) = (sent, known) else {
+        return None;
+    };
+    sent.iter().find_map(|(key, value)| {
+        let path = if at.is_empty() {
+            key.clone()
+        } else {
+            format!("{at}.{key}")
+        };
+        match known.get(key) {
+            None => Some(path),
+            Some(known) => unknown_key(value, known, &path),
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_setting_no_knob_has_is_refused_by_its_path() {
+        let ok = PoolSettings::parse_strict(
+            r#"{"policy": "predicted_latency", "probe_interval_ms": 1000,
+                "predicted_latency": {"tail_harm_weight": 0.5}, "location_hint": null}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.routing.predicted_latency.tail_harm_weight, 0.5);
+        assert_eq!(ok.probe_interval_ms, 1000);
+        for (body, key) in [
+            (r#"{"tail_harm_weight": 0.5}"#, "tail_harm_weight"),
+            (
+                r#"{"predicted_latency": {"tail_harm": 0.5}}"#,
+                "predicted_latency.tail_harm",
+            ),
+            (
+                r#"{"retry_budget": {"ratio": 0.2, "oops": 1}}"#,
+                "retry_budget.oops",
+            ),
+        ] {
+            let e = PoolSettings::parse_strict(body).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(key)), "{body}");
+            assert!(e.message.contains(key), "{}", e.message);
+        }
+        assert_eq!(PoolSettings::parse_strict("{").unwrap_err().status, 400);
+        assert_eq!(
+            PoolSettings::parse_strict("{}").unwrap(),
+            PoolSettings::default()
+        );
+    }
 
     #[test]
     fn names_allow_ids_and_refuse_path_tricks() {
