@@ -504,9 +504,10 @@ impl BackendTiming {
         if prefill_us > 0 {
             self.pending_ends_us.push(self.queue_end_us);
         }
+        let queued_prefill_us = self.queue_end_us - now_us;
         let first_step_us = (self.step_ms(c, running) * 1000.0) as u64;
         let tpot_us = (self.step_ms(c, running + 1.0) * 1000.0) as u64;
-        let e2e_us = (self.queue_end_us - now_us)
+        let e2e_us = queued_prefill_us
             .saturating_add(first_step_us)
             .saturating_add((out.clamp(0.0, 1e7) * tpot_us as f64) as u64);
         SharePrediction {
@@ -514,9 +515,8 @@ impl BackendTiming {
             prefill_us,
             last_chunk_us,
             prefill_end_us: self.queue_end_us,
-            queued_prefill_us: self.queue_end_us - now_us,
-            queued_prefill_base_us: ((self.queue_end_us - now_us) as f64 / self.prefill_scale)
-                as u64,
+            queued_prefill_us,
+            queued_prefill_base_us: (queued_prefill_us as f64 / self.prefill_scale) as u64,
             extra_wait_us: 0,
             first_step_us,
             tpot_us,

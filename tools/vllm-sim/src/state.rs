@@ -62,7 +62,7 @@ impl AppState {
         if f.taken_ids.contains_key(id) {
             return false;
         }
-        // Bounded: a flood of distinct ids within the linger time keeps the newest 100,000.
+        // Bounded: past 100,000 distinct ids within the linger time the record starts again.
         if f.taken_ids.len() >= 100_000 {
             f.taken_ids.clear();
         }

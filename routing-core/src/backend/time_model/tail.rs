@@ -101,8 +101,9 @@ impl BackendTiming {
             .sum()
     }
 
-    /// Shares tracked for the tail (for tests and views).
-    pub fn tracked_answers(&self) -> usize {
+    /// Shares tracked for the tail.
+    #[cfg(test)]
+    fn tracked_answers(&self) -> usize {
         self.answers.len()
     }
 }
