@@ -85,13 +85,14 @@
 //! 1.08x / 0.90x / 0.85x), TTFT p99 within 0.02x but for that set's synthetic saturated (1.03x
 //! against 0.94x); weighting running sequences by their output over the mean, or counting only
 //! those three times the mean, moved e2e p99 by a third as much and cost synthetic saturated
-//! TTFT p99 up to 1.4x. The real stack followed a third of the conversation trace's gain and paid
-//! TTFT p99 1.17x at synthetic x24, which this simulation did not show (14 paired runs, see the
-//! knob's doc), so it is off. `TRACE_STALLS=1` lists who held up the slowest answers, `TRACE_EXPLAIN_ALL=1`
-//! explains the baselines' slowest too (cache_aware's slowest answers at conversation x8 stalled
-//! 125 ms against the default's 241: its load counts the tokens in flight, so cold prompts avoid
-//! the backends holding long answers; the real stack agreed, 191 against 377 ms), `TRACE_ONLY=x8`
-//! (a substring of the shape's name) runs one shape.
+//! TTFT p99 up to 1.4x. The real stack followed the e2e gain (0.85x to 0.92x of the default's
+//! e2e p99 over three paired windows) and paid TTFT p99 1.14x at synthetic x24, which this
+//! simulation did not show (see the knob's doc), so it is off. `TRACE_STALLS=1` lists who held
+//! up the slowest answers, `TRACE_EXPLAIN_ALL=1` explains the baselines' slowest too
+//! (cache_aware's slowest answers at conversation x8 stalled 125 ms against the default's 241:
+//! its load counts the tokens in flight, so cold prompts avoid the backends holding long answers;
+//! the real stack agreed, 191 against 377 ms), `TRACE_ONLY=x8` (a substring of the shape's name)
+//! runs one shape.
 //! `TRACE_BENCH=1` replays the bench's own shapes instead (below), `TRACE_SEEDS`, `TRACE_WINDOW`, `TRACE_LOAD` (percent), `TRACE_SCALE`, `TRACE_KV`, `TRACE_SHOW`
 //! (slow requests to print), `SIM_RNG` (other coin tosses), `SIM_VERBOSE` (each window's p99),
 //! `SIM_TIMING` (the default's learned rates, overhead, backlog and leases beside each engine's

@@ -83,10 +83,11 @@ pub struct PredictedLatencyConfig {
     /// saturated synthetic set (0.94x to 1.03x of the best baseline's); the receipts had shown
     /// the slowest 1% of answers spending 300-800 ms of their decode in other prompts' prefill,
     /// 97% of it from prompts that hit no cache there. On the real stack (`make bench-traces`,
-    /// 2026-12-05: 4 paired runs over three windows, then 7 more windows of the conversation
-    /// trace and all 3 of the synthetic one) it took 2-4% off the conversation trace's e2e p99
-    /// and cost synthetic x24's TTFT p99 1.17x (every window), which the simulation did not show;
-    /// so it is off.
+    /// 2026-12-05, three windows of each trace paired) 0.5 took e2e p99 to 0.90x / 0.89x / 0.85x
+    /// / 0.92x of the default's at conversation x8 / x16, synthetic x12 / x24, but TTFT p99 to
+    /// 1.05x / 0.99x / 1.03x / 1.14x (synthetic x24 in every window, which the simulation did not
+    /// show); the default ranks the first token first, so it is off, for fleets whose SLO is on
+    /// whole answers.
     pub tail_harm_weight: f64,
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
