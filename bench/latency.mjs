@@ -34,7 +34,7 @@ const PROMPT_TOKENS = 128;
 const MAX_TOKENS = 16;
 /** The floors run after the gateway at each concurrency (bench/floor-worker.mjs modes). */
 const FLOOR_MODES = ["pass", "loop"];
-/** The Worker's `Server-Timing` parts the breakdown reads (src/proxy.rs, `Timing`). */
+/** The Worker's `Server-Timing` parts the breakdown reads (src/request/forward/proxy.rs, `Timing`). */
 const TIMING_PARTS = ["pre", "acquire", "upstream", "worker"];
 
 /** One `Server-Timing` part's duration in ms, or NaN when the header lacks it. */

@@ -1,40 +1,28 @@
 //! The edge Worker's entry points: the fetch handler with its route table, and the cron trigger.
-//! Each route's handler is its module's: `completion.rs` (the OpenAI completion endpoints, the
-//! request path), `models.rs`, `admin.rs`, `metrics.rs`, `dashboard.rs`. The routing decisions
-//! live in `routing-core`; the pools' state in the Durable Objects of `durable-objects/`.
+//! Each route's handler is its module's: `request/completion.rs` (the OpenAI completion endpoints,
+//! the request path, in `request/`), `operator/models.rs`, `operator/admin.rs`,
+//! `operator/metrics.rs`, `operator/dashboard.rs`. The other folders: `clients/` (client keys and
+//! their token reservations) and `platform/` (Durable Object calls, HTTP helpers and the clock,
+//! settings, bearer checks). The routing decisions live in `routing-core`; the pools' state in the
+//! Durable Objects of `durable-objects/`.
 
-mod admin;
-mod admission;
-mod ahead;
-mod attempts;
-mod auth;
-mod completion;
-mod dashboard;
-mod do_client;
-mod hop;
-mod http;
-mod keys;
-mod lease_guard;
-mod metrics;
-mod models;
-mod proxy;
-mod regions;
-mod relay;
-mod releases;
+mod clients;
+mod operator;
+mod platform;
 mod request;
-mod reserving;
-mod resume;
-mod settings;
-mod upstream_body;
 
 // Re-exported so the Durable Object classes are part of this Worker's wasm module.
 pub use gateway_durable_objects::directory::GatewayDirectory;
 pub use gateway_durable_objects::pool_coordinator::PoolCoordinator;
 pub use gateway_durable_objects::rate_limiter::ClientRateLimiter;
 
+use clients::keys;
 use coordinator_protocol::call::EnsureProbeAlarm;
 use coordinator_protocol::ApiError;
-use do_client::To;
+use operator::{admin, dashboard, metrics, models};
+use platform::do_client::{self, To};
+use platform::{auth, http};
+use request::completion;
 use routing_core::request::endpoint::Endpoint;
 use serde_json::json;
 use worker::*;

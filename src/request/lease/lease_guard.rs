@@ -14,10 +14,10 @@
 //! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
 //! what the client received. Nothing on the response path waits for any of this.
 
-use crate::do_client::{call, To};
-use crate::keys::{self, Reservation};
-use crate::relay::Metered;
-use crate::request::RequestContext;
+use crate::clients::keys::{self, Reservation};
+use crate::platform::do_client::{call, To};
+use crate::request::context::RequestContext;
+use crate::request::forward::relay::Metered;
 use coordinator_protocol::messages::{PrefillDone, ReleaseRequest, RenewRequest};
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
@@ -141,7 +141,7 @@ impl LeaseGuard {
             state: record.clone(),
             renew_every: lease.renew_every,
             reservation: lease.reservation,
-            started_ms: crate::http::now_ms(),
+            started_ms: crate::platform::http::now_ms(),
         };
         ctx.wait_until(task.run(woken, request.hung_up.clone()));
         LeaseGuard {
@@ -314,10 +314,10 @@ impl Keeper {
                 pool_choice: self.request.pool_choice,
             },
             &ending.outcome,
-            crate::http::now_ms().saturating_sub(self.started_ms),
+            crate::platform::http::now_ms().saturating_sub(self.started_ms),
         );
-        // The pool choice stops counting this request against the pool (src/regions.rs).
-        crate::regions::finished(&self.request.pool, lease_id);
+        // The pool choice stops counting this request against the pool (src/request/regions.rs).
+        crate::request::regions::finished(&self.request.pool, lease_id);
         if !ending.released {
             // Returned to the shard that granted it (with other requests' releases when this
             // isolate has several); failures are logged, and the lease's deadline is the backstop.
@@ -326,7 +326,7 @@ impl Keeper {
                 outcome: ending.outcome.clone(),
                 backend: Some(backend.as_str().into()),
             };
-            crate::releases::release(
+            crate::request::lease::releases::release(
                 &self.request.env,
                 &self.request.pool,
                 self.request.shard,
@@ -368,7 +368,7 @@ impl Keeper {
     /// what the pool's deadline leaves, so a long stream on a pool with a long `lease_ttl_ms`
     /// makes few subrequests (each renewal is one).
     fn next_renewal(&self, deadline_ms: Option<u64>) -> Duration {
-        let now = crate::http::now_ms();
+        let now = crate::platform::http::now_ms();
         match deadline_ms {
             Some(deadline) if now.saturating_sub(self.started_ms) >= STEADY_AFTER_MS => {
                 let third = Duration::from_millis(deadline.saturating_sub(now) / 3);

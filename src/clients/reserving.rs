@@ -19,7 +19,7 @@
 //! without the setting. The book is kept with or without the setting: it also gives an admitted
 //! request the OpenAI API's rate-limit headers ([`rate_limit_headers`]).
 
-use crate::keys::{self, Reservation};
+use crate::clients::keys::{self, Reservation};
 use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
@@ -71,11 +71,11 @@ impl Reserved {
         let Some(limits) = keys::configured_limits(env) else {
             return Ok(Reserved::Known(None));
         };
-        let now = crate::http::now_ms();
+        let now = crate::platform::http::now_ms();
         // The book is kept either way (it also gives the rate-limit headers); only
         // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
         let sent = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
-        let may_go_ahead = sent.ahead && crate::settings::settings(env).rate_limit_ahead;
+        let may_go_ahead = sent.ahead && crate::platform::settings::settings(env).rate_limit_ahead;
         let this = Charge {
             estimate,
             seq: sent.seq,
@@ -182,7 +182,9 @@ pub fn release_unused(
         backend: Some(backend),
     };
     let (env, pool) = (env.clone(), pool.to_string());
-    ctx.wait_until(async move { crate::releases::release(&env, &pool, shard, req).await });
+    ctx.wait_until(async move {
+        crate::request::lease::releases::release(&env, &pool, shard, req).await
+    });
 }
 
 /// One charge: its estimate, and its number in the book.
@@ -202,7 +204,7 @@ fn kept_charge(
     this: Charge,
 ) -> (Slot, js_sys::Promise, js_sys::Promise) {
     let slot: Slot = Rc::default();
-    let (refused, refuse) = crate::lease_guard::signal_promise();
+    let (refused, refuse) = crate::request::lease::lease_guard::signal_promise();
     let (env, client, filled) = (env.clone(), client.to_string(), slot.clone());
     let done = wasm_bindgen_futures::future_to_promise(async move {
         let answer = charge(&env, &client, this).await;
@@ -229,13 +231,13 @@ fn keep_alive(ctx: &Context, promise: &js_sys::Promise) {
 /// and remembers the answer: a refusal until its `Retry-After`, and what is left in the isolate's
 /// [`AheadBook`].
 async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservation>, ApiError> {
-    let rtt = crate::regions::simulated_limiter_rtt_ms(env);
+    let rtt = crate::request::regions::simulated_limiter_rtt_ms(env);
     if rtt > 0 {
         worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
     }
     let answer = keys::reserve(env, client, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
-    let now = crate::http::now_ms();
+    let now = crate::platform::http::now_ms();
     let newest = BOOK.with(|b| {
         let mut book = b.borrow_mut();
         book.answered(client, this.seq, this.estimate, left, now)
@@ -253,7 +255,7 @@ pub fn rate_limit_headers(env: &Env, client: &str) -> Vec<(&'static str, String)
     let Some(limits) = keys::configured_limits(env) else {
         return Vec::new();
     };
-    let now = crate::http::now_ms();
+    let now = crate::platform::http::now_ms();
     BOOK.with(|b| b.borrow().view(client, &limits, now))
         .map(|left| openai_headers(&limits, &left))
         .unwrap_or_default()
@@ -275,7 +277,10 @@ fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>, newest: bo
                     m.clear();
                 }
                 let wait_ms = u64::from(e.retry_after_s.unwrap_or(1).max(1)) * 1_000;
-                m.insert(client.to_string(), crate::http::now_ms() + wait_ms);
+                m.insert(
+                    client.to_string(),
+                    crate::platform::http::now_ms() + wait_ms,
+                );
             }
             Ok(_) if newest => {
                 m.remove(client);

@@ -25,7 +25,7 @@
 //! the client's stream ([`Relay::splice`]); other streams take the plain path, where a chunk of
 //! whole events is passed on as the same JS chunk without a copy.
 
-use crate::http::Deadlines;
+use crate::platform::http::Deadlines;
 use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
@@ -134,7 +134,7 @@ impl State {
     /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
     /// unless a continuation is being spliced.
     fn transform(&mut self, chunk: &JsValue) -> JsValue {
-        self.last_chunk_ms = crate::http::now_ms();
+        self.last_chunk_ms = crate::platform::http::now_ms();
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
             return chunk.clone();
         };
@@ -213,7 +213,7 @@ impl Relay {
             scanner: StreamScanner::new(strip_usage_event),
             strip_usage_event,
             buf: Vec::new(),
-            last_chunk_ms: crate::http::now_ms(),
+            last_chunk_ms: crate::platform::http::now_ms(),
             partial: None,
             splice: None,
             answers_before: 0,
@@ -232,7 +232,7 @@ impl Relay {
             status,
             state,
             transform,
-            slow_client_timeout: crate::settings::slow_client_timeout(),
+            slow_client_timeout: crate::platform::settings::slow_client_timeout(),
             deadlines,
         })
     }
@@ -305,7 +305,7 @@ impl Relay {
 
     /// Milliseconds since the last chunk, counting a client that is behind as activity.
     fn idle_ms(&self) -> u64 {
-        let now = crate::http::now_ms();
+        let now = crate::platform::http::now_ms();
         let behind = self.status("queued").as_f64().is_some_and(|q| q > 0.0);
         let mut st = self.state.borrow_mut();
         if behind {
@@ -460,12 +460,12 @@ impl Relay {
         }
         let closed = Box::pin(close(self, None));
         let stalled = Box::pin(async {
-            let started = crate::http::now_ms();
+            let started = crate::platform::http::now_ms();
             let bound = self.slow_client_timeout.as_millis() as u64;
             loop {
                 let queued = self.status("queued").as_f64().unwrap_or(0.0);
                 let progress = self.status("progress").as_f64().unwrap_or(0.0) as u64;
-                let since = crate::http::now_ms().saturating_sub(progress.max(started));
+                let since = crate::platform::http::now_ms().saturating_sub(progress.max(started));
                 if queued > 0.0 && since >= bound {
                     return;
                 }
@@ -518,7 +518,7 @@ async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
     let idle_ms = idle.as_millis() as u64;
     let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
-        let now = crate::http::now_ms();
+        let now = crate::platform::http::now_ms();
         // The relay may fill at any moment: look again within half the slow-client bound, so a
         // stalled client is cut off at most half a bound late.
         let mut wait = idle_ms.min(slow_ms / 2);

@@ -9,7 +9,7 @@
 //! client's admission identity and what to charge its rate limits in the `x-gateway-hop` header,
 //! sharing the client's abort signal, and the regional Worker's response is returned as it
 //! streams (the edge never reads its body). The regional Worker charges the limits beside its
-//! lease call (`reserving.rs`), so a hop costs no limiter round trip from the edge.
+//! lease call (`src/clients/reserving.rs`), so a hop costs no limiter round trip from the edge.
 //!
 //! A Worker with `GATEWAY_ROLE = "regional"` (no public route) trusts that header, and only it
 //! does: at the edge the header is ignored and always overwritten. With the `HOP_SECRET` secret
@@ -18,11 +18,11 @@
 //! plan's pools (lease, fetch, relay, lease guard), charges and settles the reservation, as the
 //! edge would.
 
-use crate::auth::constant_time_eq;
-use crate::http::{hex, unhex};
-use crate::keys::Reservation;
-use crate::regions::{self, Plan};
-use crate::settings::settings;
+use crate::clients::keys::Reservation;
+use crate::platform::auth::constant_time_eq;
+use crate::platform::http::{hex, unhex};
+use crate::platform::settings::settings;
+use crate::request::regions::{self, Plan};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::admission::AdmissionRequest;
@@ -83,7 +83,7 @@ pub struct HopContext {
 /// A charge to a client's rate limits, left to the regional Worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Charge {
-    /// The client's key hash ([`crate::keys::require_client`]).
+    /// The client's key hash ([`crate::clients::keys::require_client`]).
     pub client: String,
     /// The tokens estimated at admission (prompt plus `max_tokens`).
     pub estimate: u64,

@@ -12,8 +12,8 @@
 //! limits charge an estimate when a request is admitted and settle it with the tokens the request
 //! really used when it ends.
 
-use crate::auth::{bearer, constant_time_eq, hash_key};
-use crate::do_client::{call, stale_while_revalidate, CacheSlot, To};
+use crate::platform::auth::{bearer, constant_time_eq, hash_key};
+use crate::platform::do_client::{call, stale_while_revalidate, CacheSlot, To};
 use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::ApiError;
@@ -37,7 +37,7 @@ pub fn invalidate() {
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
     let keys = call(&env, To::Directory, &ListKeys).await?;
-    MINTED_READ_MS.with(|t| t.set(crate::http::now_ms()));
+    MINTED_READ_MS.with(|t| t.set(crate::platform::http::now_ms()));
     Ok(keys)
 }
 
@@ -90,13 +90,13 @@ pub async fn identify(
     env: &Env,
     ctx: &Context,
 ) -> Result<Option<ClientKey>, ApiError> {
-    let settings = crate::settings::settings(env);
+    let settings = crate::platform::settings::settings(env);
     let configured = &settings.client_key_hashes;
     let mut minted = minted_keys(env, ctx).await.map_err(key_list_unavailable)?;
     let read_ms = MINTED_READ_MS.with(|t| t.get());
     if too_stale(
         read_ms,
-        crate::http::now_ms(),
+        crate::platform::http::now_ms(),
         settings.key_list_max_stale_ms,
     ) {
         // The copy is older than the bound (the isolate was idle, or the background refreshes
@@ -151,7 +151,7 @@ pub async fn require_client(
 }
 
 /// Tokens charged to a client at admission, to settle when the request ends. Serialisable: the
-/// regional hop (`hop.rs`) hands it to the Worker that settles it.
+/// regional hop (`src/request/hop.rs`) hands it to the Worker that settles it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Reservation {
     client: String,
@@ -166,7 +166,7 @@ pub struct Reservation {
 
 /// The rate limits, when any is configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
 pub fn configured_limits(env: &Env) -> Option<RateLimits> {
-    let limits = crate::settings::settings(env).rate_limits;
+    let limits = crate::platform::settings::settings(env).rate_limits;
     (limits != RateLimits::default()).then_some(limits)
 }
 

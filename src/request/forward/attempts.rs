@@ -10,18 +10,18 @@
 //! misconfigured URL, the backend's failure). Transport error text goes to the log, never to the
 //! client.
 //! [`Attempts`] owns what that takes (the candidates, the lease's guard, a share of the request's
-//! context, `request.rs`), so the proxy (`proxy.rs`) makes the first attempts and a stream's
-//! resumption (`resume.rs`) can go on making them from `wait_until`.
+//! context, `src/request/context.rs`), so the proxy (`proxy.rs`) makes the first attempts and a
+//! stream's resumption (`resume.rs`) can go on making them from `wait_until`.
 
-use crate::do_client::{call, To};
-use crate::http::{Deadlines, HeaderList, Sleep};
-use crate::lease_guard::LeaseGuard;
-use crate::relay::Upstream;
-use crate::request::RequestContext;
-use crate::settings::ProxySettings;
-use crate::upstream_body::{
+use crate::platform::do_client::{call, To};
+use crate::platform::http::{Deadlines, HeaderList, Sleep};
+use crate::platform::settings::ProxySettings;
+use crate::request::context::RequestContext;
+use crate::request::forward::relay::Upstream;
+use crate::request::forward::upstream_body::{
     is_model_not_found, not_an_answer, read_first_chunk, read_whole, AttemptFailure,
 };
+use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::messages::{ReassignAnswer, ReassignRequest};
 use coordinator_protocol::timed_fetch::{
     send_until as await_fetch, start_web_fetch, FetchFailure, LinkedAbort,
@@ -109,7 +109,7 @@ impl Answer {
 }
 
 /// What an upstream request is made of, besides its backend and body: known before any pool
-/// is asked, so a fetch can be sent beside the lease call (`ahead.rs`).
+/// is asked, so a fetch can be sent beside the lease call (`src/request/ahead.rs`).
 #[derive(Clone, Copy)]
 pub(crate) struct UpstreamCall<'a> {
     pub(crate) forwarded_headers: &'a [(String, String)],
@@ -245,7 +245,7 @@ pub(crate) fn send(
         )
     })?;
     let url = format!("{}{}", c.url, call.endpoint.path());
-    let started_ms = crate::http::now_ms();
+    let started_ms = crate::platform::http::now_ms();
     // One deadline for the response and, for a stream, its first chunk or, otherwise, its body.
     let deadline = call.deadlines.sleep(call.timeout);
     let (fetch, abort) = match delay_ms {
@@ -334,7 +334,7 @@ impl Attempts {
     }
 
     /// The attempt whose fetch was sent already (by [`Attempts::attempt`], or beside the lease
-    /// call, `ahead.rs`) on `c`.
+    /// call, `src/request/ahead.rs`) on `c`.
     pub(crate) async fn attempt_sent(
         &self,
         c: &CandidateView,
@@ -342,7 +342,7 @@ impl Attempts {
     ) -> Result<Answer, AttemptFailure> {
         let mut sent = sent;
         let (started, timeout) = (sent.started_ms, sent.timeout);
-        let elapsed = || crate::http::now_ms().saturating_sub(started);
+        let elapsed = || crate::platform::http::now_ms().saturating_sub(started);
         let (resp, abort) = sent.wait().await.map_err(|f| match f {
             FetchFailure::Timeout => AttemptFailure {
                 // How long it waited, for the pool to weigh against the backend's queue.

@@ -1,8 +1,8 @@
 //! `/dashboard`: the operators' live view, a static page bundled into the Worker.
 //!
-//! The page (HTML, JS and CSS under `src/dashboard/`, embedded at compile time) holds no data and
-//! loads nothing from elsewhere: it asks for the admin token once, keeps it in the tab's session
-//! storage, and reads the admin API (`/admin/pools`, `/admin/backends`,
+//! The page (HTML, JS and CSS under `src/operator/dashboard/`, embedded at compile time) holds no
+//! data and loads nothing from elsewhere: it asks for the admin token once, keeps it in the tab's
+//! session storage, and reads the admin API (`/admin/pools`, `/admin/backends`,
 //! `/admin/pools/{pool}/history`) with it as a bearer token, refreshing every few seconds. Its
 //! actions (drain, undrain, probe now) are the same admin calls. So serving it needs no
 //! authentication, and the admin API's checks are the only ones.

@@ -15,8 +15,8 @@
 //! The isolate's memory holds the network measurements and the conversations' home pools, both
 //! bounded (`routing_core::region`).
 
-use crate::http::{json_var_or_default, var_or};
-use crate::settings::Settings;
+use crate::platform::http::{json_var_or_default, var_or};
+use crate::platform::settings::Settings;
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::policy::ring::key_hash;

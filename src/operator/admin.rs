@@ -20,10 +20,12 @@
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
 
-use crate::auth::hash_key;
-use crate::do_client::{call, call_raw, error_from_response, list_pools, remember_pool, To};
-use crate::http::{random_hex, read_body_limited, var_or};
-use crate::keys::invalidate;
+use crate::clients::keys::invalidate;
+use crate::platform::auth::hash_key;
+use crate::platform::do_client::{
+    call, call_raw, error_from_response, list_pools, remember_pool, To,
+};
+use crate::platform::http::{random_hex, read_body_limited, var_or};
 use coordinator_protocol::call::{
     DeleteBackend, DeleteKey, GetConfig, History, ListBackends, ListKeys, PatchBackend, PatchKey,
     ProbeNow, ShowBackend, Summary,
@@ -264,7 +266,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let keys = call(env, To::Directory, &ListKeys).await?;
             let data: Vec<KeyListing> = keys
                 .into_iter()
-                .filter(|k| !crate::keys::is_seal(k))
+                .filter(|k| !crate::clients::keys::is_seal(k))
                 .map(|k| KeyListing {
                     id: k.id,
                     name: k.name,
@@ -280,7 +282,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             let text = body_text(&mut req).await?;
             let patch: KeyPatch = parse(&text, "key patch")?;
             if let Some(p) = patch.priority {
-                crate::admission::validate_priority(p)?;
+                crate::request::admission::validate_priority(p)?;
             }
             if let Some(r) = &patch.residency {
                 validate_residency(r)?;
@@ -441,14 +443,14 @@ async fn mint_key(req: &mut Request, env: &Env) -> AdminResult {
                 .with_param("name"),
         );
     }
-    crate::admission::validate_priority(mint.priority)?;
+    crate::request::admission::validate_priority(mint.priority)?;
     validate_residency(&mint.residency)?;
     let key = format!("sk-gw-{}", random_hex(24));
     let stored = StoredKey {
         id: format!("key-{}", random_hex(6)),
         name: mint.name,
         hash: hash_key(&key),
-        created_ms: crate::http::now_ms(),
+        created_ms: crate::platform::http::now_ms(),
         priority: mint.priority,
         residency: mint.residency,
     };

@@ -14,19 +14,20 @@
 //! request is the request's (a request-specific engine error), so it is not retried on a third, the client gets a
 //! 5xx-class error that says so, and the release tells the pool (`Outcome::request_fault`) to
 //! charge neither backend's breaker (the first one's charge was deferred at the move).
-//! Every exit reports its outcome to the lease's guard (`lease_guard.rs`), which releases the
-//! lease from `wait_until`. A client that hangs up aborts the upstream fetch through its signal.
+//! Every exit reports its outcome to the lease's guard (`src/request/lease/lease_guard.rs`), which
+//! releases the lease from `wait_until`. A client that hangs up aborts the upstream fetch through
+//! its signal.
 
-use crate::attempts::{
+use crate::platform::http::HeaderList;
+use crate::request::context::RequestContext;
+use crate::request::forward::attempts::{
     final_error, request_error, send, stream_upstream, with_usage, Answer, Attempts, Moved, Sent,
     UpstreamCall, MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
-use crate::http::HeaderList;
-use crate::lease_guard::LeaseGuard;
-use crate::relay::Relay;
-use crate::request::RequestContext;
-use crate::resume::Resumption;
-use crate::upstream_body::{read_whole, AttemptFailure};
+use crate::request::forward::relay::Relay;
+use crate::request::forward::resume::Resumption;
+use crate::request::forward::upstream_body::{read_whole, AttemptFailure};
+use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
 use routing_core::pool::{CandidateView, Grant};
@@ -57,7 +58,7 @@ pub struct Forward<'a> {
     /// `SIMULATE_NETWORK` only; 0 on the platform).
     pub network_delay_ms: u64,
     /// The first attempt's fetch, sent beside the lease call to the backend the grant chose
-    /// (`ahead.rs`), if it was.
+    /// (`src/request/ahead.rs`), if it was.
     pub ahead: Option<Sent>,
 }
 
@@ -80,7 +81,7 @@ impl Timing {
     /// The header's value: `route` and `upstream` (the attempts, to the first chunk), then the
     /// finer parts, `pre`, `acquire`, and `worker` (the start to the response's headers).
     fn header_value(&self, upstream_ms: u64) -> String {
-        let worker_ms = crate::http::now_ms().saturating_sub(self.entered_ms);
+        let worker_ms = crate::platform::http::now_ms().saturating_sub(self.entered_ms);
         format!(
             "route;dur={}, upstream;dur={upstream_ms}, pre;dur={}, acquire;dur={}, worker;dur={worker_ms}",
             self.route_ms, self.pre_ms, self.acquire_ms
@@ -179,7 +180,7 @@ impl Forward<'_> {
 
     /// Counts a modelled round trip waited out here in the waits header (`SIMULATE_NETWORK`).
     fn count_simulated_wait(&mut self) {
-        let header = crate::hop::SIMULATED_WAITS_HEADER;
+        let header = crate::request::hop::SIMULATED_WAITS_HEADER;
         if let Some((_, v)) = self.extra_headers.iter_mut().find(|(k, _)| *k == header) {
             *v = (v.parse::<u32>().unwrap_or(0) + 1).to_string();
         }
@@ -275,7 +276,7 @@ impl Forward<'_> {
         if resumption.collects() {
             relay.collect();
         }
-        self.ctx.wait_until(crate::resume::stream(
+        self.ctx.wait_until(crate::request::forward::resume::stream(
             relay, upstream, attempts, resumption, outcome,
         ));
         Ok(Response::builder()

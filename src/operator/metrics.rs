@@ -8,7 +8,7 @@
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
 //! family by family rather than concatenated.
 
-use crate::do_client::{self, To};
+use crate::platform::do_client::{self, To};
 use coordinator_protocol::call::{Metrics, MetricsPage};
 use coordinator_protocol::ApiError;
 use routing_core::metrics::sum_shard_pages;

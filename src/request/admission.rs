@@ -20,8 +20,8 @@
 //! hang-up before any answer, or while a grant is on its way back, releases that grant's lease at
 //! once instead of after `lease_ttl_ms`.
 
-use crate::do_client::{answer_of, call, send, To};
-use crate::keys::ClientKey;
+use crate::clients::keys::ClientKey;
+use crate::platform::do_client::{answer_of, call, send, To};
 use coordinator_protocol::acquire::{Acquire, AcquireAnswer, AcquireBody, Granted};
 use coordinator_protocol::messages::DequeueRequest;
 use coordinator_protocol::ApiError;
@@ -81,7 +81,7 @@ pub fn tenant_salt(env: &Env) -> std::rc::Rc<str> {
 
 /// A keyless client's tenant, from its address: never the address itself.
 fn address_tenant(salt: &str, address: &str) -> String {
-    let digest = crate::auth::hash_key(&format!("{salt}\n{address}"));
+    let digest = crate::platform::auth::hash_key(&format!("{salt}\n{address}"));
     format!("ip-{}", &digest[..16])
 }
 
@@ -158,7 +158,7 @@ fn tenant_name(value: &str) -> String {
     if !value.is_empty() && value.len() <= 128 && value.bytes().all(|b| b.is_ascii_graphic()) {
         value.to_string()
     } else {
-        format!("h-{}", &crate::auth::hash_key(value)[..16])
+        format!("h-{}", &crate::platform::auth::hash_key(value)[..16])
     }
 }
 
@@ -187,10 +187,10 @@ pub async fn acquire(
     spill_ok: bool,
     body: &AcquireBody,
     who: &AdmissionRequest,
-    deadlines: &crate::http::Deadlines,
+    deadlines: &crate::platform::http::Deadlines,
     on_queued: &dyn Fn(),
 ) -> Asked {
-    let started = crate::http::now_ms();
+    let started = crate::platform::http::now_ms();
     let mut who = who.clone();
     // This wait's own id, so a dequeue can name it before the pool answered anything.
     let wait_id = ((js_sys::Math::random() * 2f64.powi(53)) as u64 & MAX_TICKET).max(1);
@@ -248,7 +248,7 @@ pub async fn acquire(
                 }
             }
         }
-        who.waited_ms = crate::http::now_ms().saturating_sub(started);
+        who.waited_ms = crate::platform::http::now_ms().saturating_sub(started);
     }
 }
 

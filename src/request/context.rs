@@ -1,13 +1,13 @@
 //! One proxied request as every stage sees it: [`RequestContext`], built once when a pool grants
-//! the request its lease and shared (`Rc`) by the proxy (`proxy.rs`), the attempts
-//! (`attempts.rs`), the lease guard (`lease_guard.rs`) and a stream's resumption (`resume.rs`),
-//! which outlive the handler in `wait_until`. What each of them changes stays its own: the grant
-//! and its candidates, the guard's record, the body sent upstream.
+//! the request its lease and shared (`Rc`) by the proxy (`forward/proxy.rs`), the attempts
+//! (`forward/attempts.rs`), the lease guard (`lease/lease_guard.rs`) and a stream's resumption
+//! (`forward/resume.rs`), which outlive the handler in `wait_until`. What each of them changes
+//! stays its own: the grant and its candidates, the guard's record, the body sent upstream.
 //!
 //! Also what the Worker does to a client's request on its way upstream: the client headers it
 //! forwards, and asking a stream for its usage event ([`ask_for_usage`]).
 
-use crate::settings::Settings;
+use crate::platform::settings::Settings;
 use coordinator_protocol::ApiError;
 use routing_core::request::endpoint::Endpoint;
 use routing_core::request::prompt::RequestFeatures;
@@ -58,7 +58,7 @@ pub(crate) struct RequestContext {
     /// Why the Worker asked this pool (`nearest`, `home`, `faster`, `anchor_full`, `spill`).
     pub(crate) pool_choice: &'static str,
     /// The request's deadlines, on one timer (its lease calls, renewals, attempts, watchdog).
-    pub(crate) deadlines: crate::http::Deadlines,
+    pub(crate) deadlines: crate::platform::http::Deadlines,
     /// The client headers forwarded upstream ([`forwarded_headers`]).
     pub(crate) forwarded_headers: Vec<(String, String)>,
     /// The client's abort signal: a hang-up aborts the upstream fetches.

@@ -1,6 +1,6 @@
 //! `GET /v1/models`: the models the pools serve, as the OpenAI model list.
 
-use crate::do_client::{self, To};
+use crate::platform::do_client::{self, To};
 use coordinator_protocol::call::Models;
 use coordinator_protocol::ApiError;
 use serde_json::{json, Value};

@@ -20,9 +20,9 @@
 //! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
 //! backends the stream was resumed from.
 
-use crate::attempts::{stream_upstream, with_usage, Attempts, Moved};
-use crate::relay::{Piped, Relay, Upstream};
-use crate::request::RequestContext;
+use crate::request::context::RequestContext;
+use crate::request::forward::attempts::{stream_upstream, with_usage, Attempts, Moved};
+use crate::request::forward::relay::{Piped, Relay, Upstream};
 use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StreamResume};
 use routing_core::stream::resume::{continuation_body, NotResumable, Splice};

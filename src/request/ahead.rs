@@ -14,7 +14,7 @@
 //! guess for, and only when its rate-limit charge is already settled (no limits, or served ahead of its limiter): the backend is never
 //! fetched before the limiter has admitted the request.
 
-use crate::attempts::{send, Sent, UpstreamCall};
+use crate::request::forward::attempts::{send, Sent, UpstreamCall};
 use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::request::prompt::SentAhead;
@@ -68,7 +68,7 @@ impl Ahead {
         body: &[u8],
         client_signal: &AbortSignal,
     ) -> Ahead {
-        let now = crate::http::now_ms();
+        let now = crate::platform::http::now_ms();
         let place = Place::new(ask.pool, ask.shard, ask.model);
         let guess = BOOK.with(|b| b.borrow().guess(&place, ask.block_hashes, now));
         let sent = match &guess {
@@ -114,7 +114,7 @@ impl Ahead {
             self.settled.set(true);
             BOOK.with(|b| {
                 b.borrow_mut()
-                    .busy(&self.place, true, crate::http::now_ms())
+                    .busy(&self.place, true, crate::platform::http::now_ms())
             });
         }
     }
@@ -164,7 +164,7 @@ impl Ahead {
                         sent: self.told.is_some(),
                         resend_ms: self.resend_ms,
                     }),
-                crate::http::now_ms(),
+                crate::platform::http::now_ms(),
             )
         });
         self.settled.set(true);
@@ -202,7 +202,7 @@ impl Ahead {
         self.settled.set(true);
         BOOK.with(|b| {
             b.borrow_mut()
-                .busy(&self.place, sent, crate::http::now_ms())
+                .busy(&self.place, sent, crate::platform::http::now_ms())
         });
     }
 }

@@ -3,15 +3,18 @@
 //! predicted time (`regions.rs`) or the regional Worker it is handed to (`hop.rs`), the walk over
 //! those pools (`routing_core::region::walk`: nearest first, spill, queue, saturated fallback)
 //! asking each for a lease (`admission.rs`), and, once a pool grants one, the shared request
-//! context, the lease guard and the streaming proxy (`proxy.rs`).
+//! context, the lease guard and the streaming proxy (`forward/proxy.rs`).
 
-use crate::admission::{self, Asked};
-use crate::ahead::{self, Ahead};
-use crate::attempts::UpstreamCall;
-use crate::lease_guard::{self, Lease, LeaseGuard};
-use crate::request::{self, RequestContext};
-use crate::reserving::{self, Reserved};
-use crate::{do_client, hop, http, keys, proxy, regions, settings};
+use crate::clients::keys;
+use crate::clients::reserving::{self, Reserved};
+use crate::platform::{do_client, http, settings};
+use crate::request::admission::{self, Asked};
+use crate::request::ahead::{self, Ahead};
+use crate::request::context::{self, RequestContext};
+use crate::request::forward::attempts::UpstreamCall;
+use crate::request::forward::proxy;
+use crate::request::lease::lease_guard::{self, Lease, LeaseGuard};
+use crate::request::{hop, regions};
 use coordinator_protocol::acquire::{AcquireBody, Granted};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
@@ -39,7 +42,7 @@ pub async fn handle(
             endpoint.path(),
         ));
     }
-    let entered_ms = crate::http::now_ms();
+    let entered_ms = crate::platform::http::now_ms();
     let settings = settings::settings(env);
     // A request the edge Worker handed over (regional role only): keys, limits and the pool
     // order were decided there.
@@ -75,7 +78,7 @@ pub async fn handle(
     // client headers the backend gets.
     let resumable = check_request(&parsed, endpoint);
     let forwarded_headers =
-        request::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
+        context::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
     // What the client's rate limits are charged: an estimate, settled with the real usage.
     let charge = match (&hop_in, &client) {
         (Some(h), _) => h.charge.clone(),
@@ -89,12 +92,12 @@ pub async fn handle(
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
     let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
         (Some(h), _) => (body, h.strip_usage_event),
-        (None, true) => request::ask_for_usage(parsed, body)?,
+        (None, true) => context::ask_for_usage(parsed, body)?,
         (None, false) => (body, false),
     };
     let client_signal: AbortSignal = req.inner().signal().into();
     let hung_up = lease_guard::hang_up(&client_signal);
-    let started = crate::http::now_ms();
+    let started = crate::platform::http::now_ms();
     let planned = match &hop_in {
         Some(h) => Ok(h.plan()),
         None => {
@@ -203,7 +206,7 @@ pub async fn handle(
         // The pool weighs the backend sent to against a re-send elsewhere (on this pool's first
         // call: it ignores the part on the calls of a wait).
         acquire_body.set_ahead(ahead.as_ref().and_then(Ahead::told));
-        let asked_ms = crate::http::now_ms();
+        let asked_ms = crate::platform::http::now_ms();
         if network_delay_ms > 0 {
             simulated_waits += 1;
             Delay::from(std::time::Duration::from_millis(network_delay_ms)).await;
@@ -242,7 +245,7 @@ pub async fn handle(
                     None => (None, None),
                 };
                 let disaggregated = !grant.decode_candidates.is_empty();
-                let now = crate::http::now_ms();
+                let now = crate::platform::http::now_ms();
                 if queued_ms == 0 {
                     let rtt = now.saturating_sub(asked_ms);
                     regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);

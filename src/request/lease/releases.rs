@@ -14,7 +14,7 @@
 //! [`SENDER_LOST_MS`] is presumed lost and the next release takes its place. Failures are logged
 //! per lease, and a lease's deadline stays the backstop, as for a single release.
 
-use crate::do_client::{call, To};
+use crate::platform::do_client::{call, To};
 use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
 use coordinator_protocol::ApiError;
 use std::cell::RefCell;
@@ -66,7 +66,7 @@ pub async fn release(env: &Env, pool: &str, shard: u32, req: ReleaseRequest) {
 /// Queues `req` behind the sender in flight, or makes the caller the sender: its id and first
 /// batch (anything a lost sender left, then `req`).
 fn lead_or_queue(key: &(String, u32), req: ReleaseRequest) -> Option<(u64, Vec<ReleaseRequest>)> {
-    let now = crate::http::now_ms();
+    let now = crate::platform::http::now_ms();
     QUEUES.with(|q| {
         let mut q = q.borrow_mut();
         let queue = q.entry(key.clone()).or_default();

@@ -8,8 +8,8 @@
 //! were a measurable share of a request's CPU.
 //! The admin API and the cron handler still read the environment directly.
 
-use crate::auth::{hash_key, secret};
-use crate::http::{json_var_or_default, var_or};
+use crate::platform::auth::{hash_key, secret};
+use crate::platform::http::{json_var_or_default, var_or};
 use routing_core::request::prompt::FeatureConfig;
 use routing_core::request::rate_limit::RateLimits;
 use std::collections::HashMap;
@@ -44,16 +44,17 @@ pub struct Settings {
     /// `RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`.
     pub rate_limits: RateLimits,
     /// `RATE_LIMIT_AHEAD = "true"`: a client well within its limits is served without waiting
-    /// for its charge's answer (`reserving.rs`).
+    /// for its charge's answer (`src/clients/reserving.rs`).
     pub rate_limit_ahead: bool,
     /// `ROUTE_AHEAD = "true"`: a request's backend fetch is sent beside its lease call, to the
-    /// backend the isolate expects the pool to choose, and kept only if it does (`ahead.rs`).
+    /// backend the isolate expects the pool to choose, and kept only if it does
+    /// (`src/request/ahead.rs`).
     pub route_ahead: bool,
     /// `ALLOW_REGION_HEADER`: whether `x-gateway-region` is trusted.
     pub region_header: bool,
     /// `REGION_MAP`: colo or continent code to region.
     pub region_map: HashMap<String, String>,
-    /// `GATEWAY_ROLE = "regional"`: this deployment is a regional Worker (`hop.rs`).
+    /// `GATEWAY_ROLE = "regional"`: this deployment is a regional Worker (`src/request/hop.rs`).
     pub regional: bool,
     /// `REGIONAL_WORKERS`: a pool region to the service binding of its regional Worker.
     pub regional_workers: HashMap<String, String>,

@@ -5,7 +5,7 @@
 //! length of the guess), so response timing reveals nothing about a secret. Client keys are only
 //! ever stored, cached and compared as their SHA-256 hashes ([`hash_key`]).
 
-use crate::http::hex;
+use crate::platform::http::hex;
 use coordinator_protocol::ApiError;
 use sha2::{Digest, Sha256};
 use worker::{Env, Request};

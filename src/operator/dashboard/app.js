@@ -1,6 +1,7 @@
 // The operators' view: reads the admin API with the admin token and draws pools, backends and
 // the last hour's charts. Every string from the API reaches the DOM through textContent or
-// setAttribute, never as markup. Served by the Worker (src/dashboard.rs) with a strict CSP.
+// setAttribute, never as markup. Served by the Worker (src/operator/dashboard.rs) with a strict
+// CSP.
 "use strict";
 
 const TOKEN_KEY = "llm-gateway.admin-token";
