@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
 
-.PHONY: help setup build sim dev test lint test-native test-worker test-python deploy-check check-bundle clean
+.PHONY: help setup build sim dev test lint test-native test-worker test-python deploy-check check-bundle clean docs
 
 help:
 	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench-overhead  - one pool Durable Object's pairs/s, the Worker's CPU per request and token, added TTFB (~4 min)"
 	@echo "make soak   - 5,000 requests at 200 concurrent with random backend faults"
 	@echo "make deploy-check - wrangler deploy --dry-run (offline) and the bundle size against the platform limit"
+	@echo "make docs   - build the book (docs/, mdBook) into docs/book/; installs mdbook once if missing"
 
 setup:
 	@scripts/setup.sh
@@ -66,7 +67,13 @@ check-bundle:
 	@scripts/deploy-check.sh
 
 clean:
-	rm -rf build target/wasm32-unknown-unknown
+	rm -rf build target/wasm32-unknown-unknown docs/book
+
+# The documentation as a book (docs/book.toml, docs/src/SUMMARY.md) into docs/book/. Not part of
+# `make test` (protocol/tests/reference_docs.rs, which is, keeps the reference pages true).
+docs:
+	@command -v mdbook >/dev/null 2>&1 || { echo "== docs: installing mdbook (cargo install, once)"; cargo install mdbook --locked; }
+	@mdbook build docs
 
 .PHONY: bench bench-quick bench-traces bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips bench-profile
 

@@ -28,7 +28,7 @@ if (!port || !persistDir || !process.env.ADMIN_TOKEN) {
 const extra = process.env.BENCH_VARS ? JSON.parse(process.env.BENCH_VARS) : {};
 const gw = await startGateway({
   persistDir,
-  bindings: { ...wranglerVars(), ADMIN_TOKEN: process.env.ADMIN_TOKEN, PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...extra },
+  bindings: { ...wranglerVars(), ADMIN_TOKEN: process.env.ADMIN_TOKEN, PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", REQUIRE_CLIENT_KEYS: "false", ...extra },
   options: { host: "127.0.0.1", port: Number(port) },
 });
 console.log(`gateway: the built Worker in workerd on ${await gw.mf.ready}`);

@@ -59,7 +59,7 @@ if [ "${BENCH_GATEWAY:-workerd}" = wrangler ]; then
   awk '/^\[build\]/ { skip = 1; next } /^\[/ { skip = 0 } !skip' wrangler.toml >"$TMP/worker/wrangler.toml"
   setsid npx wrangler dev --config "$TMP/worker/wrangler.toml" --ip 127.0.0.1 --port "$PORT" \
     --persist-to "$TMP/state" --test-scheduled --show-interactive-dev-session=false \
-    --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true >"$TMP/wrangler.log" 2>&1 &
+    --var "ADMIN_TOKEN:$TOKEN" --var PROBE_INTERVAL_MS:1000 --var ALLOW_IP_BACKENDS:true --var REQUIRE_CLIENT_KEYS:false >"$TMP/wrangler.log" 2>&1 &
   WRANGLER_PID=$!
   echo "bench: starting the gateway under wrangler dev on $GATEWAY (log: $TMP/wrangler.log)"
   export BENCH_GATEWAY_RUNTIME="wrangler dev"

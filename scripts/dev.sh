@@ -42,8 +42,11 @@ for port in "${SIM_PORTS[@]}"; do
   PIDS+=($!)
 done
 
-# The simulated backends listen on 127.0.0.1: allow IP-addressed backends locally.
-setsid npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled --var ALLOW_IP_BACKENDS:true \
+# The simulated backends listen on 127.0.0.1: allow IP-addressed backends locally. wrangler.toml's
+# deploy configuration is closed (REQUIRE_CLIENT_KEYS = "true"); locally the OpenAI surface stays
+# open until a key is minted, so the examples below work without one.
+setsid npx wrangler dev --ip 127.0.0.1 --port "$PORT" --persist-to .wrangler/state --test-scheduled \
+  --var ALLOW_IP_BACKENDS:true --var REQUIRE_CLIENT_KEYS:false \
   >.wrangler/dev.log 2>&1 &
 PIDS+=($!)
 echo "dev: starting wrangler dev (build + workerd); log in .wrangler/dev.log"

@@ -3,7 +3,7 @@
 // signs in with the admin token, shows the pools and backends, draws the last hour after traffic,
 // and drains / undrains a backend and probes a pool through its buttons (checked through the
 // admin API). A screenshot lands in tests/artifacts/dashboard.png (UPDATE_SCREENSHOT=1 also
-// refreshes docs/dashboard.png, the README's copy).
+// refreshes docs/src/images/dashboard.png, the book's copy).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { mkdirSync, mkdtempSync, rmSync, copyFileSync, existsSync } from "node:fs";
@@ -199,7 +199,7 @@ test("after traffic the charts and traffic shares have data", async () => {
   mkdirSync(ARTIFACTS, { recursive: true });
   const shot = path.join(ARTIFACTS, "dashboard.png");
   await page.screenshot({ path: shot, fullPage: true });
-  if (process.env.UPDATE_SCREENSHOT === "1") copyFileSync(shot, path.join(ROOT, "docs/dashboard.png"));
+  if (process.env.UPDATE_SCREENSHOT === "1") copyFileSync(shot, path.join(ROOT, "docs/src/images/dashboard.png"));
 });
 
 test("drain and undrain a backend, and probe a pool, from the page", async () => {

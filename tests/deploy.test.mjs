@@ -6,12 +6,16 @@
 //    Prometheus scrape jobs, the Grafana dashboard) query only metrics and labels that exist: the
 //    built Worker's /metrics after real traffic through real vllm-sim backends, scraped the way the
 //    scrape job says (bearer METRICS_TOKEN), and a vllm-sim's own /metrics for the vLLM panels.
+// 3. The documented deploy configuration is closed: the built Worker started with exactly
+//    wrangler.toml's [vars] (what `wrangler deploy` uploads) and the ADMIN_TOKEN secret answers
+//    no client route without a key, the admin API without the token, /metrics without a token;
+//    /healthz answers; a key minted through the admin API then passes.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync, readdirSync } from "node:fs";
 import path from "node:path";
 import { parseAllDocuments } from "yaml";
-import { startGateway, startSim, waitReady, errorBody, parseMetrics, ROOT } from "./lib/harness.mjs";
+import { startGateway, startSim, waitReady, errorBody, parseMetrics, ROOT, ADMIN_TOKEN } from "./lib/harness.mjs";
 
 const DEPLOY = path.join(ROOT, "deploy");
 const METRICS_TOKEN = "test-metrics-token-81c3";
@@ -307,4 +311,95 @@ test("deploy/ holds only the recipes this test checks", () => {
     "keda/scaledobject.yaml",
     "prometheus/scrape-config.yaml",
   ]);
+});
+
+// ---- 3. Closed by default ----
+
+/** wrangler.toml's top-level [vars] (flat `KEY = "value"` lines): what `wrangler deploy` uploads. */
+function deployVars() {
+  const toml = readFileSync(path.join(ROOT, "wrangler.toml"), "utf8");
+  const section = toml.split(/^\[vars\]\s*$/m)[1]?.split(/^\[/m)[0] ?? "";
+  return Object.fromEntries([...section.matchAll(/^([A-Z0-9_]+)\s*=\s*"([^"]*)"/gm)].map((m) => [m[1], m[2]]));
+}
+
+/** The OpenAI routes of the Worker's route table: every `["v1", ...]` match arm in src/ (any file). */
+function clientRoutes() {
+  const files = readdirSync(path.join(ROOT, "src"), { recursive: true }).filter((f) => f.endsWith(".rs"));
+  const routes = new Set();
+  for (const f of files) {
+    const text = readFileSync(path.join(ROOT, "src", f), "utf8");
+    for (const m of text.matchAll(/\[\s*"v1"((?:\s*,\s*"[a-z_]+")+)\s*\]\s*=>/g)) {
+      routes.add("/v1/" + [...m[1].matchAll(/"([a-z_]+)"/g)].map((x) => x[1]).join("/"));
+    }
+  }
+  return [...routes].sort();
+}
+
+test("the deploy configuration answers no client route without a key", async () => {
+  const vars = deployVars();
+  assert.equal(vars.REQUIRE_CLIENT_KEYS, "true", "wrangler.toml's [vars] must set REQUIRE_CLIENT_KEYS = \"true\" (closed by default)");
+  assert.equal(vars.ALLOW_IP_BACKENDS, "false", "wrangler.toml's [vars] must keep ALLOW_IP_BACKENDS = \"false\"");
+  const routes = clientRoutes();
+  assert.deepEqual(routes, ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"], "the route table's OpenAI routes");
+  // Exactly the deploy configuration: no test defaults merged in, the admin token as the secret.
+  const g = await startGateway({ defaults: false, bindings: { ...vars, ADMIN_TOKEN } });
+  const bodies = {
+    "/v1/chat/completions": { model: "m", messages: [{ role: "user", content: "hi" }] },
+    "/v1/completions": { model: "m", prompt: "hi" },
+    "/v1/embeddings": { model: "m", input: "hi" },
+  };
+  const call = (route, headers = {}) =>
+    route === "/v1/models"
+      ? g.fetch(route, { headers })
+      : g.fetch(route, { method: "POST", headers: { "content-type": "application/json", ...headers }, body: JSON.stringify(bodies[route]) });
+  try {
+    for (const route of routes) {
+      for (const headers of [{}, { authorization: "Bearer sk-not-a-key" }]) {
+        const r = await call(route, headers);
+        assert.equal(r.status, 401, `${route} ${JSON.stringify(headers)}`);
+        assert.equal((await errorBody(r)).code, "invalid_api_key");
+      }
+    }
+    for (const p of ["/admin/pools", "/admin/backends", "/admin/keys"]) {
+      assert.equal((await g.admin(p, { token: "" })).status, 401, p);
+      assert.equal((await g.admin(p, { token: "wrong-token" })).status, 401, p);
+    }
+    const minted = await g.admin("/admin/keys", { method: "POST", body: { name: "deploy-check" } });
+    assert.equal((await g.admin("/admin/keys", { method: "POST", body: {}, token: "wrong" })).status, 401);
+    assert.equal((await g.fetch("/metrics")).status, 401, "/metrics needs METRICS_TOKEN or the admin token");
+    assert.equal((await g.fetch("/metrics", { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })).status, 200);
+    const health = await g.fetch("/healthz");
+    assert.equal(health.status, 200);
+    assert.equal((await health.json()).status, "ok");
+
+    // A key minted through the admin API passes: the models list answers, and a completion gets
+    // past the key check (no backend is registered, so the model is not found).
+    assert.equal(minted.status, 201);
+    const { key } = await minted.json();
+    assert.match(key, /^sk-gw-/);
+    const auth = { authorization: `Bearer ${key}` };
+    const models = await call("/v1/models", auth);
+    assert.equal(models.status, 200, await models.clone().text());
+    assert.deepEqual((await models.json()).data, []);
+    for (const route of routes.filter((r) => r !== "/v1/models")) {
+      const r = await call(route, auth);
+      assert.notEqual(r.status, 401, route);
+      assert.equal((await errorBody(r)).code, "model_not_found", route);
+    }
+  } finally {
+    await g.close();
+  }
+});
+
+test("the Worker is closed when REQUIRE_CLIENT_KEYS is unset, open only with \"false\"", async () => {
+  const { REQUIRE_CLIENT_KEYS: _, ...vars } = deployVars();
+  for (const [value, status] of [[undefined, 401], ["false", 200]]) {
+    const bindings = value === undefined ? { ...vars, ADMIN_TOKEN } : { ...vars, ADMIN_TOKEN, REQUIRE_CLIENT_KEYS: value };
+    const g = await startGateway({ defaults: false, bindings });
+    try {
+      assert.equal((await g.fetch("/v1/models")).status, status, `REQUIRE_CLIENT_KEYS=${value}`);
+    } finally {
+      await g.close();
+    }
+  }
 });

@@ -42,6 +42,8 @@ export const SOAK_BINDINGS = {
   MAX_RETRIES: "2",
   // The simulated backends listen on 127.0.0.1.
   ALLOW_IP_BACKENDS: "true",
+  // The soak's clients send no key (the Worker is closed by default).
+  REQUIRE_CLIENT_KEYS: "false",
 };
 
 const DEFAULTS = {

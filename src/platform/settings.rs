@@ -87,7 +87,7 @@ impl Settings {
                         .collect()
                 })
                 .unwrap_or_default(),
-            require_client_keys: var_or(env, "REQUIRE_CLIENT_KEYS", String::new()) == "true",
+            require_client_keys: var_or(env, "REQUIRE_CLIENT_KEYS", String::new()) != "false",
             key_list_max_stale_ms: var_or(env, "KEY_LIST_MAX_STALE_MS", 300_000u64).max(1_000),
             slow_client_timeout_ms: var_or(env, "SLOW_CLIENT_TIMEOUT_MS", 30_000u64).max(100),
             rate_limits: RateLimits {

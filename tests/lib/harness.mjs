@@ -25,9 +25,10 @@ export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
  * Starts the Worker under Miniflare. `persistDir` keeps Durable Object state across restarts.
  * `extraWorkers` (Miniflare worker options, each with a `name`) run beside it in the same workerd;
  * the gateway is then the worker named `gateway`, and still the one `fetch` reaches. `workerOptions`
- * are more Miniflare options of the gateway worker itself (e.g. `serviceBindings`).
+ * are more Miniflare options of the gateway worker itself (e.g. `serviceBindings`). With
+ * `defaults: false` the Worker gets exactly `bindings` (no test defaults merged in).
  */
-export async function startGateway({ bindings = {}, persistDir, options = {}, extraWorkers = [], workerOptions = {} } = {}) {
+export async function startGateway({ bindings = {}, defaults = true, persistDir, options = {}, extraWorkers = [], workerOptions = {} } = {}) {
   const worker = {
     scriptPath: path.join(ROOT, "build/index.js"),
     modules: true,
@@ -40,7 +41,11 @@ export async function startGateway({ bindings = {}, persistDir, options = {}, ex
       RATE_LIMITER: { className: "ClientRateLimiter", useSQLite: true },
     },
     // ALLOW_IP_BACKENDS: the test backends listen on 127.0.0.1 (a deployed gateway refuses IP hosts).
-    bindings: { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", ...bindings },
+    // REQUIRE_CLIENT_KEYS: the Worker is closed by default; most tests use the open surface (a test
+    // of the closed one sets "true", or passes `defaults: false` with the deploy configuration).
+    bindings: defaults
+      ? { ADMIN_TOKEN, MAX_BODY_BYTES: "1048576", PROBE_INTERVAL_MS: "1000", ALLOW_IP_BACKENDS: "true", REQUIRE_CLIENT_KEYS: "false", ...bindings }
+      : bindings,
     // More of the gateway's own Miniflare options (e.g. `serviceBindings`).
     ...workerOptions,
   };

@@ -20,7 +20,7 @@ export function regionalWorker(name, bindings = {}) {
       DIRECTORY: { className: "GatewayDirectory", scriptName: "gateway" },
       RATE_LIMITER: { className: "ClientRateLimiter", scriptName: "gateway" },
     },
-    bindings: { ADMIN_TOKEN, ALLOW_IP_BACKENDS: "true", GATEWAY_ROLE: "regional", ...bindings },
+    bindings: { ADMIN_TOKEN, ALLOW_IP_BACKENDS: "true", REQUIRE_CLIENT_KEYS: "false", GATEWAY_ROLE: "regional", ...bindings },
   };
 }
 

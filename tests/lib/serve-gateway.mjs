@@ -8,7 +8,7 @@
 import { startGatewayServer, ADMIN_TOKEN } from "./harness.mjs";
 
 const extra = process.argv[2] ? JSON.parse(process.argv[2]) : {};
-const gw = await startGatewayServer({ bindings: { PROBE_INTERVAL_MS: "500", ...extra } });
+const gw = await startGatewayServer({ bindings: { PROBE_INTERVAL_MS: "500", REQUIRE_CLIENT_KEYS: "false", ...extra } });
 
 let closing = false;
 async function shutdown(code = 0) {
