@@ -13,7 +13,7 @@
 //! queue figures come from the caller, which holds the waiting room.
 
 use super::super::Pool;
-use super::lease::whole_ms;
+use super::price::whole_ms;
 use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
 use crate::request::endpoint::Endpoint;
 use crate::request::prompt::RequestFeatures;
