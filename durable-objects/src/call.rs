@@ -2,14 +2,17 @@
 //! body, the answer. A call arrives as a request (`fetch`) or, for a pool coordinator, by RPC
 //! with the route and body as strings ([`Incoming`]); either way the handlers only see typed
 //! routes and messages, and answer with the call's own answer type ([`reply`]) as a `Reply`,
-//! which goes back as a response ([`respond`]) or as an RPC answer ([`respond_rpc`]).
+//! which goes back as a response ([`respond`]) or as an RPC answer ([`respond_rpc`]). An object
+//! calling another (a shard its siblings, shard 0 the directory) sends the call's own message and
+//! reads back its own answer type ([`send`], [`send_body`]).
 
-use coordinator_protocol::call::Reply;
+use coordinator_protocol::call::{read_answer, CallError, Reply};
+use coordinator_protocol::internal_call::{internal_request, ShardAddress};
 use coordinator_protocol::route::path_and_query;
 use coordinator_protocol::{Answer, ApiError, Call, Object, Route, RouteError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use worker::{Request, Response};
+use worker::{Request, Response, Stub};
 
 /// A handler's answer: the reply, or the error it answers with.
 pub type Answered = Result<Reply, ApiError>;
@@ -94,4 +97,42 @@ pub fn reply<C: Call>(answer: &C::Answer) -> Answered {
 /// A JSON answer with `status`.
 pub fn answer<T: Serialize>(status: u16, value: &T) -> Answered {
     Reply::json(status, value).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// Sends `msg` to another Durable Object (`stub`; `to` names the pool shard when it is one) and
+/// reads back `msg`'s own answer, or the error the object answered with.
+pub async fn send<M: Call>(
+    stub: &Stub,
+    to: Option<ShardAddress<'_>>,
+    msg: &M,
+) -> Result<M::Answer, ApiError> {
+    let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
+    send_body::<M>(stub, to, &msg.route(), body).await
+}
+
+/// [`send`] with `M`'s route and body already made (`M::route` and `M::body`), for a message sent
+/// to several objects: it is serialised once.
+pub async fn send_body<M: Call>(
+    stub: &Stub,
+    to: Option<ShardAddress<'_>>,
+    route: &Route,
+    body: Option<String>,
+) -> Result<M::Answer, ApiError> {
+    let mut resp = stub
+        .fetch_with_request(internal_request(route, to, body)?)
+        .await?;
+    let status = resp.status_code();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .ok()
+        .flatten()
+        .and_then(|v| v.parse().ok());
+    let text = resp.text().await?;
+    read_answer::<M::Answer>(status, retry_after, &text).map_err(|e| match e {
+        CallError::Answered(e) => e,
+        CallError::Unreadable(detail) => {
+            ApiError::internal(format!("{} answered {status}: {detail}", route.path()))
+        }
+    })
 }

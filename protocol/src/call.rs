@@ -21,8 +21,8 @@ use crate::messages::{
     ReassignRequest, ReleaseAnswer, ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer,
     RenewRequest, SettleRequest, ShardAck, ShardRegistry, StoredKey, TakeRequest, Taken,
 };
+use crate::route::Route;
 use crate::settings::PoolSettings;
-use crate::Route;
 use routing_core::pool::shard::LoadReport;
 use routing_core::pool::{BackendView, Refusal};
 use routing_core::region::TimeCard;

@@ -6,8 +6,9 @@ use coordinator_protocol::ApiError;
 use serde_json::{json, Value};
 use worker::{console_error, Env, Response};
 
-/// Every model some pool has a ready backend for. A pool that cannot answer is skipped (and
-/// logged), never turned into an error for the client.
+/// Every model some pool has a backend serving now (`routing_core::backend::serving`, the rule
+/// the pools' time cards and acquires follow: a loading backend's models are not listed). A pool
+/// that cannot answer is skipped (and logged), never turned into an error for the client.
 pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     for pool in do_client::list_pools(env).await? {

@@ -10,8 +10,7 @@ use coordinator_protocol::messages::{
 use coordinator_protocol::registration::{validate_models, validate_registration, validate_url};
 use coordinator_protocol::settings::validate_name;
 use coordinator_protocol::ApiError;
-use routing_core::backend::health::HealthState;
-use routing_core::backend::{BackendId, Lifecycle};
+use routing_core::backend::BackendId;
 use routing_core::coordinator::{Coordinator, Deletion};
 use routing_core::pool::BackendView;
 
@@ -151,15 +150,8 @@ impl PoolCoordinator {
 
     pub(super) fn models(&self) -> ApiResult {
         self.with(|shard| {
-            let mut models: Vec<String> = shard
-                .coordinator
-                .pool()
-                .backends()
-                .filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy)
-                .flat_map(|v| v.served_models)
-                .collect();
-            models.sort();
-            models.dedup();
+            // The one "serves this model" rule, the same the time card and the acquire follow.
+            let models = shard.coordinator.pool().served_models();
             answer(200, &ModelsAnswer { models })
         })
     }

@@ -6,10 +6,10 @@
 //! `routing_core::coordinator::Coordinator::grant_card`.)
 
 use super::PoolCoordinator;
-use coordinator_protocol::internal_call::internal_request;
-use coordinator_protocol::messages::CardAnswer;
+use crate::call::send;
+use coordinator_protocol::call::PutCard;
 use coordinator_protocol::names::{DIRECTORY_BINDING, DIRECTORY_NAME};
-use coordinator_protocol::{ApiError, Route};
+use coordinator_protocol::ApiError;
 use routing_core::region::TimeCard;
 use worker::console_error;
 
@@ -18,19 +18,16 @@ impl PoolCoordinator {
     pub(super) async fn publish_card(&self, card: TimeCard) {
         let name = self.with(|shard| shard.name.clone());
         let result = async {
-            let body =
-                serde_json::to_string(&card).map_err(|e| ApiError::internal(e.to_string()))?;
             let stub = self
                 .env
                 .durable_object(DIRECTORY_BINDING)?
                 .id_from_name(DIRECTORY_NAME)?
                 .get_stub()?;
-            let route = Route::PutCard(name.clone());
-            let mut resp = stub
-                .fetch_with_request(internal_request(&route, None, Some(body))?)
-                .await?;
-            let answer: CardAnswer = resp.json().await?;
-            Ok::<bool, ApiError>(answer.known)
+            let msg = PutCard {
+                pool: name.clone(),
+                card,
+            };
+            Ok::<bool, ApiError>(send(&stub, None, &msg).await?.known)
         }
         .await;
         if let Err(e) = result {

@@ -6,47 +6,47 @@
 //! deadline, since only shard 0's alarm probes.
 
 use super::{now_ms, pool_error, ApiResult, PoolCoordinator, PoolShard};
-use crate::call::answer;
-use coordinator_protocol::internal_call::{internal_request, ShardAddress};
+use crate::call::{reply, send_body};
+use coordinator_protocol::internal_call::ShardAddress;
 use coordinator_protocol::messages::{
     shard_object_name, LoadReportAnswer, ProbeRound, ShardAck, ShardRegistry, POOL_BINDING,
 };
-use coordinator_protocol::{ApiError, Route};
+use coordinator_protocol::{ApiError, Call, Route};
 use routing_core::pool::shard::LoadReport;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 use worker::{console_error, Delay, Env, Storage};
 
-/// Posts `body` to sibling `shard` of `pool`.
-async fn call_sibling(
+/// Sends `msg` (its `route` and `body` made once) to sibling `shard` of `pool`.
+async fn call_sibling<M: Call>(
     env: &Env,
     pool: &str,
     shard: u32,
     route: &Route,
-    body: String,
-) -> std::result::Result<(), ApiError> {
+    body: Option<String>,
+) -> std::result::Result<M::Answer, ApiError> {
     let stub = env
         .durable_object(POOL_BINDING)?
         .id_from_name(&shard_object_name(pool, shard))?
         .get_stub()?;
     let to = ShardAddress { pool, shard };
-    let resp = stub
-        .fetch_with_request(internal_request(route, Some(to), Some(body))?)
-        .await?;
-    match resp.status_code() {
-        200..=299 => Ok(()),
-        status => Err(ApiError::internal(format!(
-            "shard {shard} answered {status}"
-        ))),
-    }
+    send_body::<M>(&stub, Some(to), route, body).await
 }
 
-/// Posts `body` to every shard in `targets`, logging failures.
-async fn tell_siblings(env: &Env, pool: &str, targets: &[u32], route: &Route, body: String) {
+/// Sends `msg` to every shard in `targets`, logging failures.
+async fn tell_siblings<M: Call>(env: &Env, pool: &str, targets: &[u32], msg: &M) {
+    let route = msg.route();
+    let body = match msg.body() {
+        Ok(body) => body,
+        Err(e) => {
+            console_error!("pool {pool}: {}: {e}", route.path());
+            return;
+        }
+    };
     let calls = targets
         .iter()
-        .map(|&k| call_sibling(env, pool, k, route, body.clone()));
+        .map(|&k| call_sibling::<M>(env, pool, k, &route, body.clone()));
     for (k, result) in targets
         .iter()
         .zip(futures_util::future::join_all(calls).await)
@@ -67,10 +67,7 @@ async fn push_load(shard: Rc<RefCell<Option<PoolShard>>>, env: Env, storage: Sto
     let Some((pool, me, push)) = taken else {
         return;
     };
-    let Ok(report) = serde_json::to_string(&push.report) else {
-        return;
-    };
-    tell_siblings(&env, &pool, &push.siblings, &Route::ShardLoad, report).await;
+    tell_siblings(&env, &pool, &push.siblings, &push.report).await;
     if let Some(deadline) = push.expiry_alarm_at_ms {
         if matches!(storage.get_alarm().await, Ok(None)) {
             let wait = deadline.saturating_sub(now_ms()) + 1;
@@ -100,28 +97,27 @@ impl PoolCoordinator {
     pub(super) fn accept_load(&self, report: LoadReport) -> ApiResult {
         self.with(|shard| {
             let accepted = shard.coordinator.accept_load(report, now_ms());
-            answer(200, &LoadReportAnswer { accepted })
+            reply::<LoadReport>(&LoadReportAnswer { accepted })
         })
     }
 
-    /// Sends what `build` makes of this shard to every other shard.
-    async fn tell_every_sibling<T: serde::Serialize>(
-        &self,
-        route: Route,
-        build: impl FnOnce(&PoolShard) -> T,
-    ) {
-        let (pool, targets, body) = self.with(|shard| {
-            let body = serde_json::to_string(&build(shard));
-            (shard.name.clone(), shard.coordinator.siblings(), body)
+    /// Sends the message `build` makes of this shard to every other shard.
+    async fn tell_every_sibling<M: Call>(&self, build: impl FnOnce(&PoolShard) -> M) {
+        let (pool, targets, msg) = self.with(|shard| {
+            (
+                shard.name.clone(),
+                shard.coordinator.siblings(),
+                build(shard),
+            )
         });
-        if let (false, Ok(body)) = (targets.is_empty(), body) {
-            tell_siblings(&self.env, &pool, &targets, &route, body).await;
+        if !targets.is_empty() {
+            tell_siblings(&self.env, &pool, &targets, &msg).await;
         }
     }
 
     /// After a probe round on shard 0: hands its results to the siblings.
     pub(super) async fn push_probe_round(&self) {
-        self.tell_every_sibling(Route::ShardProbes, |shard| ProbeRound {
+        self.tell_every_sibling(|shard| ProbeRound {
             reports: shard
                 .coordinator
                 .probe_reports()
@@ -137,14 +133,14 @@ impl PoolCoordinator {
             let now = now_ms();
             let (applied, effects) = shard.coordinator.apply_probe_round(round.reports, now);
             let _ = shard.perform(effects, now);
-            answer(200, &ShardAck { applied })
+            reply::<ProbeRound>(&ShardAck { applied })
         })
     }
 
     /// After a configuration change on shard 0: makes every sibling's registry match its own, so
     /// a shard added by raising `shards` knows every backend.
     pub(super) async fn push_registry(&self) {
-        self.tell_every_sibling(Route::ShardRegistry, |shard| ShardRegistry {
+        self.tell_every_sibling(|shard| ShardRegistry {
             backends: shard.coordinator.registry_entries(),
             pending_delete: shard
                 .coordinator
@@ -168,7 +164,7 @@ impl PoolCoordinator {
             let written = shard.perform(effects, now).check();
             let applied = applied.map_err(pool_error)?;
             written?;
-            answer(200, &ShardAck { applied })
+            reply::<ShardRegistry>(&ShardAck { applied })
         })
     }
 }

@@ -4,9 +4,9 @@
 //! [`Capacity`] hints). The files next to it each hold one part of its state, which the pool keeps
 //! per backend and combines when it decides: `health` (its probes), `breaker` (its circuit breaker,
 //! fed by outcomes), `scrape` (the gauges read from its `/metrics` page), `cost` (how loaded it is
-//! and what a request would cost there), `time_model` (its learned step times: waits for a first
-//! token and harm to the requests already running) and `held_blocks` (the KV blocks its running
-//! requests hold). They build on [`crate::request`] and [`crate::stream`], never on the pool.
+//! and what a request would cost there), `serving` (the one rule for whether it serves a model now),
+//! `time_model` (its learned step times: waits for a first token and harm to the requests already
+//! running) and `held_blocks` (the KV blocks its running requests hold). They build on [`crate::request`] and [`crate::stream`], never on the pool.
 //!
 //! A [`BackendSpec`] is what an operator registers (and what the Durable Object persists): identity,
 //! URL, region, served models, weight, [`Role`] for prefill/decode disaggregation, an optional API
@@ -21,6 +21,7 @@ pub mod cost;
 pub mod health;
 pub mod held_blocks;
 pub mod scrape;
+pub mod serving;
 pub mod time_model;
 
 use crate::request::role::Role;

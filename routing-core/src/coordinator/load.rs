@@ -5,8 +5,7 @@
 //! The pool coordinator measures the load after every probe round and registry change, not on
 //! every acquire, so an acquire never walks the whole fleet for it.
 
-use crate::backend::health::HealthState;
-use crate::backend::Lifecycle;
+use crate::backend::serving::is_up;
 use crate::pool::BackendView;
 use serde::Serialize;
 
@@ -50,7 +49,7 @@ impl PoolLoad {
             ..PoolLoad::default()
         };
         for v in backends {
-            if v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy {
+            if is_up(v.lifecycle, v.health) {
                 load.ready += 1;
             }
             load.waiting += v.scraped.waiting.unwrap_or(0.0);
@@ -95,6 +94,8 @@ pub fn desired_replicas(ready: usize, waiting: f64, running: f64, target: f64) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::health::HealthState;
+    use crate::backend::Lifecycle;
     use crate::pool::ScrapedGauges;
 
     const TARGETS: LoadTargets = LoadTargets {

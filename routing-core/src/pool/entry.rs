@@ -9,6 +9,7 @@ use crate::backend::cost::{backend_load, InFlight};
 use crate::backend::health::Health;
 use crate::backend::held_blocks::HeldBlocks;
 use crate::backend::scrape::ScrapedGauges;
+use crate::backend::serving::Serving;
 use crate::backend::time_model::BackendTiming;
 use crate::backend::{BackendKey, BackendSpec, Capacity, Lifecycle};
 use crate::pool::shard::ShardLoad;
@@ -81,13 +82,13 @@ pub(super) fn learn_seq_limit(
 }
 
 impl BackendEntry {
-    pub(super) fn serves(&self, model: &str) -> bool {
-        if self.health.missing_model.as_deref() == Some(model) {
-            return false;
-        }
-        match &self.probed_models {
-            Some(models) if !models.is_empty() => models.iter().any(|m| m == model),
-            _ => self.spec.models.iter().any(|m| m == model),
+    /// What the one "serves this model" rule reads of this backend.
+    pub(super) fn serving(&self) -> Serving<'_> {
+        Serving {
+            spec: &self.spec,
+            probed_models: self.probed_models.as_deref(),
+            lifecycle: self.lifecycle,
+            health: &self.health,
         }
     }
 
@@ -160,15 +161,16 @@ impl BackendEntry {
         f64::from(self.all_in_flight(twins).leases) + self.external_running
     }
 
+    /// Whether it may take a request now: up (see [`Serving::is_up`]), admitted by its breaker
+    /// and not saturated.
     pub(super) fn available(&self, now_ms: u64, breaker: &BreakerConfig) -> bool {
-        self.lifecycle == Lifecycle::Ready
-            && self.health.is_serving()
+        self.serving().is_up()
             && self.breaker.would_admit(now_ms, breaker)
             && !self.breaker.is_saturated(now_ms)
     }
 
     pub(super) fn retry_after_ms(&self, now_ms: u64, breaker: &BreakerConfig) -> u64 {
-        if self.lifecycle == Lifecycle::Ready && self.health.is_serving() {
+        if self.serving().is_up() {
             self.breaker
                 .retry_after_ms(now_ms, breaker)
                 .unwrap_or(DEFAULT_RETRY_AFTER_S * 1000)

@@ -296,6 +296,19 @@ impl Pool {
         (0..self.slots.len()).filter_map(|slot| self.view(slot as u32))
     }
 
+    /// Every model some backend of the pool serves now (`backend::serving`), sorted, once each:
+    /// what `/v1/models` lists and what the pool's time card advertises.
+    pub fn served_models(&self) -> Vec<String> {
+        let mut models: Vec<String> = self
+            .entries()
+            .flat_map(|e| e.serving().served_models())
+            .cloned()
+            .collect();
+        models.sort();
+        models.dedup();
+        models
+    }
+
     /// Number of registered backends.
     pub fn backend_count(&self) -> usize {
         self.index.len()
@@ -364,10 +377,7 @@ impl Pool {
             url: e.spec.url.clone(),
             region: e.spec.region.clone(),
             models: e.spec.models.clone(),
-            served_models: match &e.probed_models {
-                Some(m) if !m.is_empty() => m.clone(),
-                _ => e.spec.models.clone(),
-            },
+            served_models: e.serving().listed_models().to_vec(),
             weight: e.spec.weight,
             role: e.spec.role,
             has_api_key: e.spec.api_key.is_some(),

@@ -237,13 +237,10 @@ impl Pool {
     pub fn forget_model(&mut self, id: &BackendId, model: &str) -> Result<bool, PoolError> {
         let slot = self.slot_of(id)?;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
-        if !entry.serves(model) {
+        if !entry.serving().lists(model) {
             return Ok(false);
         }
-        let mut served = match &entry.probed_models {
-            Some(m) if !m.is_empty() => m.clone(),
-            _ => entry.spec.models.clone(),
-        };
+        let mut served = entry.serving().listed_models().to_vec();
         served.retain(|m| m != model);
         if served.is_empty() {
             entry.health.missing_model = Some(model.to_string());

@@ -151,7 +151,8 @@ pub struct BackendView {
     pub region: String,
     /// Models as registered.
     pub models: Vec<String>,
-    /// Models routed to it: the probe's `/v1/models` answer when known, else `models`.
+    /// Models it lists: the probe's `/v1/models` answer when known, else `models` (routed to only
+    /// while it is up: `backend::serving`).
     pub served_models: Vec<String>,
     /// Weight.
     pub weight: u32,

@@ -1,7 +1,7 @@
 //! Step 3 of a decision: the chosen backend (and a pair's decode backend) takes the request's
 //! load on its counters, through its breaker ([`Pool::admit`] also serves a reassigned retry).
 
-use super::lease::whole_ms;
+use super::price::whole_ms;
 use crate::backend::breaker::Admission;
 use crate::policy::Candidate;
 use crate::pool::lease::LeaseShare;

@@ -35,7 +35,10 @@ pub(super) fn verdict(
     now_ms: u64,
     breaker: &BreakerConfig,
 ) -> Verdict {
-    if !entry.serves(&features.model) {
+    // The "serves this model" rule (`backend::serving`), split so a model some backend lists but
+    // none can take now is a 503 to retry, not a 404.
+    let serving = entry.serving();
+    if !serving.lists(&features.model) {
         return Verdict::OtherModel;
     }
     let role = entry.spec.role;
@@ -51,6 +54,7 @@ pub(super) fn verdict(
             retry_after_ms: entry.retry_after_ms(now_ms, breaker),
         };
     }
+    debug_assert!(serving.serves(&features.model));
     Verdict::Eligible
 }
 

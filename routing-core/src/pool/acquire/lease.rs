@@ -3,6 +3,7 @@
 //! table and the statistics.
 
 use super::admit::Admitted;
+use super::price::whole_ms;
 use crate::policy::{Candidate, DecisionKind};
 use crate::pool::entry::{BackendEntry, Slot};
 use crate::pool::lease::{Lease, MAX_LEASE_ID};
@@ -107,10 +108,4 @@ impl Pool {
             alt: alt_id,
         })
     }
-}
-
-/// A predicted time in whole milliseconds, if finite.
-pub(super) fn whole_ms(ms: f64) -> Option<u32> {
-    ms.is_finite()
-        .then(|| ms.round().clamp(0.0, f64::from(u32::MAX)) as u32)
 }

@@ -245,3 +245,11 @@ impl<'a> Pricing<'a> {
         }
     }
 }
+
+/// A predicted time in whole milliseconds, if finite: how a price travels on a lease share, a
+/// grant's receipt and the time card (used by `admit.rs`, `lease.rs` and `time_card.rs`, so the
+/// later steps import it from the first and never each other back).
+pub(super) fn whole_ms(ms: f64) -> Option<u32> {
+    ms.is_finite()
+        .then(|| ms.round().clamp(0.0, f64::from(u32::MAX)) as u32)
+}

@@ -2,6 +2,10 @@
 //! prefill, [`SHORT_TOKENS`] and [`LONG_TOKENS`] uncached tokens), without ranking, admitting or
 //! granting anything, so the card predicts exactly what an acquire would price.
 //!
+//! Which backends count, and the models the card lists, follow the one "serves this model" rule
+//! (`backend::serving`, also behind the acquire's filter and `/v1/models`): a backend still loading
+//! or never probed is not ready and its models are not advertised.
+//!
 //! The card is computed for the model most of the pool's ready backends serve (a pool of one
 //! model, the usual case, is exact; the card lists every model served, so the Worker does not send
 //! a pool requests for models it lacks). Each class is the least predicted time to first token
@@ -9,9 +13,7 @@
 //! queue figures come from the caller, which holds the waiting room.
 
 use super::super::Pool;
-use super::lease::whole_ms;
-use crate::backend::health::HealthState;
-use crate::backend::Lifecycle;
+use super::price::whole_ms;
 use crate::region::time_card::{TimeCard, CARD_OUTPUT_TOKENS, LONG_TOKENS, SHORT_TOKENS};
 use crate::request::endpoint::Endpoint;
 use crate::request::prompt::RequestFeatures;
@@ -26,16 +28,16 @@ impl Pool {
             ..TimeCard::default()
         };
         let mut counts: Vec<(String, u32)> = Vec::new();
-        for b in self.backends() {
-            let serving = b.lifecycle == Lifecycle::Ready && b.health != HealthState::Unhealthy;
-            if !serving {
+        for b in self.entries() {
+            let serving = b.serving();
+            if !serving.is_up() {
                 continue;
             }
             card.ready += 1;
             let scraped_running = b.scraped.running.unwrap_or(0.0).max(0.0) as u32;
-            card.running += b.leases_in_flight.max(scraped_running);
-            card.max_seqs += b.capacity.max_num_seqs;
-            for m in &b.served_models {
+            card.running += b.in_flight.leases.max(scraped_running);
+            card.max_seqs += b.capacity().max_num_seqs;
+            for m in serving.served_models() {
                 match counts.iter_mut().find(|(name, _)| name == m) {
                     Some((_, n)) => *n += 1,
                     None => counts.push((m.clone(), 1)),
@@ -144,6 +146,53 @@ mod tests {
         let card = empty.time_card(0, 0, 0);
         assert_eq!((card.cached_ms, card.ready), (None, 0));
         assert_eq!(card.predict_ms(10), None);
+    }
+
+    #[test]
+    fn the_card_and_the_model_list_agree_a_loading_or_unprobed_backend_serves_nothing() {
+        use crate::backend::BackendId;
+        use crate::pool::test_support::up;
+        use crate::pool::ProbeResult;
+        let mut pool = Pool::new("p", PoolConfig::default());
+        let with = |id: &str, model: &str| {
+            let mut s = spec(id);
+            s.models = vec![model.to_string()];
+            s
+        };
+        add_ready(&mut pool, with("healthy", "llama"));
+        // Was ready, restarted and is loading its weights again: lifecycle Ready, health Loading.
+        let loading = add_ready(&mut pool, with("loading", "qwen"));
+        let probe = ProbeResult {
+            loading: true,
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&loading, &probe, 1).unwrap();
+        // Registered, never probed: Pending and Unknown.
+        pool.add_backend(with("unprobed", "mistral"), 0).unwrap();
+        // Healthy, but answered that its only model does not exist.
+        let lost = add_ready(&mut pool, with("lost", "phi"));
+        assert!(pool.forget_model(&lost, "phi").unwrap());
+
+        let card = pool.time_card(10, 0, 0);
+        assert_eq!(card.models, vec!["llama".to_string()]);
+        assert_eq!(card.models, pool.served_models());
+        // `ready` counts the backends that are up, the one whose model is missing included.
+        assert_eq!(card.ready, 2);
+        // The acquire agrees: a listed model nobody can take now is a 503, not served.
+        let mut rng = SplitMix64::new(1);
+        for model in ["qwen", "mistral", "phi"] {
+            let mut f = features("hi");
+            f.model = model.into();
+            assert!(pool.acquire(&f, 10, &mut rng).is_err(), "{model}");
+        }
+        let mut f = features("hi");
+        f.model = "llama".into();
+        let grant = pool.acquire(&f, 10, &mut rng).unwrap();
+        assert_eq!(grant.backend, BackendId::new("healthy"));
+        // Once it has loaded, its model is on the card and the list again.
+        pool.record_probe(&loading, &up(), 20).unwrap();
+        assert_eq!(pool.time_card(20, 0, 0).models, vec!["llama", "qwen"]);
+        assert_eq!(pool.served_models(), vec!["llama", "qwen"]);
     }
 
     #[test]
