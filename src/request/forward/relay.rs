@@ -134,14 +134,19 @@ impl State {
     /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
     /// unless a continuation is being spliced.
     fn transform(&mut self, chunk: &JsValue) -> JsValue {
-        self.last_chunk_ms = crate::platform::http::now_ms();
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
+            self.last_chunk_ms = crate::platform::http::now_ms();
             return chunk.clone();
         };
         let n = bytes.length() as usize;
         self.buf.resize(n, 0);
         bytes.copy_to(&mut self.buf[..n]);
+        let progress = self.scanner.progress();
         let emit = self.scanner.push(&self.buf[..n]);
+        // A keep-alive comment is no sign of the engine's progress: the idle timer runs on.
+        if self.scanner.progress() != progress {
+            self.last_chunk_ms = crate::platform::http::now_ms();
+        }
         if self.splice.is_some() {
             let out = match emit {
                 Emit::Whole => self.buf[..n].to_vec(),
@@ -389,6 +394,26 @@ impl Relay {
                 _ if client_signal.aborted() => Piped::Cancelled,
                 Ok(gone) if gone.as_bool() == Some(true) => Piped::Cancelled,
                 Err(_) if self.client_gone() => Piped::Cancelled,
+                // vLLM reported a failure inside the stream (`data: {"error": ...}`, then
+                // `data: [DONE]`): the backend failed; the scanner kept the event and everything
+                // after it from the client.
+                _ if self.state.borrow().scanner.error().is_some() => {
+                    let message = self
+                        .state
+                        .borrow()
+                        .scanner
+                        .error()
+                        .unwrap_or("")
+                        .to_string();
+                    worker::console_error!(
+                        "stream from backend {backend} reported an error: {message}"
+                    );
+                    Piped::Failed(StreamFailure {
+                        kind: OutcomeKind::ServerError,
+                        code: "upstream_stream_error",
+                        message: format!("The backend ({backend}) reported an error while streaming; the response is incomplete."),
+                    })
+                }
                 // The upstream can end normally after the client hung up; the close then fails.
                 // A backend that closed its stream early without an error (a close-delimited
                 // body cut short, or no `data: [DONE]`) failed as much as one that reset the
