@@ -222,21 +222,18 @@ fn text_field<'a>(obj: &'a serde_json::Map<String, serde_json::Value>, key: &str
         .unwrap_or("")
 }
 
-/// Whether a 503 body is vLLM's load shedding (`QueueOverflowError`, `MaxQueuedTokensError`):
-/// an OpenAI error of type `Service Unavailable`, or a message saying the engine is busy or its
-/// queue is full.
+/// Whether a 503 body is vLLM's load shedding (`QueueOverflowError`, `MaxQueuedTokensError`,
+/// `vllm/exceptions.py` 0.34): an OpenAI error of type `Service Unavailable` (exactly: other
+/// 503s, such as a server error of type `ServiceUnavailableError`, are failures), or one of
+/// their two messages.
 pub fn is_load_shedding(body: &[u8]) -> bool {
     let Some(e) = error_object(body) else {
         return false;
     };
-    let kind = text_field(&e, "type")
-        .to_ascii_lowercase()
-        .replace(['_', ' '], "");
     let message = text_field(&e, "message").to_ascii_lowercase();
-    kind == "serviceunavailable"
-        || kind == "serviceunavailableerror"
+    text_field(&e, "type").eq_ignore_ascii_case("Service Unavailable")
         || message.contains("cannot accept new requests")
-        || (message.contains("queue") && (message.contains("full") || message.contains("token")))
+        || message.contains("prefill token backlog limit")
 }
 
 /// Whether a 404 body is vLLM's "model does not exist" answer: an OpenAI-style error (nested
@@ -367,12 +364,14 @@ mod tests {
     fn vllm_error_answers_are_judged_by_status_and_body() {
         let busy = br#"{"error":{"message":"The engine is currently busy and cannot accept new requests. Please try again later or on a different instance.","type":"Service Unavailable","param":null,"code":503}}"#;
         assert_eq!(judge_answer(503, busy), AnswerVerdict::Load { shed: true });
-        let tokens = br#"{"error":{"message":"The engine's queue of prefill tokens is full.","type":"Service Unavailable","param":null,"code":503}}"#;
+        let tokens = br#"{"error":{"message":"The engine has reached its prefill token backlog limit. Please try again later or on a different instance.","type":"Service Unavailable","param":null,"code":503}}"#;
         assert_eq!(
             judge_answer(503, tokens),
             AnswerVerdict::Load { shed: true }
         );
         assert_eq!(judge_answer(503, b"upstream down"), AnswerVerdict::Backend);
+        let failing = br#"{"error":{"message":"Simulated server error","type":"ServiceUnavailableError","code":503}}"#;
+        assert_eq!(judge_answer(503, failing), AnswerVerdict::Backend);
         assert_eq!(
             judge_answer(
                 503,

@@ -381,6 +381,12 @@ fn event_ends(chunk: &[u8]) -> (u32, u32) {
     (data, comments)
 }
 
+/// Whether a chunk is only SSE comments and blank lines (vLLM's keep-alive): no sign of the
+/// engine's progress. A chunk with anything else (a whole event or part of one) is.
+pub fn is_keep_alive(chunk: &[u8]) -> bool {
+    !chunk.is_empty() && is_comment(chunk)
+}
+
 /// Whether an event is only SSE comments (lines starting with `:`, such as vLLM's keep-alive)
 /// and blank lines: no data, no token.
 fn is_comment(event: &[u8]) -> bool {
@@ -760,6 +766,12 @@ mod tests {
         assert_eq!(s.answer_events(), 1);
         assert_eq!(s.progress(), 3);
         assert!(s.complete());
+        assert!(is_keep_alive(KEEP_ALIVE.as_bytes()));
+        assert!(
+            !is_keep_alive(&TOKEN.as_bytes()[..10]),
+            "part of an event is progress"
+        );
+        assert!(!is_keep_alive(mixed.as_bytes()));
     }
 
     #[test]

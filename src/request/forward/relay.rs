@@ -30,7 +30,7 @@ use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
 use routing_core::stream::resume::{Partial, Splice};
-use routing_core::stream::usage::{Emit, StreamScanner, Usage};
+use routing_core::stream::usage::{is_keep_alive, Emit, StreamScanner, Usage};
 use serde_json::json;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -141,12 +141,11 @@ impl State {
         let n = bytes.length() as usize;
         self.buf.resize(n, 0);
         bytes.copy_to(&mut self.buf[..n]);
-        let progress = self.scanner.progress();
-        let emit = self.scanner.push(&self.buf[..n]);
         // A keep-alive comment is no sign of the engine's progress: the idle timer runs on.
-        if self.scanner.progress() != progress {
+        if !is_keep_alive(&self.buf[..n]) {
             self.last_chunk_ms = crate::platform::http::now_ms();
         }
+        let emit = self.scanner.push(&self.buf[..n]);
         if self.splice.is_some() {
             let out = match emit {
                 Emit::Whole => self.buf[..n].to_vec(),
@@ -296,6 +295,8 @@ impl Relay {
         st.answers_before += st.scanner.answer_events();
         st.scanner = StreamScanner::new(st.strip_usage_event);
         st.splice = Some(splice);
+        // Its first chunk has just arrived: the idle time starts again.
+        st.last_chunk_ms = crate::platform::http::now_ms();
     }
 
     /// A number or flag of the pump's status object.
