@@ -59,7 +59,10 @@ impl ProbeReport {
                 self.health_status = Some(status);
                 self.error = Some(format!("/health answered {status}"));
             }
-            Err(e) => self.error = Some(format!("/health: {e}")),
+            Err(e) => {
+                self.error = Some(format!("/health: {e}"));
+                self.result.unreachable = true;
+            }
         }
         self.result.ok
     }

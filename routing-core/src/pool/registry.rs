@@ -7,11 +7,15 @@ use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
 use crate::backend::breaker::CircuitBreaker;
 use crate::backend::cost::InFlight;
-use crate::backend::health::{Health, HealthTransition, ProbeVerdict};
+use crate::backend::health::{Health, HealthState, HealthTransition, ProbeVerdict};
 use crate::backend::held_blocks::HeldBlocks;
 use crate::backend::time_model::BackendTiming;
 use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle};
 use crate::pool::shard::ShardLoad;
+
+/// How long after its registration a backend that cannot be reached counts as still starting
+/// (vLLM loading a large model listens only when it is done): 15 minutes.
+pub const STARTUP_GRACE_MS: u64 = 15 * 60_000;
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
 const MIN_SCRAPED_TOKENS: f64 = 50.0;
@@ -157,7 +161,14 @@ impl Pool {
         let health_config = self.config.health;
         let time_model = self.config.time_model;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
-        let verdict = if probe.loading {
+        // vLLM 0.34 refuses connections while it loads: a backend starting up (never yet
+        // healthy, within STARTUP_GRACE_MS of its registration) or seen loading, that cannot be
+        // reached, is still loading, not down.
+        let starting = entry.health.state == HealthState::Loading
+            || (entry.health.state == HealthState::Unknown
+                && entry.lifecycle == Lifecycle::Pending
+                && now_ms.saturating_sub(entry.added_ms) < STARTUP_GRACE_MS);
+        let verdict = if probe.loading || (probe.unreachable && starting) {
             ProbeVerdict::Loading
         } else if probe.ok {
             ProbeVerdict::Up
@@ -366,6 +377,45 @@ mod tests {
         // Its series come back: known again.
         pool.record_probe(&b1, &scrape(0.0, 0.0), 3).unwrap();
         assert!(!pool.backend(&b1).unwrap().load_unknown);
+    }
+
+    #[test]
+    fn a_starting_backend_that_refuses_connections_is_loading_not_down() {
+        let mut pool = Pool::new("p1", crate::pool::PoolConfig::default());
+        pool.add_backend(crate::pool::test_support::spec("b0"), 0)
+            .unwrap();
+        let id = BackendId::from("b0");
+        let refused = ProbeResult {
+            unreachable: true,
+            ..ProbeResult::default()
+        };
+        for t in 1..=5 {
+            pool.record_probe(&id, &refused, t * 1000).unwrap();
+        }
+        let v = pool.backend(&id).unwrap();
+        assert_eq!(
+            v.health,
+            HealthState::Loading,
+            "vLLM 0.34 refuses while loading"
+        );
+        assert_eq!(v.lifecycle, Lifecycle::Pending, "not ready");
+        pool.record_probe(&id, &crate::pool::test_support::up(), 6000)
+            .unwrap();
+        assert_eq!(pool.backend(&id).unwrap().health, HealthState::Healthy);
+        // Once it served, a refused connection is a backend down, as before.
+        for t in 7..=12 {
+            pool.record_probe(&id, &refused, t * 1000).unwrap();
+        }
+        assert_eq!(pool.backend(&id).unwrap().health, HealthState::Unhealthy);
+        // A backend that never answers is not "starting" for ever.
+        pool.add_backend(crate::pool::test_support::spec("b1"), 0)
+            .unwrap();
+        let b1 = BackendId::from("b1");
+        for t in 0..5 {
+            pool.record_probe(&b1, &refused, STARTUP_GRACE_MS + t)
+                .unwrap();
+        }
+        assert_eq!(pool.backend(&b1).unwrap().health, HealthState::Unhealthy);
     }
 
     #[test]

@@ -132,6 +132,10 @@ pub struct ProbeResult {
     /// vLLM's load series (`--disable-log-stats`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub load_unknown: bool,
+    /// `/health` could not be reached at all (connection refused, reset, timeout): what vLLM
+    /// 0.34 does while it loads its model (it listens only once loaded).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unreachable: bool,
 }
 
 impl VllmMetrics {
