@@ -133,6 +133,18 @@ impl ApiError {
         .with_param("model")
     }
 
+    /// 404 `model_does_not_support_endpoint`: the model's servers have no such route (vLLM
+    /// registers only the routes of its model's task: no embeddings for a chat model).
+    pub fn model_does_not_support(model: &str, what: &str) -> Self {
+        Self::new(
+            404,
+            ErrorKind::InvalidRequest,
+            Some("model_does_not_support_endpoint"),
+            format!("The model `{model}` does not support {what}."),
+        )
+        .with_param("model")
+    }
+
     /// 405: the route exists but not with this method.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(

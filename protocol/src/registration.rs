@@ -106,6 +106,7 @@ pub fn validate_registration(reg: BackendRegistration) -> Result<BackendSpec, Ap
             max_num_seqs: reg.max_num_seqs.unwrap_or(defaults.max_num_seqs),
             kv_blocks: reg.kv_blocks.unwrap_or(defaults.kv_blocks),
             block_size: reg.block_size.unwrap_or(defaults.block_size),
+            kv_tokens: 0,
         },
     };
     spec.validate()

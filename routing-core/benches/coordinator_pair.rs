@@ -68,6 +68,7 @@ fn pool() -> (Pool, u64) {
                 kv_blocks: KV_BLOCKS,
                 block_size: BLOCK_TOKENS,
                 max_num_seqs: 256,
+                kv_tokens: 0,
             },
             ..BackendSpec::default()
         };

@@ -122,6 +122,7 @@ fn spec(id: &str) -> BackendSpec {
         models: vec!["m".into()],
         capacity: Capacity {
             kv_blocks: 64,
+            block_size: 16,
             ..Capacity::default()
         },
         ..BackendSpec::default()

@@ -18,6 +18,7 @@ fn shards(n: u32) -> Vec<Pool> {
         kv_blocks: 4_096,
         block_size: 16,
         max_num_seqs: 64,
+        kv_tokens: 0,
     };
     (0..n)
         .map(|s| {

@@ -57,11 +57,17 @@ pub async fn handle(
         None => admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?,
     };
     let body = http::read_body_limited(&mut req, settings.max_body_bytes).await?;
-    let parsed: Value = serde_json::from_slice(&body)
+    let mut parsed: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
     if !parsed.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
+    // vLLM does not authenticate `kv_transfer_params`: only the gateway's own disaggregated
+    // prefill/decode sets them, never a client.
+    let body = match context::drop_transfer_params(&mut parsed) {
+        true => serde_json::to_vec(&parsed).map_err(|e| ApiError::internal(e.to_string()))?,
+        false => body,
+    };
     // Read in place: `Headers::clone` would copy them into a new platform object.
     let headers = req.headers();
     let header = |name: &str| headers.get(name).ok().flatten();

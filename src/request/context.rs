@@ -104,6 +104,15 @@ pub(crate) fn forwarded_headers(
     Ok(out)
 }
 
+/// Takes a client's `kv_transfer_params` out of its body (vLLM trusts them: they name remote
+/// blocks and engines to pull from); says whether there were any. Only the gateway's own
+/// prefill/decode requests carry them (`proxy.rs`).
+pub(crate) fn drop_transfer_params(parsed: &mut Value) -> bool {
+    parsed
+        .as_object_mut()
+        .is_some_and(|obj| obj.remove("kv_transfer_params").is_some())
+}
+
 /// Makes a streamed request ask for the usage event (`stream_options.include_usage`). Returns the
 /// body to send upstream and whether the event must be taken out again (the client did not ask).
 /// vLLM's `continuous_usage_stats` only applies with `include_usage`, so a client that set it

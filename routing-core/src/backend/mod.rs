@@ -111,6 +111,9 @@ impl Lifecycle {
     ];
 }
 
+/// vLLM's KV block size when a backend does not say (0.34's default).
+pub const DEFAULT_BLOCK_SIZE: u32 = 64;
+
 /// Capacity hints for the cost model, overridden by scraped values when a probe reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -119,8 +122,16 @@ pub struct Capacity {
     pub max_num_seqs: u32,
     /// KV-cache blocks on the GPU (`num_gpu_blocks`); 0 means unknown.
     pub kv_blocks: u64,
-    /// Tokens per KV block (vLLM's `--block-size`, default 16).
+    /// Tokens per KV block (vLLM's `--block-size`, default 64 as in vLLM 0.34).
     pub block_size: u32,
+    /// The KV capacity in tokens vLLM reports (`kv_cache_size_tokens`); 0 means unknown, and
+    /// then `kv_blocks * block_size` stands in.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_tokens: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Capacity {
@@ -128,9 +139,12 @@ impl Capacity {
     /// one 80 GB GPU.
     pub const DEFAULT_CAPACITY_TOKENS: u64 = 131_072;
 
-    /// KV capacity in tokens: `kv_blocks * block_size`, or the default when unknown.
+    /// KV capacity in tokens: what vLLM reports (`kv_cache_size_tokens`), else
+    /// `kv_blocks * block_size`, or the default when unknown.
     pub fn capacity_tokens(&self) -> u64 {
-        if self.kv_blocks > 0 && self.block_size > 0 {
+        if self.kv_tokens > 0 {
+            self.kv_tokens
+        } else if self.kv_blocks > 0 && self.block_size > 0 {
             self.kv_blocks.saturating_mul(u64::from(self.block_size))
         } else {
             Self::DEFAULT_CAPACITY_TOKENS
@@ -148,7 +162,8 @@ impl Default for Capacity {
         Capacity {
             max_num_seqs: 256,
             kv_blocks: 0,
-            block_size: 16,
+            block_size: DEFAULT_BLOCK_SIZE,
+            kv_tokens: 0,
         }
     }
 }
@@ -429,6 +444,13 @@ mod tests {
         };
         assert_eq!(c.capacity_tokens(), 16_000);
         assert_eq!(c.capacity_blocks(16), 1000);
+        // vLLM's own figure wins over blocks x size (wrong for hybrid models).
+        let reported = Capacity {
+            kv_tokens: 12_345,
+            ..c
+        };
+        assert_eq!(reported.capacity_tokens(), 12_345);
+        assert_eq!(Capacity::default().block_size, 64);
         assert_eq!(
             Capacity::default().capacity_tokens(),
             Capacity::DEFAULT_CAPACITY_TOKENS

@@ -6,6 +6,10 @@
 //! several engines or models exports one sample per label set: queue gauges and counters are
 //! summed, usage is averaged. The parser never fails: lines it does not understand are skipped,
 //! so a strange page yields `None`s, never an error.
+//!
+//! A page without any of the load series (vLLM with `--disable-log-stats` exports no `vllm:*`
+//! series at all) says nothing about the backend's load: [`VllmMetrics::has_load`] is false, and
+//! the pool marks the backend "load unknown" rather than reading the missing series as zero.
 
 use serde::{Deserialize, Serialize};
 
@@ -25,6 +29,20 @@ pub struct ScrapedGauges {
     pub kv_blocks: Option<u64>,
     /// Tokens per KV block: the `block_size` label of `vllm:cache_config_info`.
     pub block_size: Option<u32>,
+    /// The true KV capacity in tokens: the `kv_cache_size_tokens` label of
+    /// `vllm:cache_config_info` (vLLM 0.34; `block_size x num_gpu_blocks` is wrong for hybrid
+    /// models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_tokens: Option<u64>,
+}
+
+impl VllmMetrics {
+    /// Whether the page reports the backend's load (any of the waiting, running or KV-usage
+    /// series): a page without them leaves the load unknown.
+    pub fn has_load(&self) -> bool {
+        let g = &self.gauges;
+        g.waiting.is_some() || g.running.is_some() || g.kv_usage.is_some()
+    }
 }
 
 /// The routing-relevant figures of one `/metrics` page: the load gauges and the counters read
@@ -112,6 +130,9 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
                 if let Some(v) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
                     out.gauges.block_size = Some(v);
                 }
+                if let Some(v) = label(labels, "kv_cache_size_tokens").and_then(parse_count) {
+                    out.gauges.kv_cache_tokens = Some(v);
+                }
             }
             _ => {}
         }
@@ -129,6 +150,16 @@ pub fn parse_vllm_metrics(text: &str) -> VllmMetrics {
         _ => (tpot_sum_old.sum(), tpot_count_old.sum()),
     };
     out
+}
+
+/// A label's count, written as an integer or as a float (`"1.2e+06"`).
+fn parse_count(v: &str) -> Option<u64> {
+    v.parse::<u64>().ok().or_else(|| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .map(|f| f as u64)
+    })
 }
 
 /// Splits `name{labels} value [timestamp]` into its parts.
@@ -211,6 +242,22 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4096"}
         assert_eq!(m.prefix_cache_hits, Some(400.0));
         assert_eq!(m.gauges.kv_blocks, Some(4096));
         assert_eq!(m.gauges.block_size, Some(16));
+    }
+
+    #[test]
+    fn a_page_without_vllm_series_has_no_load_and_kv_capacity_comes_from_its_label() {
+        // vLLM with --disable-log-stats: no vllm:* series at all.
+        let bare =
+            "# HELP python_gc_objects_collected_total x\npython_gc_objects_collected_total 12\n";
+        let m = parse_vllm_metrics(bare);
+        assert!(!m.has_load());
+        assert_eq!(m.gauges.waiting, None);
+        assert!(parse_vllm_metrics(NEW).has_load());
+        let info = "vllm:cache_config_info{block_size=\"64\",num_gpu_blocks=\"1000\",kv_cache_size_tokens=\"48000\"} 1.0\n";
+        let m = parse_vllm_metrics(info);
+        assert_eq!(m.gauges.block_size, Some(64));
+        assert_eq!(m.gauges.kv_cache_tokens, Some(48_000));
+        assert!(!m.has_load(), "configuration is no load");
     }
 
     #[test]

@@ -59,7 +59,10 @@ impl ProbeReport {
                 self.health_status = Some(status);
                 self.error = Some(format!("/health answered {status}"));
             }
-            Err(e) => self.error = Some(format!("/health: {e}")),
+            Err(e) => {
+                self.error = Some(format!("/health: {e}"));
+                self.result.unreachable = true;
+            }
         }
         self.result.ok
     }
@@ -109,7 +112,8 @@ impl ProbeReport {
         }
     }
 
-    /// Reads `/metrics`' answer: the gauges routing uses, when the page came with a 200.
+    /// Reads `/metrics`' answer: the gauges routing uses, when the page came with a 200. A page
+    /// without vLLM's load series, or no page, leaves the backend's load unknown.
     pub fn read_metrics(&mut self, answer: Result<ProbeAnswer, String>) {
         if let Ok(ProbeAnswer {
             status: 200, body, ..
@@ -118,6 +122,7 @@ impl ProbeReport {
             self.metrics = parse_vllm_metrics(&body);
             self.metrics.apply_to(&mut self.result);
         }
+        self.result.load_unknown = !self.metrics.has_load();
     }
 }
 

@@ -36,6 +36,7 @@ mod tests {
             max_num_seqs: 2,
             kv_blocks: 0,
             block_size: 16,
+            kv_tokens: 0,
         };
         let mut f = InFlight::default();
         assert!(
@@ -57,6 +58,7 @@ mod tests {
             max_num_seqs: 100,
             kv_blocks: 10,
             block_size: 16,
+            kv_tokens: 0,
         };
         let mut g = InFlight::default();
         g.add(100, 40);

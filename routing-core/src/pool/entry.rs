@@ -25,6 +25,12 @@ pub(super) struct BackendEntry {
     pub(super) in_flight: InFlight,
     pub(super) probed_models: Option<Vec<String>>,
     pub(super) scraped: ScrapedGauges,
+    /// The last scrape did not report the backend's load (no `vllm:*` series): its `scraped`
+    /// load gauges are empty, and it is priced with `assumed_load`.
+    pub(super) load_unknown: bool,
+    /// The load assumed while it is unknown: the most loaded known backend's (see
+    /// `Pool::assume_unknown_loads`).
+    pub(super) assumed_load: ScrapedGauges,
     pub(super) added_ms: u64,
     pub(super) stats: BackendStats,
     /// Learned rates and the virtual prefill queue.
@@ -100,6 +106,9 @@ impl BackendEntry {
         if let Some(size) = self.scraped.block_size.filter(|&s| s > 0) {
             c.block_size = size;
         }
+        if let Some(tokens) = self.scraped.kv_cache_tokens.filter(|&t| t > 0) {
+            c.kv_tokens = tokens;
+        }
         if let Some((seqs, _)) = self.learned_seqs {
             c.max_num_seqs = c.max_num_seqs.min(seqs.max(1));
         }
@@ -145,12 +154,21 @@ impl BackendEntry {
         (self.remote.backlog_ms - now_ms.saturating_sub(self.remote_at_ms) as f64).max(0.0)
     }
 
+    /// The load gauges routing prices with: the scraped ones, or while the load is unknown the
+    /// assumed ones (never a missing series read as zero).
+    pub(super) fn load_gauges(&self) -> ScrapedGauges {
+        match self.load_unknown {
+            true => self.assumed_load,
+            false => self.scraped,
+        }
+    }
+
     pub(super) fn load(&self, queue_weight: f64, twins: f64) -> f64 {
         let c = self.capacity();
         backend_load(
             &self.all_in_flight(twins),
             c.capacity_tokens(),
-            self.scraped.waiting.unwrap_or(0.0),
+            self.load_gauges().waiting.unwrap_or(0.0),
             c.max_num_seqs,
             queue_weight,
         )

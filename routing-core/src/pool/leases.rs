@@ -360,8 +360,8 @@ impl Pool {
         let Some(entry) = self.entries_key(share.backend) else {
             return false;
         };
-        let waiting = entry.scraped.waiting.unwrap_or(0.0);
-        let running = entry.scraped.running.unwrap_or(0.0);
+        let waiting = entry.load_gauges().waiting.unwrap_or(0.0);
+        let running = entry.load_gauges().running.unwrap_or(0.0);
         waiting >= 1.0 && running >= f64::from(entry.capacity().max_num_seqs.max(1))
     }
 

@@ -395,6 +395,7 @@ impl Pool {
             added_ms: e.added_ms,
             last_probe_ms: e.health.last_probe_ms,
             scraped: e.scraped,
+            load_unknown: e.load_unknown,
             timing: e.timing.view(&self.config.time_model, self.now_hint_ms),
         })
     }

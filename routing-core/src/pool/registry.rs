@@ -7,11 +7,15 @@ use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
 use crate::backend::breaker::CircuitBreaker;
 use crate::backend::cost::InFlight;
-use crate::backend::health::{Health, HealthTransition, ProbeVerdict};
+use crate::backend::health::{Health, HealthState, HealthTransition, ProbeVerdict};
 use crate::backend::held_blocks::HeldBlocks;
 use crate::backend::time_model::BackendTiming;
 use crate::backend::{BackendId, BackendKey, BackendPatch, BackendSpec, Lifecycle};
 use crate::pool::shard::ShardLoad;
+
+/// How long after its registration a backend that cannot be reached counts as still starting
+/// (vLLM loading a large model listens only when it is done): 15 minutes.
+pub const STARTUP_GRACE_MS: u64 = 15 * 60_000;
 
 /// Fewest output tokens between two scrapes for their time per token to teach the time model.
 const MIN_SCRAPED_TOKENS: f64 = 50.0;
@@ -45,6 +49,8 @@ impl Pool {
             in_flight: InFlight::default(),
             probed_models: None,
             scraped: ScrapedGauges::default(),
+            load_unknown: false,
+            assumed_load: ScrapedGauges::default(),
             added_ms: now_ms,
             stats: BackendStats::default(),
             timing: BackendTiming::default(),
@@ -155,7 +161,14 @@ impl Pool {
         let health_config = self.config.health;
         let time_model = self.config.time_model;
         let entry = self.entry_mut(slot).ok_or_else(|| unknown(id))?;
-        let verdict = if probe.loading {
+        // vLLM 0.34 refuses connections while it loads: a backend starting up (never yet
+        // healthy, within STARTUP_GRACE_MS of its registration) or seen loading, that cannot be
+        // reached, is still loading, not down.
+        let starting = entry.health.state == HealthState::Loading
+            || (entry.health.state == HealthState::Unknown
+                && entry.lifecycle == Lifecycle::Pending
+                && now_ms.saturating_sub(entry.added_ms) < STARTUP_GRACE_MS);
+        let verdict = if probe.loading || (probe.unreachable && starting) {
             ProbeVerdict::Loading
         } else if probe.ok {
             ProbeVerdict::Up
@@ -175,6 +188,18 @@ impl Pool {
         }
         let finite = |x: Option<f64>| x.filter(|v| v.is_finite() && *v >= 0.0);
         let page = &probe.metrics;
+        if probe.ok && probe.load_unknown && !page.has_load() {
+            // The scrape said nothing of its load (no page, or one without vLLM's series): not
+            // zero, and not the last value either. Priced as the most loaded known backend.
+            entry.load_unknown = true;
+            entry.scraped.waiting = None;
+            entry.scraped.running = None;
+            entry.scraped.kv_usage = None;
+            entry.external_running = 0.0;
+            entry.external_waiting = 0.0;
+        } else if page.has_load() {
+            entry.load_unknown = false;
+        }
         let scraped = &mut entry.scraped;
         scraped.waiting = finite(page.gauges.waiting).or(scraped.waiting);
         scraped.running = finite(page.gauges.running).or(scraped.running);
@@ -203,7 +228,16 @@ impl Pool {
             }
             entry.tpot_scraped = Some((sum, count));
         }
-        let before = (scraped.kv_blocks, scraped.block_size);
+        let before = (
+            scraped.kv_blocks,
+            scraped.block_size,
+            scraped.kv_cache_tokens,
+        );
+        scraped.kv_cache_tokens = page
+            .gauges
+            .kv_cache_tokens
+            .filter(|&t| t > 0)
+            .or(scraped.kv_cache_tokens);
         scraped.kv_blocks = page
             .gauges
             .kv_blocks
@@ -214,10 +248,38 @@ impl Pool {
             .block_size
             .filter(|&b| b > 0)
             .or(scraped.block_size);
-        if (scraped.kv_blocks, scraped.block_size) != before {
+        if (
+            scraped.kv_blocks,
+            scraped.block_size,
+            scraped.kv_cache_tokens,
+        ) != before
+        {
             self.sync_affinity_capacity(slot);
         }
+        self.assume_unknown_loads();
         Ok(transition)
+    }
+
+    /// Gives every backend whose load is unknown the load of the most loaded known one (the
+    /// largest waiting queue, running batch and KV usage scraped), so it is priced
+    /// conservatively; with no known backend, only the gateway's own leases count.
+    fn assume_unknown_loads(&mut self) {
+        let mut most = ScrapedGauges::default();
+        let max = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, None) => x,
+            (None, y) => y,
+        };
+        for e in self.entries().filter(|e| !e.load_unknown) {
+            most.waiting = max(most.waiting, e.scraped.waiting);
+            most.running = max(most.running, e.scraped.running);
+            most.kv_usage = max(most.kv_usage, e.scraped.kv_usage);
+        }
+        for slot in 0..self.slots.len() as u32 {
+            if let Some(e) = self.entry_mut(slot).filter(|e| e.load_unknown) {
+                e.assumed_load = most;
+            }
+        }
     }
 
     /// Records that backend `id` now holds a request's prompt prefix: after a retry, the backend
@@ -275,6 +337,82 @@ mod tests {
             },
             ..ProbeResult::default()
         }
+    }
+
+    #[test]
+    fn a_scrape_without_vllm_series_is_load_unknown_and_priced_as_the_most_loaded() {
+        let mut pool = pool_with(PolicyKind::PredictedLatency, 2);
+        let (b0, b1) = (BackendId::from("b0"), BackendId::from("b1"));
+        pool.record_probe(&b0, &scrape(4.0, 6.0), 1).unwrap();
+        pool.record_probe(&b1, &scrape(1.0, 0.0), 1).unwrap();
+        let idle_load = pool.backend(&b1).unwrap().load;
+        // b1 restarts with --disable-log-stats: its page has no vllm:* series.
+        let bare = ProbeResult {
+            ok: true,
+            load_unknown: true,
+            ..ProbeResult::default()
+        };
+        pool.record_probe(&b1, &bare, 2).unwrap();
+        let view = pool.backend(&b1).unwrap();
+        assert!(view.load_unknown);
+        assert_eq!(
+            (view.scraped.waiting, view.scraped.running),
+            (None, None),
+            "never the last value kept"
+        );
+        assert!(
+            view.load > idle_load,
+            "priced as loaded as b0, not as empty: {} vs {idle_load}",
+            view.load
+        );
+        let mut page = String::new();
+        pool.render_metrics(&mut page);
+        assert!(
+            page.contains(r#"llm_gateway_backend_load_unknown{pool="p1",backend="b1"} 1"#),
+            "{page}"
+        );
+        // Its series come back: known again.
+        pool.record_probe(&b1, &scrape(0.0, 0.0), 3).unwrap();
+        assert!(!pool.backend(&b1).unwrap().load_unknown);
+    }
+
+    #[test]
+    fn a_starting_backend_that_refuses_connections_is_loading_not_down() {
+        let mut pool = Pool::new("p1", crate::pool::PoolConfig::default());
+        pool.add_backend(crate::pool::test_support::spec("b0"), 0)
+            .unwrap();
+        let id = BackendId::from("b0");
+        let refused = ProbeResult {
+            unreachable: true,
+            ..ProbeResult::default()
+        };
+        for t in 1..=5 {
+            pool.record_probe(&id, &refused, t * 1000).unwrap();
+        }
+        let v = pool.backend(&id).unwrap();
+        assert_eq!(
+            v.health,
+            HealthState::Loading,
+            "vLLM 0.34 refuses while loading"
+        );
+        assert_eq!(v.lifecycle, Lifecycle::Pending, "not ready");
+        pool.record_probe(&id, &crate::pool::test_support::up(), 6000)
+            .unwrap();
+        assert_eq!(pool.backend(&id).unwrap().health, HealthState::Healthy);
+        // Once it served, a refused connection is a backend down, as before.
+        for t in 7..=12 {
+            pool.record_probe(&id, &refused, t * 1000).unwrap();
+        }
+        assert_eq!(pool.backend(&id).unwrap().health, HealthState::Unhealthy);
+        // A backend that never answers is not "starting" for ever.
+        pool.add_backend(crate::pool::test_support::spec("b1"), 0)
+            .unwrap();
+        let b1 = BackendId::from("b1");
+        for t in 0..5 {
+            pool.record_probe(&b1, &refused, STARTUP_GRACE_MS + t)
+                .unwrap();
+        }
+        assert_eq!(pool.backend(&b1).unwrap().health, HealthState::Unhealthy);
     }
 
     #[test]

@@ -67,7 +67,7 @@ const HEALTH_STATES: [HealthState; 4] = [
 ];
 
 /// The families with a series per backend, in page order.
-fn backend_families<'r>() -> [Family<BackendReport<'r>>; 20] {
+fn backend_families<'r>() -> [Family<BackendReport<'r>>; 22] {
     [
         Kind::Counter.family(
             "llm_gateway_requests_total",
@@ -81,6 +81,16 @@ fn backend_families<'r>() -> [Family<BackendReport<'r>>; 20] {
                 let outcomes = OutcomeKind::ALL.map(|k| (k.as_str(), e.stats.outcomes[k.index()]));
                 each(s, e, "outcome", outcomes.map(|(k, n)| (k, n as f64)))
             },
+        ),
+        Kind::Counter.family(
+            "llm_gateway_backend_shed_total",
+            "Requests the backend shed with vLLM's 503 load shedding (load, not failure: the next backend was tried).",
+            |e, s| one(s, e, e.stats.shed as f64),
+        ),
+        Kind::Gauge.family(
+            "llm_gateway_backend_load_unknown",
+            "1 when the backend's last scrape reported no load (no vllm:* series, e.g. --disable-log-stats): it is priced as the most loaded known backend.",
+            |e, s| one(s, e, f64::from(u8::from(e.view.load_unknown))),
         ),
         Kind::Counter.family(
             "llm_gateway_stream_resumes_total",

@@ -35,6 +35,9 @@ pub struct BackendStats {
     pub prediction_error: Histogram,
     /// Of those, first bytes that came later than predicted.
     pub predicted_late: u64,
+    /// Requests the backend shed: vLLM's 503 load shedding (`--max-num-queued-reqs` /
+    /// `--max-num-queued-tokens`), counted as load, not failure.
+    pub shed: u64,
 }
 
 impl BackendStats {
@@ -49,6 +52,7 @@ impl BackendStats {
     /// Counts one released share.
     pub fn record_outcome(&mut self, outcome: &Outcome, duration_ms: u64) {
         self.outcomes[outcome.kind.index()] += 1;
+        self.shed += u64::from(outcome.is_load_shed());
         if let Some(ttfb) = outcome.ttfb_ms {
             self.ttfb.observe(ttfb);
         }

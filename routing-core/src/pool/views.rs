@@ -128,6 +128,14 @@ pub struct ProbeResult {
     /// What `/metrics` said (flattened: the JSON keeps one flat object).
     #[serde(flatten)]
     pub metrics: VllmMetrics,
+    /// The scrape did not report the backend's load: `/metrics` gave no page, or one without
+    /// vLLM's load series (`--disable-log-stats`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub load_unknown: bool,
+    /// `/health` could not be reached at all (connection refused, reset, timeout): what vLLM
+    /// 0.34 does while it loads its model (it listens only once loaded).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unreachable: bool,
 }
 
 impl VllmMetrics {
@@ -188,6 +196,9 @@ pub struct BackendView {
     pub last_probe_ms: Option<u64>,
     /// Scraped gauges.
     pub scraped: ScrapedGauges,
+    /// Its last scrape reported no load (no `vllm:*` series): priced as the most loaded known
+    /// backend until a scrape reports it again.
+    pub load_unknown: bool,
     /// The backend's time model: learned rates and its prefill backlog.
     pub timing: TimingView,
 }

@@ -3,6 +3,14 @@
 //! The [`OutcomeKind`] decides who is to blame: only server errors, timeouts and transport errors
 //! count against a backend's circuit breaker. A 4xx is the client's fault, a client disconnect is
 //! nobody's, and a 429 means "busy", which marks the backend saturated for a moment instead.
+//!
+//! A backend's error answer before any byte reached the client is judged by [`judge_answer`] from
+//! its status and body, because vLLM says different things with the same status: a 503 with its
+//! load-shedding body (`--max-num-queued-reqs` / `--max-num-queued-tokens`: type `Service
+//! Unavailable`) is load, like a 429, not a failure; a 404 with its model-not-found body is a
+//! model the backend no longer serves; a 404 with FastAPI's `{"detail":"Not Found"}` is a route
+//! the server did not register for its model's task (embeddings on a chat model): an answer
+//! about the model, not a failure of the backend.
 
 use serde::{Deserialize, Serialize};
 
@@ -162,7 +170,99 @@ impl StreamResume {
     }
 }
 
+/// What a backend's error answer (before the first byte reached the client) means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerVerdict {
+    /// The backend's failure (a 5xx, a 3xx, a 401/403 for the gateway's key, a 404 that is no
+    /// answer vLLM gives): charged to its breaker, retried elsewhere.
+    Backend,
+    /// Load: a 429, or vLLM's 503 load shedding. No breaker charge; the backend is avoided for a
+    /// moment and the next one tried.
+    Load {
+        /// vLLM's 503 load shedding (counted as shed), not a 429.
+        shed: bool,
+    },
+    /// vLLM's 404 "model does not exist": the backend does not serve the model (any more).
+    ModelNotFound,
+    /// A 404 from the server's router (FastAPI's `{"detail":"Not Found"}`): the backend's model
+    /// does not serve the endpoint (its task has no such route). No breaker charge.
+    EndpointNotServed,
+    /// Any other 4xx: the request's, passed on to the client.
+    Client,
+}
+
+/// Judges a backend's non-2xx answer from its status and (the start of) its body.
+pub fn judge_answer(status: u16, body: &[u8]) -> AnswerVerdict {
+    match status {
+        429 => AnswerVerdict::Load { shed: false },
+        503 if is_load_shedding(body) => AnswerVerdict::Load { shed: true },
+        404 if is_model_not_found(body) => AnswerVerdict::ModelNotFound,
+        404 if is_route_not_found(body) => AnswerVerdict::EndpointNotServed,
+        401 | 403 | 404 => AnswerVerdict::Backend,
+        400..=499 => AnswerVerdict::Client,
+        _ => AnswerVerdict::Backend,
+    }
+}
+
+/// The error object of an OpenAI-style body: nested under `error`, or (older vLLM) the body.
+fn error_object(body: &[u8]) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let serde_json::Value::Object(mut top) = v else {
+        return None;
+    };
+    match top.remove("error") {
+        Some(serde_json::Value::Object(inner)) => Some(inner),
+        _ => Some(top),
+    }
+}
+
+fn text_field<'a>(obj: &'a serde_json::Map<String, serde_json::Value>, key: &str) -> &'a str {
+    obj.get(key)
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("")
+}
+
+/// Whether a 503 body is vLLM's load shedding (`QueueOverflowError`, `MaxQueuedTokensError`,
+/// `vllm/exceptions.py` 0.34): an OpenAI error of type `Service Unavailable` (exactly: other
+/// 503s, such as a server error of type `ServiceUnavailableError`, are failures), or one of
+/// their two messages.
+pub fn is_load_shedding(body: &[u8]) -> bool {
+    let Some(e) = error_object(body) else {
+        return false;
+    };
+    let message = text_field(&e, "message").to_ascii_lowercase();
+    text_field(&e, "type").eq_ignore_ascii_case("Service Unavailable")
+        || message.contains("cannot accept new requests")
+        || message.contains("prefill token backlog limit")
+}
+
+/// Whether a 404 body is vLLM's "model does not exist" answer: an OpenAI-style error (nested
+/// under `error` or, in older vLLM, at the top) of type `NotFoundError` or whose message says
+/// the model does not exist. A bare `{"detail":"Not Found"}` (no such route) is not.
+pub fn is_model_not_found(body: &[u8]) -> bool {
+    let Some(e) = error_object(body) else {
+        return false;
+    };
+    let message = text_field(&e, "message");
+    text_field(&e, "type") == "NotFoundError"
+        || (message.contains("model") && message.contains("does not exist"))
+}
+
+/// Whether a 404 body is FastAPI's answer for a route the server did not register
+/// (`{"detail":"Not Found"}`): vLLM registers only the routes of its model's task.
+pub fn is_route_not_found(body: &[u8]) -> bool {
+    let Ok(serde_json::Value::Object(v)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return false;
+    };
+    v.len() == 1 && v.get("detail").and_then(serde_json::Value::as_str) == Some("Not Found")
+}
+
 impl Outcome {
+    /// Whether this is vLLM's load shedding: a 503 judged as load (see [`judge_answer`]).
+    pub fn is_load_shed(&self) -> bool {
+        self.kind == OutcomeKind::RateLimited && self.status == Some(503)
+    }
+
     /// An outcome classified from an HTTP status, with no timing or token figures.
     pub fn from_status(status: u16) -> Outcome {
         Outcome {
@@ -258,6 +358,47 @@ mod tests {
             serde_json::from_str(r#"{"kind":"server_error","status":500,"request_fault":true}"#)
                 .unwrap();
         assert!(o.request_fault);
+    }
+
+    #[test]
+    fn vllm_error_answers_are_judged_by_status_and_body() {
+        let busy = br#"{"error":{"message":"The engine is currently busy and cannot accept new requests. Please try again later or on a different instance.","type":"Service Unavailable","param":null,"code":503}}"#;
+        assert_eq!(judge_answer(503, busy), AnswerVerdict::Load { shed: true });
+        let tokens = br#"{"error":{"message":"The engine has reached its prefill token backlog limit. Please try again later or on a different instance.","type":"Service Unavailable","param":null,"code":503}}"#;
+        assert_eq!(
+            judge_answer(503, tokens),
+            AnswerVerdict::Load { shed: true }
+        );
+        assert_eq!(judge_answer(503, b"upstream down"), AnswerVerdict::Backend);
+        let failing = br#"{"error":{"message":"Simulated server error","type":"ServiceUnavailableError","code":503}}"#;
+        assert_eq!(judge_answer(503, failing), AnswerVerdict::Backend);
+        assert_eq!(
+            judge_answer(
+                503,
+                br#"{"error":{"message":"boom","type":"InternalServerError"}}"#
+            ),
+            AnswerVerdict::Backend
+        );
+        assert_eq!(judge_answer(429, b""), AnswerVerdict::Load { shed: false });
+        let gone = br#"{"error":{"message":"The model `m` does not exist.","type":"NotFoundError","param":"model","code":404}}"#;
+        assert_eq!(judge_answer(404, gone), AnswerVerdict::ModelNotFound);
+        assert_eq!(
+            judge_answer(404, br#"{"detail":"Not Found"}"#),
+            AnswerVerdict::EndpointNotServed
+        );
+        assert_eq!(
+            judge_answer(404, b"<html>nginx</html>"),
+            AnswerVerdict::Backend
+        );
+        assert_eq!(judge_answer(403, b""), AnswerVerdict::Backend);
+        assert_eq!(judge_answer(400, b"{}"), AnswerVerdict::Client);
+        assert_eq!(judge_answer(500, b"{}"), AnswerVerdict::Backend);
+        let shed = Outcome {
+            kind: OutcomeKind::RateLimited,
+            ..Outcome::from_status(503)
+        };
+        assert!(shed.is_load_shed() && !shed.is_suspect_5xx());
+        assert!(!Outcome::from_status(429).is_load_shed());
     }
 
     #[test]

@@ -7,8 +7,17 @@
 //! asked for. [`StreamScanner`] does this on the byte path: it is fed each chunk as it passes, lets
 //! whole events through untouched, holds back only a trailing partial event until its end arrives
 //! (so an event can be dropped whole, and whatever the backend leaves unfinished never reaches the
-//! client), and parses JSON only for events that mention `"usage"`. Held-back bytes are bounded by
-//! [`MAX_HELD_BYTES`]: a longer event is let through as it comes.
+//! client), and parses JSON only for events that mention `"usage"` or `"error"`. Held-back bytes
+//! are bounded by [`MAX_HELD_BYTES`]: a longer event is let through as it comes.
+//!
+//! Two kinds of event carry no answer. An SSE comment (`: ...`, vLLM's keep-alive with
+//! `--sse-keep-alive-interval`) passes to the client but counts as no token: it is no first token
+//! ([`first_chunk`]), and it neither resets the relay's idle timer ([`StreamScanner::progress`])
+//! nor counts as output the key is charged for. An error event (`data: {"error": {...}}`, how
+//! vLLM reports a failure after its headers, followed by `data: [DONE]`) is the backend's failure,
+//! not the end of an answer: the scanner takes it and everything after it out of the client's
+//! stream ([`StreamScanner::error`]), the stream is not [`complete`](StreamScanner::complete), and
+//! the relay ends or resumes it as it does a broken connection.
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
@@ -101,8 +110,14 @@ pub struct StreamScanner {
     usage: Option<Usage>,
     stripped: bool,
     done: bool,
-    /// Events seen that carry an answer (neither `data: [DONE]` nor a usage-only event).
+    /// Events seen that carry an answer (neither `data: [DONE]` nor a usage-only event, a comment
+    /// or an error).
     answer_events: u32,
+    /// The backend's error event, when one came (everything from it on is taken out).
+    error: Option<String>,
+    /// Events other than comments seen, plus chunks of a long event let through: the backend's
+    /// progress, which a keep-alive comment does not make.
+    progress: u64,
 }
 
 impl StreamScanner {
@@ -130,22 +145,48 @@ impl StreamScanner {
         self.stripped
     }
 
-    /// Whether the stream so far is a complete OpenAI stream: `data: [DONE]` seen and no partial
-    /// event pending. A backend stream that ends without this was cut short.
+    /// Whether the stream so far is a complete OpenAI stream: `data: [DONE]` seen, no partial
+    /// event pending and no error event. A backend stream that ends without this was cut short
+    /// (or failed).
     pub fn complete(&self) -> bool {
-        self.done && self.held.is_empty() && !self.passing_long_event
+        self.done && self.held.is_empty() && !self.passing_long_event && self.error.is_none()
+    }
+
+    /// The message of the error event the backend sent, if it sent one: its failure.
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+
+    /// The backend's progress so far: events other than comments, and chunks of a long event.
+    /// A chunk that leaves it unchanged (a keep-alive comment) is not a sign of life from the
+    /// engine.
+    pub fn progress(&self) -> u64 {
+        self.progress
     }
 
     /// Feeds one chunk; says what to send the client for it.
     pub fn push(&mut self, chunk: &[u8]) -> Emit {
+        if self.error.is_some() {
+            // After an error event nothing of this backend's reaches the client.
+            return Emit::Bytes(Vec::new());
+        }
         if self.passing_long_event {
+            self.progress += 1;
             return self.push_long(chunk);
         }
         if self.held.is_empty() {
-            // The common chunk: whole events, none of them usage or the end. Nothing to parse.
+            // The common chunk: whole events, none of them usage, an error or the end. Nothing
+            // to parse.
             let whole_events = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\n\r\n");
-            if whole_events && !contains(chunk, b"usage\"") && !contains(chunk, b"[DONE]") {
-                self.answer_events = self.answer_events.saturating_add(event_ends(chunk));
+            if whole_events
+                && !contains(chunk, b"usage\"")
+                && !contains(chunk, b"[DONE]")
+                && !contains(chunk, b"\"error\"")
+            {
+                // Every event here that is not a comment carries an answer.
+                let (answers, _comments) = event_ends(chunk);
+                self.answer_events = self.answer_events.saturating_add(answers);
+                self.progress += u64::from(answers);
                 return Emit::Whole;
             }
             let (end, drop) = self.scan(chunk);
@@ -188,6 +229,7 @@ impl StreamScanner {
         }
         self.passing_long_event = true;
         self.answer_events = self.answer_events.saturating_add(1);
+        self.progress += 1;
         self.tail = last_two(rest);
         match emit {
             Emit::Prefix(_) if !chunk.is_empty() => Emit::Whole,
@@ -246,7 +288,7 @@ impl StreamScanner {
             };
             match after {
                 Some(event_end) => {
-                    if self.event(&bytes[start..event_end]) {
+                    if self.error.is_some() || self.event(&bytes[start..event_end]) {
                         drop.push((start, event_end));
                     }
                     start = event_end;
@@ -259,14 +301,29 @@ impl StreamScanner {
                 break;
             }
         }
+        if self.error.is_some() && end < bytes.len() {
+            // The partial event after an error is dropped too: nothing is held for it.
+            drop.push((end, bytes.len()));
+            end = bytes.len();
+        }
         (end, drop)
     }
 
     /// Looks at one complete event; returns whether to take it out of the stream.
     fn event(&mut self, event: &[u8]) -> bool {
+        if is_comment(event) {
+            return false;
+        }
+        self.progress += 1;
         if event.starts_with(b"data: [DONE]") || event.starts_with(b"data:[DONE]") {
             self.done = true;
             return false;
+        }
+        if contains(event, b"\"error\"") {
+            if let Some(message) = error_message(&event_data(event)) {
+                self.error = Some(message);
+                return true;
+            }
         }
         if !contains(event, b"usage\"") {
             self.answer_events = self.answer_events.saturating_add(1);
@@ -293,28 +350,140 @@ impl StreamScanner {
     }
 }
 
-/// How many events end in `chunk` (blank lines, `\n\n` or `\n\r\n`), for a chunk of whole events.
-fn event_ends(chunk: &[u8]) -> u32 {
-    let mut n = 0u32;
-    let mut i = 0;
+/// How many events end in `chunk` (blank lines, `\n\n` or `\n\r\n`), for a chunk of whole events:
+/// those that carry data, and those that are only comments.
+fn event_ends(chunk: &[u8]) -> (u32, u32) {
+    let (mut data, mut comments) = (0u32, 0u32);
+    let (mut start, mut i) = (0, 0);
     while let Some(off) = chunk[i..].iter().position(|&b| b == b'\n') {
         let lf = i + off;
-        match (chunk.get(lf + 1), chunk.get(lf + 2)) {
-            (Some(b'\n'), _) => {
-                n += 1;
-                i = lf + 2;
+        let end = match (chunk.get(lf + 1), chunk.get(lf + 2)) {
+            (Some(b'\n'), _) => Some(lf + 2),
+            (Some(b'\r'), Some(b'\n')) => Some(lf + 3),
+            _ => None,
+        };
+        match end {
+            Some(end) => {
+                if is_comment(&chunk[start..end]) {
+                    comments += 1;
+                } else {
+                    data += 1;
+                }
+                start = end;
+                i = end;
             }
-            (Some(b'\r'), Some(b'\n')) => {
-                n += 1;
-                i = lf + 3;
-            }
-            _ => i = lf + 1,
+            None => i = lf + 1,
         }
         if i >= chunk.len() {
             break;
         }
     }
-    n
+    (data, comments)
+}
+
+/// Whether a chunk is only SSE comments and blank lines (vLLM's keep-alive): no sign of the
+/// engine's progress. A chunk with anything else (a whole event or part of one) is.
+pub fn is_keep_alive(chunk: &[u8]) -> bool {
+    !chunk.is_empty() && is_comment(chunk)
+}
+
+/// Whether an event is only SSE comments (lines starting with `:`, such as vLLM's keep-alive)
+/// and blank lines: no data, no token.
+fn is_comment(event: &[u8]) -> bool {
+    event
+        .split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .all(|l| l.is_empty() || l.starts_with(b":"))
+}
+
+/// The message of an error event's data (`{"error": {"message": ...}}`, vLLM's error in a
+/// stream, or `{"error": "..."}`): `None` when the data is no error object. At most 512 bytes
+/// of the message are kept, for the log.
+fn error_message(data: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct ErrorEvent {
+        #[serde(default)]
+        error: Option<serde_json::Value>,
+    }
+    let event: ErrorEvent = serde_json::from_slice(data).ok()?;
+    let message = match &event.error? {
+        serde_json::Value::Object(e) => e
+            .get("message")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("")
+            .to_string(),
+        serde_json::Value::String(s) => s.clone(),
+        _ => return None,
+    };
+    let mut cut = message.len().min(512);
+    while !message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Some(message[..cut].to_string())
+}
+
+/// Whether a partial line could be the start of an error event (`data: {"error"`).
+fn may_be_error(line: &[u8]) -> bool {
+    let compact: Vec<u8> = line.iter().copied().filter(|b| *b != b' ').collect();
+    let want: &[u8] = b"data:{\"error\"";
+    let n = compact.len().min(want.len());
+    compact[..n] == want[..n]
+}
+
+/// What a stream's first chunk (or the first chunks read so far, joined) says of the answer,
+/// before the client is sent anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FirstChunk {
+    /// An answer begins: the first-byte check passes.
+    Answer,
+    /// Only keep-alive comments (or nothing whole yet): no first token yet, read on.
+    NoTokenYet,
+    /// The backend's first event is an error event (its message): the attempt failed, like a
+    /// first byte that never came.
+    Error(String),
+}
+
+/// Judges the first chunks of a stream: an error event before any answer fails the attempt, and
+/// comments alone are no first token. A partial event counts as an answer beginning unless it
+/// could still be an error event (`data: {"error"`), in which case more is read.
+pub fn first_chunk(bytes: &[u8]) -> FirstChunk {
+    let mut start = 0;
+    let mut i = 0;
+    while let Some(off) = bytes[i..].iter().position(|&b| b == b'\n') {
+        let lf = i + off;
+        let end = match (bytes.get(lf + 1), bytes.get(lf + 2)) {
+            (Some(b'\n'), _) => Some(lf + 2),
+            (Some(b'\r'), Some(b'\n')) => Some(lf + 3),
+            _ => None,
+        };
+        match end {
+            Some(end) => {
+                let event = &bytes[start..end];
+                if !is_comment(event) {
+                    return match error_message(&event_data(event)) {
+                        Some(m) => FirstChunk::Error(m),
+                        None => FirstChunk::Answer,
+                    };
+                }
+                start = end;
+                i = end;
+            }
+            None => i = lf + 1,
+        }
+        if i >= bytes.len() {
+            break;
+        }
+    }
+    let rest = &bytes[start..];
+    let text = rest
+        .split(|&b| b == b'\n')
+        .find(|l| !l.is_empty() && !l.starts_with(b":") && l != b"\r");
+    match text {
+        None => FirstChunk::NoTokenYet,
+        // A partial event that may be an error: wait for its end (bounded by the deadline).
+        Some(l) if rest.len() <= MAX_HELD_BYTES && may_be_error(l) => FirstChunk::NoTokenYet,
+        Some(_) => FirstChunk::Answer,
+    }
 }
 
 /// `bytes` without the given ranges (sorted, disjoint).
@@ -552,6 +721,76 @@ mod tests {
         let mut s = StreamScanner::new(true);
         assert_eq!(run(&mut s, &[bad.as_bytes()]), bad.as_bytes());
         assert_eq!(s.usage(), None);
+    }
+
+    const ERROR: &str = "data: {\"error\": {\"message\": \"KV load failed\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n";
+    const KEEP_ALIVE: &str = ": keep-alive\n\n";
+
+    #[test]
+    fn an_error_event_fails_the_stream_and_nothing_after_it_reaches_the_client() {
+        let all = format!("{TOKEN}{TOKEN}{ERROR}{DONE}");
+        let bytes = all.as_bytes();
+        for a in 0..bytes.len() {
+            let mut s = StreamScanner::new(true);
+            let out = run(&mut s, &[&bytes[..a], &bytes[a..]]);
+            assert_eq!(out, format!("{TOKEN}{TOKEN}").as_bytes(), "split at {a}");
+            assert_eq!(s.error(), Some("KV load failed"), "split at {a}");
+            assert!(!s.complete(), "[DONE] after an error is no success");
+            assert_eq!(s.answer_events(), 2, "the error is no output");
+        }
+        // As the first event, too.
+        let mut s = StreamScanner::new(false);
+        let first = format!("{ERROR}{DONE}");
+        assert!(run(&mut s, &[first.as_bytes()]).is_empty());
+        assert!(!s.complete());
+        // A chunk whose finish_reason is "error", or a content mentioning errors, is an answer.
+        let text = TOKEN.replace("\"hi\"", "\"the \\\"error\\\" was\"");
+        let reason = TOKEN.replace("}}]}", "},\"finish_reason\":\"error\"}]}");
+        let mut s = StreamScanner::new(false);
+        let ok = format!("{text}{reason}{DONE}");
+        assert_eq!(run(&mut s, &[ok.as_bytes()]), ok.as_bytes());
+        assert!(s.complete() && s.error().is_none());
+    }
+
+    #[test]
+    fn keep_alive_comments_pass_but_are_no_token_and_no_progress() {
+        let mut s = StreamScanner::new(false);
+        assert_eq!(s.push(KEEP_ALIVE.as_bytes()), Emit::Whole);
+        assert_eq!((s.answer_events(), s.progress()), (0, 0));
+        let mixed = format!("{KEEP_ALIVE}{TOKEN}{KEEP_ALIVE}");
+        assert_eq!(s.push(mixed.as_bytes()), Emit::Whole);
+        assert_eq!((s.answer_events(), s.progress()), (1, 1));
+        // Through the slow path (a usage event in the same chunk) too.
+        let slow = format!("{KEEP_ALIVE}{USAGE}{DONE}");
+        s.push(slow.as_bytes());
+        assert_eq!(s.answer_events(), 1);
+        assert_eq!(s.progress(), 3);
+        assert!(s.complete());
+        assert!(is_keep_alive(KEEP_ALIVE.as_bytes()));
+        assert!(
+            !is_keep_alive(&TOKEN.as_bytes()[..10]),
+            "part of an event is progress"
+        );
+        assert!(!is_keep_alive(mixed.as_bytes()));
+    }
+
+    #[test]
+    fn the_first_chunk_check_reads_past_comments_and_fails_on_an_error() {
+        assert_eq!(first_chunk(TOKEN.as_bytes()), FirstChunk::Answer);
+        assert_eq!(first_chunk(KEEP_ALIVE.as_bytes()), FirstChunk::NoTokenYet);
+        assert_eq!(first_chunk(b""), FirstChunk::NoTokenYet);
+        assert_eq!(
+            first_chunk(format!("{KEEP_ALIVE}{ERROR}{DONE}").as_bytes()),
+            FirstChunk::Error("KV load failed".into())
+        );
+        assert_eq!(
+            first_chunk(format!("{KEEP_ALIVE}{TOKEN}").as_bytes()),
+            FirstChunk::Answer
+        );
+        // A partial event: an error's beginning waits for its end, a token's is an answer.
+        assert_eq!(first_chunk(&ERROR.as_bytes()[..20]), FirstChunk::NoTokenYet);
+        assert_eq!(first_chunk(&ERROR.as_bytes()[..8]), FirstChunk::NoTokenYet);
+        assert_eq!(first_chunk(&TOKEN.as_bytes()[..30]), FirstChunk::Answer);
     }
 
     #[test]

@@ -586,6 +586,7 @@ pub fn simulate(
         kv_blocks: kv_blocks as u64,
         block_size: 16,
         max_num_seqs: MAX_NUM_SEQS as u32,
+        kv_tokens: 0,
     };
     let shards = conditions.shards.max(1);
     let mut pools: Vec<Pool> = (0..shards)

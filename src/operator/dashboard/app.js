@@ -281,8 +281,11 @@ function renderBackends(backends, shares) {
         el("td", { "data-field": "breaker" }, badge(b.breaker, TONES.breaker[b.breaker] ?? "warn")),
         el("td", {}, fmt.num(b.leases_in_flight)),
         el("td", {}, fmt.pct(b.load)),
-        el("td", {}, fmt.pct(b.scraped?.kv_usage)),
-        el("td", {}, fmt.num(b.scraped?.waiting)),
+        // A scrape without vllm:* series (--disable-log-stats): the load is unknown, not zero.
+        b.load_unknown
+          ? el("td", { "data-field": "load-unknown", title: "its /metrics has no vllm:* series: priced as the most loaded known backend" }, badge("load unknown", "warn"))
+          : el("td", {}, fmt.pct(b.scraped?.kv_usage)),
+        b.load_unknown ? el("td", {}, "?") : el("td", {}, fmt.num(b.scraped?.waiting)),
         probeCell,
         el("td", { "data-field": "share" }, share === undefined ? "—" : fmt.pct(share)),
         el("td", {}, action),

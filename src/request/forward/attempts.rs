@@ -19,7 +19,7 @@ use crate::platform::settings::ProxySettings;
 use crate::request::context::RequestContext;
 use crate::request::forward::relay::Upstream;
 use crate::request::forward::upstream_body::{
-    is_model_not_found, not_an_answer, read_first_chunk, read_whole, AttemptFailure,
+    not_an_answer, read_first_chunk, read_whole, AttemptFailure,
 };
 use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::messages::{ReassignAnswer, ReassignRequest};
@@ -31,7 +31,7 @@ use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::pool::{CandidateView, Refusal};
 use routing_core::request::endpoint::Endpoint;
-use routing_core::stream::outcome::{Outcome, OutcomeKind};
+use routing_core::stream::outcome::{judge_answer, AnswerVerdict, Outcome, OutcomeKind};
 use routing_core::stream::usage::{body_usage, Usage};
 use serde_json::Value;
 use std::rc::Rc;
@@ -373,12 +373,32 @@ impl Attempts {
             }
         })?;
         let status = resp.status();
-        let kind = OutcomeKind::from_status(status);
+        let mut kind = OutcomeKind::from_status(status);
+        // A 503 may be vLLM's load shedding: its body tells (read with a bound).
+        let mut shed = false;
+        if status == 503 {
+            let text = match resp.body() {
+                Some(stream) => {
+                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
+                    match select(read, &mut sent.deadline).await {
+                        Either::Left((Ok(bytes), _)) => bytes,
+                        _ => Vec::new(),
+                    }
+                }
+                None => Vec::new(),
+            };
+            if judge_answer(status, &text) == (AnswerVerdict::Load { shed: true }) {
+                // Load, like a 429: no breaker charge, the next backend is tried.
+                shed = true;
+                kind = OutcomeKind::RateLimited;
+            }
+        }
         // 401/403 from a backend means it rejects the gateway's own key (the client's is never
         // sent): the backend's misconfiguration, so it counts against it and is retried elsewhere.
         let rejects_gateway = matches!(status, 401 | 403);
         if matches!(kind, OutcomeKind::ServerError | OutcomeKind::RateLimited) || rejects_gateway {
             let mut outcome = Outcome::from_status(status);
+            outcome.kind = kind;
             if rejects_gateway {
                 outcome.kind = OutcomeKind::ServerError;
             }
@@ -386,6 +406,8 @@ impl Attempts {
             abort.abort();
             let why = if rejects_gateway {
                 " (it rejects the gateway's API key for it)"
+            } else if shed {
+                " (vLLM's load shedding: its queue is full)"
             } else {
                 ""
             };
@@ -427,7 +449,25 @@ impl Attempts {
                 ttfb_ms: Some(elapsed()),
                 ..Outcome::from_status(404)
             };
-            if is_model_not_found(&text) {
+            let verdict = judge_answer(404, &text);
+            if verdict == AnswerVerdict::EndpointNotServed {
+                // The server has no such route for its model's task (embeddings on a chat
+                // model): an answer about the model, not the backend's failure.
+                return Err(AttemptFailure {
+                    outcome: Outcome {
+                        kind: OutcomeKind::ClientError,
+                        ..outcome
+                    },
+                    reason: format!(
+                        "backend {} does not serve {} for the model",
+                        c.id.0,
+                        self.request.endpoint.path()
+                    ),
+                    unserved_endpoint: true,
+                    ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+                });
+            }
+            if verdict == AnswerVerdict::ModelNotFound {
                 // The model was unloaded since the last probe: not the backend's fault, and
                 // another backend may have it.
                 return Err(AttemptFailure {

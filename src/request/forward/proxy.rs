@@ -31,6 +31,7 @@ use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
 use routing_core::pool::{CandidateView, Grant};
+use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use routing_core::stream::usage::body_usage;
 use serde_json::{json, Value};
@@ -171,6 +172,14 @@ impl Forward<'_> {
                     self.guard.finish(failure.outcome.clone());
                     if failure.missing_model {
                         return Err(ApiError::model_not_found(self.request.model()));
+                    }
+                    if failure.unserved_endpoint {
+                        let what = match self.request.endpoint {
+                            Endpoint::Embeddings => "embeddings",
+                            Endpoint::Chat => "chat completions",
+                            Endpoint::Completions => "completions",
+                        };
+                        return Err(ApiError::model_does_not_support(self.request.model(), what));
                     }
                     return Err(final_error(&failure, attempts.count, ""));
                 }
@@ -313,6 +322,10 @@ impl Forward<'_> {
             obj.insert("max_tokens".into(), json!(1));
             obj.insert("stream".into(), json!(false));
             obj.remove("max_completion_tokens");
+            // vLLM refuses `min_tokens` above `max_tokens: 1` (400); upstream's own proxy
+            // removes them from the prefill request too.
+            obj.remove("min_tokens");
+            obj.remove("min_completion_tokens");
             obj.remove("stream_options");
         }
         let bytes =
@@ -351,6 +364,7 @@ impl Forward<'_> {
                     reason: format!("prefill backend {} answered {status}", prefill.id.0),
                     retryable: false,
                     missing_model: false,
+                    unserved_endpoint: false,
                 });
             }
             let bytes = match resp.body() {

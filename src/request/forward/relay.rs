@@ -30,7 +30,7 @@ use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
 use routing_core::stream::resume::{Partial, Splice};
-use routing_core::stream::usage::{Emit, StreamScanner, Usage};
+use routing_core::stream::usage::{is_keep_alive, Emit, StreamScanner, Usage};
 use serde_json::json;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -134,13 +134,17 @@ impl State {
     /// events goes on as the same JS chunk (read on the way when the stream could be resumed)
     /// unless a continuation is being spliced.
     fn transform(&mut self, chunk: &JsValue) -> JsValue {
-        self.last_chunk_ms = crate::platform::http::now_ms();
         let Some(bytes) = chunk.dyn_ref::<js_sys::Uint8Array>() else {
+            self.last_chunk_ms = crate::platform::http::now_ms();
             return chunk.clone();
         };
         let n = bytes.length() as usize;
         self.buf.resize(n, 0);
         bytes.copy_to(&mut self.buf[..n]);
+        // A keep-alive comment is no sign of the engine's progress: the idle timer runs on.
+        if !is_keep_alive(&self.buf[..n]) {
+            self.last_chunk_ms = crate::platform::http::now_ms();
+        }
         let emit = self.scanner.push(&self.buf[..n]);
         if self.splice.is_some() {
             let out = match emit {
@@ -291,6 +295,8 @@ impl Relay {
         st.answers_before += st.scanner.answer_events();
         st.scanner = StreamScanner::new(st.strip_usage_event);
         st.splice = Some(splice);
+        // Its first chunk has just arrived: the idle time starts again.
+        st.last_chunk_ms = crate::platform::http::now_ms();
     }
 
     /// A number or flag of the pump's status object.
@@ -389,6 +395,26 @@ impl Relay {
                 _ if client_signal.aborted() => Piped::Cancelled,
                 Ok(gone) if gone.as_bool() == Some(true) => Piped::Cancelled,
                 Err(_) if self.client_gone() => Piped::Cancelled,
+                // vLLM reported a failure inside the stream (`data: {"error": ...}`, then
+                // `data: [DONE]`): the backend failed; the scanner kept the event and everything
+                // after it from the client.
+                _ if self.state.borrow().scanner.error().is_some() => {
+                    let message = self
+                        .state
+                        .borrow()
+                        .scanner
+                        .error()
+                        .unwrap_or("")
+                        .to_string();
+                    worker::console_error!(
+                        "stream from backend {backend} reported an error: {message}"
+                    );
+                    Piped::Failed(StreamFailure {
+                        kind: OutcomeKind::ServerError,
+                        code: "upstream_stream_error",
+                        message: format!("The backend ({backend}) reported an error while streaming; the response is incomplete."),
+                    })
+                }
                 // The upstream can end normally after the client hung up; the close then fails.
                 // A backend that closed its stream early without an error (a close-delimited
                 // body cut short, or no `data: [DONE]`) failed as much as one that reset the

@@ -1,11 +1,14 @@
 //! Reading and judging what a backend sent before anything reaches the client: a whole body
 //! (bounded), a stream's first chunk (before the attempt's deadline), whether a 2xx is the kind of
-//! answer the request asked for, and whether a 404 is vLLM's model-not-found answer. Each failure
-//! is an [`AttemptFailure`] the attempts (`attempts.rs`) retry on the next candidate.
+//! answer the request asked for. Each failure is an [`AttemptFailure`] the attempts
+//! (`attempts.rs`) retry on the next candidate. A stream's first chunk must carry an answer: an
+//! error event first (vLLM's failure after its headers) fails the attempt like a first byte that
+//! never came, and keep-alive comments alone are no first token (more is read, by the same
+//! deadline); `routing_core::stream::usage::first_chunk` judges.
 
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
-use serde_json::Value;
+use routing_core::stream::usage::{first_chunk, FirstChunk};
 use std::time::Duration;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -18,6 +21,9 @@ pub(crate) struct AttemptFailure {
     pub(crate) retryable: bool,
     /// The backend answered vLLM's model-not-found 404: it does not serve the model (any more).
     pub(crate) missing_model: bool,
+    /// The backend's server has no route for the endpoint (FastAPI's 404 `{"detail":"Not
+    /// Found"}`): its model does not serve it (embeddings on a chat model). No breaker charge.
+    pub(crate) unserved_endpoint: bool,
 }
 
 impl AttemptFailure {
@@ -27,6 +33,7 @@ impl AttemptFailure {
             reason,
             retryable: true,
             missing_model: false,
+            unserved_endpoint: false,
         }
     }
 }
@@ -70,6 +77,7 @@ pub(crate) async fn read_whole(
                 reason: format!("backend {backend} answered more than {limit} bytes"),
                 retryable: false,
                 missing_model: false,
+                unserved_endpoint: false,
             });
         }
         let at = out.len();
@@ -87,51 +95,93 @@ pub(crate) async fn read_first_chunk(
     backend: &str,
 ) -> Result<(web_sys::ReadableStreamDefaultReader, JsValue), AttemptFailure> {
     let reader: web_sys::ReadableStreamDefaultReader = stream.get_reader().unchecked_into();
-    let read = JsFuture::from(reader.read());
-    let result = match select(read, deadline).await {
-        Either::Left((r, _)) => Some(r),
-        Either::Right(_) => None,
-    };
     let fail = AttemptFailure::new;
-    let chunk = match result {
-        None => {
-            let _ = reader.cancel();
-            let mut failure = fail(
-                OutcomeKind::Timeout,
-                format!(
-                    "backend {backend} sent no first token within {} ms",
-                    timeout.as_millis()
-                ),
-            );
-            // How long it waited, for the pool to weigh against the backend's queue.
-            failure.outcome.ttfb_ms = Some(timeout.as_millis() as u64);
-            return Err(failure);
-        }
-        Some(Err(_)) => {
+    // The chunks read so far, while they hold no answer yet (keep-alive comments only).
+    let mut seen: Vec<u8> = Vec::new();
+    loop {
+        let read = JsFuture::from(reader.read());
+        let result = match select(read, &mut *deadline).await {
+            Either::Left((r, _)) => Some(r),
+            Either::Right(_) => None,
+        };
+        let chunk = match result {
+            None => {
+                let _ = reader.cancel();
+                let mut failure = fail(
+                    OutcomeKind::Timeout,
+                    format!(
+                        "backend {backend} sent no first token within {} ms",
+                        timeout.as_millis()
+                    ),
+                );
+                // How long it waited, for the pool to weigh against the backend's queue.
+                failure.outcome.ttfb_ms = Some(timeout.as_millis() as u64);
+                return Err(failure);
+            }
+            Some(Err(_)) => {
+                return Err(fail(
+                    OutcomeKind::Transport,
+                    format!("backend {backend} failed before its first token"),
+                ))
+            }
+            Some(Ok(r)) => r,
+        };
+        let done = js_sys::Reflect::get(&chunk, &"done".into())
+            .ok()
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true);
+        if done {
             return Err(fail(
                 OutcomeKind::Transport,
-                format!("backend {backend} failed before its first token"),
-            ))
+                format!("backend {backend} closed the stream before its first token"),
+            ));
         }
-        Some(Ok(r)) => r,
-    };
-    let done = js_sys::Reflect::get(&chunk, &"done".into())
-        .ok()
-        .and_then(|v| v.as_bool())
-        .unwrap_or(true);
-    if done {
-        return Err(fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} closed the stream before its first token"),
-        ));
+        let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
+            fail(
+                OutcomeKind::Transport,
+                format!("backend {backend} sent an unreadable chunk"),
+            )
+        })?;
+        let Some(bytes) = value.dyn_ref::<js_sys::Uint8Array>() else {
+            return Ok((reader, value));
+        };
+        let at = seen.len();
+        seen.resize(at + bytes.length() as usize, 0);
+        bytes.copy_to(&mut seen[at..]);
+        // Comments without end are not held for ever: past the scanner's bound, let them pass.
+        let verdict = match seen.len() > routing_core::stream::usage::MAX_HELD_BYTES {
+            true => FirstChunk::Answer,
+            false => first_chunk(&seen),
+        };
+        match verdict {
+            FirstChunk::Answer => {
+                // The first chunk as the client gets it: the comments before it included.
+                let value = match at {
+                    0 => value,
+                    _ => js_sys::Uint8Array::from(&seen[..]).into(),
+                };
+                return Ok((reader, value));
+            }
+            FirstChunk::Error(message) => {
+                let _ = reader.cancel();
+                worker::console_error!(
+                    "backend {backend} sent an error event before its first token: {message}"
+                );
+                return Err(AttemptFailure {
+                    outcome: Outcome {
+                        kind: OutcomeKind::ServerError,
+                        ..Outcome::from_status(200)
+                    },
+                    ..fail(
+                        OutcomeKind::ServerError,
+                        format!("backend {backend} failed before its first token (an error event)"),
+                    )
+                });
+            }
+            // Keep-alive comments only: no first token yet; read on by the same deadline.
+            FirstChunk::NoTokenYet => {}
+        }
     }
-    let value = js_sys::Reflect::get(&chunk, &"value".into()).map_err(|_| {
-        fail(
-            OutcomeKind::Transport,
-            format!("backend {backend} sent an unreadable chunk"),
-        )
-    })?;
-    Ok((reader, value))
 }
 
 /// A 2xx whose content type is not what the request asked for (`wanted`): the backend's failure,
@@ -153,17 +203,4 @@ pub(crate) fn not_an_answer(backend: &str, content_type: &str, wanted: &str) -> 
             format!("backend {backend} answered with content type {shown}, not {wanted}"),
         )
     }
-}
-
-/// Whether a 404 body is vLLM's "model does not exist" answer: an OpenAI-style error (nested
-/// under `error` or, in older vLLM, at the top) of type `NotFoundError` or whose message says
-/// the model does not exist. A bare `{"detail":"Not Found"}` (no such route) is not.
-pub(crate) fn is_model_not_found(body: &[u8]) -> bool {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        return false;
-    };
-    let inner = v.get("error").filter(|e| e.is_object()).unwrap_or(&v);
-    let kind = inner.get("type").and_then(Value::as_str).unwrap_or("");
-    let message = inner.get("message").and_then(Value::as_str).unwrap_or("");
-    kind == "NotFoundError" || (message.contains("model") && message.contains("does not exist"))
 }

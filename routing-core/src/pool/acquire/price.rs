@@ -144,8 +144,8 @@ impl<'a> Pricing<'a> {
         // The gateway's count misses prefixes that running requests share (only the first,
         // cold request counted them); vLLM's own usage at the last probe sees every pinned
         // block.
-        let scraped_tokens = entry
-            .scraped
+        let gauges = entry.load_gauges();
+        let scraped_tokens = gauges
             .kv_usage
             .map_or(0, |u| (u.clamp(0.0, 1.0) * capacity as f64) as u64);
         // Prompt memory: the distinct blocks this coordinator's leases hold, or their
@@ -160,7 +160,7 @@ impl<'a> Pricing<'a> {
         let request_memory = (u64::from(f.prompt_tokens)
             .saturating_sub(m.computed_held * self.block_tokens))
             + self.expected_output as u64;
-        let engine_waiting = entry.scraped.waiting.unwrap_or(0.0);
+        let engine_waiting = gauges.waiting.unwrap_or(0.0);
         let short_of_room = memory_tokens + request_memory > capacity
             || in_flight.leases >= backend_capacity.max_num_seqs.max(1)
             || engine_waiting > 0.0;
@@ -189,7 +189,7 @@ impl<'a> Pricing<'a> {
             in_flight.leases,
             backend_capacity.max_num_seqs,
             drain_ms,
-            (engine_waiting, entry.scraped.running.unwrap_or(0.0)),
+            (engine_waiting, gauges.running.unwrap_or(0.0)),
         );
         // The prefill queue already counts the prefills of the requests ahead; a wait for
         // room counts them too (they run as room frees), so the longer of the two counts.

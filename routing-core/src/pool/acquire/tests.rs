@@ -250,6 +250,7 @@ fn one_backend(kv_blocks: u64, max_num_seqs: u32) -> Pool {
                 kv_blocks,
                 block_size: 16,
                 max_num_seqs,
+                kv_tokens: 0,
             },
             ..spec("b0")
         },
