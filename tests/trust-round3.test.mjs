@@ -70,7 +70,7 @@ test("a partial PUT of a pool keeps its residency and every knob not sent; only 
   assert.equal(detail.config.location_hint, "weur");
   assert.equal(detail.config.policy, "round_robin");
   assert.equal(detail.config.probe_interval_ms, 2000);
-  const listed = (await (await g.admin("/admin/pools")).json()).data.find((p) => p.name === name);
+  const listed = (await (await g.admin("/admin/pools")).json()).data.find((p) => p.pool === name);
   assert.equal(listed.jurisdiction, "eu", "the directory routes on the pool's jurisdiction");
   // A key restricted to the EU is still served by its EU pool.
   const after = await chat(g, model, { key });
