@@ -375,12 +375,13 @@ test("a backend that drops a stream mid-event: the error event starts on an even
 test("leases live as long as their requests: renewed past lease_ttl_ms while streaming, never expired", async () => {
   const n = next();
   const s = await sim(n.model, ["--time-scale", "1", "--decode-ms-per-step", "100", "--seed", "4"]); // ~10 tokens a second
-  const p = await freshPool(n, [s], { settings: { lease_ttl_ms: 1000 } });
+  // The shortest lease accepted (10 s) and a stream of about 13 s.
+  const p = await freshPool(n, [s], { settings: { lease_ttl_ms: 10000 } });
   const started = Date.now();
-  const streaming = chat(p.model, { stream: true, max_tokens: 30, extra: { ignore_eos: true } });
+  const streaming = chat(p.model, { stream: true, max_tokens: 130, extra: { ignore_eos: true } });
   await waitFor(async () => (await backendView(p.ids[0])).leases_in_flight === 1, { what: "the stream to start" });
-  // Three lease periods later the request is still counted.
-  await new Promise((r) => setTimeout(r, Math.max(0, started + 2500 - Date.now())));
+  // Past a lease period the request is still counted.
+  await new Promise((r) => setTimeout(r, Math.max(0, started + 11500 - Date.now())));
   const mid = await backendView(p.ids[0]);
   assert.equal(mid.leases_in_flight, 1, "the lease of a running stream expired");
   const r = await streaming;

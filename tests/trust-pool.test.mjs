@@ -199,7 +199,7 @@ test("a restart while draining: the drain holds until the streams on it renewed 
   let g = null;
   try {
     g = await startGateway({ bindings, persistDir: dir.dir });
-    await putPool(g, name, { lease_ttl_ms: 4000 });
+    await putPool(g, name, { lease_ttl_ms: 10000 }); // the shortest accepted
     const s = await sim(model, ["--decode-ms-per-step", "20"]);
     await register(g, name, "tp-drain-0", model, s);
     let call = await poolObjectCall(g, name);
@@ -251,7 +251,7 @@ test("a restart while draining: the drain holds until the streams on it renewed 
     await waitFor(async () => {
       await probe();
       return (await backend()).status === 404 ? true : null;
-    }, { timeoutMs: 15000, intervalMs: 250, what: "the drained backend removed" });
+    }, { timeoutMs: 20000, intervalMs: 250, what: "the drained backend removed" });
     const after = await poolState(g, name);
     assert.equal(after.in_flight, 0);
     assert.equal(after.queue.length, 0);

@@ -4,7 +4,9 @@
 //!
 //! Routes (internal, see `coordinator_protocol::Route`):
 //! - `GET /pools`: every [`PoolEntry`], ordered by name.
-//! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]).
+//! - `PUT /pools/{name}`: insert or update a pool's entry (body: [`PoolEntry`]): the Worker sends
+//!   the whole entry, merged onto the one in effect (a partial admin `PUT` keeps residency); the
+//!   count of shard objects only grows (a retired shard still releases the leases it granted).
 //! - `PUT /pools/{name}/card`: a pool's latest time card (body: `TimeCard`), pushed by the pool's
 //!   shard 0 after each probe round and listed with its entry; kept in memory only (a restarted
 //!   directory lists no cards until the next round, and the Worker then orders pools nearest first).
@@ -301,7 +303,7 @@ impl GatewayDirectory {
                 "INSERT INTO pools (name, region, location_hint, shards, shard_objects, jurisdiction, residency) \
                  VALUES (?, ?, ?, ?, ?, ?, ?) \
                  ON CONFLICT(name) DO UPDATE SET region = excluded.region, location_hint = excluded.location_hint, \
-                 shards = excluded.shards, shard_objects = excluded.shard_objects, \
+                 shards = excluded.shards, shard_objects = MAX(pools.shard_objects, excluded.shard_objects), \
                  jurisdiction = excluded.jurisdiction, residency = excluded.residency",
                 vec![
                     entry.name.clone().into(),

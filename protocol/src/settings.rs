@@ -3,6 +3,7 @@
 //! Worker before a new pool's first call carries its location hint, the pool before applying.
 
 use crate::error::ApiError;
+use crate::messages::PoolEntry;
 use routing_core::coordinator::retry_budget::RetryBudgetConfig;
 use routing_core::pool::PoolConfig;
 use serde::{Deserialize, Serialize};
@@ -97,14 +98,59 @@ impl PoolSettings {
     /// `predicted_latency.tail_harm_weight` sent at the top level), instead of being dropped and the
     /// pool running on defaults the caller did not ask for. (`deny_unknown_fields` does not work
     /// through the flattened routing config, so the parsed settings are written back and every
-    /// key sent must be among those written.)
+    /// key sent must be among those written.) The same as [`PoolSettings::merge_strict`] onto
+    /// the defaults.
     pub fn parse_strict(text: &str) -> Result<PoolSettings, ApiError> {
-        let sent: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
-        let settings: PoolSettings = serde_json::from_value(sent.clone())
-            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
-        let known = serde_json::to_value(&settings)
-            .map_err(|e| ApiError::invalid_body("pool configuration", e))?;
+        PoolSettings::default().merge_strict(text)
+    }
+
+    /// `PUT /admin/pools/{pool}`'s rule: the knobs sent are merged onto `self` (the settings in
+    /// effect), so a partial body changes only what it names and keeps every other knob, `region`,
+    /// `location_hint`, `shards`, `jurisdiction` and `residency` included (objects merge key by
+    /// key; any other value replaces). Keys no knob has are refused as in
+    /// [`PoolSettings::parse_strict`].
+    ///
+    /// Residency only widens on purpose: a pool's `jurisdiction` or `residency` is removed only by
+    /// sending it as an explicit `null`; an empty value (`""`, `[]`, what a settings template
+    /// defaults to) where one is set is refused with 400 naming the field. Another non-empty value
+    /// replaces it (naming the jurisdictions is the explicit call).
+    pub fn merge_strict(&self, text: &str) -> Result<PoolSettings, ApiError> {
+        let invalid = |e: serde_json::Error| ApiError::invalid_body("pool configuration", e);
+        let mut sent: serde_json::Value = serde_json::from_str(text).map_err(invalid)?;
+        let serde_json::Value::Object(fields) = &mut sent else {
+            return Err(ApiError::bad_request(
+                "invalid pool configuration: expected a JSON object of settings",
+            ));
+        };
+        for (key, set, empty) in [
+            (
+                "jurisdiction",
+                !self.jurisdiction.is_empty(),
+                serde_json::json!(""),
+            ),
+            (
+                "residency",
+                !self.residency.is_empty(),
+                serde_json::json!([]),
+            ),
+        ] {
+            match fields.get_mut(key) {
+                // The explicit removal.
+                Some(v) if v.is_null() => *v = empty,
+                Some(v) if set && *v == empty => {
+                    return Err(ApiError::bad_request(format!(
+                        "the pool's `{key}` is set: an empty `{key}` would lift its residency; \
+                         send `\"{key}\": null` to remove it on purpose, or leave it out to keep it"
+                    ))
+                    .with_param(key))
+                }
+                _ => {}
+            }
+        }
+        let mut merged = serde_json::to_value(self).map_err(invalid)?;
+        merge_json(&mut merged, &sent);
+        let settings: PoolSettings = serde_json::from_value(merged).map_err(invalid)?;
+        let known = serde_json::to_value(&settings).map_err(invalid)?;
         match unknown_key(&sent, &known, "") {
             Some(key) => Err(ApiError::bad_request(format!(
                 "invalid pool configuration: unknown setting `{key}`"
@@ -112,6 +158,26 @@ impl PoolSettings {
             .with_param(key)),
             None => Ok(settings),
         }
+    }
+
+    /// The settings in effect for a pool the directory lists as `entry`: these (the pool's
+    /// stored ones) with the placement and residency the directory routes on wherever these
+    /// leave them unset (a pool a registration created has its region in the directory only).
+    /// What a partial `PUT` is merged onto, so it cannot drop what routing enforces.
+    pub fn in_effect(mut self, entry: &PoolEntry) -> PoolSettings {
+        if self.routing.region.is_empty() {
+            self.routing.region = entry.region.clone();
+        }
+        if self.location_hint.is_none() {
+            self.location_hint = entry.location_hint.clone();
+        }
+        if self.jurisdiction.is_empty() {
+            self.jurisdiction = entry.jurisdiction.clone();
+        }
+        if self.residency.is_empty() {
+            self.residency = entry.residency.clone();
+        }
+        self
     }
 
     /// Checks every knob.
@@ -167,6 +233,23 @@ impl PoolSettings {
     }
 }
 
+/// Merges `sent` onto `base`: objects key by key, any other value replaces.
+fn merge_json(base: &mut serde_json::Value, sent: &serde_json::Value) {
+    match (base, sent) {
+        (serde_json::Value::Object(base), serde_json::Value::Object(sent)) => {
+            for (key, value) in sent {
+                match base.get_mut(key) {
+                    Some(b) if b.is_object() && value.is_object() => merge_json(b, value),
+                    _ => {
+                        base.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        (base, sent) => *base = sent.clone(),
+    }
+}
+
 /// The first key of `sent` (dotted from `at`) that `known` lacks, looking into objects both have.
 fn unknown_key(sent: &serde_json::Value, known: &serde_json::Value, at: &str) -> Option<String> {
     let (serde_json::Value::Object(sent), serde_json::Value::Object(known)) = (sent, known) else {
@@ -218,6 +301,82 @@ mod tests {
             PoolSettings::parse_strict("{}").unwrap(),
             PoolSettings::default()
         );
+    }
+
+    /// Issue 42, item 1: the README's own scaling example must not clear a pool's residency.
+    #[test]
+    fn a_partial_put_keeps_every_knob_not_sent_residency_included() {
+        let stored = PoolSettings::parse_strict(
+            r#"{"region": "eu-west", "location_hint": "weur", "jurisdiction": "eu",
+                "residency": ["eu"], "policy": "power_of_two", "probe_interval_ms": 2000,
+                "predicted_latency": {"tail_harm_weight": 0.5}}"#,
+        )
+        .unwrap();
+        let scaled = stored.merge_strict(r#"{"shards": 4}"#).unwrap();
+        assert_eq!(scaled.routing.shards, 4);
+        assert_eq!(
+            scaled,
+            PoolSettings {
+                routing: PoolConfig {
+                    shards: 4,
+                    ..stored.routing.clone()
+                },
+                ..stored.clone()
+            }
+        );
+        // Nested objects merge key by key.
+        let nested = stored
+            .merge_strict(r#"{"predicted_latency": {"tail_harm_weight": 0.25}}"#)
+            .unwrap();
+        assert_eq!(nested.routing.predicted_latency.tail_harm_weight, 0.25);
+        assert_eq!(nested.routing.policy, stored.routing.policy);
+        assert_eq!(nested.residency, vec!["eu".to_string()]);
+        // Widening is explicit: empty values are refused, `null` removes.
+        for (body, key) in [
+            (r#"{"jurisdiction": ""}"#, "jurisdiction"),
+            (r#"{"residency": []}"#, "residency"),
+        ] {
+            let e = stored.merge_strict(body).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(key)), "{body}");
+        }
+        let lifted = stored
+            .merge_strict(r#"{"jurisdiction": null, "residency": null}"#)
+            .unwrap();
+        assert_eq!(
+            (lifted.jurisdiction.as_str(), lifted.residency.len()),
+            ("", 0)
+        );
+        assert_eq!(lifted.routing.region, "eu-west");
+        let moved = stored
+            .merge_strict(r#"{"residency": ["eu", "ch"]}"#)
+            .unwrap();
+        assert_eq!(moved.residency, vec!["eu".to_string(), "ch".to_string()]);
+        // Unknown keys are still refused, and a body that is not an object too.
+        let e = stored
+            .merge_strict(r#"{"tail_harm_weight": 1}"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tail_harm_weight"));
+        assert_eq!(stored.merge_strict("[1]").unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn the_directory_fills_what_the_stored_settings_leave_unset() {
+        let entry = PoolEntry {
+            name: "p".into(),
+            region: "eu-west".into(),
+            location_hint: Some("weur".into()),
+            shards: 1,
+            shard_objects: 1,
+            jurisdiction: "eu".into(),
+            residency: vec!["eu".into()],
+            card: None,
+        };
+        let s = PoolSettings::default().in_effect(&entry);
+        assert_eq!(s.routing.region, "eu-west");
+        assert_eq!(s.location_hint.as_deref(), Some("weur"));
+        assert_eq!((s.jurisdiction.as_str(), s.residency.len()), ("eu", 1));
+        let s = s.merge_strict(r#"{"shards": 2}"#).unwrap();
+        assert_eq!((s.jurisdiction.as_str(), s.routing.shards), ("eu", 2));
     }
 
     #[test]

@@ -582,6 +582,61 @@ fn a_grant_reached_between_calls_is_parked_for_the_next_call() {
     assert_eq!(grant(step).backend, id(0));
 }
 
+/// Issue 42, item 8: a grant answered to a call whose answer was lost (the call failed, or hit
+/// the Worker's 65 s limit) and the Worker asking again with its ticket.
+#[test]
+fn asking_again_after_a_lost_grant_does_not_hold_two_leases() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 2);
+    let calls = Hungup::default();
+    let first = grant(c.acquire(features(), who("a"), None, false, 10, &calls).0);
+    let second = grant(c.acquire(features(), who("a"), None, false, 11, &calls).0);
+    let (ticket, _, _) = wait(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    release(&mut c, first.lease_id, &id(0), 40);
+    let effects = c.settle(40, &calls);
+    assert!(matches!(
+        effects.as_slice(),
+        [Effect::Answer {
+            verdict: Verdict::Granted { .. },
+            ..
+        }]
+    ));
+    assert_eq!(c.pool().live_leases(), 2);
+    // The answer never reached the Worker, which asks again with its ticket.
+    let again = AdmissionRequest {
+        ticket: Some(ticket),
+        waited_ms: 30,
+        ..who("b").unwrap()
+    };
+    let (step, _) = c.acquire(features(), Some(again), None, false, 50, &calls);
+    grant(step);
+    assert_eq!(
+        c.pool().live_leases(),
+        2,
+        "the lost grant's lease went back: one lease per request"
+    );
+    release(&mut c, second.lease_id, &id(0), 60);
+}
+
+/// Issue 42, item 8: a first call whose immediate grant was lost; the Worker gives up on the
+/// pool and names the wait (its `wait_id`) in a dequeue.
+#[test]
+fn a_lost_immediate_grant_goes_back_when_the_worker_names_its_wait() {
+    let mut c = coordinator(settings(queued(5_000)), 1, 1);
+    let calls = Hungup::default();
+    let asked = AdmissionRequest {
+        wait_id: Some(77),
+        ..who("a").unwrap()
+    };
+    grant(
+        c.acquire(features(), Some(asked), None, false, 10, &calls)
+            .0,
+    );
+    assert_eq!(c.pool().live_leases(), 1);
+    let (dequeued, _) = c.dequeue(77, 20);
+    assert!(dequeued);
+    assert_eq!(c.pool().live_leases(), 0);
+}
+
 #[test]
 fn a_newer_call_closes_the_older_and_an_unanswered_grant_goes_back() {
     let mut c = coordinator(settings(queued(5_000)), 1, 1);

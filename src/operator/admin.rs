@@ -15,10 +15,16 @@
 //! | `GET /admin/backends` | every backend of every pool |
 //! | `GET/PATCH/DELETE /admin/backends/{id}` | inspect, change (weight, models, `drain`), remove (drains first unless `?force=true`) |
 //! | `GET /admin/pools` | every pool with its summary |
-//! | `GET/PUT /admin/pools/{pool}` | a pool's summary and settings; change policy and knobs |
+//! | `GET/PUT /admin/pools/{pool}` | a pool's summary and settings; change policy and knobs (merged: see below) |
 //! | `POST /admin/pools/{pool}/probe` | probe the pool's backends now |
 //! | `GET /admin/pools/{pool}/history` | the pool's last hour, minute by minute (the dashboard's charts) |
 //! | `POST/GET /admin/keys`, `PATCH/DELETE /admin/keys/{id}` | client API keys (shown once, stored hashed) and their admission `priority` |
+//!
+//! `PUT /admin/pools/{pool}` merges: the knobs sent replace those in effect, nested objects key by
+//! key, and every knob not sent is kept (`region`, `location_hint`, `shards`, `jurisdiction` and
+//! `residency` included), so `{"shards": 4}` changes the shard count and nothing else. Residency
+//! is lifted only on purpose: `"jurisdiction": null` / `"residency": null` remove them, and an
+//! empty value (`""`, `[]`) where one is set is refused with 400 naming the field.
 
 use crate::clients::keys::invalidate;
 use crate::platform::auth::hash_key;
@@ -228,9 +234,20 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
         (Method::Put, ["pools", pool]) => {
             validate_pool_name(pool)?;
             let text = body_text(&mut req).await?;
-            let settings = PoolSettings::parse_strict(&text)?;
+            // Merged onto the settings in effect, so a partial body keeps every knob it does not
+            // name, residency included (`PoolSettings::merge_strict`). A pool the directory does
+            // not list yet starts from the defaults, and is not called before its entry (and
+            // location hint) is recorded.
+            let listed = list_pools(env).await?.into_iter().find(|p| p.name == *pool);
+            let current = match &listed {
+                Some(entry) => call(env, To::Pool(pool, 0), &GetConfig)
+                    .await?
+                    .in_effect(entry),
+                None => PoolSettings::default(),
+            };
+            let settings = current.merge_strict(&text)?;
             settings.validate()?;
-            let old_shards = shard_count(env, pool).await?;
+            let old_shards = listed.as_ref().map_or(1, PoolEntry::all_shards);
             let entry = PoolEntry {
                 name: pool.to_string(),
                 region: settings.routing.region.clone(),

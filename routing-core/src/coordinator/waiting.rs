@@ -19,7 +19,11 @@
 //! - a grant answered to a call whose Worker had already given up on it (its client hung up while
 //!   the answer was on its way, or before any answer): the Worker names the wait in a dequeue
 //!   (its `wait_id`, which is the ticket), and the lease of a grant delivered under that ticket in
-//!   the last `DELIVERED_KEEP_MS` goes back at once, not after `lease_ttl_ms`.
+//!   the last `DELIVERED_KEEP_MS` goes back at once, not after `lease_ttl_ms`;
+//! - a grant whose answer was lost (the call failed, or hit the Worker's call limit) and the
+//!   Worker asking again with its ticket: the lease answered under that ticket goes back before
+//!   the request is tried again, so it never holds two (a Worker that gives up on the pool instead
+//!   names the wait in a dequeue, as above).
 //!
 //! **When the queue is dispatched.** Only when room may have appeared: a lease share ended (the
 //! pool's freed list), or the coordinator [`WaitingRoom::wake`]s it (a probe, a registry or
@@ -211,6 +215,11 @@ impl WaitingRoom {
                     return self.open_call(ticket, config, now_ms, effects);
                 }
                 self.remove_waiter(ticket, effects);
+            } else if let Some(lost) = self.delivered.take(ticket) {
+                // A grant was answered under this ticket and the Worker asks again: the answer
+                // never reached it (the call failed or hit its limit). Its lease goes back before
+                // the request is tried again, so one request never holds two.
+                pool.release(lost, &Outcome::of_kind(OutcomeKind::Cancelled), now_ms);
             }
             self.queue.record_reentry();
         }

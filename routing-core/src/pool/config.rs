@@ -25,9 +25,9 @@ pub struct PoolConfig {
     /// (default 16).
     pub block_tokens: usize,
     /// A lease expires this long after it was granted or last renewed, unless released (default
-    /// 60,000 ms). The Worker renews a live request's lease several times per period, so this
-    /// bounds how long the load of a request whose Worker died stays counted, not how long a
-    /// request may run.
+    /// 60,000 ms, at least [`MIN_LEASE_TTL_MS`]). The Worker renews a live request's lease several
+    /// times per period, so this bounds how long the load of a request whose Worker died stays
+    /// counted, not how long a request may run.
     pub lease_ttl_ms: u64,
     /// Weight of the scraped waiting queue in a backend's load (default 1.0).
     pub queue_weight: f64,
@@ -56,6 +56,13 @@ pub struct PoolConfig {
     /// [`DEFAULT_EXCHANGE_MS`]; 50 to 1,000).
     pub shard_exchange_ms: u64,
 }
+
+/// Shortest accepted `lease_ttl_ms`. Every live stream renews its lease every third of the TTL,
+/// all against the one object of its pool shard: the renew rate is streams / (ttl / 3), so at
+/// 1 s, 2,000 streams renew about 6,000 times a second, more than one object serves; at 10 s
+/// they renew 600 times a second. A short TTL buys little: it only bounds how long the load of a
+/// request whose Worker died stays counted.
+pub const MIN_LEASE_TTL_MS: u64 = 10_000;
 
 /// Accepted range of `shard_exchange_ms`.
 pub const SHARD_EXCHANGE_MS_RANGE: (u64, u64) = (50, 1_000);
@@ -96,8 +103,10 @@ impl PoolConfig {
         if self.block_tokens == 0 || self.block_tokens > 4096 {
             return fail("block_tokens must be between 1 and 4096");
         }
-        if self.lease_ttl_ms < 1_000 {
-            return fail("lease_ttl_ms must be at least 1000");
+        if self.lease_ttl_ms < MIN_LEASE_TTL_MS {
+            return fail(
+                "lease_ttl_ms must be at least 10000 (every stream renews each third of it against one object)",
+            );
         }
         if !(self.queue_weight.is_finite() && self.queue_weight >= 0.0) {
             return fail("queue_weight must be a finite number at least 0");
@@ -255,6 +264,20 @@ mod tests {
             .acquire(&features("x"), 0, &mut SplitMix64::new(0))
             .unwrap();
         assert_eq!(g.policy, PolicyKind::ConsistentHash);
+    }
+
+    /// Issue 42, item 10: a 1 s TTL made every stream renew three times a second.
+    #[test]
+    fn lease_ttl_is_bounded_from_below() {
+        let with_ttl = |lease_ttl_ms| PoolConfig {
+            lease_ttl_ms,
+            ..PoolConfig::default()
+        };
+        for short in [1_000, 4_000, MIN_LEASE_TTL_MS - 1] {
+            let e = with_ttl(short).validate().unwrap_err();
+            assert!(e.0.contains("lease_ttl_ms"), "{e}");
+        }
+        assert!(with_ttl(MIN_LEASE_TTL_MS).validate().is_ok());
     }
 
     #[test]

@@ -12,9 +12,16 @@
 //!   request (its receipt's: with that request placed, where a request with nothing cached most
 //!   likely goes next), else the backend granted to the last request whose prefix was new to the
 //!   book;
-//! - only from a grant at most [`FRESH_MS`] old (the backend's URL and key come from it, so a
-//!   removed or drained backend drops out of guesses within that time), and not once a guess of
-//!   it was wrong, until a grant names it again;
+//! - only from a grant at most [`FRESH_MS`] old (the backend's URL and key come from it), and not
+//!   once a guess of it was wrong, until a grant names it again;
+//! - never a backend removed, drained or patched since: every grant carries its shard's roster
+//!   number, which moves on when a backend leaves service or changes how it is called, and a
+//!   number other than the one last heard makes the book forget every backend it knew of the pool
+//!   ([`GuessBook::roster`]); the isolate that deleted or drained a backend forgets it at once
+//!   ([`GuessBook::forget_backend`]). So a removed backend gets a prompt sent ahead only from an
+//!   isolate that has had no answer from the pool since the removal, and only by the requests
+//!   that isolate starts before that answer comes back (one lease round trip), not for
+//!   [`FRESH_MS`];
 //! - not for [`BUSY_HOLD_MS`] after the shard queued, refused, or paired a request
 //!   (disaggregated), when a fetch sent ahead would land on a full backend or the wrong role;
 //! - only while the shard's wrong guesses among its last [`WINDOW`], plus the fetches sent ahead
@@ -103,6 +110,8 @@ struct ShardBook {
     pending: u32,
     /// When (ms) it last learned from a grant.
     last_grant_ms: u64,
+    /// The shard's roster number as its last answer gave it ([`GuessBook::roster`]).
+    roster: Option<u32>,
 }
 
 /// A guess: the backend, and whether a fetch may be sent to it ahead of the grant.
@@ -252,6 +261,36 @@ impl GuessBook {
             .retain(|_, (_, seen)| now_ms.saturating_sub(*seen) <= FRESH_MS);
     }
 
+    /// The shard at `place` answered with roster number `roster` (a grant's [`Grant::roster`]):
+    /// when the book heard another number from it before, a backend left service or changed how
+    /// it is called meanwhile, and every backend known of the pool, on any shard and for any
+    /// model, is forgotten (guesses start again from the next grants).
+    ///
+    /// [`Grant::roster`]: crate::pool::Grant::roster
+    pub fn roster(&mut self, place: &Place, roster: u32) {
+        let heard = self.shards.get(place).and_then(|b| b.roster);
+        if heard.is_some_and(|r| r != roster) {
+            for (p, book) in &mut self.shards {
+                if p.pool == place.pool {
+                    book.forget_backends();
+                }
+            }
+        }
+        if let Some(book) = self.shards.get_mut(place) {
+            book.roster = Some(roster);
+        }
+    }
+
+    /// `backend` of `pool` was removed or drained by this isolate's admin call: never guessed
+    /// again until a grant names it.
+    pub fn forget_backend(&mut self, pool: &str, backend: &BackendId) {
+        for (p, book) in &mut self.shards {
+            if p.pool == pool {
+                book.backends.remove(backend);
+            }
+        }
+    }
+
     /// A fetch is being sent ahead to `place`: pending until it is settled.
     pub fn sending(&mut self, place: &Place) {
         if let Some(book) = self.shards.get_mut(place) {
@@ -281,6 +320,14 @@ impl GuessBook {
 }
 
 impl ShardBook {
+    /// Forgets every backend and what pointed at one (the scores stay).
+    fn forget_backends(&mut self) {
+        self.backends.clear();
+        self.prefixes.clear();
+        self.order.clear();
+        self.cold = None;
+    }
+
     fn score(&mut self, wrong: bool) {
         let mask = (1u32 << WINDOW) - 1;
         self.misses = ((self.misses << 1) | u32::from(wrong)) & mask;
@@ -344,6 +391,43 @@ mod tests {
             alt_margin_ms: None,
             prices_resend: true,
         }
+    }
+
+    /// Issue 42, item 11: a force-deleted backend was still guessed, and sent whole prompts, for
+    /// up to [`FRESH_MS`] by every place (shard, model) of the pool that had learned it.
+    #[test]
+    fn a_roster_change_forgets_every_backend_of_the_pool_at_once() {
+        let mut book = GuessBook::new();
+        let (a, b) = (view("a"), view("b"));
+        let other_model = Place::new("p", 1, "m2");
+        let other_pool = Place::new("q", 0, "m");
+        for place in [at(0), other_model.clone(), other_pool.clone()] {
+            book.roster(&place, 7);
+            book.granted(&place, &[1, 2], grant(&a), None, 0);
+            book.roster(&place, 7);
+        }
+        book.granted(&at(0), &[5, 6], grant(&b), None, 10);
+        assert_eq!(
+            book.guess(&other_model, &[1, 2], 20).unwrap().backend.id.0,
+            "a"
+        );
+        // Shard 0 answers after `a` was removed: nothing known of pool `p` is guessed any more,
+        // on any shard or model; another pool keeps its book.
+        book.roster(&at(0), 8);
+        assert_eq!(book.guess(&at(0), &[1, 2], 30), None);
+        assert_eq!(book.guess(&at(0), &[5, 6], 30), None);
+        assert_eq!(book.guess(&other_model, &[1, 2], 30), None);
+        assert_eq!(
+            book.guess(&other_pool, &[1, 2], 30).unwrap().backend.id.0,
+            "a"
+        );
+        // The same number again changes nothing; the book learns again from the next grants.
+        book.granted(&at(0), &[5, 6], grant(&b), None, 40);
+        book.roster(&at(0), 8);
+        assert_eq!(book.guess(&at(0), &[5, 6], 50).unwrap().backend.id.0, "b");
+        // The isolate that deletes a backend forgets it at once.
+        book.forget_backend("p", &BackendId("b".into()));
+        assert_eq!(book.guess(&at(0), &[5, 6], 60), None);
     }
 
     #[test]

@@ -99,6 +99,10 @@ pub struct Pool {
     siblings: Option<SiblingLoads>,
     /// When the siblings' load was last summed into the entries.
     siblings_summed_ms: u64,
+    /// Changes whenever a backend leaves service or changes how it is called (removed, drained,
+    /// patched): carried on every grant ([`Grant::roster`]) so an isolate's guesses of this
+    /// shard's choices (`ROUTE_AHEAD`) forget every backend they knew at its next answer.
+    roster: u32,
 }
 
 impl fmt::Debug for Pool {
@@ -146,6 +150,7 @@ impl Pool {
             shards: 1,
             siblings: None,
             siblings_summed_ms: 0,
+            roster: 0,
         }
     }
 
@@ -351,6 +356,16 @@ impl Pool {
             let blocks = entry.capacity().capacity_blocks(block_tokens);
             self.affinity.set_backend_capacity(slot, blocks);
         }
+    }
+
+    /// The shard's roster number (see [`Grant::roster`]).
+    pub fn roster(&self) -> u32 {
+        self.roster
+    }
+
+    /// A backend left service or changes how it is called: the roster number moves on.
+    pub(super) fn roster_changed(&mut self) {
+        self.roster = self.roster.wrapping_add(1);
     }
 
     fn members_changed(&mut self) {

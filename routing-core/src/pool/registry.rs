@@ -84,6 +84,7 @@ impl Pool {
         self.free_slots.push(slot);
         self.affinity.remove_backend(slot);
         self.members_changed();
+        self.roster_changed();
         entry
             .map(|e| e.spec)
             .ok_or_else(|| PoolError::UnknownBackend { id: id.clone() })
@@ -104,6 +105,7 @@ impl Pool {
         let weight_changed = next.weight != entry.spec.weight;
         entry.spec = next;
         self.sync_affinity_capacity(slot);
+        self.roster_changed();
         if weight_changed {
             self.members_changed();
         }
@@ -145,7 +147,11 @@ impl Pool {
             }
             _ => return Err(PoolError::InvalidTransition { from, to }),
         };
+        let changed = next != from;
         entry.lifecycle = next;
+        if changed {
+            self.roster_changed();
+        }
         Ok(next)
     }
 
@@ -337,6 +343,31 @@ mod tests {
             },
             ..ProbeResult::default()
         }
+    }
+
+    /// Issue 42, item 11: grants say when a backend left service, for the isolates' guesses.
+    #[test]
+    fn the_roster_number_moves_when_a_backend_leaves_service_and_grants_carry_it() {
+        let mut pool = pool_with(PolicyKind::RoundRobin, 3);
+        let start = pool.roster();
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(
+            pool.acquire(&features("x"), 0, &mut rng).unwrap().roster,
+            start
+        );
+        pool.record_probe(&"b0".into(), &up(), 1).unwrap();
+        assert_eq!(pool.roster(), start, "probes leave it");
+        pool.set_lifecycle(&"b1".into(), Lifecycle::Draining, 2)
+            .unwrap();
+        let drained = pool.roster();
+        assert_ne!(drained, start);
+        pool.set_lifecycle(&"b1".into(), Lifecycle::Draining, 3)
+            .unwrap();
+        assert_eq!(pool.roster(), drained, "no change, no new number");
+        pool.remove_backend(&"b2".into(), 4).unwrap();
+        assert_ne!(pool.roster(), drained);
+        let g = pool.acquire(&features("y"), 5, &mut rng).unwrap();
+        assert_eq!(g.roster, pool.roster());
     }
 
     #[test]

@@ -82,6 +82,15 @@ pub struct Grant {
     /// uses is as fresh as its last grant (the directory's copy covers the others).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub card: Option<Box<crate::region::TimeCard>>,
+    /// The granting shard's roster number ([`crate::pool::Pool::roster`]): when it differs from
+    /// the one an isolate last heard, a backend left service meanwhile, and the isolate's guesses
+    /// (`ROUTE_AHEAD`) forget every backend of the pool (0 is left out).
+    #[serde(skip_serializing_if = "is_zero_u32")]
+    pub roster: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A decision's compact receipt: what the time model predicted for the backend chosen and for the

@@ -86,6 +86,7 @@ impl Pool {
             receipt,
             // The coordinator adds its card (it holds the queue the card counts).
             card: None,
+            roster: self.roster(),
         }
     }
 
