@@ -1,8 +1,14 @@
 //! The OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/models`.
 //!
-//! Each handler parses the body, validates it the way vLLM does (and with vLLM's messages), turns it
-//! into a [`SequenceSpec`] and hands it to the engine; streaming responses return at once with an
-//! [`SseStream`], non-streamed ones wait for the sequence to finish. Errors are [`ApiError`]s.
+//! Each handler parses the body, validates it the way vLLM 0.34.0 does (and with its messages),
+//! admits it under the load-shedding limits, turns it into a [`SequenceSpec`] and hands it to the
+//! engine; streaming responses return at once with an [`SseStream`], non-streamed ones wait for the
+//! sequence to finish. Errors are [`ApiError`]s. An oversized `max_tokens` is lowered to what fits
+//! (a prompt longer than the context is still a 400); `min_tokens` above the (lowered, or for a
+//! prefill hand-off forced to 1) `max_tokens` is a 400. A request's `cache_salt` and LoRA adapter
+//! (a `model` among `--lora-modules`) seed its block hashes. Bad `kv_transfer_params` are computed
+//! locally; expired or unknown ones on a decode server fail the request as vLLM's KV load failure
+//! does (an error event in the stream, or a 500).
 
 use std::time::{Duration, Instant};
 
@@ -12,10 +18,11 @@ use serde_json::json;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::body::{self, SimBody};
-use crate::disagg::{prompt_digest, KvIntent};
+use crate::disagg::{prompt_digest, KvIntent, KvTransferParams};
 use crate::engine::SeqEvent;
 use crate::error::ApiError;
 use crate::faults::FaultDecision;
+use crate::kv_cache::root_hash;
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, Completion,
     CompletionChoice, CompletionRequest, EmbeddingRequest, SamplingRequest, Usage,
@@ -23,8 +30,8 @@ use crate::openai::{
 use crate::prompt::{render_chat, ChatEnding};
 use crate::sampler::{eos_after, text_seed};
 use crate::scheduler::{blocks_for, SequenceSpec};
-use crate::sse::{unix_ms, ChunkEncoder, Endpoint, HandOff, SseStream};
-use crate::state::AppState;
+use crate::sse::{unix_ms, ChunkEncoder, Endpoint, HandOff, SseStream, StreamError};
+use crate::state::{AppState, InFlight};
 use crate::tokenizer::count_tokens;
 
 /// Default `max_tokens` of `/v1/completions`, as in vLLM.
@@ -38,11 +45,18 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| bad_request(format!("Invalid request body: {e}")))
 }
 
-/// The served model a request names (the first one when it names none).
-fn resolve_model(state: &AppState, model: Option<String>) -> Result<String, ApiError> {
+/// The served model a request names (the first one when it names none), and the LoRA adapter
+/// when it names one of `--lora-modules`.
+fn resolve_model(
+    state: &AppState,
+    model: Option<String>,
+) -> Result<(String, Option<String>), ApiError> {
     match model {
-        None => Ok(state.config.models[0].clone()),
-        Some(m) if state.config.models.contains(&m) => Ok(m),
+        None => Ok((state.config.models[0].clone(), None)),
+        Some(m) if state.config.models.contains(&m) => Ok((m, None)),
+        Some(m) if state.config.lora_modules.iter().any(|l| l.name == m) => {
+            Ok((m.clone(), Some(m)))
+        }
         Some(m) => Err(ApiError::ModelNotFound(m)),
     }
 }
@@ -71,6 +85,10 @@ struct Generation {
     continuous_usage: bool,
     prompt_tokens: u32,
     handoff: Option<HandOff>,
+    /// Failed KV transfer (expired or unknown params on a decode server): the answer is vLLM's
+    /// in-stream error (or its 500) without computing anything.
+    kv_load_failed: bool,
+    inflight: InFlight,
     spec: SequenceSpec,
 }
 
@@ -132,12 +150,16 @@ fn prepare(
     sampling: SamplingRequest,
 ) -> Result<Generation, ApiError> {
     let config = &state.config;
-    let model = resolve_model(state, model)?;
+    let (model, lora) = resolve_model(state, model)?;
     if sampling.n.is_some_and(|n| n != 1) {
         return Err(bad_request(
             "vllm-sim generates one choice per request: n must be 1",
         ));
     }
+    let prompt_tokens = count_tokens(prompt.len());
+    // vLLM checks admission (load shedding) right after the model, before the prompt is rendered
+    // and validated (`_preflight` in vllm/entrypoints/generate/base/serving.py).
+    let inflight = state.admit(prompt_tokens).map_err(ApiError::Shed)?;
     let stream = sampling.stream.unwrap_or(false);
     if sampling.stream_options.is_some() && !stream {
         return Err(bad_request(
@@ -151,32 +173,59 @@ fn prepare(
         )));
     }
 
-    let prompt_tokens = count_tokens(prompt.len());
     if prompt_tokens == 0 {
         return Err(bad_request("The decoder prompt cannot be empty"));
     }
     let max_len = config.max_model_len;
-    if prompt_tokens >= max_len {
-        return Err(bad_request(format!(
-            "This model's maximum context length is {max_len} tokens. However, your request has \
-             {prompt_tokens} input tokens. Please reduce the length of the input messages."
-        )));
+    // vllm/renderers/params.py (`_token_len_check`): a prompt longer than the context is refused.
+    if prompt_tokens > max_len {
+        return Err(ApiError::Invalid {
+            message: format!(
+                "This model's maximum context length is {max_len} tokens. However, your prompt \
+                 contains {prompt_tokens} input tokens, which exceeds this limit even without any \
+                 output tokens. Please reduce the length of the input prompt."
+            ),
+            param: "input_tokens",
+            value: prompt_tokens.to_string(),
+        });
     }
+    // vllm/entrypoints/serve/utils/api_utils.py (`get_max_tokens`): the smallest of what fits,
+    // what was asked for and the endpoint's default; an oversized max_tokens is lowered.
+    let fits = max_len - prompt_tokens;
     let requested = sampling.max_completion_tokens.or(sampling.max_tokens);
-    let max_tokens = match (requested, endpoint) {
-        (Some(m), _) => m,
-        (None, Endpoint::Chat) => max_len - prompt_tokens,
-        (None, Endpoint::Completion) => COMPLETION_DEFAULT_MAX_TOKENS,
+    let mut max_tokens = match (requested, endpoint) {
+        (Some(m), _) => m.min(fits),
+        (None, Endpoint::Chat) => fits,
+        (None, Endpoint::Completion) => COMPLETION_DEFAULT_MAX_TOKENS.min(fits),
     };
-    if max_tokens == 0 {
-        return Err(bad_request("max_tokens must be at least 1, got 0."));
+    let digest = prompt_digest(&prompt);
+    let transfer = sampling
+        .kv_transfer_params
+        .filter(|v| !v.is_null())
+        .map(|v| serde_json::from_value::<KvTransferParams>(v).ok());
+    let intent = match transfer {
+        None => Ok(KvIntent::Local),
+        // Params that do not parse are ignored: the prompt is computed here (a cache miss).
+        Some(None) => Ok(KvIntent::Local),
+        Some(Some(p)) => state.transfer.classify(Some(&p), digest, unix_ms()),
+    };
+    let (intent, kv_load_failed) = match intent {
+        Ok(i) => (i, false),
+        Err(e) if e.fails_the_load() => (KvIntent::RemotePrefill, true),
+        // Invalid params are recomputed silently, as vLLM's connector does.
+        Err(_) => (KvIntent::Local, false),
+    };
+    if intent == KvIntent::HandOff {
+        // The prefill half generates one token (vLLM's proxy sends max_tokens 1).
+        max_tokens = 1;
     }
-    if u64::from(prompt_tokens) + u64::from(max_tokens) > u64::from(max_len) {
-        return Err(bad_request(format!(
-            "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum \
-             context length is {max_len} tokens and your request has {prompt_tokens} input tokens \
-             ({max_tokens} > {max_len} - {prompt_tokens})."
-        )));
+    // vllm/sampling_params.py (`_verify_args`).
+    if max_tokens == 0 {
+        return Err(ApiError::Invalid {
+            message: "max_tokens must be at least 1, got 0.".into(),
+            param: "max_tokens",
+            value: "0".into(),
+        });
     }
     let min_tokens = sampling.min_tokens.unwrap_or(0);
     if min_tokens > max_tokens {
@@ -191,22 +240,10 @@ fn prepare(
             config.kv_blocks
         )));
     }
-
-    let digest = prompt_digest(&prompt);
-    let intent = state
-        .transfer
-        .classify(sampling.kv_transfer_params.as_ref(), digest, unix_ms())
-        .map_err(bad_request)?;
-    let (max_tokens, handoff) = match intent {
-        KvIntent::HandOff => (
-            1,
-            Some(HandOff {
-                authority: state.transfer.clone(),
-                prompt_digest: digest,
-            }),
-        ),
-        KvIntent::Local | KvIntent::RemotePrefill => (max_tokens, None),
-    };
+    let handoff = (intent == KvIntent::HandOff).then(|| HandOff {
+        authority: state.transfer.clone(),
+        prompt_digest: digest,
+    });
 
     let seed = text_seed(config.seed, sampling.seed, temperature, &prompt);
     let options = sampling.stream_options.unwrap_or_default();
@@ -225,6 +262,7 @@ fn prepare(
         report_blocks: handoff.is_some(),
         stream,
         stall_after: None,
+        hash_root: root_hash(lora.as_deref(), sampling.cache_salt.as_deref()),
         prompt,
     };
     Ok(Generation {
@@ -237,6 +275,8 @@ fn prepare(
         continuous_usage: options.continuous_usage_stats.unwrap_or(false),
         prompt_tokens,
         handoff,
+        kv_load_failed,
+        inflight,
         spec,
     })
 }
@@ -257,14 +297,24 @@ async fn generate(
         continuous_usage,
         prompt_tokens,
         handoff,
+        kv_load_failed,
+        inflight,
         mut spec,
     } = generation;
     spec.stall_after = faults.stall_after_tokens;
     let details = state.config.enable_prompt_tokens_details;
-    let mut events = state
-        .engine
-        .submit(spec, Instant::now())
-        .map_err(|_| ApiError::EngineGone)?;
+    if kv_load_failed && !stream {
+        return Err(ApiError::Generation);
+    }
+    let mut events = if kv_load_failed {
+        // Nothing is computed: the stream fails at once.
+        tokio::sync::mpsc::unbounded_channel().1
+    } else {
+        state
+            .engine
+            .submit(spec, Instant::now())
+            .map_err(|_| ApiError::EngineGone)?
+    };
     if stream {
         let mut encoder = ChunkEncoder::new(
             endpoint,
@@ -278,18 +328,42 @@ async fn generate(
         );
         encoder.prompt_tokens_details = details;
         encoder.engine_timing = state.config.report_engine_timing;
+        let error = if kv_load_failed {
+            // finish_reason "error" on the first output: a chat stream has sent its role chunk.
+            Some(StreamError {
+                after: 0,
+                role_first: true,
+            })
+        } else {
+            faults.stream_error_after_tokens.map(|after| StreamError {
+                after,
+                role_first: false,
+            })
+        };
+        let keep_alive = (state.config.sse_keep_alive_interval > 0.0)
+            .then(|| Duration::from_secs_f64(state.config.sse_keep_alive_interval));
         return Ok(body::event_stream(
             SseStream::new(events, encoder, faults.stream_cut())
-                .reset_after_done(faults.resets_after_done()),
+                .reset_after_done(faults.resets_after_done())
+                .error_after(error)
+                .keep_alive(keep_alive)
+                .in_flight(inflight),
         ));
     }
     let finish = loop {
         match events.recv().await {
             Some(SeqEvent::Finished(finish)) => break finish,
-            Some(SeqEvent::Token { .. }) => continue,
+            Some(SeqEvent::Token { .. }) => inflight.first_token(),
             None => return Err(ApiError::EngineGone),
         }
     };
+    drop(inflight);
+    if faults
+        .stream_error_after_tokens
+        .is_some_and(|n| finish.output_tokens >= n)
+    {
+        return Err(ApiError::Generation);
+    }
     if faults
         .disconnect_after_tokens
         .is_some_and(|n| finish.output_tokens >= n)
@@ -354,7 +428,7 @@ async fn generate(
 pub async fn embeddings(state: &AppState, body: &[u8]) -> Result<Response<SimBody>, ApiError> {
     let config = &state.config;
     let request: EmbeddingRequest = parse(body)?;
-    let model = resolve_model(state, request.model)?;
+    let (model, _lora) = resolve_model(state, request.model)?;
     let prompts = request.input.into_prompts();
     if prompts.is_empty() {
         return Err(bad_request("input must not be empty"));
@@ -389,8 +463,10 @@ pub async fn embeddings(state: &AppState, body: &[u8]) -> Result<Response<SimBod
         }
         total_tokens = total_tokens.saturating_add(tokens);
     }
+    let inflight = state.admit(total_tokens).map_err(ApiError::Shed)?;
     let delay_us = config.step_timing().step_us(0, total_tokens) / config.time_scale;
     tokio::time::sleep(Duration::from_secs_f64(delay_us / 1e6)).await;
+    drop(inflight);
     if let Ok(mut m) = state.metrics.lock() {
         m.embedding_prompt_tokens += u64::from(total_tokens);
     }
@@ -420,39 +496,49 @@ pub async fn embeddings(state: &AppState, body: &[u8]) -> Result<Response<SimBod
     ))
 }
 
-/// `GET /v1/models`: every served name, as aliases of one engine.
+/// `GET /v1/models`: every served name, as aliases of one engine, then the LoRA adapters with
+/// `root` their path and `parent` the base model (vllm/entrypoints/openai/models/serving.py,
+/// `show_available_models`).
 pub fn models(state: &AppState) -> Response<SimBody> {
-    let root = &state.config.models[0];
-    let data: Vec<serde_json::Value> = state
+    let base = &state.config.models[0];
+    let card = |id: &str, root: &str, parent: Option<&str>, max_len: Option<u32>| {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": state.started_unix,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_len,
+            "permission": [{
+                "id": format!("modelperm-{}", state.fresh_id()),
+                "object": "model_permission",
+                "created": state.started_unix,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        })
+    };
+    let mut data: Vec<serde_json::Value> = state
         .config
         .models
         .iter()
-        .map(|name| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": state.started_unix,
-                "owned_by": "vllm",
-                "root": root,
-                "parent": null,
-                "max_model_len": state.config.max_model_len,
-                "permission": [{
-                    "id": format!("modelperm-{}", state.fresh_id()),
-                    "object": "model_permission",
-                    "created": state.started_unix,
-                    "allow_create_engine": false,
-                    "allow_sampling": true,
-                    "allow_logprobs": true,
-                    "allow_search_indices": false,
-                    "allow_view": true,
-                    "allow_fine_tuning": false,
-                    "organization": "*",
-                    "group": null,
-                    "is_blocking": false,
-                }],
-            })
-        })
+        .map(|name| card(name, base, None, Some(state.config.max_model_len)))
         .collect();
+    data.extend(
+        state
+            .config
+            .lora_modules
+            .iter()
+            .map(|l| card(&l.name, &l.path, Some(base), None)),
+    );
     body::json(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 

@@ -11,9 +11,13 @@
 //!
 //! A decode server cannot see the prefill server's memory, so the params verify themselves: `sim_tag`
 //! is an xxh3-128 keyed hash (HMAC-like, not cryptographic) of the shared `--kv-transfer-secret`, the
-//! engine id, host, port, expiry, block ids and a digest of the prompt bytes. A decode server rejects
-//! with 400 params that carry no tag, whose tag does not match (never issued with this secret, or for
-//! another prompt), or whose expiry (`--kv-transfer-ttl-s` after issue, wall-clock) has passed. Unlike
+//! engine id, host, port, expiry, block ids and a digest of the prompt bytes. As vLLM 0.34 (whose
+//! decode servers never answer 400 for transfer parameters), params that carry no tag, whose tag
+//! does not match (never issued with this secret, or for another prompt), or whose expiry
+//! (`--kv-transfer-ttl-s` after issue, wall-clock; 30 s, NIXL's `kv_lease_duration` default in
+//! `vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py`) has passed fail the
+//! request inside its stream ([`TransferError::fails_the_load`]); params that are incomplete,
+//! contradictory or for the other role are ignored and the prompt is computed locally. Unlike
 //! vLLM, the prefill server does not pin the blocks until the decode side reads them (reading is
 //! instantaneous here); they stay in its prefix cache like any finished request's blocks.
 
@@ -71,6 +75,17 @@ pub enum TransferError {
     NotIssued,
     /// The params' expiry has passed.
     Expired,
+}
+
+impl TransferError {
+    /// Whether the error is a failed KV load (expired, or params no prefill server issued for
+    /// this prompt): vLLM 0.34's default `kv_load_failure_policy: "fail"`
+    /// (`vllm/config/kv_transfer.py`) ends the request with `finish_reason: "error"`, i.e. an
+    /// error event inside the stream. Other errors (contradictory, incomplete, for the other
+    /// role) are not failures: the request is served with its prompt computed locally.
+    pub fn fails_the_load(&self) -> bool {
+        matches!(self, TransferError::NotIssued | TransferError::Expired)
+    }
 }
 
 impl std::fmt::Display for TransferError {

@@ -1,6 +1,8 @@
 //! The errors a request can meet, rendered as vLLM renders them: the OpenAI-style JSON error body
 //! with vLLM's types and messages, and the plain bodies its middleware answers with (401, 404, 405).
-//! Both the router ([`crate::server`]) and the OpenAI handlers ([`crate::api`]) return them.
+//! Both the router ([`crate::server`]) and the OpenAI handlers ([`crate::api`]) return them. Types
+//! and statuses follow vLLM 0.34.0's `create_error_response`
+//! (`vllm/entrypoints/serve/exception_handling/error_response.py`).
 
 use hyper::{Response, StatusCode};
 use serde_json::json;
@@ -8,11 +10,35 @@ use serde_json::json;
 use crate::body::{self, SimBody};
 use crate::openai::{ErrorBody, ErrorDetail};
 
+/// `QueueOverflowError`'s message (`vllm/exceptions.py`, 0.34.0).
+pub const QUEUE_OVERFLOW_MESSAGE: &str = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance.";
+/// `MaxQueuedTokensError`'s message (`vllm/exceptions.py`, 0.34.0).
+pub const MAX_QUEUED_TOKENS_MESSAGE: &str = "The engine has reached its prefill token backlog limit. Please try again later or on a different instance.";
+/// `GenerationError`'s message as `_raise_if_error` raises it
+/// (`vllm/entrypoints/generate/base/serving.py`, 0.34.0).
+pub const GENERATION_ERROR_MESSAGE: &str = "Internal server error";
+
 /// Everything that can go wrong between a request and its response.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ApiError {
     /// 400: malformed JSON, missing or invalid fields, prompts that do not fit.
     BadRequest(String),
+    /// 400 from vLLM's `VLLMValidationError` with a parameter: the message ends with
+    /// ` (parameter=P, value=V)` and `param` is `P` (`vllm/exceptions.py`).
+    Invalid {
+        /// The message before the suffix.
+        message: String,
+        /// `param`.
+        param: &'static str,
+        /// The rejected value.
+        value: String,
+    },
+    /// 503 from vLLM 0.34's load shedding (`QueueOverflowError` / `MaxQueuedTokensError`,
+    /// `vllm/exceptions.py`): type `Service Unavailable`, no `Retry-After`.
+    Shed(crate::state::Shed),
+    /// 500 from a `GenerationError` (`finish_reason == "error"`, e.g. a KV load failure):
+    /// "Internal server error", type `InternalServerError`.
+    Generation,
     /// 404: the requested model is not served.
     ModelNotFound(String),
     /// 401: `--api-key` is set and the bearer token is missing or wrong.
@@ -21,7 +47,8 @@ pub enum ApiError {
     RateLimited,
     /// 5xx (fault injection).
     Injected(u16),
-    /// 503: the model is loading.
+    /// 503: the model is loading (only with the `loading_answers_503` fault; vLLM 0.34 refuses
+    /// connections instead).
     Loading,
     /// 404 for an unknown path.
     RouteNotFound,
@@ -54,6 +81,31 @@ impl ApiError {
             ApiError::BadRequest(message) => {
                 detail(StatusCode::BAD_REQUEST, "BadRequestError", &message, None)
             }
+            ApiError::Invalid {
+                message,
+                param,
+                value,
+            } => detail(
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                &format!("{message} (parameter={param}, value={value})"),
+                Some(param),
+            ),
+            ApiError::Shed(shed) => detail(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Service Unavailable",
+                match shed {
+                    crate::state::Shed::QueuedReqs => QUEUE_OVERFLOW_MESSAGE,
+                    crate::state::Shed::QueuedTokens => MAX_QUEUED_TOKENS_MESSAGE,
+                },
+                None,
+            ),
+            ApiError::Generation => detail(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                GENERATION_ERROR_MESSAGE,
+                None,
+            ),
             ApiError::ModelNotFound(model) => detail(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",

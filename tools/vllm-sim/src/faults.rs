@@ -34,7 +34,9 @@ pub struct FaultSettings {
     pub error_rate: f64,
     /// Status of injected errors (500 to 599; 500 and 503 are the usual ones).
     pub error_status: u16,
-    /// Fraction of requests answered `429 Too Many Requests`.
+    /// Fraction of requests answered `429 Too Many Requests` (with `Retry-After: 1`). No vLLM
+    /// release sends 429 by itself (its load shedding is a 503, see `--max-num-queued-reqs`): this
+    /// is a rate-limiting proxy in front of the server.
     pub rate_limit_rate: f64,
     /// Fraction of requests that hang before the first byte (no headers, ever, until the client
     /// gives up; the server drops them after an hour).
@@ -79,6 +81,16 @@ pub struct FaultSettings {
     /// engine, which behind a proxy or across a WAN can be late. Only the id is modelled: the
     /// first request runs as usual.
     pub request_id_linger_ms: u64,
+    /// After this many output tokens (0: before any), a stream sends vLLM's error event
+    /// `data: {"error": {"message": "Internal server error", "type": "InternalServerError",
+    /// "param": null, "code": 500}}` then `data: [DONE]` (a `GenerationError` inside vLLM 0.34's
+    /// stream generator: `finish_reason == "error"`, e.g. a KV load failure); a non-streamed
+    /// request that reaches that many tokens gets vLLM's 500 with the same error body.
+    pub stream_error_after_tokens: Option<u32>,
+    /// While loading, answer `/health` and `/v1/*` with 503 instead of refusing connections:
+    /// the sim's behaviour before it followed vLLM 0.34, whose socket is bound but not
+    /// listening until the engine is up (so connections are refused).
+    pub loading_answers_503: bool,
 }
 
 impl Default for FaultSettings {
@@ -100,6 +112,8 @@ impl Default for FaultSettings {
             redirect_to: None,
             route_not_found: false,
             request_id_linger_ms: 0,
+            stream_error_after_tokens: None,
+            loading_answers_503: false,
         }
     }
 }
@@ -140,7 +154,12 @@ pub struct FaultUpdate {
     pub route_not_found: Option<bool>,
     /// See [`FaultSettings::request_id_linger_ms`].
     pub request_id_linger_ms: Option<u64>,
-    /// Start a loading phase of this many seconds now: `/health` and `/v1/*` answer 503 meanwhile.
+    /// See [`FaultSettings::stream_error_after_tokens`].
+    pub stream_error_after_tokens: Option<u32>,
+    /// See [`FaultSettings::loading_answers_503`].
+    pub loading_answers_503: Option<bool>,
+    /// Start a loading phase of this many seconds now: the listener closes and connections are
+    /// refused meanwhile (or `/health` and `/v1/*` answer 503 with `loading_answers_503`).
     pub loading_s: Option<f64>,
     /// Exit the process right after answering.
     pub crash: bool,
@@ -204,6 +223,8 @@ impl FaultUpdate {
             redirect_to: self.redirect_to.clone(),
             route_not_found: self.route_not_found.unwrap_or(false),
             request_id_linger_ms: self.request_id_linger_ms.unwrap_or(0),
+            stream_error_after_tokens: self.stream_error_after_tokens,
+            loading_answers_503: self.loading_answers_503.unwrap_or(false),
         };
         settings.validate()?;
         if let Some(s) = self.loading_s {
@@ -285,6 +306,7 @@ impl FaultSettings {
             truncate_body: self.truncate_body,
             disconnect_mid_event_after_tokens: self.disconnect_mid_event_after_tokens,
             reset_after_done: self.reset_after_done,
+            stream_error_after_tokens: self.stream_error_after_tokens,
         }
     }
 }
@@ -308,6 +330,8 @@ pub struct FaultDecision {
     pub disconnect_mid_event_after_tokens: Option<u32>,
     /// Reset a whole stream's connection after its `data: [DONE]`.
     pub reset_after_done: bool,
+    /// End with vLLM's in-stream error (or its 500) after this many output tokens.
+    pub stream_error_after_tokens: Option<u32>,
 }
 
 impl FaultDecision {
@@ -500,6 +524,19 @@ mod tests {
             update(r#"{"reset":true,"login_page":true}"#).unwrap(),
             FaultSettings::default()
         );
+    }
+
+    #[test]
+    fn stream_errors_and_loading_503_are_settable_and_cleared() {
+        let s = update(r#"{"stream_error_after_tokens":0,"loading_answers_503":true}"#).unwrap();
+        assert_eq!(s.stream_error_after_tokens, Some(0));
+        assert!(s.loading_answers_503);
+        assert_eq!(
+            s.decide(&mut SplitMix64::new(0)).stream_error_after_tokens,
+            Some(0)
+        );
+        assert_eq!(update("{}").unwrap().stream_error_after_tokens, None);
+        assert!(!update("{}").unwrap().loading_answers_503);
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! `block_size * 4` bytes (see [`crate::tokenizer`]); a trailing partial block has no hash. Block `i`'s
 //! hash is `xxh3_64(prev_hash as 8 little-endian bytes || block bytes)`, with `prev_hash = 0` for the
 //! first block, so a hash names the whole prefix up to the end of its block. The gateway computes the
-//! same hashes from the same bytes.
+//! same hashes from the same bytes. A request with a `cache_salt` or for a LoRA adapter starts its
+//! chain from [`root_hash`] of those instead of 0, so the same prompt under another salt or adapter
+//! shares no block (vLLM 0.34 puts both in the first block's extra keys:
+//! `vllm/v1/core/kv_cache_utils.py`, `_gen_lora_extra_hash_keys` and `cache_salt_keys`).
 //!
 //! **Pool.** `num_blocks` blocks, each referenced by the running sequences that hold it. A block whose
 //! tokens have been computed is registered under its hash and stays cached after its sequences
@@ -38,8 +41,34 @@ pub fn chain_hash(prev: BlockHash, block: &[u8]) -> BlockHash {
     hasher.digest()
 }
 
+/// `prev_hash` of the first block of a request for LoRA adapter `lora` with `cache_salt` (either may
+/// be absent): [`ROOT_HASH`] when both are, else `xxh3_64` of `"vllm-sim-root"`, then for each of
+/// the adapter name and the salt (absent as empty) its length as 8 little-endian bytes and its UTF-8.
+pub fn root_hash(lora: Option<&str>, cache_salt: Option<&str>) -> BlockHash {
+    if lora.is_none() && cache_salt.is_none() {
+        return ROOT_HASH;
+    }
+    let mut hasher = Xxh3::new();
+    hasher.update(b"vllm-sim-root");
+    for part in [lora.unwrap_or(""), cache_salt.unwrap_or("")] {
+        hasher.update(&(part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    hasher.digest()
+}
+
 /// Extends `hashes` with the hashes of every full block of `bytes` not yet hashed.
 pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, bytes: &[u8], block_size: u32) {
+    extend_block_hashes_from(ROOT_HASH, hashes, bytes, block_size);
+}
+
+/// [`extend_block_hashes`] for a chain that starts from `root` (see [`root_hash`]).
+pub fn extend_block_hashes_from(
+    root: BlockHash,
+    hashes: &mut Vec<BlockHash>,
+    bytes: &[u8],
+    block_size: u32,
+) {
     let block_bytes = block_size as usize * BYTES_PER_TOKEN;
     if block_bytes == 0 {
         return;
@@ -47,7 +76,7 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, bytes: &[u8], block_size
     let full_blocks = bytes.len() / block_bytes;
     while hashes.len() < full_blocks {
         let i = hashes.len();
-        let prev = hashes.last().copied().unwrap_or(ROOT_HASH);
+        let prev = hashes.last().copied().unwrap_or(root);
         hashes.push(chain_hash(
             prev,
             &bytes[i * block_bytes..(i + 1) * block_bytes],
@@ -57,8 +86,13 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, bytes: &[u8], block_size
 
 /// The chained hashes of every full block of `bytes`.
 pub fn block_hashes(bytes: &[u8], block_size: u32) -> Vec<BlockHash> {
+    block_hashes_from(ROOT_HASH, bytes, block_size)
+}
+
+/// The chained hashes of every full block of `bytes`, starting from `root` (see [`root_hash`]).
+pub fn block_hashes_from(root: BlockHash, bytes: &[u8], block_size: u32) -> Vec<BlockHash> {
     let mut hashes = Vec::new();
-    extend_block_hashes(&mut hashes, bytes, block_size);
+    extend_block_hashes_from(root, &mut hashes, bytes, block_size);
     hashes
 }
 

@@ -18,6 +18,14 @@ const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds `host:port` with a large backlog and address reuse.
 pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    bind_socket(host, port).await?.listen(LISTEN_BACKLOG)
+}
+
+/// Binds `host:port` (address reuse) without listening: connections to it are refused, as to a
+/// vLLM server still loading its model (its socket is bound before the engine starts, and
+/// listened on only when it is up: `vllm/entrypoints/launchers/launcher.py`,
+/// `create_server_socket`). [`listen`] it afterwards.
+pub async fn bind_socket(host: &str, port: u16) -> std::io::Result<TcpSocket> {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let address: SocketAddr = tokio::net::lookup_host((host, port))
         .await?
@@ -30,6 +38,11 @@ pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
     };
     socket.set_reuseaddr(true)?;
     socket.bind(address)?;
+    Ok(socket)
+}
+
+/// Starts listening on a socket from [`bind_socket`].
+pub fn listen(socket: TcpSocket) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 

@@ -1,6 +1,7 @@
 //! The `vllm-sim` binary: parses the command line, binds the listener, starts the engine task and
 //! serves (the simulation itself is the `vllm_sim` library). The chosen address is printed on stdout
-//! as `vllm-sim listening on http://HOST:PORT` so that callers using `--port 0` can find it.
+//! as `vllm-sim listening on http://HOST:PORT` so that callers using `--port 0` can find it (with
+//! `--startup-delay-s`, connections to it are refused until the simulated load ends, as vLLM's).
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -32,7 +33,7 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: Config) -> ExitCode {
-    let listener = match launch::bind(&config.host, config.port).await {
+    let socket = match launch::bind_socket(&config.host, config.port).await {
         Ok(l) => l,
         Err(e) => {
             eprintln!(
@@ -42,7 +43,7 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let address = match listener.local_addr() {
+    let address = match socket.local_addr() {
         Ok(a) => a,
         Err(e) => {
             eprintln!("vllm-sim: {e}");
@@ -58,12 +59,36 @@ async fn run(config: Config) -> ExitCode {
         config.role.as_str(),
         config.kv_blocks,
         config.block_size,
-        config.max_num_seqs,
+        config.max_num_seqs(),
         config.time_scale
     );
     let state = Arc::new(launch::app_state(config));
-    println!("vllm-sim listening on http://{address}");
-    let _ = std::io::stdout().flush();
+    // While the simulated model loads, the port is bound but refuses connections (vLLM 0.34);
+    // otherwise it listens before its address is printed, so callers can connect at once.
+    let loading_until = state
+        .loading_until()
+        .filter(|_| !state.loading_answers_503());
+    let socket = match loading_until {
+        Some(until) => {
+            println!("vllm-sim listening on http://{address}");
+            let _ = std::io::stdout().flush();
+            tokio::time::sleep_until(until.into()).await;
+            launch::listen(socket)
+        }
+        None => {
+            let listener = launch::listen(socket);
+            println!("vllm-sim listening on http://{address}");
+            let _ = std::io::stdout().flush();
+            listener
+        }
+    };
+    let listener = match socket {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("vllm-sim: cannot listen on {address}: {e}");
+            return ExitCode::from(1);
+        }
+    };
     vllm_sim::server::serve(listener, state).await;
     ExitCode::SUCCESS
 }

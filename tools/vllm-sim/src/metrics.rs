@@ -1,16 +1,26 @@
-//! `/metrics`: the engine's state rendered in Prometheus text format under vLLM's metric names.
+//! `/metrics`: the engine's state rendered in Prometheus text format under vLLM 0.34.0's metric names.
 //!
-//! Names, types, help strings and histogram buckets follow vLLM V1 (`vllm/v1/metrics/loggers.py`) as
-//! `prometheus_client` exposes them: counters end in `_total` (so the older `vllm:gpu_prefix_cache_queries`
-//! counter appears as `vllm:gpu_prefix_cache_queries_total`), every series has the labels
-//! `model_name` (the first `--model`) and `engine="0"`. Prefix-cache queries and hits count tokens.
+//! Names, types, help strings and histogram buckets follow vLLM 0.34.0
+//! (`vllm/v1/metrics/loggers.py`, `PrometheusStatLogger`) as `prometheus_client` exposes them:
+//! counters end in `_total`, every engine series has the labels `model_name` (the first `--model`)
+//! and `engine="0"`. Prefix-cache queries and hits count tokens. Series 0.34 no longer has are not
+//! exported: `vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_queries`,
+//! `vllm:gpu_prefix_cache_hits` and `vllm:time_per_output_token_seconds` (inter-token latency is
+//! `vllm:inter_token_latency_seconds`). `vllm:num_requests_waiting` is queued plus deferred
+//! requests, split by `vllm:num_requests_waiting_by_reason{reason="capacity"|"deferred"}` (the sim
+//! defers none). `vllm:cache_config_info` carries the cache configuration as labels, among them
+//! `block_size`, `num_gpu_blocks` and `kv_cache_size_tokens` (the true KV capacity), with `engine`
+//! and no `model_name`, as `log_metrics_info` renders `CacheConfig.metrics_info()`
+//! (`vllm/config/cache.py`). `vllm:admission_rejections{model_name, reason}` counts requests shed
+//! by `--max-num-queued-reqs` / `--max-num-queued-tokens`. With `--disable-log-stats` no `vllm:*`
+//! series is exported at all (only the sim's own).
+//!
 //! Latency histograms are in wall-clock seconds, as a scraper or the gateway would measure them (with
 //! `--time-scale 100`, a simulated 1 s TTFT shows as 0.01 s). The per-request phase histograms
 //! (queue, prefill, decode, inference) are observed when a request finishes after producing a
-//! token; inter-token latency once per output token after the first, under both its names
-//! (`vllm:time_per_output_token_seconds`, older, and `vllm:inter_token_latency_seconds`). Two sim-only series use the `vllm_sim:`
-//! prefix: cached blocks and evictions. The engine task updates one [`MetricsState`] after every step;
-//! [`render`] is pure.
+//! token; inter-token latency once per output token after the first. Sim-only series use the
+//! `vllm_sim:` prefix: cached blocks, evictions and stalled requests. The engine task updates one
+//! [`MetricsState`] after every step; [`render`] is pure.
 
 use std::fmt::Write;
 
@@ -22,7 +32,7 @@ pub const TTFT_BUCKETS: &[f64] = &[
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// vLLM's buckets for `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds`.
+/// vLLM's buckets for `vllm:inter_token_latency_seconds`.
 pub const INTER_TOKEN_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
@@ -84,6 +94,10 @@ pub struct MetricsInfo {
     pub block_size: u32,
     /// Blocks in the KV cache.
     pub num_gpu_blocks: u32,
+    /// Longest sequence (for `kv_cache_max_concurrency`).
+    pub max_model_len: u32,
+    /// `--disable-log-stats`: no `vllm:*` series.
+    pub disable_log_stats: bool,
 }
 
 /// Everything `/metrics` shows, updated by the engine after each step.
@@ -105,6 +119,10 @@ pub struct MetricsState {
     pub stats: SchedulerStats,
     /// Prompt tokens of embedding requests (served outside the scheduler).
     pub embedding_prompt_tokens: u64,
+    /// Requests shed by `--max-num-queued-reqs`.
+    pub rejected_queued_reqs: u64,
+    /// Requests shed by `--max-num-queued-tokens`.
+    pub rejected_queued_tokens: u64,
     /// Time to first token, seconds.
     pub ttft: Histogram,
     /// Request latency from arrival to the last token, seconds.
@@ -171,6 +189,8 @@ impl Default for MetricsState {
             evictions: 0,
             stats: SchedulerStats::default(),
             embedding_prompt_tokens: 0,
+            rejected_queued_reqs: 0,
+            rejected_queued_tokens: 0,
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             queue: Histogram::new(E2E_BUCKETS),
@@ -258,6 +278,29 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         out: String::with_capacity(8192),
         labels: format!("model_name=\"{}\",engine=\"0\"", escape(&info.model_name)),
     };
+    if !info.disable_log_stats {
+        render_vllm(&mut w, info, state);
+    }
+    w.gauge(
+        "vllm_sim:cached_blocks",
+        "KV blocks currently cached under a prefix hash (vllm-sim only).",
+        state.cached_blocks as f64,
+    );
+    w.gauge(
+        "vllm_sim:num_requests_stalled",
+        "Running requests held by the stall_after_tokens fault (vllm-sim only).",
+        state.stalled as f64,
+    );
+    w.counter(
+        "vllm_sim:prefix_cache_evictions_total",
+        "Cached KV blocks evicted to make room (vllm-sim only).",
+        state.evictions,
+    );
+    w.out
+}
+
+/// The `vllm:*` series, in the order vLLM 0.34 registers them.
+fn render_vllm(w: &mut Writer, info: &MetricsInfo, state: &MetricsState) {
     let s = &state.stats;
     w.gauge(
         "vllm:num_requests_running",
@@ -269,14 +312,24 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         "Number of requests waiting to be processed.",
         state.waiting as f64,
     );
+    w.header(
+        "vllm:num_requests_waiting_by_reason",
+        "gauge",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+    );
+    w.sample(
+        "vllm:num_requests_waiting_by_reason",
+        "reason=\"capacity\"",
+        state.waiting as f64,
+    );
+    w.sample(
+        "vllm:num_requests_waiting_by_reason",
+        "reason=\"deferred\"",
+        0.0,
+    );
     w.gauge(
         "vllm:kv_cache_usage_perc",
         "KV-cache usage. 1 means 100 percent usage.",
-        state.kv_usage,
-    );
-    w.gauge(
-        "vllm:gpu_cache_usage_perc",
-        "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
         state.kv_usage,
     );
     w.counter(
@@ -290,14 +343,9 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         s.prefix_hits,
     );
     w.counter(
-        "vllm:gpu_prefix_cache_queries_total",
-        "GPU prefix cache queries, in terms of number of queried tokens. DEPRECATED: Use vllm:prefix_cache_queries instead.",
-        s.prefix_queries,
-    );
-    w.counter(
-        "vllm:gpu_prefix_cache_hits_total",
-        "GPU prefix cache hits, in terms of number of cached tokens. DEPRECATED: Use vllm:prefix_cache_hits instead.",
-        s.prefix_hits,
+        "vllm:num_preemptions_total",
+        "Cumulative number of preemption from the engine.",
+        s.preemptions,
     );
     w.counter(
         "vllm:prompt_tokens_total",
@@ -308,11 +356,6 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         "vllm:generation_tokens_total",
         "Number of generation tokens processed.",
         s.generation_tokens,
-    );
-    w.counter(
-        "vllm:num_preemptions_total",
-        "Cumulative number of preemption from the engine.",
-        s.preemptions,
     );
     w.header(
         "vllm:request_success_total",
@@ -330,15 +373,27 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
             count as f64,
         );
     }
+    // Labelled by model and reason only (no engine), as vLLM registers it.
+    w.header(
+        "vllm:admission_rejections_total",
+        "counter",
+        "Number of admission attempts rejected by a queue limit, by reason.",
+    );
+    for (reason, count) in [
+        ("max_num_queued_reqs", state.rejected_queued_reqs),
+        ("max_num_queued_tokens", state.rejected_queued_tokens),
+    ] {
+        let _ = writeln!(
+            w.out,
+            "vllm:admission_rejections_total{{model_name=\"{}\",reason=\"{reason}\"}} {}",
+            escape(&info.model_name),
+            number(count as f64)
+        );
+    }
     w.histogram(
         "vllm:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
         &state.ttft,
-    );
-    w.histogram(
-        "vllm:time_per_output_token_seconds",
-        "Histogram of time per output token in seconds.",
-        &state.inter_token,
     );
     w.histogram(
         "vllm:inter_token_latency_seconds",
@@ -375,27 +430,16 @@ pub fn render(info: &MetricsInfo, state: &MetricsState) -> String {
         "gauge",
         "Information of the LLMEngine CacheConfig",
     );
-    let cache_labels = format!(
-        "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",num_gpu_blocks_override=\"None\"",
-        info.block_size, info.num_gpu_blocks
+    // CacheConfig.metrics_info(): its fields as strings (a subset, in declaration order), then
+    // `engine`; no model_name.
+    let tokens = u64::from(info.num_gpu_blocks) * u64::from(info.block_size);
+    let concurrency = tokens as f64 / f64::from(info.max_model_len.max(1));
+    let _ = writeln!(
+        w.out,
+        "vllm:cache_config_info{{block_size=\"{bs}\",gpu_memory_utilization=\"0.9\",cache_dtype=\"auto\",is_attention_free=\"False\",num_gpu_blocks_override=\"None\",sliding_window=\"None\",enable_prefix_caching=\"True\",prefix_caching_hash_algo=\"sha256\",num_gpu_blocks=\"{blocks}\",num_cpu_blocks=\"None\",effective_attention_block_size=\"{bs}\",kv_cache_size_tokens=\"{tokens}\",kv_cache_max_concurrency=\"{concurrency:?}\",hash_block_size=\"{bs}\",engine=\"0\"}} 1.0",
+        bs = info.block_size,
+        blocks = info.num_gpu_blocks,
     );
-    w.sample("vllm:cache_config_info", &cache_labels, 1.0);
-    w.gauge(
-        "vllm_sim:cached_blocks",
-        "KV blocks currently cached under a prefix hash (vllm-sim only).",
-        state.cached_blocks as f64,
-    );
-    w.gauge(
-        "vllm_sim:num_requests_stalled",
-        "Running requests held by the stall_after_tokens fault (vllm-sim only).",
-        state.stalled as f64,
-    );
-    w.counter(
-        "vllm_sim:prefix_cache_evictions_total",
-        "Cached KV blocks evicted to make room (vllm-sim only).",
-        state.evictions,
-    );
-    w.out
 }
 
 #[cfg(test)]
@@ -407,6 +451,8 @@ mod tests {
             model_name: "m\"x".into(),
             block_size: 16,
             num_gpu_blocks: 4096,
+            max_model_len: 32768,
+            disable_log_stats: false,
         }
     }
 
@@ -426,22 +472,20 @@ mod tests {
         assert!(
             text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n")
         );
-        assert!(text.contains("vllm:gpu_cache_usage_perc{"));
+        assert!(!text.contains("vllm:gpu_cache_usage_perc"));
         assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
         assert!(text
             .contains("vllm:prefix_cache_hits_total{model_name=\"m\\\"x\",engine=\"0\"} 32.0\n"));
-        assert!(text.contains("vllm:gpu_prefix_cache_hits_total{"));
+        assert!(!text.contains("vllm:gpu_prefix_cache"));
         assert!(text.contains("num_gpu_blocks=\"4096\""));
         assert!(text.contains("block_size=\"16\""));
         for name in [
             "vllm:num_requests_waiting",
             "vllm:prefix_cache_queries_total",
-            "vllm:gpu_prefix_cache_queries_total",
             "vllm:prompt_tokens_total",
             "vllm:generation_tokens_total",
             "vllm:time_to_first_token_seconds_bucket",
             "vllm:e2e_request_latency_seconds_sum",
-            "vllm:time_per_output_token_seconds_bucket",
             "vllm:inter_token_latency_seconds_count",
             "vllm:request_queue_time_seconds_bucket",
             "vllm:request_inference_time_seconds_sum",
@@ -499,10 +543,9 @@ mod tests {
                 .unwrap_or_else(|| panic!("no {series}"))
                 .to_string()
         };
-        assert_eq!(value("vllm:time_per_output_token_seconds_count"), "3.0");
         assert_eq!(value("vllm:inter_token_latency_seconds_count"), "3.0");
-        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.025\"} 2.0"));
-        assert!(text.contains("vllm:time_per_output_token_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"80.0\"} 3.0"));
+        assert!(text.contains("vllm:inter_token_latency_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.025\"} 2.0"));
+        assert!(text.contains("vllm:inter_token_latency_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"80.0\"} 3.0"));
         assert_eq!(value("vllm:request_queue_time_seconds_sum"), "0.4");
         assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.3\"} 0.0"));
         assert!(text.contains("vllm:request_queue_time_seconds_bucket{model_name=\"m\\\"x\",engine=\"0\",le=\"0.5\"} 1.0"));
@@ -512,6 +555,54 @@ mod tests {
         assert_eq!(value("vllm:request_inference_time_seconds_sum"), "0.9");
         assert_eq!(value("vllm:e2e_request_latency_seconds_count"), "1.0");
         assert_eq!(value("vllm:time_to_first_token_seconds_count"), "1.0");
+    }
+
+    #[test]
+    fn series_removed_in_0_34_are_gone_and_new_ones_are_there() {
+        let mut state = MetricsState {
+            waiting: 4,
+            rejected_queued_reqs: 2,
+            ..Default::default()
+        };
+        state.inter_token.observe(0.02);
+        let text = render(&info(), &state);
+        for gone in [
+            "vllm:gpu_cache_usage_perc",
+            "vllm:gpu_prefix_cache_queries",
+            "vllm:gpu_prefix_cache_hits",
+            "vllm:time_per_output_token_seconds",
+        ] {
+            assert!(!text.contains(gone), "{gone} is not in vLLM 0.34");
+        }
+        assert!(text.contains("vllm:cache_config_info{block_size=\"16\","));
+        assert!(text.contains("num_gpu_blocks=\"4096\""));
+        assert!(text.contains("kv_cache_size_tokens=\"65536\""));
+        assert!(text.contains("kv_cache_max_concurrency=\"2.0\""));
+        assert!(text.contains("engine=\"0\"} 1.0\n"));
+        assert!(!text.contains("vllm:cache_config_info{model_name"));
+        assert!(text.contains(
+            "vllm:admission_rejections_total{model_name=\"m\\\"x\",reason=\"max_num_queued_reqs\"} 2.0\n"
+        ));
+        assert!(text.contains(
+            "vllm:admission_rejections_total{model_name=\"m\\\"x\",reason=\"max_num_queued_tokens\"} 0.0\n"
+        ));
+        assert!(
+            text.contains("vllm:num_requests_waiting{model_name=\"m\\\"x\",engine=\"0\"} 4.0\n")
+        );
+        assert!(text.contains(
+            "vllm:num_requests_waiting_by_reason{model_name=\"m\\\"x\",engine=\"0\",reason=\"capacity\"} 4.0\n"
+        ));
+    }
+
+    #[test]
+    fn disable_log_stats_exports_no_vllm_series() {
+        let quiet = MetricsInfo {
+            disable_log_stats: true,
+            ..info()
+        };
+        let text = render(&quiet, &MetricsState::default());
+        assert!(!text.contains("vllm:"), "{text}");
+        assert!(text.contains("vllm_sim:cached_blocks"));
     }
 
     #[test]

@@ -80,8 +80,11 @@ pub struct SamplingRequest {
     pub stream: Option<bool>,
     /// Streaming usage options.
     pub stream_options: Option<StreamOptions>,
-    /// Prefill/decode disaggregation (see [`crate::disagg`]).
-    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Prefill/decode disaggregation (see [`crate::disagg`]); kept raw, because params that do
+    /// not even parse are recomputed locally, as vLLM does, rather than refused.
+    pub kv_transfer_params: Option<serde_json::Value>,
+    /// vLLM's prefix-cache salt: the same prompt under another salt shares no cached block.
+    pub cache_salt: Option<String>,
 }
 
 /// `stop`: one string or several.

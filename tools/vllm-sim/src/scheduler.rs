@@ -6,7 +6,8 @@
 //! sequence is preempted (its blocks are freed and it goes back to the front of the queue, to be
 //! recomputed later, mostly from the prefix cache). If nothing was preempted, waiting sequences are
 //! then admitted in FIFO order while fewer than `max_num_seqs` run, the step's token budget
-//! (`max_num_batched_tokens`) lasts and their blocks fit. An admitted sequence's leading full blocks
+//! (`max_num_batched_tokens`) lasts and the blocks of their whole prompt fit (vLLM 0.34's
+//! `scheduler_reserve_full_isl`), though only the first chunk's blocks are allocated. An admitted sequence's leading full blocks
 //! found in the prefix cache count as computed, except that the last prompt token is always computed
 //! (as in vLLM, a fully cached prompt still runs one token). A decode server given verified
 //! `kv_transfer_params` also counts the prompt as computed remotely ([`SequenceSpec::remote_prefill`]).
@@ -27,7 +28,7 @@ pub use types::{
     SequenceSpec, StepPlan, StepTiming,
 };
 
-use crate::kv_cache::{block_hashes, extend_block_hashes, BlockHash, BlockId, BlockPool};
+use crate::kv_cache::{block_hashes_from, extend_block_hashes_from, BlockHash, BlockId, BlockPool};
 use crate::sampler::SplitMix64;
 use crate::stop::StopChecker;
 use crate::tokenizer::{count_tokens, piece};
@@ -99,7 +100,7 @@ impl Scheduler {
     /// Queues a new sequence.
     pub fn add(&mut self, id: SeqId, spec: SequenceSpec) {
         let prompt_tokens = count_tokens(spec.prompt.len());
-        let hashes = block_hashes(&spec.prompt, self.config.block_size);
+        let hashes = block_hashes_from(spec.hash_root, &spec.prompt, self.config.block_size);
         let seq = Sequence {
             bytes: spec.prompt.clone(),
             prompt_tokens,
@@ -244,7 +245,13 @@ impl Scheduler {
             }
             let n = (total - start).min(budget);
             let needed = blocks_for(start + n, block_size).saturating_sub(hits.len());
-            if !self.pool.can_allocate(&hits, needed) {
+            // vLLM 0.34 admits a request only when its whole prompt fits in the free blocks
+            // (`scheduler_reserve_full_isl`, on by default: vllm/config/scheduler.py), though a
+            // step allocates only the chunk it computes.
+            let whole = blocks_for(total, block_size)
+                .saturating_sub(hits.len())
+                .max(needed);
+            if !self.pool.can_allocate(&hits, whole) {
                 if self.running.is_empty() && plan.is_empty() {
                     // Even an empty cache cannot hold it.
                     self.waiting.pop_front();
@@ -324,7 +331,12 @@ impl Scheduler {
             } else {
                 let text = piece(seq.sampler.next_u64());
                 seq.bytes.extend_from_slice(text.as_bytes());
-                extend_block_hashes(&mut seq.hashes, &seq.bytes, block_size);
+                extend_block_hashes_from(
+                    seq.spec.hash_root,
+                    &mut seq.hashes,
+                    &seq.bytes,
+                    block_size,
+                );
                 let check_stops = seq.output_tokens >= seq.spec.min_tokens;
                 if let Some(stop) = seq.text.push(text, check_stops) {
                     finish = Some((FinishReason::Stop, Some(stop)));

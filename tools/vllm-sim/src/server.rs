@@ -2,6 +2,14 @@
 //! OpenAI handlers — the loading phase, the API key, injected faults — plus the endpoints that are not
 //! OpenAI's: `/health`, `/metrics`, `/version` and the sim's own `/sim/faults` and `/sim/info`.
 //!
+//! Which OpenAI routes exist depends on the model's task, as vLLM 0.34 registers routers by
+//! supported task (`vllm/entrypoints/launchers/api_server/routers.py`): a generate model has
+//! `/v1/chat/completions` and `/v1/completions`, an embedding model `/v1/embeddings`; any other
+//! path is FastAPI's `404 {"detail":"Not Found"}`. While loading, vLLM 0.34's socket is bound but
+//! not listening, so connections are refused: the sim closes its listener for a loading phase
+//! started at run time (`loading_s`) and drops requests on connections opened before, unless the
+//! `loading_answers_503` fault asks for the older 503 answers.
+//!
 //! As in vLLM, only `/v1/*` paths require the API key. Generation requests read their body, then wait
 //! out `first_byte_delay_ms`, then hang, get 429 or an injected error, or are served; a served
 //! non-streamed answer may then be cut in half (`truncate_body`). A request whose body holds the
@@ -23,6 +31,7 @@ use tokio::net::TcpListener;
 
 use crate::api;
 use crate::body::{self, SimBody};
+use crate::config::{Task, VLLM_VERSION};
 use crate::error::ApiError;
 use crate::faults::{FaultUpdate, FrontDoor, LOGIN_PAGE_HTML};
 use crate::metrics::render;
@@ -45,10 +54,35 @@ impl std::fmt::Display for Dropped {
 
 impl std::error::Error for Dropped {}
 
-/// Accepts connections forever, one task per connection (HTTP/1.1 with keep-alive).
+/// Accepts connections forever, one task per connection (HTTP/1.1 with keep-alive). A loading
+/// phase started at run time closes the listener (connections are refused) until it ends, unless
+/// the `loading_answers_503` fault is set.
 pub async fn serve(listener: TcpListener, state: Arc<AppState>) {
+    let mut listener = Some(listener);
     loop {
-        let stream = match listener.accept().await {
+        if let Some(until) = state
+            .loading_until()
+            .filter(|_| !state.loading_answers_503())
+        {
+            listener = None;
+            tokio::time::sleep_until(until.into()).await;
+            continue;
+        }
+        let Some(open) = listener.as_ref() else {
+            match crate::launch::bind(&state.config.host, state.config.port).await {
+                Ok(l) => listener = Some(l),
+                Err(e) => {
+                    eprintln!("vllm-sim: cannot listen again after loading: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            continue;
+        };
+        let accepted = tokio::select! {
+            accepted = open.accept() => accepted,
+            () = state.loading_started.notified() => continue,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
                 // Usually EMFILE under extreme load: back off instead of spinning.
@@ -79,6 +113,10 @@ pub async fn handle(
 ) -> Result<Response<SimBody>, Dropped> {
     let path = request.uri().path().to_string();
     let method = request.method().clone();
+    if !path.starts_with("/sim/") && state.is_loading() && !state.loading_answers_503() {
+        // A connection opened before the loading phase: the server it reached is gone.
+        return Err(Dropped);
+    }
     if !path.starts_with("/sim/") {
         if let Some(door) = front_door(&state) {
             return Ok(door);
@@ -87,10 +125,8 @@ pub async fn handle(
     let response = match (path.as_str(), &method) {
         ("/health", &Method::GET) => health(&state),
         ("/metrics", &Method::GET) => metrics(&state),
-        ("/version", &Method::GET) => body::json(
-            StatusCode::OK,
-            &json!({"version": concat!(env!("CARGO_PKG_VERSION"), "+vllm-sim")}),
-        ),
+        // vllm/entrypoints/serve/instrumentator/basic.py: the vLLM version the sim behaves as.
+        ("/version", &Method::GET) => body::json(StatusCode::OK, &json!({"version": VLLM_VERSION})),
         ("/sim/faults", &Method::GET) => faults(&state),
         ("/sim/faults", &Method::POST) => match read_body(request).await {
             Ok(bytes) => update_faults(&state, &bytes),
@@ -130,10 +166,12 @@ async fn v1(
             return Err(ApiError::Unauthorized);
         }
     }
-    let generation = matches!(
-        path,
-        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
-    );
+    // Routes registered for the model's task; the others are not found, whatever the method.
+    let generation = match state.config.task() {
+        Task::Generate => matches!(path, "/v1/chat/completions" | "/v1/completions"),
+        Task::Embed => path == "/v1/embeddings",
+        Task::Classify => false,
+    };
     match (path, method) {
         ("/v1/models", &Method::GET) => return Ok(api::models(state)),
         ("/v1/models", _) => return Err(ApiError::MethodNotAllowed),
@@ -292,11 +330,17 @@ fn update_faults(state: &AppState, bytes: &[u8]) -> Response<SimBody> {
         Ok(s) => s,
         Err(e) => return ApiError::BadRequest(e.to_string()).into_response(),
     };
+    let mut loading = false;
     if let Ok(mut f) = state.faults.lock() {
         f.settings = settings;
         if let Some(s) = update.loading_s {
             f.loading_until = Some(Instant::now() + Duration::from_secs_f64(s));
+            loading = s > 0.0 && !f.settings.loading_answers_503;
         }
+    }
+    if loading {
+        // The accept loop closes the listener; this answer still goes out on its connection.
+        state.loading_started.notify_one();
     }
     if update.crash {
         eprintln!("vllm-sim: crashing on request (POST /sim/faults {{\"crash\": true}})");
@@ -317,8 +361,8 @@ fn info(state: &AppState) -> Response<SimBody> {
             "models": c.models,
             "role": c.role.as_str(),
             "engine_id": state.transfer.engine_id,
-            "max_num_seqs": c.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "max_num_seqs": c.max_num_seqs(),
+            "max_num_batched_tokens": c.max_num_batched_tokens(),
             "kv_blocks": c.kv_blocks,
             "block_size": c.block_size,
             "max_model_len": c.max_model_len,
@@ -328,6 +372,9 @@ fn info(state: &AppState) -> Response<SimBody> {
             "time_scale": c.time_scale,
             "seed": c.seed,
             "version": env!("CARGO_PKG_VERSION"),
+            "vllm_version": VLLM_VERSION,
+            "task": format!("{:?}", c.task()).to_lowercase(),
+            "gpu_profile": format!("{:?}", c.gpu_profile).to_lowercase(),
         }),
     )
 }

@@ -9,6 +9,15 @@
 //! hyper drop the connection without the terminating chunk, as a crashed server would. With
 //! `disconnect_mid_event_after_tokens`, the first half of one more event (`data: {"id":...` with no
 //! blank line after it) goes out before the cut, as when a server dies in the middle of a write.
+//!
+//! Two behaviours of vLLM 0.34.0 live here too. A failure after the headers (a `GenerationError`:
+//! `finish_reason == "error"`, e.g. a KV load failure) is sent as one more event,
+//! `data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}`,
+//! then `data: [DONE]` (the except branches of `chat_completion_stream_generator` in
+//! `vllm/entrypoints/openai/chat_completion/serving.py`; completions the same); see
+//! [`StreamError`]. With `--sse-keep-alive-interval`, a stream silent that long (queued, in
+//! prefill, or between tokens) gets the comment `: keep-alive\n\n`
+//! (`vllm/entrypoints/serve/utils/sse_keep_alive.py`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -28,6 +37,24 @@ use crate::openai::{
     ChatChunk, ChatChunkChoice, ChatDelta, CompletionChoice, CompletionChunk, Usage,
 };
 use crate::scheduler::Finish;
+use crate::state::InFlight;
+
+/// The comment line vLLM sends on an idle stream (`SSE_KEEP_ALIVE_COMMENT`).
+pub const KEEP_ALIVE_COMMENT: &[u8] = b": keep-alive\n\n";
+
+/// The error event of a stream that fails after its headers, as vLLM 0.34 serializes its
+/// `ErrorResponse` (pydantic's compact JSON), including the `data: ` prefix and blank line.
+pub const STREAM_ERROR_EVENT: &[u8] = b"data: {\"error\":{\"message\":\"Internal server error\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n";
+
+/// Where a stream fails with vLLM's error event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamError {
+    /// After this many output tokens (0: before any).
+    pub after: u32,
+    /// A chat stream sends its role chunk first (vLLM sends it with the first output, which is
+    /// the one carrying `finish_reason: "error"` when a KV load fails).
+    pub role_first: bool,
+}
 
 /// How long a stream that is about to be cut waits so its last chunks reach the client first.
 const DISCONNECT_GRACE: Duration = Duration::from_millis(30);
@@ -314,6 +341,14 @@ pub struct SseStream {
     cut: Option<StreamCutAt>,
     /// Reset the connection after `data: [DONE]` instead of ending cleanly.
     reset_after_done: bool,
+    /// End with vLLM's error event after this many tokens.
+    error: Option<StreamError>,
+    /// Send a keep-alive comment after this much silence.
+    keep_alive: Option<Duration>,
+    /// When the next keep-alive comment is due.
+    keep_alive_timer: Option<Pin<Box<Sleep>>>,
+    /// The request's share of the load-shedding counters.
+    in_flight: Option<InFlight>,
     state: State,
 }
 
@@ -329,7 +364,67 @@ impl SseStream {
             encoder,
             cut,
             reset_after_done: false,
+            error: None,
+            keep_alive: None,
+            keep_alive_timer: None,
+            in_flight: None,
             state: State::Open,
+        }
+    }
+
+    /// The stream fails with vLLM's error event as `error` says, if set.
+    pub fn error_after(mut self, error: Option<StreamError>) -> Self {
+        self.error = error;
+        self
+    }
+
+    /// Silence longer than `interval` gets a keep-alive comment, if set.
+    pub fn keep_alive(mut self, interval: Option<Duration>) -> Self {
+        self.keep_alive = interval.filter(|i| !i.is_zero());
+        self.keep_alive_timer = self.keep_alive.map(|i| Box::pin(tokio::time::sleep(i)));
+        self
+    }
+
+    /// Holds the request's load-shedding share until the stream is dropped; its prompt leaves the
+    /// prefill backlog with the first token.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = Some(in_flight);
+        self
+    }
+
+    /// Ends `out` with the error event and `[DONE]` if the error is due after `output_tokens`.
+    fn error_if_due(&mut self, out: &mut Vec<u8>, output_tokens: u32) -> bool {
+        let Some(error) = self.error.filter(|e| output_tokens >= e.after) else {
+            return false;
+        };
+        if error.role_first {
+            self.encoder.token(out, "", output_tokens);
+        }
+        out.extend_from_slice(STREAM_ERROR_EVENT);
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        self.state = State::Done;
+        true
+    }
+
+    /// A keep-alive comment if the stream has been silent for the interval (and re-arms the
+    /// timer); registers the waker otherwise.
+    fn keep_alive_due(&mut self, cx: &mut Context<'_>) -> bool {
+        let (Some(interval), Some(timer)) = (self.keep_alive, self.keep_alive_timer.as_mut())
+        else {
+            return false;
+        };
+        if timer.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        timer.as_mut().reset(tokio::time::Instant::now() + interval);
+        // Register the re-armed timer's waker.
+        let _ = timer.as_mut().poll(cx);
+        true
+    }
+
+    fn rearm_keep_alive(&mut self) {
+        if let (Some(interval), Some(timer)) = (self.keep_alive, self.keep_alive_timer.as_mut()) {
+            timer.as_mut().reset(tokio::time::Instant::now() + interval);
         }
     }
 
@@ -370,19 +465,32 @@ impl SseStream {
                 State::Open => {}
             }
             let mut out = Vec::new();
-            if !self.cut_if_due(&mut out, 0) {
+            if !self.error_if_due(&mut out, 0) && !self.cut_if_due(&mut out, 0) {
                 while out.len() < MAX_FRAME {
                     match self.events.poll_recv(cx) {
                         Poll::Ready(Some(SeqEvent::Token {
                             delta,
                             output_tokens,
                         })) => {
+                            if let Some(f) = &self.in_flight {
+                                f.first_token();
+                            }
                             self.encoder.token(&mut out, &delta, output_tokens);
-                            if self.cut_if_due(&mut out, output_tokens) {
+                            if self.error_if_due(&mut out, output_tokens)
+                                || self.cut_if_due(&mut out, output_tokens)
+                            {
                                 break;
                             }
                         }
                         Poll::Ready(Some(SeqEvent::Finished(finish))) => {
+                            if let Some(f) = &self.in_flight {
+                                f.first_token();
+                            }
+                            if self.error.is_some_and(|e| finish.output_tokens >= e.after)
+                                && self.error_if_due(&mut out, finish.output_tokens)
+                            {
+                                break;
+                            }
                             self.encoder.finish(&mut out, &finish);
                             self.state = if self.reset_after_done {
                                 // The end goes out first, then the connection is cut.
@@ -402,9 +510,13 @@ impl SseStream {
                 }
             }
             if !out.is_empty() {
+                self.rearm_keep_alive();
                 return Poll::Ready(Some(Ok(Bytes::from(out))));
             }
             if matches!(self.state, State::Open) {
+                if self.keep_alive_due(cx) {
+                    return Poll::Ready(Some(Ok(Bytes::from_static(KEEP_ALIVE_COMMENT))));
+                }
                 return Poll::Pending;
             }
         }

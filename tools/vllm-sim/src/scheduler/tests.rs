@@ -311,3 +311,53 @@ fn a_stall_at_zero_prefills_but_never_samples_and_short_requests_finish() {
         "only the short request produced a first token"
     );
 }
+
+#[test]
+fn a_request_is_admitted_only_when_its_whole_prompt_fits_not_its_first_chunk() {
+    // 16 blocks of 4 tokens; chunks of 8 tokens. One sequence of 10 prompt tokens holds 3 blocks
+    // (plus a 4th as it decodes); a second of 56 tokens (14 blocks) has a first chunk that fits
+    // (2 blocks) but not its whole prompt: it waits (vLLM's scheduler_reserve_full_isl).
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 16,
+        max_num_batched_tokens: 8,
+        ..config()
+    });
+    s.add(1, spec(&[b'a'; 40], 20));
+    s.add(2, spec(&[b'b'; 224], 2));
+    let first = s.schedule();
+    assert_eq!(first.work, vec![(1, 8)]);
+    s.complete(first);
+    let second = s.schedule();
+    assert_eq!(s.num_waiting(), 1, "the long prompt does not fit whole");
+    assert!(second.work.iter().all(|&(id, _)| id == 1));
+    s.complete(second);
+    let (outputs, _) = run(&mut s);
+    assert_eq!(
+        finish_of(&outputs, 2).output_tokens,
+        2,
+        "admitted once it fits"
+    );
+}
+
+#[test]
+fn a_salt_or_adapter_gives_the_same_prompt_other_blocks() {
+    let mut s = Scheduler::new(config());
+    let prompt = [b'p'; 64];
+    s.add(1, spec(&prompt, 1));
+    run(&mut s);
+    let salted = SequenceSpec {
+        hash_root: crate::kv_cache::root_hash(None, Some("tenant")),
+        ..spec(&prompt, 1)
+    };
+    s.add(2, salted.clone());
+    let (outputs, _) = run(&mut s);
+    assert_eq!(finish_of(&outputs, 2).cached_tokens, 0);
+    s.add(3, salted);
+    let (outputs, _) = run(&mut s);
+    assert!(finish_of(&outputs, 3).cached_tokens > 0);
+    assert_ne!(
+        crate::kv_cache::root_hash(Some("sql"), None),
+        crate::kv_cache::root_hash(None, Some("sql"))
+    );
+    assert_eq!(crate::kv_cache::root_hash(None, None), 0);
+}

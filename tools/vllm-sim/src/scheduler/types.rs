@@ -67,6 +67,9 @@ pub struct SequenceSpec {
     /// Fault: after this many output tokens the sequence stops computing and sampling but keeps its
     /// slot and blocks (a hung engine), until it is aborted.
     pub stall_after: Option<u32>,
+    /// `prev_hash` of the first prompt block: 0, or [`crate::kv_cache::root_hash`] of the
+    /// request's LoRA adapter and `cache_salt`.
+    pub hash_root: crate::kv_cache::BlockHash,
 }
 
 /// Why a sequence finished, as `finish_reason`.
