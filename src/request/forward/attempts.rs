@@ -218,7 +218,10 @@ pub(crate) fn send(
         for (name, value) in call.forwarded_headers {
             list.set(name, value);
         }
-        list.set("content-type", "application/json");
+        // A multipart route forwards the client's own content type (its boundary).
+        if !call.endpoint.is_multipart() {
+            list.set("content-type", "application/json");
+        }
         list.set("x-request-id", call.request_id);
         if let Some(key) = &c.api_key {
             list.set("authorization", &format!("Bearer {key}"));
@@ -434,6 +437,16 @@ impl Attempts {
                     outcome,
                     reason: format!("backend {} does not serve the model", c.id.0),
                     missing_model: true,
+                    ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
+                });
+            }
+            // A pass-through route the backend's task lacks (FastAPI's 404): the model's limit,
+            // not the backend's failure; another candidate may serve it (`passthrough.rs`).
+            let endpoint = self.request.endpoint;
+            if endpoint.is_passthrough() && crate::request::passthrough::is_route_not_found(&text) {
+                return Err(AttemptFailure {
+                    outcome,
+                    reason: format!("backend {} does not serve {}", c.id.0, endpoint.path()),
                     ..AttemptFailure::new(OutcomeKind::ClientError, String::new())
                 });
             }

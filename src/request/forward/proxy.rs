@@ -172,6 +172,14 @@ impl Forward<'_> {
                     if failure.missing_model {
                         return Err(ApiError::model_not_found(self.request.model()));
                     }
+                    // A pass-through route no candidate serves for the model (attempts.rs).
+                    if failure.outcome.kind == OutcomeKind::ClientError
+                        && failure.outcome.status == Some(404)
+                        && self.request.endpoint.is_passthrough()
+                    {
+                        let (model, endpoint) = (self.request.model(), self.request.endpoint);
+                        return Err(crate::request::passthrough::unsupported(model, endpoint));
+                    }
                     return Err(final_error(&failure, attempts.count, ""));
                 }
             }
