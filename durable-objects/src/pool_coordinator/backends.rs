@@ -151,16 +151,25 @@ impl PoolCoordinator {
 
     pub(super) fn models(&self) -> ApiResult {
         self.with(|shard| {
-            let mut models: Vec<String> = shard
+            let serving: Vec<_> = shard
                 .coordinator
                 .pool()
                 .backends()
                 .filter(|v| v.lifecycle == Lifecycle::Ready && v.health == HealthState::Healthy)
-                .flat_map(|v| v.served_models)
                 .collect();
+            // The adapters those backends listed in their last probe (issue 43).
+            let mut adapters: Vec<_> = serving
+                .iter()
+                .filter_map(|v| shard.coordinator.probe_report(&v.id))
+                .flat_map(|r| r.adapters.iter().cloned())
+                .collect();
+            adapters.sort();
+            adapters.dedup_by(|a, b| a.id == b.id);
+            let mut models: Vec<String> =
+                serving.into_iter().flat_map(|v| v.served_models).collect();
             models.sort();
             models.dedup();
-            answer(200, &ModelsAnswer { models })
+            answer(200, &ModelsAnswer { models, adapters })
         })
     }
 }
