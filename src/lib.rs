@@ -114,6 +114,17 @@ async fn route(
         ["v1", "embeddings"] => {
             completion::handle(req, env, ctx, Endpoint::Embeddings, request_id).await
         }
+        // Pass-through routes by model (issue 43): vLLM's own routes, each sent to a backend
+        // serving the model and its task (`request/passthrough.rs`).
+        ["tokenize" | "detokenize" | "rerank" | "score" | "pooling" | "classify"]
+        | ["v1", "rerank" | "score"]
+        | ["v2", "rerank"]
+        | ["v1", "audio", "transcriptions" | "translations"] => {
+            match Endpoint::passthrough_for_path(&path) {
+                Some(endpoint) => completion::handle(req, env, ctx, endpoint, request_id).await,
+                None => Err(ApiError::not_found(format!("Unknown route {path}."))),
+            }
+        }
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
     }
 }

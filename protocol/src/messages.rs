@@ -255,6 +255,9 @@ pub struct DeleteAnswer {
 pub struct ModelsAnswer {
     /// Sorted, without duplicates.
     pub models: Vec<String>,
+    /// The LoRA adapters among them, with their base model and path (sorted, without duplicates).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<routing_core::coordinator::AdapterCard>,
 }
 
 // ---- The pool as a whole -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-//! `GET /v1/models`: the models the pools serve, as the OpenAI model list.
+//! `GET /v1/models`: the models the pools serve, as the OpenAI model list, LoRA adapters with
+//! their `parent` (base model) and `root` as the backends list them.
 
 use crate::platform::do_client::{self, To};
 use coordinator_protocol::call::Models;
@@ -11,17 +12,30 @@ use worker::{console_error, Env, Response};
 /// that cannot answer is skipped (and logged), never turned into an error for the client.
 pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
+    let mut adapters = Vec::new();
     for pool in do_client::list_pools(env).await? {
         match do_client::call(env, To::Pool(&pool.name, 0), &Models).await {
-            Ok(answer) => models.extend(answer.models),
+            Ok(answer) => {
+                models.extend(answer.models);
+                adapters.extend(answer.adapters);
+            }
             Err(e) => console_error!("models: pool {}: {e}", pool.name),
         }
     }
     models.sort();
     models.dedup();
+    // A LoRA adapter is listed as vLLM lists it: `parent` its base model, `root` its path.
     let data: Vec<Value> = models
         .iter()
-        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" }))
+        .map(|m| {
+            let mut card =
+                json!({ "id": m, "object": "model", "created": 0, "owned_by": "llm-gateway" });
+            if let Some(a) = adapters.iter().find(|a| &a.id == m) {
+                card["parent"] = json!(a.parent);
+                card["root"] = json!(a.root);
+            }
+            card
+        })
         .collect();
     Ok(Response::from_json(
         &json!({ "object": "list", "data": data }),

@@ -14,7 +14,7 @@ use crate::request::context::{self, RequestContext};
 use crate::request::forward::attempts::UpstreamCall;
 use crate::request::forward::proxy;
 use crate::request::lease::lease_guard::{self, Lease, LeaseGuard};
-use crate::request::{hop, regions};
+use crate::request::{hop, passthrough, regions};
 use coordinator_protocol::acquire::{AcquireBody, Granted};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
@@ -28,7 +28,8 @@ use serde_json::Value;
 use std::rc::Rc;
 use worker::*;
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, and the pass-through routes
+/// (`passthrough.rs`: tokenize, rerank, score, pooling, classify, audio).
 pub async fn handle(
     mut req: Request,
     env: &Env,
@@ -56,35 +57,47 @@ pub async fn handle(
         Some(h) => h.who.clone(),
         None => admission::admission_request(&req, key.as_ref(), &admission::tenant_salt(env))?,
     };
-    let body = http::read_body_limited(&mut req, settings.max_body_bytes).await?;
-    let mut parsed: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
-    if !parsed.is_object() {
-        return Err(ApiError::bad_request("request body must be a JSON object"));
-    }
-    // vLLM does not authenticate `kv_transfer_params`: only the gateway's own disaggregated
-    // prefill/decode sets them, never a client.
-    let body = match context::drop_transfer_params(&mut parsed) {
-        true => serde_json::to_vec(&parsed).map_err(|e| ApiError::internal(e.to_string()))?,
-        false => body,
-    };
+    let mut body = http::read_body_limited(&mut req, settings.max_body_bytes).await?;
     // Read in place: `Headers::clone` would copy them into a new platform object.
     let headers = req.headers();
     let header = |name: &str| headers.get(name).ok().flatten();
-    let mut features =
-        endpoint_features(endpoint, &parsed, &header, &settings.features).map_err(|e| {
-            let err = ApiError::bad_request(e.to_string()).with_code(e.code());
-            match e.param() {
-                Some(p) => err.with_param(p),
-                None => err,
+    let (parsed, features) = match endpoint.is_multipart() {
+        // The audio routes' forms: `model` and `stream` read from the buffered body (passthrough.rs).
+        true => (
+            Value::Null,
+            passthrough::multipart_features(endpoint, &body, &header),
+        ),
+        false => {
+            let mut parsed: Value = serde_json::from_slice(&body).map_err(|e| {
+                ApiError::bad_request(format!("request body is not valid JSON: {e}"))
+            })?;
+            if !parsed.is_object() {
+                return Err(ApiError::bad_request("request body must be a JSON object"));
             }
-        })?;
+            // vLLM does not authenticate `kv_transfer_params`: only the gateway's own
+            // disaggregated prefill/decode sets them, never a client.
+            if context::drop_transfer_params(&mut parsed) {
+                body =
+                    serde_json::to_vec(&parsed).map_err(|e| ApiError::internal(e.to_string()))?;
+            }
+            let features = endpoint_features(endpoint, &parsed, &header, &settings.features);
+            (parsed, features)
+        }
+    };
+    let mut features = features.map_err(|e| {
+        let err = ApiError::bad_request(e.to_string()).with_code(e.code());
+        match e.param() {
+            Some(p) => err.with_param(p),
+            None => err,
+        }
+    })?;
     features.request_id = request_id.to_string();
     // Decided from the body read once here: whether a broken stream may be resumed, and the
     // client headers the backend gets.
     let resumable = check_request(&parsed, endpoint);
-    let forwarded_headers =
+    let mut forwarded_headers =
         context::forwarded_headers(&req, settings.features.routing_header.as_deref())?;
+    passthrough::forward_content_type(endpoint, &req, &mut forwarded_headers);
     // What the client's rate limits are charged: an estimate, settled with the real usage.
     let charge = match (&hop_in, &client) {
         (Some(h), _) => h.charge.clone(),
@@ -96,7 +109,7 @@ pub async fn handle(
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
-    let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
+    let (body, strip_usage_event) = match (&hop_in, stream && endpoint.is_generation()) {
         (Some(h), _) => (body, h.strip_usage_event),
         (None, true) => context::ask_for_usage(parsed, body)?,
         (None, false) => (body, false),

@@ -3,7 +3,9 @@
 //! `RequestContext` its stages share), `regions.rs` (the plan: pools ordered on predicted time),
 //! `hop.rs` (the hand-over to a regional Worker), `admission.rs` (the lease asked of each pool, the
 //! queue waits) and `ahead.rs` (the backend fetch sent beside the lease call); then `forward/`
-//! (the proxied answer) and `lease/` (the lease's guard and its releases).
+//! (the proxied answer) and `lease/` (the lease's guard and its releases). `passthrough.rs` holds
+//! what differs for vLLM's own routes passed through by model (multipart intake, a route the
+//! backend's task lacks).
 
 pub mod admission;
 pub mod ahead;
@@ -12,4 +14,5 @@ pub mod context;
 pub mod forward;
 pub mod hop;
 pub mod lease;
+pub mod passthrough;
 pub mod regions;

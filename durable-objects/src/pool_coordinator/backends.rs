@@ -151,8 +151,18 @@ impl PoolCoordinator {
     pub(super) fn models(&self) -> ApiResult {
         self.with(|shard| {
             // The one "serves this model" rule, the same the time card and the acquire follow.
-            let models = shard.coordinator.pool().served_models();
-            answer(200, &ModelsAnswer { models })
+            let pool = shard.coordinator.pool();
+            let models = pool.served_models();
+            // The adapters the backends that are up listed in their last probe (issue 43).
+            let mut adapters: Vec<_> = pool
+                .backends()
+                .filter(|v| routing_core::backend::serving::is_up(v.lifecycle, v.health))
+                .filter_map(|v| shard.coordinator.probe_report(&v.id))
+                .flat_map(|r| r.adapters.iter().cloned())
+                .collect();
+            adapters.sort();
+            adapters.dedup_by(|a, b| a.id == b.id);
+            answer(200, &ModelsAnswer { models, adapters })
         })
     }
 }

@@ -38,7 +38,7 @@ pub use card::GRANT_CARD_MS;
 pub use drain::Drains;
 pub use exchange::LoadPush;
 pub use leases::Release;
-pub use probes::{ProbeReport, ProbeTarget};
+pub use probes::{AdapterCard, ProbeReport, ProbeTarget};
 pub use registry::Deletion;
 pub use waiting::{Callers, Step, Verdict, WaitingRoom, POLL_GRACE_MS};
 

@@ -8,7 +8,7 @@
 //! (the server refuses the configured key) make it unhealthy, a 3xx too; a `/metrics` page is read
 //! when it answered 200.
 
-use super::probes::ProbeReport;
+use super::probes::{AdapterCard, ProbeReport};
 use crate::backend::scrape::parse_vllm_metrics;
 use serde::Deserialize;
 
@@ -31,6 +31,11 @@ struct ModelList {
 #[derive(Deserialize)]
 struct ModelEntry {
     id: String,
+    /// A LoRA adapter's base model (vLLM lists adapters with one).
+    #[serde(default)]
+    parent: Option<String>,
+    #[serde(default)]
+    root: Option<String>,
 }
 
 /// Why a 3xx answer makes the backend unusable, for its probe report.
@@ -77,6 +82,17 @@ impl ProbeReport {
                 content_type,
             }) => match serde_json::from_str::<ModelList>(&body) {
                 Ok(list) => {
+                    self.adapters = list
+                        .data
+                        .iter()
+                        .filter_map(|m| {
+                            Some(AdapterCard {
+                                id: m.id.clone(),
+                                parent: m.parent.clone()?,
+                                root: m.root.clone(),
+                            })
+                        })
+                        .collect();
                     let models: Vec<String> = list.data.into_iter().map(|m| m.id).collect();
                     self.result.models = Some(models.clone());
                     self.models = Some(models);

@@ -81,3 +81,28 @@ fn a_metrics_page_feeds_the_gauges_and_anything_else_nothing() {
     none.read_metrics(answer(500, "text/plain", page));
     assert_eq!(none.metrics.gauges.waiting, None);
 }
+
+#[test]
+fn lora_adapters_are_kept_with_their_parent_and_root() {
+    let mut report = ProbeReport::default();
+    let body = r#"{"object":"list","data":[
+        {"id":"base","object":"model","root":"/models/base","parent":null},
+        {"id":"sql","object":"model","root":"/loras/sql","parent":"base"}]}"#;
+    report.read_models(Ok(ProbeAnswer {
+        status: 200,
+        content_type: "application/json".into(),
+        body: body.into(),
+    }));
+    assert_eq!(
+        report.models,
+        Some(vec!["base".to_string(), "sql".to_string()])
+    );
+    assert_eq!(
+        report.adapters,
+        vec![crate::coordinator::AdapterCard {
+            id: "sql".into(),
+            parent: "base".into(),
+            root: Some("/loras/sql".into()),
+        }]
+    );
+}

@@ -25,10 +25,26 @@ pub struct ProbeReport {
     pub error: Option<String>,
     /// Models listed by `/v1/models`.
     pub models: Option<Vec<String>>,
+    /// Of those, the LoRA adapters (listed with a `parent`), with their base model and path.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<AdapterCard>,
     /// Gauges read from `/metrics`.
     pub metrics: VllmMetrics,
     /// The result fed to the pool.
     pub result: ProbeResult,
+}
+
+/// A LoRA adapter a backend serves, as vLLM lists it in `/v1/models`
+/// (`vllm/entrypoints/openai/models/serving.py`: `parent` the base model, `root` its path).
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AdapterCard {
+    /// The adapter's name (a model id requests name).
+    pub id: String,
+    /// The base model it adapts.
+    pub parent: String,
+    /// Where the server loaded it from.
+    #[serde(default)]
+    pub root: Option<String>,
 }
 
 /// A backend to probe.

@@ -218,7 +218,10 @@ pub(crate) fn send(
         for (name, value) in call.forwarded_headers {
             list.set(name, value);
         }
-        list.set("content-type", "application/json");
+        // A multipart route forwards the client's own content type (its boundary).
+        if !call.endpoint.is_multipart() {
+            list.set("content-type", "application/json");
+        }
         list.set("x-request-id", call.request_id);
         if let Some(key) = &c.api_key {
             list.set("authorization", &format!("Bearer {key}"));

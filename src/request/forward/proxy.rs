@@ -31,7 +31,6 @@ use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
 use routing_core::pool::{CandidateView, Grant};
-use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use routing_core::stream::usage::body_usage;
 use serde_json::{json, Value};
@@ -174,11 +173,7 @@ impl Forward<'_> {
                         return Err(ApiError::model_not_found(self.request.model()));
                     }
                     if failure.unserved_endpoint {
-                        let what = match self.request.endpoint {
-                            Endpoint::Embeddings => "embeddings",
-                            Endpoint::Chat => "chat completions",
-                            Endpoint::Completions => "completions",
-                        };
+                        let what = self.request.endpoint.path();
                         return Err(ApiError::model_does_not_support(self.request.model(), what));
                     }
                     return Err(final_error(&failure, attempts.count, ""));

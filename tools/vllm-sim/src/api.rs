@@ -47,7 +47,7 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 
 /// The served model a request names (the first one when it names none), and the LoRA adapter
 /// when it names one of `--lora-modules`.
-fn resolve_model(
+pub(crate) fn resolve_model(
     state: &AppState,
     model: Option<String>,
 ) -> Result<(String, Option<String>), ApiError> {
@@ -62,7 +62,7 @@ fn resolve_model(
 }
 
 /// Unix seconds.
-fn unix_s() -> u64 {
+pub(crate) fn unix_s() -> u64 {
     unix_ms() / 1000
 }
 

@@ -86,8 +86,12 @@ pub enum Task {
     Generate,
     /// Embeddings: `/v1/embeddings`, `/v2/embed`, `/pooling`, `/score`, `/rerank`.
     Embed,
-    /// Classification: `/classify`, `/pooling`, `/score`, `/rerank`.
+    /// Classification: `/classify`, `/pooling`, and with `--num-labels 1` (a cross-encoder)
+    /// `/score`, `/rerank`.
     Classify,
+    /// Speech to text, transcription only (a Whisper-class model,
+    /// `supports_transcription_only`): `/v1/audio/transcriptions`, `/v1/audio/translations`.
+    Transcription,
 }
 
 /// A LoRA adapter from `--lora-modules name=path` (vLLM's old `name=path` form; the path is only
@@ -243,6 +247,11 @@ pub struct Config {
     #[arg(long)]
     pub engine_id: Option<String>,
 
+    /// Labels of a classify model (its `num_labels`); 1 is a cross-encoder, which vLLM 0.34 also
+    /// serves `/score` and `/rerank` for (`enable_scoring_api`).
+    #[arg(long, default_value_t = 1)]
+    pub num_labels: u32,
+
     /// Dimension of /v1/embeddings vectors when the request does not set `dimensions`.
     #[arg(long, default_value_t = 32)]
     pub embedding_dim: usize,
@@ -394,6 +403,12 @@ impl Config {
             .any(|l| self.models.contains(&l.name))
         {
             return invalid("a --lora-modules name must differ from the served model names");
+        }
+        if self.num_labels == 0 || self.num_labels > 1024 {
+            return invalid("--num-labels must be between 1 and 1024");
+        }
+        if self.runner == Runner::Pooling && self.task == Some(Task::Transcription) {
+            return invalid("--runner pooling cannot serve --task transcription");
         }
         if self.embedding_dim == 0 || self.embedding_dim > 65536 {
             return invalid("--embedding-dim must be between 1 and 65536");

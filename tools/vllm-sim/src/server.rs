@@ -136,6 +136,14 @@ pub async fn handle(
         ("/health" | "/metrics" | "/version" | "/sim/faults" | "/sim/info", _) => {
             ApiError::MethodNotAllowed.into_response()
         }
+        // vLLM's own routes by task: tokenize, pooling, scoring, audio (`passthrough.rs`).
+        (p, _) if crate::passthrough::is_route(p) => {
+            match crate::passthrough::serve(&state, request, &path, &method).await {
+                Ok(response) => response,
+                Err(ApiError::Disconnect) => return Err(Dropped),
+                Err(e) => e.into_response(),
+            }
+        }
         (p, _) if p.starts_with("/v1/") => match v1(&state, request, &path, &method).await {
             Ok(response) => response,
             Err(ApiError::Disconnect) => return Err(Dropped),
@@ -170,7 +178,7 @@ async fn v1(
     let generation = match state.config.task() {
         Task::Generate => matches!(path, "/v1/chat/completions" | "/v1/completions"),
         Task::Embed => path == "/v1/embeddings",
-        Task::Classify => false,
+        Task::Classify | Task::Transcription => false,
     };
     match (path, method) {
         ("/v1/models", &Method::GET) => return Ok(api::models(state)),
@@ -237,7 +245,7 @@ async fn v1(
     Ok(response)
 }
 
-async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_body(request: Request<Incoming>) -> Result<Bytes, ApiError> {
     match Limited::new(request.into_body(), MAX_BODY_BYTES)
         .collect()
         .await

@@ -320,9 +320,22 @@ pub fn estimate_tokens(text: &str) -> u32 {
 /// each: `h[i] = xxh3_64_with_seed(block_i, h[i-1])`, with a fixed seed before block 0. A partial
 /// last block is not hashed.
 pub fn block_hashes(canonical: &[u8], block_tokens: usize) -> Vec<u64> {
+    block_hashes_seeded(canonical, block_tokens, CHAIN_SEED)
+}
+
+/// The chain's seed for requests to `model`: a request's features hash its prompt under its
+/// model's name, so that the same prompt sent to a LoRA adapter and to its base model (or to two
+/// models) never counts as the same prefix: their KV blocks differ (vLLM seeds an adapter's block
+/// hashes with the adapter, `vllm/v1/core/kv_cache_utils.py`, `_gen_lora_extra_hash_keys`).
+pub fn model_chain_seed(model: &str) -> u64 {
+    xxh3_64_with_seed(model.as_bytes(), CHAIN_SEED)
+}
+
+/// [`block_hashes`] with the chain started from `seed` instead of the fixed one.
+pub fn block_hashes_seeded(canonical: &[u8], block_tokens: usize, seed: u64) -> Vec<u64> {
     let block_bytes = block_tokens.max(1).saturating_mul(BYTES_PER_TOKEN);
     let mut out = Vec::with_capacity(canonical.len() / block_bytes);
-    let mut h = CHAIN_SEED;
+    let mut h = seed;
     for block in canonical.chunks_exact(block_bytes) {
         h = xxh3_64_with_seed(block, h);
         out.push(h);

@@ -14,8 +14,9 @@ mod error;
 mod tests;
 
 pub use canonical::{
-    block_hashes, canonical_chat_prompt, canonical_completion_prompt, canonical_json,
-    estimate_tokens, BYTES_PER_TOKEN, DEFAULT_BLOCK_TOKENS, MAX_TOKEN_ID,
+    block_hashes, block_hashes_seeded, canonical_chat_prompt, canonical_completion_prompt,
+    canonical_json, estimate_tokens, model_chain_seed, BYTES_PER_TOKEN, DEFAULT_BLOCK_TOKENS,
+    MAX_TOKEN_ID,
 };
 pub(crate) use error::invalid;
 pub use error::PromptError;
@@ -154,13 +155,13 @@ pub fn request_features(
             .map(|id| id.trim().to_string())
             .unwrap_or_default(),
         kind,
-        model,
+        model: model.clone(),
         stream,
         prompt_tokens: estimate_tokens(&canonical),
         max_tokens,
         routing_key: routing_key(header, body, config.routing_header.as_deref()),
         block_tokens: u32::try_from(block_tokens).unwrap_or(u32::MAX),
-        block_hashes: block_hashes(hashed, block_tokens),
+        block_hashes: block_hashes_seeded(hashed, block_tokens, model_chain_seed(&model)),
         role_hint: None,
         sent_ahead: None,
     })
@@ -183,7 +184,7 @@ pub const MAX_MODEL_BYTES: usize = 256;
 
 /// Refuses a model id no backend could serve: longer than [`MAX_MODEL_BYTES`] or holding control
 /// characters (which would also reach log lines and headers).
-fn check_model(features: RequestFeatures) -> Result<RequestFeatures, PromptError> {
+pub(crate) fn check_model(features: RequestFeatures) -> Result<RequestFeatures, PromptError> {
     let model = &features.model;
     if model.len() > MAX_MODEL_BYTES || model.chars().any(char::is_control) {
         return Err(invalid(
@@ -215,6 +216,16 @@ fn endpoint_features_unchecked(
         Endpoint::Embeddings => return embedding_features(body),
         Endpoint::Chat => "messages",
         Endpoint::Completions => "prompt",
+        // The JSON pass-through routes (a multipart body is read by `multipart_features`).
+        e => {
+            let routing_header = config.routing_header.as_deref();
+            return crate::request::passthrough::passthrough_features(
+                e,
+                body,
+                header,
+                routing_header,
+            );
+        }
     };
     let features = request_features(body, header, config)?;
     if features.kind != endpoint {

@@ -307,7 +307,12 @@ fn absurd_model_ids_are_refused_on_every_endpoint() {
     let none = |_: &str| None;
     let long = "m".repeat(MAX_MODEL_BYTES + 1);
     let longest = "m".repeat(MAX_MODEL_BYTES);
-    for endpoint in [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings] {
+    for endpoint in [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Embeddings,
+        Endpoint::Rerank,
+    ] {
         let call = |model: &str| {
             let body = match endpoint {
                 Endpoint::Chat => {
@@ -315,6 +320,7 @@ fn absurd_model_ids_are_refused_on_every_endpoint() {
                 }
                 Endpoint::Completions => json!({"model": model, "prompt": "x"}),
                 Endpoint::Embeddings => json!({"model": model, "input": "x"}),
+                _ => json!({"model": model, "query": "q", "documents": ["x"]}),
             };
             endpoint_features(endpoint, &body, &none, &config)
         };
