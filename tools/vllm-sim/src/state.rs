@@ -43,6 +43,8 @@ pub struct AppState {
     pub transfer: Arc<TransferAuthority>,
     /// Unix seconds at start (the `created` of `/v1/models`).
     pub started_unix: u64,
+    /// Stored Responses API responses (`store: true`), for `previous_response_id` and retrieval.
+    pub responses: crate::responses::ResponseStore,
     ids: AtomicU64,
 }
 
@@ -96,6 +98,7 @@ impl AppState {
             transfer: Arc::new(transfer),
             started_unix: crate::sse::unix_ms() / 1000,
             ids: AtomicU64::new(0),
+            responses: Default::default(),
             config,
             engine,
             metrics,
