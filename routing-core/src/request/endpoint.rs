@@ -18,6 +18,15 @@ pub enum Endpoint {
     /// `/v1/embeddings`: `input`.
     #[serde(rename = "embeddings")]
     Embeddings,
+    /// `/v1/responses` (OpenAI's Responses API): `instructions` and `input`.
+    #[serde(rename = "responses")]
+    Responses,
+    /// `/v1/messages` (Anthropic's Messages API): `system` and `messages`.
+    #[serde(rename = "messages")]
+    Messages,
+    /// `/v1/messages/count_tokens`: routed by model, no output.
+    #[serde(rename = "messages_count_tokens")]
+    MessagesCountTokens,
 }
 
 impl Endpoint {
@@ -27,7 +36,22 @@ impl Endpoint {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::MessagesCountTokens => "/v1/messages/count_tokens",
         }
+    }
+
+    /// Whether a broken stream of this endpoint may be continued on another backend: chat and
+    /// completions only. The Responses and Messages streams carry sequence numbers, item and
+    /// message ids and a start event that a continuation would repeat, so they are not spliced.
+    pub fn resumable(self) -> bool {
+        matches!(self, Endpoint::Chat | Endpoint::Completions)
+    }
+
+    /// Whether the endpoint's answers are in Anthropic's shape (errors included).
+    pub fn anthropic(self) -> bool {
+        matches!(self, Endpoint::Messages | Endpoint::MessagesCountTokens)
     }
 }
 
@@ -41,6 +65,9 @@ mod tests {
             (Endpoint::Chat, "\"chat\""),
             (Endpoint::Completions, "\"completion\""),
             (Endpoint::Embeddings, "\"embeddings\""),
+            (Endpoint::Responses, "\"responses\""),
+            (Endpoint::Messages, "\"messages\""),
+            (Endpoint::MessagesCountTokens, "\"messages_count_tokens\""),
         ];
         for (endpoint, name) in names {
             assert_eq!(serde_json::to_string(&endpoint).unwrap(), name);

@@ -6,6 +6,7 @@
 //! Worker reports it when it releases the lease (and what the backend's breaker and time model
 //! learn from). These files build on [`crate::request`] only.
 
+pub mod api_events;
 pub mod outcome;
 pub mod resume;
 pub mod usage;

@@ -126,7 +126,7 @@ struct RequestShape {
 /// Whether a streamed request to `endpoint` could be resumed if its stream broke, judged from its
 /// body alone (the parsed body the Worker read its features from).
 pub fn check_request(body: &Value, endpoint: Endpoint) -> Result<(), NotResumable> {
-    if endpoint == Endpoint::Embeddings {
+    if !endpoint.resumable() {
         return Err(NotResumable::Endpoint);
     }
     // A derived struct would also accept a JSON array.
@@ -430,7 +430,10 @@ pub fn continuation_body(
             let extended = format!("{}{}", prompt_text(body.get("prompt"))?, partial.text);
             body["prompt"] = json!(extended);
         }
-        Endpoint::Embeddings => return Err(NotResumable::Endpoint),
+        Endpoint::Embeddings
+        | Endpoint::Responses
+        | Endpoint::Messages
+        | Endpoint::MessagesCountTokens => return Err(NotResumable::Endpoint),
     }
     let Some(obj) = body.as_object_mut() else {
         return Err(NotResumable::Unreadable);

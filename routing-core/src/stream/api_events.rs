@@ -1,0 +1,51 @@
+//! The error event that ends a Responses API or Anthropic Messages stream whose backend failed
+//! after the first byte, in the shape each API's clients read: vLLM's Responses `error` event
+//! (`type`, `code`, `message`, `param`, `sequence_number`) and Anthropic's `error` event
+//! (`{"type":"error","error":{"type":"api_error","message"}}`). These streams are not resumed
+//! (`Endpoint::resumable`): their sequence numbers, item and message ids and opening events would
+//! repeat in a continuation, so a failure ends them with this event. Chat and completions keep
+//! the relay's OpenAI `data:` error event and `[DONE]`; for them this gives `None`.
+
+use crate::request::endpoint::Endpoint;
+use serde_json::json;
+
+/// The final error event of a failed stream to `endpoint`, or `None` for the OpenAI shape.
+pub fn error_event(endpoint: Endpoint, code: &str, message: &str) -> Option<String> {
+    let data = match endpoint {
+        Endpoint::Responses => json!({
+            "type": "error",
+            "code": code,
+            "message": message,
+            "param": null,
+            "sequence_number": 0,
+        }),
+        Endpoint::Messages | Endpoint::MessagesCountTokens => json!({
+            "type": "error",
+            "error": {"type": "api_error", "message": format!("{message} ({code})")},
+        }),
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Embeddings => return None,
+    };
+    Some(format!("event: error\ndata: {data}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn data(event: &str) -> Value {
+        let line = event.lines().nth(1).unwrap();
+        serde_json::from_str(line.strip_prefix("data: ").unwrap()).unwrap()
+    }
+
+    #[test]
+    fn each_api_gets_its_own_error_event() {
+        assert_eq!(error_event(Endpoint::Chat, "c", "m"), None);
+        let responses = error_event(Endpoint::Responses, "upstream_stream_error", "cut").unwrap();
+        assert!(responses.starts_with("event: error\n") && responses.ends_with("\n\n"));
+        assert_eq!(data(&responses)["code"], "upstream_stream_error");
+        let messages = error_event(Endpoint::Messages, "upstream_stream_error", "cut").unwrap();
+        assert_eq!(data(&messages)["error"]["type"], "api_error");
+        assert_eq!(data(&messages)["type"], "error");
+    }
+}
