@@ -28,7 +28,8 @@ use serde_json::Value;
 use std::rc::Rc;
 use worker::*;
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses`,
+/// `/v1/messages`, `/v1/messages/count_tokens`.
 pub async fn handle(
     mut req: Request,
     env: &Env,
@@ -90,7 +91,9 @@ pub async fn handle(
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
-    let (body, strip_usage_event) = match (&hop_in, stream && endpoint != Endpoint::Embeddings) {
+    // The Responses and Messages streams always report usage: nothing to ask for.
+    let asks_usage = matches!(endpoint, Endpoint::Chat | Endpoint::Completions);
+    let (body, strip_usage_event) = match (&hop_in, stream && asks_usage) {
         (Some(h), _) => (body, h.strip_usage_event),
         (None, true) => context::ask_for_usage(parsed, body)?,
         (None, false) => (body, false),

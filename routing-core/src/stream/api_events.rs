@@ -28,6 +28,21 @@ pub fn error_event(endpoint: Endpoint, code: &str, message: &str) -> Option<Stri
     Some(format!("event: error\ndata: {data}\n\n"))
 }
 
+/// Whether a backend's 404 body is vLLM's answer for a `previous_response_id` (or response id) it
+/// does not hold (`Response with id '...' not found.`, `param: response_id`): the client's error
+/// to relay, not a backend without the endpoint.
+pub fn is_response_not_found(body: &[u8]) -> bool {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return false;
+    };
+    let error = value.get("error").unwrap_or(&value);
+    error.get("param").and_then(serde_json::Value::as_str) == Some("response_id")
+        || error
+            .get("message")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|m| m.starts_with("Response with id"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,5 +62,13 @@ mod tests {
         let messages = error_event(Endpoint::Messages, "upstream_stream_error", "cut").unwrap();
         assert_eq!(data(&messages)["error"]["type"], "api_error");
         assert_eq!(data(&messages)["type"], "error");
+    }
+
+    #[test]
+    fn vllms_unknown_response_404_is_recognised() {
+        let body = br#"{"error":{"message":"Response with id 'resp_x' not found.","type":"invalid_request_error","param":"response_id","code":404}}"#;
+        assert!(is_response_not_found(body));
+        assert!(!is_response_not_found(br#"{"detail":"Not Found"}"#));
+        assert!(!is_response_not_found(b"<html>"));
     }
 }
