@@ -38,7 +38,12 @@ async fn fetch(req: Request, env: Env, ctx: Context) -> Result<Response> {
             // Proxied requests log when their stream ends; refusals log here, one line each.
             let line = json!({ "event": "request", "request_id": request_id, "path": path, "status": e.status, "error": e.code });
             console_log!("{line}");
-            e.to_response()?
+            // Anthropic's SDKs read errors in Anthropic's shape.
+            if request::api_errors::anthropic_path(&path) {
+                request::api_errors::anthropic_response(&e)?
+            } else {
+                e.to_response()?
+            }
         }
     };
     // The proxy sets the id on its responses itself.
@@ -124,6 +129,16 @@ async fn route(
                 Some(endpoint) => completion::handle(req, env, ctx, endpoint, request_id).await,
                 None => Err(ApiError::not_found(format!("Unknown route {path}."))),
             }
+        }
+        // The Responses API and Anthropic Messages: routed as chat is.
+        ["v1", "responses"] => {
+            completion::handle(req, env, ctx, Endpoint::Responses, request_id).await
+        }
+        ["v1", "messages"] => {
+            completion::handle(req, env, ctx, Endpoint::Messages, request_id).await
+        }
+        ["v1", "messages", "count_tokens"] => {
+            completion::handle(req, env, ctx, Endpoint::MessagesCountTokens, request_id).await
         }
         _ => Err(ApiError::not_found(format!("Unknown route {path}."))),
     }

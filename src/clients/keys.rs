@@ -12,7 +12,7 @@
 //! limits charge an estimate when a request is admitted and settle it with the tokens the request
 //! really used when it ends.
 
-use crate::platform::auth::{bearer, constant_time_eq, hash_key};
+use crate::platform::auth::{client_key, constant_time_eq, hash_key};
 use crate::platform::do_client::{call, stale_while_revalidate, CacheSlot, To};
 use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
@@ -107,9 +107,9 @@ pub async fn identify(
     if !settings.require_client_keys && configured.is_empty() && minted.is_empty() {
         return Ok(None);
     }
-    let Some(given) = bearer(req) else {
+    let Some(given) = client_key(req) else {
         return Err(ApiError::unauthorized(
-            "Missing API key: send Authorization: Bearer <key>.",
+            "Missing API key: send Authorization: Bearer <key> (or x-api-key: <key>).",
         ));
     };
     let given = hash_key(&given);

@@ -33,6 +33,19 @@ pub fn bearer(req: &Request) -> Option<String> {
         .then(|| token.trim().to_string())
 }
 
+/// The client's key: `Authorization: Bearer <key>`, else `x-api-key: <key>` (Anthropic's SDKs
+/// send their key that way).
+pub fn client_key(req: &Request) -> Option<String> {
+    bearer(req).or_else(|| {
+        req.headers()
+            .get("x-api-key")
+            .ok()
+            .flatten()
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty())
+    })
+}
+
 /// Compares two byte strings in time that depends only on the length of `expected`.
 pub fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
     let mut diff = (given.len() != expected.len()) as u8;

@@ -28,8 +28,9 @@ use serde_json::Value;
 use std::rc::Rc;
 use worker::*;
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, and the pass-through routes
-/// (`passthrough.rs`: tokenize, rerank, score, pooling, classify, audio).
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses`,
+/// `/v1/messages`, `/v1/messages/count_tokens`, and the pass-through routes (`passthrough.rs`:
+/// tokenize, rerank, score, pooling, classify, audio).
 pub async fn handle(
     mut req: Request,
     env: &Env,
@@ -109,6 +110,7 @@ pub async fn handle(
     };
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
+    // The Responses and Messages streams always report usage: nothing to ask for.
     let (body, strip_usage_event) = match (&hop_in, stream && endpoint.is_generation()) {
         (Some(h), _) => (body, h.strip_usage_event),
         (None, true) => context::ask_for_usage(parsed, body)?,

@@ -20,8 +20,11 @@ use worker::{AbortSignal, Env, Request};
 /// cookies and platform headers never pass, and neither does an unbounded header set). The
 /// gateway sets `content-type`, `x-request-id` and the backend's own `authorization` itself; the
 /// configured routing-key header is forwarded too.
-pub(crate) const FORWARDED_REQUEST_HEADERS: [&str; 8] = [
+pub(crate) const FORWARDED_REQUEST_HEADERS: [&str; 10] = [
     "accept",
+    // Anthropic's Messages API: the version and beta features the client speaks.
+    "anthropic-version",
+    "anthropic-beta",
     "user-agent",
     "traceparent",
     "tracestate",

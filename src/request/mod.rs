@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod ahead;
+pub mod api_errors;
 pub mod completion;
 pub mod context;
 pub mod forward;

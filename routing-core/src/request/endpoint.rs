@@ -46,6 +46,15 @@ pub enum Endpoint {
     /// `/v1/audio/translations`: multipart/form-data with `file` and `model`.
     #[serde(rename = "translations")]
     Translations,
+    /// `/v1/responses` (OpenAI's Responses API): `instructions` and `input`.
+    #[serde(rename = "responses")]
+    Responses,
+    /// `/v1/messages` (Anthropic's Messages API): `system` and `messages`.
+    #[serde(rename = "messages")]
+    Messages,
+    /// `/v1/messages/count_tokens`: routed by model, no output.
+    #[serde(rename = "messages_count_tokens")]
+    MessagesCountTokens,
 }
 
 impl Endpoint {
@@ -63,6 +72,9 @@ impl Endpoint {
             Endpoint::Classify => "/classify",
             Endpoint::Transcriptions => "/v1/audio/transcriptions",
             Endpoint::Translations => "/v1/audio/translations",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::MessagesCountTokens => "/v1/messages/count_tokens",
         }
     }
 
@@ -81,6 +93,9 @@ impl Endpoint {
             Endpoint::Classify => &["/classify"],
             Endpoint::Transcriptions => &["/v1/audio/transcriptions"],
             Endpoint::Translations => &["/v1/audio/translations"],
+            Endpoint::Responses => &["/v1/responses"],
+            Endpoint::Messages => &["/v1/messages"],
+            Endpoint::MessagesCountTokens => &["/v1/messages/count_tokens"],
         }
     }
 
@@ -110,10 +125,7 @@ impl Endpoint {
     /// Whether the endpoint is one of vLLM's own routes passed through by model (not a
     /// completion endpoint): its answer is relayed as it comes, never resumed.
     pub fn is_passthrough(self) -> bool {
-        !matches!(
-            self,
-            Endpoint::Chat | Endpoint::Completions | Endpoint::Embeddings
-        )
+        Endpoint::PASSTHROUGH.contains(&self)
     }
 
     /// Whether the request body is multipart/form-data (the audio routes), not JSON.
@@ -122,9 +134,16 @@ impl Endpoint {
     }
 
     /// Whether a stream to this endpoint can be made to report usage (`stream_options`) and,
-    /// once broken, resumed: chat and completions only.
+    /// once broken, resumed: chat and completions only. The Responses and Messages streams
+    /// report usage unasked, and carry sequence numbers, item and message ids and a start event
+    /// that a continuation would repeat, so they are not spliced.
     pub fn is_generation(self) -> bool {
         matches!(self, Endpoint::Chat | Endpoint::Completions)
+    }
+
+    /// Whether the endpoint's answers are in Anthropic's shape (errors included).
+    pub fn anthropic(self) -> bool {
+        matches!(self, Endpoint::Messages | Endpoint::MessagesCountTokens)
     }
 }
 
@@ -138,6 +157,9 @@ mod tests {
             (Endpoint::Chat, "\"chat\""),
             (Endpoint::Completions, "\"completion\""),
             (Endpoint::Embeddings, "\"embeddings\""),
+            (Endpoint::Responses, "\"responses\""),
+            (Endpoint::Messages, "\"messages\""),
+            (Endpoint::MessagesCountTokens, "\"messages_count_tokens\""),
         ];
         for (endpoint, name) in names {
             assert_eq!(serde_json::to_string(&endpoint).unwrap(), name);

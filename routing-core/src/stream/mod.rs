@@ -7,6 +7,7 @@
 //! learn from); `settle` is what a request's end charges its client's token reservation. These
 //! files build on [`crate::request`] only.
 
+pub mod api_events;
 pub mod outcome;
 pub mod resume;
 pub mod settle;

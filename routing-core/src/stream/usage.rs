@@ -43,6 +43,10 @@ impl Usage {
     }
 }
 
+/// A `usage` object in any of the three shapes: OpenAI's completions (`prompt_tokens`,
+/// `completion_tokens`), the Responses API's (`input_tokens` with cached ones included,
+/// `input_tokens_details.cached_tokens`, `output_tokens`) and Anthropic's (`input_tokens` without
+/// the `cache_read_input_tokens` and `cache_creation_input_tokens` it also reports).
 #[derive(Deserialize)]
 struct UsageJson {
     #[serde(default)]
@@ -51,12 +55,29 @@ struct UsageJson {
     completion_tokens: u32,
     #[serde(default)]
     prompt_tokens_details: Option<DetailsJson>,
+    #[serde(default)]
+    input_tokens: Option<u32>,
+    #[serde(default)]
+    output_tokens: Option<u32>,
+    #[serde(default)]
+    input_tokens_details: Option<DetailsJson>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u32>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u32>,
 }
 
 #[derive(Deserialize)]
 struct DetailsJson {
     #[serde(default)]
     cached_tokens: Option<u32>,
+}
+
+/// Where a Responses or Messages event carries its usage: `response.usage`, `message.usage`.
+#[derive(Deserialize)]
+struct Nested {
+    #[serde(default)]
+    usage: Option<UsageJson>,
 }
 
 /// The parts of a response object (or chunk) that matter here; everything else is skipped, but the
@@ -67,23 +88,80 @@ struct Envelope {
     choices: Option<Vec<IgnoredAny>>,
     #[serde(default)]
     usage: Option<UsageJson>,
+    /// The event's type (Responses and Messages streams).
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    /// `response.completed` and the other Responses events carry the response object.
+    #[serde(default)]
+    response: Option<Nested>,
+    /// Anthropic's `message_start` carries the message.
+    #[serde(default)]
+    message: Option<Nested>,
+}
+
+impl Envelope {
+    /// The usage the document reports, wherever its shape keeps it.
+    fn usage(self) -> Option<UsageJson> {
+        self.usage
+            .or(self.response.and_then(|r| r.usage))
+            .or(self.message.and_then(|m| m.usage))
+    }
 }
 
 impl From<UsageJson> for Usage {
     fn from(u: UsageJson) -> Usage {
+        let anthropic_cache =
+            u.cache_read_input_tokens.is_some() || u.cache_creation_input_tokens.is_some();
+        let cache_read = u.cache_read_input_tokens.unwrap_or(0);
+        let prompt_tokens = match u.input_tokens {
+            None => u.prompt_tokens,
+            // Anthropic counts cached input apart from `input_tokens`.
+            Some(input) if anthropic_cache => input
+                .saturating_add(cache_read)
+                .saturating_add(u.cache_creation_input_tokens.unwrap_or(0)),
+            Some(input) => input,
+        };
+        let cached_tokens = u
+            .prompt_tokens_details
+            .or(u.input_tokens_details)
+            .and_then(|d| d.cached_tokens)
+            .or(u.cache_read_input_tokens);
         Usage {
-            prompt_tokens: u.prompt_tokens,
-            cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-            completion_tokens: u.completion_tokens,
+            prompt_tokens,
+            cached_tokens,
+            completion_tokens: u.output_tokens.unwrap_or(u.completion_tokens),
         }
     }
 }
+
+impl Usage {
+    /// `newer` over `self`, keeping what `newer` leaves out: Anthropic's `message_delta` may
+    /// report only the output tokens, its `message_start` the input.
+    fn merged(self, newer: Usage) -> Usage {
+        Usage {
+            prompt_tokens: match newer.prompt_tokens {
+                0 => self.prompt_tokens,
+                n => n,
+            },
+            cached_tokens: newer.cached_tokens.or(self.cached_tokens),
+            completion_tokens: newer.completion_tokens,
+        }
+    }
+}
+
+/// The event types that end a Responses or Messages stream as `data: [DONE]` ends an OpenAI one.
+const TERMINAL_EVENTS: [&str; 4] = [
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+    "message_stop",
+];
 
 /// A complete non-streamed JSON answer's usage: `Err` when the body is not one whole JSON object
 /// (truncated or otherwise broken), `Ok(None)` when it is but reports no usage.
 pub fn body_usage(body: &[u8]) -> Result<Option<Usage>, String> {
     let envelope: Envelope = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-    Ok(envelope.usage.map(Usage::from))
+    Ok(envelope.usage().map(Usage::from))
 }
 
 /// What to send the client for one chunk fed to [`StreamScanner::push`].
@@ -145,9 +223,10 @@ impl StreamScanner {
         self.stripped
     }
 
-    /// Whether the stream so far is a complete OpenAI stream: `data: [DONE]` seen, no partial
-    /// event pending and no error event. A backend stream that ends without this was cut short
-    /// (or failed).
+    /// Whether the stream so far is a complete stream: `data: [DONE]` seen (or a Responses or
+    /// Messages stream's last event: `response.completed`, `response.incomplete`,
+    /// `response.failed`, `message_stop`), no partial event pending and no error event. A backend
+    /// stream that ends without this was cut short (or failed).
     pub fn complete(&self) -> bool {
         self.done && self.held.is_empty() && !self.passing_long_event && self.error.is_none()
     }
@@ -182,6 +261,7 @@ impl StreamScanner {
                 && !contains(chunk, b"usage\"")
                 && !contains(chunk, b"[DONE]")
                 && !contains(chunk, b"\"error\"")
+                && !contains(chunk, b"message_stop")
             {
                 // Every event here that is not a comment carries an answer.
                 let (answers, _comments) = event_ends(chunk);
@@ -325,7 +405,7 @@ impl StreamScanner {
                 return true;
             }
         }
-        if !contains(event, b"usage\"") {
+        if !contains(event, b"usage\"") && !contains(event, b"message_stop") {
             self.answer_events = self.answer_events.saturating_add(1);
             return false;
         }
@@ -338,10 +418,21 @@ impl StreamScanner {
         if !usage_only {
             self.answer_events = self.answer_events.saturating_add(1);
         }
-        let Some(usage) = envelope.usage else {
+        if envelope
+            .kind
+            .as_deref()
+            .is_some_and(|k| TERMINAL_EVENTS.contains(&k))
+        {
+            self.done = true;
+        }
+        let Some(usage) = envelope.usage() else {
             return false;
         };
-        self.usage = Some(usage.into());
+        let usage = Usage::from(usage);
+        self.usage = Some(match self.usage {
+            Some(before) => before.merged(usage),
+            None => usage,
+        });
         if self.strip_usage_event && usage_only {
             self.stripped = true;
             return true;
@@ -821,5 +912,80 @@ mod tests {
         let mut c = StreamScanner::new(false);
         run(&mut c, &[continuous.as_bytes(), continuous.as_bytes()]);
         assert_eq!(c.answer_events(), 2);
+    }
+
+    #[test]
+    fn a_responses_stream_reports_usage_on_response_completed_and_ends_there() {
+        let created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"usage\":null},\"sequence_number\":0}\n\n";
+        let delta = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\n";
+        let done = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":40,\"input_tokens_details\":{\"cached_tokens\":32},\"output_tokens\":5,\"total_tokens\":45}},\"sequence_number\":2}\n\n";
+        let mut s = StreamScanner::new(false);
+        let out = run(&mut s, &[created.as_bytes(), delta.as_bytes()]);
+        assert!(!s.complete());
+        assert_eq!(s.usage(), None);
+        let out2 = run(&mut s, &[done.as_bytes()]);
+        assert!(s.complete());
+        assert_eq!(
+            out.len() + out2.len(),
+            created.len() + delta.len() + done.len()
+        );
+        let usage = s.usage().unwrap();
+        assert_eq!(
+            (
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                usage.completion_tokens
+            ),
+            (40, Some(32), 5)
+        );
+    }
+
+    #[test]
+    fn a_messages_stream_adds_message_start_and_message_delta() {
+        let start = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":50,\"output_tokens\":0}}}\n\n";
+        let delta = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n";
+        let end = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":7}}\n\n";
+        let stop = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        let mut s = StreamScanner::new(false);
+        run(
+            &mut s,
+            &[start.as_bytes(), delta.as_bytes(), end.as_bytes()],
+        );
+        assert!(!s.complete());
+        run(&mut s, &[stop.as_bytes()]);
+        assert!(s.complete());
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 50,
+                cached_tokens: None,
+                completion_tokens: 7
+            })
+        );
+        // vLLM's final usage counts the cache apart, as Anthropic does: the prompt is the sum.
+        let vllm_end = "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":10,\"output_tokens\":3,\"cache_read_input_tokens\":40}}\n\n";
+        let mut s = StreamScanner::new(false);
+        run(&mut s, &[start.as_bytes(), vllm_end.as_bytes()]);
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 50,
+                cached_tokens: Some(40),
+                completion_tokens: 3
+            })
+        );
+    }
+
+    #[test]
+    fn whole_responses_and_messages_bodies_report_usage() {
+        let responses = br#"{"id":"resp_1","object":"response","output":[],"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":0},"output_tokens":4,"total_tokens":16}}"#;
+        let u = body_usage(responses).unwrap().unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 4));
+        let messages = br#"{"id":"msg_1","type":"message","content":[],"usage":{"input_tokens":2,"output_tokens":9,"cache_read_input_tokens":16}}"#;
+        let u = body_usage(messages).unwrap().unwrap();
+        assert_eq!(
+            (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+            (18, Some(16), 9)
+        );
     }
 }

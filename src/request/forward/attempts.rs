@@ -447,6 +447,11 @@ impl Attempts {
                 }
                 None => Vec::new(),
             };
+            if routing_core::stream::api_events::is_response_not_found(&text) {
+                // A `previous_response_id` this backend does not hold: the client's error.
+                let text = String::from_utf8_lossy(&text);
+                return Ok(Answer::client_error(404, &text, abort, elapsed()));
+            }
             abort.abort();
             let outcome = Outcome {
                 ttfb_ms: Some(elapsed()),

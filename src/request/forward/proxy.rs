@@ -263,7 +263,8 @@ impl Forward<'_> {
                 .fixed(bytes));
         };
         let relay = Relay::new(request.strip_usage_event, request.deadlines.clone())
-            .map_err(|_| ApiError::internal("TransformStream unavailable"))?;
+            .map_err(|_| ApiError::internal("TransformStream unavailable"))?
+            .for_endpoint(request.endpoint);
         let readable = relay.readable();
         let upstream = stream_upstream(
             reader,

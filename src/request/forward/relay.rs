@@ -199,6 +199,8 @@ pub struct Relay {
     slow_client_timeout: Duration,
     /// The request's deadlines (the watchdog's and the drain's waits).
     deadlines: Deadlines,
+    /// The API whose stream this is (its error event's shape).
+    endpoint: routing_core::request::endpoint::Endpoint,
 }
 
 /// What the client received of a streamed answer so far, to charge it by.
@@ -238,7 +240,15 @@ impl Relay {
             transform,
             slow_client_timeout: crate::platform::settings::slow_client_timeout(),
             deadlines,
+            endpoint: Default::default(),
         })
+    }
+
+    /// The relay of a stream of `endpoint`'s API: a failure ends it with that API's error event
+    /// (`routing_core::stream::api_events`; chat and completions keep the OpenAI one).
+    pub fn for_endpoint(mut self, endpoint: routing_core::request::endpoint::Endpoint) -> Self {
+        self.endpoint = endpoint;
+        self
     }
 
     /// The client's response body.
@@ -527,7 +537,12 @@ impl Relay {
     /// Ends a failed stream: the error event (at an event boundary), `data: [DONE]`, and the
     /// client's side closed.
     pub async fn fail(&self, failure: &StreamFailure) {
-        let event = error_event(failure.code, &failure.message);
+        let event = routing_core::stream::api_events::error_event(
+            self.endpoint,
+            failure.code,
+            &failure.message,
+        )
+        .unwrap_or_else(|| error_event(failure.code, &failure.message));
         close(self, Some(&event)).await;
     }
 

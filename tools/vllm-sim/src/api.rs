@@ -37,11 +37,11 @@ use crate::tokenizer::count_tokens;
 /// Default `max_tokens` of `/v1/completions`, as in vLLM.
 const COMPLETION_DEFAULT_MAX_TOKENS: u32 = 16;
 
-fn bad_request(message: impl std::fmt::Display) -> ApiError {
+pub(crate) fn bad_request(message: impl std::fmt::Display) -> ApiError {
     ApiError::BadRequest(message.to_string())
 }
 
-fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| bad_request(format!("Invalid request body: {e}")))
 }
 
@@ -75,21 +75,21 @@ fn request_id(state: &AppState, prefix: &str, header: Option<&str>) -> String {
 }
 
 /// A validated generation request, ready for the engine.
-struct Generation {
+pub(crate) struct Generation {
     endpoint: Endpoint,
     id: String,
     created: u64,
-    model: String,
+    pub(crate) model: String,
     stream: bool,
     include_usage: bool,
     continuous_usage: bool,
-    prompt_tokens: u32,
+    pub(crate) prompt_tokens: u32,
     handoff: Option<HandOff>,
     /// Failed KV transfer (expired or unknown params on a decode server): the answer is vLLM's
     /// in-stream error (or its 500) without computing anything.
     kv_load_failed: bool,
     inflight: InFlight,
-    spec: SequenceSpec,
+    pub(crate) spec: SequenceSpec,
 }
 
 /// `POST /v1/chat/completions`.
@@ -141,7 +141,7 @@ pub async fn completions(
 }
 
 /// Validates a chat or completion request and builds its sequence.
-fn prepare(
+pub(crate) fn prepare(
     state: &AppState,
     endpoint: Endpoint,
     id: String,

@@ -25,6 +25,9 @@ pub enum SimBody {
     Events(Box<SseStream>),
     /// The first part of a body whose full length was announced, then a dropped connection.
     Truncated(Box<Truncated>),
+    /// Server-sent events written by a task (the Responses and Messages streams): each item is
+    /// sent as it comes, the end of the channel ends the body.
+    Channel(tokio::sync::mpsc::UnboundedReceiver<Bytes>),
 }
 
 /// How long a cut body waits after its first part so that part reaches the client before the cut.
@@ -56,6 +59,9 @@ impl Body for SimBody {
                 }
                 cut.grace.as_mut().poll(cx).map(|()| Some(Err(StreamCut)))
             }
+            SimBody::Channel(events) => events
+                .poll_recv(cx)
+                .map(|next| next.map(|b| Ok(Frame::data(b)))),
         }
     }
 
@@ -67,7 +73,7 @@ impl Body for SimBody {
         match self {
             SimBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             SimBody::Full(None) => SizeHint::with_exact(0),
-            SimBody::Events(_) => SizeHint::default(),
+            SimBody::Events(_) | SimBody::Channel(_) => SizeHint::default(),
             SimBody::Truncated(cut) => SizeHint::with_exact(cut.announced),
         }
     }
@@ -122,6 +128,16 @@ pub fn truncate(response: Response<SimBody>) -> Response<SimBody> {
 /// A streaming `text/event-stream` response.
 pub fn event_stream(stream: SseStream) -> Response<SimBody> {
     let mut response = Response::new(SimBody::Events(Box::new(stream)));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    response
+}
+
+/// An event-stream response fed by a task through `events` (see [`SimBody::Channel`]).
+pub fn channel_stream(events: tokio::sync::mpsc::UnboundedReceiver<Bytes>) -> Response<SimBody> {
+    let mut response = Response::new(SimBody::Channel(events));
     response.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/event-stream; charset=utf-8"),

@@ -147,6 +147,10 @@ pub async fn handle(
         (p, _) if p.starts_with("/v1/") => match v1(&state, request, &path, &method).await {
             Ok(response) => response,
             Err(ApiError::Disconnect) => return Err(Dropped),
+            // vLLM's Anthropic router answers its errors in Anthropic's shape.
+            Err(e) if crate::messages::is_messages_path(&path) => {
+                crate::messages::error_response(e)
+            }
             Err(e) => e.into_response(),
         },
         _ => ApiError::RouteNotFound.into_response(),
@@ -176,10 +180,18 @@ async fn v1(
     }
     // Routes registered for the model's task; the others are not found, whatever the method.
     let generation = match state.config.task() {
-        Task::Generate => matches!(path, "/v1/chat/completions" | "/v1/completions"),
+        Task::Generate => {
+            matches!(path, "/v1/chat/completions" | "/v1/completions")
+                || crate::responses::is_generation_path(path)
+                || crate::messages::is_messages_path(path)
+        }
         Task::Embed => path == "/v1/embeddings",
         Task::Classify | Task::Transcription => false,
     };
+    // `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: the stored responses.
+    if let Some(answer) = crate::responses::stored_route(state, path, method) {
+        return answer;
+    }
     match (path, method) {
         ("/v1/models", &Method::GET) => return Ok(api::models(state)),
         ("/v1/models", _) => return Err(ApiError::MethodNotAllowed),
@@ -237,6 +249,9 @@ async fn v1(
         "/v1/completions" => {
             api::completions(state, &bytes, request_id.as_deref(), &decision).await
         }
+        "/v1/responses" => crate::responses::create(state, &bytes, &decision).await,
+        "/v1/messages" => crate::messages::create(state, &bytes, &decision).await,
+        "/v1/messages/count_tokens" => crate::messages::count_tokens(state, &bytes),
         _ => api::embeddings(state, &bytes).await,
     }?;
     if decision.truncate_body && response.status() == StatusCode::OK {

@@ -126,6 +126,8 @@ pub struct AppState {
     pub load: Arc<LoadCounters>,
     /// Woken when a loading phase starts at run time (the listener closes meanwhile).
     pub loading_started: tokio::sync::Notify,
+    /// Stored Responses API responses (`store: true`), for `previous_response_id` and retrieval.
+    pub responses: crate::responses::ResponseStore,
     ids: AtomicU64,
 }
 
@@ -183,6 +185,7 @@ impl AppState {
             load: Arc::new(LoadCounters::default()),
             loading_started: tokio::sync::Notify::new(),
             ids: AtomicU64::new(0),
+            responses: Default::default(),
             config,
             engine,
             metrics,

@@ -6,13 +6,16 @@
 //! before it reaches a pool, a log line or a backend.
 //!
 //! The prompt's canonical text and its chained block hashes are `canonical.rs`'s; the errors are
-//! `error.rs`'s.
+//! `error.rs`'s; the Responses and Messages APIs' requests, rewritten into chat messages, are
+//! `api_shapes.rs`'s.
 
+mod api_shapes;
 mod canonical;
 mod error;
 #[cfg(test)]
 mod tests;
 
+pub use api_shapes::{anthropic_messages, previous_response_id, responses_messages};
 pub use canonical::{
     block_hashes, block_hashes_seeded, canonical_chat_prompt, canonical_completion_prompt,
     canonical_json, estimate_tokens, model_chain_seed, BYTES_PER_TOKEN, DEFAULT_BLOCK_TOKENS,
@@ -214,6 +217,9 @@ fn endpoint_features_unchecked(
 ) -> Result<RequestFeatures, PromptError> {
     let field = match endpoint {
         Endpoint::Embeddings => return embedding_features(body),
+        Endpoint::Responses | Endpoint::Messages | Endpoint::MessagesCountTokens => {
+            return api_shapes::api_features(endpoint, body, header, config)
+        }
         Endpoint::Chat => "messages",
         Endpoint::Completions => "prompt",
         // The JSON pass-through routes (a multipart body is read by `multipart_features`).

@@ -307,19 +307,26 @@ fn absurd_model_ids_are_refused_on_every_endpoint() {
     let none = |_: &str| None;
     let long = "m".repeat(MAX_MODEL_BYTES + 1);
     let longest = "m".repeat(MAX_MODEL_BYTES);
-    for endpoint in [
+    let endpoints = [
         Endpoint::Chat,
         Endpoint::Completions,
         Endpoint::Embeddings,
+        Endpoint::Responses,
+        Endpoint::Messages,
+        Endpoint::MessagesCountTokens,
         Endpoint::Rerank,
-    ] {
+    ];
+    for endpoint in endpoints {
         let call = |model: &str| {
             let body = match endpoint {
                 Endpoint::Chat => {
                     json!({"model": model, "messages": [{"role": "user", "content": "x"}]})
                 }
                 Endpoint::Completions => json!({"model": model, "prompt": "x"}),
-                Endpoint::Embeddings => json!({"model": model, "input": "x"}),
+                Endpoint::Embeddings | Endpoint::Responses => json!({"model": model, "input": "x"}),
+                Endpoint::Messages | Endpoint::MessagesCountTokens => {
+                    json!({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+                }
                 _ => json!({"model": model, "query": "q", "documents": ["x"]}),
             };
             endpoint_features(endpoint, &body, &none, &config)
