@@ -252,6 +252,8 @@ pub async fn handle(
         );
         match admitted.await {
             Asked::Granted(Granted { grant, queued_ms }) => {
+                // The pool's round trip ends here: the limiter's wait below is not the pool's.
+                let answered_ms = crate::platform::http::now_ms();
                 // The backend is fetched only once the limiter has admitted the request.
                 let reservation = match reserved.resolve().await {
                     Ok(r) => r,
@@ -268,7 +270,7 @@ pub async fn handle(
                 let disaggregated = !grant.decode_candidates.is_empty();
                 let now = crate::platform::http::now_ms();
                 if queued_ms == 0 {
-                    let rtt = now.saturating_sub(asked_ms);
+                    let rtt = answered_ms.saturating_sub(asked_ms);
                     regions::observe_rtt(env, plan.client_region.as_deref(), &pool.name, rtt);
                 }
                 if let Some(card) = &grant.card {

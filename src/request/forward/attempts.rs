@@ -141,6 +141,11 @@ impl UpstreamCall<'_> {
     }
 }
 
+/// A fresh id for one upstream fetch (`gw-` and 96 random bits).
+fn upstream_request_id() -> String {
+    format!("gw-{}", crate::platform::http::random_hex(12))
+}
+
 /// An upstream fetch sent and not yet answered: its promise, its abort, its deadline.
 pub(crate) struct Sent {
     fetch: js_sys::Promise,
@@ -222,7 +227,11 @@ pub(crate) fn send(
         if !call.endpoint.is_multipart() {
             list.set("content-type", "application/json");
         }
-        list.set("x-request-id", call.request_id);
+        // vLLM takes `x-request-id` as its engine request id, and versions before PR #27987
+        // refuse one still running: a client's id (a retry, or a constant id two tenants share)
+        // would collide there. The backend gets an id the gateway made for this one fetch; the
+        // client's stays in the access log and the response header.
+        list.set("x-request-id", &upstream_request_id());
         if let Some(key) = &c.api_key {
             list.set("authorization", &format!("Bearer {key}"));
         }

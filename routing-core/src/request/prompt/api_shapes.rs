@@ -17,8 +17,8 @@
 //! the output bound.
 
 use super::{
-    block_hashes, canonical_chat_prompt, estimate_tokens, invalid, object_and_model, FeatureConfig,
-    PromptError, RequestFeatures, BYTES_PER_TOKEN,
+    block_hashes_seeded, canonical_chat_prompt, estimate_tokens, invalid, model_chain_seed,
+    object_and_model, FeatureConfig, PromptError, RequestFeatures, BYTES_PER_TOKEN,
 };
 use crate::request::endpoint::Endpoint;
 use crate::request::routing_key::routing_key;
@@ -158,6 +158,12 @@ pub fn api_features(
         .saturating_mul(BYTES_PER_TOKEN);
     let hashed = &canonical.as_bytes()[..canonical.len().min(max_bytes)];
     let counting = endpoint == Endpoint::MessagesCountTokens;
+    // Counting tokens computes no KV blocks: nothing to place by prefix. The chain is seeded
+    // with the model, as chat's is, so a conversation hashes the same on every API.
+    let block_hashes = match counting {
+        true => Vec::new(),
+        false => block_hashes_seeded(hashed, block_tokens, model_chain_seed(&model)),
+    };
     Ok(RequestFeatures {
         request_id: header("x-request-id")
             .map(|id| id.trim().to_string())
@@ -169,12 +175,7 @@ pub fn api_features(
         max_tokens,
         routing_key: routing_key(header, body, config.routing_header.as_deref()),
         block_tokens: u32::try_from(block_tokens).unwrap_or(u32::MAX),
-        // Counting tokens computes no KV blocks: nothing to place by prefix.
-        block_hashes: if counting {
-            Vec::new()
-        } else {
-            block_hashes(hashed, block_tokens)
-        },
+        block_hashes,
         role_hint: None,
         sent_ahead: None,
     })
