@@ -74,8 +74,12 @@ fn named_events(reply: &Reply) -> Vec<(String, Value)> {
         .collect()
 }
 
+// Over two of vLLM 0.34's 64-token blocks, so a repeat has a cached prefix.
 const LONG: &str = "You are a careful assistant that answers questions about routing, caching and \
-    the many ways a fleet of inference servers can be kept busy without wasting prefill work. ";
+    the many ways a fleet of inference servers can be kept busy without wasting prefill work. \
+    Cite the configuration you rely on, say which server held which prefix and why, and never \
+    guess at a number you were not given: an operator reads every answer against the metrics. \
+    When two servers could serve a request, prefer the one whose cache holds the conversation.";
 
 #[test]
 fn responses_stream_in_vllms_order_with_sequence_numbers_and_usage() {
