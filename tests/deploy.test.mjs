@@ -322,15 +322,20 @@ function deployVars() {
   return Object.fromEntries([...section.matchAll(/^([A-Z0-9_]+)\s*=\s*"([^"]*)"/gm)].map((m) => [m[1], m[2]]));
 }
 
-/** The OpenAI routes of the Worker's route table: every `["v1", ...]` match arm in src/ (any file). */
+/**
+ * The client routes of the Worker's route table (`route` in src/lib.rs): every match arm of string
+ * segments, alternatives (`"a" | "b"`) expanded, except the operators' (`healthz`, `metrics`,
+ * `dashboard`, `admin`).
+ */
 function clientRoutes() {
-  const files = readdirSync(path.join(ROOT, "src"), { recursive: true }).filter((f) => f.endsWith(".rs"));
+  const text = readFileSync(path.join(ROOT, "src", "lib.rs"), "utf8");
   const routes = new Set();
-  for (const f of files) {
-    const text = readFileSync(path.join(ROOT, "src", f), "utf8");
-    for (const m of text.matchAll(/\[\s*"v1"((?:\s*,\s*"[a-z_]+")+)\s*\]\s*=>/g)) {
-      routes.add("/v1/" + [...m[1].matchAll(/"([a-z_]+)"/g)].map((x) => x[1]).join("/"));
-    }
+  const pattern = /\[((?:\s*"[a-z0-9_]+"(?:\s*\|\s*"[a-z0-9_]+")*\s*,?)+)\]\s*(?=\||=>)/g;
+  for (const m of text.matchAll(pattern)) {
+    const segments = m[1].split(",").map((seg) => [...seg.matchAll(/"([a-z0-9_]+)"/g)].map((x) => x[1])).filter((alts) => alts.length);
+    let paths = [""];
+    for (const alts of segments) paths = paths.flatMap((p) => alts.map((a) => `${p}/${a}`));
+    for (const p of paths) if (!/^\/(healthz|metrics|dashboard|admin)(\/|$)/.test(p)) routes.add(p);
   }
   return [...routes].sort();
 }
@@ -340,7 +345,16 @@ test("the deploy configuration answers no client route without a key", async () 
   assert.equal(vars.REQUIRE_CLIENT_KEYS, "true", "wrangler.toml's [vars] must set REQUIRE_CLIENT_KEYS = \"true\" (closed by default)");
   assert.equal(vars.ALLOW_IP_BACKENDS, "false", "wrangler.toml's [vars] must keep ALLOW_IP_BACKENDS = \"false\"");
   const routes = clientRoutes();
-  assert.deepEqual(routes, ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"], "the route table's OpenAI routes");
+  assert.deepEqual(
+    routes,
+    [
+      "/classify", "/detokenize", "/pooling", "/rerank", "/score", "/tokenize",
+      "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/chat/completions", "/v1/completions",
+      "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/rerank",
+      "/v1/responses", "/v1/score", "/v2/rerank",
+    ],
+    "the route table's client routes",
+  );
   // Exactly the deploy configuration: no test defaults merged in, the admin token as the secret.
   const g = await startGateway({ defaults: false, bindings: { ...vars, ADMIN_TOKEN } });
   const bodies = {
@@ -348,16 +362,41 @@ test("the deploy configuration answers no client route without a key", async () 
     "/v1/completions": { model: "m", prompt: "hi" },
     "/v1/embeddings": { model: "m", input: "hi" },
   };
-  const call = (route, headers = {}) =>
-    route === "/v1/models"
-      ? g.fetch(route, { headers })
-      : g.fetch(route, { method: "POST", headers: { "content-type": "application/json", ...headers }, body: JSON.stringify(bodies[route]) });
+  // Every other client route is called with a body of its shape (a missing key is refused before
+  // the body is read; the shape matters once the key passes).
+  Object.assign(bodies, {
+    "/tokenize": { model: "m", prompt: "hi" },
+    "/detokenize": { model: "m", tokens: [1, 2] },
+    "/v1/score": { model: "m", text_1: "a", text_2: "b" },
+    "/v1/responses": { model: "m", input: "hi" },
+    "/v1/messages": { model: "m", max_tokens: 4, messages: [{ role: "user", content: "hi" }] },
+  });
+  for (const r of ["/rerank", "/v1/rerank", "/v2/rerank"]) bodies[r] = { model: "m", query: "q", documents: ["d"] };
+  bodies["/score"] = bodies["/v1/score"];
+  bodies["/v1/messages/count_tokens"] = bodies["/v1/messages"];
+  const bodyOf = (route) => bodies[route] ?? { model: "m", input: "hi" };
+  const boundary = "----deploycheck";
+  const form = `--${boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--${boundary}--\r\n`;
+  const call = (route, headers = {}) => {
+    if (route === "/v1/models") return g.fetch(route, { headers });
+    if (route.startsWith("/v1/audio/")) {
+      return g.fetch(route, { method: "POST", headers: { "content-type": `multipart/form-data; boundary=${boundary}`, ...headers }, body: form });
+    }
+    return g.fetch(route, { method: "POST", headers: { "content-type": "application/json", ...headers }, body: JSON.stringify(bodyOf(route)) });
+  };
   try {
     for (const route of routes) {
-      for (const headers of [{}, { authorization: "Bearer sk-not-a-key" }]) {
+      for (const headers of [{}, { authorization: "Bearer sk-not-a-key" }, { "x-api-key": "sk-not-a-key" }]) {
         const r = await call(route, headers);
         assert.equal(r.status, 401, `${route} ${JSON.stringify(headers)}`);
-        assert.equal((await errorBody(r)).code, "invalid_api_key");
+        if (route.startsWith("/v1/messages")) {
+          // Anthropic's shape, so its SDK raises AuthenticationError.
+          const body = await r.json();
+          assert.equal(body.type, "error");
+          assert.equal(body.error.type, "authentication_error");
+        } else {
+          assert.equal((await errorBody(r)).code, "invalid_api_key");
+        }
       }
     }
     for (const p of ["/admin/pools", "/admin/backends", "/admin/keys"]) {
@@ -383,8 +422,9 @@ test("the deploy configuration answers no client route without a key", async () 
     assert.deepEqual((await models.json()).data, []);
     for (const route of routes.filter((r) => r !== "/v1/models")) {
       const r = await call(route, auth);
-      assert.notEqual(r.status, 401, route);
-      assert.equal((await errorBody(r)).code, "model_not_found", route);
+      assert.equal(r.status, 404, route);
+      if (route.startsWith("/v1/messages")) assert.equal((await r.json()).error.type, "not_found_error", route);
+      else assert.equal((await errorBody(r)).code, "model_not_found", route);
     }
   } finally {
     await g.close();

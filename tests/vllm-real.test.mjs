@@ -162,7 +162,7 @@ test("embeddings for a chat model: 404 model_does_not_support_endpoint, no break
   assert.equal(r.status, 404, r.text);
   const body = JSON.parse(r.text);
   assert.equal(body.error.code, "model_does_not_support_endpoint");
-  assert.match(body.error.message, /does not support embeddings/);
+  assert.match(body.error.message, /does not support \/v1\/embeddings/);
   assert.equal((await view(b.id)).breaker, "closed");
   assert.equal(outcomes(await metrics(), b.id, "server_error"), 0);
   // The backend still serves chat.
