@@ -51,8 +51,9 @@ start_sim --time-scale 10 --max-num-seqs 4096 --kv-blocks 65536
 "$BENCH" --mode streams --addr "$ADDR" --streams 3000 --seconds "$SECONDS_PER_RUN" --server-pid "$SIM_PID"
 stop_sim
 
-# 3. The same streams against the default --max-num-seqs 64: most wait in the queue, all stay open.
-start_sim --time-scale 100
+# 3. The same streams against --max-num-seqs 64 (the sim's default before it took vLLM 0.34's 256):
+#    most wait in the queue, all stay open.
+start_sim --time-scale 100 --max-num-seqs 64
 "$BENCH" --mode streams --addr "$ADDR" --streams 3000 --seconds "$SECONDS_PER_RUN" --server-pid "$SIM_PID"
 stop_sim
 
