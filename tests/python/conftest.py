@@ -60,8 +60,9 @@ class SimServer:
                 self.process.wait(timeout=5)
 
 
-def start_vllm_sim(*args: str, wait_healthy: bool = True, timeout: float = 10.0) -> SimServer:
-    """Starts vllm-sim with `args` on a free port and waits for `/health`."""
+def start_vllm_sim(*args: str, wait_healthy: bool = True, wait: bool = True, timeout: float = 10.0) -> SimServer:
+    """Starts vllm-sim with `args` on a free port and waits for `/health` (200 with `wait_healthy`,
+    any answer without it; `wait=False` returns at once, e.g. to see a loading server refuse)."""
     if not os.path.isfile(VLLM_SIM_BIN):
         pytest.fail(f"vllm-sim binary not found at {VLLM_SIM_BIN}; build it or set VLLM_SIM_BIN")
     port = free_port()
@@ -71,6 +72,8 @@ def start_vllm_sim(*args: str, wait_healthy: bool = True, timeout: float = 10.0)
         stdin=subprocess.DEVNULL,
     )
     server = SimServer(process, port, args)
+    if not wait:
+        return server
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:

@@ -5,8 +5,9 @@ by task: a chat model (with a LoRA adapter), a cross-encoder (rerank/score/class
 class transcription model. `client.audio.transcriptions.create` sends a small WAV made here; the SDK
 has no rerank/score/tokenize calls, so those go through `client.post` (the SDK's own HTTP stack,
 auth and error mapping; `cast_to=object` returns the parsed JSON); the root routes (`/tokenize`,
-`/classify`) go through the fixture's plain HTTP helper. A chat model asked to rerank raises the SDK's BadRequestError naming the
-model, and its backend stays healthy with its breaker closed.
+`/classify`) go through the fixture's plain HTTP helper. A chat model asked to rerank raises the
+SDK's NotFoundError (404 `model_does_not_support_endpoint`) naming the model and the route, and
+its backend stays healthy with its breaker closed.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def test_tokenize_detokenize_classify_at_the_root(gw):
     assert status == 200 and c["data"][0]["num_classes"] == 1
 
 
-def test_a_chat_model_asked_to_rerank_is_a_bad_request_and_no_breaker_opens(gw, client):
+def test_a_chat_model_asked_to_rerank_is_not_found_and_no_breaker_opens(gw, client):
     for _ in range(6):
-        with pytest.raises(openai.BadRequestError) as err:
+        with pytest.raises(openai.NotFoundError) as err:
             client.post("/rerank", body={"model": "py-chat", "query": "q", "documents": ["d"]}, cast_to=object)
         assert "py-chat" in str(err.value) and "/v1/rerank" in str(err.value)
     status, backend = gw.admin("GET", "/admin/backends/py-chat-0")
