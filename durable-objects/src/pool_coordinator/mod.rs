@@ -452,11 +452,14 @@ impl PoolCoordinator {
         if performed.probe_soon {
             self.probe_soon().await;
         }
-        if performed.push_probe_round {
-            self.push_probe_round().await;
-        }
         if performed.push_registry {
             self.push_registry().await;
+        }
+        // A shard added by raising `shards` learns its backends' health with the registry, from
+        // shard 0's last round: without it, requests landing there are refused 503 until the
+        // next probe round.
+        if performed.push_probe_round || performed.push_registry {
+            self.push_probe_round().await;
         }
         if let Some(card) = performed.card {
             self.publish_card(card).await;
