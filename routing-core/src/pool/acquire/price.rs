@@ -96,13 +96,21 @@ impl<'a> Pricing<'a> {
         } else {
             computed_held as u32
         };
-        let cached_tokens = (u64::from(cached_blocks) * self.block_tokens).min(prompt);
-        let computed_tokens = (u64::from(computed_blocks) * self.block_tokens).min(prompt);
+        // vLLM reuses whole KV blocks of its own size only (64 tokens by default in 0.34, from
+        // the backend's `cache_config_info`): a match of the gateway's finer blocks counts down
+        // to the engine's last whole block.
+        let engine_block = u64::from(entry.capacity().block_size).max(1);
+        let whole = |blocks: u32| {
+            let tokens = u64::from(blocks) * self.block_tokens;
+            (tokens - tokens % engine_block).min(prompt)
+        };
+        let cached_tokens = whole(cached_blocks);
+        let computed_tokens = whole(computed_blocks);
         let mut uncached = prompt - computed_tokens;
         // The backend with the longest match most likely served this conversation's previous
         // turn, so it also holds that turn's answer, which the gateway never sees: credit it with
         // an answer's worth of cached tokens.
-        if computed_blocks > 0 && computed_blocks == self.longest {
+        if computed_tokens > 0 && computed_blocks == self.longest {
             uncached = uncached.saturating_sub(self.expected_output as u64).max(1);
         }
         PrefixMatch {

@@ -393,3 +393,48 @@ fn a_prompt_keeps_off_the_answer_that_ends_in_the_tail() {
         "without tail harm the two backends tie"
     );
 }
+
+/// vLLM reuses whole KV blocks of its own size only: a prefix shared for 900 tokens is no hit
+/// on a backend whose engine blocks are 1,024 tokens, and a hit on one whose blocks are 16 (the
+/// gateway's own hashes are finer than either).
+#[test]
+fn a_prefix_shorter_than_the_engines_block_is_no_hit() {
+    let shared = "a shared system prompt, ".repeat(150); // 3,600 bytes: about 900 tokens
+    let predicted = |engine_block: u32, second: &str| {
+        let mut pool = Pool::new("p1", PoolConfig::default());
+        add_ready(
+            &mut pool,
+            BackendSpec {
+                capacity: crate::backend::Capacity {
+                    block_size: engine_block,
+                    ..crate::backend::Capacity::default()
+                },
+                ..spec("b0")
+            },
+        );
+        let mut rng = SplitMix64::new(9);
+        let first = pool
+            .acquire(
+                &features(&format!("{shared}{}", "tail one ".repeat(300))),
+                0,
+                &mut rng,
+            )
+            .unwrap();
+        pool.release(first.lease_id, &Outcome::from_status(200), 500);
+        let g = pool.acquire(&features(second), 5_000, &mut rng).unwrap();
+        g.predicted_ttft_ms.unwrap()
+    };
+    let follow_up = format!("{shared}{}", "other tail ".repeat(300));
+    let unseen = format!(
+        "{}{}",
+        "an unrelated prompt ".repeat(180),
+        "other tail ".repeat(300)
+    );
+    let (fine_hit, fine_cold) = (predicted(16, &follow_up), predicted(16, &unseen));
+    assert!(fine_hit + 10 < fine_cold, "{fine_hit} vs {fine_cold}");
+    let (coarse_hit, coarse_cold) = (predicted(1024, &follow_up), predicted(1024, &unseen));
+    assert!(
+        coarse_hit.abs_diff(coarse_cold) <= 1,
+        "{coarse_hit} vs {coarse_cold}"
+    );
+}
