@@ -2,11 +2,14 @@
 // real vllm-sim processes on 127.0.0.1: a partial `PUT /admin/pools/{pool}` keeps the pool's
 // residency (it is lifted only by an explicit `null`); the round trip measured to a pool does not
 // include the wait for the client's rate limiter; vLLM gets a request id the gateway made, never the
-// client's (two clients sending one id do not collide). Native tests cover the rules behind them
-// (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator waiting room, guesses).
+// client's (two clients sending one id do not collide); a streamed request the client leaves before
+// its first token is charged its prompt (item 2); a client reading slowly holds no lease once the
+// backend is done, and one that falls RELAY_BUFFER_BYTES behind is cut off (item 5). Native tests
+// cover the rules behind them (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator
+// waiting room, guesses); tests/ahead.test.mjs (item 11) and tests/hop.test.mjs (items 6, 7) the rest.
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startGatewayServer, startSim, waitFor, waitReady, drained, poolState, setFaults } from "./lib/harness.mjs";
+import { startGateway, startGatewayServer, startSim, waitFor, waitReady, drained, poolState, setFaults, parseMetrics, metricValue, stalledReader, readRest } from "./lib/harness.mjs";
 
 const closers = [];
 after(async () => {
@@ -143,4 +146,90 @@ test("two clients sending one x-request-id do not collide on a vLLM that rejects
   assert.equal(again.status, 200, await again.clone().text());
   await setFaults(p.sim, {});
   await drained(g, name);
+});
+
+// ---- 2. A hang-up never refunds the prompt --------------------------------------------------------
+
+test("a streamed request the client leaves before its first token is charged its prompt, not its whole estimate nor nothing", async () => {
+  // 3,000 tokens a minute refill 50 a second: the ~2,000-token prompt is 40 s of refill.
+  // (Under Miniflare workerd sees a hang-up only when it first writes to the client, here when
+  // the backend's first event comes; on Cloudflare the request's signal says it at once, and the
+  // same rule, routing_core::stream::settle, charges the prompt then too: its native tests cover
+  // that case and the whole, non-streamed answer's.)
+  const TPM = 3000;
+  const key = "sk-r3-hangup";
+  const g = await gateway({ PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: key, RATE_LIMIT_TPM: String(TPM) });
+  const name = "r3-hang";
+  const model = "r3-hang-model";
+  const p = await pool(g, name, model, {}, ["--time-scale", "1", "--max-model-len", "8192"]);
+  // About 2,000 tokens of prompt by the gateway's estimate (4 bytes a token), 950 of output asked:
+  // an estimate of ~2,950 charged at admission.
+  const prompt = "lorem ipsum ".repeat(670);
+  await setFaults(p.sim, { first_byte_delay_ms: 3000 });
+  const left = new AbortController();
+  const asked = g.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+    body: JSON.stringify({ model, messages: [{ role: "user", content: prompt }], stream: true, max_tokens: 950, ignore_eos: true }),
+    signal: left.signal,
+  }).catch((e) => e);
+  await waitFor(async () => (await poolState(g, name)).in_flight === 1, { what: "the lease granted" });
+  left.abort();
+  await asked;
+  await drained(g, name);
+  await setFaults(p.sim, {});
+  // The settlement follows the release.
+  await new Promise((r) => setTimeout(r, 1000));
+  const r = await chat(g, model, { key, max_tokens: 1 });
+  assert.equal(r.status, 200, await r.clone().text());
+  await r.text();
+  const tokens = Number(r.headers.get("x-ratelimit-remaining-tokens"));
+  // Kept at the estimate, about 50 a second of refill would be left; refunded, about 3,000; charged
+  // the prompt, about 1,000 plus the refill.
+  assert.ok(tokens > 600, `the hang-up was charged its whole estimate: ${tokens} of ${TPM} left`);
+  assert.ok(tokens < TPM - 600, `the hang-up was refunded its prompt: ${tokens} of ${TPM} left`);
+  await drained(g, name);
+});
+
+// ---- 5. A slow reader holds no lease once the backend is done ------------------------------------
+
+const bigSim = ["--time-scale", "1000", "--max-model-len", "70000", "--kv-blocks", "8192"];
+
+test("a client reading slowly holds no lease once the backend is done, and still gets the whole answer within RELAY_BUFFER_BYTES", async () => {
+  // 60,000 tokens (about 10 MB of events), produced within seconds: more than the sockets
+  // between the client and the gateway absorb, less than the relay may hold for the client.
+  const g = await gateway({ PROBE_INTERVAL_MS: "500", RELAY_BUFFER_BYTES: String(32 << 20), SLOW_CLIENT_TIMEOUT_MS: "60000" }, { server: true });
+  const name = "r3-slow";
+  const model = "r3-slow-model";
+  await pool(g, name, model, {}, bigSim);
+  const { reader, close } = await stalledReader(g, model, 60000);
+  closers.push(close);
+  // The client reads nothing more until the pool's lease is gone: with the backend held up by
+  // the client's pace, it never would be.
+  await waitFor(async () => (await poolState(g, name)).in_flight === 0, { timeoutMs: 60000, intervalMs: 250, what: "the lease ended with the backend's work while the client was not reading" });
+  // Then it reads slowly, and gets every token and the end.
+  const rest = await readRest(reader, 5);
+  assert.equal(rest.error, null, String(rest.error));
+  assert.ok(rest.text.trimEnd().endsWith("data: [DONE]"), rest.text.slice(-200));
+  assert.ok(!rest.text.includes("\"error\""));
+  const m = parseMetrics(await (await g.admin("/metrics")).text());
+  assert.equal(metricValue(m, "llm_gateway_request_outcomes_total", { backend: `${name}-b0`, outcome: "success" }), 1);
+});
+
+test("a client that falls RELAY_BUFFER_BYTES behind the backend is cut off, its lease released and nobody blamed", async () => {
+  const g = await gateway({ PROBE_INTERVAL_MS: "500", RELAY_BUFFER_BYTES: String(256 << 10), SLOW_CLIENT_TIMEOUT_MS: "60000" }, { server: true });
+  const name = "r3-cut";
+  const model = "r3-cut-model";
+  await pool(g, name, model, {}, bigSim);
+  const { reader, close } = await stalledReader(g, model, 60000);
+  closers.push(close);
+  // Released long before the 60 s slow-client bound: the relay's bound cut the client.
+  await waitFor(async () => (await poolState(g, name)).in_flight === 0, { timeoutMs: 30000, intervalMs: 250, what: "the lease released" });
+  const rest = await readRest(reader);
+  assert.ok(rest.error !== null || !rest.text.includes("data: [DONE]"), "a cut-off client got a complete-looking stream");
+  const m = parseMetrics(await (await g.admin("/metrics")).text());
+  const outcome = (o) => metricValue(m, "llm_gateway_request_outcomes_total", { backend: `${name}-b0`, outcome: o }) ?? 0;
+  assert.equal(outcome("cancelled"), 1);
+  assert.equal(outcome("transport") + outcome("timeout") + outcome("success"), 0);
+  assert.equal((await (await g.admin(`/admin/backends/${name}-b0`)).json()).breaker, "closed");
 });
