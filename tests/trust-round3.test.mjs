@@ -2,8 +2,9 @@
 // real vllm-sim processes on 127.0.0.1: a partial `PUT /admin/pools/{pool}` keeps the pool's
 // residency (it is lifted only by an explicit `null`); the round trip measured to a pool does not
 // include the wait for the client's rate limiter; vLLM gets a request id the gateway made, never the
-// client's (two clients sending one id do not collide); a streamed request the client leaves before
-// its first token is charged its prompt (item 2); a client reading slowly holds no lease once the
+// client's (two clients sending one id do not collide); a client (a Worker calling through a service
+// binding, whose hang-up fires the request's signal) that leaves before the first byte is charged
+// its prompt, streamed, or the estimate, whole (item 2); a client reading slowly holds no lease once the
 // backend is done, and one that falls RELAY_BUFFER_BYTES behind is cut off (item 5). Native tests
 // cover the rules behind them (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator
 // waiting room, guesses); tests/ahead.test.mjs (item 11) and tests/hop.test.mjs (items 6, 7) the rest.
@@ -150,44 +151,64 @@ test("two clients sending one x-request-id do not collide on a vLLM that rejects
 
 // ---- 2. A hang-up never refunds the prompt --------------------------------------------------------
 
-test("a streamed request the client leaves before its first token is charged its prompt, not its whole estimate nor nothing", async () => {
-  // 3,000 tokens a minute refill 50 a second: the ~2,000-token prompt is 40 s of refill.
-  // (Under Miniflare workerd sees a hang-up only when it first writes to the client, here when
-  // the backend's first event comes; on Cloudflare the request's signal says it at once, and the
-  // same rule, routing_core::stream::settle, charges the prompt then too: its native tests cover
-  // that case and the whole, non-streamed answer's.)
-  const TPM = 3000;
-  const key = "sk-r3-hangup";
-  const g = await gateway({ PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: key, RATE_LIMIT_TPM: String(TPM) });
-  const name = "r3-hang";
-  const model = "r3-hang-model";
+/** A Worker calling the gateway through a service binding, the way another Worker would be its
+ * client: it sends the request it gets (`?after=ms`: and hangs up that long after sending it) and
+ * answers with the gateway's status and body, or 499 when it hung up. */
+const HANGING_CLIENT = `
+export default {
+  async fetch(request, env) {
+    const after = Number(new URL(request.url).searchParams.get("after") ?? "0");
+    const left = new AbortController();
+    if (after > 0) setTimeout(() => left.abort(), after);
+    try {
+      const r = await env.GATEWAY.fetch("http://gateway.test/v1/chat/completions", {
+        method: "POST", headers: request.headers, body: await request.text(), signal: left.signal,
+      });
+      return new Response(await r.text(), { status: r.status, headers: r.headers });
+    } catch (e) {
+      return new Response(String(e), { status: 499 });
+    }
+  },
+};`;
+
+test("a client that hangs up before the first byte, streamed or not, is charged its prompt at least, never refunded (the request's signal fires)", async () => {
+  // Through a service binding the gateway's request signal fires as soon as its caller hangs up
+  // (as on Cloudflare for a client's disconnect), before any byte of the answer.
+  const TPM = 3000; // 50 tokens a second of refill: a ~2,000-token prompt is 40 s of it
+  const [streamKey, wholeKey] = ["sk-r3-gone-stream", "sk-r3-gone-whole"];
+  const g = await startGateway({
+    bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: `${streamKey},${wholeKey}`, RATE_LIMIT_TPM: String(TPM) },
+    extraWorkers: [{ name: "client", modules: true, script: HANGING_CLIENT, serviceBindings: { GATEWAY: "gateway" } }],
+  });
+  closers.push(() => g.close());
+  const name = "r3-gone";
+  const model = "r3-gone-model";
   const p = await pool(g, name, model, {}, ["--time-scale", "1", "--max-model-len", "8192"]);
-  // About 2,000 tokens of prompt by the gateway's estimate (4 bytes a token), 950 of output asked:
-  // an estimate of ~2,950 charged at admission.
-  const prompt = "lorem ipsum ".repeat(670);
-  await setFaults(p.sim, { first_byte_delay_ms: 3000 });
-  const left = new AbortController();
-  const asked = g.fetch("/v1/chat/completions", {
-    method: "POST",
-    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
-    body: JSON.stringify({ model, messages: [{ role: "user", content: prompt }], stream: true, max_tokens: 950, ignore_eos: true }),
-    signal: left.signal,
-  }).catch((e) => e);
-  await waitFor(async () => (await poolState(g, name)).in_flight === 1, { what: "the lease granted" });
-  left.abort();
-  await asked;
-  await drained(g, name);
-  await setFaults(p.sim, {});
-  // The settlement follows the release.
-  await new Promise((r) => setTimeout(r, 1000));
-  const r = await chat(g, model, { key, max_tokens: 1 });
-  assert.equal(r.status, 200, await r.clone().text());
-  await r.text();
-  const tokens = Number(r.headers.get("x-ratelimit-remaining-tokens"));
-  // Kept at the estimate, about 50 a second of refill would be left; refunded, about 3,000; charged
-  // the prompt, about 1,000 plus the refill.
-  assert.ok(tokens > 600, `the hang-up was charged its whole estimate: ${tokens} of ${TPM} left`);
-  assert.ok(tokens < TPM - 600, `the hang-up was refunded its prompt: ${tokens} of ${TPM} left`);
+  const client = await g.mf.getWorker("client");
+  const prompt = "lorem ipsum ".repeat(670); // ~2,000 tokens by the gateway's estimate
+  const left = {};
+  for (const [key, stream] of [[streamKey, true], [wholeKey, false]]) {
+    // The backend would answer nothing for 30 s: the client leaves after 1.5 s.
+    await setFaults(p.sim, { first_byte_delay_ms: 30000 });
+    const r = await client.fetch("http://client.test/?after=1500", {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+      body: JSON.stringify({ model, messages: [{ role: "user", content: prompt }], stream, max_tokens: 100, ignore_eos: true }),
+    });
+    assert.equal(r.status, 499, await r.text());
+    // The hang-up ended the lease long before the backend's first byte would have.
+    await drained(g, name, { timeoutMs: 15000 });
+    await setFaults(p.sim, {});
+    await new Promise((resolve) => setTimeout(resolve, 1000)); // the settlement follows the release
+    const after = await chat(g, model, { key, max_tokens: 1 });
+    assert.equal(after.status, 200, await after.clone().text());
+    await after.text();
+    left[stream ? "stream" : "whole"] = Number(after.headers.get("x-ratelimit-remaining-tokens"));
+  }
+  // Refunded, about 3,000 would be left; charged the prompt (streamed) or the ~2,100 estimate
+  // (whole), about 1,000 plus the refill.
+  assert.ok(left.stream < TPM - 600, `a streamed request's hang-up was refunded its prompt: ${JSON.stringify(left)}`);
+  assert.ok(left.whole < TPM - 600, `a whole answer's hang-up was refunded: ${JSON.stringify(left)}`);
   await drained(g, name);
 });
 
