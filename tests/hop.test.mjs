@@ -9,7 +9,8 @@
 // (counted, never timed). Issue 42: a hop context the regional Worker cannot read (a deploy in
 // progress, stood for by a Worker that rewrites the context on the way) is served by the edge, not
 // refused (item 7); the regional Worker applies the edge's signed rate limits, not its own vars,
-// and refuses a decision changed on the way (item 6).
+// and refuses a decision changed on the way (item 6); the edge counts its sends through the hop
+// and learns the grants' cards, so a pool it just filled no longer looks idle (item 4).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
 import { startGateway, startSim, waitFor, waitReady, drained } from "./lib/harness.mjs";
@@ -339,4 +340,39 @@ test("a hop whose rate-limit decision was changed on the way (not signed with HO
   assert.equal(r.headers.get("x-ratelimit-limit-tokens"), "1000");
   await r.text();
   await drained(g, "hop-forged");
+});
+
+test("through the hop the edge counts its own sends and learns the grants' cards: a pool it just filled no longer looks idle (issue 42, item 4)", async (t) => {
+  // The pool's own probes (and so the directory's card) stay quiet for the test: what the edge
+  // knows of the pool's load comes from its grants through the hop, or nowhere.
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, HOP_SECRET, TIME_CARD_MAX_AGE_MS: "600000", ...NETWORK };
+  const g = await edgeAndRegional(bindings, bindings);
+  const one = await startSim(["--model", "hop-count", "--time-scale", "1", "--max-num-seqs", "1", "--seed", "9"]);
+  closers.push(one);
+  const put = await g.admin("/admin/pools/hop-count", { method: "PUT", body: { region: REGION, probe_interval_ms: 60000 } });
+  assert.equal(put.status, 200, await put.text());
+  const reg = await g.admin("/admin/backends", { method: "POST", body: { url: one.url, pool: "hop-count", models: ["hop-count"], id: "hop-count-b0", max_num_seqs: 1 } });
+  assert.equal(reg.status, 201, await reg.text());
+  await waitReady(g, "hop-count-b0", 20000);
+  const via = { "x-gateway-region": "us-east" };
+  // The edge's card of the idle pool, from the directory.
+  const idle = await chat(g, { model: "hop-count", maxTokens: 1, headers: via });
+  assert.equal(idle.status, 200, await idle.clone().text());
+  await idle.text();
+  const leave = new AbortController();
+  // A long stream takes the pool's only slot...
+  const busy = await chat(g, { model: "hop-count", stream: true, maxTokens: 600, headers: via, signal: leave.signal });
+  assert.equal(busy.status, 200);
+  assert.equal(busy.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  assert.equal(busy.headers.get("x-gateway-hop-card"), null, "the card stays between the Workers");
+  const before = Number(busy.headers.get("x-gateway-pool-predicted-ms"));
+  // ...and the next request's prediction at the edge counts it.
+  const next = await chat(g, { model: "hop-count", maxTokens: 1, headers: via });
+  const after = Number(next.headers.get("x-gateway-pool-predicted-ms"));
+  leave.abort();
+  await next.text().catch(() => {});
+  t.diagnostic(`predicted at the edge: ${before} ms idle, ${after} ms with the slot taken`);
+  assert.ok(Number.isFinite(before) && Number.isFinite(after), `${before} ${after}`);
+  assert.ok(after > before + 200, `the edge still sees the pool idle: predicted ${before} ms, then ${after} ms with its only slot taken`);
+  await drained(g, "hop-count");
 });

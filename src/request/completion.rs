@@ -280,6 +280,10 @@ pub async fn handle(
                 let card = grant.card.as_deref().or(pool.card.as_ref());
                 regions::served(env, &pool.name, card, &features, grant.lease_id, now);
                 let mut extra = vec![("x-gateway-pool-choice", pool_choice.to_string())];
+                // Through the hop, the edge counts this send and learns the card too.
+                if let (Some(_), Some(card)) = (&hop_in, card) {
+                    extra.push((hop::HOP_CARD_HEADER, hop::card_header(card, grant.lease_id)));
+                }
                 if let Some(c) = &charge {
                     extra.extend(reserving::rate_limit_headers(c.limits(env), &c.client));
                 }

@@ -23,6 +23,10 @@
 //! plan's pools (lease, fetch, relay, lease guard), charges and settles the reservation, as the
 //! edge would.
 //!
+//! The regional Worker's answer carries the grant's time card and lease ([`HOP_CARD_HEADER`],
+//! taken out at the edge): the edge counts its own sends against the pool and plans on the
+//! grant's card, as it would without the hop (issue 42, item 4).
+//!
 //! The context carries its version ([`HOP_VERSION`]): during a deploy the edge and the regional
 //! Worker may run different builds, and a regional Worker that cannot read the context (newer
 //! than it knows, or not parseable) answers 421 with `x-gateway-hop-refused` before charging or
@@ -38,7 +42,7 @@ use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use hmac::{Hmac, Mac};
 use routing_core::admission::AdmissionRequest;
-use routing_core::region::ChoiceReason;
+use routing_core::region::{ChoiceReason, TimeCard};
 use routing_core::request::prompt::RequestFeatures;
 use routing_core::request::rate_limit::RateLimits;
 use serde::{Deserialize, Serialize};
@@ -59,6 +63,11 @@ const HOP_REFUSED_HEADER: &str = "x-gateway-hop-refused";
 /// version is read (fields added since have defaults); a newer one is refused with
 /// [`HOP_REFUSED_HEADER`]. Move it on whenever a field changes meaning or becomes required.
 pub const HOP_VERSION: u32 = 1;
+/// The regional Worker's answer to a hop it served: the grant's time card and lease (hex-encoded
+/// JSON), so the edge counts its own send against the pool and plans its next requests on the
+/// card the grant carried, as without the hop (issue 42, item 4). The edge takes it out of the
+/// response.
+pub const HOP_CARD_HEADER: &str = "x-gateway-hop-card";
 /// With `SIMULATE_NETWORK=true` only: how many modelled round trips the request waited out, edge
 /// and regional side together (tests count them instead of timing them).
 pub const SIMULATED_WAITS_HEADER: &str = "x-gateway-simulated-waits";
@@ -257,6 +266,24 @@ pub fn incoming(req: &Request, env: &Env) -> Result<Option<HopContext>, ApiError
     }
 }
 
+/// What [`HOP_CARD_HEADER`] carries.
+#[derive(Serialize, Deserialize)]
+struct CardBack {
+    lease_id: u64,
+    card: TimeCard,
+}
+
+/// [`HOP_CARD_HEADER`]'s value for a grant of `lease_id` that carried `card`.
+pub fn card_header(card: &TimeCard, lease_id: u64) -> String {
+    let back = CardBack {
+        lease_id,
+        card: card.clone(),
+    };
+    serde_json::to_vec(&back)
+        .map(|json| hex(&json))
+        .unwrap_or_default()
+}
+
 /// A hop context's version alone.
 #[derive(Deserialize)]
 struct Versioned {
@@ -347,13 +374,23 @@ impl Regional {
                 None
             }
             Ok(resp) => {
-                if let (true, Ok(Some(pool))) = (
-                    resp.status_code() < 300,
-                    resp.headers().get("x-gateway-pool"),
-                ) {
-                    regions::record_home(env, &pool, features);
+                let header = |name: &str| resp.headers().get(name).ok().flatten();
+                let back = header(HOP_CARD_HEADER)
+                    .and_then(|v| unhex(&v))
+                    .and_then(|json| serde_json::from_slice::<CardBack>(&json).ok());
+                if let (true, Some(pool)) = (resp.status_code() < 300, header("x-gateway-pool")) {
+                    match &back {
+                        // The send counts against the pool until a newer card covers it, and the
+                        // card is the freshest this edge has of the pool.
+                        Some(b) => {
+                            regions::fresh_card(&pool, &b.card);
+                            let now = crate::platform::http::now_ms();
+                            regions::served(env, &pool, Some(&b.card), features, b.lease_id, now);
+                        }
+                        None => regions::record_home(env, &pool, features),
+                    }
                 }
-                Some(Ok(resp))
+                Some(without_card(resp))
             }
             // The client left: the regional side saw the same abort and settles what it took.
             Err(_) if client.inner().signal().aborted() => Some(Err(ApiError::client_closed())),
@@ -421,10 +458,7 @@ impl Regional {
             return Ok(resp);
         }
         // Responses from a binding have immutable headers: copy them to count the edge's wait.
-        let copied = Headers::new();
-        for (k, v) in resp.headers().entries() {
-            copied.append(&k, &v)?;
-        }
+        let copied = copy_headers(&resp, |_| true)?;
         let regional: u32 = copied
             .get(SIMULATED_WAITS_HEADER)?
             .and_then(|v| v.parse().ok())
@@ -432,4 +466,25 @@ impl Regional {
         copied.set(SIMULATED_WAITS_HEADER, &(regional + edge_waits).to_string())?;
         Ok(resp.with_headers(copied))
     }
+}
+
+/// `resp`'s headers that `keep` keeps, in a new (mutable) list.
+fn copy_headers(resp: &Response, keep: impl Fn(&str) -> bool) -> worker::Result<Headers> {
+    let copied = Headers::new();
+    for (k, v) in resp.headers().entries() {
+        if keep(&k) {
+            copied.append(&k, &v)?;
+        }
+    }
+    Ok(copied)
+}
+
+/// The regional Worker's response without [`HOP_CARD_HEADER`] (the client never sees it).
+fn without_card(resp: Response) -> Result<Response, ApiError> {
+    if !resp.headers().has(HOP_CARD_HEADER).unwrap_or(false) {
+        return Ok(resp);
+    }
+    let kept = copy_headers(&resp, |name| name != HOP_CARD_HEADER)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(resp.with_headers(kept))
 }
