@@ -151,16 +151,18 @@ test("a fetch sent ahead to a backend the pool no longer chooses is aborted ther
   const other = held === "ahead-slow-b0" ? "ahead-slow-b1" : "ahead-slow-b0";
   const heldSim = slowSims[Number(held.at(-1))];
   const before = await finished(heldSim);
-  const drain = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { drain: true } });
-  assert.equal(drain.status, 200, await drain.text());
+  // Out of rotation by its probes (no admin call, so no isolate was told): the pool stops
+  // choosing it while the isolate still guesses it.
+  await setFaults(heldSim, { health_fail: true });
+  await waitFor(async () => (await (await gw.admin(`/admin/backends/${held}`)).json()).health !== "healthy", { what: `${held} out of rotation` });
   try {
     const next = await slow([...messages, { role: "assistant", content: "Rivers run." }, { role: "user", content: "More." }]);
     assert.equal(next.r.headers.get("x-gateway-ahead"), "missed");
     assert.equal(next.r.headers.get("x-gateway-backend"), other, "served where the pool chose");
-    // The drained backend ran nothing to its end: the fetch sent there was aborted (counted as
+    // The failing backend ran nothing to its end: the fetch sent there was aborted (counted as
     // vLLM's finished_reason="abort" when the abort found it in the engine; a fetch aborted before
     // the backend read it never reaches the engine at all).
-    await waitFor(async () => (await engineBusy(heldSim)) === 0, { what: "the drained backend idle" });
+    await waitFor(async () => (await engineBusy(heldSim)) === 0, { what: "the failing backend idle" });
     const after = await finished(heldSim);
     assert.equal(after.stop ?? 0, before.stop ?? 0, "nothing answered there");
     assert.equal(after.length ?? 0, before.length ?? 0, "nothing answered there");
@@ -170,9 +172,38 @@ test("a fetch sent ahead to a backend the pool no longer chooses is aborted ther
     assert.equal(third.r.headers.get("x-gateway-ahead"), "kept");
     assert.equal(third.r.headers.get("x-gateway-backend"), other);
   } finally {
-    const back = await gw.admin(`/admin/backends/${held}`, { method: "PATCH", body: { drain: false } });
-    assert.equal(back.status, 200, await back.text());
+    await setFaults(heldSim, {});
+    await waitReady(gw, held);
   }
+});
+
+test("a force-deleted backend gets nothing sent ahead from the moment of its deletion (issue 42, item 11)", async () => {
+  const delSims = [];
+  for (let i = 0; i < 2; i++) {
+    delSims.push(await startSim(["--model", "ahead-del", "--time-scale", "1000", "--seed", String(41 + i)]));
+  }
+  closers.push(...delSims);
+  await addPool("ahead-del", delSims, "ahead-del");
+  const messages = [...history(3), { role: "user", content: "Now about the mountains." }];
+  const turn = (extra) => chat([...messages, ...extra], {}, "ahead-del");
+  // Turns until the isolate sends ahead to the backend holding the conversation.
+  let last;
+  await waitFor(async () => {
+    last = await turn([{ role: "assistant", content: "Mountains." }, { role: "user", content: `More ${Math.random()}` }]);
+    return last.r.headers.get("x-gateway-ahead") === "kept";
+  }, { timeoutMs: 20000, intervalMs: 50, what: "a turn sent ahead and kept" });
+  const held = last.r.headers.get("x-gateway-backend");
+  const heldSim = delSims[Number(held.at(-1))];
+  const before = await finished(heldSim);
+  const gone = await gw.admin(`/admin/backends/${held}?force=true`, { method: "DELETE" });
+  assert.equal(gone.status, 200, await gone.text());
+  // The next turn, at once: nothing goes ahead to the deleted backend (before, its guess was
+  // still fresh: the whole prompt went there and was aborted, "missed").
+  const next = await turn([{ role: "assistant", content: "Mountains." }, { role: "user", content: "And the valleys?" }]);
+  assert.notEqual(next.r.headers.get("x-gateway-ahead"), "missed", "a fetch went ahead to the deleted backend");
+  assert.notEqual(next.r.headers.get("x-gateway-backend"), held);
+  const after = await finished(heldSim);
+  assert.deepEqual(after, before, "the deleted backend saw a request");
 });
 
 test("a fetch sent ahead with a backend's old key is not kept: the request is sent again as the grant says", async () => {

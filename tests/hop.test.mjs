@@ -6,11 +6,15 @@
 // a request served ahead of a charge the limiter refuses is paid for); hop headers from a public
 // request are not trusted (at the edge, and at a regional Worker without the HOP_SECRET); and with
 // SIMULATE_NETWORK the hop waits out one modelled round trip where the edge alone waits two
-// (counted, never timed).
+// (counted, never timed). Issue 42: a hop context the regional Worker cannot read (a deploy in
+// progress, stood for by a Worker that rewrites the context on the way) is served by the edge, not
+// refused (item 7); the regional Worker applies the edge's signed rate limits, not its own vars,
+// and refuses a decision changed on the way (item 6); the edge counts its sends through the hop
+// and learns the grants' cards, so a pool it just filled no longer looks idle (item 4).
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
 import { startGateway, startSim, waitFor, waitReady, drained } from "./lib/harness.mjs";
-import { startWithHop } from "./lib/hop.mjs";
+import { startWithHop, regionalWorker } from "./lib/hop.mjs";
 
 const REGION = "eu-west";
 const KEY = "sk-hop-client-1";
@@ -251,4 +255,124 @@ test("with SIMULATE_NETWORK the hop waits out one round trip, the edge alone two
   const local = await chat(hopGw, { headers: { "x-gateway-region": REGION } });
   assert.equal(local.headers.get("x-gateway-simulated-waits"), "0");
   await local.text();
+});
+
+/** A Worker between the edge and the regional Worker that rewrites the hop context with
+ * `rewrite` (JavaScript statements on `context`) and passes the request on, the HOP_SECRET header
+ * included. */
+const rewriting = (rewrite) => `
+const unhex = (h) => new TextDecoder().decode(new Uint8Array(h.match(/../g).map((b) => parseInt(b, 16))));
+const hex = (t) => [...new TextEncoder().encode(t)].map((b) => b.toString(16).padStart(2, "0")).join("");
+export default {
+  async fetch(request, env) {
+    const headers = new Headers(request.headers);
+    const context = JSON.parse(unhex(headers.get("x-gateway-hop")));
+    ${rewrite}
+    headers.set("x-gateway-hop", hex(JSON.stringify(context)));
+    return env.REGIONAL.fetch(new Request(request, { headers }));
+  },
+};`;
+
+/** The gateway with its regional Worker (`regionalBindings`) reached through `between`, a
+ * [`rewriting`] Worker, when given. */
+async function edgeAndRegional(bindings, regionalBindings, between) {
+  const regional = `regional-${REGION}`;
+  const g = await startGateway({
+    bindings: { ...bindings, REGIONAL_WORKERS: JSON.stringify({ [REGION]: "REGIONAL_EU_WEST" }) },
+    extraWorkers: [
+      regionalWorker(regional, regionalBindings),
+      ...(between ? [{ name: "between", modules: true, script: between, serviceBindings: { REGIONAL: regional } }] : []),
+    ],
+    workerOptions: { serviceBindings: { REGIONAL_EU_WEST: between ? "between" : regional } },
+  });
+  closers.push(g);
+  return g;
+}
+
+// An edge of a later deploy might write a later version, with a field moved.
+const NEWER_EDGE = rewriting(`context.version = (context.version ?? 0) + 1; context.admission = context.who; delete context.who;`);
+
+test("a hop context the regional Worker cannot read (a deploy in progress) is served by the edge, not refused (issue 42, item 7)", async () => {
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", HOP_SECRET, ...NETWORK };
+  const g = await edgeAndRegional(bindings, bindings, NEWER_EDGE);
+  await addPool(g, "hop-skew", [sim], ["hop-model"]);
+  for (const stream of [false, true]) {
+    const r = await chat(g, { stream, headers: { "x-gateway-region": "us-east" } });
+    const text = await r.text();
+    assert.equal(r.status, 200, text);
+    assert.equal(r.headers.get("x-gateway-pool"), "hop-skew");
+    // Served by the edge itself (two modelled waits), after the regional Worker refused the hop.
+    assert.equal(r.headers.get("x-gateway-simulated-waits"), "2");
+    assert.equal(r.headers.get("x-gateway-hop-refused"), null, "the refusal stays between the Workers");
+    if (stream) assert.ok(text.trimEnd().endsWith("data: [DONE]"));
+  }
+  // Nothing leased is left behind by the refused hops.
+  await drained(g, "hop-skew");
+});
+
+test("the regional Worker applies the edge's signed rate limits, not its own RATE_LIMIT_* vars (issue 42, item 6)", async () => {
+  const edge = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", HOP_SECRET, ...NETWORK };
+  // The regional Worker's own vars say something else: a million tokens a minute.
+  const g = await edgeAndRegional(edge, { ...edge, RATE_LIMIT_TPM: "1000000" });
+  await addPool(g, "hop-limits", [sim], ["hop-model"]);
+  const via = { "x-gateway-region": "us-east" };
+  const first = await chat(g, { maxTokens: 440, headers: via });
+  assert.equal(first.status, 200, await first.clone().text());
+  assert.equal(first.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  assert.equal(first.headers.get("x-ratelimit-limit-tokens"), "1000", "the edge's limit, as the client's headers say");
+  await first.text();
+  assert.equal((await chat(g, { maxTokens: 440, headers: via })).status, 200);
+  // The edge's 1,000 tokens a minute hold through the hop.
+  const third = await chat(g, { maxTokens: 440, headers: via });
+  assert.equal(third.status, 429, await third.text());
+  await drained(g, "hop-limits");
+});
+
+test("a hop whose rate-limit decision was changed on the way (not signed with HOP_SECRET) is refused by the regional Worker and served by the edge under its own limits", async () => {
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, RATE_LIMIT_TPM: "1000", HOP_SECRET, ...NETWORK };
+  const unlimited = rewriting(`if (context.charge?.limits) context.charge.limits.tokens_per_minute = 0;`);
+  const g = await edgeAndRegional(bindings, bindings, unlimited);
+  await addPool(g, "hop-forged", [sim], ["hop-model"]);
+  const via = { "x-gateway-region": "us-east" };
+  const r = await chat(g, { maxTokens: 440, headers: via });
+  assert.equal(r.status, 200, await r.clone().text());
+  assert.equal(r.headers.get("x-gateway-simulated-waits"), "2", "served by the edge itself");
+  assert.equal(r.headers.get("x-ratelimit-limit-tokens"), "1000");
+  await r.text();
+  await drained(g, "hop-forged");
+});
+
+test("through the hop the edge counts its own sends and learns the grants' cards: a pool it just filled no longer looks idle (issue 42, item 4)", async (t) => {
+  // The pool's own probes (and so the directory's card) stay quiet for the test: what the edge
+  // knows of the pool's load comes from its grants through the hop, or nowhere.
+  const bindings = { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: KEY, HOP_SECRET, TIME_CARD_MAX_AGE_MS: "600000", ...NETWORK };
+  const g = await edgeAndRegional(bindings, bindings);
+  const one = await startSim(["--model", "hop-count", "--time-scale", "1", "--max-num-seqs", "1", "--seed", "9"]);
+  closers.push(one);
+  const put = await g.admin("/admin/pools/hop-count", { method: "PUT", body: { region: REGION, probe_interval_ms: 60000 } });
+  assert.equal(put.status, 200, await put.text());
+  const reg = await g.admin("/admin/backends", { method: "POST", body: { url: one.url, pool: "hop-count", models: ["hop-count"], id: "hop-count-b0", max_num_seqs: 1 } });
+  assert.equal(reg.status, 201, await reg.text());
+  await waitReady(g, "hop-count-b0", 20000);
+  const via = { "x-gateway-region": "us-east" };
+  // The edge's card of the idle pool, from the directory.
+  const idle = await chat(g, { model: "hop-count", maxTokens: 1, headers: via });
+  assert.equal(idle.status, 200, await idle.clone().text());
+  await idle.text();
+  const leave = new AbortController();
+  // A long stream takes the pool's only slot...
+  const busy = await chat(g, { model: "hop-count", stream: true, maxTokens: 600, headers: via, signal: leave.signal });
+  assert.equal(busy.status, 200);
+  assert.equal(busy.headers.get("x-gateway-simulated-waits"), "1", "served through the hop");
+  assert.equal(busy.headers.get("x-gateway-hop-card"), null, "the card stays between the Workers");
+  const before = Number(busy.headers.get("x-gateway-pool-predicted-ms"));
+  // ...and the next request's prediction at the edge counts it.
+  const next = await chat(g, { model: "hop-count", maxTokens: 1, headers: via });
+  const after = Number(next.headers.get("x-gateway-pool-predicted-ms"));
+  leave.abort();
+  await next.text().catch(() => {});
+  t.diagnostic(`predicted at the edge: ${before} ms idle, ${after} ms with the slot taken`);
+  assert.ok(Number.isFinite(before) && Number.isFinite(after), `${before} ${after}`);
+  assert.ok(after > before + 200, `the edge still sees the pool idle: predicted ${before} ms, then ${after} ms with its only slot taken`);
+  await drained(g, "hop-count");
 });

@@ -2,11 +2,15 @@
 // real vllm-sim processes on 127.0.0.1: a partial `PUT /admin/pools/{pool}` keeps the pool's
 // residency (it is lifted only by an explicit `null`); the round trip measured to a pool does not
 // include the wait for the client's rate limiter; vLLM gets a request id the gateway made, never the
-// client's (two clients sending one id do not collide). Native tests cover the rules behind them
-// (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator waiting room, guesses).
+// client's (two clients sending one id do not collide); a client (a Worker calling through a service
+// binding, whose hang-up fires the request's signal) that leaves before the first byte is charged
+// its prompt, streamed, or the estimate, whole (item 2); a client reading slowly holds no lease once the
+// backend is done, and one that falls RELAY_BUFFER_BYTES behind is cut off (item 5). Native tests
+// cover the rules behind them (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator
+// waiting room, guesses); tests/ahead.test.mjs (item 11) and tests/hop.test.mjs (items 6, 7) the rest.
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
-import { startGateway, startGatewayServer, startSim, waitFor, waitReady, drained, poolState, setFaults } from "./lib/harness.mjs";
+import { startGateway, startGatewayServer, startSim, waitFor, waitReady, drained, poolState, setFaults, parseMetrics, metricValue, stalledReader, readRest } from "./lib/harness.mjs";
 
 const closers = [];
 after(async () => {
@@ -143,4 +147,110 @@ test("two clients sending one x-request-id do not collide on a vLLM that rejects
   assert.equal(again.status, 200, await again.clone().text());
   await setFaults(p.sim, {});
   await drained(g, name);
+});
+
+// ---- 2. A hang-up never refunds the prompt --------------------------------------------------------
+
+/** A Worker calling the gateway through a service binding, the way another Worker would be its
+ * client: it sends the request it gets (`?after=ms`: and hangs up that long after sending it) and
+ * answers with the gateway's status and body, or 499 when it hung up. */
+const HANGING_CLIENT = `
+export default {
+  async fetch(request, env) {
+    const after = Number(new URL(request.url).searchParams.get("after") ?? "0");
+    const left = new AbortController();
+    if (after > 0) setTimeout(() => left.abort(), after);
+    try {
+      const r = await env.GATEWAY.fetch("http://gateway.test/v1/chat/completions", {
+        method: "POST", headers: request.headers, body: await request.text(), signal: left.signal,
+      });
+      return new Response(await r.text(), { status: r.status, headers: r.headers });
+    } catch (e) {
+      return new Response(String(e), { status: 499 });
+    }
+  },
+};`;
+
+test("a client that hangs up before the first byte, streamed or not, is charged its prompt at least, never refunded (the request's signal fires)", async () => {
+  // Through a service binding the gateway's request signal fires as soon as its caller hangs up
+  // (as on Cloudflare for a client's disconnect), before any byte of the answer.
+  const TPM = 3000; // 50 tokens a second of refill: a ~2,000-token prompt is 40 s of it
+  const [streamKey, wholeKey] = ["sk-r3-gone-stream", "sk-r3-gone-whole"];
+  const g = await startGateway({
+    bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: `${streamKey},${wholeKey}`, RATE_LIMIT_TPM: String(TPM) },
+    extraWorkers: [{ name: "client", modules: true, script: HANGING_CLIENT, serviceBindings: { GATEWAY: "gateway" } }],
+  });
+  closers.push(() => g.close());
+  const name = "r3-gone";
+  const model = "r3-gone-model";
+  const p = await pool(g, name, model, {}, ["--time-scale", "1", "--max-model-len", "8192"]);
+  const client = await g.mf.getWorker("client");
+  const prompt = "lorem ipsum ".repeat(670); // ~2,000 tokens by the gateway's estimate
+  const left = {};
+  for (const [key, stream] of [[streamKey, true], [wholeKey, false]]) {
+    // The backend would answer nothing for 30 s: the client leaves after 1.5 s.
+    await setFaults(p.sim, { first_byte_delay_ms: 30000 });
+    const r = await client.fetch("http://client.test/?after=1500", {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+      body: JSON.stringify({ model, messages: [{ role: "user", content: prompt }], stream, max_tokens: 100, ignore_eos: true }),
+    });
+    assert.equal(r.status, 499, await r.text());
+    // The hang-up ended the lease long before the backend's first byte would have.
+    await drained(g, name, { timeoutMs: 15000 });
+    await setFaults(p.sim, {});
+    await new Promise((resolve) => setTimeout(resolve, 1000)); // the settlement follows the release
+    const after = await chat(g, model, { key, max_tokens: 1 });
+    assert.equal(after.status, 200, await after.clone().text());
+    await after.text();
+    left[stream ? "stream" : "whole"] = Number(after.headers.get("x-ratelimit-remaining-tokens"));
+  }
+  // Refunded, about 3,000 would be left; charged the prompt (streamed) or the ~2,100 estimate
+  // (whole), about 1,000 plus the refill.
+  assert.ok(left.stream < TPM - 600, `a streamed request's hang-up was refunded its prompt: ${JSON.stringify(left)}`);
+  assert.ok(left.whole < TPM - 600, `a whole answer's hang-up was refunded: ${JSON.stringify(left)}`);
+  await drained(g, name);
+});
+
+// ---- 5. A slow reader holds no lease once the backend is done ------------------------------------
+
+const bigSim = ["--time-scale", "1000", "--max-model-len", "70000", "--kv-blocks", "8192"];
+
+test("a client reading slowly holds no lease once the backend is done, and still gets the whole answer within RELAY_BUFFER_BYTES", async () => {
+  // 60,000 tokens (about 10 MB of events), produced within seconds: more than the sockets
+  // between the client and the gateway absorb, less than the relay may hold for the client.
+  const g = await gateway({ PROBE_INTERVAL_MS: "500", RELAY_BUFFER_BYTES: String(32 << 20), SLOW_CLIENT_TIMEOUT_MS: "60000" }, { server: true });
+  const name = "r3-slow";
+  const model = "r3-slow-model";
+  await pool(g, name, model, {}, bigSim);
+  const { reader, close } = await stalledReader(g, model, 60000);
+  closers.push(close);
+  // The client reads nothing more until the pool's lease is gone: with the backend held up by
+  // the client's pace, it never would be.
+  await waitFor(async () => (await poolState(g, name)).in_flight === 0, { timeoutMs: 60000, intervalMs: 250, what: "the lease ended with the backend's work while the client was not reading" });
+  // Then it reads slowly, and gets every token and the end.
+  const rest = await readRest(reader, 5);
+  assert.equal(rest.error, null, String(rest.error));
+  assert.ok(rest.text.trimEnd().endsWith("data: [DONE]"), rest.text.slice(-200));
+  assert.ok(!rest.text.includes("\"error\""));
+  const m = parseMetrics(await (await g.admin("/metrics")).text());
+  assert.equal(metricValue(m, "llm_gateway_request_outcomes_total", { backend: `${name}-b0`, outcome: "success" }), 1);
+});
+
+test("a client that falls RELAY_BUFFER_BYTES behind the backend is cut off, its lease released and nobody blamed", async () => {
+  const g = await gateway({ PROBE_INTERVAL_MS: "500", RELAY_BUFFER_BYTES: String(256 << 10), SLOW_CLIENT_TIMEOUT_MS: "60000" }, { server: true });
+  const name = "r3-cut";
+  const model = "r3-cut-model";
+  await pool(g, name, model, {}, bigSim);
+  const { reader, close } = await stalledReader(g, model, 60000);
+  closers.push(close);
+  // Released long before the 60 s slow-client bound: the relay's bound cut the client.
+  await waitFor(async () => (await poolState(g, name)).in_flight === 0, { timeoutMs: 30000, intervalMs: 250, what: "the lease released" });
+  const rest = await readRest(reader);
+  assert.ok(rest.error !== null || !rest.text.includes("data: [DONE]"), "a cut-off client got a complete-looking stream");
+  const m = parseMetrics(await (await g.admin("/metrics")).text());
+  const outcome = (o) => metricValue(m, "llm_gateway_request_outcomes_total", { backend: `${name}-b0`, outcome: o }) ?? 0;
+  assert.equal(outcome("cancelled"), 1);
+  assert.equal(outcome("transport") + outcome("timeout") + outcome("success"), 0);
+  assert.equal((await (await g.admin(`/admin/backends/${name}-b0`)).json()).breaker, "closed");
 });

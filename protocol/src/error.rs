@@ -197,6 +197,17 @@ impl ApiError {
         Self::new(500, ErrorKind::Server, Some("internal_error"), message)
     }
 
+    /// 421: a regional Worker cannot read the hop context the edge sent (a newer version during a
+    /// deploy); the edge serves the request itself (`src/request/hop.rs`).
+    pub fn hop_context_unreadable(message: impl Into<String>) -> Self {
+        Self::new(
+            421,
+            ErrorKind::InvalidRequest,
+            Some("hop_context_unreadable"),
+            message,
+        )
+    }
+
     /// 502: the upstream failed after every allowed attempt.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(502, ErrorKind::Server, Some("upstream_error"), message)

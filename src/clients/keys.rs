@@ -170,17 +170,15 @@ pub fn configured_limits(env: &Env) -> Option<RateLimits> {
     (limits != RateLimits::default()).then_some(limits)
 }
 
-/// Charges a request to its client's rate limits (`RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`; 0 or unset
-/// means unlimited) with an estimate of its tokens. `client` is the key hash from
-/// [`require_client`]. Returns the reservation to [`settle`] when a token limit applies.
+/// Charges a request to its client's rate `limits` (the edge's decision: its `RATE_LIMIT_RPM`,
+/// `RATE_LIMIT_TPM`; 0 means unlimited) with an estimate of its tokens. `client` is the key hash
+/// from [`require_client`]. Returns the reservation to [`settle`] when a token limit applies.
 pub async fn reserve(
     env: &Env,
     client: &str,
+    limits: RateLimits,
     estimate: u64,
 ) -> Result<(Option<Reservation>, Left), ApiError> {
-    let Some(limits) = configured_limits(env) else {
-        return Ok((None, Left::default()));
-    };
     let left = take(env, client, limits, estimate, false).await?;
     Ok((reservation(client, limits, estimate), left))
 }

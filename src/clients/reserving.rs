@@ -24,7 +24,7 @@ use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::LeaseId;
-use routing_core::request::rate_limit::{openai_headers, AheadBook};
+use routing_core::request::rate_limit::{openai_headers, AheadBook, RateLimits};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -62,23 +62,25 @@ impl Reserved {
     /// Starts charging `client` an estimate of `estimate` tokens: asked at once and waited for when
     /// the limiter refused the client recently, charged in the background when the client may go
     /// ahead (`RATE_LIMIT_AHEAD`), else left running beside what follows.
+    /// The limits and `RATE_LIMIT_AHEAD` are the edge's decision (`decided`, carried by a hop).
     pub async fn start(
         ctx: &Context,
         env: &Env,
-        client: &str,
-        estimate: u64,
+        decided: &crate::request::hop::Charge,
     ) -> Result<Reserved, ApiError> {
-        let Some(limits) = keys::configured_limits(env) else {
+        let Some(limits) = decided.limits(env) else {
             return Ok(Reserved::Known(None));
         };
+        let (client, estimate) = (decided.client.as_str(), decided.estimate);
         let now = crate::platform::http::now_ms();
         // The book is kept either way (it also gives the rate-limit headers); only
         // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
         let sent = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
-        let may_go_ahead = sent.ahead && crate::platform::settings::settings(env).rate_limit_ahead;
+        let may_go_ahead = sent.ahead && decided.may_go_ahead(env);
         let this = Charge {
             estimate,
             seq: sent.seq,
+            limits,
         };
         if refused_recently(client, now) {
             let (slot, done, _) = kept_charge(ctx, env, client, this);
@@ -187,11 +189,12 @@ pub fn release_unused(
     });
 }
 
-/// One charge: its estimate, and its number in the book.
+/// One charge: its estimate, its number in the book, and the limits it is charged against.
 #[derive(Clone, Copy)]
 struct Charge {
     estimate: u64,
     seq: u64,
+    limits: RateLimits,
 }
 
 /// Starts charging `client`, kept running to its answer by the invocation whatever becomes of the
@@ -235,7 +238,7 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
     if rtt > 0 {
         worker::Delay::from(std::time::Duration::from_millis(rtt)).await;
     }
-    let answer = keys::reserve(env, client, this.estimate).await;
+    let answer = keys::reserve(env, client, this.limits, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
     let now = crate::platform::http::now_ms();
     let newest = BOOK.with(|b| {
@@ -251,8 +254,8 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
 /// isolate's account (the limiter's newest answer, refilled since, less the charges in flight):
 /// for a request that waited, usually the answer to its own charge; for one served ahead of it,
 /// an estimate.
-pub fn rate_limit_headers(env: &Env, client: &str) -> Vec<(&'static str, String)> {
-    let Some(limits) = keys::configured_limits(env) else {
+pub fn rate_limit_headers(limits: Option<RateLimits>, client: &str) -> Vec<(&'static str, String)> {
+    let Some(limits) = limits else {
         return Vec::new();
     };
     let now = crate::platform::http::now_ms();

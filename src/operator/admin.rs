@@ -186,10 +186,15 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
                     if let Some(url) = &patch.patch.url {
                         require_reachable_url(env, url)?;
                     }
+                    // A drained or re-addressed backend gets nothing sent ahead from now on by
+                    // this isolate (the others hear it from the next grant's roster number).
+                    crate::request::ahead::forget_backend(&pool, &id);
                     let patch = PatchBackend { id, json: text };
                     to_every_shard(env, &pool, shards, &patch).await
                 }
                 Method::Delete => {
+                    // Issue 42, item 11: nothing more goes ahead to it from the moment of deletion.
+                    crate::request::ahead::forget_backend(&pool, &id);
                     let delete = DeleteBackend { id, force };
                     delete_on_every_shard(env, &pool, shards, &delete).await
                 }

@@ -37,10 +37,13 @@ pub struct Settings {
     /// directory cannot be read; past it, keyed requests get a 503 rather than a check against a
     /// list that may still hold revoked keys.
     pub key_list_max_stale_ms: u64,
-    /// `SLOW_CLIENT_TIMEOUT_MS`: how long a client may make no progress reading while the relay
-    /// holds all it may queue (or, once the backend finished, while anything is still queued)
-    /// before it is cut off.
+    /// `SLOW_CLIENT_TIMEOUT_MS`: how long a client may make no progress reading once the
+    /// backend finished while anything is still queued for it, before it is cut off.
     pub slow_client_timeout_ms: u64,
+    /// `RELAY_BUFFER_BYTES`: how much of a streamed answer the relay holds for a client that reads
+    /// slower than the backend writes (the backend is never held up by the client); a client that
+    /// falls further behind is cut off.
+    pub relay_buffer_bytes: u64,
     /// `RATE_LIMIT_RPM`, `RATE_LIMIT_TPM`.
     pub rate_limits: RateLimits,
     /// `RATE_LIMIT_AHEAD = "true"`: a client well within its limits is served without waiting
@@ -90,6 +93,8 @@ impl Settings {
             require_client_keys: var_or(env, "REQUIRE_CLIENT_KEYS", String::new()) != "false",
             key_list_max_stale_ms: var_or(env, "KEY_LIST_MAX_STALE_MS", 300_000u64).max(1_000),
             slow_client_timeout_ms: var_or(env, "SLOW_CLIENT_TIMEOUT_MS", 30_000u64).max(100),
+            relay_buffer_bytes: var_or(env, "RELAY_BUFFER_BYTES", DEFAULT_RELAY_BUFFER_BYTES)
+                .max(MIN_RELAY_BUFFER_BYTES),
             rate_limits: RateLimits {
                 requests_per_minute: var_or(env, "RATE_LIMIT_RPM", 0),
                 tokens_per_minute: var_or(env, "RATE_LIMIT_TPM", 0),
@@ -146,6 +151,19 @@ thread_local! {
 pub fn slow_client_timeout() -> Duration {
     let ms = SETTINGS.with(|s| s.get().map(|s| s.slow_client_timeout_ms));
     Duration::from_millis(ms.unwrap_or(30_000))
+}
+
+/// `RELAY_BUFFER_BYTES` unless set: about 20,000 tokens of chat events.
+const DEFAULT_RELAY_BUFFER_BYTES: u64 = 4 << 20;
+/// The smallest `RELAY_BUFFER_BYTES` taken: a few events' worth.
+const MIN_RELAY_BUFFER_BYTES: u64 = 64 << 10;
+
+/// `RELAY_BUFFER_BYTES` as this isolate read it (the default before any request read the
+/// settings), for the relay, which has no `Env`.
+pub fn relay_buffer_bytes() -> u64 {
+    SETTINGS
+        .with(|s| s.get().map(|s| s.relay_buffer_bytes))
+        .unwrap_or(DEFAULT_RELAY_BUFFER_BYTES)
 }
 
 /// This isolate's settings, read from `env` on first use.

@@ -18,7 +18,10 @@
 //! as the platform reports it), the wait is abandoned and the pool told at once, under the wait's
 //! own id (chosen here before the first call, and the ticket the pool files it under): so a
 //! hang-up before any answer, or while a grant is on its way back, releases that grant's lease at
-//! once instead of after `lease_ttl_ms`.
+//! once instead of after `lease_ttl_ms`. A grant whose answer was lost (the call failed or hit its
+//! limit) never holds a lease beside the request's next one: asking again with the ticket, the
+//! pool releases it first (`routing_core::coordinator::waiting`), and giving up on the pool names
+//! the wait in a dequeue.
 
 use crate::clients::keys::ClientKey;
 use crate::platform::do_client::{answer_of, call, send, To};
@@ -210,12 +213,8 @@ pub async fn acquire(
         let answer = match select(sent, select(&mut gone, limit)).await {
             Either::Left((answer, _)) => Some(answer),
             Either::Right((Either::Left(_), _)) => {
-                // Tell the pool at once, even before any answer (a grant may be on its way back);
-                // `wait_until` lets the call finish after the response.
-                let ticket = who.ticket.unwrap_or(wait_id);
-                let env = env.clone();
-                let pool = pool.to_string();
-                ctx.wait_until(async move { dequeue(&env, &pool, shard, ticket).await });
+                // Tell the pool at once, even before any answer (a grant may be on its way back).
+                give_up(ctx, env, (pool, shard), who.ticket.unwrap_or(wait_id));
                 return Asked::HungUp;
             }
             Either::Right((Either::Right(_), _)) => None,
@@ -232,18 +231,27 @@ pub async fn acquire(
                     keep_alive.get_or_insert_with(|| KeepAlive::new(ctx));
                 }
                 Ok(AcquireAnswer::Refused(refusal)) => return Asked::Refused(refusal),
-                Err(e) => return Asked::Failed(e),
+                Err(e) => {
+                    // An answer this side cannot read may have been a grant: its lease goes back.
+                    give_up(ctx, env, (pool, shard), who.ticket.unwrap_or(wait_id));
+                    return Asked::Failed(e);
+                }
             },
-            // The pool failed or restarted mid-call: a queued request asks again (re-entering if
-            // its ticket was forgotten); anything else fails as before.
+            // The pool failed or restarted mid-call, or the call hit its limit: a grant may have
+            // been answered and lost on the way (issue 42, item 8). A queued request asks again
+            // with its ticket, and the pool releases a lease answered under it before trying the
+            // request again; a request that gives up on the pool names its wait in a dequeue, so
+            // such a lease goes back at once instead of after `lease_ttl_ms`.
             failed => {
-                if who.ticket.is_none() {
+                let Some(ticket) = who.ticket else {
+                    give_up(ctx, env, (pool, shard), wait_id);
                     return Asked::Failed(failed.and_then(|r| r.err()).unwrap_or_else(|| {
                         ApiError::gateway_timeout("The pool did not answer in time.")
                     }));
-                }
+                };
                 failures += 1;
                 if failures >= MAX_CALL_FAILURES {
+                    give_up(ctx, env, (pool, shard), ticket);
                     return Asked::Refused(Refusal::QueueUnavailable);
                 }
             }
@@ -252,11 +260,16 @@ pub async fn acquire(
     }
 }
 
-/// Tells the pool shard a queued request's client left.
-async fn dequeue(env: &Env, pool: &str, shard: u32, ticket: u64) {
-    if let Err(e) = call(env, To::Pool(pool, shard), &DequeueRequest { ticket }).await {
-        worker::console_error!("pool {pool}: dequeue: {e}");
-    }
+/// Tells the pool shard the request gave up on it (its client left, or its calls failed) under
+/// `ticket`, the wait's id or ticket: a queued request leaves the queue, and a lease answered under
+/// it goes back. In `wait_until`, so the call finishes after the response.
+fn give_up(ctx: &Context, env: &Env, (pool, shard): (&str, u32), ticket: u64) {
+    let (env, pool) = (env.clone(), pool.to_string());
+    ctx.wait_until(async move {
+        if let Err(e) = call(&env, To::Pool(&pool, shard), &DequeueRequest { ticket }).await {
+            worker::console_error!("pool {pool}: dequeue: {e}");
+        }
+    });
 }
 
 /// Keeps the invocation alive while a request waits in a queue (`wait_until` on a promise settled

@@ -13,6 +13,10 @@
 //! A request sends at most one fetch ahead, to the first pool it asks that the isolate has a
 //! guess for, and only when its rate-limit charge is already settled (no limits, or served ahead of its limiter): the backend is never
 //! fetched before the limiter has admitted the request.
+//!
+//! A backend deleted, drained or changed gets nothing sent ahead from the moment of the change:
+//! the isolate that made it forgets the backend at once ([`forget_backend`]), and every other
+//! isolate when the shard's next grant carries a new roster number (issue 42, item 11).
 
 use crate::request::forward::attempts::{send, Sent, UpstreamCall};
 use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
@@ -137,7 +141,11 @@ impl Ahead {
             return (None, None);
         };
         BOOK.with(|b| {
-            b.borrow_mut().granted(
+            let mut book = b.borrow_mut();
+            // A backend left service or changed since the shard's last grant: forget the pool's
+            // backends before learning this grant (issue 42, item 11).
+            book.roster(&self.place, grant.roster);
+            book.granted(
                 &self.place,
                 block_hashes,
                 Granted {
@@ -205,6 +213,12 @@ impl Ahead {
                 .busy(&self.place, sent, crate::platform::http::now_ms())
         });
     }
+}
+
+/// `backend` of `pool` was deleted, drained or changed by this isolate's admin call: nothing is
+/// sent ahead to it until a grant names it again.
+pub(crate) fn forget_backend(pool: &str, backend: &str) {
+    BOOK.with(|b| b.borrow_mut().forget_backend(pool, &backend.into()));
 }
 
 impl Drop for Ahead {

@@ -102,10 +102,11 @@ pub async fn handle(
     // What the client's rate limits are charged: an estimate, settled with the real usage.
     let charge = match (&hop_in, &client) {
         (Some(h), _) => h.charge.clone(),
-        (None, Some(client)) => Some(hop::Charge {
-            client: client.clone(),
-            estimate: u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
-        }),
+        (None, Some(client)) => Some(hop::Charge::at_edge(
+            env,
+            client,
+            u64::from(features.prompt_tokens) + u64::from(features.max_tokens),
+        )),
         (None, None) => None,
     };
     let stream = features.stream;
@@ -158,7 +159,7 @@ pub async fn handle(
     // Charged beside the first lease call, not before it (`reserving`); a hop from an edge that
     // charged already carries its reservation.
     let reserved = match (&charge, &hop_in) {
-        (Some(c), _) => Reserved::start(ctx, env, &c.client, c.estimate).await?,
+        (Some(c), _) => Reserved::start(ctx, env, c).await?,
         (None, Some(h)) => Reserved::Known(h.reservation.clone()),
         (None, None) => Reserved::Known(None),
     };
@@ -279,8 +280,12 @@ pub async fn handle(
                 let card = grant.card.as_deref().or(pool.card.as_ref());
                 regions::served(env, &pool.name, card, &features, grant.lease_id, now);
                 let mut extra = vec![("x-gateway-pool-choice", pool_choice.to_string())];
+                // Through the hop, the edge counts this send and learns the card too.
+                if let (Some(_), Some(card)) = (&hop_in, card) {
+                    extra.push((hop::HOP_CARD_HEADER, hop::card_header(card, grant.lease_id)));
+                }
                 if let Some(c) = &charge {
-                    extra.extend(reserving::rate_limit_headers(env, &c.client));
+                    extra.extend(reserving::rate_limit_headers(c.limits(env), &c.client));
                 }
                 // The prediction is the planned first pool's, not a spill's.
                 if let (Some(ms), false) = (plan.predicted_ms, pool_choice == "spill") {

@@ -345,3 +345,39 @@ export async function drained(g, name, { timeoutMs = 20000 } = {}) {
     return s.in_flight === 0 && s.in_flight_tokens === 0 && (s.queue?.length ?? 0) === 0 ? s : null;
   }, { timeoutMs, what: `pool ${name} leases, in-flight tokens and queue back to zero` });
 }
+
+// ---- Slow readers (tests/trust-clients.test.mjs, tests/trust-round3.test.mjs) ----
+
+/**
+ * A streamed chat request whose client reads the first chunk and then stops reading, socket open.
+ * Returns { reader, close } (`close` hangs up).
+ */
+export async function stalledReader(g, model, max_tokens) {
+  const controller = new AbortController();
+  const r = await g.fetch("/v1/chat/completions", {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ model, messages: [{ role: "user", content: "count" }], stream: true, max_tokens, ignore_eos: true }),
+    signal: controller.signal,
+  });
+  if (r.status !== 200) throw new Error(`stalled reader: ${r.status} ${await r.text()}`);
+  const reader = r.body.getReader();
+  if ((await reader.read()).done) throw new Error("stalled reader: the stream ended at once");
+  return { reader, close: () => { controller.abort(); return reader.cancel().catch(() => {}); } };
+}
+
+/** Reads the rest of a stream, pausing `pauseMs` after each chunk; returns { text, error }. */
+export async function readRest(reader, pauseMs = 0) {
+  const dec = new TextDecoder();
+  let text = "";
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) return { text, error: null };
+      text += dec.decode(value, { stream: true });
+      if (pauseMs) await new Promise((r) => setTimeout(r, pauseMs));
+    }
+  } catch (e) {
+    return { text, error: e };
+  }
+}

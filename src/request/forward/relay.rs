@@ -10,13 +10,16 @@
 //! [`Relay::pipe`] drives one upstream body through it in `wait_until` and says how it ended:
 //! cleanly, abandoned by the client, or failed: cut by the backend (a reset, or a close before
 //! `data: [DONE]`) or idle for longer than `STREAM_IDLE_TIMEOUT_MS` after the first byte (the
-//! upstream is then aborted). Idle time counts only while the client keeps up: a client that stops
-//! reading holds up to [`QUEUED_CHUNKS`] chunks in the relay and the backend is not blamed for the
-//! pause; one that takes nothing for `SLOW_CLIENT_TIMEOUT_MS` while the relay is full is cut off
-//! (the upstream aborted, the client's side failed, nobody blamed). A stream whose scanner saw
-//! `data: [DONE]` is complete whatever the upstream socket does next (a reset after the end is
-//! not a failure). A complete stream is handed back at once, so its lease ends with the backend's
-//! work; [`Relay::drain`] then waits for the client to read what is queued. A failed stream is either resumed (`resume.rs` pipes a continuation into the same relay)
+//! upstream is then aborted). The relay reads the backend's answer whatever the client's pace
+//! (issue 42, item 5): a client that reads slower than the backend writes has up to
+//! `RELAY_BUFFER_BYTES` queued for it in the relay, so the backend's work, and the lease, end when
+//! the backend's body ends; a client that falls further behind is cut off (the upstream aborted,
+//! the client's side failed, the reason logged as `slow_client_cut_off`, nobody blamed). A stream
+//! whose scanner saw `data: [DONE]` is complete whatever the upstream socket does next (a reset
+//! after the end is not a failure). A complete stream is handed back at once, so its lease ends
+//! with the backend's work; [`Relay::drain`] then waits for the client to read what is queued, and
+//! cuts off one that takes nothing for `SLOW_CLIENT_TIMEOUT_MS` meanwhile. A failed stream is
+//! either resumed (`resume.rs` pipes a continuation into the same relay)
 //! or ended with [`Relay::fail`]: an SSE error event, always at an event boundary, and
 //! `data: [DONE]`.
 //!
@@ -30,6 +33,7 @@ use coordinator_protocol::timed_fetch::{with_timeout, LinkedAbort};
 use futures_util::future::{select, Either};
 use routing_core::stream::outcome::OutcomeKind;
 use routing_core::stream::resume::{Partial, Splice};
+use routing_core::stream::settle::Streamed;
 use routing_core::stream::usage::{is_keep_alive, Emit, StreamScanner, Usage};
 use serde_json::json;
 use std::cell::RefCell;
@@ -41,54 +45,51 @@ use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::AbortSignal;
 
-/// Chunks the relay queues for a client that reads slowly before it stops reading upstream.
-const QUEUED_CHUNKS: u32 = 16;
-
 /// The relay's JavaScript: the client's side of the stream (`relay_open`: its readable side, its
 /// writer and the pump's status, made in one call), and the loop that moves one upstream body into
-/// it. `pump` reads `reader` to its end, passes each chunk (the first one, read by the
-/// proxy, included) to `transform` and writes what it returns (unless `undefined`) without waiting
-/// for each write, up to `limit` unwritten; `status.queued` counts those, and `status.gone` is set
-/// when the client's side fails (the upstream is then cancelled). `status.full_since` is when the
-/// relay last filled (0 while it is not full), `status.held` whether it ever did (the backend was
-/// then paused by the client), and `status.progress` when the client last took a chunk. It
-/// resolves when the upstream ends (with whether the client's side failed), and rejects when the
-/// upstream fails or is aborted (the client's side stays open). `relay_cut` fails the client's
-/// side (a client cut off for not reading).
+/// it. `pump` reads `reader` to its end as fast as the backend sends, passes each chunk (the first
+/// one, read by the proxy, included) to `transform` and writes what it returns (unless
+/// `undefined`) without waiting for the client to take it: `status.queued` counts the chunks not
+/// yet taken and `status.bytes` their size. When those pass `bound` bytes (the client fell that far
+/// behind), `status.over` is set and the pump stops reading; `status.gone` is set when the
+/// client's side fails (the upstream is then cancelled), and `status.progress` is when the client
+/// last took a chunk. It resolves with how it ended (`"ended"`: the upstream's end; `"gone"`: the
+/// client's side failed; `"over"`: past the bound), and rejects when the upstream fails or is
+/// aborted (the client's side stays open). `relay_cut` fails the client's side (a client cut off
+/// for not reading).
 #[wasm_bindgen(inline_js = r#"
 export function relay_open() {
   const stream = typeof IdentityTransformStream === "function" ? new IdentityTransformStream() : new TransformStream();
-  const status = { queued: 0, gone: false, full_since: 0, held: false, progress: Date.now() };
+  const status = { queued: 0, bytes: 0, gone: false, over: false, progress: Date.now() };
   return [stream.readable, stream.writable.getWriter(), status];
 }
-export function relay_pump(reader, writer, transform, status, first, limit) {
+export function relay_pump(reader, writer, transform, status, first, bound) {
   const gone = () => {
     status.gone = true;
     reader.cancel().catch(() => {});
   };
   writer.closed.catch(gone);
-  const pending = [];
   const send = (chunk) => {
     const out = transform(chunk);
     if (out === undefined) return;
+    const size = out.byteLength ?? 0;
     status.queued += 1;
-    if (status.queued >= limit && !status.full_since) {
-      status.full_since = Date.now();
-      status.held = true;
-    }
-    pending.push(writer.write(out).then(() => {
+    status.bytes += size;
+    if (status.bytes > bound) status.over = true;
+    writer.write(out).then(() => {
       status.queued -= 1;
-      status.full_since = 0;
+      status.bytes -= size;
       status.progress = Date.now();
-    }, gone));
+    }, gone);
   };
   const run = async () => {
     if (first !== undefined) send(first);
     for (;;) {
-      if (pending.length >= limit) await pending.shift();
-      if (status.gone) return true;
+      if (status.gone) return "gone";
+      if (status.over) return "over";
       const { done, value } = await reader.read();
-      if (done || status.gone) return status.gone;
+      if (status.gone) return "gone";
+      if (done) return "ended";
       send(value);
     }
   };
@@ -109,7 +110,7 @@ extern "C" {
         transform: &JsValue,
         status: &js_sys::Object,
         first: &JsValue,
-        limit: u32,
+        bound: f64,
     ) -> js_sys::Promise;
     fn relay_cut(writer: &web_sys::WritableStreamDefaultWriter);
 }
@@ -197,19 +198,12 @@ pub struct Relay {
     transform: Closure<TransformFn>,
     /// `SLOW_CLIENT_TIMEOUT_MS`.
     slow_client_timeout: Duration,
+    /// `RELAY_BUFFER_BYTES`: how far behind the backend a client may fall.
+    buffer_bytes: u64,
     /// The request's deadlines (the watchdog's and the drain's waits).
     deadlines: Deadlines,
     /// The API whose stream this is (its error event's shape).
     endpoint: routing_core::request::endpoint::Endpoint,
-}
-
-/// What the client received of a streamed answer so far, to charge it by.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Metered {
-    /// The usage the current upstream reported, if it did.
-    pub reported: Option<Usage>,
-    /// Answer events passed to the client (about one token each), every upstream included.
-    pub answer_events: u32,
 }
 
 impl Relay {
@@ -239,6 +233,7 @@ impl Relay {
             state,
             transform,
             slow_client_timeout: crate::platform::settings::slow_client_timeout(),
+            buffer_bytes: crate::platform::settings::relay_buffer_bytes(),
             deadlines,
             endpoint: Default::default(),
         })
@@ -280,22 +275,22 @@ impl Relay {
 
     /// What the client received so far, read by the lease guard when it settles the request (a
     /// client that hangs up mid-stream is charged what it got).
-    pub fn meter(&self) -> impl Fn() -> Metered + 'static {
+    pub fn meter(&self) -> impl Fn() -> Streamed + 'static {
         // The state, not the relay: the guard may settle after the relay is gone.
         let state = self.state.clone();
         move || {
             let st = state.borrow();
-            Metered {
+            Streamed {
                 reported: st.scanner.usage(),
                 answer_events: st.answers_before + st.scanner.answer_events(),
             }
         }
     }
 
-    /// Whether the client held the stream up: it stopped reading until the relay filled, so the
-    /// backend was paused by backpressure.
+    /// Whether the client held the stream up: it fell `RELAY_BUFFER_BYTES` behind the backend,
+    /// and the relay stopped reading the backend's answer.
     pub fn held(&self) -> bool {
-        self.status("held").as_bool().unwrap_or(false)
+        self.status("over").as_bool().unwrap_or(false)
     }
 
     /// The next upstream is a continuation: its events are rewritten by `splice`, and it is read
@@ -319,15 +314,11 @@ impl Relay {
         self.status("gone").as_bool().unwrap_or(false)
     }
 
-    /// Milliseconds since the last chunk, counting a client that is behind as activity.
+    /// Milliseconds since the backend's last chunk (the relay reads it whatever the client's
+    /// pace, so a silence is the backend's).
     fn idle_ms(&self) -> u64 {
         let now = crate::platform::http::now_ms();
-        let behind = self.status("queued").as_f64().is_some_and(|q| q > 0.0);
-        let mut st = self.state.borrow_mut();
-        if behind {
-            st.last_chunk_ms = now;
-        }
-        now.saturating_sub(st.last_chunk_ms)
+        now.saturating_sub(self.state.borrow().last_chunk_ms)
     }
 
     /// Writes one chunk to the client's side; `false` when it is gone.
@@ -345,8 +336,8 @@ pub enum Piped {
     Complete,
     /// The client went away.
     Cancelled,
-    /// The client stopped reading for longer than `SLOW_CLIENT_TIMEOUT_MS` while the relay was
-    /// full: the upstream was aborted and the client's side failed.
+    /// The client fell `RELAY_BUFFER_BYTES` behind the backend: the upstream was aborted and the
+    /// client's side failed.
     CutOff,
     /// The backend failed after the first byte; the client's side is still open.
     Failed(StreamFailure),
@@ -376,14 +367,6 @@ pub struct Upstream {
     pub idle_timeout: Duration,
 }
 
-/// Why a watchdog fired.
-enum Watched {
-    /// The backend sent nothing for the idle timeout while the client kept up.
-    BackendIdle,
-    /// The client took nothing for the slow-client timeout while the relay was full.
-    ClientStalled,
-}
-
 impl Relay {
     /// Pipes one upstream body through the relay to the client and says how it ended. A complete
     /// stream is handed to [`Relay::drain`]; a failed one leaves the client's side open for a
@@ -396,14 +379,21 @@ impl Relay {
             self.transform.as_ref(),
             &self.status,
             &first,
-            QUEUED_CHUNKS,
+            self.buffer_bytes as f64,
         )));
         let watchdog = Box::pin(watchdog(self, up.idle_timeout));
         let backend = &up.backend;
         match select(pump, watchdog).await {
-            Either::Left((pumped, _)) => match pumped {
+            Either::Left((pumped, _)) => match pumped.as_ref().map(|e| e.as_string()) {
                 _ if client_signal.aborted() => Piped::Cancelled,
-                Ok(gone) if gone.as_bool() == Some(true) => Piped::Cancelled,
+                Ok(Some(end)) if end == "gone" => Piped::Cancelled,
+                // The client fell the whole buffer behind before the backend finished: it would
+                // hold the backend's slot for as long as it takes to read the rest.
+                Ok(Some(end)) if end == "over" && !self.state.borrow().scanner.complete() => {
+                    up.abort.abort();
+                    self.cut_off(backend, "relay_buffer_full");
+                    Piped::CutOff
+                }
                 Err(_) if self.client_gone() => Piped::Cancelled,
                 // vLLM reported a failure inside the stream (`data: {"error": ...}`, then
                 // `data: [DONE]`): the backend failed; the scanner kept the event and everything
@@ -462,16 +452,12 @@ impl Relay {
                     })
                 }
             },
-            Either::Right((watched, pump)) => {
+            Either::Right(((), pump)) => {
                 up.abort.abort();
                 // The aborted upstream fails the pump's read, which then stops.
                 let _ = with_timeout(pump, Duration::from_secs(2)).await;
                 if client_signal.aborted() || self.client_gone() {
                     return Piped::Cancelled;
-                }
-                if let Watched::ClientStalled = watched {
-                    self.cut_off(backend);
-                    return Piped::CutOff;
                 }
                 let idle = up.idle_timeout.as_millis();
                 worker::console_error!("stream from backend {backend} idle for {idle} ms: aborted");
@@ -518,18 +504,21 @@ impl Relay {
         match select(closed, stalled).await {
             Either::Left((complete, _)) => complete,
             Either::Right(((), _)) => {
-                self.cut_off("(finished)");
+                self.cut_off("(finished)", "no_progress_after_end");
                 false
             }
         }
     }
 
-    /// Fails the client's side: it stopped reading for longer than the bound.
-    fn cut_off(&self, backend: &str) {
+    /// Fails the client's side, logging why: it fell `RELAY_BUFFER_BYTES` behind the backend
+    /// (`relay_buffer_full`), or took nothing for `SLOW_CLIENT_TIMEOUT_MS` after the backend
+    /// finished (`no_progress_after_end`).
+    fn cut_off(&self, backend: &str, reason: &str) {
         let ms = self.slow_client_timeout.as_millis();
+        let buffered = self.status("bytes").as_f64().unwrap_or(0.0) as u64;
         worker::console_log!(
             "{}",
-            json!({ "event": "slow_client_cut_off", "backend": backend, "stalled_ms": ms })
+            json!({ "event": "slow_client_cut_off", "backend": backend, "reason": reason, "buffered_bytes": buffered, "buffer_bytes": self.buffer_bytes, "stalled_ms": ms })
         );
         relay_cut(&self.writer);
     }
@@ -545,39 +534,19 @@ impl Relay {
         .unwrap_or_else(|| error_event(failure.code, &failure.message));
         close(self, Some(&event)).await;
     }
-
-    /// When the relay last filled and the client has taken nothing since (`None`: not full).
-    fn full_since_ms(&self) -> Option<u64> {
-        let since = self.status("full_since").as_f64().unwrap_or(0.0);
-        (since > 0.0).then_some(since as u64)
-    }
 }
 
-/// Resolves when the backend has sent nothing for `idle` while the client kept up, or the client
-/// has taken nothing for the slow-client bound while the relay was full.
-async fn watchdog(relay: &Relay, idle: Duration) -> Watched {
+/// Resolves when the backend has sent nothing for `idle`.
+async fn watchdog(relay: &Relay, idle: Duration) {
     let idle_ms = idle.as_millis() as u64;
-    let slow_ms = relay.slow_client_timeout.as_millis() as u64;
     loop {
-        let now = crate::platform::http::now_ms();
-        // The relay may fill at any moment: look again within half the slow-client bound, so a
-        // stalled client is cut off at most half a bound late.
-        let mut wait = idle_ms.min(slow_ms / 2);
-        if let Some(full_since) = relay.full_since_ms() {
-            let stalled = now.saturating_sub(full_since);
-            if stalled >= slow_ms {
-                return Watched::ClientStalled;
-            }
-            wait = wait.min(slow_ms - stalled);
-        }
         let since = relay.idle_ms();
         if since >= idle_ms {
-            return Watched::BackendIdle;
+            return;
         }
-        wait = wait.min(idle_ms - since);
         relay
             .deadlines
-            .sleep(Duration::from_millis(wait.max(10)))
+            .sleep(Duration::from_millis((idle_ms - since).max(10)))
             .await;
     }
 }

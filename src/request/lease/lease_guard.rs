@@ -10,20 +10,22 @@
 //! exactly as long as its request (every 20 s at most for its first five minutes, then at a third
 //! of what the pool's deadline leaves, up to ten minutes: each renewal is a subrequest, and a
 //! pool with a long `lease_ttl_ms` keeps an hours-long stream's count low). When the request ends it releases the lease with the outcome,
-//! writes the access log line, and settles the client's token reservation with the backend's
-//! reported usage, or, for a stream that started and has none (the client hung up mid-way), with
-//! what the client received. Nothing on the response path waits for any of this.
+//! writes the access log line, and settles the client's token reservation by
+//! `routing_core::stream::settle`: the backend's reported usage; for a stream that started and has
+//! none (the client hung up mid-way), what the client received; for a hang-up before the first
+//! byte, the prompt's estimate, and during a whole answer, the estimate charged (a hang-up never
+//! refunds the prefill the backend did). Nothing on the response path waits for any of this.
 
 use crate::clients::keys::{self, Reservation};
 use crate::platform::do_client::{call, To};
 use crate::request::context::RequestContext;
-use crate::request::forward::relay::Metered;
 use coordinator_protocol::messages::{PrefillDone, ReleaseRequest, RenewRequest};
 use futures_util::future::{select, Either};
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::{LeaseId, LeaseTerms};
 use routing_core::pool::RouteReceipt;
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StreamResume};
+use routing_core::stream::settle::{settled_tokens, Streamed};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -57,7 +59,7 @@ struct LeaseState {
     /// Wakes the task (the request ended, or its prefill stage did); taken when called.
     wake: Option<js_sys::Function>,
     /// What the client received of a streamed answer, once it started streaming.
-    meter: Option<Box<dyn Fn() -> Metered>>,
+    meter: Option<Box<dyn Fn() -> Streamed>>,
     /// The decision's receipt (the chosen backend and the best alternative, predicted), logged.
     receipt: Option<(BackendId, RouteReceipt)>,
 }
@@ -197,7 +199,7 @@ impl LeaseGuard {
 
     /// The answer started streaming: `meter` says what the client received, which is what it is
     /// charged when no usage is reported (it hung up, or the stream broke before the usage).
-    pub fn meter(&self, meter: Box<dyn Fn() -> Metered>) {
+    pub fn meter(&self, meter: Box<dyn Fn() -> Streamed>) {
         self.shared.state.borrow_mut().meter = Some(meter);
     }
 
@@ -335,9 +337,14 @@ impl Keeper {
             .await;
         }
         if let Some(reservation) = &self.reservation {
-            let metered = self.state.borrow().meter.as_ref().map(|m| m());
-            let prompt_estimate = self.state.borrow().terms.prompt_tokens;
-            if let Some(actual) = used_tokens(&ending.outcome, metered, prompt_estimate) {
+            let streamed = self.state.borrow().meter.as_ref().map(|m| m());
+            let (prompt_estimate, stream) = {
+                let r = self.state.borrow();
+                (r.terms.prompt_tokens, r.terms.stream)
+            };
+            // A hang-up never refunds the prompt (routing_core::stream::settle).
+            if let Some(actual) = settled_tokens(&ending.outcome, streamed, prompt_estimate, stream)
+            {
                 keys::settle(&self.request.env, reservation, actual).await;
             }
         }
@@ -408,27 +415,6 @@ impl Keeper {
                 None
             }
         }
-    }
-}
-
-/// The tokens to settle a reservation with: what the backend reported; for a stream without
-/// that (the client hung up, or the stream broke before the usage event), what the client
-/// received (`metered`: its answer events, about a token each, plus the prompt's estimate, or
-/// the usage the stream reported so far); nothing for a request that failed before any answer;
-/// `None` (keep the estimate) for an answer whose usage is unknown otherwise.
-fn used_tokens(outcome: &Outcome, metered: Option<Metered>, prompt_estimate: u32) -> Option<u64> {
-    if let (Some(p), Some(c)) = (outcome.prompt_tokens, outcome.completion_tokens) {
-        return Some(u64::from(p) + u64::from(c));
-    }
-    match metered {
-        Some(Metered {
-            reported: Some(u), ..
-        }) => Some(u.total()),
-        Some(m) if m.answer_events > 0 => {
-            Some(u64::from(prompt_estimate) + u64::from(m.answer_events))
-        }
-        _ if !outcome.status.is_some_and(|s| (200..300).contains(&s)) => Some(0),
-        _ => None,
     }
 }
 
