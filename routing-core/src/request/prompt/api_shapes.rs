@@ -17,8 +17,8 @@
 //! the output bound.
 
 use super::{
-    block_hashes_seeded, canonical_chat_prompt, estimate_tokens, invalid, model_chain_seed,
-    object_and_model, FeatureConfig, PromptError, RequestFeatures, BYTES_PER_TOKEN,
+    block_hashes_seeded, canonical_chat_prompt, estimate_tokens, invalid, object_and_model,
+    request_chain_seed, FeatureConfig, PromptError, RequestFeatures, BYTES_PER_TOKEN,
 };
 use crate::request::endpoint::Endpoint;
 use crate::request::routing_key::routing_key;
@@ -162,7 +162,11 @@ pub fn api_features(
     // with the model, as chat's is, so a conversation hashes the same on every API.
     let block_hashes = match counting {
         true => Vec::new(),
-        false => block_hashes_seeded(hashed, block_tokens, model_chain_seed(&model)),
+        false => block_hashes_seeded(
+            hashed,
+            block_tokens,
+            request_chain_seed(&model, body.get("cache_salt").and_then(Value::as_str)),
+        ),
     };
     Ok(RequestFeatures {
         request_id: header("x-request-id")

@@ -331,6 +331,18 @@ pub fn model_chain_seed(model: &str) -> u64 {
     xxh3_64_with_seed(model.as_bytes(), CHAIN_SEED)
 }
 
+/// The chain's seed for a request to `model` with vLLM's `cache_salt` (if it sent one): vLLM mixes
+/// the salt into the first block's hash (`vllm/v1/core/kv_cache_utils.py`), so requests with
+/// different salts (tenants isolated on purpose) never share a cached prefix, and the gateway must
+/// not count one tenant's history as another's hit.
+pub fn request_chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
+    let seed = model_chain_seed(model);
+    match cache_salt {
+        Some(salt) if !salt.is_empty() => xxh3_64_with_seed(salt.as_bytes(), seed),
+        _ => seed,
+    }
+}
+
 /// [`block_hashes`] with the chain started from `seed` instead of the fixed one.
 pub fn block_hashes_seeded(canonical: &[u8], block_tokens: usize, seed: u64) -> Vec<u64> {
     let block_bytes = block_tokens.max(1).saturating_mul(BYTES_PER_TOKEN);

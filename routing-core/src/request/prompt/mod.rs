@@ -18,7 +18,7 @@ mod tests;
 pub use api_shapes::{anthropic_messages, previous_response_id, responses_messages};
 pub use canonical::{
     block_hashes, block_hashes_seeded, canonical_chat_prompt, canonical_completion_prompt,
-    canonical_json, estimate_tokens, model_chain_seed, BYTES_PER_TOKEN, DEFAULT_BLOCK_TOKENS,
+    canonical_json, estimate_tokens, request_chain_seed, BYTES_PER_TOKEN, DEFAULT_BLOCK_TOKENS,
     MAX_TOKEN_ID,
 };
 pub(crate) use error::invalid;
@@ -164,7 +164,11 @@ pub fn request_features(
         max_tokens,
         routing_key: routing_key(header, body, config.routing_header.as_deref()),
         block_tokens: u32::try_from(block_tokens).unwrap_or(u32::MAX),
-        block_hashes: block_hashes_seeded(hashed, block_tokens, model_chain_seed(&model)),
+        block_hashes: block_hashes_seeded(
+            hashed,
+            block_tokens,
+            request_chain_seed(&model, body.get("cache_salt").and_then(Value::as_str)),
+        ),
         role_hint: None,
         sent_ahead: None,
     })

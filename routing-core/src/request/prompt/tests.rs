@@ -361,3 +361,33 @@ fn embeddings_count_their_input_and_expect_no_output() {
     );
     assert!(f.block_hashes.is_empty());
 }
+
+/// vLLM mixes a request's `cache_salt` into its block hashes: the same prompt under two salts
+/// (two tenants isolated on purpose) shares no cached prefix, so it shares no affinity either;
+/// under one salt it does.
+#[test]
+fn a_cache_salt_starts_its_own_prefix_chain() {
+    let config = FeatureConfig::default();
+    let text = "a long shared system prompt ".repeat(40);
+    let hashes = |salt: Option<&str>| {
+        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": text}]});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        request_features(&body, &no_headers, &config)
+            .unwrap()
+            .block_hashes
+    };
+    let (none, a, a_again, b) = (
+        hashes(None),
+        hashes(Some("tenant-a")),
+        hashes(Some("tenant-a")),
+        hashes(Some("tenant-b")),
+    );
+    assert!(!none.is_empty());
+    assert_eq!(a, a_again);
+    assert_ne!(a[0], none[0]);
+    assert_ne!(a[0], b[0]);
+    // An empty salt is no salt.
+    assert_eq!(hashes(Some("")), none);
+}
