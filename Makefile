@@ -3,11 +3,12 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 NATIVE_CRATES := --workspace --exclude llm-gateway --exclude gateway-durable-objects
 
-.PHONY: help setup build sim dev test lint test-native test-worker test-python deploy-check check-bundle clean docs
+.PHONY: help setup build sim dev test test-real lint test-native test-worker test-python deploy-check check-bundle clean docs
 
 help:
 	@echo "make dev    - set up if needed, build, run the gateway on 127.0.0.1:8787 with 3 simulated vLLM backends"
 	@echo "make test   - set up if needed, run every test (native crates, Worker under Miniflare, OpenAI client)"
+	@echo "make test-real VLLM_URL=http://host:8000 - check a real vLLM server through the gateway before it takes traffic"
 	@echo "make setup  - install the toolchain (idempotent)"
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark and the trace replays (under 45 min); make bench-quick: under 8 min"
@@ -57,6 +58,15 @@ test-worker:
 test-python:
 	@echo "== OpenAI client: pytest"
 	@source scripts/env.sh && .venv/bin/pytest -q tests/python
+
+# The check of a real vLLM server through the gateway before it takes traffic
+# (tests/real-backend.test.mjs, the part of the suite that needs no faults):
+#   make test-real VLLM_URL=http://gpu-1.internal:8000 [VLLM_MODEL=...] [VLLM_API_KEY=...]
+# Without VLLM_URL it runs against a vllm-sim with vLLM 0.34's defaults, as `make test` does.
+test-real: setup sim build
+	@echo "== a vLLM server through the gateway: $(if $(VLLM_URL),$(VLLM_URL),vllm-sim with vLLM 0.34 defaults)"
+	@source scripts/env.sh && VLLM_URL="$(VLLM_URL)" VLLM_MODEL="$(VLLM_MODEL)" VLLM_API_KEY="$(VLLM_API_KEY)" \
+		node --test --test-concurrency=1 tests/real-backend.test.mjs
 
 # What `wrangler deploy` would upload, built offline (no login), and its size against the limit.
 deploy-check: setup
