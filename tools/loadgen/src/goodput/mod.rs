@@ -380,6 +380,16 @@ pub async fn goodput(
         w.workload.trace_window().is_some()
             && (opts.choices.only.is_empty() || opts.choices.only.iter().any(|o| o == w.name()))
     }) {
+        let whole = w
+            .workload
+            .trace_window()
+            .is_some_and(|(_, t)| t.requests == 0);
+        if plan.windows > 1 && whole && plan.requests.is_none() {
+            return Err(format!(
+                "{}: several windows need a window of some requests (the workload's `requests`, or --requests)",
+                w.name()
+            ));
+        }
         let windows: Vec<WorkloadRun> = (0..plan.windows)
             .map(|i| window(w, i, plan.requests))
             .collect();
