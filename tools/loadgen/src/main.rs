@@ -532,7 +532,17 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
         }
         Cmd::Goodput { config, h, choices } => {
             let (cfg, bench_cfg) = goodput::GoodputConfig::load(&config)?;
-            let command = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
+            // As run, for the report; an admin token given on the command line is left out.
+            let mut command: Vec<String> = Vec::new();
+            let mut args = std::env::args().skip(1);
+            while let Some(a) = args.next() {
+                if a == "--admin-token" {
+                    args.next();
+                } else if !a.starts_with("--admin-token=") {
+                    command.push(a);
+                }
+            }
+            let command = command.join(" ");
             let opts = goodput::GoodputOptions {
                 harness: h.harness(),
                 choices,
