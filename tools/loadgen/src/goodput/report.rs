@@ -225,3 +225,62 @@ fn chart(t: &TraceResult, path: &Path) -> Result<(), String> {
     }
     root.present().map_err(|e| e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::slo::{SloBounds, WindowFigures};
+    use super::super::RouterResult;
+    use super::*;
+
+    #[test]
+    fn the_chart_and_the_spread_cells() {
+        let bounds = SloBounds {
+            idle_ttft_ms: 500.0,
+            idle_e2e_ms: 900.0,
+            median_prompt_idle_ttft_ms: 60.0,
+            ttft_p99_ms: 1000.0,
+            e2e_p99_ms: 1800.0,
+        };
+        let w = |ttft: f64, e2e: f64| WindowFigures {
+            ttft_p99_ms: ttft,
+            e2e_p99_ms: e2e,
+            requests_per_s: 20.0,
+            output_tokens_per_s: 400.0,
+            hit_rate: 0.15,
+            failed: 0,
+        };
+        let points = vec![
+            Point::of(8.0, vec![w(600.0, 1100.0), w(650.0, 1200.0)], &bounds),
+            Point::of(
+                16.0,
+                vec![w(900.0, 2000.0), w(f64::INFINITY, 2100.0)],
+                &bounds,
+            ),
+        ];
+        assert_eq!(spread(&points[0].ttft_p99_ms), "625 (600-650)");
+        assert_eq!(spread(&points[1].ttft_p99_ms), "failed (900-failed)");
+        assert_eq!(verdict(&points[1]), "broken: TTFT+e2e");
+        let t = TraceResult {
+            workload: "conv".into(),
+            windows: vec![(0, 100), (100, 100)],
+            start_speedup: 8.0,
+            bounds,
+            routers: vec![RouterResult {
+                router: "predicted_latency".into(),
+                kind: "gateway",
+                skipped: None,
+                sustained_speedup: Some(8.0),
+                broken_speedup: Some(16.0),
+                points,
+            }],
+        };
+        let dir = std::env::temp_dir().join(format!("goodput-chart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(chart_file("stem", &t));
+        chart(&t, &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("SLO bound") && svg.contains("predicted_latency"));
+        assert!(svg.contains("conv: TTFT p99") && svg.contains("conv: e2e p99"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

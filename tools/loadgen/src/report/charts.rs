@@ -254,6 +254,7 @@ pub struct Axes<'a> {
 
 /// Draws one line per series (a point per value, sorted by x) on `area`, and each of `limits` as
 /// a dashed black horizontal line with its label (an SLO's bound); non-finite points are left out.
+/// The legend is at the upper left, or the lower right when there are bounds.
 pub fn draw_lines<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     axes: &Axes,
@@ -318,9 +319,15 @@ pub fn draw_lines<DB: DrawingBackend>(
             .label(name.clone())
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 6, y)], BLACK.stroke_width(2)));
     }
+    // Latencies rise with load: with a bound across the top, the legend goes to the lower right.
+    let legend = if limits.is_empty() {
+        SeriesLabelPosition::UpperLeft
+    } else {
+        SeriesLabelPosition::LowerRight
+    };
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
