@@ -228,27 +228,14 @@ fn chart(t: &TraceResult, path: &Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::slo::{SloBounds, WindowFigures};
+    use super::super::slo::fixtures::{bounds, window};
     use super::super::RouterResult;
     use super::*;
 
     #[test]
     fn the_chart_and_the_spread_cells() {
-        let bounds = SloBounds {
-            idle_ttft_ms: 500.0,
-            idle_e2e_ms: 900.0,
-            median_prompt_idle_ttft_ms: 60.0,
-            ttft_p99_ms: 1000.0,
-            e2e_p99_ms: 1800.0,
-        };
-        let w = |ttft: f64, e2e: f64| WindowFigures {
-            ttft_p99_ms: ttft,
-            e2e_p99_ms: e2e,
-            requests_per_s: 20.0,
-            output_tokens_per_s: 400.0,
-            hit_rate: 0.15,
-            failed: 0,
-        };
+        let bounds = bounds();
+        let w = |ttft: f64, e2e: f64| window(ttft, e2e, 20.0);
         let points = vec![
             Point::of(8.0, vec![w(600.0, 1100.0), w(650.0, 1200.0)], &bounds),
             Point::of(

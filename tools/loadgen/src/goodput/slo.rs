@@ -199,8 +199,39 @@ impl Point {
     }
 }
 
+/// Test fixtures shared with the report's tests: bounds of 1,000 ms TTFT p99 and 1,800 ms e2e
+/// p99, and a window's figures (20 output tokens per request, 15% hit rate, nothing failed).
+#[cfg(test)]
+pub mod fixtures {
+    use super::{SloBounds, WindowFigures};
+
+    /// TTFT p99 <= 1,000 ms, e2e p99 <= 1,800 ms.
+    pub fn bounds() -> SloBounds {
+        SloBounds {
+            idle_ttft_ms: 500.0,
+            idle_e2e_ms: 900.0,
+            median_prompt_idle_ttft_ms: 60.0,
+            ttft_p99_ms: 1000.0,
+            e2e_p99_ms: 1800.0,
+        }
+    }
+
+    /// A window with these p99s at `rps` requests per second.
+    pub fn window(ttft: f64, e2e: f64, rps: f64) -> WindowFigures {
+        WindowFigures {
+            ttft_p99_ms: ttft,
+            e2e_p99_ms: e2e,
+            requests_per_s: rps,
+            output_tokens_per_s: rps * 20.0,
+            hit_rate: 0.15,
+            failed: 0,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::fixtures::{bounds, window};
     use super::*;
 
     fn idle() -> IdleModel {
@@ -208,17 +239,6 @@ mod tests {
             prefill_us_per_token: 100.0,
             step_ms: 10.0,
             time_scale: 1.0,
-        }
-    }
-
-    fn window(ttft: f64, e2e: f64, rps: f64) -> WindowFigures {
-        WindowFigures {
-            ttft_p99_ms: ttft,
-            e2e_p99_ms: e2e,
-            requests_per_s: rps,
-            output_tokens_per_s: rps * 20.0,
-            hit_rate: 0.1,
-            failed: 0,
         }
     }
 
@@ -269,13 +289,7 @@ mod tests {
 
     #[test]
     fn the_slo_holds_on_the_medians_and_says_what_broke() {
-        let bounds = SloBounds {
-            idle_ttft_ms: 500.0,
-            idle_e2e_ms: 900.0,
-            median_prompt_idle_ttft_ms: 60.0,
-            ttft_p99_ms: 1000.0,
-            e2e_p99_ms: 1800.0,
-        };
+        let bounds = bounds();
         // One window over the TTFT bound, the median under it: held.
         let p = Point::of(
             16.0,
