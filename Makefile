@@ -13,6 +13,7 @@ help:
 	@echo "make build  - build the Worker into build/"
 	@echo "make bench  - the tail-latency routing benchmark and the trace replays (under 45 min); make bench-quick: under 8 min"
 	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
+	@echo "make bench-goodput - each router's highest trace replay speed-up within the SLO, smg included (~1.5 h); ARGS=--quick: a smoke run (<3 min)"
 	@echo "make bench-compare-smg - the trace replays through the SGLang/Shepherd gateway (smg 1.9.0, cache_aware) and ours, same run (~6 min)"
 	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
@@ -85,7 +86,7 @@ docs:
 	@command -v mdbook >/dev/null 2>&1 || { echo "== docs: installing mdbook (cargo install, once)"; cargo install mdbook --locked; }
 	@mdbook build docs
 
-.PHONY: bench bench-quick bench-traces bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips bench-profile
+.PHONY: bench bench-quick bench-traces bench-goodput bench-compare-smg bench-regions bench-admission bench-overhead bench-round-trips bench-profile
 
 # The routing benchmark (bench/README.md): 8 vllm-sim backends behind the gateway under wrangler dev,
 # every policy on every workload; writes bench/results/<date>.{json,md} and charts (under 30 minutes).
@@ -109,6 +110,16 @@ bench-quick: setup
 bench-traces: setup
 	@cargo build --release -q -p loadgen -p vllm-sim
 	@scripts/bench.sh traces $(ARGS)
+
+# Goodput (issue 44, bench/README.md "Goodput"): on both production traces, for every policy and for
+# smg (installed on demand by bench/smg-install.sh), the highest replay speed-up at which TTFT p99 and
+# e2e p99 stay within the SLO of bench/config/goodput.json (median of 3 windows per load, at most 5
+# probes); writes bench/results/<date>-goodput.{json,md} and a chart per trace (~1.5 h on 2 cores).
+# ARGS=--quick: the smoke run (2 policies, 2 probes, 2 windows of 120 requests; under 3 min, written
+# to bench/tmp/goodput-quick). Other flags: ARGS="--routers predicted_latency,smg --windows 5 --steps 6".
+bench-goodput: setup
+	@cargo build --release -q -p loadgen -p vllm-sim
+	@scripts/bench.sh goodput $(ARGS)
 
 # Our gateway against the SGLang/Shepherd model gateway (bench/compare-smg.sh, issue 26): the trace
 # replays of bench-traces (same windows, speed-ups, fleet) through smg 1.9.0's cache_aware policy

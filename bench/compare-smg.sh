@@ -53,12 +53,8 @@ done
 rm -rf "$TMP"
 mkdir -p "$TMP" "$OUT_DIR"
 
-# smg, installed on demand (idempotent: an existing venv with this version is kept).
-if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('smg') == '$SMG_VERSION'" 2>/dev/null; then
-  echo "compare-smg: installing smg==$SMG_VERSION into $VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check "smg==$SMG_VERSION"
-fi
+# smg, installed on demand (bench/smg-install.sh: an existing venv with this version is kept).
+SMG_VERSION="$SMG_VERSION" bench/smg-install.sh >/dev/null
 
 # The run's config: the given one, every window cut to --requests if given (loadgen run and loadgen
 # bench both read it, so seed, fleet, timeouts and windows are the same for both gateways).

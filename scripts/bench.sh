@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make bench` / `make bench-quick` / `make bench-traces`: the routing benchmark of bench/README.md
-# (`scripts/bench.sh full|quick|traces|classic [loadgen bench flags]`; the mode names
-# bench/config/<mode>.json).
+# `make bench` / `make bench-quick` / `make bench-traces` / `make bench-goodput`: the routing
+# benchmark of bench/README.md (`scripts/bench.sh full|quick|traces|classic|goodput [loadgen
+# flags]`; the mode names bench/config/<mode>.json). `goodput` hands over to `loadgen goodput`
+# instead of `loadgen bench` (its smoke mode, `--quick`, writes under bench/tmp/goodput-quick).
 #
 # Builds the Worker once and runs it in one workerd process through Miniflare
 # (bench/gateway-server.mjs: loaded once, so edits to src/ during a run cannot reload it), or with
@@ -27,7 +28,18 @@ mkdir -p "$TMP"
 LOADGEN="${LOADGEN_BIN:-target/release/loadgen}"
 # Bounds of the whole run (the quick one is meant to take under 8 minutes, the full one under 30,
 # the trace replays under 15).
-case "$MODE" in quick) LIMIT=600 ;; traces) LIMIT=1500 ;; *) LIMIT=2700 ;; esac
+# The goodput search is bounded by its config's probes (bench/README.md gives its durations).
+SUBCOMMAND=bench
+OUT="${BENCH_OUT:-bench/results}"
+case "$MODE" in
+  quick) LIMIT=600 ;;
+  traces) LIMIT=1500 ;;
+  goodput)
+    SUBCOMMAND=goodput
+    LIMIT="${GOODPUT_LIMIT_S:-21600}"
+    case " $* " in *" --quick "*) LIMIT=600; OUT="${BENCH_OUT:-$TMP/goodput-quick}" ;; esac ;;
+  *) LIMIT=2700 ;;
+esac
 
 if curl -fsS "$GATEWAY/healthz" >/dev/null 2>&1; then
   echo "bench: port $PORT is already serving; set BENCH_PORT to a free port" >&2
@@ -81,5 +93,5 @@ done
 curl -fsS "$GATEWAY/healthz" >/dev/null || { echo "bench: the gateway did not come up" >&2; exit 1; }
 
 echo "bench: machine: $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p' | head -1)"
-ADMIN_TOKEN="$TOKEN" timeout "$LIMIT" "$LOADGEN" bench --config "$CONFIG" --gateway "$GATEWAY" \
-  --sim-bin "$VLLM_SIM_BIN" --out-dir "${BENCH_OUT:-bench/results}" --tmp-dir "$TMP" "$@"
+ADMIN_TOKEN="$TOKEN" timeout "$LIMIT" "$LOADGEN" "$SUBCOMMAND" --config "$CONFIG" --gateway "$GATEWAY" \
+  --sim-bin "$VLLM_SIM_BIN" --out-dir "$OUT" --tmp-dir "$TMP" "$@"

@@ -5,14 +5,18 @@
 //! - `loadgen oracle`: the prefix-cache hit rate an oracle router would reach on a workload.
 //! - `loadgen overhead`: the gateway's added latency over direct calls.
 //! - `loadgen bench`: everything, on a fleet of vllm-sim processes it manages (`make bench`).
+//! - `loadgen goodput`: each router's highest trace replay speed-up within an SLO
+//!   (`make bench-goodput`).
 //!
 //! Modules: [`workload`] generates the workloads from a seed, [`driver`] sends them,
 //! [`client`] times each stream, [`metrics`] reads the backends' counters, [`oracle`] computes the
-//! upper bound, [`report`] summarises and draws, [`bench`] orchestrates.
+//! upper bound, [`report`] summarises and draws, [`bench`] orchestrates, [`goodput`] searches for the
+//! load where an SLO breaks.
 
 mod bench;
 mod client;
 mod driver;
+mod goodput;
 mod metrics;
 mod oracle;
 mod plan;
@@ -128,6 +132,39 @@ impl WorkloadArgs {
     }
 }
 
+/// Where `loadgen bench` and `loadgen goodput` find the gateway and the fleet's binary, and where
+/// they write.
+#[derive(Args)]
+struct HarnessArgs {
+    /// Gateway base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8799")]
+    gateway: String,
+    /// Admin token (or ADMIN_TOKEN in the environment).
+    #[arg(long, env = "ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: String,
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// Results directory.
+    #[arg(long, default_value = "bench/results")]
+    out_dir: PathBuf,
+    /// Logs directory.
+    #[arg(long, default_value = "bench/tmp")]
+    tmp_dir: PathBuf,
+}
+
+impl HarnessArgs {
+    fn harness(self) -> bench::Harness {
+        bench::Harness {
+            gateway: self.gateway,
+            admin_token: self.admin_token,
+            sim_bin: self.sim_bin,
+            out_dir: self.out_dir,
+            tmp_dir: self.tmp_dir,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one workload against an endpoint and print a JSON report.
@@ -207,21 +244,8 @@ enum Cmd {
         /// Bench config.
         #[arg(long)]
         config: PathBuf,
-        /// Gateway base URL.
-        #[arg(long, default_value = "http://127.0.0.1:8799")]
-        gateway: String,
-        /// Admin token (or ADMIN_TOKEN in the environment).
-        #[arg(long, env = "ADMIN_TOKEN", hide_env_values = true)]
-        admin_token: String,
-        /// The vllm-sim binary.
-        #[arg(long, default_value = "target/release/vllm-sim")]
-        sim_bin: PathBuf,
-        /// Results directory.
-        #[arg(long, default_value = "bench/results")]
-        out_dir: PathBuf,
-        /// Logs directory.
-        #[arg(long, default_value = "bench/tmp")]
-        tmp_dir: PathBuf,
+        #[command(flatten)]
+        h: HarnessArgs,
         /// Only these workloads, by name (`overhead` for the overhead benchmark); default all.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
@@ -247,6 +271,16 @@ enum Cmd {
         /// Trace replay speed-ups, e.g. 8,16, for trace workloads (default: the config's).
         #[arg(long, value_delimiter = ',')]
         speedups: Vec<f64>,
+    },
+    /// Each router's highest trace replay speed-up within an SLO (`make bench-goodput`).
+    Goodput {
+        /// Goodput config (it names the bench config of the fleet and traces).
+        #[arg(long, default_value = "bench/config/goodput.json")]
+        config: PathBuf,
+        #[command(flatten)]
+        h: HarnessArgs,
+        #[command(flatten)]
+        choices: goodput::Choices,
     },
 }
 
@@ -473,11 +507,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
         }
         Cmd::Bench {
             config,
-            gateway,
-            admin_token,
-            sim_bin,
-            out_dir,
-            tmp_dir,
+            h,
             only,
             policies,
             default_policy,
@@ -488,11 +518,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
         } => {
             let cfg = bench::BenchConfig::load(&config)?;
             let opts = bench::BenchOptions {
-                gateway,
-                admin_token,
-                sim_bin,
-                out_dir,
-                tmp_dir,
+                harness: h.harness(),
                 only_workloads: only,
                 policies,
                 capacity_rps: bench::parse_capacities(&capacity_rps)?,
@@ -502,6 +528,26 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 default_policy,
             };
             let path = bench::bench(cfg, opts).await?;
+            println!("{}", path.display());
+        }
+        Cmd::Goodput { config, h, choices } => {
+            let (cfg, bench_cfg) = goodput::GoodputConfig::load(&config)?;
+            // As run, for the report; an admin token given on the command line is left out.
+            let mut command: Vec<String> = Vec::new();
+            let mut args = std::env::args().skip(1);
+            while let Some(a) = args.next() {
+                if a == "--admin-token" {
+                    args.next();
+                } else if !a.starts_with("--admin-token=") {
+                    command.push(a);
+                }
+            }
+            let command = command.join(" ");
+            let opts = goodput::GoodputOptions {
+                harness: h.harness(),
+                choices,
+            };
+            let path = goodput::goodput(cfg, bench_cfg, opts, format!("loadgen {command}")).await?;
             println!("{}", path.display());
         }
     }

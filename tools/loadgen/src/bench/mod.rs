@@ -12,11 +12,11 @@
 //! when); this file runs them all and writes the results.
 
 mod config;
-mod fleet;
-mod gateway;
-mod machine;
+pub(crate) mod fleet;
+pub(crate) mod gateway;
+pub(crate) mod machine;
 mod overhead;
-mod run;
+pub(crate) mod run;
 
 pub use config::{parse_capacities, BenchConfig, Mode, OverheadConfig, WorkloadRun};
 
@@ -33,8 +33,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// Options of `loadgen bench` besides the config.
-pub struct BenchOptions {
+/// Where a benchmark (`loadgen bench`, `loadgen goodput`) finds the gateway and the fleet's
+/// binary, and where it writes.
+pub struct Harness {
     /// Gateway base URL.
     pub gateway: String,
     /// Admin token.
@@ -45,6 +46,38 @@ pub struct BenchOptions {
     pub out_dir: PathBuf,
     /// Where logs go (`bench/tmp`).
     pub tmp_dir: PathBuf,
+}
+
+impl Harness {
+    /// The gateway's admin API for `cfg`'s pool, checked to answer, and `cfg`'s fleet (not
+    /// started yet).
+    pub(crate) async fn connect(
+        &self,
+        cfg: &BenchConfig,
+        http: &Http,
+    ) -> Result<(Gateway, Fleet), String> {
+        let gw = Gateway::new(
+            self.gateway.clone(),
+            self.admin_token.clone(),
+            cfg.pool.clone(),
+            http.clone(),
+        );
+        gw.check().await?;
+        let fleet = Fleet::new(
+            cfg.fleet.clone(),
+            cfg.model.clone(),
+            self.sim_bin.clone(),
+            self.tmp_dir.clone(),
+            http.clone(),
+        );
+        Ok((gw, fleet))
+    }
+}
+
+/// Options of `loadgen bench` besides the config.
+pub struct BenchOptions {
+    /// The gateway, the fleet's binary, the output directories.
+    pub harness: Harness,
     /// Only these workloads (names; empty: all).
     pub only_workloads: Vec<String>,
     /// These policies instead of the config's (empty: the config's).
@@ -66,20 +99,7 @@ pub struct BenchOptions {
 pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, String> {
     let http = Http::new();
     let (date, time) = utc_now();
-    let gw = Gateway::new(
-        opts.gateway.clone(),
-        opts.admin_token.clone(),
-        cfg.pool.clone(),
-        http.clone(),
-    );
-    gw.check().await?;
-    let mut fleet = Fleet::new(
-        cfg.fleet.clone(),
-        cfg.model.clone(),
-        opts.sim_bin.clone(),
-        opts.tmp_dir.clone(),
-        http.clone(),
-    );
+    let (gw, mut fleet) = opts.harness.connect(&cfg, &http).await?;
     let policies = if opts.policies.is_empty() {
         cfg.policies.clone()
     } else {
@@ -148,7 +168,7 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
                     &w,
                     &mode,
                     policy,
-                    &opts.tmp_dir,
+                    &opts.harness.tmp_dir,
                 )
                 .await?
                 {
@@ -230,21 +250,21 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         runs,
         overhead,
     };
-    std::fs::create_dir_all(&opts.out_dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&opts.harness.out_dir).map_err(|e| e.to_string())?;
     let stem = if cfg.name == "full" {
         date
     } else {
         format!("{date}-{}", cfg.name)
     };
-    let json_path = opts.out_dir.join(format!("{stem}.json"));
+    let json_path = opts.harness.out_dir.join(format!("{stem}.json"));
     std::fs::write(
         &json_path,
         serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?,
     )
     .map_err(|e| e.to_string())?;
-    report::charts(&result, &opts.out_dir, &format!("{stem}-"))?;
+    report::charts(&result, &opts.harness.out_dir, &format!("{stem}-"))?;
     std::fs::write(
-        opts.out_dir.join(format!("{stem}.md")),
+        opts.harness.out_dir.join(format!("{stem}.md")),
         report::markdown(&result, &format!("{stem}-")),
     )
     .map_err(|e| e.to_string())?;

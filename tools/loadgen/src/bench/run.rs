@@ -1,6 +1,7 @@
 //! One measured run: a workload in one mode under one policy, on a freshly restarted fleet
 //! registered in the pool, with its warm-up, the backends' counters before and after, and the
-//! resulting [`RunReport`].
+//! resulting [`RunReport`]. [`measure`] is the run itself against any router in front of the
+//! fleet (the goodput benchmark also sends it through another gateway).
 
 use super::config::{BenchConfig, Mode, WorkloadRun};
 use super::fleet::Fleet;
@@ -39,6 +40,27 @@ pub async fn run_one(
         model: cfg.model.clone(),
         headers: vec![],
     };
+    let report = measure(cfg, fleet, http, w, mode, policy, target, tmp_dir).await;
+    gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
+        .await;
+    Ok(Ok(report))
+}
+
+/// Runs one workload in one mode against `target` (the gateway, or another router in front of
+/// the fleet) on the running `fleet`: its warm-up, the backends' counters before and after, the
+/// records written to `tmp_dir`, and the resulting [`RunReport`] labelled `policy`.
+#[allow(clippy::too_many_arguments)]
+pub async fn measure(
+    cfg: &BenchConfig,
+    fleet: &Fleet,
+    http: &Http,
+    w: &WorkloadRun,
+    mode: &Mode,
+    policy: &str,
+    target: Target,
+    tmp_dir: &Path,
+) -> RunReport {
+    let members = fleet.members();
     let limits = Limits {
         max_duration: Duration::from_secs_f64(w.max_duration_s),
         request_timeout: Duration::from_secs_f64(cfg.request_timeout_s),
@@ -90,8 +112,6 @@ pub async fn run_one(
         .fold(Histogram::default(), |acc, (a, b)| {
             acc.add(&a.1.since(&b.1))
         });
-    gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
-        .await;
     let records_file = tmp_dir.join(format!(
         "records-{}-{}-{policy}.jsonl",
         w.name(),
@@ -146,5 +166,5 @@ pub async fn run_one(
         report.ttft_short_ms = Some(Summary::of(short.iter().filter_map(|r| r.ttft_ms)));
         report.e2e_short_ms = Some(Summary::of(short.iter().map(|r| r.e2e_ms)));
     }
-    Ok(Ok(report))
+    report
 }

@@ -231,14 +231,53 @@ pub fn ttft_vs_load(
     title: &str,
     lines: &[(String, Vec<(f64, f64)>)],
 ) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
     let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let points = || lines.iter().flat_map(|(_, v)| v.iter().copied());
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let axes = Axes {
+        title,
+        x_desc: "offered load, requests per second (open loop, Poisson)",
+        y_desc: "TTFT p99, ms (wall clock)",
+    };
+    draw_lines(&root, &axes, lines, &[])?;
+    root.present().map_err(|e| e.to_string())
+}
+
+/// The title and axis descriptions of a line chart.
+pub struct Axes<'a> {
+    /// The chart's caption.
+    pub title: &'a str,
+    /// What x is.
+    pub x_desc: &'a str,
+    /// What y is.
+    pub y_desc: &'a str,
+}
+
+/// Draws one line per series (a point per value, sorted by x) on `area`, and each of `limits` as
+/// a dashed black horizontal line with its label (an SLO's bound); non-finite points are left out.
+/// The legend is at the upper left, or the lower right when there are bounds.
+pub fn draw_lines<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    axes: &Axes,
+    lines: &[(String, Vec<(f64, f64)>)],
+    limits: &[(String, f64)],
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let finite = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    let points = || {
+        lines
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(finite)
+    };
     let x_max = points().map(|p| p.0).fold(0.0f64, f64::max).max(1e-9) * 1.1;
-    let y_max = points().map(|p| p.1).fold(0.0f64, f64::max).max(1e-9) * 1.15;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
+    let y_max = points()
+        .map(|p| p.1)
+        .chain(limits.iter().map(|l| l.1).filter(|y| y.is_finite()))
+        .fold(0.0f64, f64::max)
+        .max(1e-9)
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(axes.title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(70)
@@ -246,13 +285,13 @@ pub fn ttft_vs_load(
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
-        .x_desc("offered load, requests per second (open loop, Poisson)")
-        .y_desc("TTFT p99, ms (wall clock)")
+        .x_desc(axes.x_desc)
+        .y_desc(axes.y_desc)
         .draw()
         .map_err(|e| err(&e))?;
     for (i, (name, pts)) in lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        let mut pts = pts.clone();
+        let mut pts: Vec<(f64, f64)> = pts.iter().copied().filter(finite).collect();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
@@ -265,14 +304,34 @@ pub fn ttft_vs_load(
             .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
             .map_err(|e| err(&e))?;
     }
+    for (name, y) in limits.iter().filter(|l| l.1.is_finite()) {
+        // Dashes: short segments along the bound.
+        let dashes = (0..40).map(|k| {
+            let x0 = x_max * f64::from(k) / 40.0;
+            PathElement::new(
+                vec![(x0, *y), (x0 + x_max / 80.0, *y)],
+                BLACK.stroke_width(2),
+            )
+        });
+        chart
+            .draw_series(dashes)
+            .map_err(|e| err(&e))?
+            .label(name.clone())
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 6, y)], BLACK.stroke_width(2)));
+    }
+    // Latencies rise with load: with a bound across the top, the legend goes to the lower right.
+    let legend = if limits.is_empty() {
+        SeriesLabelPosition::UpperLeft
+    } else {
+        SeriesLabelPosition::LowerRight
+    };
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
         .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
     Ok(())
 }
 

@@ -17,7 +17,7 @@ mod targets;
 mod test_support;
 mod trace;
 
-pub use charts::charts;
+pub use charts::{charts, draw_lines, Axes};
 pub use markdown::markdown;
 pub use result::{BenchResult, OverheadPoint, Skipped};
 pub use run::{summarize, Quantiles, RunLabel, RunReport};

@@ -43,6 +43,13 @@ impl IdleModel {
         (self.prefill_us_per_token * f64::from(prompt_tokens) / 1e3 + self.step_ms)
             / self.time_scale
     }
+
+    /// Wall ms to the last of `output_tokens` tokens of `prompt_tokens` uncached tokens on an idle
+    /// backend: the first token's time and one decode step for each further token.
+    pub fn ideal_e2e_ms(&self, prompt_tokens: u32, output_tokens: u32) -> f64 {
+        self.ideal_ttft_ms(prompt_tokens)
+            + f64::from(output_tokens.saturating_sub(1)) * self.step_ms / self.time_scale
+    }
 }
 
 /// Percentiles where failed requests count as infinitely slow: `None` (JSON `null`, "failed" in
