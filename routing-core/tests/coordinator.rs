@@ -16,7 +16,9 @@ use routing_core::coordinator::{
     Stored, Verdict,
 };
 use routing_core::pool::lease::LeaseTerms;
-use routing_core::pool::{AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult};
+use routing_core::pool::{
+    AcquireError, AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult,
+};
 use routing_core::{Outcome, PolicyKind, RequestFeatures};
 use std::collections::{HashMap, HashSet};
 
@@ -702,5 +704,115 @@ fn a_pool_that_published_a_busy_card_publishes_again_when_its_last_lease_ends() 
     assert!(
         !effects.iter().any(|e| matches!(e, Effect::PublishCard(_))),
         "{effects:?}"
+    );
+}
+
+/// A Responses request that stores its response, or follows one up.
+fn stateful(previous: Option<&str>) -> RequestFeatures {
+    RequestFeatures {
+        previous_response_id: previous.map(str::to_string),
+        stores_response: true,
+        ..features()
+    }
+}
+
+/// A Responses request that stored the response `id`: granted, and released with the id the
+/// backend answered, as the Worker reports it.
+fn store_response(c: &mut Coordinator, id: &str) -> Grant {
+    let (step, _) = c.acquire(stateful(None), None, None, false, 10, &Hungup::default());
+    let first = grant(step);
+    let stored = Outcome {
+        response_id: Some(id.into()),
+        ..Outcome::from_status(200)
+    };
+    let one = Release {
+        lease_id: first.lease_id,
+        outcome: &stored,
+        backend: Some(&first.backend),
+    };
+    assert_eq!(c.release(&[one], 20).0, vec![true]);
+    first
+}
+
+fn refused(step: Step) -> AcquireError {
+    match step {
+        Step::Refused(e) => e,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_follow_up_goes_to_the_backend_its_release_recorded_or_is_lost() {
+    let mut c = coordinator(settings(routing()), 3, 8);
+    let calls = Hungup::default();
+    let first = store_response(&mut c, "resp_abc");
+    assert_eq!(c.pool().recorded_responses(), 1);
+    // Round robin would move on; every follow-up stays on the holder, with no other candidate.
+    for t in 0..6 {
+        let (step, _) = c.acquire(
+            stateful(Some("resp_abc")),
+            None,
+            None,
+            false,
+            30 + t,
+            &calls,
+        );
+        let g = grant(step);
+        assert_eq!(g.backend, first.backend);
+        assert!(g.candidates.iter().all(|v| v.id == first.backend));
+        release(&mut c, g.lease_id, &g.backend, 31 + t);
+    }
+    assert_eq!(
+        c.pool().response_holder("resp_abc", 40).unwrap().id,
+        first.backend
+    );
+    // An id the pool never recorded: lost, never another backend's answer.
+    let (step, _) = c.acquire(stateful(Some("resp_other")), None, None, false, 50, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_other".into()
+        }
+    );
+    // The holder leaves the pool: its responses are lost with it.
+    c.delete(&first.backend, true, 60).unwrap();
+    let (step, _) = c.acquire(stateful(Some("resp_abc")), None, None, false, 70, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_abc".into()
+        }
+    );
+    assert!(c.pool().response_holder("resp_abc", 70).is_err());
+    // The pool's leases all ended.
+    assert_eq!(c.pool().in_flight_total(), 0);
+}
+
+#[test]
+fn a_follow_up_whose_holder_is_down_is_lost() {
+    let mut c = coordinator(settings(routing()), 2, 8);
+    let calls = Hungup::default();
+    let first = store_response(&mut c, "resp_down");
+    let down = ProbeReport {
+        result: ProbeResult {
+            ok: false,
+            unreachable: true,
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    };
+    for t in 0..5 {
+        c.record_probes(vec![(first.backend.clone(), down.clone())], 100 + t);
+    }
+    assert_eq!(
+        c.pool().backend(&first.backend).unwrap().health,
+        HealthState::Unhealthy
+    );
+    let (step, _) = c.acquire(stateful(Some("resp_down")), None, None, false, 200, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_down".into()
+        }
     );
 }

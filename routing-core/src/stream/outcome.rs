@@ -121,6 +121,10 @@ pub struct Outcome {
     /// withdraws the charge it deferred for the first backend's 5xx.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub request_fault: bool,
+    /// The id of the response the backend stored (a Responses API request with `store`): the
+    /// pool records that the backend holds it (`crate::pool::responses`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
 }
 
 /// What became of a stream that failed after its first byte, as told with the share it concerns.

@@ -96,6 +96,23 @@ pub struct RequestFeatures {
     /// which carries it beside the features (only the first pool asked gets it).
     #[serde(skip)]
     pub sent_ahead: Option<SentAhead>,
+    /// A Responses request's `previous_response_id`: the pool sends it only to the backend
+    /// holding that response (`crate::pool::responses`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response_id: Option<String>,
+    /// A Responses request whose response the backend stores (`store` is not `false`): its id
+    /// is reported to the pool with the release, and it goes to the pool's shard 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stores_response: bool,
+}
+
+impl RequestFeatures {
+    /// Whether the request reads or leaves a stored response in one backend's memory (a
+    /// Responses request with `store`, or one naming `previous_response_id`): the pool must
+    /// record or find its holder.
+    pub fn is_stateful(&self) -> bool {
+        self.stores_response || self.previous_response_id.is_some()
+    }
 }
 
 /// A request's fetch sent ahead of its lease call: where to, and how long (ms) sending it to any
@@ -167,6 +184,8 @@ pub fn request_features(
         block_hashes: block_hashes_seeded(hashed, block_tokens, model_chain_seed(&model)),
         role_hint: None,
         sent_ahead: None,
+        previous_response_id: None,
+        stores_response: false,
     })
 }
 

@@ -1,0 +1,200 @@
+//! Which backend holds each stored Responses API response: the pool's record that lets a
+//! follow-up (`previous_response_id`) and `GET /v1/responses/{id}` or its cancel reach the one
+//! vLLM server that keeps the response in its memory.
+//!
+//! A Responses request with `store` (the API's default) is answered with a response id (the
+//! `response.created` / `response.completed` event's `response.id` in a stream, the body's `id`
+//! otherwise); the Worker reports it with the lease's release, and the pool records it here
+//! against the backend that served it. The book is bounded ([`MAX_RECORDS`] per pool shard, the
+//! oldest evicted first) and each record lives [`RECORD_TTL_MS`]; a record whose backend left the
+//! pool stays until then and answers "lost" rather than pointing anywhere else. The book lives in
+//! the coordinator's memory: a restarted coordinator forgets it, and its follow-ups then get the
+//! same clear 404 as for an id it never saw (never another backend's answer).
+//!
+//! Every stateful Responses call goes to the pool's shard 0 (`shard::shard_of_request`), so one
+//! book per pool holds every record; see that function for why.
+
+use super::{AcquireError, CandidateView, Pool};
+use crate::backend::health::HealthState;
+use crate::backend::BackendId;
+use std::collections::{HashMap, VecDeque};
+
+/// Most records a pool shard keeps; the oldest goes first.
+pub const MAX_RECORDS: usize = 10_000;
+
+/// How long a record lives, ms (a day: a conversation idle longer starts afresh).
+pub const RECORD_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
+/// Longest response id recorded (vLLM's are `resp_` and 32 hex digits); a longer one is not a
+/// backend's and is ignored.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// The response ids a pool shard recorded, each with the backend holding it.
+#[derive(Debug, Default)]
+pub struct ResponseBook {
+    holders: HashMap<String, Record>,
+    /// Ids in the order they were recorded, with the time each was: eviction and expiry go from
+    /// the front. An id recorded again leaves a stale entry behind, skipped when it comes up.
+    order: VecDeque<(String, u64)>,
+}
+
+#[derive(Debug, Clone)]
+struct Record {
+    backend: BackendId,
+    recorded_ms: u64,
+}
+
+impl ResponseBook {
+    /// Records that `backend` holds the response `id` as of `now_ms`.
+    pub fn record(&mut self, id: &str, backend: &BackendId, now_ms: u64) {
+        if id.is_empty() || id.len() > MAX_ID_BYTES {
+            return;
+        }
+        self.expire(now_ms);
+        let record = Record {
+            backend: backend.clone(),
+            recorded_ms: now_ms,
+        };
+        self.holders.insert(id.to_string(), record);
+        self.order.push_back((id.to_string(), now_ms));
+        while self.holders.len() > MAX_RECORDS {
+            self.pop_oldest();
+        }
+        // Stale order entries (ids recorded again) never outnumber the live ones.
+        if self.order.len() > 2 * MAX_RECORDS {
+            let holders = &self.holders;
+            self.order
+                .retain(|(id, at)| holders.get(id).is_some_and(|r| r.recorded_ms == *at));
+        }
+    }
+
+    /// The backend holding `id`, if the book has a live record of it.
+    pub fn holder(&self, id: &str, now_ms: u64) -> Option<&BackendId> {
+        self.holders
+            .get(id)
+            .filter(|r| now_ms.saturating_sub(r.recorded_ms) < RECORD_TTL_MS)
+            .map(|r| &r.backend)
+    }
+
+    /// Live records.
+    pub fn len(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Whether the book holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.holders.is_empty()
+    }
+
+    fn expire(&mut self, now_ms: u64) {
+        while let Some((_, at)) = self.order.front() {
+            if now_ms.saturating_sub(*at) < RECORD_TTL_MS {
+                break;
+            }
+            self.pop_oldest();
+        }
+    }
+
+    /// Drops the oldest entry, and its record if the entry is the record's latest.
+    fn pop_oldest(&mut self) {
+        if let Some((id, at)) = self.order.pop_front() {
+            if self.holders.get(&id).is_some_and(|r| r.recorded_ms == at) {
+                self.holders.remove(&id);
+            }
+        }
+    }
+}
+
+impl Pool {
+    /// Records that `backend` holds the stored response `id` (reported with a lease's release).
+    pub fn record_response(&mut self, id: &str, backend: &BackendId, now_ms: u64) {
+        self.responses.record(id, backend, now_ms);
+    }
+
+    /// The slot of the backend holding the stored response `id`: the only backend a request
+    /// naming it as `previous_response_id` may go to. The response is lost
+    /// ([`AcquireError::ResponseNotFound`]) when the pool has no live record of it, when the
+    /// backend that holds it left the pool, or when that backend is down (a vLLM server keeps
+    /// stored responses in its memory: one that fails its probes has probably restarted).
+    pub(super) fn holder_slot(&self, id: &str, now_ms: u64) -> Result<u32, AcquireError> {
+        let lost = || AcquireError::ResponseNotFound { id: id.to_string() };
+        let backend = self.responses.holder(id, now_ms).ok_or_else(lost)?;
+        let slot = *self.index.get(backend).ok_or_else(lost)?;
+        let entry = self.slots[slot as usize].entry.as_ref().ok_or_else(lost)?;
+        if entry.health.state == HealthState::Unhealthy {
+            return Err(lost());
+        }
+        Ok(slot)
+    }
+
+    /// Where to send `GET /v1/responses/{id}` and its cancel: the backend holding `id`, by the
+    /// rule of [`Pool::holder_slot`].
+    pub fn response_holder(&self, id: &str, now_ms: u64) -> Result<CandidateView, AcquireError> {
+        let slot = self.holder_slot(id, now_ms)?;
+        match &self.slots[slot as usize].entry {
+            Some(entry) => Ok(entry.candidate_view()),
+            None => Err(AcquireError::ResponseNotFound { id: id.to_string() }),
+        }
+    }
+
+    /// Stored responses the pool knows the holder of.
+    pub fn recorded_responses(&self) -> usize {
+        self.responses.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(id: &str) -> BackendId {
+        BackendId(id.to_string())
+    }
+
+    #[test]
+    fn a_recorded_id_names_its_backend_until_it_expires() {
+        let mut book = ResponseBook::default();
+        book.record("resp_1", &b("a"), 1_000);
+        assert_eq!(book.holder("resp_1", 2_000), Some(&b("a")));
+        assert_eq!(book.holder("resp_2", 2_000), None);
+        assert_eq!(book.holder("resp_1", 1_000 + RECORD_TTL_MS), None);
+        // Recording later expires it for good.
+        book.record("resp_3", &b("b"), 1_000 + RECORD_TTL_MS);
+        assert_eq!(book.len(), 1);
+    }
+
+    #[test]
+    fn the_book_is_bounded_and_evicts_the_oldest() {
+        let mut book = ResponseBook::default();
+        for i in 0..MAX_RECORDS + 5 {
+            book.record(&format!("resp_{i}"), &b("a"), i as u64);
+        }
+        assert_eq!(book.len(), MAX_RECORDS);
+        assert_eq!(book.holder("resp_0", 10), None);
+        assert_eq!(book.holder("resp_4", 10), None);
+        assert_eq!(book.holder("resp_5", 10), Some(&b("a")));
+        let last = format!("resp_{}", MAX_RECORDS + 4);
+        assert_eq!(book.holder(&last, 10), Some(&b("a")));
+    }
+
+    #[test]
+    fn an_id_recorded_again_keeps_its_newest_holder_and_the_order_stays_bounded() {
+        let mut book = ResponseBook::default();
+        for t in 0..(3 * MAX_RECORDS) as u64 {
+            let backend = if t % 2 == 0 { "a" } else { "b" };
+            book.record("resp_same", &b(backend), t);
+        }
+        assert_eq!(book.len(), 1);
+        assert!(book.order.len() <= 2 * MAX_RECORDS);
+        let last = (3 * MAX_RECORDS - 1) as u64;
+        assert_eq!(book.holder("resp_same", last), Some(&b("b")));
+    }
+
+    #[test]
+    fn empty_and_oversized_ids_are_not_recorded() {
+        let mut book = ResponseBook::default();
+        book.record("", &b("a"), 0);
+        book.record(&"x".repeat(MAX_ID_BYTES + 1), &b("a"), 0);
+        assert!(book.is_empty());
+    }
+}
