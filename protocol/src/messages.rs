@@ -128,6 +128,22 @@ pub struct ReleaseAnswer {
     pub released: bool,
 }
 
+/// `POST /responses/holder`: which backend of the pool shard holds a stored Responses API
+/// response (`GET /v1/responses/{id}` and its cancel go there).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ResponseHolder {
+    /// The response id.
+    pub id: String,
+}
+
+/// The answer to `POST /responses/holder`: the backend to call, or `None` when the response is
+/// lost (never recorded, expired, or its backend left the pool or is down).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResponseHolderAnswer {
+    /// The backend holding the response.
+    pub holder: Option<CandidateView>,
+}
+
 /// `POST /release_batch`: several requests of one shard ended, each released as by `/release`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReleaseBatch {

@@ -344,6 +344,7 @@ impl PoolCoordinator {
             Route::ReleaseBatch => self.release_batch(req.body("release batch").await?).await,
             Route::Renew => self.renew(req.body("renew request").await?),
             Route::PrefillDone => self.prefill_done(req.body("prefill report").await?),
+            Route::ResponseHolder => self.response_holder(req.body("response holder").await?),
             Route::RegisterBackend => self.register(req.body("backend registration").await?).await,
             Route::ListBackends => self.list(),
             Route::ShowBackend(id) => self.show(&id),
