@@ -255,6 +255,11 @@ impl Forward<'_> {
         outcome.ttfb_ms = Some(answer.ttfb_ms);
         let (Some(reader), true) = (answer.reader, request.stream()) else {
             with_usage(&mut outcome, answer.usage);
+            // A stored response's id goes to the pool with the release: its follow-ups are
+            // pinned to this backend.
+            if request.features.stores_response && (200..300).contains(&status) {
+                outcome.response_id = answer.response_id;
+            }
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
             return Ok(Response::builder()

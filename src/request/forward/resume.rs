@@ -96,6 +96,11 @@ pub(crate) async fn stream(
         let piped = relay.pipe(upstream, &client_signal).await;
         with_usage(&mut outcome, relay.usage());
         outcome.held_by_client = relay.held();
+        // A stored response's id goes to the pool with the release (its follow-ups are pinned
+        // to this backend).
+        if attempts.request.features.stores_response {
+            outcome.response_id = relay.response_id();
+        }
         let failure = match piped {
             Piped::Complete => {
                 // The backend's work is done: its share of the pool ends now, whatever the
