@@ -1,10 +1,12 @@
 //! The pool's durable registry: backends, pool configuration and breaker state in the Durable
-//! Object's SQLite database, so a restarted object comes back with everything that must survive.
+//! Object's SQLite database, so a restarted object comes back with everything that must survive;
+//! and which backend holds each stored Responses API response (`routing_core::pool::responses`),
+//! so a deploy or an eviction does not lose a conversation's way back to its server.
 //! Leases and the prefix-affinity table are deliberately not here: they describe the moment and
 //! are rebuilt by traffic (leases also expire on their own deadline).
 
 use coordinator_protocol::ApiError;
-use routing_core::backend::BackendSpec;
+use routing_core::backend::{BackendId, BackendSpec};
 use routing_core::pool::BackendSnapshot;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -22,6 +24,13 @@ struct BackendRow {
 }
 
 #[derive(Deserialize)]
+struct ResponseRow {
+    id: String,
+    backend: String,
+    at_ms: f64,
+}
+
+#[derive(Deserialize)]
 struct ValueRow {
     value: String,
 }
@@ -35,6 +44,14 @@ impl Registry {
         )?;
         sql.exec(
             "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            None,
+        )?;
+        sql.exec(
+            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, backend TEXT NOT NULL, at_ms INTEGER NOT NULL)",
+            None,
+        )?;
+        sql.exec(
+            "CREATE INDEX IF NOT EXISTS responses_at ON responses (at_ms)",
             None,
         )?;
         Ok(Registry { sql })
@@ -97,6 +114,48 @@ impl Registry {
     pub fn delete(&self, id: &str) -> Result<(), ApiError> {
         self.sql
             .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])?;
+        Ok(())
+    }
+
+    /// The stored responses' holders, oldest first: the newest `limit` of them.
+    pub fn responses(&self, limit: usize) -> worker::Result<Vec<(String, BackendId, u64)>> {
+        let rows: Vec<ResponseRow> = self
+            .sql
+            .exec(
+                "SELECT id, backend, at_ms FROM (SELECT id, backend, at_ms FROM responses \
+                 ORDER BY at_ms DESC LIMIT ?) ORDER BY at_ms",
+                vec![i64::try_from(limit).unwrap_or(i64::MAX).into()],
+            )?
+            .to_array()?;
+        Ok(rows
+            .into_iter()
+            .map(|r| (r.id, BackendId(r.backend), r.at_ms as u64))
+            .collect())
+    }
+
+    /// Writes that `backend` holds the stored response `id` since `at_ms`, and drops the records
+    /// older than `forget_before_ms`.
+    pub fn put_response(
+        &self,
+        id: &str,
+        backend: &BackendId,
+        at_ms: u64,
+        forget_before_ms: Option<u64>,
+    ) -> Result<(), ApiError> {
+        if let Some(before) = forget_before_ms {
+            self.sql.exec(
+                "DELETE FROM responses WHERE at_ms < ?",
+                vec![i64::try_from(before).unwrap_or(i64::MAX).into()],
+            )?;
+        }
+        self.sql.exec(
+            "INSERT OR REPLACE INTO responses (id, backend, at_ms) VALUES (?, ?, ?)",
+            vec![
+                id.into(),
+                backend.0.clone().into(),
+                i64::try_from(at_ms).unwrap_or(i64::MAX).into(),
+            ],
+        )?;
         Ok(())
     }
 

@@ -297,6 +297,7 @@ fn a_restart_holds_a_restored_drain_for_a_lease_lifetime() {
             .collect(),
         pending_delete: [id(0)].into_iter().collect(),
         drain_started: HashMap::from([(id(0), 50), (id(1), 60)]),
+        responses: Vec::new(),
     };
     let restart = 1_000;
     let (mut c, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 1, restart);
@@ -730,7 +731,16 @@ fn store_response(c: &mut Coordinator, id: &str) -> Grant {
         outcome: &stored,
         backend: Some(&first.backend),
     };
-    assert_eq!(c.release(&[one], 20).0, vec![true]);
+    let (released, effects) = c.release(&[one], 20);
+    assert_eq!(released, vec![true]);
+    // The record is written to storage with the backend's snapshot.
+    let persisted = Effect::PersistResponse {
+        id: id.into(),
+        backend: first.backend.clone(),
+        at_ms: 20,
+        forget_before_ms: None,
+    };
+    assert!(effects.contains(&persisted), "{effects:?}");
     first
 }
 
@@ -815,4 +825,28 @@ fn a_follow_up_whose_holder_is_down_is_lost() {
             id: "resp_down".into()
         }
     );
+}
+
+#[test]
+fn a_restarted_coordinator_still_knows_where_stored_responses_are() {
+    let mut c = coordinator(settings(routing()), 3, 8);
+    let first = store_response(&mut c, "resp_kept");
+    // What the Durable Object read back from storage after a restart.
+    let stored = Stored {
+        backends: (0..3)
+            .map(|i| (spec(i, 8), Some(snapshot(&c, i))))
+            .collect(),
+        responses: vec![("resp_kept".into(), first.backend.clone(), 20)],
+        ..Stored::default()
+    };
+    let (mut restarted, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 9, 30);
+    assert!(failed.is_empty());
+    let calls = Hungup::default();
+    for t in 0..4 {
+        let features = stateful(Some("resp_kept"));
+        let (step, _) = restarted.acquire(features, None, None, false, 40 + t, &calls);
+        let g = grant(step);
+        assert_eq!(g.backend, first.backend);
+        release(&mut restarted, g.lease_id, &g.backend, 41 + t);
+    }
 }

@@ -162,6 +162,14 @@ impl PoolShard {
                         performed.card = Some(card);
                         Ok(())
                     }
+                    Effect::PersistResponse {
+                        id,
+                        backend,
+                        at_ms,
+                        forget_before_ms,
+                    } => self
+                        .registry
+                        .put_response(&id, &backend, at_ms, forget_before_ms),
                 };
                 if let Err(e) = written {
                     console_error!("pool {}: storage: {e}", self.name);
@@ -411,6 +419,7 @@ impl PoolCoordinator {
             backends: registry.backends()?,
             pending_delete: registry.meta("pending_delete").unwrap_or_default(),
             drain_started: registry.meta("drain_started").unwrap_or_default(),
+            responses: registry.responses(routing_core::pool::responses::MAX_RECORDS)?,
         };
         let now = now_ms();
         let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;

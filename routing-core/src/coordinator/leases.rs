@@ -97,7 +97,14 @@ impl Coordinator {
                 let released = self.pool.release(r.lease_id, r.outcome, now_ms);
                 // The backend holds the response it stored: a follow-up must find it there.
                 if let (Some(id), Some(backend)) = (&r.outcome.response_id, r.backend) {
-                    self.pool.record_response(id, backend, now_ms);
+                    if let Some(recorded) = self.pool.record_response(id, backend, now_ms) {
+                        effects.push(Effect::PersistResponse {
+                            id: id.clone(),
+                            backend: backend.clone(),
+                            at_ms: now_ms,
+                            forget_before_ms: recorded.forget_before_ms,
+                        });
+                    }
                 }
                 if released {
                     self.persist_backends(&[r.backend, deferred.as_ref()], &mut effects);

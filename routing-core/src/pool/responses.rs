@@ -3,13 +3,15 @@
 //! vLLM server that keeps the response in its memory.
 //!
 //! A Responses request with `store` (the API's default) is answered with a response id (the
-//! `response.created` / `response.completed` event's `response.id` in a stream, the body's `id`
-//! otherwise); the Worker reports it with the lease's release, and the pool records it here
-//! against the backend that served it. The book is bounded ([`MAX_RECORDS`] per pool shard, the
-//! oldest evicted first) and each record lives [`RECORD_TTL_MS`]; a record whose backend left the
-//! pool stays until then and answers "lost" rather than pointing anywhere else. The book lives in
-//! the coordinator's memory: a restarted coordinator forgets it, and its follow-ups then get the
-//! same clear 404 as for an id it never saw (never another backend's answer).
+//! stream's terminal event's `response.id`: `response.completed`, `response.incomplete` or
+//! `response.failed`; the body's `id` otherwise); the Worker reports it with the lease's release,
+//! and the pool records it here against the backend that served it. The book is bounded
+//! ([`MAX_RECORDS`] per pool shard, the oldest evicted first) and each record lives
+//! [`RECORD_TTL_MS`]; a record whose backend left the pool stays until then and answers "lost"
+//! rather than pointing anywhere else, as an id the book does not know does (never another
+//! backend's answer). The Durable Object keeps a copy in its SQLite storage
+//! (`Effect::PersistResponse`, read back by `Coordinator::restore`), so a restarted coordinator
+//! (a deploy, an eviction) still knows where each response is.
 //!
 //! Every stateful Responses call goes to the pool's shard 0 (`shard::shard_of_request`), so one
 //! book per pool holds every record; see that function for why.
@@ -38,6 +40,13 @@ pub struct ResponseBook {
     order: VecDeque<(String, u64)>,
 }
 
+/// What [`ResponseBook::record`] did, for whoever keeps a durable copy of the book.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// Records older than this (ms) were evicted or expired: a copy should drop them too.
+    pub forget_before_ms: Option<u64>,
+}
+
 #[derive(Debug, Clone)]
 struct Record {
     backend: BackendId,
@@ -45,11 +54,14 @@ struct Record {
 }
 
 impl ResponseBook {
-    /// Records that `backend` holds the response `id` as of `now_ms`.
-    pub fn record(&mut self, id: &str, backend: &BackendId, now_ms: u64) {
+    /// Records that `backend` holds the response `id` as of `now_ms`. Returns what was recorded
+    /// (`None` for an id that cannot be a backend's), with the time before which every record is
+    /// now gone when this evicted or expired some.
+    pub fn record(&mut self, id: &str, backend: &BackendId, now_ms: u64) -> Option<Recorded> {
         if id.is_empty() || id.len() > MAX_ID_BYTES {
-            return;
+            return None;
         }
+        let before = self.holders.len();
         self.expire(now_ms);
         let record = Record {
             backend: backend.clone(),
@@ -60,12 +72,18 @@ impl ResponseBook {
         while self.holders.len() > MAX_RECORDS {
             self.pop_oldest();
         }
+        let dropped = self.holders.len() <= before;
         // Stale order entries (ids recorded again) never outnumber the live ones.
         if self.order.len() > 2 * MAX_RECORDS {
             let holders = &self.holders;
             self.order
                 .retain(|(id, at)| holders.get(id).is_some_and(|r| r.recorded_ms == *at));
         }
+        let forget_before_ms = match dropped {
+            true => self.order.front().map(|(_, at)| *at),
+            false => None,
+        };
+        Some(Recorded { forget_before_ms })
     }
 
     /// The backend holding `id`, if the book has a live record of it.
@@ -107,8 +125,13 @@ impl ResponseBook {
 
 impl Pool {
     /// Records that `backend` holds the stored response `id` (reported with a lease's release).
-    pub fn record_response(&mut self, id: &str, backend: &BackendId, now_ms: u64) {
-        self.responses.record(id, backend, now_ms);
+    pub fn record_response(
+        &mut self,
+        id: &str,
+        backend: &BackendId,
+        now_ms: u64,
+    ) -> Option<Recorded> {
+        self.responses.record(id, backend, now_ms)
     }
 
     /// The slot of the backend holding the stored response `id`: the only backend a request
@@ -154,12 +177,21 @@ mod tests {
     #[test]
     fn a_recorded_id_names_its_backend_until_it_expires() {
         let mut book = ResponseBook::default();
-        book.record("resp_1", &b("a"), 1_000);
+        let first = book.record("resp_1", &b("a"), 1_000);
+        assert_eq!(
+            first,
+            Some(Recorded {
+                forget_before_ms: None
+            })
+        );
         assert_eq!(book.holder("resp_1", 2_000), Some(&b("a")));
         assert_eq!(book.holder("resp_2", 2_000), None);
         assert_eq!(book.holder("resp_1", 1_000 + RECORD_TTL_MS), None);
         // Recording later expires it for good.
-        book.record("resp_3", &b("b"), 1_000 + RECORD_TTL_MS);
+        let later = book
+            .record("resp_3", &b("b"), 1_000 + RECORD_TTL_MS)
+            .unwrap();
+        assert_eq!(later.forget_before_ms, Some(1_000 + RECORD_TTL_MS));
         assert_eq!(book.len(), 1);
     }
 
@@ -173,8 +205,12 @@ mod tests {
         assert_eq!(book.holder("resp_0", 10), None);
         assert_eq!(book.holder("resp_4", 10), None);
         assert_eq!(book.holder("resp_5", 10), Some(&b("a")));
-        let last = format!("resp_{}", MAX_RECORDS + 4);
-        assert_eq!(book.holder(&last, 10), Some(&b("a")));
+        let newest = format!("resp_{}", MAX_RECORDS + 4);
+        assert_eq!(book.holder(&newest, 10), Some(&b("a")));
+        // One more evicts the record of time 5: a durable copy drops what is older than 6.
+        let extra = book.record("resp_extra", &b("a"), 99_999).unwrap();
+        assert_eq!(extra.forget_before_ms, Some(6));
+        assert_eq!(book.holder("resp_5", 10), None);
     }
 
     #[test]
@@ -193,8 +229,8 @@ mod tests {
     #[test]
     fn empty_and_oversized_ids_are_not_recorded() {
         let mut book = ResponseBook::default();
-        book.record("", &b("a"), 0);
-        book.record(&"x".repeat(MAX_ID_BYTES + 1), &b("a"), 0);
+        assert_eq!(book.record("", &b("a"), 0), None);
+        assert_eq!(book.record(&"x".repeat(MAX_ID_BYTES + 1), &b("a"), 0), None);
         assert!(book.is_empty());
     }
 }
