@@ -850,3 +850,26 @@ fn a_restarted_coordinator_still_knows_where_stored_responses_are() {
         release(&mut restarted, g.lease_id, &g.backend, 41 + t);
     }
 }
+
+#[test]
+fn a_follow_up_whose_holder_drains_waits_and_never_goes_elsewhere() {
+    let mut c = coordinator(settings(routing()), 2, 8);
+    let first = store_response(&mut c, "resp_draining");
+    c.patch(&first.backend, &Default::default(), Some(true), 30)
+        .unwrap();
+    let (step, _) = c.acquire(
+        stateful(Some("resp_draining")),
+        None,
+        None,
+        false,
+        40,
+        &Hungup::default(),
+    );
+    assert!(
+        matches!(refused(step), AcquireError::NoBackendAvailable { .. }),
+        "a draining holder is busy, not lost"
+    );
+    // A new conversation still goes to the other backend.
+    let g = acquire(&mut c, 50);
+    assert_ne!(g.backend, first.backend);
+}
