@@ -14,6 +14,8 @@ errors raised as the SDK's exception types.
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import openai
 import pytest
@@ -100,6 +102,36 @@ def test_previous_response_id_stays_on_the_backend_that_stored_it(client):
         previous = reply.id
     # The conversation's prompt is the server's own history: its prefix cache hits.
     assert reply.usage.input_tokens_details.cached_tokens > 0
+
+
+def stored_responses(gw, pool: str) -> float:
+    """The pool's `llm_gateway_stored_responses` gauge on `/metrics`."""
+    status, page = gw.request("GET", "/metrics", headers={"authorization": f"Bearer {gw.admin_token}"})
+    assert status == 200
+    prefix = f'llm_gateway_stored_responses{{pool="{pool}"}} '
+    return sum(float(line[len(prefix):]) for line in page.splitlines() if line.startswith(prefix))
+
+
+def wait_stored(gw, pool: str, at_least: float) -> float:
+    """The gauge once it reached `at_least` (a release reaches the pool after the answer)."""
+    deadline = time.monotonic() + 5
+    while (n := stored_responses(gw, pool)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+def test_the_pool_counts_the_responses_it_recorded(gw, client):
+    time.sleep(0.3)  # the earlier tests' releases reach the pool
+    before = stored_responses(gw, "py-resp")
+    create(client, input="Count me.", max_output_tokens=2)
+    assert wait_stored(gw, "py-resp", before + 1) == before + 1
+    # `store: false` leaves nothing on the backend and nothing in the record; a stored one after
+    # it is counted.
+    client.responses.create(model=MODEL, input="Forget me.", store=False, max_output_tokens=2)
+    create(client, input="Count me too.", max_output_tokens=2)
+    assert wait_stored(gw, "py-resp", before + 2) == before + 2
+    time.sleep(0.3)
+    assert stored_responses(gw, "py-resp") == before + 2
 
 
 def test_a_streamed_response_is_recorded_too(client):
