@@ -8,9 +8,10 @@
 use coordinator_protocol::ApiError;
 use routing_core::backend::{BackendId, BackendSpec};
 use routing_core::pool::BackendSnapshot;
+use routing_core::stream::outcome::StoredResponse;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use worker::SqlStorage;
+use worker::{SqlStorage, SqlStorageValue};
 
 /// The SQLite tables of a pool.
 pub struct Registry {
@@ -27,6 +28,7 @@ struct BackendRow {
 struct ResponseRow {
     id: String,
     backend: String,
+    owner: Option<String>,
     at_ms: f64,
 }
 
@@ -47,7 +49,7 @@ impl Registry {
             None,
         )?;
         sql.exec(
-            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, backend TEXT NOT NULL, at_ms INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, backend TEXT NOT NULL, owner TEXT, at_ms INTEGER NOT NULL)",
             None,
         )?;
         sql.exec(
@@ -118,26 +120,32 @@ impl Registry {
     }
 
     /// The stored responses' holders, oldest first: the newest `limit` of them.
-    pub fn responses(&self, limit: usize) -> worker::Result<Vec<(String, BackendId, u64)>> {
+    pub fn responses(&self, limit: usize) -> worker::Result<Vec<(StoredResponse, BackendId, u64)>> {
         let rows: Vec<ResponseRow> = self
             .sql
             .exec(
-                "SELECT id, backend, at_ms FROM (SELECT id, backend, at_ms FROM responses \
-                 ORDER BY at_ms DESC LIMIT ?) ORDER BY at_ms",
+                "SELECT id, backend, owner, at_ms FROM (SELECT id, backend, owner, at_ms \
+                 FROM responses ORDER BY at_ms DESC LIMIT ?) ORDER BY at_ms",
                 vec![i64::try_from(limit).unwrap_or(i64::MAX).into()],
             )?
             .to_array()?;
         Ok(rows
             .into_iter()
-            .map(|r| (r.id, BackendId(r.backend), r.at_ms as u64))
+            .map(|r| {
+                let response = StoredResponse {
+                    id: r.id,
+                    owner: r.owner,
+                };
+                (response, BackendId(r.backend), r.at_ms as u64)
+            })
             .collect())
     }
 
-    /// Writes that `backend` holds the stored response `id` since `at_ms`, and drops the records
+    /// Writes that `backend` holds the stored `response` since `at_ms`, and drops the records
     /// older than `forget_before_ms`.
     pub fn put_response(
         &self,
-        id: &str,
+        response: &StoredResponse,
         backend: &BackendId,
         at_ms: u64,
         forget_before_ms: Option<u64>,
@@ -149,10 +157,14 @@ impl Registry {
             )?;
         }
         self.sql.exec(
-            "INSERT OR REPLACE INTO responses (id, backend, at_ms) VALUES (?, ?, ?)",
+            "INSERT OR REPLACE INTO responses (id, backend, owner, at_ms) VALUES (?, ?, ?, ?)",
             vec![
-                id.into(),
+                response.id.clone().into(),
                 backend.0.clone().into(),
+                match &response.owner {
+                    Some(owner) => owner.clone().into(),
+                    None => SqlStorageValue::Null,
+                },
                 i64::try_from(at_ms).unwrap_or(i64::MAX).into(),
             ],
         )?;

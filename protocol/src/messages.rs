@@ -134,6 +134,10 @@ pub struct ReleaseAnswer {
 pub struct ResponseHolder {
     /// The response id.
     pub id: String,
+    /// The hash of the asking client's key (`None` without client keys): only the key that made
+    /// a response finds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// The answer to `POST /responses/holder`: the backend to call, or `None` when the response is

@@ -19,6 +19,7 @@ use routing_core::pool::lease::LeaseTerms;
 use routing_core::pool::{
     AcquireError, AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult,
 };
+use routing_core::stream::outcome::StoredResponse;
 use routing_core::{Outcome, PolicyKind, RequestFeatures};
 use std::collections::{HashMap, HashSet};
 
@@ -708,11 +709,12 @@ fn a_pool_that_published_a_busy_card_publishes_again_when_its_last_lease_ends() 
     );
 }
 
-/// A Responses request that stores its response, or follows one up.
+/// A Responses request of the client key `key-a` that stores its response, or follows one up.
 fn stateful(previous: Option<&str>) -> RequestFeatures {
     RequestFeatures {
         previous_response_id: previous.map(str::to_string),
         stores_response: true,
+        owner: Some("key-a".into()),
         ..features()
     }
 }
@@ -723,7 +725,10 @@ fn store_response(c: &mut Coordinator, id: &str) -> Grant {
     let (step, _) = c.acquire(stateful(None), None, None, false, 10, &Hungup::default());
     let first = grant(step);
     let stored = Outcome {
-        response_id: Some(id.into()),
+        stored_response: Some(Box::new(StoredResponse {
+            id: id.into(),
+            owner: Some("key-a".into()),
+        })),
         ..Outcome::from_status(200)
     };
     let one = Release {
@@ -735,7 +740,7 @@ fn store_response(c: &mut Coordinator, id: &str) -> Grant {
     assert_eq!(released, vec![true]);
     // The record is written to storage with the backend's snapshot.
     let persisted = Effect::PersistResponse {
-        id: id.into(),
+        response: *stored.stored_response.clone().unwrap(),
         backend: first.backend.clone(),
         at_ms: 20,
         forget_before_ms: None,
@@ -773,9 +778,25 @@ fn a_follow_up_goes_to_the_backend_its_release_recorded_or_is_lost() {
         release(&mut c, g.lease_id, &g.backend, 31 + t);
     }
     assert_eq!(
-        c.pool().response_holder("resp_abc", 40).unwrap().id,
+        c.pool()
+            .response_holder("resp_abc", Some("key-a"), 40)
+            .unwrap()
+            .id,
         first.backend
     );
+    // Another client's follow-up finds nothing: the response is not its.
+    let theirs = RequestFeatures {
+        owner: Some("key-b".into()),
+        ..stateful(Some("resp_abc"))
+    };
+    let (step, _) = c.acquire(theirs, None, None, false, 45, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_abc".into()
+        }
+    );
+    assert!(c.pool().response_holder("resp_abc", None, 45).is_err());
     // An id the pool never recorded: lost, never another backend's answer.
     let (step, _) = c.acquire(stateful(Some("resp_other")), None, None, false, 50, &calls);
     assert_eq!(
@@ -793,7 +814,10 @@ fn a_follow_up_goes_to_the_backend_its_release_recorded_or_is_lost() {
             id: "resp_abc".into()
         }
     );
-    assert!(c.pool().response_holder("resp_abc", 70).is_err());
+    assert!(c
+        .pool()
+        .response_holder("resp_abc", Some("key-a"), 70)
+        .is_err());
     // The pool's leases all ended.
     assert_eq!(c.pool().in_flight_total(), 0);
 }
@@ -836,7 +860,14 @@ fn a_restarted_coordinator_still_knows_where_stored_responses_are() {
         backends: (0..3)
             .map(|i| (spec(i, 8), Some(snapshot(&c, i))))
             .collect(),
-        responses: vec![("resp_kept".into(), first.backend.clone(), 20)],
+        responses: vec![(
+            StoredResponse {
+                id: "resp_kept".into(),
+                owner: Some("key-a".into()),
+            },
+            first.backend.clone(),
+            20,
+        )],
         ..Stored::default()
     };
     let (mut restarted, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 9, 30);

@@ -108,6 +108,11 @@ pub async fn handle(
         }),
         (None, None) => None,
     };
+    // A stored response is followed up and retrieved only with the key that made it (a hop
+    // carries the edge's key hash in its charge).
+    if features.is_stateful() {
+        features.owner = charge.as_ref().map(|c| c.client.clone());
+    }
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
     // The Responses and Messages streams always report usage: nothing to ask for.

@@ -54,7 +54,8 @@ pub async fn handle(
         }
         (_, m) => return Err(ApiError::method_not_allowed(m.as_ref(), &path)),
     };
-    keys::require_client(&req, env, ctx).await?;
+    // Only the key that made a response finds it.
+    let owner = keys::require_client(&req, env, ctx).await?;
     if !valid_id(id) {
         return Err(ApiError::bad_request(
             "The response id must be 1 to 256 letters, digits, `_` or `-`.",
@@ -63,7 +64,10 @@ pub async fn handle(
     }
     let pools = do_client::list_pools_cached(env, ctx).await?;
     for pool in &pools {
-        let asked = ResponseHolder { id: id.to_string() };
+        let asked = ResponseHolder {
+            id: id.to_string(),
+            owner: owner.clone(),
+        };
         let holder = match call(env, To::Pool(&pool.name, 0), &asked).await {
             Ok(ResponseHolderAnswer { holder: Some(h) }) => h,
             Ok(ResponseHolderAnswer { holder: None }) => continue,

@@ -5,7 +5,8 @@ so every call carries one (`Authorization: Bearer` from the `openai` SDK, `x-api
 `anthropic` SDK). `openai`: `client.responses.create` whole and streamed; `previous_response_id`
 across turns landing on the backend that stored the first turn (the `x-gateway-backend` header via
 `with_raw_response`) in a round-robin pool of three backends and four coordinator shards, where
-nothing but the pool's record of the response keeps the turns together; `responses.retrieve` and
+nothing but the pool's record of the response keeps the turns together; another client key's
+follow-up or retrieval of the response is `NotFoundError`; `responses.retrieve` and
 `cancel` reaching that backend, `delete` answered 405 as vLLM 0.34 does; and a response whose
 backend was removed with the admin API raising `NotFoundError` (`response_not_found`) instead of
 reaching another backend. `anthropic`: `messages.create`, `messages.stream`, and the gateway's own
@@ -23,6 +24,7 @@ from openai import OpenAI
 
 SIM = ("--time-scale", "50", "--enable-prompt-tokens-details")
 KEY = "sk-resp-1"
+OTHER_KEY = "sk-resp-2"
 MODEL = "py-resp-model"
 LOST_MODEL = "py-resp-lost"
 MSG_MODEL = "py-msg-model"
@@ -34,7 +36,7 @@ INSTRUCTIONS = (
 
 @pytest.fixture(scope="module")
 def gw(module_gateway, module_vllm_sim):
-    gw = module_gateway({"CLIENT_API_KEYS": KEY, "PROBE_INTERVAL_MS": "500"})
+    gw = module_gateway({"CLIENT_API_KEYS": f"{KEY},{OTHER_KEY}", "PROBE_INTERVAL_MS": "500"})
     # Round robin: without the pool's record, consecutive turns would go to different backends.
     status, body = gw.admin("PUT", "/admin/pools/py-resp", {"policy": "round_robin", "shards": 4})
     assert status == 200, body
@@ -181,6 +183,19 @@ def test_an_unknown_previous_response_id_is_not_found(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.post("/responses", body={"model": MODEL, "input": "x", "previous_response_id": 7}, cast_to=object)
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_another_keys_response_is_not_found(gw, client):
+    first, _ = create(client, input="Mine alone.", max_output_tokens=4)
+    other = OpenAI(base_url=gw.url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=10.0)
+    with pytest.raises(openai.NotFoundError) as e:
+        other.responses.create(model=MODEL, input="Let me in.", previous_response_id=first.id, max_output_tokens=2)
+    assert e.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    # Its owner still follows it up.
+    reply, _ = create(client, input="Still mine?", previous_response_id=first.id, max_output_tokens=2)
+    assert reply.previous_response_id == first.id
 
 
 def test_a_follow_up_whose_backend_was_removed_is_not_found(gw, client):

@@ -79,7 +79,8 @@ impl PoolCoordinator {
     pub(super) fn response_holder(&self, req: ResponseHolder) -> ApiResult {
         self.with(|shard| {
             let pool = shard.coordinator.pool();
-            let holder = pool.response_holder(&req.id, now_ms()).ok();
+            let owner = req.owner.as_deref();
+            let holder = pool.response_holder(&req.id, owner, now_ms()).ok();
             reply::<ResponseHolder>(&ResponseHolderAnswer { holder })
         })
     }

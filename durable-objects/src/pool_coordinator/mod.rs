@@ -163,13 +163,13 @@ impl PoolShard {
                         Ok(())
                     }
                     Effect::PersistResponse {
-                        id,
+                        response,
                         backend,
                         at_ms,
                         forget_before_ms,
                     } => self
                         .registry
-                        .put_response(&id, &backend, at_ms, forget_before_ms),
+                        .put_response(&response, &backend, at_ms, forget_before_ms),
                 };
                 if let Err(e) = written {
                     console_error!("pool {}: storage: {e}", self.name);

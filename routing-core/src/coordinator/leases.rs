@@ -96,10 +96,10 @@ impl Coordinator {
                 let deferred = self.pool.deferred_failure(r.lease_id);
                 let released = self.pool.release(r.lease_id, r.outcome, now_ms);
                 // The backend holds the response it stored: a follow-up must find it there.
-                if let (Some(id), Some(backend)) = (&r.outcome.response_id, r.backend) {
-                    if let Some(recorded) = self.pool.record_response(id, backend, now_ms) {
+                if let (Some(response), Some(backend)) = (&r.outcome.stored_response, r.backend) {
+                    if let Some(recorded) = self.pool.record_response(response, backend, now_ms) {
                         effects.push(Effect::PersistResponse {
-                            id: id.clone(),
+                            response: (**response).clone(),
                             backend: backend.clone(),
                             at_ms: now_ms,
                             forget_before_ms: recorded.forget_before_ms,

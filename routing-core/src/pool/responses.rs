@@ -19,6 +19,7 @@
 use super::{AcquireError, CandidateView, Pool};
 use crate::backend::health::HealthState;
 use crate::backend::BackendId;
+use crate::stream::outcome::StoredResponse;
 use std::collections::{HashMap, VecDeque};
 
 /// Most records a pool shard keeps; the oldest goes first.
@@ -50,14 +51,21 @@ pub struct Recorded {
 #[derive(Debug, Clone)]
 struct Record {
     backend: BackendId,
+    owner: Option<String>,
     recorded_ms: u64,
 }
 
 impl ResponseBook {
-    /// Records that `backend` holds the response `id` as of `now_ms`. Returns what was recorded
+    /// Records that `backend` holds `response` as of `now_ms`. Returns what was recorded
     /// (`None` for an id that cannot be a backend's), with the time before which every record is
     /// now gone when this evicted or expired some.
-    pub fn record(&mut self, id: &str, backend: &BackendId, now_ms: u64) -> Option<Recorded> {
+    pub fn record(
+        &mut self,
+        response: &StoredResponse,
+        backend: &BackendId,
+        now_ms: u64,
+    ) -> Option<Recorded> {
+        let id = response.id.as_str();
         if id.is_empty() || id.len() > MAX_ID_BYTES {
             return None;
         }
@@ -65,6 +73,7 @@ impl ResponseBook {
         self.expire(now_ms);
         let record = Record {
             backend: backend.clone(),
+            owner: response.owner.clone(),
             recorded_ms: now_ms,
         };
         self.holders.insert(id.to_string(), record);
@@ -86,11 +95,13 @@ impl ResponseBook {
         Some(Recorded { forget_before_ms })
     }
 
-    /// The backend holding `id`, if the book has a live record of it.
-    pub fn holder(&self, id: &str, now_ms: u64) -> Option<&BackendId> {
+    /// The backend holding `id`, if the book has a live record of it made by `owner` (another
+    /// client's response is as unknown as one never made).
+    pub fn holder(&self, id: &str, owner: Option<&str>, now_ms: u64) -> Option<&BackendId> {
         self.holders
             .get(id)
             .filter(|r| now_ms.saturating_sub(r.recorded_ms) < RECORD_TTL_MS)
+            .filter(|r| r.owner.as_deref() == owner)
             .map(|r| &r.backend)
     }
 
@@ -124,14 +135,14 @@ impl ResponseBook {
 }
 
 impl Pool {
-    /// Records that `backend` holds the stored response `id` (reported with a lease's release).
+    /// Records that `backend` holds the stored `response` (reported with a lease's release).
     pub fn record_response(
         &mut self,
-        id: &str,
+        response: &StoredResponse,
         backend: &BackendId,
         now_ms: u64,
     ) -> Option<Recorded> {
-        self.responses.record(id, backend, now_ms)
+        self.responses.record(response, backend, now_ms)
     }
 
     /// The slot of the backend holding the stored response `id`: the only backend a request
@@ -139,9 +150,14 @@ impl Pool {
     /// ([`AcquireError::ResponseNotFound`]) when the pool has no live record of it, when the
     /// backend that holds it left the pool, or when that backend is down (a vLLM server keeps
     /// stored responses in its memory: one that fails its probes has probably restarted).
-    pub(super) fn holder_slot(&self, id: &str, now_ms: u64) -> Result<u32, AcquireError> {
+    pub(super) fn holder_slot(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        now_ms: u64,
+    ) -> Result<u32, AcquireError> {
         let lost = || AcquireError::ResponseNotFound { id: id.to_string() };
-        let backend = self.responses.holder(id, now_ms).ok_or_else(lost)?;
+        let backend = self.responses.holder(id, owner, now_ms).ok_or_else(lost)?;
         let slot = *self.index.get(backend).ok_or_else(lost)?;
         let entry = self.slots[slot as usize].entry.as_ref().ok_or_else(lost)?;
         if entry.health.state == HealthState::Unhealthy {
@@ -150,10 +166,15 @@ impl Pool {
         Ok(slot)
     }
 
-    /// Where to send `GET /v1/responses/{id}` and its cancel: the backend holding `id`, by the
-    /// rule of [`Pool::holder_slot`].
-    pub fn response_holder(&self, id: &str, now_ms: u64) -> Result<CandidateView, AcquireError> {
-        let slot = self.holder_slot(id, now_ms)?;
+    /// Where to send `GET /v1/responses/{id}` and its cancel for `owner`: the backend holding
+    /// `id`, by the rule of [`Pool::holder_slot`].
+    pub fn response_holder(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        now_ms: u64,
+    ) -> Result<CandidateView, AcquireError> {
+        let slot = self.holder_slot(id, owner, now_ms)?;
         match &self.slots[slot as usize].entry {
             Some(entry) => Ok(entry.candidate_view()),
             None => Err(AcquireError::ResponseNotFound { id: id.to_string() }),
@@ -174,22 +195,29 @@ mod tests {
         BackendId(id.to_string())
     }
 
+    fn r(id: impl Into<String>) -> StoredResponse {
+        StoredResponse {
+            id: id.into(),
+            owner: None,
+        }
+    }
+
     #[test]
     fn a_recorded_id_names_its_backend_until_it_expires() {
         let mut book = ResponseBook::default();
-        let first = book.record("resp_1", &b("a"), 1_000);
+        let first = book.record(&r("resp_1"), &b("a"), 1_000);
         assert_eq!(
             first,
             Some(Recorded {
                 forget_before_ms: None
             })
         );
-        assert_eq!(book.holder("resp_1", 2_000), Some(&b("a")));
-        assert_eq!(book.holder("resp_2", 2_000), None);
-        assert_eq!(book.holder("resp_1", 1_000 + RECORD_TTL_MS), None);
+        assert_eq!(book.holder("resp_1", None, 2_000), Some(&b("a")));
+        assert_eq!(book.holder("resp_2", None, 2_000), None);
+        assert_eq!(book.holder("resp_1", None, 1_000 + RECORD_TTL_MS), None);
         // Recording later expires it for good.
         let later = book
-            .record("resp_3", &b("b"), 1_000 + RECORD_TTL_MS)
+            .record(&r("resp_3"), &b("b"), 1_000 + RECORD_TTL_MS)
             .unwrap();
         assert_eq!(later.forget_before_ms, Some(1_000 + RECORD_TTL_MS));
         assert_eq!(book.len(), 1);
@@ -199,18 +227,18 @@ mod tests {
     fn the_book_is_bounded_and_evicts_the_oldest() {
         let mut book = ResponseBook::default();
         for i in 0..MAX_RECORDS + 5 {
-            book.record(&format!("resp_{i}"), &b("a"), i as u64);
+            book.record(&r(format!("resp_{i}")), &b("a"), i as u64);
         }
         assert_eq!(book.len(), MAX_RECORDS);
-        assert_eq!(book.holder("resp_0", 10), None);
-        assert_eq!(book.holder("resp_4", 10), None);
-        assert_eq!(book.holder("resp_5", 10), Some(&b("a")));
+        assert_eq!(book.holder("resp_0", None, 10), None);
+        assert_eq!(book.holder("resp_4", None, 10), None);
+        assert_eq!(book.holder("resp_5", None, 10), Some(&b("a")));
         let newest = format!("resp_{}", MAX_RECORDS + 4);
-        assert_eq!(book.holder(&newest, 10), Some(&b("a")));
+        assert_eq!(book.holder(&newest, None, 10), Some(&b("a")));
         // One more evicts the record of time 5: a durable copy drops what is older than 6.
-        let extra = book.record("resp_extra", &b("a"), 99_999).unwrap();
+        let extra = book.record(&r("resp_extra"), &b("a"), 99_999).unwrap();
         assert_eq!(extra.forget_before_ms, Some(6));
-        assert_eq!(book.holder("resp_5", 10), None);
+        assert_eq!(book.holder("resp_5", None, 10), None);
     }
 
     #[test]
@@ -218,19 +246,35 @@ mod tests {
         let mut book = ResponseBook::default();
         for t in 0..(3 * MAX_RECORDS) as u64 {
             let backend = if t % 2 == 0 { "a" } else { "b" };
-            book.record("resp_same", &b(backend), t);
+            book.record(&r("resp_same"), &b(backend), t);
         }
         assert_eq!(book.len(), 1);
         assert!(book.order.len() <= 2 * MAX_RECORDS);
         let last = (3 * MAX_RECORDS - 1) as u64;
-        assert_eq!(book.holder("resp_same", last), Some(&b("b")));
+        assert_eq!(book.holder("resp_same", None, last), Some(&b("b")));
+    }
+
+    #[test]
+    fn a_record_answers_only_the_client_that_made_it() {
+        let mut book = ResponseBook::default();
+        let mine = StoredResponse {
+            id: "resp_mine".into(),
+            owner: Some("key-a".into()),
+        };
+        book.record(&mine, &b("a"), 0);
+        assert_eq!(book.holder("resp_mine", Some("key-a"), 1), Some(&b("a")));
+        assert_eq!(book.holder("resp_mine", Some("key-b"), 1), None);
+        assert_eq!(book.holder("resp_mine", None, 1), None);
     }
 
     #[test]
     fn empty_and_oversized_ids_are_not_recorded() {
         let mut book = ResponseBook::default();
-        assert_eq!(book.record("", &b("a"), 0), None);
-        assert_eq!(book.record(&"x".repeat(MAX_ID_BYTES + 1), &b("a"), 0), None);
+        assert_eq!(book.record(&r(""), &b("a"), 0), None);
+        assert_eq!(
+            book.record(&r("x".repeat(MAX_ID_BYTES + 1)), &b("a"), 0),
+            None
+        );
         assert!(book.is_empty());
     }
 }

@@ -27,7 +27,7 @@ impl Pool {
         let mut retry_ms: Option<u64> = None;
         // A follow-up of a stored response goes to the backend holding it, or nowhere.
         let pinned = match &features.previous_response_id {
-            Some(id) => Some(self.holder_slot(id, now_ms)?),
+            Some(id) => Some(self.holder_slot(id, features.owner.as_deref(), now_ms)?),
             None => None,
         };
         let scratch = &mut self.scratch;

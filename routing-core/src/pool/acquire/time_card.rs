@@ -71,6 +71,7 @@ impl Pool {
                 sent_ahead: None,
                 previous_response_id: None,
                 stores_response: false,
+                owner: None,
             };
             self.eligible(&features, now_ms, headroom).ok()?;
             let best = self

@@ -201,6 +201,7 @@ pub fn api_features(
         sent_ahead: None,
         previous_response_id,
         stores_response,
+        owner: None,
     })
 }
 

@@ -104,6 +104,10 @@ pub struct RequestFeatures {
     /// is reported to the pool with the release, and it goes to the pool's shard 0.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stores_response: bool,
+    /// For a stateful Responses request, the hash of the client's key (`None` without client
+    /// keys): a stored response is followed up only by the key that made it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 impl RequestFeatures {
@@ -186,6 +190,7 @@ pub fn request_features(
         sent_ahead: None,
         previous_response_id: None,
         stores_response: false,
+        owner: None,
     })
 }
 
