@@ -131,7 +131,7 @@ python_step() {
   [ -x .venv/bin/python ] || python3 -m venv .venv >>"$LOG" 2>&1
   .venv/bin/pip install -q -r tests/python/requirements.txt >>"$LOG" 2>&1
   echo "$want" >"$STAMP_DIR/venv.stamp"
-  echo "installed $(.venv/bin/python -c 'import openai; print("openai", openai.__version__)')"
+  echo "installed $(.venv/bin/python -c 'import anthropic, openai; print("openai", openai.__version__, "anthropic", anthropic.__version__)')"
 }
 
 browser_step() {

@@ -134,6 +134,15 @@ async fn route(
         ["v1", "responses"] => {
             completion::handle(req, env, ctx, Endpoint::Responses, request_id).await
         }
+        // A stored response: to the backend holding it (`request/stored_responses.rs`).
+        ["v1", "responses", id] => {
+            use request::stored_responses::{handle, Action};
+            handle(req, env, ctx, id, Action::Response, request_id).await
+        }
+        ["v1", "responses", id, "cancel"] => {
+            use request::stored_responses::{handle, Action};
+            handle(req, env, ctx, id, Action::Cancel, request_id).await
+        }
         ["v1", "messages"] => {
             completion::handle(req, env, ctx, Endpoint::Messages, request_id).await
         }

@@ -1,13 +1,15 @@
 // The Responses API and Anthropic Messages through the built Worker in workerd (Miniflare on a real
 // 127.0.0.1 port) against real vllm-sim processes, with the OpenAI Node client: responses.create
 // whole and streamed (usage, the backend header), two turns with previous_response_id reaching the
-// backend that stored the first with a prefix-cache hit, a Messages conversation's turn 2 going
+// backend that stored the first with a prefix-cache hit, every turn pinned to that backend in a
+// round-robin pool of three (and its retrieval too), and after a restart of the gateway (the
+// pool's record is in its storage), a Messages conversation's turn 2 going
 // where turn 1's prefix is, usage settled in the access log, and Messages errors in Anthropic's
 // shape (the gateway's own 404 for an unknown model, 400 for a body without max_tokens).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
-import { startGatewayServer, startSim, waitFor, waitReady } from "./lib/harness.mjs";
+import { startGatewayServer, startSim, tempDir, waitFor, waitReady } from "./lib/harness.mjs";
 
 const BASE_MODEL = "resp-model";
 let MODEL = BASE_MODEL;
@@ -91,11 +93,69 @@ test("previous_response_id: turn 2 reaches the backend that stored turn 1 and hi
   assert.ok(second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16,
     `cached ${second.usage.input_tokens_details.cached_tokens} of ${first.usage.input_tokens}`);
   assert.ok(response.headers.get("x-gateway-backend"));
-  // An id no backend stored: vLLM's 404 comes through as the OpenAI client's NotFoundError.
+  // An id no backend stored: the gateway's 404 response_not_found, the OpenAI client's NotFoundError.
   await assert.rejects(
     client.responses.create({ model: MODEL, input: "x", previous_response_id: "resp_nowhere" }),
     (e) => e instanceof OpenAI.NotFoundError,
   );
+});
+
+test("previous_response_id pins every turn to the backend holding the response, in a round-robin pool of three", async () => {
+  const { name } = await freshPool(3, "round_robin");
+  const first = await client.responses
+    .create({ model: MODEL, instructions: SYSTEM, input: "Explain prefix caching.", max_output_tokens: 8 })
+    .withResponse();
+  const home = first.response.headers.get("x-gateway-backend");
+  assert.ok(home.startsWith(name));
+  let previous = first.data.id;
+  for (let turn = 0; turn < 3; turn++) {
+    // Round robin moves every other request on; the conversation stays where its response is.
+    await client.responses.create({ model: MODEL, input: `Filler ${turn}.`, max_output_tokens: 2 });
+    const { data, response } = await client.responses
+      .create({ model: MODEL, input: `Turn ${turn}?`, previous_response_id: previous, max_output_tokens: 4 })
+      .withResponse();
+    assert.equal(response.headers.get("x-gateway-backend"), home, `turn ${turn}`);
+    previous = data.id;
+  }
+  // Retrieval goes to the same backend.
+  const { data: got, response } = await client.responses.retrieve(previous).withResponse();
+  assert.equal(got.id, previous);
+  assert.equal(response.headers.get("x-gateway-backend"), home);
+});
+
+test("the pool's record of a stored response survives a restart of the gateway", async () => {
+  const persist = tempDir();
+  const model = `${BASE_MODEL}-restart`;
+  let g = await startGatewayServer({ persistDir: persist.dir, bindings: { PROBE_INTERVAL_MS: "500" } });
+  try {
+    const put = await g.admin("/admin/pools/rr-restart", { method: "PUT", body: { policy: "round_robin" } });
+    assert.equal(put.status, 200, await put.text());
+    for (let i = 0; i < 3; i++) {
+      const sim = await startSim(["--model", model, "--time-scale", "50", "--seed", String(90 + i)]);
+      sims.push(sim);
+      const reg = await g.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: "rr-restart", models: [model], id: `rs-b${i}` } });
+      assert.equal(reg.status, 201, await reg.text());
+      await waitReady(g, `rs-b${i}`);
+    }
+    const before = new OpenAI({ baseURL: `${g.url}/v1`, apiKey: "unused", maxRetries: 0 });
+    const first = await before.responses.create({ model, input: "Remember this.", max_output_tokens: 4 }).withResponse();
+    const home = first.response.headers.get("x-gateway-backend");
+    // The pool's objects start again from their storage.
+    await g.close();
+    g = await startGatewayServer({ persistDir: persist.dir, bindings: { PROBE_INTERVAL_MS: "500" } });
+    for (let i = 0; i < 3; i++) await waitReady(g, `rs-b${i}`);
+    const after = new OpenAI({ baseURL: `${g.url}/v1`, apiKey: "unused", maxRetries: 0 });
+    for (let turn = 0; turn < 3; turn++) {
+      await after.responses.create({ model, input: `Filler ${turn}.`, max_output_tokens: 2 });
+      const { response } = await after.responses
+        .create({ model, input: `Turn ${turn}?`, previous_response_id: first.data.id, max_output_tokens: 2 })
+        .withResponse();
+      assert.equal(response.headers.get("x-gateway-backend"), home, `turn ${turn} after the restart`);
+    }
+  } finally {
+    await g.close();
+    persist.cleanup();
+  }
 });
 
 test("a Messages conversation's turn 2 goes where turn 1's prefix is", async () => {

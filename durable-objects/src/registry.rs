@@ -1,14 +1,17 @@
 //! The pool's durable registry: backends, pool configuration and breaker state in the Durable
-//! Object's SQLite database, so a restarted object comes back with everything that must survive.
+//! Object's SQLite database, so a restarted object comes back with everything that must survive;
+//! and which backend holds each stored Responses API response (`routing_core::pool::responses`),
+//! so a deploy or an eviction does not lose a conversation's way back to its server.
 //! Leases and the prefix-affinity table are deliberately not here: they describe the moment and
 //! are rebuilt by traffic (leases also expire on their own deadline).
 
 use coordinator_protocol::ApiError;
-use routing_core::backend::BackendSpec;
+use routing_core::backend::{BackendId, BackendSpec};
 use routing_core::pool::BackendSnapshot;
+use routing_core::stream::outcome::StoredResponse;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use worker::SqlStorage;
+use worker::{SqlStorage, SqlStorageValue};
 
 /// The SQLite tables of a pool.
 pub struct Registry {
@@ -19,6 +22,14 @@ pub struct Registry {
 struct BackendRow {
     spec: String,
     snapshot: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ResponseRow {
+    id: String,
+    backend: String,
+    owner: Option<String>,
+    at_ms: f64,
 }
 
 #[derive(Deserialize)]
@@ -35,6 +46,14 @@ impl Registry {
         )?;
         sql.exec(
             "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            None,
+        )?;
+        sql.exec(
+            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, backend TEXT NOT NULL, owner TEXT, at_ms INTEGER NOT NULL)",
+            None,
+        )?;
+        sql.exec(
+            "CREATE INDEX IF NOT EXISTS responses_at ON responses (at_ms)",
             None,
         )?;
         Ok(Registry { sql })
@@ -97,6 +116,58 @@ impl Registry {
     pub fn delete(&self, id: &str) -> Result<(), ApiError> {
         self.sql
             .exec("DELETE FROM backends WHERE id = ?", vec![id.into()])?;
+        Ok(())
+    }
+
+    /// The stored responses' holders, oldest first: the newest `limit` of them.
+    pub fn responses(&self, limit: usize) -> worker::Result<Vec<(StoredResponse, BackendId, u64)>> {
+        let rows: Vec<ResponseRow> = self
+            .sql
+            .exec(
+                "SELECT id, backend, owner, at_ms FROM (SELECT id, backend, owner, at_ms \
+                 FROM responses ORDER BY at_ms DESC LIMIT ?) ORDER BY at_ms",
+                vec![i64::try_from(limit).unwrap_or(i64::MAX).into()],
+            )?
+            .to_array()?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                let response = StoredResponse {
+                    id: r.id,
+                    owner: r.owner,
+                };
+                (response, BackendId(r.backend), r.at_ms as u64)
+            })
+            .collect())
+    }
+
+    /// Writes that `backend` holds the stored `response` since `at_ms`, and drops the records
+    /// older than `forget_before_ms`.
+    pub fn put_response(
+        &self,
+        response: &StoredResponse,
+        backend: &BackendId,
+        at_ms: u64,
+        forget_before_ms: Option<u64>,
+    ) -> Result<(), ApiError> {
+        if let Some(before) = forget_before_ms {
+            self.sql.exec(
+                "DELETE FROM responses WHERE at_ms < ?",
+                vec![i64::try_from(before).unwrap_or(i64::MAX).into()],
+            )?;
+        }
+        self.sql.exec(
+            "INSERT OR REPLACE INTO responses (id, backend, owner, at_ms) VALUES (?, ?, ?, ?)",
+            vec![
+                response.id.clone().into(),
+                backend.0.clone().into(),
+                match &response.owner {
+                    Some(owner) => owner.clone().into(),
+                    None => SqlStorageValue::Null,
+                },
+                i64::try_from(at_ms).unwrap_or(i64::MAX).into(),
+            ],
+        )?;
         Ok(())
     }
 

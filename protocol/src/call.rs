@@ -19,7 +19,8 @@ use crate::messages::{
     DequeueAnswer, DequeueRequest, KeyPatch, KeyPatchAnswer, LoadReportAnswer, ModelsAnswer,
     PoolEntry, PoolSummary, PrefillDone, PrefillDoneAnswer, ProbeRound, ReassignAnswer,
     ReassignRequest, ReleaseAnswer, ReleaseBatch, ReleaseBatchAnswer, ReleaseRequest, RenewAnswer,
-    RenewRequest, SettleRequest, ShardAck, ShardRegistry, StoredKey, TakeRequest, Taken,
+    RenewRequest, ResponseHolder, ResponseHolderAnswer, SettleRequest, ShardAck, ShardRegistry,
+    StoredKey, TakeRequest, Taken,
 };
 use crate::route::Route;
 use crate::settings::PoolSettings;
@@ -308,7 +309,7 @@ macro_rules! json_answers {
 
 json_answers!(200 =>
     DequeueAnswer, ReleaseAnswer, ReleaseBatchAnswer, RenewAnswer, PrefillDoneAnswer,
-    BackendList, AdminBackend, ModelsAnswer, PoolSettings, PoolSummary, AlarmAnswer,
+    ResponseHolderAnswer, BackendList, AdminBackend, ModelsAnswer, PoolSettings, PoolSummary, AlarmAnswer,
     LoadReportAnswer, ShardAck, Vec<PoolEntry>, PoolEntry, CardAnswer, Vec<StoredKey>,
     KeyPatchAnswer,
 );
@@ -419,6 +420,7 @@ json_calls! {
     ReleaseBatch => ReleaseBatchAnswer, Route::ReleaseBatch;
     RenewRequest => RenewAnswer, Route::Renew;
     PrefillDone => PrefillDoneAnswer, Route::PrefillDone;
+    ResponseHolder => ResponseHolderAnswer, Route::ResponseHolder;
     BackendRegistration => BackendView, Route::RegisterBackend;
     PoolSettings => PoolSettings, Route::PutConfig;
     LoadReport => LoadReportAnswer, Route::ShardLoad;

@@ -133,6 +133,23 @@ impl ApiError {
         .with_param("model")
     }
 
+    /// 404 `response_not_found`: the stored Responses API response `id` (named by
+    /// `previous_response_id`, or in `/v1/responses/{id}`) is held by no backend the gateway can
+    /// reach: it was never recorded, or the backend that stored it was removed or is down.
+    pub fn response_not_found(id: &str, param: &str) -> Self {
+        Self::new(
+            404,
+            ErrorKind::InvalidRequest,
+            Some("response_not_found"),
+            format!(
+                "The response `{id}` is not held by any backend the gateway can reach: the \
+                 server that stored it was removed or is down, or the id is unknown (stored \
+                 responses live in one vLLM server's memory)."
+            ),
+        )
+        .with_param(param)
+    }
+
     /// 404 `model_does_not_support_endpoint`: the model's servers have no such route (vLLM
     /// registers only the routes of its model's task: no embeddings for a chat model).
     pub fn model_does_not_support(model: &str, what: &str) -> Self {

@@ -128,6 +128,26 @@ pub struct ReleaseAnswer {
     pub released: bool,
 }
 
+/// `POST /responses/holder`: which backend of the pool shard holds a stored Responses API
+/// response (`GET /v1/responses/{id}` and its cancel go there).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ResponseHolder {
+    /// The response id.
+    pub id: String,
+    /// The hash of the asking client's key (`None` without client keys): only the key that made
+    /// a response finds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+/// The answer to `POST /responses/holder`: the backend to call, or `None` when the response is
+/// lost (never recorded, expired, or its backend left the pool or is down).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResponseHolderAnswer {
+    /// The backend holding the response.
+    pub holder: Option<CandidateView>,
+}
+
 /// `POST /release_batch`: several requests of one shard ended, each released as by `/release`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReleaseBatch {

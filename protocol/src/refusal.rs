@@ -80,6 +80,9 @@ impl From<Refusal> for ApiError {
                 ApiError::unavailable("The pool's queue is unavailable; retry later.", 1)
                     .with_code("queue_unavailable")
             }
+            Refusal::ResponseNotFound { id } => {
+                ApiError::response_not_found(id, "previous_response_id")
+            }
             Refusal::RetryBudgetExhausted => {
                 ApiError::unavailable("The pool's retry budget is exhausted.", 1)
                     .with_code("retry_budget_exhausted")
@@ -153,6 +156,15 @@ mod tests {
         assert_eq!(busy.code.as_deref(), Some("no_backend_available"));
         let missing = ApiError::from(Refusal::ModelNotFound { model: "m".into() });
         assert_eq!(missing, ApiError::model_not_found("m"));
+        let lost = ApiError::from(Refusal::ResponseNotFound {
+            id: "resp_1".into(),
+        });
+        assert_eq!(
+            (lost.status, lost.code.as_deref()),
+            (404, Some("response_not_found"))
+        );
+        assert_eq!(lost.param.as_deref(), Some("previous_response_id"));
+        assert!(lost.message.contains("resp_1"));
     }
 
     #[test]

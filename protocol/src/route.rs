@@ -84,6 +84,9 @@ pub enum Route {
     Renew,
     /// `POST /prefill_done`: `PrefillDone` -> `PrefillDoneAnswer`.
     PrefillDone,
+    /// `POST /responses/holder`: `ResponseHolder` -> `ResponseHolderAnswer` (the backend holding
+    /// a stored Responses API response, for `GET /v1/responses/{id}` and its cancel).
+    ResponseHolder,
     /// `POST /backends`: `BackendRegistration` -> `BackendView` (201).
     RegisterBackend,
     /// `GET /backends`: -> `BackendList`.
@@ -197,6 +200,7 @@ impl Route {
             Route::ReleaseBatch => "/release_batch".into(),
             Route::Renew => "/renew".into(),
             Route::PrefillDone => "/prefill_done".into(),
+            Route::ResponseHolder => "/responses/holder".into(),
             Route::RegisterBackend | Route::ListBackends => "/backends".into(),
             Route::ShowBackend(id) | Route::PatchBackend(id) => format!("/backends/{id}"),
             Route::DeleteBackend { id, force: true } => format!("/backends/{id}?force=true"),
@@ -271,6 +275,7 @@ impl Route {
             (["release_batch"], Post) => Route::ReleaseBatch,
             (["renew"], Post) => Route::Renew,
             (["prefill_done"], Post) => Route::PrefillDone,
+            (["responses", "holder"], Post) => Route::ResponseHolder,
             (["backends"], Post) => Route::RegisterBackend,
             (["backends"], Get) => Route::ListBackends,
             (["backends", id], Get) => Route::ShowBackend(owned(id)),
@@ -348,6 +353,7 @@ mod tests {
             Route::ReleaseBatch,
             Route::Renew,
             Route::PrefillDone,
+            Route::ResponseHolder,
             Route::RegisterBackend,
             Route::ListBackends,
             Route::ShowBackend(id()),

@@ -16,7 +16,10 @@ use routing_core::coordinator::{
     Stored, Verdict,
 };
 use routing_core::pool::lease::LeaseTerms;
-use routing_core::pool::{AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult};
+use routing_core::pool::{
+    AcquireError, AdmissionConfig, BackendSnapshot, Grant, PoolConfig, ProbeResult,
+};
+use routing_core::stream::outcome::StoredResponse;
 use routing_core::{Outcome, PolicyKind, RequestFeatures};
 use std::collections::{HashMap, HashSet};
 
@@ -295,6 +298,7 @@ fn a_restart_holds_a_restored_drain_for_a_lease_lifetime() {
             .collect(),
         pending_delete: [id(0)].into_iter().collect(),
         drain_started: HashMap::from([(id(0), 50), (id(1), 60)]),
+        responses: Vec::new(),
     };
     let restart = 1_000;
     let (mut c, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 1, restart);
@@ -703,4 +707,200 @@ fn a_pool_that_published_a_busy_card_publishes_again_when_its_last_lease_ends() 
         !effects.iter().any(|e| matches!(e, Effect::PublishCard(_))),
         "{effects:?}"
     );
+}
+
+/// A Responses request of the client key `key-a` that stores its response, or follows one up.
+fn stateful(previous: Option<&str>) -> RequestFeatures {
+    RequestFeatures {
+        previous_response_id: previous.map(str::to_string),
+        stores_response: true,
+        owner: Some("key-a".into()),
+        ..features()
+    }
+}
+
+/// A Responses request that stored the response `id`: granted, and released with the id the
+/// backend answered, as the Worker reports it.
+fn store_response(c: &mut Coordinator, id: &str) -> Grant {
+    let (step, _) = c.acquire(stateful(None), None, None, false, 10, &Hungup::default());
+    let first = grant(step);
+    let stored = Outcome {
+        stored_response: Some(Box::new(StoredResponse {
+            id: id.into(),
+            owner: Some("key-a".into()),
+        })),
+        ..Outcome::from_status(200)
+    };
+    let one = Release {
+        lease_id: first.lease_id,
+        outcome: &stored,
+        backend: Some(&first.backend),
+    };
+    let (released, effects) = c.release(&[one], 20);
+    assert_eq!(released, vec![true]);
+    // The record is written to storage with the backend's snapshot.
+    let persisted = Effect::PersistResponse {
+        response: *stored.stored_response.clone().unwrap(),
+        backend: first.backend.clone(),
+        at_ms: 20,
+        forget_before_ms: None,
+    };
+    assert!(effects.contains(&persisted), "{effects:?}");
+    first
+}
+
+fn refused(step: Step) -> AcquireError {
+    match step {
+        Step::Refused(e) => e,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_follow_up_goes_to_the_backend_its_release_recorded_or_is_lost() {
+    let mut c = coordinator(settings(routing()), 3, 8);
+    let calls = Hungup::default();
+    let first = store_response(&mut c, "resp_abc");
+    assert_eq!(c.pool().recorded_responses(), 1);
+    // Round robin would move on; every follow-up stays on the holder, with no other candidate.
+    for t in 0..6 {
+        let (step, _) = c.acquire(
+            stateful(Some("resp_abc")),
+            None,
+            None,
+            false,
+            30 + t,
+            &calls,
+        );
+        let g = grant(step);
+        assert_eq!(g.backend, first.backend);
+        assert!(g.candidates.iter().all(|v| v.id == first.backend));
+        release(&mut c, g.lease_id, &g.backend, 31 + t);
+    }
+    assert_eq!(
+        c.pool()
+            .response_holder("resp_abc", Some("key-a"), 40)
+            .unwrap()
+            .id,
+        first.backend
+    );
+    // Another client's follow-up finds nothing: the response is not its.
+    let theirs = RequestFeatures {
+        owner: Some("key-b".into()),
+        ..stateful(Some("resp_abc"))
+    };
+    let (step, _) = c.acquire(theirs, None, None, false, 45, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_abc".into()
+        }
+    );
+    assert!(c.pool().response_holder("resp_abc", None, 45).is_err());
+    // An id the pool never recorded: lost, never another backend's answer.
+    let (step, _) = c.acquire(stateful(Some("resp_other")), None, None, false, 50, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_other".into()
+        }
+    );
+    // The holder leaves the pool: its responses are lost with it.
+    c.delete(&first.backend, true, 60).unwrap();
+    let (step, _) = c.acquire(stateful(Some("resp_abc")), None, None, false, 70, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_abc".into()
+        }
+    );
+    assert!(c
+        .pool()
+        .response_holder("resp_abc", Some("key-a"), 70)
+        .is_err());
+    // The pool's leases all ended.
+    assert_eq!(c.pool().in_flight_total(), 0);
+}
+
+#[test]
+fn a_follow_up_whose_holder_is_down_is_lost() {
+    let mut c = coordinator(settings(routing()), 2, 8);
+    let calls = Hungup::default();
+    let first = store_response(&mut c, "resp_down");
+    let down = ProbeReport {
+        result: ProbeResult {
+            ok: false,
+            unreachable: true,
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    };
+    for t in 0..5 {
+        c.record_probes(vec![(first.backend.clone(), down.clone())], 100 + t);
+    }
+    assert_eq!(
+        c.pool().backend(&first.backend).unwrap().health,
+        HealthState::Unhealthy
+    );
+    let (step, _) = c.acquire(stateful(Some("resp_down")), None, None, false, 200, &calls);
+    assert_eq!(
+        refused(step),
+        AcquireError::ResponseNotFound {
+            id: "resp_down".into()
+        }
+    );
+}
+
+#[test]
+fn a_restarted_coordinator_still_knows_where_stored_responses_are() {
+    let mut c = coordinator(settings(routing()), 3, 8);
+    let first = store_response(&mut c, "resp_kept");
+    // What the Durable Object read back from storage after a restart.
+    let stored = Stored {
+        backends: (0..3)
+            .map(|i| (spec(i, 8), Some(snapshot(&c, i))))
+            .collect(),
+        responses: vec![(
+            StoredResponse {
+                id: "resp_kept".into(),
+                owner: Some("key-a".into()),
+            },
+            first.backend.clone(),
+            20,
+        )],
+        ..Stored::default()
+    };
+    let (mut restarted, failed) = Coordinator::restore("p", 0, settings(routing()), stored, 9, 30);
+    assert!(failed.is_empty());
+    let calls = Hungup::default();
+    for t in 0..4 {
+        let features = stateful(Some("resp_kept"));
+        let (step, _) = restarted.acquire(features, None, None, false, 40 + t, &calls);
+        let g = grant(step);
+        assert_eq!(g.backend, first.backend);
+        release(&mut restarted, g.lease_id, &g.backend, 41 + t);
+    }
+}
+
+#[test]
+fn a_follow_up_whose_holder_drains_waits_and_never_goes_elsewhere() {
+    let mut c = coordinator(settings(routing()), 2, 8);
+    let first = store_response(&mut c, "resp_draining");
+    c.patch(&first.backend, &Default::default(), Some(true), 30)
+        .unwrap();
+    let (step, _) = c.acquire(
+        stateful(Some("resp_draining")),
+        None,
+        None,
+        false,
+        40,
+        &Hungup::default(),
+    );
+    assert!(
+        matches!(refused(step), AcquireError::NoBackendAvailable { .. }),
+        "a draining holder is busy, not lost"
+    );
+    // A new conversation still goes to the other backend.
+    let g = acquire(&mut c, 50);
+    assert_ne!(g.backend, first.backend);
 }

@@ -109,6 +109,11 @@ pub async fn handle(
         )),
         (None, None) => None,
     };
+    // A stored response is followed up and retrieved only with the key that made it (a hop
+    // carries the edge's key hash in its charge).
+    if features.is_stateful() {
+        features.owner = charge.as_ref().map(|c| c.client.clone());
+    }
     let stream = features.stream;
     // Streams report usage only when asked: ask, and take the event out again if the client didn't.
     // The Responses and Messages streams always report usage: nothing to ask for.
@@ -206,7 +211,10 @@ pub async fn handle(
                 shard,
                 model: &features.model,
                 block_hashes: &features.block_hashes,
-                may_send: !sent_ahead_once && reserved.is_known(),
+                // A follow-up of a stored response goes only where the pool's record says.
+                may_send: !sent_ahead_once
+                    && reserved.is_known()
+                    && features.previous_response_id.is_none(),
                 delay_ms: network_delay_ms,
                 resend_ms: regions::rtt_estimate_ms(
                     env,
@@ -382,7 +390,12 @@ pub async fn handle(
     reserved.refund(ctx, env);
     Err(match walk.end() {
         WalkEnd::Refused(refusal) => refusal.into(),
-        WalkEnd::NotServed => ApiError::model_not_found(&features.model),
+        // A follow-up of a stored response no pool could place: the response is lost (each pool
+        // refused it as unknown, or its backend gone), whatever the model.
+        WalkEnd::NotServed => match &features.previous_response_id {
+            Some(id) => ApiError::response_not_found(id, "previous_response_id"),
+            None => ApiError::model_not_found(&features.model),
+        },
         WalkEnd::NoAnswer => ApiError::unavailable("No pool could take the request now.", 1),
         // A restricted request never leaves its jurisdictions: say so when none of them took it.
         WalkEnd::Residency => regions::residency_error(&plan.allowed),

@@ -5,7 +5,8 @@
 //! queue waits) and `ahead.rs` (the backend fetch sent beside the lease call); then `forward/`
 //! (the proxied answer) and `lease/` (the lease's guard and its releases). `passthrough.rs` holds
 //! what differs for vLLM's own routes passed through by model (multipart intake, a route the
-//! backend's task lacks).
+//! backend's task lacks). `stored_responses.rs` sends the calls about a stored Responses API
+//! response (retrieve, cancel) to the backend holding it.
 
 pub mod admission;
 pub mod ahead;
@@ -17,3 +18,4 @@ pub mod hop;
 pub mod lease;
 pub mod passthrough;
 pub mod regions;
+pub mod stored_responses;

@@ -1,11 +1,14 @@
 //! The rest of a lease's life: a retry on the next candidate, renewals, the end of a
-//! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected).
+//! disaggregated request's prefill stage, and the release (one, or a batch an isolate collected,
+//! each recording the stored Responses API response it may report); and where such a stored
+//! response is held (`GET /v1/responses/{id}` and its cancel).
 
 use super::{now_ms, pool_error, ApiResult, PoolCoordinator};
 use crate::call::reply;
 use coordinator_protocol::messages::{
     PrefillDone, PrefillDoneAnswer, ReassignAnswer, ReassignRequest, ReleaseAnswer, ReleaseBatch,
-    ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest,
+    ReleaseBatchAnswer, ReleaseRequest, RenewAnswer, RenewRequest, ResponseHolder,
+    ResponseHolderAnswer,
 };
 use routing_core::coordinator::reassign::RetryRefused;
 use routing_core::coordinator::Release;
@@ -69,6 +72,16 @@ impl PoolCoordinator {
             );
             let _ = shard.perform(effects, now);
             reply::<PrefillDone>(&PrefillDoneAnswer { ended })
+        })
+    }
+
+    /// The backend holding a stored response, by the pool's record (`routing_core::pool::responses`).
+    pub(super) fn response_holder(&self, req: ResponseHolder) -> ApiResult {
+        self.with(|shard| {
+            let pool = shard.coordinator.pool();
+            let owner = req.owner.as_deref();
+            let holder = pool.response_holder(&req.id, owner, now_ms()).ok();
+            reply::<ResponseHolder>(&ResponseHolderAnswer { holder })
         })
     }
 

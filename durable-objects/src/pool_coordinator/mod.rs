@@ -162,6 +162,14 @@ impl PoolShard {
                         performed.card = Some(card);
                         Ok(())
                     }
+                    Effect::PersistResponse {
+                        response,
+                        backend,
+                        at_ms,
+                        forget_before_ms,
+                    } => self
+                        .registry
+                        .put_response(&response, &backend, at_ms, forget_before_ms),
                 };
                 if let Err(e) = written {
                     console_error!("pool {}: storage: {e}", self.name);
@@ -344,6 +352,7 @@ impl PoolCoordinator {
             Route::ReleaseBatch => self.release_batch(req.body("release batch").await?).await,
             Route::Renew => self.renew(req.body("renew request").await?),
             Route::PrefillDone => self.prefill_done(req.body("prefill report").await?),
+            Route::ResponseHolder => self.response_holder(req.body("response holder").await?),
             Route::RegisterBackend => self.register(req.body("backend registration").await?).await,
             Route::ListBackends => self.list(),
             Route::ShowBackend(id) => self.show(&id),
@@ -410,6 +419,7 @@ impl PoolCoordinator {
             backends: registry.backends()?,
             pending_delete: registry.meta("pending_delete").unwrap_or_default(),
             drain_started: registry.meta("drain_started").unwrap_or_default(),
+            responses: registry.responses(routing_core::pool::responses::MAX_RECORDS)?,
         };
         let now = now_ms();
         let seed = now ^ (js_sys::Math::random() * u64::MAX as f64) as u64;

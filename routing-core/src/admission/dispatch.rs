@@ -104,7 +104,10 @@ impl AdmissionQueue {
                         served = true;
                         break;
                     }
-                    Err(AcquireError::ModelNotFound { .. }) => {
+                    // Its model, or the backend holding its stored response, left the pool.
+                    Err(
+                        AcquireError::ModelNotFound { .. } | AcquireError::ResponseNotFound { .. },
+                    ) => {
                         if let Some(w) = self.remove(ticket, DropReason::ModelGone) {
                             out.push(Departure::Dropped {
                                 ticket,

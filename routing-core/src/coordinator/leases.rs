@@ -1,6 +1,7 @@
 //! The rest of a lease's life in the coordinator: a retry on the next candidate (the retry
 //! budget's gate, [`super::reassign`]), renewals, the end of a disaggregated request's prefill
-//! stage, and releases. Each writes the backends the request touched when their state changed.
+//! stage, and releases (which also record the stored response a Responses request left on its
+//! backend). Each writes the backends the request touched when their state changed.
 
 use super::reassign::{reassign, FailedAttempt, Reassignment, RetryRefused};
 use super::{Coordinator, Effect, Effects};
@@ -94,6 +95,17 @@ impl Coordinator {
                 // A backend whose 5xx the lease left is charged (or not) now: it changes too.
                 let deferred = self.pool.deferred_failure(r.lease_id);
                 let released = self.pool.release(r.lease_id, r.outcome, now_ms);
+                // The backend holds the response it stored: a follow-up must find it there.
+                if let (Some(response), Some(backend)) = (&r.outcome.stored_response, r.backend) {
+                    if let Some(recorded) = self.pool.record_response(response, backend, now_ms) {
+                        effects.push(Effect::PersistResponse {
+                            response: (**response).clone(),
+                            backend: backend.clone(),
+                            at_ms: now_ms,
+                            forget_before_ms: recorded.forget_before_ms,
+                        });
+                    }
+                }
                 if released {
                     self.persist_backends(&[r.backend, deferred.as_ref()], &mut effects);
                 }

@@ -47,6 +47,7 @@ use crate::backend::{BackendId, BackendSpec};
 use crate::pool::{BackendSnapshot, Pool, PoolConfig, PoolError};
 use crate::random::SplitMix64;
 use crate::region::{RoutedCounts, TimeCard};
+use crate::stream::outcome::StoredResponse;
 use exchange::Exchange;
 use history::History;
 use load::{LoadTargets, PoolLoad};
@@ -92,6 +93,18 @@ pub enum Effect {
     PushRegistry,
     /// Hand this time card to the directory.
     PublishCard(TimeCard),
+    /// Write that `backend` holds the stored `response` since `at_ms`, and drop the stored
+    /// records older than `forget_before_ms` (the pool's book evicted or expired them).
+    PersistResponse {
+        /// The response and its owner.
+        response: StoredResponse,
+        /// The backend holding it.
+        backend: BackendId,
+        /// When it was recorded.
+        at_ms: u64,
+        /// Records older than this are gone from the book.
+        forget_before_ms: Option<u64>,
+    },
 }
 
 /// The effects of one call, in order.
@@ -130,6 +143,9 @@ pub struct Stored {
     pub pending_delete: HashSet<BackendId>,
     /// When each draining backend's drain started.
     pub drain_started: HashMap<BackendId, u64>,
+    /// The stored Responses API responses' holders (`crate::pool::responses`): the response,
+    /// its backend and when it was recorded, oldest first.
+    pub responses: Vec<(StoredResponse, BackendId, u64)>,
 }
 
 /// One coordinator shard of a pool: its rules and its memory (see the module documentation).
@@ -194,6 +210,9 @@ impl Coordinator {
             if let Some(snapshot) = snapshot {
                 let _ = pool.restore(&snapshot);
             }
+        }
+        for (response, backend, at_ms) in &stored.responses {
+            pool.record_response(response, backend, *at_ms);
         }
         let restored: HashSet<BackendId> = pool.backends().map(|v| v.id).collect();
         let hold_until_ms = if restored.is_empty() {

@@ -84,6 +84,13 @@ pub enum AcquireError {
     /// Backends serve the model and are up, but every one is at its admission capacity (only with
     /// admission control on: the request may wait in the pool's queue).
     AtCapacity,
+    /// The request names a stored response (`previous_response_id`) no backend of the pool can
+    /// serve: the pool has no record of it, or the backend holding it left the pool or is down
+    /// (the Worker answers 404 `response_not_found`).
+    ResponseNotFound {
+        /// The response id asked for.
+        id: String,
+    },
 }
 
 impl fmt::Display for AcquireError {
@@ -97,6 +104,9 @@ impl fmt::Display for AcquireError {
                 "no backend is available for this model; retry after {retry_after_s} s"
             ),
             AcquireError::AtCapacity => f.write_str("every backend for this model is at capacity"),
+            AcquireError::ResponseNotFound { id } => {
+                write!(f, "no backend of this pool holds the response `{id}`")
+            }
         }
     }
 }
@@ -155,6 +165,12 @@ pub enum Refusal {
     /// The pool's queue stopped answering while the request waited in it (the Worker's verdict
     /// after several failed calls in a row).
     QueueUnavailable,
+    /// The request names a stored response no backend of the pool holds
+    /// ([`AcquireError::ResponseNotFound`]); a further pool may hold it.
+    ResponseNotFound {
+        /// The response id asked for.
+        id: String,
+    },
     /// A retry: the pool's retry budget is spent (the lease ended with the failure).
     RetryBudgetExhausted,
     /// A retry: the pool could not move the lease to the candidate asked for.
@@ -172,6 +188,7 @@ impl From<AcquireError> for Refusal {
                 Refusal::NoBackendAvailable { retry_after_s }
             }
             AcquireError::AtCapacity => Refusal::AtCapacity,
+            AcquireError::ResponseNotFound { id } => Refusal::ResponseNotFound { id },
         }
     }
 }
@@ -179,7 +196,9 @@ impl From<AcquireError> for Refusal {
 impl WalkRefusal for Refusal {
     fn kind(&self) -> RefusalKind {
         match self {
-            Refusal::ModelNotFound { .. } | Refusal::ModelGone => RefusalKind::NotServed,
+            Refusal::ModelNotFound { .. }
+            | Refusal::ModelGone
+            | Refusal::ResponseNotFound { .. } => RefusalKind::NotServed,
             Refusal::AtCapacity | Refusal::Full => RefusalKind::Full,
             Refusal::Saturated => RefusalKind::Saturated,
             Refusal::NoBackendAvailable { .. }

@@ -37,6 +37,7 @@ mod leases;
 mod persistence;
 mod registry;
 mod render;
+pub mod responses;
 pub mod shard;
 mod siblings;
 mod stats;
@@ -103,6 +104,8 @@ pub struct Pool {
     /// patched): carried on every grant ([`Grant::roster`]) so an isolate's guesses of this
     /// shard's choices (`ROUTE_AHEAD`) forget every backend they knew at its next answer.
     roster: u32,
+    /// Which backend holds each stored Responses API response (`previous_response_id`).
+    responses: responses::ResponseBook,
 }
 
 impl fmt::Debug for Pool {
@@ -151,6 +154,7 @@ impl Pool {
             siblings: None,
             siblings_summed_ms: 0,
             roster: 0,
+            responses: responses::ResponseBook::default(),
         }
     }
 

@@ -208,7 +208,7 @@ fn backend_families<'r>() -> [Family<BackendReport<'r>>; 22] {
 }
 
 /// The pool's families, after the backends', in page order.
-const POOL_FAMILIES: [Family<Pool>; 13] = [
+const POOL_FAMILIES: [Family<Pool>; 14] = [
     Kind::Counter.family(
         "llm_gateway_decisions_total",
         "Routing decisions by policy and kind.",
@@ -231,6 +231,11 @@ const POOL_FAMILIES: [Family<Pool>; 13] = [
     Kind::Gauge.family("llm_gateway_backends", "Registered backends.", |p, s| {
         s.value(&[], p.backend_count() as f64)
     }),
+    Kind::Gauge.family(
+        "llm_gateway_stored_responses",
+        "Stored Responses API responses whose backend the pool recorded.",
+        |p, s| s.value(&[], p.recorded_responses() as f64),
+    ),
     Kind::Gauge.family(
         "llm_gateway_leases_live",
         "Live leases, including those on removed backends.",

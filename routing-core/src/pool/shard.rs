@@ -64,8 +64,23 @@ pub fn shard_for(
 }
 
 /// The shard of a request with these features: [`shard_for`] with its routing key, its first
-/// prefix block, and its request id as the fallback.
+/// prefix block, and its request id as the fallback; shard 0 for a stateful Responses request.
+///
+/// A Responses request that stores its response (`store`, the API's default) or names a
+/// `previous_response_id` goes to shard 0, as do `GET /v1/responses/{id}` and its cancel: the
+/// pool's record of which backend holds each stored response (`pool::responses`) must be
+/// where every later call about that response looks. The response id is known only once the
+/// backend has answered, after the shard granted the lease, and ids are the backends' own (the
+/// gateway writes nothing into them), so no hash of the follow-up could find the shard of the
+/// first turn; and shards share only load, so a record kept in the granting shard would be
+/// invisible to the others. One shard per pool for stateful Responses calls keeps the record
+/// exact with no extra round trip. The price: those calls are coordinated by one shard of the
+/// pool (its queue, its prefix-affinity table); Responses requests with `store: false`, chat
+/// and Messages are spread over the shards as before.
 pub fn shard_of_request(shards: u32, features: &RequestFeatures) -> u32 {
+    if features.is_stateful() {
+        return 0;
+    }
     shard_for(
         shards,
         features.routing_key.as_deref(),
@@ -276,6 +291,24 @@ mod tests {
         let by_id = shard_of_request(8, &f);
         assert_eq!(by_id, shard_for(8, None, None, key_hash("req-1")));
         assert_eq!(shard_of_request(1, &f), 0);
+    }
+
+    #[test]
+    fn stateful_responses_requests_all_go_to_shard_0() {
+        // Keys that would spread over the shards otherwise.
+        let keyed = |key: &str| RequestFeatures {
+            routing_key: Some(key.into()),
+            ..RequestFeatures::default()
+        };
+        assert!((0..32).any(|i| shard_of_request(8, &keyed(&format!("k{i}"))) != 0));
+        for i in 0..32 {
+            let mut f = keyed(&format!("k{i}"));
+            f.stores_response = true;
+            assert_eq!(shard_of_request(8, &f), 0);
+            f.stores_response = false;
+            f.previous_response_id = Some(format!("resp_{i}"));
+            assert_eq!(shard_of_request(8, &f), 0);
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! the server did not register for its model's task (embeddings on a chat model): an answer
 //! about the model, not a failure of the backend.
 
+use crate::request::prompt::RequestFeatures;
 use serde::{Deserialize, Serialize};
 
 /// The class of a request's ending.
@@ -121,6 +122,34 @@ pub struct Outcome {
     /// withdraws the charge it deferred for the first backend's 5xx.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub request_fault: bool,
+    /// The response the backend stored (a Responses API request with `store`): the pool records
+    /// that the backend holds it (`crate::pool::responses`). Boxed: most outcomes have none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored_response: Option<Box<StoredResponse>>,
+}
+
+/// A response a backend stored, as the Worker reports it with the release.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoredResponse {
+    /// The response id the backend answered with.
+    pub id: String,
+    /// The hash of the client key that made it (`None` on a gateway without client keys): only
+    /// that key may follow it up or retrieve it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+impl StoredResponse {
+    /// The response a backend answered with `id` for a request with these features, when the
+    /// request stores its response: owned by the request's client.
+    pub fn answered(features: &RequestFeatures, id: Option<String>) -> Option<Box<StoredResponse>> {
+        id.filter(|_| features.stores_response).map(|id| {
+            Box::new(StoredResponse {
+                id,
+                owner: features.owner.clone(),
+            })
+        })
+    }
 }
 
 /// What became of a stream that failed after its first byte, as told with the share it concerns.

@@ -73,11 +73,14 @@ struct DetailsJson {
     cached_tokens: Option<u32>,
 }
 
-/// Where a Responses or Messages event carries its usage: `response.usage`, `message.usage`.
+/// Where a Responses or Messages event carries its usage: `response.usage`, `message.usage`
+/// (and a Responses event's `response.id`).
 #[derive(Deserialize)]
 struct Nested {
     #[serde(default)]
     usage: Option<UsageJson>,
+    #[serde(default)]
+    id: Option<String>,
 }
 
 /// The parts of a response object (or chunk) that matter here; everything else is skipped, but the
@@ -97,9 +100,26 @@ struct Envelope {
     /// Anthropic's `message_start` carries the message.
     #[serde(default)]
     message: Option<Nested>,
+    /// A whole Responses API answer's `id` (with `object: "response"`).
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    object: Option<String>,
 }
 
 impl Envelope {
+    /// The Responses API response id the document names: a whole answer's `id`, or a
+    /// `response.*` event's `response.id`.
+    fn response_id(&mut self) -> Option<String> {
+        match (self.object.as_deref(), self.kind.as_deref()) {
+            (Some("response"), _) => self.id.take(),
+            (_, Some(kind)) if kind.starts_with("response.") => {
+                self.response.as_mut().and_then(|r| r.id.take())
+            }
+            _ => None,
+        }
+    }
+
     /// The usage the document reports, wherever its shape keeps it.
     fn usage(self) -> Option<UsageJson> {
         self.usage
@@ -160,8 +180,27 @@ const TERMINAL_EVENTS: [&str; 4] = [
 /// A complete non-streamed JSON answer's usage: `Err` when the body is not one whole JSON object
 /// (truncated or otherwise broken), `Ok(None)` when it is but reports no usage.
 pub fn body_usage(body: &[u8]) -> Result<Option<Usage>, String> {
-    let envelope: Envelope = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-    Ok(envelope.usage().map(Usage::from))
+    body_report(body).map(|r| r.usage)
+}
+
+/// What a complete non-streamed JSON answer reports: its usage, and the id of the response it
+/// is (a Responses API answer).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodyReport {
+    /// The usage, when reported.
+    pub usage: Option<Usage>,
+    /// A Responses API answer's `id`.
+    pub response_id: Option<String>,
+}
+
+/// [`body_usage`] with the Responses API answer's id.
+pub fn body_report(body: &[u8]) -> Result<BodyReport, String> {
+    let mut envelope: Envelope = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let response_id = envelope.response_id();
+    Ok(BodyReport {
+        usage: envelope.usage().map(Usage::from),
+        response_id,
+    })
 }
 
 /// What to send the client for one chunk fed to [`StreamScanner::push`].
@@ -196,6 +235,8 @@ pub struct StreamScanner {
     /// Events other than comments seen, plus chunks of a long event let through: the backend's
     /// progress, which a keep-alive comment does not make.
     progress: u64,
+    /// The Responses API response id the stream's terminal event named.
+    response_id: Option<String>,
 }
 
 impl StreamScanner {
@@ -216,6 +257,12 @@ impl StreamScanner {
     /// last may hold none): what a stream cut before its usage event is charged by.
     pub fn answer_events(&self) -> u32 {
         self.answer_events
+    }
+
+    /// The id of the response a Responses API stream answered with (read from its
+    /// `response.completed`, `response.incomplete` or `response.failed` event).
+    pub fn response_id(&self) -> Option<&str> {
+        self.response_id.as_deref()
     }
 
     /// Whether a usage event was taken out of the stream.
@@ -410,7 +457,7 @@ impl StreamScanner {
             return false;
         }
         let data = event_data(event);
-        let Ok(envelope) = serde_json::from_slice::<Envelope>(&data) else {
+        let Ok(mut envelope) = serde_json::from_slice::<Envelope>(&data) else {
             self.answer_events = self.answer_events.saturating_add(1);
             return false;
         };
@@ -424,6 +471,9 @@ impl StreamScanner {
             .is_some_and(|k| TERMINAL_EVENTS.contains(&k))
         {
             self.done = true;
+            if let Some(id) = envelope.response_id() {
+                self.response_id = Some(id);
+            }
         }
         let Some(usage) = envelope.usage() else {
             return false;
@@ -938,6 +988,11 @@ mod tests {
             ),
             (40, Some(32), 5)
         );
+        // The stored response's id, for the pool's record of its holder.
+        assert_eq!(s.response_id(), Some("resp_1"));
+        let mut chat = StreamScanner::new(false);
+        run(&mut chat, &[b"data: {\"id\":\"chatcmpl-1\",\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n"]);
+        assert_eq!(chat.response_id(), None);
     }
 
     #[test]
@@ -981,7 +1036,14 @@ mod tests {
         let responses = br#"{"id":"resp_1","object":"response","output":[],"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":0},"output_tokens":4,"total_tokens":16}}"#;
         let u = body_usage(responses).unwrap().unwrap();
         assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 4));
+        assert_eq!(
+            body_report(responses).unwrap().response_id.as_deref(),
+            Some("resp_1")
+        );
         let messages = br#"{"id":"msg_1","type":"message","content":[],"usage":{"input_tokens":2,"output_tokens":9,"cache_read_input_tokens":16}}"#;
+        assert_eq!(body_report(messages).unwrap().response_id, None);
+        let chat = br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#;
+        assert_eq!(body_report(chat).unwrap().response_id, None);
         let u = body_usage(messages).unwrap().unwrap();
         assert_eq!(
             (u.prompt_tokens, u.cached_tokens, u.completion_tokens),

@@ -32,7 +32,7 @@ use routing_core::backend::BackendId;
 use routing_core::pool::{CandidateView, Refusal};
 use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{judge_answer, AnswerVerdict, Outcome, OutcomeKind};
-use routing_core::stream::usage::{body_usage, Usage};
+use routing_core::stream::usage::{body_report, Usage};
 use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
@@ -60,6 +60,8 @@ pub(crate) struct Answer {
     /// A body read whole (or rewritten: an upstream client error).
     pub(crate) whole: Option<Vec<u8>>,
     pub(crate) usage: Option<Usage>,
+    /// The id of the Responses API response a whole answer is (the pool records its holder).
+    pub(crate) response_id: Option<String>,
     pub(crate) first_chunk: Option<JsValue>,
     /// A stream's body after its first chunk, locked to this reader.
     pub(crate) reader: Option<web_sys::ReadableStreamDefaultReader>,
@@ -100,6 +102,7 @@ impl Answer {
             headers,
             whole: Some(body),
             usage: None,
+            response_id: None,
             first_chunk: None,
             reader: None,
             ttfb_ms,
@@ -530,6 +533,7 @@ impl Attempts {
             headers: Headers(resp.headers()),
             whole: None,
             usage: None,
+            response_id: None,
             first_chunk: None,
             reader: None,
             ttfb_ms: 0,
@@ -604,12 +608,14 @@ impl Attempts {
         if !(content_type.is_empty() || content_type.contains("json")) {
             return Err(not_an_answer(backend, &content_type, "JSON"));
         }
-        answer.usage = body_usage(&bytes).map_err(|e| {
+        let report = body_report(&bytes).map_err(|e| {
             AttemptFailure::new(
                 OutcomeKind::Transport,
                 format!("backend {backend} sent an incomplete or invalid JSON answer ({e})"),
             )
         })?;
+        answer.usage = report.usage;
+        answer.response_id = report.response_id;
         answer.whole = Some(bytes);
         Ok(())
     }

@@ -31,7 +31,7 @@ use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
 use routing_core::pool::{CandidateView, Grant};
-use routing_core::stream::outcome::{Outcome, OutcomeKind};
+use routing_core::stream::outcome::{Outcome, OutcomeKind, StoredResponse};
 use routing_core::stream::usage::body_usage;
 use serde_json::{json, Value};
 use std::rc::Rc;
@@ -255,6 +255,12 @@ impl Forward<'_> {
         outcome.ttfb_ms = Some(answer.ttfb_ms);
         let (Some(reader), true) = (answer.reader, request.stream()) else {
             with_usage(&mut outcome, answer.usage);
+            // A stored response's id goes to the pool with the release: its follow-ups are
+            // pinned to this backend.
+            if (200..300).contains(&status) {
+                outcome.stored_response =
+                    StoredResponse::answered(&request.features, answer.response_id);
+            }
             self.guard.finish(outcome);
             let bytes = answer.whole.unwrap_or_default();
             return Ok(Response::builder()

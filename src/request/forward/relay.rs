@@ -256,6 +256,16 @@ impl Relay {
         self.state.borrow().scanner.usage()
     }
 
+    /// The id of the response a Responses API stream answered with, once its terminal event
+    /// passed.
+    pub fn response_id(&self) -> Option<String> {
+        self.state
+            .borrow()
+            .scanner
+            .response_id()
+            .map(str::to_string)
+    }
+
     /// Starts reading the answer the client receives (a stream that could be resumed).
     pub fn collect(&self) {
         self.state.borrow_mut().partial = Some(Partial::new());

@@ -24,7 +24,7 @@ use crate::request::context::RequestContext;
 use crate::request::forward::attempts::{stream_upstream, with_usage, Attempts, Moved};
 use crate::request::forward::relay::{Piped, Relay, Upstream};
 use routing_core::request::endpoint::Endpoint;
-use routing_core::stream::outcome::{Outcome, OutcomeKind, StreamResume};
+use routing_core::stream::outcome::{Outcome, OutcomeKind, StoredResponse, StreamResume};
 use routing_core::stream::resume::{continuation_body, NotResumable, Splice};
 use worker::AbortSignal;
 
@@ -96,6 +96,10 @@ pub(crate) async fn stream(
         let piped = relay.pipe(upstream, &client_signal).await;
         with_usage(&mut outcome, relay.usage());
         outcome.held_by_client = relay.held();
+        // A stored response's id goes to the pool with the release (its follow-ups are pinned
+        // to this backend).
+        outcome.stored_response =
+            StoredResponse::answered(&attempts.request.features, relay.response_id());
         let failure = match piped {
             Piped::Complete => {
                 // The backend's work is done: its share of the pool ends now, whatever the

@@ -172,6 +172,12 @@ fn previous_response_id_extends_the_prompt_and_hits_the_cache() {
     let cancel = sim.exchange("POST", &format!("/v1/responses/{id}/cancel"), &json!({}));
     assert_eq!(cancel.status, 400);
 
+    // vLLM 0.34 routes no DELETE for a stored response: FastAPI's 405 for the path's other method.
+    let delete = sim.exchange("DELETE", &format!("/v1/responses/{id}"), &Value::Null);
+    assert_eq!(delete.status, 405);
+    let still = sim.exchange("GET", &format!("/v1/responses/{id}"), &Value::Null);
+    assert_eq!(still.status, 200);
+
     let missing = sim.exchange(
         "POST",
         "/v1/responses",

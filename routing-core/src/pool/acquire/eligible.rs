@@ -23,12 +23,20 @@ impl Pool {
         // A pool holding a decode policy pairs, unless the request asked for one role.
         let pair_policy = self.policies.decode.is_some() && features.role_hint.is_none();
         let breaker = self.config.breaker;
-        let scratch = &mut self.scratch;
         let mut model_known = false;
         let mut retry_ms: Option<u64> = None;
+        // A follow-up of a stored response goes to the backend holding it, or nowhere.
+        let pinned = match &features.previous_response_id {
+            Some(id) => Some(self.holder_slot(id, features.owner.as_deref(), now_ms)?),
+            None => None,
+        };
+        let scratch = &mut self.scratch;
         scratch.passed.clear();
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(entry) = &s.entry else { continue };
+            if pinned.is_some_and(|p| p as usize != slot) {
+                continue;
+            }
             match verdict(entry, features, pair_policy, now_ms, &breaker) {
                 Verdict::OtherModel => continue,
                 Verdict::OtherRole => {}

@@ -69,6 +69,9 @@ impl Pool {
                 block_hashes: Vec::new(),
                 role_hint: None,
                 sent_ahead: None,
+                previous_response_id: None,
+                stores_response: false,
+                owner: None,
             };
             self.eligible(&features, now_ms, headroom).ok()?;
             let best = self

@@ -31,6 +31,23 @@ pub fn previous_response_id(body: &Value) -> Option<&str> {
         .filter(|id| !id.is_empty())
 }
 
+/// A Responses request's `previous_response_id`, and whether its response is stored (`store`,
+/// true unless the request says `false`).
+fn stored_state(obj: &Map<String, Value>) -> Result<(Option<String>, bool), PromptError> {
+    let previous = match obj.get("previous_response_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) if id.is_empty() => None,
+        Some(Value::String(id)) => Some(id.clone()),
+        Some(_) => return Err(invalid("previous_response_id", "a string")),
+    };
+    let store = match obj.get("store") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("store", "a boolean")),
+    };
+    Ok((previous, store))
+}
+
 /// The chat messages a Responses request's `instructions` and `input` stand for.
 pub fn responses_messages(obj: &Map<String, Value>) -> Result<Value, PromptError> {
     let mut messages = Vec::new();
@@ -150,6 +167,10 @@ pub fn api_features(
                 .ok_or(invalid(field, "a non-negative integer"))?,
         },
     };
+    let (previous_response_id, stores_response) = match endpoint {
+        Endpoint::Responses => stored_state(obj)?,
+        _ => (None, false),
+    };
     let canonical = canonical_chat_prompt(&messages, obj.get("tools"))?;
     let block_tokens = config.block_tokens.max(1);
     let max_bytes = config
@@ -182,6 +203,9 @@ pub fn api_features(
         block_hashes,
         role_hint: None,
         sent_ahead: None,
+        previous_response_id,
+        stores_response,
+        owner: None,
     })
 }
 
@@ -327,6 +351,38 @@ mod tests {
         assert!(f.block_hashes.is_empty());
         assert!(!f.stream);
         assert!(f.prompt_tokens > 10);
+    }
+
+    #[test]
+    fn stored_state_is_read_and_checked() {
+        let f = features(Endpoint::Responses, json!({"model": "m", "input": "x"}));
+        assert!(f.stores_response && f.is_stateful());
+        assert_eq!(f.previous_response_id, None);
+        let f = features(
+            Endpoint::Responses,
+            json!({"model": "m", "input": "x", "store": false}),
+        );
+        assert!(!f.is_stateful());
+        let f = features(
+            Endpoint::Responses,
+            json!({"model": "m", "input": "x", "store": false, "previous_response_id": "resp_1"}),
+        );
+        assert_eq!(f.previous_response_id.as_deref(), Some("resp_1"));
+        assert!(f.is_stateful() && !f.stores_response);
+        // Chat and Messages carry no stored state.
+        let m = features(
+            Endpoint::Messages,
+            json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}),
+        );
+        assert!(!m.is_stateful());
+        let cfg = FeatureConfig::default();
+        let err = |body: Value| {
+            endpoint_features(Endpoint::Responses, &body, &no_header, &cfg).unwrap_err()
+        };
+        let e = err(json!({"model": "m", "input": "x", "previous_response_id": 3}));
+        assert_eq!(e.param(), Some("previous_response_id"));
+        let e = err(json!({"model": "m", "input": "x", "store": "yes"}));
+        assert_eq!(e.param(), Some("store"));
     }
 
     #[test]

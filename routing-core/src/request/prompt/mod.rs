@@ -96,6 +96,27 @@ pub struct RequestFeatures {
     /// which carries it beside the features (only the first pool asked gets it).
     #[serde(skip)]
     pub sent_ahead: Option<SentAhead>,
+    /// A Responses request's `previous_response_id`: the pool sends it only to the backend
+    /// holding that response (`crate::pool::responses`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response_id: Option<String>,
+    /// A Responses request whose response the backend stores (`store` is not `false`): its id
+    /// is reported to the pool with the release, and it goes to the pool's shard 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stores_response: bool,
+    /// For a stateful Responses request, the hash of the client's key (`None` without client
+    /// keys): a stored response is followed up only by the key that made it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+impl RequestFeatures {
+    /// Whether the request reads or leaves a stored response in one backend's memory (a
+    /// Responses request with `store`, or one naming `previous_response_id`): the pool must
+    /// record or find its holder.
+    pub fn is_stateful(&self) -> bool {
+        self.stores_response || self.previous_response_id.is_some()
+    }
 }
 
 /// A request's fetch sent ahead of its lease call: where to, and how long (ms) sending it to any
@@ -171,6 +192,9 @@ pub fn request_features(
         ),
         role_hint: None,
         sent_ahead: None,
+        previous_response_id: None,
+        stores_response: false,
+        owner: None,
     })
 }
 
