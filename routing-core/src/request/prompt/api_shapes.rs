@@ -17,8 +17,8 @@
 //! the output bound.
 
 use super::{
-    block_hashes_seeded, canonical_chat_prompt, estimate_tokens, invalid, object_and_model,
-    request_chain_seed, FeatureConfig, PromptError, RequestFeatures, BYTES_PER_TOKEN,
+    canonical_chat_prompt, estimate_tokens, invalid, object_and_model, prefix_hashes,
+    FeatureConfig, PromptError, RequestFeatures,
 };
 use crate::request::endpoint::Endpoint;
 use crate::request::routing_key::routing_key;
@@ -173,21 +173,12 @@ pub fn api_features(
     };
     let canonical = canonical_chat_prompt(&messages, obj.get("tools"))?;
     let block_tokens = config.block_tokens.max(1);
-    let max_bytes = config
-        .max_blocks
-        .saturating_mul(block_tokens)
-        .saturating_mul(BYTES_PER_TOKEN);
-    let hashed = &canonical.as_bytes()[..canonical.len().min(max_bytes)];
     let counting = endpoint == Endpoint::MessagesCountTokens;
     // Counting tokens computes no KV blocks: nothing to place by prefix. The chain is seeded
     // with the model, as chat's is, so a conversation hashes the same on every API.
     let block_hashes = match counting {
         true => Vec::new(),
-        false => block_hashes_seeded(
-            hashed,
-            block_tokens,
-            request_chain_seed(&model, body.get("cache_salt").and_then(Value::as_str)),
-        ),
+        false => prefix_hashes(&canonical, &model, body, config),
     };
     Ok(RequestFeatures {
         request_id: header("x-request-id")

@@ -139,6 +139,24 @@ pub(crate) fn object_and_model(body: &Value) -> Result<(&Map<String, Value>, Str
     }
 }
 
+/// The block hashes of a request's canonical prompt, its first `max_blocks` blocks, chained from
+/// its model's seed and `cache_salt` (what vLLM's own block hashes depend on besides the tokens).
+pub(crate) fn prefix_hashes(
+    canonical: &str,
+    model: &str,
+    body: &Value,
+    config: &FeatureConfig,
+) -> Vec<u64> {
+    let block_tokens = config.block_tokens.max(1);
+    let max_bytes = config
+        .max_blocks
+        .saturating_mul(block_tokens)
+        .saturating_mul(BYTES_PER_TOKEN);
+    let hashed = &canonical.as_bytes()[..canonical.len().min(max_bytes)];
+    let salt = body.get("cache_salt").and_then(Value::as_str);
+    block_hashes_seeded(hashed, block_tokens, request_chain_seed(model, salt))
+}
+
 /// Extracts the routing features of a chat or completion request body, whichever of the two it
 /// is (`messages` or `prompt`); [`endpoint_features`] also holds it to its endpoint.
 ///
@@ -169,27 +187,18 @@ pub fn request_features(
         _ => return Err(PromptError::MissingPrompt),
     };
     let block_tokens = config.block_tokens.max(1);
-    let max_bytes = config
-        .max_blocks
-        .saturating_mul(block_tokens)
-        .saturating_mul(BYTES_PER_TOKEN);
-    let hashed = &canonical.as_bytes()[..canonical.len().min(max_bytes)];
     Ok(RequestFeatures {
         request_id: header("x-request-id")
             .map(|id| id.trim().to_string())
             .unwrap_or_default(),
         kind,
-        model: model.clone(),
+        block_hashes: prefix_hashes(&canonical, &model, body, config),
+        model,
         stream,
         prompt_tokens: estimate_tokens(&canonical),
         max_tokens,
         routing_key: routing_key(header, body, config.routing_header.as_deref()),
         block_tokens: u32::try_from(block_tokens).unwrap_or(u32::MAX),
-        block_hashes: block_hashes_seeded(
-            hashed,
-            block_tokens,
-            request_chain_seed(&model, body.get("cache_salt").and_then(Value::as_str)),
-        ),
         role_hint: None,
         sent_ahead: None,
         previous_response_id: None,
