@@ -45,17 +45,37 @@ impl PoolCoordinator {
         result
     }
 
-    pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {
-        self.with(|shard| {
-            let (deadline_ms, reestablished) = shard
-                .coordinator
-                .renew(req.lease_id, &req.terms, now_ms())
-                .map_err(pool_error)?;
-            reply::<RenewRequest>(&RenewAnswer {
-                deadline_ms,
-                reestablished,
-            })
-        })
+    /// Renews a lease, with what the Worker reports of its stream (a first token, or none by
+    /// its due time): when that shows a backend's model wrong, the backend is scraped now and
+    /// the card that follows goes to the directory, before the answer (the renewal runs after
+    /// the response, in the Worker's `waitUntil`).
+    pub(super) async fn renew(&self, req: RenewRequest) -> ApiResult {
+        let (result, performed) = self.with(|shard| {
+            let now = now_ms();
+            let c = &mut shard.coordinator;
+            if let Some(ttfb_ms) = req.first_token_ms {
+                c.first_token(req.lease_id, ttfb_ms);
+            }
+            let renewed = c.renew(req.lease_id, &req.terms, now).map_err(pool_error);
+            if req.overdue {
+                c.overdue(req.lease_id);
+            }
+            let effects = if req.overdue || req.first_token_ms.is_some() {
+                c.check_evidence(now)
+            } else {
+                Vec::new()
+            };
+            let performed = shard.perform(effects, now);
+            let result = renewed.and_then(|(deadline_ms, reestablished)| {
+                reply::<RenewRequest>(&RenewAnswer {
+                    deadline_ms,
+                    reestablished,
+                })
+            });
+            (result, performed)
+        });
+        self.follow_up(performed).await;
+        result
     }
 
     pub(super) fn prefill_done(&self, req: PrefillDone) -> ApiResult {
@@ -99,7 +119,9 @@ impl PoolCoordinator {
             .collect();
         let (released, performed) = self.with(|shard| {
             let now = now_ms();
-            let (released, effects) = shard.coordinator.release(&releases, now);
+            let (released, mut effects) = shard.coordinator.release(&releases, now);
+            // A first token reported past its due time says the backend's model was wrong.
+            effects.extend(shard.coordinator.check_evidence(now));
             (released, shard.perform(effects, now))
         });
         self.follow_up(performed).await;
