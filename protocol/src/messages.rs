@@ -115,6 +115,10 @@ pub struct RenewAnswer {
     pub deadline_ms: u64,
     /// Whether the pool had lost the lease and counted it again.
     pub reestablished: bool,
+    /// The pool's time card, on the answer to a renewal that said its stream was overdue: it
+    /// counts the queue that stream is in, so the isolate's next choice between pools sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub card: Option<Box<routing_core::region::TimeCard>>,
 }
 
 /// `POST /release`: the request ended.

@@ -48,9 +48,10 @@ impl PoolCoordinator {
     /// Renews a lease, with what the Worker reports of its stream (a first token, or none by
     /// its due time): when that shows a backend's model wrong, the backend is scraped now and
     /// the card that follows goes to the directory, before the answer (the renewal runs after
-    /// the response, in the Worker's `waitUntil`).
+    /// the response, in the Worker's `waitUntil`). A renewal that said its stream was overdue
+    /// has that card in its answer.
     pub(super) async fn renew(&self, req: RenewRequest) -> ApiResult {
-        let (result, performed) = self.with(|shard| {
+        let (renewed, performed) = self.with(|shard| {
             let now = now_ms();
             let c = &mut shard.coordinator;
             if let Some(ttfb_ms) = req.first_token_ms {
@@ -65,17 +66,18 @@ impl PoolCoordinator {
             } else {
                 Vec::new()
             };
-            let performed = shard.perform(effects, now);
-            let result = renewed.and_then(|(deadline_ms, reestablished)| {
-                reply::<RenewRequest>(&RenewAnswer {
-                    deadline_ms,
-                    reestablished,
-                })
-            });
-            (result, performed)
+            (renewed, shard.perform(effects, now))
         });
         self.follow_up(performed).await;
-        result
+        let (deadline_ms, reestablished) = renewed?;
+        let card = req
+            .overdue
+            .then(|| self.with(|shard| Box::new(shard.coordinator.grant_card(now_ms()))));
+        reply::<RenewRequest>(&RenewAnswer {
+            deadline_ms,
+            reestablished,
+            card,
+        })
     }
 
     pub(super) fn prefill_done(&self, req: PrefillDone) -> ApiResult {
@@ -119,9 +121,7 @@ impl PoolCoordinator {
             .collect();
         let (released, performed) = self.with(|shard| {
             let now = now_ms();
-            let (released, mut effects) = shard.coordinator.release(&releases, now);
-            // A first token reported past its due time says the backend's model was wrong.
-            effects.extend(shard.coordinator.check_evidence(now));
+            let (released, effects) = shard.coordinator.release(&releases, now);
             (released, shard.perform(effects, now))
         });
         self.follow_up(performed).await;

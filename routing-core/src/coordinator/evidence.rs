@@ -30,11 +30,9 @@ impl Coordinator {
     /// already counts the queue.
     pub fn check_evidence(&mut self, now_ms: u64) -> Effects {
         self.pool.refresh_evidence(now_ms);
-        if self.shard != 0 {
-            return Effects::new();
-        }
         let due = self.pool.evidence_scrapes(now_ms);
-        if due.is_empty() {
+        // Only shard 0 probes (the others hear of the scrape with its findings).
+        if due.is_empty() || self.shard != 0 {
             return Effects::new();
         }
         self.evidence_scrapes += due.len() as u64;

@@ -211,6 +211,12 @@ impl Pool {
         due
     }
 
+    /// Whether a backend reported a first token past its due time since lease evidence last had
+    /// it scraped (a release's check: no pass over the leases when none did).
+    pub fn late_first_tokens(&self) -> bool {
+        self.entries().any(|e| e.evidence.late_first_tokens > 0)
+    }
+
     /// Backend `id`'s lease evidence as last refreshed.
     pub fn lease_evidence(&self, id: &BackendId) -> Option<LeaseEvidence> {
         let slot = self.slot_of(id).ok()?;

@@ -351,9 +351,19 @@ impl Keeper {
                 Either::Right(_) => {
                     let now = crate::platform::http::now_ms();
                     if now < renew_at {
-                        // The due time passed with no first token: say so now.
-                        self.state.borrow_mut().first_token = FirstToken::Overdue;
-                        self.renew(true).await;
+                        // The due time passed: with no first token, say so now (one that came
+                        // meanwhile waits for the renewal).
+                        let awaited = {
+                            let mut r = self.state.borrow_mut();
+                            let awaited = r.first_token == FirstToken::Awaited;
+                            if awaited {
+                                r.first_token = FirstToken::Overdue;
+                            }
+                            awaited
+                        };
+                        if awaited {
+                            self.renew(true).await;
+                        }
                         continue;
                     }
                     let deadline_ms = self.renew(false).await;
@@ -475,6 +485,10 @@ impl Keeper {
         let to_pool = To::Pool(&self.request.pool, self.request.shard);
         match call(&self.request.env, to_pool, &req).await {
             Ok(a) => {
+                if let Some(card) = &a.card {
+                    // The pool's card as of this overdue stream: the next choice sees its queue.
+                    crate::request::regions::fresh_card(&self.request.pool, card);
+                }
                 if a.reestablished {
                     worker::console_log!(
                         "{}",
