@@ -211,3 +211,46 @@ fn the_model_being_wrong_asks_for_one_scrape_a_second_and_the_scrape_takes_over(
     }
     assert_eq!(pool.in_flight_total(), 0);
 }
+
+#[test]
+fn under_admission_control_a_queue_from_the_leases_leaves_no_room_until_it_starts() {
+    let mut config = PoolConfig {
+        policy: PolicyKind::PredictedLatency,
+        ..PoolConfig::default()
+    };
+    config.admission.enabled = true;
+    config.admission.overcommit = 0.0;
+    let mut pool = Pool::new("p", config);
+    let b0 = add_ready(&mut pool, spec("b0"));
+    pool.record_probe(&b0, &scraped(0.0, 0.0), 0).unwrap();
+    let mut rng = SplitMix64::new(5);
+    let mut leases = Vec::new();
+    for i in 0..10 {
+        let mut f = features(&format!("long story {i}"));
+        f.stream = true;
+        f.max_tokens = 2_000;
+        leases.push(pool.acquire(&f, 10, &mut rng).unwrap().lease_id);
+    }
+    // 256 slots as configured: room for more.
+    let room = pool.acquire(&short(), 600, &mut rng).unwrap();
+    assert!(pool.release(room.lease_id, &Outcome::from_status(200), 601));
+    for &id in &leases[2..] {
+        pool.note_overdue(id);
+    }
+    // Eight queued behind two: the backend has no room, and the pool's card says it cannot take
+    // a request now (the choice between pools reads that).
+    assert_eq!(
+        pool.acquire(&short(), 700, &mut rng).unwrap_err(),
+        crate::pool::AcquireError::AtCapacity
+    );
+    assert_eq!(pool.time_card(700, 0, 0).cached_ms, None);
+    // Their first tokens come: the queue is gone, and so is the bound.
+    for &id in &leases[2..] {
+        pool.note_first_token(id, 900);
+    }
+    let g = pool.acquire(&short(), 1_000, &mut rng).unwrap();
+    for id in leases.into_iter().chain([g.lease_id]) {
+        assert!(pool.release(id, &Outcome::from_status(200), 1_100));
+    }
+    assert_eq!(pool.in_flight_total(), 0);
+}
