@@ -1,9 +1,10 @@
 //! Evidence from the lease table: what the pool's own leases say of a backend's engine queue
 //! between two scrapes.
 //!
-//! Each streamed grant says when its stream becomes overdue ([`crate::pool::Grant::first_token_due_ms`]):
-//! its predicted time to first token times `time_model.overdue_factor`, stretched by the
-//! backend's learned lateness, plus its learned overhead, and at least
+//! Each streamed grant says when its stream becomes overdue
+//! ([`crate::pool::Grant::first_token_due_ms`]): its predicted time to first token times
+//! `time_model.overdue_factor`, stretched by the backend's learned lateness, plus its learned
+//! overhead, and at least
 //! `time_model.overdue_floor_ms`. The Worker times the first token; it reports one on the lease's
 //! next renewal or its release ([`Pool::note_first_token`]), and a stream with none by its
 //! overdue time it reports then, on an early renewal ([`Pool::note_overdue`]): vLLM answers a
@@ -18,7 +19,9 @@
 //! each time card): the backend's engine queue is the scrape's plus the queued streams, its
 //! sequence slots are at most its leases less the queued ones (its effective free slots are
 //! none), and with first tokens reported, the batch limit is learned as a scrape's would be
-//! (`entry::learn_seq_limit`: `started` running behind a queue). The model being wrong is also a
+//! (`entry::learn_seq_limit`: `started` running behind a queue; first tokens ride on renewals up
+//! to 20 s apart, so `started` may count short, and the scrape that follows raises a limit learned
+//! too low). The model being wrong is also a
 //! reason to look: [`Pool::evidence_scrapes`] names the backends to scrape now (streams queued,
 //! or a first token reported past its overdue time), at most once per
 //! [`EVIDENCE_SCRAPE_INTERVAL_MS`] each. Non-streamed leases (whose first byte is their last) and
