@@ -93,20 +93,24 @@ async function one(gw, model, req) {
   return rec;
 }
 
-/** One gateway, three pools of fresh sims; `phases` are [{ name, loads, seconds }]. */
-async function run(label, timeRouting, phases) {
+/** A quiet gateway with the modelled network between the regions, and `bindings`. */
+function benchGateway(bindings) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
-  const gw = await startGateway({
+  return startGateway({
     bindings: {
-      PROBE_INTERVAL_MS: "1000",
       FIRST_BYTE_TIMEOUT_MS: "120000",
       ALLOW_REGION_HEADER: "true",
       REGION_RTT_MS: JSON.stringify(REGION_RTT),
       SIMULATE_NETWORK: "true",
-      TIME_ROUTING: timeRouting ? "true" : "false",
+      ...bindings,
     },
     options: quiet,
   });
+}
+
+/** One gateway, three pools of fresh sims; `phases` are [{ name, loads, seconds }]. */
+async function run(label, timeRouting, phases) {
+  const gw = await benchGateway({ PROBE_INTERVAL_MS: "1000", TIME_ROUTING: timeRouting ? "true" : "false" });
   const sims = [];
   const model = "bench-regions";
   const poolOf = {};
@@ -186,17 +190,7 @@ function summarise(recs, poolOf) {
  * A short request still waiting after 20 s is given up and counted as such.
  */
 async function burstCell(evidence) {
-  const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
-  const gw = await startGateway({
-    bindings: {
-      PROBE_INTERVAL_MS: "600000",
-      FIRST_BYTE_TIMEOUT_MS: "120000",
-      ALLOW_REGION_HEADER: "true",
-      REGION_RTT_MS: JSON.stringify(REGION_RTT),
-      SIMULATE_NETWORK: "true",
-    },
-    options: quiet,
-  });
+  const gw = await benchGateway({ PROBE_INTERVAL_MS: "600000" });
   const sims = [];
   const model = "bench-burst";
   const poolOf = { "burst-a": "r-a", "burst-b": "r-b" };

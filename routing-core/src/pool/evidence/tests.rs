@@ -31,11 +31,21 @@ fn scraped(running: f64, waiting: f64) -> ProbeResult {
 /// A `predicted_latency` pool (with `overdue_factor`) whose backend `b0`, scraped idle at 0,
 /// took a burst of 10 long streams at 10 ms; `b1` is registered and scraped idle after it.
 fn burst(overdue_factor: f64) -> (Pool, Vec<(LeaseId, Option<u32>)>) {
-    let mut config = PoolConfig {
-        policy: PolicyKind::PredictedLatency,
-        ..PoolConfig::default()
-    };
+    let mut config = PoolConfig::default();
     config.time_model.overdue_factor = overdue_factor;
+    let (mut pool, leases) = burst_on_one(config);
+    let b1 = pool.add_backend(spec("b1"), 20).unwrap();
+    pool.record_probe(&b1, &scraped(0.0, 0.0), 20).unwrap();
+    (pool, leases)
+}
+
+/// A `predicted_latency` pool of `config` whose one backend `b0`, scraped idle at 0, took a burst
+/// of 10 long streams at 10 ms: the leases and their due times.
+fn burst_on_one(config: PoolConfig) -> (Pool, Vec<(LeaseId, Option<u32>)>) {
+    let config = PoolConfig {
+        policy: PolicyKind::PredictedLatency,
+        ..config
+    };
     let mut pool = Pool::new("p", config);
     let b0 = add_ready(&mut pool, spec("b0"));
     pool.record_probe(&b0, &scraped(0.0, 0.0), 0).unwrap();
@@ -49,8 +59,6 @@ fn burst(overdue_factor: f64) -> (Pool, Vec<(LeaseId, Option<u32>)>) {
         assert_eq!(grant.backend, BackendId::new("b0"));
         leases.push((grant.lease_id, grant.first_token_due_ms));
     }
-    let b1 = pool.add_backend(spec("b1"), 20).unwrap();
-    pool.record_probe(&b1, &scraped(0.0, 0.0), 20).unwrap();
     (pool, leases)
 }
 
@@ -214,23 +222,12 @@ fn the_model_being_wrong_asks_for_one_scrape_a_second_and_the_scrape_takes_over(
 
 #[test]
 fn under_admission_control_a_queue_from_the_leases_leaves_no_room_until_it_starts() {
-    let mut config = PoolConfig {
-        policy: PolicyKind::PredictedLatency,
-        ..PoolConfig::default()
-    };
+    let mut config = PoolConfig::default();
     config.admission.enabled = true;
     config.admission.overcommit = 0.0;
-    let mut pool = Pool::new("p", config);
-    let b0 = add_ready(&mut pool, spec("b0"));
-    pool.record_probe(&b0, &scraped(0.0, 0.0), 0).unwrap();
+    let (mut pool, leases) = burst_on_one(config);
+    let leases: Vec<LeaseId> = leases.into_iter().map(|l| l.0).collect();
     let mut rng = SplitMix64::new(5);
-    let mut leases = Vec::new();
-    for i in 0..10 {
-        let mut f = features(&format!("long story {i}"));
-        f.stream = true;
-        f.max_tokens = 2_000;
-        leases.push(pool.acquire(&f, 10, &mut rng).unwrap().lease_id);
-    }
     // 256 slots as configured: room for more.
     let room = pool.acquire(&short(), 600, &mut rng).unwrap();
     assert!(pool.release(room.lease_id, &Outcome::from_status(200), 601));
