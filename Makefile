@@ -15,7 +15,7 @@ help:
 	@echo "make bench-traces - only the production-trace replays (Mooncake traces, every policy; under 15 min)"
 	@echo "make bench-goodput - each router's highest trace replay speed-up within the SLO, smg included (~1.5 h); ARGS=--quick: a smoke run (<3 min)"
 	@echo "make bench-compare-smg - the trace replays through the SGLang/Shepherd gateway (smg 1.9.0, cache_aware) and ours, same run (~6 min)"
-	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing (~3 min)"
+	@echo "make bench-regions  - three regions, a skewed load: nearest-first against time routing; a burst between probe rounds with and without lease evidence (~4 min)"
 	@echo "make bench-admission - admission control under 1.5x overload, with and without the queue (~3 min)"
 	@echo "make bench-round-trips - TTFB with modelled 50/150 ms round trips, without and with the regional hop and rate limits (~6 min)"
 	@echo "make bench-profile   - a CPU profile of the Worker's isolate over streamed requests, top functions (~1 min)"

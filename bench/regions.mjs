@@ -13,11 +13,15 @@
 // to EU West about 70-90 ms, to Asia 150-200 ms), not measurements.
 //
 // Reports per client region TTFT p50/p99 and e2e p50/p99 for each mode, the share of requests served
-// in another region, and the light phase's cross-region count. Writes
+// in another region, and the light phase's cross-region count. Then the burst cell (issue 45): two
+// regions, the busy one's single backend running 2 sequences at a time (the gateway is not told),
+// 10 long streams arriving at once after the last probe round, and short requests from that
+// region over the next 5 s, before any round: with lease evidence (the default) and without
+// (`time_model.overdue_factor: 0`); it reports where the short requests went and their TTFT. Writes
 // bench/results/regions-<date>.{json,md}.
 //
-//   node bench/regions.mjs [--seconds 30] [--load 1.5] [--light 0.3] [--sims 2] [--seqs 4]
-import { startGateway, startSim, waitReady, waitFor, ROOT } from "../tests/lib/harness.mjs";
+//   node bench/regions.mjs [--seconds 30] [--load 1.5] [--light 0.3] [--sims 2] [--seqs 4] [--burst-only 1]
+import { startGateway, startSim, waitReady, waitFor, ROOT, ADMIN_TOKEN } from "../tests/lib/harness.mjs";
 import { writeFileSync, mkdirSync } from "node:fs";
 import path from "node:path";
 import { machine, pct, rng } from "./overhead-lib.mjs";
@@ -89,20 +93,24 @@ async function one(gw, model, req) {
   return rec;
 }
 
-/** One gateway, three pools of fresh sims; `phases` are [{ name, loads, seconds }]. */
-async function run(label, timeRouting, phases) {
+/** A quiet gateway with the modelled network between the regions, and `bindings`. */
+function benchGateway(bindings) {
   const quiet = { handleRuntimeStdio: (out, err) => (out.resume(), err.resume()) };
-  const gw = await startGateway({
+  return startGateway({
     bindings: {
-      PROBE_INTERVAL_MS: "1000",
       FIRST_BYTE_TIMEOUT_MS: "120000",
       ALLOW_REGION_HEADER: "true",
       REGION_RTT_MS: JSON.stringify(REGION_RTT),
       SIMULATE_NETWORK: "true",
-      TIME_ROUTING: timeRouting ? "true" : "false",
+      ...bindings,
     },
     options: quiet,
   });
+}
+
+/** One gateway, three pools of fresh sims; `phases` are [{ name, loads, seconds }]. */
+async function run(label, timeRouting, phases) {
+  const gw = await benchGateway({ PROBE_INTERVAL_MS: "1000", TIME_ROUTING: timeRouting ? "true" : "false" });
   const sims = [];
   const model = "bench-regions";
   const poolOf = {};
@@ -175,6 +183,104 @@ function summarise(recs, poolOf) {
   return by;
 }
 
+/**
+ * The burst cell: a gateway whose probe round does not come back during the cell, pool r-a of one
+ * backend running 2 sequences (registered with the default 256), pool r-b of two idle backends;
+ * 10 streams of 2,000 tokens on r-a at once, then a short request from r-a every 500 ms for 5 s.
+ * A short request still waiting after 20 s is given up and counted as such.
+ */
+async function burstCell(evidence) {
+  const gw = await benchGateway({ PROBE_INTERVAL_MS: "600000" });
+  const sims = [];
+  const model = "bench-burst";
+  const poolOf = { "burst-a": "r-a", "burst-b": "r-b" };
+  const settings = evidence ? {} : { time_model: { overdue_factor: 0 } };
+  const ctl = new AbortController();
+  let load = [];
+  try {
+    for (const [name, region] of Object.entries(poolOf)) {
+      const r = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { region, ...settings } });
+      if (r.status !== 200) throw new Error(await r.text());
+      const busy = region === "r-a";
+      for (let i = 0; i < (busy ? 1 : 2); i++) {
+        const sim = await startSim(["--model", model, "--model", `${model}-load`, ...(busy ? ["--max-num-seqs", "2"] : []), "--seed", String(SEED + sims.length)]);
+        sims.push(sim);
+        const id = `${name}-${i}`;
+        const models = busy ? [model, `${model}-load`] : [model];
+        const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: name, models, id } });
+        if (reg.status !== 201) throw new Error(await reg.text());
+        await waitReady(gw, id);
+      }
+    }
+    // Both cards published and in the Worker's copy of the pool list.
+    await new Promise((r) => setTimeout(r, 5000));
+    load = Array.from({ length: 10 }, (_, i) =>
+      gw.fetch("/v1/chat/completions", {
+        method: "POST",
+        headers: { "content-type": "application/json", "x-gateway-region": "r-a" },
+        body: JSON.stringify({ model: `${model}-load`, stream: true, max_tokens: 2000, ignore_eos: true, messages: [{ role: "user", content: prompt(900 + i) }] }),
+        signal: ctl.signal,
+      }).then(async (r) => { try { await r.text(); } catch {} }).catch(() => {}),
+    );
+    await waitFor(async () => (await (await gw.admin("/admin/pools/burst-a")).json()).in_flight >= 10, { timeoutMs: 30000, what: "the burst leased" });
+    const t0 = performance.now();
+    const shorts = [];
+    for (let k = 1; k <= 10; k++) {
+      const wait = k * 500 - (performance.now() - t0);
+      if (wait > 0) await new Promise((res) => setTimeout(res, wait));
+      shorts.push((async () => {
+        const started = performance.now();
+        const rec = { at_ms: k * 500, pool: null, choice: null, ttft: null, gave_up: false };
+        try {
+          const r = await gw.fetch("/v1/chat/completions", {
+            method: "POST",
+            headers: { "content-type": "application/json", "x-gateway-region": "r-a" },
+            body: JSON.stringify({ model, stream: true, max_tokens: MAX_TOKENS, ignore_eos: true, messages: [{ role: "user", content: prompt(k) }] }),
+            signal: AbortSignal.timeout(20000),
+          });
+          rec.pool = r.headers.get("x-gateway-pool");
+          rec.choice = r.headers.get("x-gateway-pool-choice");
+          const reader = r.body.getReader();
+          for (;;) {
+            const { value, done } = await reader.read();
+            if (done) break;
+            if (rec.ttft === null && value?.length) rec.ttft = performance.now() - started;
+          }
+        } catch {
+          rec.gave_up = true;
+        }
+        return rec;
+      })());
+    }
+    const recs = await Promise.all(shorts);
+    const m = await (await gw.fetch("/metrics", { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })).text();
+    const scrapes = Number(/llm_gateway_evidence_scrapes_total\{pool="burst-a"\} (\S+)/.exec(m)?.[1] ?? 0);
+    const ok = recs.filter((r) => r.ttft !== null && !r.gave_up);
+    const out = {
+      requests: recs.length,
+      served_elsewhere: recs.filter((r) => r.pool === "burst-b").length,
+      gave_up_after_20s: recs.filter((r) => r.gave_up).length,
+      ttft_p50_ms: pct(ok.map((r) => r.ttft), 50),
+      ttft_max_ms: ok.length ? Math.max(...ok.map((r) => r.ttft)) : null,
+      evidence_scrapes: scrapes,
+      requests_detail: recs.map((r) => ({ at_ms: r.at_ms, pool: r.pool, choice: r.choice, ttft_ms: r.ttft === null ? null : Math.round(r.ttft) })),
+    };
+    console.error(`burst ${evidence ? "with" : "without"} lease evidence: ${JSON.stringify(out)}`);
+    return out;
+  } finally {
+    ctl.abort();
+    await Promise.all(load);
+    await Promise.all(sims.map((s) => s.close()));
+    await gw.close();
+  }
+}
+
+if (args["burst-only"]) {
+  const burst = { with: await burstCell(true), without: await burstCell(false) };
+  console.log(JSON.stringify(burst, null, 2));
+  process.exit(0);
+}
+
 const skew = { "r-a": LOAD, "r-b": LIGHT, "r-c": LIGHT };
 const light = { "r-a": LIGHT, "r-b": LIGHT, "r-c": LIGHT };
 console.error(`3 regions x ${SIMS} sims x ${SEQS} seqs; a pool serves ~${POOL_RATE.toFixed(1)} req/s; skew ${JSON.stringify(skew)} for ${SECONDS} s`);
@@ -183,6 +289,8 @@ const timed = await run("time", true, [
   { name: "skew", loads: skew, seconds: SECONDS },
   { name: "light", loads: light, seconds: Math.max(10, SECONDS / 2) },
 ]);
+
+const burst = { with: await burstCell(true), without: await burstCell(false) };
 
 const ratio = (a, b) => (a && b ? a / b : null);
 const verdict = {
@@ -194,7 +302,7 @@ const verdict = {
   light_cross_region: REGIONS.reduce((n, r) => n + timed.light[r].cross_region, 0),
 };
 const date = new Date().toISOString().slice(0, 10);
-const result = { date: new Date().toISOString(), machine: machine(), method: { seconds: SECONDS, load: LOAD, light: LIGHT, sims: SIMS, seqs: SEQS, pool_rate: POOL_RATE, region_rtt_ms: REGION_RTT, prompt_tokens: PROMPT_TOKENS, max_tokens: MAX_TOKENS }, nearest, timed, verdict };
+const result = { date: new Date().toISOString(), machine: machine(), method: { seconds: SECONDS, load: LOAD, light: LIGHT, sims: SIMS, seqs: SEQS, pool_rate: POOL_RATE, region_rtt_ms: REGION_RTT, prompt_tokens: PROMPT_TOKENS, max_tokens: MAX_TOKENS }, nearest, timed, verdict, burst };
 const dir = path.join(ROOT, "bench/results");
 mkdirSync(dir, { recursive: true });
 writeFileSync(path.join(dir, `regions-${date}.json`), JSON.stringify(result, null, 2));
@@ -214,5 +322,15 @@ for (const r of REGIONS) {
   }
 }
 lines.push("", `Overloaded region's TTFT p99, nearest-first over time routing: ${verdict.overloaded_ttft_p99_improvement?.toFixed(2)}x. Regions worse by more than their round trip: ${verdict.worse_by_more_than_rtt.length ? verdict.worse_by_more_than_rtt.join(", ") : "none"}. Light phase (every region at ${LIGHT}x): ${verdict.light_cross_region} requests served in another region.`);
+lines.push(
+  "",
+  "Burst between probe rounds (r-a: one backend running 2 sequences, registered with the default 256; 10 streams of 2,000 tokens at once; a short request from r-a every 500 ms for 5 s, no probe round meanwhile):",
+  "",
+  "| lease evidence | served in r-b | given up after 20 s | TTFT p50 | TTFT max | evidence scrapes |",
+  "|---|---|---|---|---|---|",
+);
+for (const [mode, x] of [["on", burst.with], ["off", burst.without]]) {
+  lines.push(`| ${mode} | ${x.served_elsewhere} of ${x.requests} | ${x.gave_up_after_20s} | ${f(x.ttft_p50_ms)} | ${f(x.ttft_max_ms)} | ${x.evidence_scrapes} |`);
+}
 writeFileSync(path.join(dir, `regions-${date}.md`), lines.join("\n") + "\n");
 console.log(lines.join("\n"));

@@ -147,7 +147,12 @@ impl GatewayDirectory {
                 let card: TimeCard = read_body(req, "time card").await?;
                 let known = self.has_pool(&name)?;
                 if known {
-                    self.cards.borrow_mut().insert(name, card);
+                    // The newer card wins: two pushes of one pool may arrive out of order (a
+                    // card lease evidence published and the one its scrape brought just after).
+                    let mut cards = self.cards.borrow_mut();
+                    if cards.get(&name).is_none_or(|kept| kept.at_ms <= card.at_ms) {
+                        cards.insert(name, card);
+                    }
                 }
                 reply::<PutCard>(&CardAnswer { known })
             }

@@ -98,6 +98,14 @@ pub struct RenewRequest {
     pub lease_id: LeaseId,
     /// The lease as the Worker knows it (`backend`: the one serving the request now).
     pub terms: LeaseTerms,
+    /// The stream's first token, in ms after the request began, when the Worker saw it since the
+    /// last renewal (lease evidence: `routing_core::pool::evidence`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_token_ms: Option<u64>,
+    /// The stream had no first token by the time its grant said it was due
+    /// (`Grant::first_token_due_ms`): this renewal is early, to say so.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overdue: bool,
 }
 
 /// The answer to `POST /renew`.
@@ -107,6 +115,10 @@ pub struct RenewAnswer {
     pub deadline_ms: u64,
     /// Whether the pool had lost the lease and counted it again.
     pub reestablished: bool,
+    /// The pool's time card, on the answer to a renewal that said its stream was overdue: it
+    /// counts the queue that stream is in, so the isolate's next choice between pools sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub card: Option<Box<routing_core::region::TimeCard>>,
 }
 
 /// `POST /release`: the request ended.

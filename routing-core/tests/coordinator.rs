@@ -904,3 +904,82 @@ fn a_follow_up_whose_holder_drains_waits_and_never_goes_elsewhere() {
     let g = acquire(&mut c, 50);
     assert_ne!(g.backend, first.backend);
 }
+
+/// Lease evidence through the coordinator: the Worker's early renewal says a stream is overdue;
+/// the check asks for that backend's scrape and publishes the card that counts the queue; a
+/// second overdue renewal within a second asks for nothing; the scrape's findings take over; a
+/// first token reported past its due time at the release asks again. Nothing leaks.
+#[test]
+fn an_overdue_stream_asks_for_a_scrape_of_its_backend_and_the_card_follows() {
+    let mut c = coordinator(settings(routing()), 1, 256);
+    let hungup = Hungup::default();
+    let streamed = || RequestFeatures {
+        stream: true,
+        ..features()
+    };
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        let (step, _) = c.acquire(streamed(), None, None, false, 10, &hungup);
+        let g = grant(step);
+        assert!(g.first_token_due_ms.is_some_and(|ms| ms >= 500), "{g:?}");
+        leases.push(g.lease_id);
+    }
+    let terms = LeaseTerms {
+        backend: id(0),
+        stream: true,
+        ..LeaseTerms::default()
+    };
+    // A first token on time says nothing.
+    assert!(c.first_token(leases[0], 20));
+    assert_eq!(c.check_evidence(600), vec![]);
+    // The second stream has none at its due time.
+    c.renew(leases[1], &terms, 600).unwrap();
+    assert!(c.overdue(leases[1]));
+    let effects = c.check_evidence(600);
+    assert_eq!(effects[0], Effect::ScrapeNow(vec![id(0)]));
+    match &effects[1..] {
+        [Effect::PublishCard(card)] => assert_eq!(card.queued_by_leases, 1),
+        other => panic!("expected the card, got {other:?}"),
+    }
+    assert_eq!(c.counters().evidence_scrapes, 1);
+    // The third within the second: counted, no second scrape.
+    assert!(c.overdue(leases[2]));
+    assert_eq!(c.check_evidence(900), vec![]);
+    // The scrape comes back: 2 running, 2 waiting; it learns the batch limit and the directory
+    // gets the card.
+    let mut scraped = up();
+    scraped.result.metrics = VllmMetrics {
+        gauges: routing_core::backend::scrape::ScrapedGauges {
+            running: Some(2.0),
+            waiting: Some(2.0),
+            ..Default::default()
+        },
+        ..VllmMetrics::default()
+    };
+    let effects = c.finish_evidence_scrape(vec![(id(0), scraped)], 950, &hungup);
+    let card = effects.iter().find_map(|e| match e {
+        Effect::PublishCard(card) => Some(card.clone()),
+        _ => None,
+    });
+    let card = card.expect("the card goes to the directory");
+    assert_eq!((card.queued_by_leases, card.max_seqs), (0, 2), "{card:?}");
+    // The fourth stream's first token came at 5 s, reported only at its release: asks again.
+    let mut late = Outcome::from_status(200);
+    late.ttfb_ms = Some(5_000);
+    let one = Release {
+        lease_id: leases[3],
+        outcome: &late,
+        backend: Some(&id(0)),
+    };
+    let (released, effects) = c.release(&[one], 5_100);
+    assert_eq!(released, vec![true]);
+    assert!(
+        effects.contains(&Effect::ScrapeNow(vec![id(0)])),
+        "{effects:?}"
+    );
+    for &l in &leases[..3] {
+        let _ = release(&mut c, l, &id(0), 5_200);
+    }
+    assert_eq!(c.pool().live_leases(), 0);
+    assert_eq!(c.pool().in_flight_total(), 0);
+}

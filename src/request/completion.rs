@@ -341,6 +341,9 @@ pub async fn handle(
                     lease_id: grant.lease_id,
                     backend: grant.backend.clone(),
                     renew_every: renew_interval(grant.deadline_ms.saturating_sub(now)),
+                    first_token_due: grant
+                        .first_token_due_ms
+                        .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
                     reservation,
                 };
                 let guard = LeaseGuard::start(&request, ctx, lease);

@@ -51,12 +51,14 @@ thread_local! {
     /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
     /// pool's card are counted in it and dropped).
     static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
-    /// The newest time card a grant brought from each pool (fresher than the pool list's copy
-    /// for the pools this isolate sends to; one per pool).
+    /// The newest time card a grant (or the answer to an overdue stream's renewal) brought from
+    /// each pool (fresher than the pool list's copy for the pools this isolate sends to; one per
+    /// pool).
     static GRANT_CARDS: RefCell<HashMap<String, TimeCard>> = RefCell::new(HashMap::new());
 }
 
-/// Keeps the card a grant from `pool` carried, when it is newer than the one kept.
+/// Keeps the card a grant (or an overdue stream's renewal) from `pool` carried, when it is newer
+/// than the one kept.
 pub fn fresh_card(pool: &str, card: &TimeCard) {
     GRANT_CARDS.with(|c| {
         let mut c = c.borrow_mut();

@@ -48,16 +48,38 @@ impl PoolCoordinator {
         result
     }
 
-    pub(super) fn renew(&self, req: RenewRequest) -> ApiResult {
-        self.with(|shard| {
-            let (deadline_ms, reestablished) = shard
-                .coordinator
-                .renew(req.lease_id, &req.terms, now_ms())
-                .map_err(pool_error)?;
-            reply::<RenewRequest>(&RenewAnswer {
-                deadline_ms,
-                reestablished,
-            })
+    /// Renews a lease, with what the Worker reports of its stream (a first token, or none by
+    /// its due time): when that shows a backend's model wrong, the backend is scraped now and
+    /// the card that follows goes to the directory, before the answer (the renewal runs after
+    /// the response, in the Worker's `waitUntil`). A renewal that said its stream was overdue
+    /// has that card in its answer.
+    pub(super) async fn renew(&self, req: RenewRequest) -> ApiResult {
+        let (renewed, performed) = self.with(|shard| {
+            let now = now_ms();
+            let c = &mut shard.coordinator;
+            if let Some(ttfb_ms) = req.first_token_ms {
+                c.first_token(req.lease_id, ttfb_ms);
+            }
+            let renewed = c.renew(req.lease_id, &req.terms, now).map_err(pool_error);
+            if req.overdue {
+                c.overdue(req.lease_id);
+            }
+            let effects = if req.overdue || req.first_token_ms.is_some() {
+                c.check_evidence(now)
+            } else {
+                Vec::new()
+            };
+            (renewed, shard.perform(effects, now))
+        });
+        self.follow_up(performed).await;
+        let (deadline_ms, reestablished) = renewed?;
+        let card = req
+            .overdue
+            .then(|| self.with(|shard| Box::new(shard.coordinator.grant_card(now_ms()))));
+        reply::<RenewRequest>(&RenewAnswer {
+            deadline_ms,
+            reestablished,
+            card,
         })
     }
 

@@ -41,6 +41,7 @@ use crate::waiting_room::OpenCalls;
 use coordinator_protocol::messages::{AdminPatch, POOL_HEADER, SHARD_HEADER};
 pub use coordinator_protocol::settings::PoolSettings;
 use coordinator_protocol::{ApiError, Object, Route};
+use routing_core::backend::BackendId;
 use routing_core::coordinator::load::LoadTargets;
 use routing_core::coordinator::{Coordinator, CoordinatorSettings, Effect, Effects, Stored};
 use routing_core::pool::PoolError;
@@ -96,6 +97,8 @@ struct Performed {
     push_probe_round: bool,
     push_registry: bool,
     card: Option<TimeCard>,
+    /// Backends lease evidence asked to be scraped now.
+    scrape: Vec<BackendId>,
 }
 
 impl Performed {
@@ -170,6 +173,10 @@ impl PoolShard {
                     } => self
                         .registry
                         .put_response(&response, &backend, at_ms, forget_before_ms),
+                    Effect::ScrapeNow(ids) => {
+                        performed.scrape.extend(ids);
+                        Ok(())
+                    }
                 };
                 if let Err(e) = written {
                     console_error!("pool {}: storage: {e}", self.name);
@@ -350,7 +357,7 @@ impl PoolCoordinator {
             Route::Reassign => self.reassign(req.body("reassign request").await?).await,
             Route::Release => self.release(req.body("release request").await?).await,
             Route::ReleaseBatch => self.release_batch(req.body("release batch").await?).await,
-            Route::Renew => self.renew(req.body("renew request").await?),
+            Route::Renew => self.renew(req.body("renew request").await?).await,
             Route::PrefillDone => self.prefill_done(req.body("prefill report").await?),
             Route::ResponseHolder => self.response_holder(req.body("response holder").await?),
             Route::RegisterBackend => self.register(req.body("backend registration").await?).await,
@@ -456,9 +463,13 @@ impl PoolCoordinator {
         self.with(|shard| shard.settle_queue(now_ms()));
     }
 
-    /// Runs what `performed` left to do: a probe round soon, the pushes to the sibling shards,
-    /// the card to the directory.
+    /// Runs what `performed` left to do: a probe round soon, the scrapes lease evidence asked for,
+    /// the pushes to the sibling shards, the card to the directory.
     async fn follow_up(&self, performed: Performed) {
+        if !performed.scrape.is_empty() {
+            // Its own findings are followed up inside (they ask for no further scrape).
+            Box::pin(self.evidence_scrape(performed.scrape)).await;
+        }
         if performed.probe_soon {
             self.probe_soon().await;
         }

@@ -6,6 +6,7 @@ use super::{now_ms, ApiResult, PoolCoordinator, PROBE_CONCURRENCY};
 use crate::call::answer;
 use crate::probe::probe_backend;
 use coordinator_protocol::messages::AlarmAnswer;
+use routing_core::backend::BackendId;
 use std::time::Duration;
 use worker::console_error;
 
@@ -56,6 +57,42 @@ impl PoolCoordinator {
             }
         }
         self.probing.set(false);
+    }
+
+    /// Scrapes the backends lease evidence named now, outside the probe round (not while a round
+    /// runs: it scrapes them anyway), and applies the findings as a round's
+    /// (`Coordinator::finish_evidence_scrape`: the card that follows goes to the directory).
+    pub(super) async fn evidence_scrape(&self, ids: Vec<BackendId>) {
+        if self.probing.replace(true) {
+            return;
+        }
+        let (targets, timeout) = self.with(|shard| {
+            let timeout = Duration::from_millis(shard.settings.probe_timeout_ms);
+            let mut targets = shard.coordinator.probe_targets();
+            targets.retain(|t| ids.contains(&t.id));
+            (targets, timeout)
+        });
+        let probes = targets
+            .iter()
+            .take(PROBE_CONCURRENCY)
+            .map(|target| async move {
+                let report = probe_backend(&target.url, target.api_key.as_deref(), timeout).await;
+                (target.id.clone(), report)
+            });
+        let reports = futures_util::future::join_all(probes).await;
+        let performed = self.with(|shard| {
+            let now = now_ms();
+            let effects = shard
+                .coordinator
+                .finish_evidence_scrape(reports, now, &shard.calls);
+            shard.perform(effects, now)
+        });
+        self.probing.set(false);
+        if self.probe_again.replace(false) {
+            // The alarm's round came while this ran: run it now.
+            self.probe_soon().await;
+        }
+        self.follow_up(performed).await;
     }
 
     pub(super) async fn probe_round(&self) {

@@ -87,6 +87,14 @@ pub struct TimeModelConfig {
     /// won at one saturated load only by costing the other or the conversation trace's e2e p99,
     /// and counting the stretch in the harm terms too undid the gain (synthetic saturated 1.00x).
     pub prefill_interference: f64,
+    /// Lease evidence: a stream whose first token is this many times its predicted time to
+    /// first token late (the backend's learned lateness and overhead added, and at least
+    /// [`TimeModelConfig::overdue_floor_ms`]) counts as queued in the engine
+    /// (`crate::pool::evidence`; default 3, 0 turns lease evidence off).
+    pub overdue_factor: f64,
+    /// The least time a stream waits for its first token before it counts as overdue, in ms
+    /// (default 500).
+    pub overdue_floor_ms: u64,
 }
 
 impl Default for TimeModelConfig {
@@ -99,6 +107,8 @@ impl Default for TimeModelConfig {
             max_scale: 10.0,
             step_token_budget: 8_192,
             prefill_interference: 0.0,
+            overdue_factor: 3.0,
+            overdue_floor_ms: 500,
         }
     }
 }
@@ -121,6 +131,12 @@ impl TimeModelConfig {
         }
         if !ok(self.prefill_interference, 0.0, 100.0) {
             return Err("time_model.prefill_interference must be within [0, 100]".into());
+        }
+        if !ok(self.overdue_factor, 0.0, 1e4) {
+            return Err("time_model.overdue_factor must be within [0, 1e4]".into());
+        }
+        if self.overdue_floor_ms > 3_600_000 {
+            return Err("time_model.overdue_floor_ms must be at most 3600000".into());
         }
         if self.step_token_budget == 0 {
             return Err("time_model.step_token_budget must be at least 1".into());

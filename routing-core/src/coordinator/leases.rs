@@ -113,6 +113,10 @@ impl Coordinator {
             })
             .collect();
         self.finish_drains(now_ms, &mut effects);
+        if self.pool.late_first_tokens() {
+            // A first token reported past its due time: that backend's model was wrong.
+            effects.extend(self.check_evidence(now_ms));
+        }
         if let Some(card) = self.card_if_idle_now(now_ms) {
             effects.push(Effect::PublishCard(card));
         }

@@ -14,6 +14,8 @@ pub struct CoordinatorCounters {
     pub retry_budget_exhausted: u64,
     /// Acquires refused so that a further pool takes them.
     pub spills: u64,
+    /// Backends scraped outside the probe round because lease evidence showed their model wrong.
+    pub evidence_scrapes: u64,
     /// Probe rounds run.
     pub probe_rounds: u64,
     /// Probes that succeeded.
@@ -74,7 +76,7 @@ struct Figures {
 }
 
 /// The pool-wide families, in page order.
-const POOL_FAMILIES: [Family<Figures>; 11] = [
+const POOL_FAMILIES: [Family<Figures>; 12] = [
     Kind::Counter.family(
         "llm_gateway_retries_total",
         "Leases moved to the next candidate after a failure before the first byte.",
@@ -89,6 +91,11 @@ const POOL_FAMILIES: [Family<Figures>; 11] = [
         "llm_gateway_pool_spills_total",
         "Requests refused because the pool was saturated and a further pool could take them.",
         |f, s| s.total(f.counters.spills),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_evidence_scrapes_total",
+        "Backends scraped outside the probe round because overdue streams showed their model wrong.",
+        |f, s| s.total(f.counters.evidence_scrapes),
     ),
     Kind::Gauge.family(
         "llm_gateway_pool_ready_backends",
@@ -202,7 +209,7 @@ mod tests {
             "llm_gateway_probe_duration_seconds{pool=\"eu\\\"west\",backend=\"b-1\"} 1.5\n"
         ));
         assert!(out.contains("llm_gateway_pool_desired_replicas{pool=\"eu\\\"west\"} 2\n"));
-        assert_eq!(out.matches("# HELP").count(), 14);
+        assert_eq!(out.matches("# HELP").count(), 15);
     }
 
     /// The whole page, byte for byte: family order, `# HELP` text, labels, numbers.
@@ -212,6 +219,7 @@ mod tests {
             retries: 3,
             retry_budget_exhausted: 1,
             spills: 2,
+            evidence_scrapes: 4,
             probe_rounds: 9,
             probes_ok: 17,
             probes_failed: 1,
@@ -256,6 +264,9 @@ llm_gateway_retry_budget_exhausted_total{pool="eu\"1"} 1
 # HELP llm_gateway_pool_spills_total Requests refused because the pool was saturated and a further pool could take them.
 # TYPE llm_gateway_pool_spills_total counter
 llm_gateway_pool_spills_total{pool="eu\"1"} 2
+# HELP llm_gateway_evidence_scrapes_total Backends scraped outside the probe round because overdue streams showed their model wrong.
+# TYPE llm_gateway_evidence_scrapes_total counter
+llm_gateway_evidence_scrapes_total{pool="eu\"1"} 4
 # HELP llm_gateway_pool_ready_backends Backends ready and healthy.
 # TYPE llm_gateway_pool_ready_backends gauge
 llm_gateway_pool_ready_backends{pool="eu\"1"} 2

@@ -20,6 +20,7 @@
 mod acquire;
 mod card;
 pub mod drain;
+mod evidence;
 mod exchange;
 pub mod history;
 mod leases;
@@ -105,6 +106,9 @@ pub enum Effect {
         /// Records older than this are gone from the book.
         forget_before_ms: Option<u64>,
     },
+    /// Scrape these backends now, outside the probe round (lease evidence says their model is
+    /// wrong), and hand the findings to [`Coordinator::finish_evidence_scrape`].
+    ScrapeNow(Vec<BackendId>),
 }
 
 /// The effects of one call, in order.
@@ -163,6 +167,8 @@ pub struct Coordinator {
     retries: u64,
     /// Acquires refused because the pool was saturated and another pool could take the work.
     spills: u64,
+    /// Backends lease evidence asked to be scraped now (see `evidence`).
+    evidence_scrapes: u64,
     /// Admission control's queue and the waits on it.
     room: WaitingRoom,
     /// The pool's load as of the last probe round or registry change (what spillover reads on
@@ -237,6 +243,7 @@ impl Coordinator {
             probes: ProbeLog::default(),
             retries: 0,
             spills: 0,
+            evidence_scrapes: 0,
             room: WaitingRoom::default(),
             load: PoolLoad::default(),
             persisted: HashMap::new(),

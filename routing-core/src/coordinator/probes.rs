@@ -107,6 +107,12 @@ impl Coordinator {
     pub fn finish_probe_round(&mut self, now_ms: u64, callers: &dyn Callers) -> Effects {
         self.probes.rounds += 1;
         self.probes.last_probe_ms = Some(now_ms);
+        self.probes_applied(now_ms, callers)
+    }
+
+    /// What follows new probe findings on shard 0: the changed backends written, the queue
+    /// dispatched, the findings handed to the siblings and the card to the directory.
+    pub(super) fn probes_applied(&mut self, now_ms: u64, callers: &dyn Callers) -> Effects {
         let mut effects = self.after_probes(now_ms);
         self.room.wake();
         effects.extend(self.settle(now_ms, callers));
@@ -137,7 +143,7 @@ impl Coordinator {
         (applied, self.after_probes(now_ms))
     }
 
-    fn after_probes(&mut self, now_ms: u64) -> Effects {
+    pub(super) fn after_probes(&mut self, now_ms: u64) -> Effects {
         let mut effects = Effects::new();
         self.pool.expire(now_ms);
         self.finish_drains(now_ms, &mut effects);

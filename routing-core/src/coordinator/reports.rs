@@ -19,6 +19,7 @@ impl Coordinator {
             retries: self.retries,
             retry_budget_exhausted: self.budget.exhausted_total(),
             spills: self.spills,
+            evidence_scrapes: self.evidence_scrapes,
             probe_rounds: self.probes.rounds,
             probes_ok: self.probes.ok,
             probes_failed: self.probes.failed,

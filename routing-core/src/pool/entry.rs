@@ -1,6 +1,7 @@
 //! Slot storage: one [`BackendEntry`] per registered backend (its spec and live state), kept in
 //! reusable slots whose generation tells a removed backend's stale lease shares from a new one's.
 
+use super::evidence::LeaseEvidence;
 use super::views::CandidateView;
 use super::BackendStats;
 use super::DEFAULT_RETRY_AFTER_S;
@@ -53,6 +54,11 @@ pub(super) struct BackendEntry {
     /// waited: vLLM's `max_num_seqs`, or fewer when its KV cache is the limit), and when a scrape
     /// last confirmed it; see [`learn_seq_limit`].
     pub(super) learned_seqs: Option<(u32, u64)>,
+    /// When a scrape last reported the backend's load, in ms of pool time (lease evidence counts
+    /// only the streams granted after it: the scrape saw the earlier ones).
+    pub(super) load_scraped_ms: Option<u64>,
+    /// What the lease table says of the backend's engine queue (see `super::evidence`).
+    pub(super) evidence: LeaseEvidence,
 }
 
 /// How long a learned batch limit holds without a scrape confirming it (a queue behind a full
@@ -111,6 +117,9 @@ impl BackendEntry {
         }
         if let Some((seqs, _)) = self.learned_seqs {
             c.max_num_seqs = c.max_num_seqs.min(seqs.max(1));
+        }
+        if let Some(seqs) = self.evidence_seq_bound() {
+            c.max_num_seqs = c.max_num_seqs.min(seqs);
         }
         c
     }

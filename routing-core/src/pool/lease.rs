@@ -65,6 +65,14 @@ pub struct Lease {
     /// withdrawn if the request turns out to fail on the next backend too (the request's fault),
     /// charged otherwise.
     pub deferred_failure: Option<BackendKey>,
+    /// The stream's time to first token as the Worker reported it (on a renewal or the
+    /// release), in ms from the grant: a lease without it past its overdue time counts as queued
+    /// in the engine (`crate::pool::evidence`).
+    pub first_token_ms: Option<u64>,
+    /// The Worker said the stream had no first token at its overdue time
+    /// ([`crate::pool::Grant::first_token_due_ms`]); until a first token is reported, it counts
+    /// as queued in the engine.
+    pub overdue_reported: bool,
 }
 
 /// What the Worker knows of its lease: enough for the pool to count it again if it lost it.
@@ -201,6 +209,8 @@ mod tests {
             acquired_ms: 0,
             deadline_ms,
             deferred_failure: None,
+            first_token_ms: None,
+            overdue_reported: false,
         }
     }
 

@@ -137,6 +137,9 @@ impl Pool {
     /// failure the Worker found to be the request's ([`Outcome::request_fault`]), which also
     /// withdraws the deferred charge of the backend the lease moved away from.
     pub fn release(&mut self, lease_id: LeaseId, outcome: &Outcome, now_ms: u64) -> bool {
+        if let (Some(ttfb_ms), true) = (outcome.ttfb_ms, outcome.kind.is_success()) {
+            self.check_first_token(lease_id, ttfb_ms);
+        }
         let Some(lease) = self.leases.remove(lease_id) else {
             self.stats.unknown_releases += 1;
             return false;
@@ -232,6 +235,8 @@ impl Pool {
             acquired_ms: now_ms,
             deadline_ms,
             deferred_failure: None,
+            first_token_ms: None,
+            overdue_reported: false,
         };
         // `renew` failed just above, so the id is free.
         let _ = self.leases.insert(lease);

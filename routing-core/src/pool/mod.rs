@@ -31,6 +31,7 @@ mod capacity;
 mod config;
 mod entry;
 mod errors;
+pub mod evidence;
 pub mod guess;
 pub mod lease;
 mod leases;

@@ -3,6 +3,7 @@
 
 use super::entry::{learn_seq_limit, BackendEntry, Slot};
 use super::errors::unknown;
+use super::evidence::LeaseEvidence;
 use super::BackendStats;
 use super::{BackendView, Pool, PoolError, ProbeResult, ScrapedGauges};
 use crate::backend::breaker::CircuitBreaker;
@@ -62,6 +63,8 @@ impl Pool {
             reported: InFlight::default(),
             held: HeldBlocks::default(),
             learned_seqs: None,
+            load_scraped_ms: None,
+            evidence: LeaseEvidence::default(),
         });
         self.index.insert(id.clone(), slot);
         self.sync_affinity_capacity(slot);
@@ -217,6 +220,7 @@ impl Pool {
                 scraped.waiting.unwrap_or(0.0),
             );
             entry.learned_seqs = learn_seq_limit(entry.learned_seqs, running, waiting, now_ms);
+            entry.load_scraped_ms = Some(now_ms);
             let ours = f64::from(entry.in_flight.leases) + f64::from(entry.remote.leases);
             let external = (running + waiting - ours).max(0.0);
             entry.external_waiting = external.min(waiting);

@@ -87,6 +87,11 @@ pub struct Grant {
     /// (`ROUTE_AHEAD`) forget every backend of the pool (0 is left out).
     #[serde(skip_serializing_if = "is_zero_u32")]
     pub roster: u32,
+    /// When the stream becomes overdue without a first token, in ms after the grant
+    /// (`crate::pool::evidence`): the Worker tells the pool then if none came. Left out for a
+    /// request that does not stream, or with lease evidence off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_token_due_ms: Option<u32>,
 }
 
 fn is_zero_u32(n: &u32) -> bool {
@@ -107,11 +112,20 @@ pub struct RouteReceipt {
     /// Its predicted time to first token.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alt_predicted_ttft_ms: Option<u32>,
+    /// Streams lease evidence found queued on the chosen backend beyond its last scrape, when its
+    /// prediction counted any (`crate::pool::evidence`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_by_leases: Option<u32>,
+    /// The same for the best alternative.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alt_queued_by_leases: Option<u32>,
 }
 
 impl RouteReceipt {
     /// The header form, `backend=<id>;predicted_ttft_ms=<n>;alt=<id>;alt_predicted_ttft_ms=<n>`
-    /// (the `alt` pair left out when no other backend was eligible).
+    /// (the `alt` pair left out when no other backend was eligible), then
+    /// `;queued_by_leases=<n>` and `;alt_queued_by_leases=<n>` when a prediction counted streams
+    /// that lease evidence found queued (`crate::pool::evidence`) rather than a scrape.
     pub fn header_value(&self, backend: &BackendId) -> String {
         let mut s = format!(
             "backend={};predicted_ttft_ms={}",
@@ -119,6 +133,12 @@ impl RouteReceipt {
         );
         if let (Some(alt), Some(ms)) = (&self.alt, self.alt_predicted_ttft_ms) {
             s.push_str(&format!(";alt={};alt_predicted_ttft_ms={ms}", alt.0));
+        }
+        if let Some(n) = self.queued_by_leases {
+            s.push_str(&format!(";queued_by_leases={n}"));
+        }
+        if let Some(n) = self.alt_queued_by_leases {
+            s.push_str(&format!(";alt_queued_by_leases={n}"));
         }
         s
     }

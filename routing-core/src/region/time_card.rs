@@ -42,11 +42,19 @@ pub struct TimeCard {
     pub running: u32,
     /// Sequences they can run at once (the sum of their learned or configured `max_num_seqs`).
     pub max_seqs: u32,
+    /// Streams the pool's lease evidence finds queued in its backends' engines since their last
+    /// scrape (`crate::pool::evidence`; already counted in the predictions and `max_seqs`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub queued_by_leases: u32,
     /// Models the pool's ready backends serve.
     pub models: Vec<String>,
     /// Predicted decode time of the card's made-up request ([`CARD_OUTPUT_TOKENS`]) on the best
     /// backend, in ms: about how long one more request holds a sequence slot.
     pub decode_ms: Option<u32>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl TimeCard {

@@ -253,6 +253,11 @@ impl Forward<'_> {
         let status = answer.status;
         let mut outcome = Outcome::from_status(status);
         outcome.ttfb_ms = Some(answer.ttfb_ms);
+        if request.stream() {
+            // Lease evidence: the pool hears of it on the next renewal (or at once, when it was
+            // told the stream was overdue).
+            self.guard.first_token(answer.ttfb_ms);
+        }
         let (Some(reader), true) = (answer.reader, request.stream()) else {
             with_usage(&mut outcome, answer.usage);
             // A stored response's id goes to the pool with the release: its follow-ups are

@@ -9,12 +9,17 @@
 //! and, while the request lives, renews the lease several times per `lease_ttl_ms`, so a lease lasts
 //! exactly as long as its request (every 20 s at most for its first five minutes, then at a third
 //! of what the pool's deadline leaves, up to ten minutes: each renewal is a subrequest, and a
-//! pool with a long `lease_ttl_ms` keeps an hours-long stream's count low). When the request ends it releases the lease with the outcome,
-//! writes the access log line, and settles the client's token reservation by
-//! `routing_core::stream::settle`: the backend's reported usage; for a stream that started and has
-//! none (the client hung up mid-way), what the client received; for a hang-up before the first
-//! byte, the prompt's estimate, and during a whole answer, the estimate charged (a hang-up never
-//! refunds the prefill the backend did). Nothing on the response path waits for any of this.
+//! pool with a long `lease_ttl_ms` keeps an hours-long stream's count low). It is also how the
+//! pool learns of the stream's first token (lease evidence, `routing_core::pool::evidence`): the
+//! time is carried on the next renewal or the release, and a stream whose grant gave it a due time
+//! and that has no first token by then renews early to say so (and again when its first token
+//! comes), so a backend's engine queue shows in the pool before its next scrape; streams on time
+//! add no call. When the request ends it releases the lease with the outcome, writes the access
+//! log line, and settles the client's token reservation by `routing_core::stream::settle`: the
+//! backend's reported usage; for a stream that started and has none (the client hung up mid-way),
+//! what the client received; for a hang-up before the first byte, the prompt's estimate, and
+//! during a whole answer, the estimate charged (a hang-up never refunds the prefill the backend
+//! did). Nothing on the response path waits for any of this.
 
 use crate::clients::keys::{self, Reservation};
 use crate::platform::do_client::{call, To};
@@ -62,6 +67,23 @@ struct LeaseState {
     meter: Option<Box<dyn Fn() -> Streamed>>,
     /// The decision's receipt (the chosen backend and the best alternative, predicted), logged.
     receipt: Option<(BackendId, RouteReceipt)>,
+    /// The stream's first token, in ms, once seen; taken when a renewal carries it.
+    first_token: FirstToken,
+}
+
+/// What the pool has been told of a stream's first token.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FirstToken {
+    /// Not seen yet.
+    Awaited,
+    /// Not seen by its due time, and the pool was told so.
+    Overdue,
+    /// Seen after it was reported overdue: the pool is told at once.
+    LateUnreported(u64),
+    /// Seen, to be carried by the next renewal (the release carries it anyway).
+    Unreported(u64),
+    /// Seen and reported (or not worth reporting).
+    Done,
 }
 
 impl LeaseState {
@@ -110,6 +132,9 @@ pub struct Lease {
     pub backend: BackendId,
     /// Time between renewals.
     pub renew_every: Duration,
+    /// When the stream is overdue without a first token, after the grant (the grant's
+    /// `first_token_due_ms`; `None` when it does not stream or the pool takes no evidence).
+    pub first_token_due: Option<Duration>,
     /// The client's token reservation, settled when the request ends.
     pub reservation: Option<Reservation>,
 }
@@ -137,11 +162,13 @@ impl LeaseGuard {
             wake: Some(wake),
             meter: None,
             receipt: None,
+            first_token: FirstToken::Awaited,
         }));
         let task = Keeper {
             request: request.clone(),
             state: record.clone(),
             renew_every: lease.renew_every,
+            first_token_due: lease.first_token_due,
             reservation: lease.reservation,
             started_ms: crate::platform::http::now_ms(),
         };
@@ -195,6 +222,20 @@ impl LeaseGuard {
             r.prefill = Some((outcome, prefill_backend));
             r.wake();
         }
+    }
+
+    /// The stream's first token came `ttfb_ms` after the request began: the next renewal tells
+    /// the pool, or at once when the pool was told it was overdue.
+    pub fn first_token(&self, ttfb_ms: u64) {
+        let mut r = self.shared.state.borrow_mut();
+        r.first_token = match r.first_token {
+            FirstToken::Awaited => FirstToken::Unreported(ttfb_ms),
+            FirstToken::Overdue => {
+                r.wake();
+                FirstToken::LateUnreported(ttfb_ms)
+            }
+            other => other,
+        };
     }
 
     /// The answer started streaming: `meter` says what the client received, which is what it is
@@ -251,6 +292,8 @@ struct Keeper {
     request: Rc<RequestContext>,
     state: Rc<RefCell<LeaseState>>,
     renew_every: Duration,
+    /// See [`Lease::first_token_due`].
+    first_token_due: Option<Duration>,
     reservation: Option<Reservation>,
     started_ms: u64,
 }
@@ -260,16 +303,38 @@ impl Keeper {
         let mut woken = JsFuture::from(woken);
         let mut hung_up = JsFuture::from(hung_up);
         let mut renew_every = self.renew_every;
+        let mut renew_at = self
+            .started_ms
+            .saturating_add(renew_every.as_millis() as u64);
         loop {
-            let tick = self.request.deadlines.sleep(renew_every);
+            let now = crate::platform::http::now_ms();
+            // Wake at the next renewal, or earlier at the stream's due time while it has no
+            // first token (the early renewal says it is overdue).
+            let due_at = self
+                .first_token_due
+                .filter(|_| self.state.borrow().first_token == FirstToken::Awaited)
+                .map(|d| self.started_ms.saturating_add(d.as_millis() as u64));
+            let wake_at = due_at.map_or(renew_at, |d| d.min(renew_at));
+            let tick = self
+                .request
+                .deadlines
+                .sleep(Duration::from_millis(wake_at.saturating_sub(now)));
             match select(select(&mut woken, &mut hung_up), tick).await {
                 Either::Left((Either::Left(_), _)) => {
                     if self.state.borrow().ending.is_some() {
                         break;
                     }
-                    // The prefill stage ended: report it, then wait again (for the ending,
-                    // unless it came meanwhile).
+                    // The prefill stage ended, or a stream reported overdue had its first
+                    // token: report it, then wait again (for the ending, unless it came
+                    // meanwhile).
                     self.report_prefill().await;
+                    let late = matches!(
+                        self.state.borrow().first_token,
+                        FirstToken::LateUnreported(_)
+                    );
+                    if late {
+                        self.renew(false).await;
+                    }
                     let (promise, wake) = signal_promise();
                     let mut r = self.state.borrow_mut();
                     if r.ending.is_some() {
@@ -286,8 +351,27 @@ impl Keeper {
                     break;
                 }
                 Either::Right(_) => {
-                    let deadline_ms = self.renew().await;
+                    let now = crate::platform::http::now_ms();
+                    if now < renew_at {
+                        // The due time passed: with no first token, say so now (one that came
+                        // meanwhile waits for the renewal).
+                        let awaited = {
+                            let mut r = self.state.borrow_mut();
+                            let awaited = r.first_token == FirstToken::Awaited;
+                            if awaited {
+                                r.first_token = FirstToken::Overdue;
+                            }
+                            awaited
+                        };
+                        if awaited {
+                            self.renew(true).await;
+                        }
+                        continue;
+                    }
+                    let deadline_ms = self.renew(false).await;
                     renew_every = self.next_renewal(deadline_ms);
+                    renew_at = crate::platform::http::now_ms()
+                        .saturating_add(renew_every.as_millis() as u64);
                 }
             }
         }
@@ -385,19 +469,33 @@ impl Keeper {
         }
     }
 
-    /// Pushes the lease's deadline out; a pool that lost the lease counts it again. Returns the
-    /// new deadline, when the pool answered.
-    async fn renew(&self) -> Option<u64> {
+    /// Pushes the lease's deadline out; a pool that lost the lease counts it again. Carries the
+    /// stream's first token if not yet reported, or `overdue` when it has none by its due time.
+    /// Returns the new deadline, when the pool answered.
+    async fn renew(&self, overdue: bool) -> Option<u64> {
         let req = {
-            let r = self.state.borrow();
+            let mut r = self.state.borrow_mut();
+            let first_token_ms = match r.first_token {
+                FirstToken::Unreported(ms) | FirstToken::LateUnreported(ms) => {
+                    r.first_token = FirstToken::Done;
+                    Some(ms)
+                }
+                _ => None,
+            };
             RenewRequest {
                 lease_id: r.lease_id,
                 terms: r.terms.clone(),
+                first_token_ms,
+                overdue,
             }
         };
         let to_pool = To::Pool(&self.request.pool, self.request.shard);
         match call(&self.request.env, to_pool, &req).await {
             Ok(a) => {
+                if let Some(card) = &a.card {
+                    // The pool's card as of this overdue stream: the next choice sees its queue.
+                    crate::request::regions::fresh_card(&self.request.pool, card);
+                }
                 if a.reestablished {
                     worker::console_log!(
                         "{}",

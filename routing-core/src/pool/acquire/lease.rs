@@ -45,7 +45,10 @@ impl Pool {
             acquired_ms: now_ms,
             deadline_ms,
             deferred_failure: None,
+            first_token_ms: None,
+            overdue_reported: false,
         };
+        let first_token_due_ms = self.first_token_due_ms(&lease);
         // The id was checked to be free just above.
         let _ = self.leases.insert(lease);
 
@@ -87,6 +90,7 @@ impl Pool {
             // The coordinator adds its card (it holds the queue the card counts).
             card: None,
             roster: self.roster(),
+            first_token_due_ms,
         }
     }
 
@@ -100,10 +104,12 @@ impl Pool {
             .iter()
             .filter(|c| c.slot != chosen.slot && c.ttft_ms.is_finite())
             .min_by(|a, b| a.ttft_ms.total_cmp(&b.ttft_ms));
-        let alt_id = alt
-            .and_then(|c| self.slots[c.slot as usize].entry.as_ref())
-            .map(|e| e.spec.id.clone());
+        let alt_entry = alt.and_then(|c| self.slots[c.slot as usize].entry.as_ref());
+        let alt_id = alt_entry.map(|e| e.spec.id.clone());
+        let queued = |e: Option<&BackendEntry>| e.map(|e| e.evidence.queued).filter(|&n| n > 0);
         Some(RouteReceipt {
+            queued_by_leases: queued(self.slots[chosen.slot as usize].entry.as_ref()),
+            alt_queued_by_leases: queued(alt_entry),
             predicted_ttft_ms,
             alt_predicted_ttft_ms: alt_id.as_ref().and(alt).and_then(|c| whole_ms(c.ttft_ms)),
             alt: alt_id,

@@ -67,6 +67,7 @@ impl Pool {
         self.now_hint_ms = self.now_hint_ms.max(now_ms);
         self.expire_leases(now_ms);
         self.refresh_siblings(now_ms);
+        self.refresh_evidence(now_ms);
         let paired = self.eligible(features, now_ms, headroom)?;
         let decision = self.rank(features, paired, rng);
         let admitted = self.admit_choice(features, paired, now_ms)?;

@@ -168,7 +168,14 @@ impl<'a> Pricing<'a> {
         let request_memory = (u64::from(f.prompt_tokens)
             .saturating_sub(m.computed_held * self.block_tokens))
             + self.expected_output as u64;
-        let engine_waiting = gauges.waiting.unwrap_or(0.0);
+        // The engine's queue: the scrape's, plus the streams lease evidence finds queued since
+        // (`pool::evidence`), which run behind the leases that are not.
+        let queued_by_leases = f64::from(entry.evidence.queued);
+        let engine_waiting = gauges.waiting.unwrap_or(0.0) + queued_by_leases;
+        let engine_running = gauges
+            .running
+            .unwrap_or(0.0)
+            .max(f64::from(in_flight.leases) - queued_by_leases);
         let short_of_room = memory_tokens + request_memory > capacity
             || in_flight.leases >= backend_capacity.max_num_seqs.max(1)
             || engine_waiting > 0.0;
@@ -197,7 +204,7 @@ impl<'a> Pricing<'a> {
             in_flight.leases,
             backend_capacity.max_num_seqs,
             drain_ms,
-            (engine_waiting, gauges.running.unwrap_or(0.0)),
+            (engine_waiting, engine_running),
         );
         // The prefill queue already counts the prefills of the requests ahead; a wait for
         // room counts them too (they run as room frees), so the longer of the two counts.

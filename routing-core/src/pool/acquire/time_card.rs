@@ -28,6 +28,7 @@ impl Pool {
             ..TimeCard::default()
         };
         let mut counts: Vec<(String, u32)> = Vec::new();
+        self.refresh_evidence(now_ms);
         for b in self.entries() {
             let serving = b.serving();
             if !serving.is_up() {
@@ -37,6 +38,7 @@ impl Pool {
             let scraped_running = b.scraped.running.unwrap_or(0.0).max(0.0) as u32;
             card.running += b.in_flight.leases.max(scraped_running);
             card.max_seqs += b.capacity().max_num_seqs;
+            card.queued_by_leases += b.evidence.queued;
             for m in serving.served_models() {
                 match counts.iter_mut().find(|(name, _)| name == m) {
                     Some((_, n)) => *n += 1,
