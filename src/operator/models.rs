@@ -4,6 +4,7 @@
 use crate::platform::do_client::{self, To};
 use coordinator_protocol::call::Models;
 use coordinator_protocol::ApiError;
+use futures_util::future::join_all;
 use serde_json::{json, Value};
 use worker::{console_error, Env, Response};
 
@@ -13,8 +14,13 @@ use worker::{console_error, Env, Response};
 pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let mut models: Vec<String> = Vec::new();
     let mut adapters = Vec::new();
-    for pool in do_client::list_pools(env).await? {
-        match do_client::call(env, To::Pool(&pool.name, 0), &Models).await {
+    // Every pool at once: the list costs one round trip to the farthest pool, not their sum.
+    let pools = do_client::list_pools(env).await?;
+    let asked = pools
+        .iter()
+        .map(|pool| do_client::call(env, To::Pool(&pool.name, 0), &Models));
+    for (pool, answer) in pools.iter().zip(join_all(asked).await) {
+        match answer {
             Ok(answer) => {
                 models.extend(answer.models);
                 adapters.extend(answer.adapters);
