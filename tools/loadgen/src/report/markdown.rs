@@ -69,10 +69,12 @@ fn apis_markdown(result: &BenchResult, s: &mut String) {
     }
     let _ = writeln!(
         s,
-        "## The same conversations through chat, Responses and Messages
-
-         Each workload's sessions sent as chat completions, as Responses requests (the whole          history as `input` items, `store: false`) and as Messages requests, on the same fleet          under the same policy. Hit rate: the fleet's prefix-cache counters; usage hit rate: the          answers' cached over prompt tokens (`prompt_tokens_details.cached_tokens`,          `input_tokens_details.cached_tokens`, `cache_read_input_tokens`).
-"
+        "## The same conversations through chat, Responses and Messages\n\n\
+         Each workload's sessions sent as chat completions, as Responses requests (the whole \
+         history as `input` items, `store: false`) and as Messages requests, each on a fresh \
+         fleet under the same policy. Hit rate: the fleet's prefix-cache counters; usage hit \
+         rate: the answers' cached over prompt tokens (`prompt_tokens_details.cached_tokens`, \
+         `input_tokens_details.cached_tokens`, `cache_read_input_tokens`).\n"
     );
     let _ = writeln!(
         s,
@@ -283,7 +285,14 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
             let _ = writeln!(
                 s,
                 "\n### {w}, {m} ({}, time scale {})\n",
-                mode_description(runs[0], result.capacity_rps.get(w).copied()),
+                mode_description(
+                    runs[0],
+                    // A run through another API was offered its chat workload's load.
+                    result
+                        .capacity_rps
+                        .get(runs[0].api_of.as_deref().unwrap_or(w))
+                        .copied()
+                ),
                 runs[0].time_scale
             );
             if runs.iter().any(|r| r.ttft_short_ms.is_some()) {

@@ -136,7 +136,8 @@ mod tests {
             r.api_of = Some("chat".into());
             runs.push(r);
         }
-        let result = result_of(runs);
+        let mut result = result_of(runs);
+        result.capacity_rps = BTreeMap::from([("chat".to_string(), 55.0)]);
         assert!(!result.tail_targets.is_empty());
         assert!(
             result.tail_targets.iter().all(|t| t.workload == "chat"),
@@ -145,6 +146,12 @@ mod tests {
         );
         let md = markdown(&result, "x-");
         assert!(md.contains("## The same conversations through chat, Responses and Messages"));
+        assert!(md.contains("as Responses requests (the whole history as `input` items"));
+        // A run through another API is described at its chat workload's capacity.
+        assert!(
+            md.contains("### chat-messages, closed-64 (open loop, Poisson 50 req/s = 0.9 x 55.0"),
+            "{md}"
+        );
         let rows: Vec<&str> = md
             .lines()
             .filter(|l| l.starts_with("| chat | closed-64 |"))
