@@ -31,6 +31,7 @@ pub async fn run_one(
     api: Api,
     tmp_dir: &Path,
 ) -> Result<Result<RunReport, String>, String> {
+    let of = w.name().to_string();
     let through;
     let w = if api == Api::Chat {
         w
@@ -54,11 +55,7 @@ pub async fn run_one(
     let mut report = measure(cfg, fleet, http, w, mode, policy, target, tmp_dir).await;
     if api != Api::Chat {
         report.api = api;
-        report.api_of = Some(
-            w.name()
-                .trim_end_matches(&format!("-{}", api.name()))
-                .to_string(),
-        );
+        report.api_of = Some(of);
     }
     gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
         .await;
