@@ -17,7 +17,10 @@
 //! vLLM reports a failure after its headers, followed by `data: [DONE]`) is the backend's failure,
 //! not the end of an answer: the scanner takes it and everything after it out of the client's
 //! stream ([`StreamScanner::error`]), the stream is not [`complete`](StreamScanner::complete), and
-//! the relay ends or resumes it as it does a broken connection.
+//! the relay ends or resumes it as it does a broken connection. The events that open a Responses
+//! or Messages stream before any output (`response.created`, `message_start`, ...: vLLM sends them
+//! as soon as it accepts the request, before the prefill) are no first token either
+//! ([`first_chunk`]), so the time to first token the pool learns from is the prefill's, as chat's.
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
@@ -600,7 +603,7 @@ pub fn first_chunk(bytes: &[u8]) -> FirstChunk {
         match end {
             Some(end) => {
                 let event = &bytes[start..end];
-                if !is_comment(event) {
+                if !is_comment(event) && !is_opening(event) {
                     return match error_message(&event_data(event)) {
                         Some(m) => FirstChunk::Error(m),
                         None => FirstChunk::Answer,
@@ -621,10 +624,59 @@ pub fn first_chunk(bytes: &[u8]) -> FirstChunk {
         .find(|l| !l.is_empty() && !l.starts_with(b":") && l != b"\r");
     match text {
         None => FirstChunk::NoTokenYet,
-        // A partial event that may be an error: wait for its end (bounded by the deadline).
-        Some(l) if rest.len() <= MAX_HELD_BYTES && may_be_error(l) => FirstChunk::NoTokenYet,
+        // A partial event that may be an error, or that opens a Responses or Messages stream:
+        // wait for its end (bounded by the deadline and the held bytes).
+        Some(l) if rest.len() <= MAX_HELD_BYTES && (may_be_error(l) || opening_name(l)) => {
+            FirstChunk::NoTokenYet
+        }
         Some(_) => FirstChunk::Answer,
     }
+}
+
+/// The events a Responses or Messages stream opens with before any output (vLLM sends them as
+/// soon as the request is accepted, before its prefill): `response.created`,
+/// `response.in_progress`, `response.queued`, `response.output_item.added`,
+/// `response.content_part.added`; `message_start`, `content_block_start`, `ping`. Like a
+/// comment they are no first token: the first token is the first event after them (a text or
+/// arguments delta, or whatever else comes), so the first-token deadline, the retries before it
+/// and the time to first token the pool learns from mean what they mean for chat.
+const OPENING_EVENTS: [&str; 8] = [
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+    "response.output_item.added",
+    "response.content_part.added",
+    "message_start",
+    "content_block_start",
+    "ping",
+];
+
+/// Whether a line is an `event:` line naming an opening event (see [`OPENING_EVENTS`]).
+fn opening_name(line: &[u8]) -> bool {
+    let Some(name) = line.strip_prefix(b"event:") else {
+        return false;
+    };
+    let name = name.strip_suffix(b"\r").unwrap_or(name).trim_ascii();
+    OPENING_EVENTS.iter().any(|e| e.as_bytes() == name)
+}
+
+/// Whether a whole event is an opening event, by its `event:` line or its data's `type`.
+fn is_opening(event: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Typed<'a> {
+        #[serde(default, borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
+    }
+    if event.split(|&b| b == b'\n').any(opening_name) {
+        return true;
+    }
+    let data = event_data(event);
+    let Ok(typed) = serde_json::from_slice::<Typed>(&data) else {
+        return false;
+    };
+    typed
+        .kind
+        .is_some_and(|k| OPENING_EVENTS.contains(&k.as_ref()))
 }
 
 /// `bytes` without the given ranges (sorted, disjoint).
@@ -932,6 +984,46 @@ mod tests {
         assert_eq!(first_chunk(&ERROR.as_bytes()[..20]), FirstChunk::NoTokenYet);
         assert_eq!(first_chunk(&ERROR.as_bytes()[..8]), FirstChunk::NoTokenYet);
         assert_eq!(first_chunk(&TOKEN.as_bytes()[..30]), FirstChunk::Answer);
+    }
+
+    #[test]
+    fn the_opening_events_of_responses_and_messages_are_no_first_token() {
+        let created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\"},\"sequence_number\":0}\n\n";
+        let in_progress = "event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1}\n\n";
+        let added = "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\"}\n\nevent: response.content_part.added\ndata: {\"type\":\"response.content_part.added\"}\n\n";
+        let delta = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\" the\"}\n\n";
+        let opening = format!("{created}{in_progress}{added}");
+        assert_eq!(first_chunk(opening.as_bytes()), FirstChunk::NoTokenYet);
+        assert_eq!(
+            first_chunk(format!("{opening}{delta}").as_bytes()),
+            FirstChunk::Answer
+        );
+        // Part of an opening event waits for the rest; part of a delta is an answer.
+        assert_eq!(
+            first_chunk(&created.as_bytes()[..40]),
+            FirstChunk::NoTokenYet
+        );
+        assert_eq!(first_chunk(&delta.as_bytes()[..40]), FirstChunk::Answer);
+        // Without `event:` lines, the data's type says it.
+        assert_eq!(
+            first_chunk(b"data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":4}}}\n\n"),
+            FirstChunk::NoTokenYet
+        );
+        let start = "event: message_start\ndata: {\"type\":\"message_start\"}\n\nevent: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0}\n\nevent: ping\ndata: {\"type\":\"ping\"}\n\n";
+        assert_eq!(first_chunk(start.as_bytes()), FirstChunk::NoTokenYet);
+        let text = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n";
+        assert_eq!(
+            first_chunk(format!("{start}{text}").as_bytes()),
+            FirstChunk::Answer
+        );
+        // An error after the opening fails the attempt as before.
+        let error = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"boom\"}}\n\n";
+        assert_eq!(
+            first_chunk(format!("{start}{error}").as_bytes()),
+            FirstChunk::Error("boom".into())
+        );
+        // Chat's chunks are untouched.
+        assert_eq!(first_chunk(TOKEN.as_bytes()), FirstChunk::Answer);
     }
 
     #[test]

@@ -1,10 +1,12 @@
-//! The HTTP side: one keep-alive HTTP/1.1 client, a streamed chat completion timed token by token,
-//! and the small JSON calls the harness makes (admin API, `/metrics`).
+//! The HTTP side: one keep-alive HTTP/1.1 client, a streamed chat completion (or Responses /
+//! Messages request, whose events [`crate::api`] reads) timed token by token, and the small JSON
+//! calls the harness makes (admin API, `/metrics`).
 //!
 //! Time to first token is measured to the first server-sent event that carries output text (the
 //! opening `{"role": "assistant", "content": ""}` delta does not count), so it includes queueing and
 //! prefill but not an early empty chunk.
 
+use crate::api::{read_messages_event, read_responses_event, Api, EventOutcome};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request};
@@ -137,7 +139,7 @@ impl StreamResult {
     }
 }
 
-/// Pulls the text, usage and end marker out of one SSE event's data.
+/// Pulls the text and usage out of one SSE event's data of a chat (or text) completion.
 fn read_event(
     data: &str,
     out: &mut StreamResult,
@@ -210,9 +212,11 @@ impl Http {
         Http { inner }
     }
 
-    /// Sends `body` to `url` and reads the SSE stream to its end (or `timeout`).
-    pub async fn stream(
+    /// Sends `body`, a streamed request of `api`, to `url` and reads the SSE stream to its end (or
+    /// `timeout`).
+    pub async fn stream_api(
         &self,
+        api: Api,
         url: &str,
         body: Bytes,
         headers: &[(String, String)],
@@ -222,7 +226,7 @@ impl Http {
         let mut out = StreamResult::default();
         match tokio::time::timeout(
             timeout,
-            self.stream_inner(url, body, headers, start, &mut out),
+            self.stream_inner(api, url, body, headers, start, &mut out),
         )
         .await
         {
@@ -236,6 +240,7 @@ impl Http {
 
     async fn stream_inner(
         &self,
+        api: Api,
         url: &str,
         body: Bytes,
         headers: &[(String, String)],
@@ -303,11 +308,21 @@ impl Http {
                     let Some(data) = line.strip_prefix("data:").map(str::trim) else {
                         continue;
                     };
-                    if data == "[DONE]" {
-                        done = true;
-                    } else if read_event(data, out, &mut text_events, &mut usage_tokens)
-                        && out.ttft.is_none()
-                    {
+                    let event = match api {
+                        Api::Chat if data == "[DONE]" => EventOutcome::END,
+                        Api::Chat => EventOutcome {
+                            text: read_event(data, out, &mut text_events, &mut usage_tokens),
+                            done: false,
+                        },
+                        Api::Responses => {
+                            read_responses_event(data, out, &mut text_events, &mut usage_tokens)
+                        }
+                        Api::Messages => {
+                            read_messages_event(data, out, &mut text_events, &mut usage_tokens)
+                        }
+                    };
+                    done |= event.done;
+                    if event.text && out.ttft.is_none() {
                         out.ttft = Some(start.elapsed());
                     }
                 }
@@ -318,7 +333,11 @@ impl Http {
             return Err(e.clone());
         }
         if !done {
-            return Err("stream ended without [DONE]".into());
+            return Err(match api {
+                Api::Chat => "stream ended without [DONE]".into(),
+                Api::Responses => "stream ended without response.completed".into(),
+                Api::Messages => "stream ended without message_stop".into(),
+            });
         }
         Ok(())
     }

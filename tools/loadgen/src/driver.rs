@@ -19,12 +19,12 @@
 //! The arrival times come from the seed (or the trace), so two runs offer the same load at the
 //! same moments.
 
+use crate::api::Api;
 use crate::client::{EngineSplit, Http, RouteReceipt, StreamResult};
-use crate::plan::{messages, Plan};
+use crate::plan::Plan;
 use crate::rng::Rng;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -44,8 +44,11 @@ pub enum Load {
 /// Where requests go.
 #[derive(Debug, Clone)]
 pub struct Target {
-    /// Chat-completions URLs, used in turn (one: the gateway; several: direct to backends).
+    /// Request URLs (the API's path, e.g. `/v1/chat/completions`), used in turn (one: the
+    /// gateway; several: direct to backends).
     pub urls: Vec<String>,
+    /// The API the requests are sent through (the URLs' path must be its [`Api::path`]).
+    pub api: Api,
     /// The `model` field.
     pub model: String,
     /// Extra headers on every request.
@@ -137,24 +140,16 @@ impl Record {
     }
 }
 
-/// The request body of one turn.
-pub fn request_body(
+/// The request body of one turn in `api`'s shape.
+pub fn api_body(
+    api: Api,
     model: &str,
     plan: &Plan,
     session: usize,
     turn: usize,
     answers: &[String],
 ) -> Bytes {
-    let s = &plan.sessions[session];
-    let body = json!({
-        "model": model,
-        "messages": messages(s, turn, answers),
-        "max_tokens": s.turns[turn].output_tokens,
-        "ignore_eos": true,
-        "temperature": 0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
+    let body = api.body(model, &plan.sessions[session], turn, answers);
     Bytes::from(serde_json::to_vec(&body).expect("a JSON value serialises"))
 }
 
@@ -187,15 +182,18 @@ impl Shared {
 
     async fn send(&self, session: usize, turn: usize, answers: &[String]) -> StreamResult {
         let i = self.next_url.fetch_add(1, Ordering::Relaxed) % self.target.urls.len();
+        let api = self.target.api;
         let mut headers = self.target.headers.clone();
+        headers.extend(api.headers());
         if let Some(user) = &self.plan.sessions[session].user_id {
             headers.push(("x-user-id".into(), user.clone()));
         }
-        let body = request_body(&self.target.model, &self.plan, session, turn, answers);
+        let body = api_body(api, &self.target.model, &self.plan, session, turn, answers);
         let sent_s = self.start.elapsed().as_secs_f64();
         let mut r = self
             .http
-            .stream(
+            .stream_api(
+                api,
                 &self.target.urls[i],
                 body,
                 &headers,
@@ -355,7 +353,7 @@ mod tests {
         }
         .generate(1);
         let v: serde_json::Value =
-            serde_json::from_slice(&request_body("m", &plan, 0, 0, &[])).unwrap();
+            serde_json::from_slice(&api_body(Api::Chat, "m", &plan, 0, 0, &[])).unwrap();
         assert_eq!(v["max_tokens"], 7);
         assert_eq!(v["ignore_eos"], true);
         assert_eq!(v["stream"], true);

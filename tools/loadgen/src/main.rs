@@ -13,6 +13,7 @@
 //! upper bound, [`report`] summarises and draws, [`bench`] orchestrates, [`goodput`] searches for the
 //! load where an SLO breaks.
 
+mod api;
 mod bench;
 mod client;
 mod driver;
@@ -177,6 +178,9 @@ enum Cmd {
         /// Model name (default: the config's).
         #[arg(long)]
         model: Option<String>,
+        /// The API the conversations are sent through: chat, responses or messages.
+        #[arg(long, default_value = "chat", value_parser = parse_api)]
+        api: api::Api,
         /// Open loop: Poisson arrivals per second.
         #[arg(long, conflicts_with = "concurrency")]
         rate: Option<f64>,
@@ -297,6 +301,12 @@ fn load_of(
     }
 }
 
+/// `--api`: `chat`, `responses` or `messages`.
+fn parse_api(s: &str) -> Result<api::Api, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string()))
+        .map_err(|_| format!("unknown API {s}: expected chat, responses or messages"))
+}
+
 async fn main_inner(cli: Cli) -> Result<(), String> {
     let http = client::Http::new();
     match cli.command {
@@ -304,6 +314,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             w,
             url,
             model,
+            api,
             rate,
             trace_speedup,
             concurrency,
@@ -351,8 +362,9 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let target = Target {
                 urls: url
                     .iter()
-                    .map(|u| format!("{}/v1/chat/completions", u.trim_end_matches('/')))
+                    .map(|u| format!("{}{}", u.trim_end_matches('/'), api.path()))
                     .collect(),
+                api,
                 model: model.unwrap_or(cfg.model.clone()),
                 headers: vec![],
             };
@@ -451,11 +463,13 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                         .iter()
                         .map(|u| format!("{u}/v1/chat/completions"))
                         .collect(),
+                    api: crate::api::Api::Chat,
                     model: model.clone(),
                     headers: vec![],
                 };
                 let g = Target {
                     urls: vec![format!("{gateway}/v1/chat/completions")],
+                    api: crate::api::Api::Chat,
                     model: model.clone(),
                     headers: vec![],
                 };

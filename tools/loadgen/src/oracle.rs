@@ -431,9 +431,22 @@ mod tests {
             let mut replay = Vec::new();
             let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
             for (s, turn) in replay_order(&plan) {
-                let body = crate::driver::request_body("m", &plan, s, turn, &answers[s]);
+                let body = crate::driver::api_body(
+                    crate::api::Api::Chat,
+                    "m",
+                    &plan,
+                    s,
+                    turn,
+                    &answers[s],
+                );
                 let r = http
-                    .stream(&url, body, &[], std::time::Duration::from_secs(60))
+                    .stream_api(
+                        crate::api::Api::Chat,
+                        &url,
+                        body,
+                        &[],
+                        std::time::Duration::from_secs(60),
+                    )
                     .await;
                 assert!(r.ok(), "{name}: {r:?}");
                 prompt_tokens += u64::from(r.prompt_tokens.expect("usage"));

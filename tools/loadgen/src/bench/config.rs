@@ -2,6 +2,7 @@
 //! workloads and the modes each runs under (closed loop, open loop at fractions of a capacity,
 //! a fixed load), the overhead measurement; and the capacity an open-loop sweep is scaled to.
 
+use crate::api::Api;
 use crate::driver::Load;
 use crate::oracle;
 use crate::report::RunReport;
@@ -59,6 +60,11 @@ pub struct WorkloadRun {
     pub random_turn_gaps: bool,
     /// Wall-clock limit of one run, seconds.
     pub max_duration_s: f64,
+    /// Other APIs the same sessions are also sent through (`responses`, `messages`; chat is
+    /// always run): in every mode, under the default policy only, right after its chat run, as a
+    /// run named `<name>-<api>` (see [`WorkloadRun::through`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub apis: Vec<Api>,
 }
 
 /// Open-loop load levels of a workload.
@@ -78,6 +84,16 @@ impl WorkloadRun {
     /// The workload's name in reports.
     pub fn name(&self) -> &str {
         self.name.as_deref().unwrap_or(self.workload.kind())
+    }
+
+    /// This workload sent through `api`: named `<name>-<api>` (its runs, records and report
+    /// sections are its own), with no further APIs of its own.
+    pub fn through(&self, api: Api) -> WorkloadRun {
+        WorkloadRun {
+            name: Some(format!("{}-{}", self.name(), api.name())),
+            apis: Vec::new(),
+            ..self.clone()
+        }
     }
 
     /// The modes that need no capacity: closed loops first, then the fixed load.
@@ -248,6 +264,13 @@ impl BenchConfig {
                     w.name()
                 ));
             }
+            if w.apis.contains(&Api::Chat) {
+                return Err(format!(
+                    "{}: workload {}: apis lists the other APIs (chat always runs)",
+                    path.display(),
+                    w.name()
+                ));
+            }
             if !w.replay_speedups.is_empty() && w.workload.trace_window().is_none() {
                 return Err(format!(
                     "{}: workload {}: replay_speedups need a trace workload",
@@ -338,6 +361,14 @@ mod tests {
             }
         }
         assert!(full.workloads.iter().all(|w| w.closed_loop == [32, 64]));
+        // The quick bench sends chat's conversations through the Responses and Messages APIs too.
+        let chat = quick.workloads.iter().find(|w| w.name() == "chat").unwrap();
+        assert_eq!(chat.apis, [Api::Responses, Api::Messages]);
+        let responses = chat.through(Api::Responses);
+        assert_eq!(responses.name(), "chat-responses");
+        assert!(responses.apis.is_empty());
+        assert_eq!(responses.workload, chat.workload);
+        assert_eq!(responses.closed_loop, chat.closed_loop);
     }
 
     #[test]

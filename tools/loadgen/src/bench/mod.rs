@@ -20,6 +20,7 @@ pub(crate) mod run;
 
 pub use config::{parse_capacities, BenchConfig, Mode, OverheadConfig, WorkloadRun};
 
+use crate::api::Api;
 use crate::client::Http;
 use crate::report::{self, BenchResult, RunReport, Skipped};
 use config::capacity;
@@ -108,6 +109,10 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
     let mut runs: Vec<RunReport> = Vec::new();
     let mut skipped: Vec<Skipped> = Vec::new();
     let mut capacities: BTreeMap<String, f64> = BTreeMap::new();
+    let default_policy = opts
+        .default_policy
+        .clone()
+        .unwrap_or_else(|| cfg.default_policy.clone());
     let started = Instant::now();
     for w in &cfg.workloads {
         if !opts.only_workloads.is_empty() && !opts.only_workloads.iter().any(|o| o == w.name()) {
@@ -160,52 +165,41 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
                 if skipped.iter().any(|s| &s.policy == policy) {
                     continue;
                 }
-                let r = match run_one(
-                    &cfg,
-                    &mut fleet,
-                    &gw,
-                    &http,
-                    &w,
-                    &mode,
-                    policy,
-                    &opts.harness.tmp_dir,
-                )
-                .await?
-                {
-                    Ok(r) => r,
-                    Err(refused) => {
-                        eprintln!(
-                            "bench: the gateway refused policy {policy}, skipping it: {refused}"
-                        );
-                        skipped.push(Skipped {
-                            policy: policy.clone(),
-                            reason: refused,
-                        });
-                        continue;
-                    }
-                };
-                eprintln!(
-                    "[{:>5.0}s] {:<13} {:<11} {:<17} TTFT p50 {:>7.1} p99 {:>7.1}  E2E p50 {:>6.0} p99 {:>6.0} ms  {:>5.1} req/s {:>5.0} tok/s  hit {:>5.1}% (oracle {:>5.1}%)  busiest/mean prefill {:.2}  {}/{} ok",
-                    started.elapsed().as_secs_f64(),
-                    r.workload,
-                    r.mode,
-                    r.policy,
-                    r.ttft_ms.p50,
-                    r.ttft_ms.p99,
-                    r.e2e_ms.p50,
-                    r.e2e_ms.p99,
-                    r.requests_per_s,
-                    r.output_tokens_per_s,
-                    r.hit_rate * 100.0,
-                    r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
-                    r.prefill_imbalance,
-                    r.ok,
-                    r.sent
-                );
-                for e in &r.error_samples {
-                    eprintln!("    error: {e}");
+                // Chat, then (under the default policy) the workload's other APIs.
+                let mut apis = vec![Api::Chat];
+                if *policy == default_policy {
+                    apis.extend(w.apis.iter().copied());
                 }
-                runs.push(r);
+                for api in apis {
+                    match run_one(
+                        &cfg,
+                        &mut fleet,
+                        &gw,
+                        &http,
+                        &w,
+                        &mode,
+                        policy,
+                        api,
+                        &opts.harness.tmp_dir,
+                    )
+                    .await?
+                    {
+                        Ok(r) => {
+                            print_run(&r, started);
+                            runs.push(r);
+                        }
+                        Err(refused) => {
+                            eprintln!(
+                                "bench: the gateway refused policy {policy}, skipping it: {refused}"
+                            );
+                            skipped.push(Skipped {
+                                policy: policy.clone(),
+                                reason: refused,
+                            });
+                            break;
+                        }
+                    }
+                }
             }
         }
     }
@@ -219,10 +213,6 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         _ => Vec::new(),
     };
     fleet.stop().await;
-    let default_policy = opts
-        .default_policy
-        .clone()
-        .unwrap_or_else(|| cfg.default_policy.clone());
     let result = BenchResult {
         name: cfg.name.clone(),
         started: format!("{date} {time} UTC"),
@@ -298,4 +288,29 @@ pub async fn bench(cfg: BenchConfig, opts: BenchOptions) -> Result<PathBuf, Stri
         );
     }
     Ok(json_path)
+}
+
+/// A run's line on stderr (and its error samples).
+fn print_run(r: &RunReport, started: Instant) {
+    eprintln!(
+        "[{:>5.0}s] {:<14} {:<11} {:<17} TTFT p50 {:>7.1} p99 {:>7.1}  E2E p50 {:>6.0} p99 {:>6.0} ms  {:>5.1} req/s {:>5.0} tok/s  hit {:>5.1}% (oracle {:>5.1}%)  busiest/mean prefill {:.2}  {}/{} ok",
+        started.elapsed().as_secs_f64(),
+        r.workload,
+        r.mode,
+        r.policy,
+        r.ttft_ms.p50,
+        r.ttft_ms.p99,
+        r.e2e_ms.p50,
+        r.e2e_ms.p99,
+        r.requests_per_s,
+        r.output_tokens_per_s,
+        r.hit_rate * 100.0,
+        r.oracle.as_ref().map_or(0.0, |o| o.hit_rate * 100.0),
+        r.prefill_imbalance,
+        r.ok,
+        r.sent
+    );
+    for e in &r.error_samples {
+        eprintln!("    error: {e}");
+    }
 }

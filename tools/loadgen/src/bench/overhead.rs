@@ -59,11 +59,13 @@ pub async fn overhead(
                 .iter()
                 .map(|(_, u)| format!("{u}/v1/chat/completions"))
                 .collect(),
+            api: crate::api::Api::Chat,
             model: cfg.model.clone(),
             headers: vec![],
         };
         let via = Target {
             urls: vec![format!("{}/v1/chat/completions", gw.url)],
+            api: crate::api::Api::Chat,
             model: cfg.model.clone(),
             headers: vec![],
         };

@@ -6,6 +6,7 @@
 use super::config::{BenchConfig, Mode, WorkloadRun};
 use super::fleet::Fleet;
 use super::gateway::Gateway;
+use crate::api::Api;
 use crate::client::Http;
 use crate::driver::{drive, Limits, Load, Target};
 use crate::metrics::{Counters, Histogram};
@@ -15,8 +16,9 @@ use crate::workload::Workload;
 use std::path::Path;
 use std::time::Duration;
 
-/// Runs one workload in one mode under one policy on a freshly restarted fleet; `Ok(Err(..))` if
-/// the gateway refused the policy.
+/// Runs one workload in one mode under one policy on a freshly restarted fleet, its requests sent
+/// through `api` (another API than chat: the run is [`WorkloadRun::through`] it, named
+/// `<name>-<api>`); `Ok(Err(..))` if the gateway refused the policy.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_one(
     cfg: &BenchConfig,
@@ -26,8 +28,17 @@ pub async fn run_one(
     w: &WorkloadRun,
     mode: &Mode,
     policy: &str,
+    api: Api,
     tmp_dir: &Path,
 ) -> Result<Result<RunReport, String>, String> {
+    let of = w.name().to_string();
+    let through;
+    let w = if api == Api::Chat {
+        w
+    } else {
+        through = w.through(api);
+        &through
+    };
     fleet.restart().await?;
     let members = fleet.members();
     gw.register(&members, &cfg.model).await?;
@@ -36,11 +47,16 @@ pub async fn run_one(
     }
     gw.wait_ready(members.len()).await?;
     let target = Target {
-        urls: vec![format!("{}/v1/chat/completions", gw.url)],
+        urls: vec![format!("{}{}", gw.url, api.path())],
+        api,
         model: cfg.model.clone(),
         headers: vec![],
     };
-    let report = measure(cfg, fleet, http, w, mode, policy, target, tmp_dir).await;
+    let mut report = measure(cfg, fleet, http, w, mode, policy, target, tmp_dir).await;
+    if api != Api::Chat {
+        report.api = api;
+        report.api_of = Some(of);
+    }
     gw.dump_state(&tmp_dir.join(format!("state-{}-{}-{policy}.json", w.name(), mode.label)))
         .await;
     Ok(Ok(report))

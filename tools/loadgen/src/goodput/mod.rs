@@ -306,6 +306,7 @@ impl Bench<'_> {
                     w,
                     mode,
                     policy,
+                    crate::api::Api::Chat,
                     self.tmp_dir,
                 )
                 .await
@@ -321,6 +322,7 @@ impl Bench<'_> {
                     };
                 let target = Target {
                     urls: vec![format!("{}/v1/chat/completions", running.url)],
+                    api: crate::api::Api::Chat,
                     model: self.cfg.model.clone(),
                     headers: vec![],
                 };

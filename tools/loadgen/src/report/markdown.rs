@@ -59,6 +59,64 @@ fn runs_of<'a>(result: &'a BenchResult, w: &str, m: &str) -> Vec<&'a RunReport> 
         .collect()
 }
 
+/// The runs through other APIs beside their chat run: per workload they sent and mode, the chat
+/// run of the same policy, then each other API's, with the hit rate (the fleet's counters and the
+/// answers' usage) and the client's TTFT.
+fn apis_markdown(result: &BenchResult, s: &mut String) {
+    let others: Vec<&RunReport> = result.runs.iter().filter(|r| r.api_of.is_some()).collect();
+    if others.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "## The same conversations through chat, Responses and Messages\n\n\
+         Each workload's sessions sent as chat completions, as Responses requests (the whole \
+         history as `input` items, `store: false`) and as Messages requests, each on a fresh \
+         fleet under the same policy. Hit rate: the fleet's prefix-cache counters; usage hit \
+         rate: the answers' cached over prompt tokens (`prompt_tokens_details.cached_tokens`, \
+         `input_tokens_details.cached_tokens`, `cache_read_input_tokens`).\n"
+    );
+    let _ = writeln!(
+        s,
+        "| workload | mode | policy | API | hit rate | usage hit rate | TTFT p50 | TTFT p99 | E2E p50 | req/s | ok / sent |
+|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let mut seen: Vec<(&str, &str, &str)> = Vec::new();
+    for o in &others {
+        let base = o.api_of.as_deref().unwrap_or_default();
+        let key = (base, o.mode.as_str(), o.policy.as_str());
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        let chat = result
+            .runs
+            .iter()
+            .filter(|r| r.workload == base && r.mode == o.mode && r.policy == o.policy);
+        let through = others.iter().copied().filter(|r| {
+            r.api_of.as_deref() == Some(base) && r.mode == o.mode && r.policy == o.policy
+        });
+        for r in chat.chain(through) {
+            let _ = writeln!(
+                s,
+                "| {base} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.1} | {} / {} |",
+                r.mode,
+                r.policy,
+                r.api.name(),
+                pct(r.hit_rate),
+                pct(r.usage_hit_rate),
+                r.ttft_ms.p50,
+                r.ttft_ms.p99,
+                r.e2e_ms.p50,
+                r.requests_per_s,
+                r.ok,
+                r.sent
+            );
+        }
+    }
+    let _ = writeln!(s);
+}
+
 /// The issue-11 targets as one table per workload: a row per mode, a column per target.
 fn tail_targets_markdown(result: &BenchResult, s: &mut String) {
     let _ = writeln!(
@@ -186,6 +244,7 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
         );
     }
     tail_targets_markdown(result, &mut s);
+    apis_markdown(result, &mut s);
     if result.targets.iter().any(|v| v.met.is_some()) {
         let _ = writeln!(
             s,
@@ -226,7 +285,14 @@ pub fn markdown(result: &BenchResult, chart_prefix: &str) -> String {
             let _ = writeln!(
                 s,
                 "\n### {w}, {m} ({}, time scale {})\n",
-                mode_description(runs[0], result.capacity_rps.get(w).copied()),
+                mode_description(
+                    runs[0],
+                    // A run through another API was offered its chat workload's load.
+                    result
+                        .capacity_rps
+                        .get(runs[0].api_of.as_deref().unwrap_or(w))
+                        .copied()
+                ),
                 runs[0].time_scale
             );
             if runs.iter().any(|r| r.ttft_short_ms.is_some()) {

@@ -32,6 +32,24 @@ mod tests {
     use crate::driver::Load;
     use std::collections::BTreeMap;
 
+    /// A result of `runs`, `predicted_latency` against `round_robin`.
+    fn result_of(runs: Vec<RunReport>) -> BenchResult {
+        BenchResult {
+            name: "test".into(),
+            started: "now".into(),
+            machine: BTreeMap::new(),
+            config: serde_json::Value::Null,
+            targets: verdicts(&runs),
+            default_policy: "predicted_latency".into(),
+            baselines: vec!["round_robin".into()],
+            tail_targets: tail_targets(&runs, "predicted_latency", &["round_robin".into()]),
+            capacity_rps: BTreeMap::new(),
+            skipped: vec![],
+            runs,
+            overhead: vec![],
+        }
+    }
+
     #[test]
     fn markdown_and_charts_cover_every_mode_and_the_sweep() {
         let mut runs = Vec::new();
@@ -52,23 +70,12 @@ mod tests {
                 runs.push(r);
             }
         }
-        let result = BenchResult {
-            name: "test".into(),
-            started: "now".into(),
-            machine: BTreeMap::new(),
-            config: serde_json::Value::Null,
-            targets: verdicts(&runs),
-            default_policy: "predicted_latency".into(),
-            baselines: vec!["round_robin".into()],
-            tail_targets: tail_targets(&runs, "predicted_latency", &["round_robin".into()]),
-            capacity_rps: BTreeMap::from([("groups".to_string(), 40.0)]),
-            skipped: vec![Skipped {
-                policy: "power_of_two".into(),
-                reason: "HTTP 400".into(),
-            }],
-            runs,
-            overhead: vec![],
-        };
+        let mut result = result_of(runs);
+        result.capacity_rps = BTreeMap::from([("groups".to_string(), 40.0)]);
+        result.skipped = vec![Skipped {
+            policy: "power_of_two".into(),
+            reason: "HTTP 400".into(),
+        }];
         let md = markdown(&result, "x-");
         assert!(md.contains("## Targets: predicted_latency against the best of round_robin"));
         assert!(
@@ -95,5 +102,73 @@ mod tests {
         assert!(sweep.contains("predicted_latency") && sweep.contains("<circle"));
         assert!(!dir.join("x-overhead.svg").exists());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn other_apis_sit_beside_chat_and_stay_out_of_the_targets() {
+        use crate::api::Api;
+        let mut runs = Vec::new();
+        for p in ["predicted_latency", "round_robin"] {
+            runs.push(run(
+                "chat",
+                "multi-turn",
+                "closed-64",
+                p,
+                90.0,
+                400.0,
+                50.0,
+                [10.0, 10.0],
+            ));
+        }
+        for (api, ttft) in [(Api::Responses, 95.0), (Api::Messages, 97.0)] {
+            let name = format!("chat-{}", api.name());
+            let mut r = run(
+                &name,
+                "multi-turn",
+                "closed-64",
+                "predicted_latency",
+                ttft,
+                400.0,
+                50.0,
+                [10.0, 10.0],
+            );
+            r.api = api;
+            r.api_of = Some("chat".into());
+            runs.push(r);
+        }
+        let mut result = result_of(runs);
+        result.capacity_rps = BTreeMap::from([("chat".to_string(), 55.0)]);
+        assert!(!result.tail_targets.is_empty());
+        assert!(
+            result.tail_targets.iter().all(|t| t.workload == "chat"),
+            "{:?}",
+            result.tail_targets
+        );
+        let md = markdown(&result, "x-");
+        assert!(md.contains("## The same conversations through chat, Responses and Messages"));
+        assert!(md.contains("as Responses requests (the whole history as `input` items"));
+        // A run through another API is described at its chat workload's capacity.
+        assert!(
+            md.contains("### chat-messages, closed-64 (open loop, Poisson 50 req/s = 0.9 x 55.0"),
+            "{md}"
+        );
+        let rows: Vec<&str> = md
+            .lines()
+            .filter(|l| l.starts_with("| chat | closed-64 |"))
+            .collect();
+        assert_eq!(rows.len(), 3, "{md}");
+        assert!(
+            rows[0].starts_with("| chat | closed-64 | predicted_latency | chat | 99.0% | 50.0% |"),
+            "{}",
+            rows[0]
+        );
+        assert!(rows[1].contains("| responses |") && rows[1].contains("| 95.0 |"));
+        assert!(rows[2].contains("| messages |") && rows[2].contains("| 97.0 |"));
+        // Without other APIs there is no such section.
+        let chat_only = BenchResult {
+            runs: result.runs[..2].to_vec(),
+            ..result
+        };
+        assert!(!markdown(&chat_only, "x-").contains("through chat, Responses"));
     }
 }

@@ -2,6 +2,7 @@
 //! summaries, throughput, errors, balance across backends and prefix-cache hit rate (against the
 //! oracle's bound) of one (workload, mode, policy) run.
 
+use crate::api::Api;
 use crate::driver::{Load, Record};
 use crate::metrics::Counters;
 use crate::oracle::OracleBound;
@@ -29,6 +30,13 @@ pub struct RunReport {
     pub mode: String,
     /// Routing policy (`direct` when no gateway).
     pub policy: String,
+    /// The API the requests went through (chat completions unless the workload's `apis` asked
+    /// for another).
+    pub api: Api,
+    /// For a run through another API than chat: the workload whose sessions it sent (this run's
+    /// workload is named `<api_of>-<api>`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_of: Option<String>,
     /// How load was offered.
     pub load: Load,
     /// Open-loop sweep: the offered rate as a fraction of the workload's capacity.
@@ -200,6 +208,8 @@ pub fn summarize(
         kind: kind.to_string(),
         mode: mode.to_string(),
         policy: policy.to_string(),
+        api: Api::Chat,
+        api_of: None,
         load,
         level,
         time_scale,

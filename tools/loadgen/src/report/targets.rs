@@ -161,7 +161,11 @@ fn shared_prefix_kind(kind: &str) -> bool {
 pub fn tail_targets(runs: &[RunReport], default: &str, baselines: &[String]) -> Vec<TailTarget> {
     let mut out = Vec::new();
     let mut seen: Vec<(&str, &str)> = Vec::new();
-    for d in runs.iter().filter(|r| r.policy == default) {
+    // Runs through another API than chat compare APIs, not policies: they have no baselines.
+    for d in runs
+        .iter()
+        .filter(|r| r.policy == default && r.api_of.is_none())
+    {
         if seen.contains(&(d.workload.as_str(), d.mode.as_str())) {
             continue;
         }
