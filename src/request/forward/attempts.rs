@@ -149,6 +149,21 @@ fn upstream_request_id() -> String {
     format!("gw-{}", crate::platform::http::random_hex(12))
 }
 
+/// The body of a backend's error answer (a 503, a 404, another non-2xx), at most
+/// `MAX_NOT_FOUND_BYTES`, read by the attempt's deadline: empty when it has none, fails or comes
+/// late. Only its shape or message is judged.
+async fn error_body(resp: &web_sys::Response, deadline: &mut Sleep, backend: &str) -> Vec<u8> {
+    let Some(stream) = resp.body() else {
+        return Vec::new();
+    };
+    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, backend));
+    let bytes = match select(read, deadline).await {
+        Either::Left((Ok(bytes), _)) => bytes,
+        _ => Vec::new(),
+    };
+    bytes
+}
+
 /// An upstream fetch sent and not yet answered: its promise, its abort, its deadline.
 pub(crate) struct Sent {
     fetch: js_sys::Promise,
@@ -392,16 +407,7 @@ impl Attempts {
         // A 503 may be vLLM's load shedding: its body tells (read with a bound).
         let mut shed = false;
         if status == 503 {
-            let text = match resp.body() {
-                Some(stream) => {
-                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
-                    match select(read, &mut sent.deadline).await {
-                        Either::Left((Ok(bytes), _)) => bytes,
-                        _ => Vec::new(),
-                    }
-                }
-                None => Vec::new(),
-            };
+            let text = error_body(&resp, &mut sent.deadline, &c.id.0).await;
             if judge_answer(status, &text) == (AnswerVerdict::Load { shed: true }) {
                 // Load, like a 429: no breaker charge, the next backend is tried.
                 shed = true;
@@ -449,16 +455,7 @@ impl Attempts {
             });
         }
         if status == 404 {
-            let text = match resp.body() {
-                Some(stream) => {
-                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
-                    match select(read, &mut sent.deadline).await {
-                        Either::Left((Ok(bytes), _)) => bytes,
-                        _ => Vec::new(),
-                    }
-                }
-                None => Vec::new(),
-            };
+            let text = error_body(&resp, &mut sent.deadline, &c.id.0).await;
             if routing_core::stream::api_events::is_response_not_found(&text) {
                 // A `previous_response_id` this backend does not hold: the client's error.
                 let text = String::from_utf8_lossy(&text);
@@ -513,18 +510,8 @@ impl Attempts {
         if !(200..300).contains(&status) {
             // A client error the backend reported: pass it on in the OpenAI shape (its body read
             // with a bound: only its message is kept).
-            let text = match resp.body() {
-                Some(stream) => {
-                    let read = Box::pin(read_whole(&stream, MAX_NOT_FOUND_BYTES, &c.id.0));
-                    match select(read, &mut sent.deadline).await {
-                        Either::Left((Ok(bytes), _)) => {
-                            String::from_utf8_lossy(&bytes).into_owned()
-                        }
-                        _ => String::new(),
-                    }
-                }
-                None => String::new(),
-            };
+            let text = error_body(&resp, &mut sent.deadline, &c.id.0).await;
+            let text = String::from_utf8_lossy(&text);
             return Ok(Answer::client_error(status, &text, abort, elapsed()));
         }
         let body = resp.body();
