@@ -13,8 +13,8 @@
 
 use super::endpoint::Endpoint;
 use super::prompt::{
-    canonical_chat_prompt, check_model, estimate_tokens, invalid, object_and_model, PromptError,
-    RequestFeatures,
+    canonical_chat_prompt, check_model, client_request_id, estimate_tokens, invalid,
+    object_and_model, PromptError, RequestFeatures,
 };
 use super::routing_key::routing_key;
 use serde_json::{Map, Value};
@@ -48,9 +48,7 @@ pub fn passthrough_features(
         _ => return Err(invalid("body", "the body of a pass-through route")),
     };
     Ok(RequestFeatures {
-        request_id: header("x-request-id")
-            .map(|id| id.trim().to_string())
-            .unwrap_or_default(),
+        request_id: client_request_id(header),
         kind: endpoint,
         model,
         stream: false,
@@ -187,9 +185,7 @@ pub fn multipart_features(
         Some(_) => return Err(invalid("stream", "a boolean")),
     };
     check_model(RequestFeatures {
-        request_id: header("x-request-id")
-            .map(|id| id.trim().to_string())
-            .unwrap_or_default(),
+        request_id: client_request_id(header),
         kind: endpoint,
         model,
         stream,

@@ -17,8 +17,8 @@
 //! the output bound.
 
 use super::{
-    canonical_chat_prompt, estimate_tokens, invalid, object_and_model, prefix_hashes,
-    FeatureConfig, PromptError, RequestFeatures,
+    canonical_chat_prompt, client_request_id, estimate_tokens, invalid, object_and_model,
+    optional_u32, prefix_hashes, stream_flag, FeatureConfig, PromptError, RequestFeatures,
 };
 use crate::request::endpoint::Endpoint;
 use crate::request::routing_key::routing_key;
@@ -142,11 +142,7 @@ pub fn api_features(
     config: &FeatureConfig,
 ) -> Result<RequestFeatures, PromptError> {
     let (obj, model) = object_and_model(body)?;
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("stream", "a boolean")),
-    };
+    let stream = stream_flag(obj)?;
     let (messages, max_field) = match endpoint {
         Endpoint::Responses => (responses_messages(obj)?, Some("max_output_tokens")),
         Endpoint::Messages => (anthropic_messages(obj)?, Some("max_tokens")),
@@ -154,17 +150,14 @@ pub fn api_features(
     };
     let max_tokens = match max_field {
         None => 0,
-        Some(field) => match obj.get(field) {
-            None | Some(Value::Null) if endpoint == Endpoint::Messages => {
+        Some(field) => match optional_u32(obj, field)? {
+            Some(n) => n,
+            None if endpoint == Endpoint::Messages => {
                 return Err(PromptError::MissingInput {
                     field: "max_tokens",
                 })
             }
-            None | Some(Value::Null) => config.default_max_tokens,
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or(invalid(field, "a non-negative integer"))?,
+            None => config.default_max_tokens,
         },
     };
     let (previous_response_id, stores_response) = match endpoint {
@@ -181,9 +174,7 @@ pub fn api_features(
         false => prefix_hashes(&canonical, &model, body, config),
     };
     Ok(RequestFeatures {
-        request_id: header("x-request-id")
-            .map(|id| id.trim().to_string())
-            .unwrap_or_default(),
+        request_id: client_request_id(header),
         kind: endpoint,
         model,
         stream: stream && !counting,

@@ -167,11 +167,7 @@ pub fn request_features(
     config: &FeatureConfig,
 ) -> Result<RequestFeatures, PromptError> {
     let (obj, model) = object_and_model(body)?;
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("stream", "a boolean")),
-    };
+    let stream = stream_flag(obj)?;
     let max_tokens = match optional_u32(obj, "max_completion_tokens")? {
         Some(n) => n,
         None => optional_u32(obj, "max_tokens")?.unwrap_or(config.default_max_tokens),
@@ -188,9 +184,7 @@ pub fn request_features(
     };
     let block_tokens = config.block_tokens.max(1);
     Ok(RequestFeatures {
-        request_id: header("x-request-id")
-            .map(|id| id.trim().to_string())
-            .unwrap_or_default(),
+        request_id: client_request_id(header),
         kind,
         block_hashes: prefix_hashes(&canonical, &model, body, config),
         model,
@@ -207,7 +201,27 @@ pub fn request_features(
     })
 }
 
-fn optional_u32(obj: &Map<String, Value>, field: &'static str) -> Result<Option<u32>, PromptError> {
+/// The client's `x-request-id`, trimmed (empty when it sent none): the lease's id in the pool.
+pub(crate) fn client_request_id(header: &dyn Fn(&str) -> Option<String>) -> String {
+    header("x-request-id")
+        .map(|id| id.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The body's `stream` flag: absent or null is `false`, anything but a boolean is refused.
+pub(crate) fn stream_flag(obj: &Map<String, Value>) -> Result<bool, PromptError> {
+    match obj.get("stream") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid("stream", "a boolean")),
+    }
+}
+
+/// An optional non-negative integer field (absent or null: `None`); anything else is refused.
+pub(crate) fn optional_u32(
+    obj: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<u32>, PromptError> {
     match obj.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
