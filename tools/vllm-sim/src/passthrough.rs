@@ -56,20 +56,7 @@ pub async fn serve(
     path: &str,
     method: &Method,
 ) -> Result<Response<SimBody>, ApiError> {
-    if state.is_loading() {
-        return Err(ApiError::Loading);
-    }
-    if let Some(key) = &state.config.api_key {
-        let guarded = path.starts_with("/v1") || path.starts_with("/v2");
-        let authorized = request
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str()));
-        if guarded && !authorized {
-            return Err(ApiError::Unauthorized);
-        }
-    }
+    crate::server::guard(state, &request, path)?;
     if !registered(state.config.task(), state.config.num_labels, path) {
         return Err(ApiError::RouteNotFound);
     }

@@ -158,6 +158,27 @@ pub async fn handle(
     Ok(response)
 }
 
+/// What every API route checks first, as vLLM does: a loading server answers nothing, and with
+/// `--api-key` the `/v1` and `/v2` routes need the bearer key (the root routes, `/tokenize` and
+/// the like, do not).
+pub(crate) fn guard<B>(state: &AppState, request: &Request<B>, path: &str) -> Result<(), ApiError> {
+    if state.is_loading() {
+        return Err(ApiError::Loading);
+    }
+    if let Some(key) = &state.config.api_key {
+        let guarded = path.starts_with("/v1") || path.starts_with("/v2");
+        let authorized = request
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str()));
+        if guarded && !authorized {
+            return Err(ApiError::Unauthorized);
+        }
+    }
+    Ok(())
+}
+
 /// The OpenAI routes, behind loading, the API key and faults.
 async fn v1(
     state: &AppState,
@@ -165,19 +186,7 @@ async fn v1(
     path: &str,
     method: &Method,
 ) -> Result<Response<SimBody>, ApiError> {
-    if state.is_loading() {
-        return Err(ApiError::Loading);
-    }
-    if let Some(key) = &state.config.api_key {
-        let authorized = request
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.strip_prefix("Bearer ") == Some(key.as_str()));
-        if !authorized {
-            return Err(ApiError::Unauthorized);
-        }
-    }
+    guard(state, &request, path)?;
     // Routes registered for the model's task; the others are not found, whatever the method.
     let generation = match state.config.task() {
         Task::Generate => {
