@@ -150,8 +150,9 @@ pub async fn require_client(
     Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
-/// Tokens charged to a client at admission, to settle when the request ends. Serialisable: the
-/// regional hop (`src/request/hop.rs`) hands it to the Worker that settles it.
+/// Tokens charged to a client at admission, to settle when the request ends (while the
+/// limiter's answer is on its way, `clients/reserving.rs` holds it as a `PendingReservation`).
+/// Serialisable: the regional hop (`src/request/hop.rs`) hands it to the Worker that settles it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Reservation {
     client: String,

@@ -132,7 +132,7 @@ fn pool_stub(
 /// An answer as it came back, unread: the platform's response to a `fetch` (the hot path reads
 /// status and body from it directly, with one promise for the body instead of `worker`'s stream
 /// reader), or a pool's RPC answer.
-pub enum Sent {
+pub enum UnreadAnswer {
     /// The answer of a `fetch`.
     Response(web_sys::Response),
     /// The answer of a pool's RPC call.
@@ -168,12 +168,14 @@ fn target<'a>(
 
 /// Sends `msg` to the object `to` names and returns the answer unread: by RPC to a pool or a rate
 /// limiter, by `fetch` to the directory.
-pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Sent, ApiError> {
+pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<UnreadAnswer, ApiError> {
     let route = msg.route();
     let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
     match target(env, to, &route)? {
-        (stub, _) if by_rpc(to) => Ok(Sent::Rpc(send_rpc(stub, to, &route, body).await?)),
-        (stub, address) => Ok(Sent::Response(send_web(stub, address, &route, body).await?)),
+        (stub, _) if by_rpc(to) => Ok(UnreadAnswer::Rpc(send_rpc(stub, to, &route, body).await?)),
+        (stub, address) => Ok(UnreadAnswer::Response(
+            send_web(stub, address, &route, body).await?,
+        )),
     }
 }
 
@@ -261,10 +263,10 @@ pub async fn call_raw<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Respons
 }
 
 /// Reads the answer to a call sent with [`send`].
-pub async fn answer_of<A: Answer>(sent: Sent) -> Result<A, ApiError> {
+pub async fn answer_of<A: Answer>(sent: UnreadAnswer) -> Result<A, ApiError> {
     let resp = match sent {
-        Sent::Response(resp) => resp,
-        Sent::Rpc(answer) => {
+        UnreadAnswer::Response(resp) => resp,
+        UnreadAnswer::Rpc(answer) => {
             return read_answer(answer.status, answer.retry_after_s, &answer.body)
                 .map_err(call_error)
         }

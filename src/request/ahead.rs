@@ -18,7 +18,7 @@
 //! the isolate that made it forgets the backend at once ([`forget_backend`]), and every other
 //! isolate when the shard's next grant carries a new roster number (issue 42, item 11).
 
-use crate::request::forward::attempts::{send, Sent, UpstreamCall};
+use crate::request::forward::attempts::{send, PendingFetch, UpstreamCall};
 use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::request::prompt::SentAhead;
@@ -42,7 +42,7 @@ pub(crate) struct Ahead {
     /// The backend guessed, as the grant that taught it named it (URL and key included).
     guessed: Option<CandidateView>,
     /// The fetch, until it is kept or aborted.
-    sent: RefCell<Option<Sent>>,
+    sent: RefCell<Option<PendingFetch>>,
     told: Option<SentAhead>,
     resend_ms: u32,
     /// Whether the book has heard how the fetch sent ahead ended.
@@ -50,7 +50,7 @@ pub(crate) struct Ahead {
 }
 
 /// What a request gives [`Ahead::start`].
-pub(crate) struct Ask<'a> {
+pub(crate) struct AheadTarget<'a> {
     pub(crate) pool: &'a str,
     pub(crate) shard: u32,
     pub(crate) model: &'a str,
@@ -67,7 +67,7 @@ pub(crate) struct Ask<'a> {
 impl Ahead {
     /// Guesses the shard's choice and, when allowed, sends `body` to it now.
     pub(crate) fn start(
-        ask: Ask<'_>,
+        ask: AheadTarget<'_>,
         call: &UpstreamCall<'_>,
         body: &[u8],
         client_signal: &AbortSignal,
@@ -135,7 +135,7 @@ impl Ahead {
         block_hashes: &[u64],
         grant: &Grant,
         queued: bool,
-    ) -> (Option<Sent>, Option<&'static str>) {
+    ) -> (Option<PendingFetch>, Option<&'static str>) {
         let paired = !grant.decode_candidates.is_empty();
         let Some(first) = grant.candidates.first() else {
             return (None, None);

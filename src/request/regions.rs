@@ -50,7 +50,7 @@ thread_local! {
     /// Per pool, the requests this isolate sent it that have not ended: when, their lease, and
     /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
     /// pool's card are counted in it and dropped).
-    static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
+    static SENT: RefCell<HashMap<String, VecDeque<InFlightRequest>>> = RefCell::new(HashMap::new());
     /// The newest time card a grant (or the answer to an overdue stream's renewal) brought from
     /// each pool (fresher than the pool list's copy for the pools this isolate sends to; one per
     /// pool).
@@ -71,9 +71,10 @@ pub fn fresh_card(pool: &str, card: &TimeCard) {
 /// Sends remembered per pool.
 const SENT_KEPT: usize = 512;
 
-/// One request this isolate sent a pool.
+/// One request this isolate sent a pool that has not ended: when, its lease, and the output
+/// tokens it asked for.
 #[derive(Clone, Copy)]
-struct Sent {
+struct InFlightRequest {
     at_ms: u64,
     lease: u64,
     tokens: u32,
@@ -350,7 +351,7 @@ pub fn served(
         while list.front().is_some_and(|x| x.at_ms < card.at_ms) || list.len() >= SENT_KEPT {
             list.pop_front();
         }
-        list.push_back(Sent {
+        list.push_back(InFlightRequest {
             at_ms: now_ms,
             lease,
             tokens: features.max_tokens,

@@ -6,7 +6,7 @@
 
 use super::pool_walk::{Asking, LeaseCall, Walker};
 use crate::clients::keys::Reservation;
-use crate::clients::reserving::{self, Reserved};
+use crate::clients::reserving::{self, PendingReservation};
 use crate::platform::http::now_ms;
 use crate::platform::http::Deadlines;
 use crate::request::ahead;
@@ -27,7 +27,7 @@ impl Walker<'_> {
     pub(super) async fn granted(
         mut self,
         pool: &PoolEntry,
-        reserved: Reserved,
+        reserved: PendingReservation,
         asking: Asking,
         mut call: LeaseCall,
         granted: Granted,

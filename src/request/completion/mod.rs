@@ -20,7 +20,7 @@ mod granted;
 mod intake;
 mod pool_walk;
 
-use crate::clients::reserving::Reserved;
+use crate::clients::reserving::PendingReservation;
 use crate::platform::{do_client, settings};
 use crate::request::hop::{self, Charge, HopContext};
 use crate::request::lease::lease_guard;
@@ -144,10 +144,10 @@ async fn reserve(
     env: &Env,
     charge: &Option<Charge>,
     hop_in: &Option<HopContext>,
-) -> std::result::Result<Reserved, ApiError> {
+) -> std::result::Result<PendingReservation, ApiError> {
     Ok(match (charge, hop_in) {
-        (Some(c), _) => Reserved::start(ctx, env, c).await?,
-        (None, Some(h)) => Reserved::Known(h.reservation.clone()),
-        (None, None) => Reserved::Known(None),
+        (Some(c), _) => PendingReservation::start(ctx, env, c).await?,
+        (None, Some(h)) => PendingReservation::Known(h.reservation.clone()),
+        (None, None) => PendingReservation::Known(None),
     })
 }

@@ -6,7 +6,7 @@
 //! becomes the request's error.
 
 use super::intake::{Caller, Intake};
-use crate::clients::reserving::Reserved;
+use crate::clients::reserving::PendingReservation;
 use crate::platform::http::{self, Deadlines};
 use crate::platform::settings::Settings;
 use crate::request::admission::{self, Asked};
@@ -18,7 +18,7 @@ use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::pool::shard::shard_of_request;
 use routing_core::pool::Refusal;
-use routing_core::region::walk::{Ask, PoolAnswer, PoolWalk, Verdict, WalkEnd};
+use routing_core::region::walk::{AfterAnswer, NextPool, PoolAnswer, PoolWalk, WalkEnd};
 use routing_core::region::ChoiceNote;
 use routing_core::request::endpoint::Endpoint;
 use std::rc::Rc;
@@ -77,7 +77,10 @@ pub(super) struct LeaseCall {
 impl Walker<'_> {
     /// Asks the planned pools in the walk's order until one grants a lease (then forwards the
     /// request) or the walk ends (then refunds the reservation and says why no pool served).
-    pub(super) async fn walk_pools(mut self, reserved: Reserved) -> Result<Response, ApiError> {
+    pub(super) async fn walk_pools(
+        mut self,
+        reserved: PendingReservation,
+    ) -> Result<Response, ApiError> {
         let pools = std::mem::take(&mut self.plan.pools);
         let first_pool = pools.first().map(|p| p.name.clone());
         let mut walk = PoolWalk::new(pools.len(), self.plan.excluded > 0);
@@ -91,7 +94,7 @@ impl Walker<'_> {
                 None => self.plan.client_region.clone(),
             },
         };
-        while let Some(Ask { pool, spill_ok, .. }) = walk.next_pool() {
+        while let Some(NextPool { pool, spill_ok, .. }) = walk.next_pool() {
             let pool = &pools[pool];
             let pool_choice = match first_pool.as_deref() == Some(pool.name.as_str()) {
                 true => self.plan.reason.as_str(),
@@ -107,14 +110,14 @@ impl Walker<'_> {
                 // The client left (the pool was told), or the limiter refused the request meanwhile.
                 Asked::HungUp => {
                     let reservation = reserved.resolve().await?;
-                    Reserved::Known(reservation).refund(self.ctx, self.env);
+                    PendingReservation::Known(reservation).refund(self.ctx, self.env);
                     return Err(ApiError::client_closed());
                 }
                 Asked::Refused(refusal) => {
                     if let Some(a) = call.ahead {
                         a.refused();
                     }
-                    if let Verdict::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
+                    if let AfterAnswer::Stop(refusal) = walk.feed(PoolAnswer::Refused(refusal)) {
                         reserved.refund(self.ctx, self.env);
                         return Err(refusal.into());
                     }
@@ -141,7 +144,7 @@ impl Walker<'_> {
         pool: &PoolEntry,
         pool_choice: &'static str,
         spill_ok: bool,
-        reserved: &Reserved,
+        reserved: &PendingReservation,
         asking: &mut Asking,
     ) -> (Asked, LeaseCall) {
         // The pool's coordinator shard for this request: by its key, else its first prefix block.
@@ -204,11 +207,11 @@ impl Walker<'_> {
         pool: &PoolEntry,
         shard: u32,
         delay_ms: u64,
-        reserved: &Reserved,
+        reserved: &PendingReservation,
         asking: &Asking,
     ) -> Ahead {
         let features = &self.intake.features;
-        let ask = ahead::Ask {
+        let ask = ahead::AheadTarget {
             pool: &pool.name,
             shard,
             model: &features.model,

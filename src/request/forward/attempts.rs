@@ -165,9 +165,9 @@ async fn error_body(resp: &web_sys::Response, deadline: &mut Sleep, backend: &st
 }
 
 /// An upstream fetch sent and not yet answered: its promise, its abort, its deadline.
-pub(crate) struct Sent {
+pub(crate) struct PendingFetch {
     fetch: js_sys::Promise,
-    /// Taken when the fetch is waited for; a `Sent` dropped before that aborts it.
+    /// Taken when the fetch is waited for; a `PendingFetch` dropped before that aborts it.
     abort: Option<LinkedAbort>,
     deadline: Sleep,
     started_ms: u64,
@@ -175,7 +175,7 @@ pub(crate) struct Sent {
     backend: BackendId,
 }
 
-impl Sent {
+impl PendingFetch {
     /// The backend it went to.
     pub(crate) fn backend(&self) -> &BackendId {
         &self.backend
@@ -216,7 +216,7 @@ impl Sent {
     }
 }
 
-impl Drop for Sent {
+impl Drop for PendingFetch {
     fn drop(&mut self) {
         self.abort_unread();
     }
@@ -235,7 +235,7 @@ pub(crate) fn send(
     body: &[u8],
     client_signal: &AbortSignal,
     delay_ms: u64,
-) -> Result<Sent, AttemptFailure> {
+) -> Result<PendingFetch, AttemptFailure> {
     let built = || -> Result<web_sys::RequestInit, JsValue> {
         let mut list = HeaderList::new();
         for (name, value) in call.forwarded_headers {
@@ -297,7 +297,7 @@ pub(crate) fn send(
     IGNORE_REJECTION.with(|ignore| {
         let _ = fetch.catch(ignore);
     });
-    Ok(Sent {
+    Ok(PendingFetch {
         fetch,
         abort: Some(abort),
         deadline,
@@ -368,7 +368,7 @@ impl Attempts {
     pub(crate) async fn attempt_sent(
         &self,
         c: &CandidateView,
-        sent: Sent,
+        sent: PendingFetch,
     ) -> Result<Answer, AttemptFailure> {
         let mut sent = sent;
         let (started, timeout) = (sent.started_ms, sent.timeout);
