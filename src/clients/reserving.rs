@@ -20,14 +20,14 @@
 //! request the OpenAI API's rate-limit headers ([`rate_limit_headers`]).
 
 use crate::clients::keys::{self, Reservation};
+use crate::platform::isolate;
 use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::LeaseId;
-use routing_core::request::rate_limit::{openai_headers, LimitAheadBook, RateLimits};
+use routing_core::request::rate_limit::{openai_headers, RateLimits};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
@@ -35,13 +35,6 @@ use worker::{Context, Env};
 
 /// Most refused clients an isolate remembers; past it the map starts again.
 const MAX_REFUSED: usize = 4_096;
-
-thread_local! {
-    /// Clients the limiter refused, with when (ms since the epoch) they may be asked beside again.
-    static REFUSED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
-    /// What this isolate knows of its clients' buckets, from the limiter's answers.
-    static BOOK: RefCell<LimitAheadBook> = RefCell::new(LimitAheadBook::new());
-}
 
 /// The limiter's answer, once it came.
 type Slot = Rc<RefCell<Option<Result<Option<Reservation>, ApiError>>>>;
@@ -77,7 +70,9 @@ impl PendingReservation {
         let now = crate::platform::http::now_ms();
         // The book is kept either way (it also gives the rate-limit headers); only
         // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
-        let sent = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
+        let sent = isolate::with_limit_ahead_book(|b| {
+            b.borrow_mut().charge(client, &limits, estimate, now)
+        });
         let may_go_ahead = sent.ahead && decided.may_go_ahead(env);
         let this = Charge {
             estimate,
@@ -243,7 +238,7 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
     let answer = keys::reserve(env, client, this.limits, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
     let now = crate::platform::http::now_ms();
-    let newest = BOOK.with(|b| {
+    let newest = isolate::with_limit_ahead_book(|b| {
         let mut book = b.borrow_mut();
         book.answered(client, this.seq, this.estimate, left, now)
     });
@@ -261,20 +256,20 @@ pub fn rate_limit_headers(limits: Option<RateLimits>, client: &str) -> Vec<(&'st
         return Vec::new();
     };
     let now = crate::platform::http::now_ms();
-    BOOK.with(|b| b.borrow().view(client, &limits, now))
+    isolate::with_limit_ahead_book(|b| b.borrow().view(client, &limits, now))
         .map(|left| openai_headers(&limits, &left))
         .unwrap_or_default()
 }
 
 /// Whether the limiter refused `client` and its `Retry-After` has not passed.
 fn refused_recently(client: &str, now_ms: u64) -> bool {
-    REFUSED.with(|m| m.borrow().get(client).is_some_and(|&until| now_ms < until))
+    isolate::with_refused_clients(|m| m.borrow().get(client).is_some_and(|&until| now_ms < until))
 }
 
 /// Remembers a refusal (429) until its `Retry-After`; forgets the client when it was admitted, by
 /// an answer that is the `newest` word on it (not an admission given before a refusal).
 fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>, newest: bool) {
-    REFUSED.with(|m| {
+    isolate::with_refused_clients(|m| {
         let mut m = m.borrow_mut();
         match answer {
             Err(e) if e.status == 429 => {

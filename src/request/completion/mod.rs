@@ -21,7 +21,7 @@ mod intake;
 mod pool_walk;
 
 use crate::clients::reserving::PendingReservation;
-use crate::platform::{do_client, settings};
+use crate::platform::{do_client, isolate, settings};
 use crate::request::hop::{self, Charge, HopContext};
 use crate::request::lease::lease_guard;
 use crate::request::regions::{self, Plan};
@@ -49,7 +49,7 @@ pub async fn handle(
         ));
     }
     let entered_ms = crate::platform::http::now_ms();
-    let settings = settings::settings(env);
+    let settings = isolate::settings(env);
     let caller = Caller::identify(&req, env, ctx).await?;
     let intake = intake::read(&mut req, env, endpoint, request_id, &settings, &caller).await?;
     let client_signal: AbortSignal = req.inner().signal().into();

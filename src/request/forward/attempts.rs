@@ -36,7 +36,6 @@ use routing_core::stream::usage::{body_report, Usage};
 use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
-use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::{console_error, AbortSignal, Headers};
@@ -222,11 +221,6 @@ impl Drop for PendingFetch {
     }
 }
 
-thread_local! {
-    /// A rejection handler that does nothing (see `send`).
-    static IGNORE_REJECTION: Closure<dyn FnMut(JsValue)> = Closure::new(|_: JsValue| {});
-}
-
 /// Sends `body` to backend `c` now, after `delay_ms` (a modelled round trip, `SIMULATE_NETWORK`
 /// only): the forwarded headers, the backend's key, redirects not followed.
 pub(crate) fn send(
@@ -294,7 +288,7 @@ pub(crate) fn send(
     // Marked handled at once: a fetch sent ahead can reject (refused, or aborted by the client's
     // hang-up) before anything waits for it, which the runtime would log as an unhandled
     // rejection. Whatever waits for it later still sees the rejection.
-    IGNORE_REJECTION.with(|ignore| {
+    crate::platform::isolate::with_ignore_rejection(|ignore| {
         let _ = fetch.catch(ignore);
     });
     Ok(PendingFetch {
