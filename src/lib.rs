@@ -1,5 +1,5 @@
 //! The edge Worker's entry points: the fetch handler with its route table, and the cron trigger.
-//! Each route's handler is its module's: `request/completion.rs` (the OpenAI completion endpoints,
+//! Each route's handler is its module's: `request/completion/` (the OpenAI completion endpoints,
 //! the request path, in `request/`), `operator/models.rs`, `operator/admin.rs`,
 //! `operator/metrics.rs`, `operator/dashboard.rs`. The other folders: `clients/` (client keys and
 //! their token reservations) and `platform/` (Durable Object calls, HTTP helpers and the clock,

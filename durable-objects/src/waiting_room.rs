@@ -8,7 +8,7 @@
 
 use futures_channel::oneshot;
 use routing_core::admission::Ticket;
-use routing_core::coordinator::{Callers, Verdict};
+use routing_core::coordinator::{Callers, WaitEnd};
 use std::collections::HashMap;
 
 /// One waiting call.
@@ -16,7 +16,7 @@ struct OpenCall {
     /// Which call of its wait it is.
     call_id: u64,
     /// Where its verdict goes.
-    tx: oneshot::Sender<Verdict>,
+    tx: oneshot::Sender<WaitEnd>,
     /// Its request signal.
     signal: Option<web_sys::AbortSignal>,
 }
@@ -35,7 +35,7 @@ impl OpenCalls {
         ticket: Ticket,
         call_id: u64,
         signal: Option<web_sys::AbortSignal>,
-    ) -> oneshot::Receiver<Verdict> {
+    ) -> oneshot::Receiver<WaitEnd> {
         let (tx, rx) = oneshot::channel();
         let call = OpenCall {
             call_id,
@@ -47,7 +47,7 @@ impl OpenCalls {
     }
 
     /// Hands `verdict` to call `call_id` of `ticket`; gives it back when no such call takes it.
-    pub fn answer(&mut self, ticket: Ticket, call_id: u64, verdict: Verdict) -> Option<Verdict> {
+    pub fn answer(&mut self, ticket: Ticket, call_id: u64, verdict: WaitEnd) -> Option<WaitEnd> {
         match self.calls.remove(&ticket) {
             Some(call) if call.call_id == call_id => call.tx.send(verdict).err(),
             Some(other) => {

@@ -570,7 +570,7 @@ pub struct TakeRequest {
 }
 
 /// Answer of `POST /take` when the request was admitted (or forced): what the client's limited
-/// buckets hold after it, for the isolate's [`routing_core::request::rate_limit::AheadBook`].
+/// buckets hold after it, for the isolate's [`routing_core::request::rate_limit::LimitAheadBook`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Taken {

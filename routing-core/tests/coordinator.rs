@@ -13,7 +13,7 @@ use routing_core::coordinator::reassign::{FailedAttempt, RetryRefused};
 use routing_core::coordinator::retry_budget::RetryBudgetConfig;
 use routing_core::coordinator::{
     Callers, Coordinator, CoordinatorSettings, Deletion, Effect, ProbeReport, Release, Step,
-    Stored, Verdict,
+    Stored, WaitEnd,
 };
 use routing_core::pool::lease::LeaseTerms;
 use routing_core::pool::{
@@ -114,7 +114,7 @@ fn coordinator(settings: CoordinatorSettings, n: usize, max_num_seqs: u32) -> Co
 
 fn grant(step: Step) -> Grant {
     match step {
-        Step::Done(Verdict::Granted { grant, .. }) => grant,
+        Step::Done(WaitEnd::Granted { grant, .. }) => grant,
         other => panic!("expected a grant, got {other:?}"),
     }
 }
@@ -511,7 +511,7 @@ fn settling_the_queue_grants_a_waiter_when_a_lease_ends() {
     let [Effect::Answer {
         ticket: t,
         call_id: k,
-        verdict: Verdict::Granted { grant, waited_ms },
+        verdict: WaitEnd::Granted { grant, waited_ms },
     }] = effects.as_slice()
     else {
         panic!("expected one grant to the waiting call, got {effects:?}");
@@ -554,7 +554,7 @@ fn settling_drops_timed_out_waits_and_waits_whose_client_left() {
         vec![Effect::Answer {
             ticket: late,
             call_id: late_call,
-            verdict: Verdict::Dropped {
+            verdict: WaitEnd::Dropped {
                 reason: DropReason::Timeout,
                 waited_ms: 500
             }
@@ -600,7 +600,7 @@ fn asking_again_after_a_lost_grant_does_not_hold_two_leases() {
     assert!(matches!(
         effects.as_slice(),
         [Effect::Answer {
-            verdict: Verdict::Granted { .. },
+            verdict: WaitEnd::Granted { .. },
             ..
         }]
     ));

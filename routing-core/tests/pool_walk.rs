@@ -2,21 +2,21 @@
 //! refusals: every branch of the walk, as `completion` drives it.
 
 use routing_core::pool::{PoolError, Refusal};
-use routing_core::region::walk::{Ask, PoolAnswer, PoolWalk, Turn, Verdict, WalkEnd};
+use routing_core::region::walk::{AfterAnswer, NextPool, PoolAnswer, PoolWalk, Turn, WalkEnd};
 
 fn walk(pools: usize) -> PoolWalk<Refusal> {
     PoolWalk::new(pools, false)
 }
 
-fn ask(pool: usize, spill_ok: bool, turn: Turn) -> Option<Ask> {
-    Some(Ask {
+fn ask(pool: usize, spill_ok: bool, turn: Turn) -> Option<NextPool> {
+    Some(NextPool {
         pool,
         spill_ok,
         turn,
     })
 }
 
-fn refused(w: &mut PoolWalk<Refusal>, r: Refusal) -> Verdict<Refusal> {
+fn refused(w: &mut PoolWalk<Refusal>, r: Refusal) -> AfterAnswer<Refusal> {
     w.feed(PoolAnswer::Refused(r))
 }
 
@@ -32,11 +32,11 @@ fn busy() -> Refusal {
 fn pools_are_asked_nearest_first_and_only_the_last_may_not_refuse() {
     let mut w = walk(3);
     assert_eq!(w.next_pool(), ask(0, true, Turn::Order));
-    assert_eq!(refused(&mut w, busy()), Verdict::Go);
+    assert_eq!(refused(&mut w, busy()), AfterAnswer::Go);
     assert_eq!(w.next_pool(), ask(1, true, Turn::Order));
-    assert_eq!(w.feed(PoolAnswer::Failed), Verdict::Go);
+    assert_eq!(w.feed(PoolAnswer::Failed), AfterAnswer::Go);
     assert_eq!(w.next_pool(), ask(2, false, Turn::Order));
-    assert_eq!(refused(&mut w, busy()), Verdict::Go);
+    assert_eq!(refused(&mut w, busy()), AfterAnswer::Go);
     assert_eq!(w.next_pool(), None);
     assert_eq!(w.end(), WalkEnd::Refused(busy()));
 }
@@ -54,10 +54,10 @@ fn a_single_pool_may_not_refuse_and_no_pool_at_all_serves_nothing() {
 fn pools_that_do_not_serve_the_model_are_skipped_as_if_not_asked() {
     let mut w = walk(2);
     w.next_pool();
-    assert_eq!(refused(&mut w, busy()), Verdict::Go);
+    assert_eq!(refused(&mut w, busy()), AfterAnswer::Go);
     w.next_pool();
     // A pool whose model went away while the request waited counts the same.
-    assert_eq!(refused(&mut w, Refusal::ModelGone), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::ModelGone), AfterAnswer::Go);
     assert_eq!(w.next_pool(), None);
     assert_eq!(
         w.end(),
@@ -68,7 +68,7 @@ fn pools_that_do_not_serve_the_model_are_skipped_as_if_not_asked() {
     let mut w = walk(2);
     for _ in 0..2 {
         w.next_pool();
-        assert_eq!(refused(&mut w, not_served()), Verdict::Go);
+        assert_eq!(refused(&mut w, not_served()), AfterAnswer::Go);
     }
     assert_eq!(w.next_pool(), None);
     assert_eq!(w.end(), WalkEnd::NotServed);
@@ -78,15 +78,15 @@ fn pools_that_do_not_serve_the_model_are_skipped_as_if_not_asked() {
 fn the_request_waits_at_the_nearest_full_pool_once_no_pool_has_room() {
     let mut w = walk(3);
     w.next_pool();
-    assert_eq!(refused(&mut w, Refusal::Full), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::Full), AfterAnswer::Go);
     // The last pool may refuse too: the full pool's queue is still there.
     assert_eq!(w.next_pool(), ask(1, true, Turn::Order));
-    assert_eq!(refused(&mut w, Refusal::Full), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::Full), AfterAnswer::Go);
     assert_eq!(w.next_pool(), ask(2, true, Turn::Order));
-    assert_eq!(refused(&mut w, busy()), Verdict::Go);
+    assert_eq!(refused(&mut w, busy()), AfterAnswer::Go);
     // Back to the nearest full pool, which may not refuse now: it queues the request.
     assert_eq!(w.next_pool(), ask(0, false, Turn::Queue));
-    assert_eq!(refused(&mut w, Refusal::AtCapacity), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::AtCapacity), AfterAnswer::Go);
     assert_eq!(w.next_pool(), None, "one queue only, the nearest");
     assert_eq!(w.end(), WalkEnd::Refused(Refusal::AtCapacity));
 }
@@ -107,13 +107,13 @@ fn a_pool_that_could_not_refuse_is_not_a_queue_to_come_back_to() {
 fn the_nearest_saturated_pool_is_the_last_resort_after_the_queue() {
     let mut w = walk(3);
     w.next_pool();
-    assert_eq!(refused(&mut w, Refusal::Saturated), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::Saturated), AfterAnswer::Go);
     w.next_pool();
-    assert_eq!(refused(&mut w, Refusal::Saturated), Verdict::Go);
+    assert_eq!(refused(&mut w, Refusal::Saturated), AfterAnswer::Go);
     assert_eq!(w.next_pool(), ask(2, false, Turn::Order));
     w.feed(PoolAnswer::Failed);
     assert_eq!(w.next_pool(), ask(0, false, Turn::Fallback));
-    assert_eq!(refused(&mut w, busy()), Verdict::Go);
+    assert_eq!(refused(&mut w, busy()), AfterAnswer::Go);
     assert_eq!(w.next_pool(), None);
     assert_eq!(w.end(), WalkEnd::Refused(busy()));
 
@@ -145,7 +145,7 @@ fn a_queue_drop_or_a_client_that_left_is_the_answer() {
         let mut w = walk(3);
         w.next_pool();
         refused(&mut w, Refusal::Full);
-        assert_eq!(refused(&mut w, last.clone()), Verdict::Stop(last));
+        assert_eq!(refused(&mut w, last.clone()), AfterAnswer::Stop(last));
     }
 }
 
@@ -187,8 +187,11 @@ fn retry_refusals_only_pass_a_pool_by() {
     let moved = Refusal::CannotMove {
         error: PoolError::UnknownLease { lease_id: 7 },
     };
-    assert_eq!(refused(&mut w, moved.clone()), Verdict::Go);
+    assert_eq!(refused(&mut w, moved.clone()), AfterAnswer::Go);
     assert_eq!(w.next_pool(), ask(1, false, Turn::Order));
-    assert_eq!(refused(&mut w, Refusal::RetryBudgetExhausted), Verdict::Go);
+    assert_eq!(
+        refused(&mut w, Refusal::RetryBudgetExhausted),
+        AfterAnswer::Go
+    );
     assert_eq!(w.end(), WalkEnd::Refused(Refusal::RetryBudgetExhausted));
 }

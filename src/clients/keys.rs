@@ -13,31 +13,25 @@
 //! really used when it ends.
 
 use crate::platform::auth::{client_key, constant_time_eq, hash_key};
-use crate::platform::do_client::{call, stale_while_revalidate, CacheSlot, To};
+use crate::platform::do_client::{call, To};
+use crate::platform::isolate::{self, stale_while_revalidate};
 use coordinator_protocol::call::ListKeys;
 use coordinator_protocol::messages::{SettleRequest, StoredKey, TakeRequest};
 use coordinator_protocol::ApiError;
 use routing_core::request::rate_limit::{Left, RateLimits};
-use std::cell::RefCell;
 use worker::{Context, Env, Request};
 
 /// How long minted-key hashes are cached in an isolate.
 const CACHE_MS: u64 = 5_000;
 
-thread_local! {
-    static MINTED: RefCell<CacheSlot<Vec<StoredKey>>> = const { RefCell::new(CacheSlot::new()) };
-    /// When the directory last answered with the minted keys (ms since the epoch).
-    static MINTED_READ_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
 /// Forgets the cached minted keys (after the admin API changed them in this isolate).
 pub fn invalidate() {
-    MINTED.with(|m| m.borrow_mut().clear());
+    isolate::minted_keys().with(|m| m.borrow_mut().clear());
 }
 
 async fn fetch_minted(env: Env) -> Result<Vec<StoredKey>, ApiError> {
     let keys = call(&env, To::Directory, &ListKeys).await?;
-    MINTED_READ_MS.with(|t| t.set(crate::platform::http::now_ms()));
+    isolate::minted_read_ms().with(|t| t.set(crate::platform::http::now_ms()));
     Ok(keys)
 }
 
@@ -66,7 +60,10 @@ fn too_stale(read_ms: u64, now_ms: u64, max_stale_ms: u64) -> bool {
 
 async fn minted_keys(env: &Env, ctx: &Context) -> Result<Vec<StoredKey>, ApiError> {
     let env = env.clone();
-    stale_while_revalidate(&MINTED, CACHE_MS, ctx, move || fetch_minted(env)).await
+    stale_while_revalidate(isolate::minted_keys(), CACHE_MS, ctx, move || {
+        fetch_minted(env)
+    })
+    .await
 }
 
 /// A client key that passed the check: who the client is, for rate limits and admission control.
@@ -90,10 +87,10 @@ pub async fn identify(
     env: &Env,
     ctx: &Context,
 ) -> Result<Option<ClientKey>, ApiError> {
-    let settings = crate::platform::settings::settings(env);
+    let settings = isolate::settings(env);
     let configured = &settings.client_key_hashes;
     let mut minted = minted_keys(env, ctx).await.map_err(key_list_unavailable)?;
-    let read_ms = MINTED_READ_MS.with(|t| t.get());
+    let read_ms = isolate::minted_read_ms().with(|t| t.get());
     if too_stale(
         read_ms,
         crate::platform::http::now_ms(),
@@ -150,8 +147,9 @@ pub async fn require_client(
     Ok(identify(req, env, ctx).await?.map(|k| k.hash))
 }
 
-/// Tokens charged to a client at admission, to settle when the request ends. Serialisable: the
-/// regional hop (`src/request/hop.rs`) hands it to the Worker that settles it.
+/// Tokens charged to a client at admission, to settle when the request ends (while the
+/// limiter's answer is on its way, `clients/reserving.rs` holds it as a `PendingReservation`).
+/// Serialisable: the regional hop (`src/request/hop.rs`) hands it to the Worker that settles it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Reservation {
     client: String,
@@ -166,7 +164,7 @@ pub struct Reservation {
 
 /// The rate limits, when any is configured (`RATE_LIMIT_RPM` or `RATE_LIMIT_TPM` set above 0).
 pub fn configured_limits(env: &Env) -> Option<RateLimits> {
-    let limits = crate::platform::settings::settings(env).rate_limits;
+    let limits = isolate::settings(env).rate_limits;
     (limits != RateLimits::default()).then_some(limits)
 }
 

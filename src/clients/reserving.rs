@@ -11,7 +11,7 @@
 //! the first refused one per isolate and retry period.
 //!
 //! With `RATE_LIMIT_AHEAD`, a client well within its limits by the limiter's last answer to this
-//! isolate ([`AheadBook`]: every limited bucket at least half full after the charges in flight
+//! isolate ([`LimitAheadBook`]: every limited bucket at least half full after the charges in flight
 //! and this one, the answer at most 10 s old) is served without waiting for its charge's answer:
 //! the charge goes on in the background, and if the limiter refuses it, the request, already
 //! served, is charged all the same (`force`), so the client's next requests wait for the debt.
@@ -20,14 +20,14 @@
 //! request the OpenAI API's rate-limit headers ([`rate_limit_headers`]).
 
 use crate::clients::keys::{self, Reservation};
+use crate::platform::isolate;
 use coordinator_protocol::messages::ReleaseRequest;
 use coordinator_protocol::ApiError;
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::LeaseId;
-use routing_core::request::rate_limit::{openai_headers, AheadBook, RateLimits};
+use routing_core::request::rate_limit::{openai_headers, RateLimits};
 use routing_core::stream::outcome::{Outcome, OutcomeKind};
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use wasm_bindgen::JsValue;
 use wasm_bindgen_futures::JsFuture;
@@ -36,18 +36,13 @@ use worker::{Context, Env};
 /// Most refused clients an isolate remembers; past it the map starts again.
 const MAX_REFUSED: usize = 4_096;
 
-thread_local! {
-    /// Clients the limiter refused, with when (ms since the epoch) they may be asked beside again.
-    static REFUSED: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
-    /// What this isolate knows of its clients' buckets, from the limiter's answers.
-    static BOOK: RefCell<AheadBook> = RefCell::new(AheadBook::new());
-}
-
 /// The limiter's answer, once it came.
 type Slot = Rc<RefCell<Option<Result<Option<Reservation>, ApiError>>>>;
 
-/// A request's token reservation: known, or on its way.
-pub enum Reserved {
+/// A request's token reservation ([`Reservation`], `clients/keys.rs`) while it is being made:
+/// known already, or the limiter's answer still on its way ([`PendingReservation::resolve`] waits
+/// for it).
+pub enum PendingReservation {
     /// Charged already (or nothing to charge).
     Known(Option<Reservation>),
     /// Asked for; `done` settles when the answer is in `slot`, `refused` only if it is a refusal.
@@ -58,7 +53,7 @@ pub enum Reserved {
     },
 }
 
-impl Reserved {
+impl PendingReservation {
     /// Starts charging `client` an estimate of `estimate` tokens: asked at once and waited for when
     /// the limiter refused the client recently, charged in the background when the client may go
     /// ahead (`RATE_LIMIT_AHEAD`), else left running beside what follows.
@@ -67,15 +62,17 @@ impl Reserved {
         ctx: &Context,
         env: &Env,
         decided: &crate::request::hop::Charge,
-    ) -> Result<Reserved, ApiError> {
+    ) -> Result<PendingReservation, ApiError> {
         let Some(limits) = decided.limits(env) else {
-            return Ok(Reserved::Known(None));
+            return Ok(PendingReservation::Known(None));
         };
         let (client, estimate) = (decided.client.as_str(), decided.estimate);
         let now = crate::platform::http::now_ms();
         // The book is kept either way (it also gives the rate-limit headers); only
         // `RATE_LIMIT_AHEAD` lets a request go ahead on it.
-        let sent = BOOK.with(|b| b.borrow_mut().charge(client, &limits, estimate, now));
+        let sent = isolate::with_limit_ahead_book(|b| {
+            b.borrow_mut().charge(client, &limits, estimate, now)
+        });
         let may_go_ahead = sent.ahead && decided.may_go_ahead(env);
         let this = Charge {
             estimate,
@@ -84,14 +81,14 @@ impl Reserved {
         };
         if refused_recently(client, now) {
             let (slot, done, _) = kept_charge(ctx, env, client, this);
-            return Reserved::Pending {
+            return PendingReservation::Pending {
                 slot,
                 done,
                 refused: js_sys::Promise::resolve(&JsValue::UNDEFINED),
             }
             .resolve()
             .await
-            .map(Reserved::Known);
+            .map(PendingReservation::Known);
         }
         if may_go_ahead {
             let (env, owned) = (env.clone(), client.to_string());
@@ -117,10 +114,10 @@ impl Reserved {
             if let Some(r) = &mut reservation {
                 r.charging = Some(charging);
             }
-            return Ok(Reserved::Known(reservation));
+            return Ok(PendingReservation::Known(reservation));
         }
         let (slot, done, refused) = kept_charge(ctx, env, client, this);
-        Ok(Reserved::Pending {
+        Ok(PendingReservation::Pending {
             slot,
             done,
             refused,
@@ -130,15 +127,15 @@ impl Reserved {
     /// Whether the charge is settled already (nothing to charge, or served ahead of the
     /// limiter's answer).
     pub fn is_known(&self) -> bool {
-        matches!(self, Reserved::Known(_))
+        matches!(self, PendingReservation::Known(_))
     }
 
     /// What a lease call gives up on: the client's hang-up, or the limiter's refusal while the
     /// answer is on its way.
     pub fn give_up_on(&self, hung_up: &js_sys::Promise) -> js_sys::Promise {
         match self {
-            Reserved::Known(_) => hung_up.clone(),
-            Reserved::Pending { refused, .. } => {
+            PendingReservation::Known(_) => hung_up.clone(),
+            PendingReservation::Pending { refused, .. } => {
                 js_sys::Promise::race(&js_sys::Array::of2(hung_up, refused))
             }
         }
@@ -148,8 +145,8 @@ impl Reserved {
     /// the limiter's failure, as the request's error.
     pub async fn resolve(self) -> Result<Option<Reservation>, ApiError> {
         match self {
-            Reserved::Known(r) => Ok(r),
-            Reserved::Pending { slot, done, .. } => {
+            PendingReservation::Known(r) => Ok(r),
+            PendingReservation::Pending { slot, done, .. } => {
                 let _ = JsFuture::from(done).await;
                 let answer = slot.borrow_mut().take();
                 answer.unwrap_or_else(|| {
@@ -232,7 +229,7 @@ fn keep_alive(ctx: &Context, promise: &js_sys::Promise) {
 
 /// Charges `client` (after the modelled round trip to its limiter, in local runs that model one),
 /// and remembers the answer: a refusal until its `Retry-After`, and what is left in the isolate's
-/// [`AheadBook`].
+/// [`LimitAheadBook`].
 async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservation>, ApiError> {
     let rtt = crate::request::regions::simulated_limiter_rtt_ms(env);
     if rtt > 0 {
@@ -241,7 +238,7 @@ async fn charge(env: &Env, client: &str, this: Charge) -> Result<Option<Reservat
     let answer = keys::reserve(env, client, this.limits, this.estimate).await;
     let left = answer.as_ref().ok().map(|(_, left)| *left);
     let now = crate::platform::http::now_ms();
-    let newest = BOOK.with(|b| {
+    let newest = isolate::with_limit_ahead_book(|b| {
         let mut book = b.borrow_mut();
         book.answered(client, this.seq, this.estimate, left, now)
     });
@@ -259,20 +256,20 @@ pub fn rate_limit_headers(limits: Option<RateLimits>, client: &str) -> Vec<(&'st
         return Vec::new();
     };
     let now = crate::platform::http::now_ms();
-    BOOK.with(|b| b.borrow().view(client, &limits, now))
+    isolate::with_limit_ahead_book(|b| b.borrow().view(client, &limits, now))
         .map(|left| openai_headers(&limits, &left))
         .unwrap_or_default()
 }
 
 /// Whether the limiter refused `client` and its `Retry-After` has not passed.
 fn refused_recently(client: &str, now_ms: u64) -> bool {
-    REFUSED.with(|m| m.borrow().get(client).is_some_and(|&until| now_ms < until))
+    isolate::with_refused_clients(|m| m.borrow().get(client).is_some_and(|&until| now_ms < until))
 }
 
 /// Remembers a refusal (429) until its `Retry-After`; forgets the client when it was admitted, by
 /// an answer that is the `newest` word on it (not an admission given before a refusal).
 fn note(client: &str, answer: &Result<Option<Reservation>, ApiError>, newest: bool) {
-    REFUSED.with(|m| {
+    isolate::with_refused_clients(|m| {
         let mut m = m.borrow_mut();
         match answer {
             Err(e) if e.status == 429 => {

@@ -14,14 +14,13 @@
 //! What the directory holds (pools, minted keys) is cached in the isolate and refreshed in the
 //! background.
 
+use crate::platform::isolate::{self, stale_while_revalidate};
 use coordinator_protocol::call::{read_answer, read_error, CallError, ListPools, RpcAnswer};
 use coordinator_protocol::internal_call::{internal_init, ShardAddress};
 use coordinator_protocol::messages::{shard_object_name, PoolEntry, POOL_BINDING};
 use coordinator_protocol::ApiError;
 use coordinator_protocol::{Answer, Call, Object, Route};
 use gateway_durable_objects::directory::DIRECTORY_NAME;
-use std::cell::RefCell;
-use std::collections::HashMap;
 use wasm_bindgen::prelude::wasm_bindgen;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -47,16 +46,6 @@ pub enum To<'a> {
 /// saw); past it the map starts again.
 const MAX_CACHED_IDS: usize = 1024;
 
-thread_local! {
-    /// The namespaces, by binding, and the ids of the objects this isolate called, by binding and
-    /// name: neither belongs to a request (a stub does), and making them (a binding lookup and a
-    /// hash of the name each) costs a call as much as its body does.
-    static NAMESPACES: RefCell<HashMap<&'static str, DurableObjectNamespace>> =
-        RefCell::new(HashMap::new());
-    static IDS: RefCell<HashMap<(&'static str, String), JsValue>> =
-        RefCell::new(HashMap::new());
-}
-
 /// The stub of object `name` of `binding`'s namespace (placed by `location_hint`, if given).
 fn stub(
     env: &Env,
@@ -64,7 +53,7 @@ fn stub(
     name: &str,
     location_hint: Option<&str>,
 ) -> Result<worker::worker_sys::DurableObject, ApiError> {
-    let cached = NAMESPACES.with(|n| n.borrow().get(binding).cloned());
+    let cached = isolate::with_namespaces(|n| n.borrow().get(binding).cloned());
     let namespace = match cached {
         Some(ns) => ns,
         None => {
@@ -73,19 +62,19 @@ fn stub(
             let ns: DurableObjectNamespace = js_sys::Reflect::get(env, &JsValue::from_str(binding))
                 .map_err(worker::Error::from)?
                 .unchecked_into();
-            NAMESPACES.with(|n| n.borrow_mut().insert(binding, ns.clone()));
+            isolate::with_namespaces(|n| n.borrow_mut().insert(binding, ns.clone()));
             ns
         }
     };
     let key = (binding, name.to_string());
-    let id = match IDS.with(|ids| ids.borrow().get(&key).cloned()) {
+    let id = match isolate::with_object_ids(|ids| ids.borrow().get(&key).cloned()) {
         Some(id) => id,
         None => {
             let id: JsValue = namespace
                 .id_from_name(name)
                 .map_err(worker::Error::from)?
                 .into();
-            IDS.with(|ids| {
+            isolate::with_object_ids(|ids| {
                 let mut ids = ids.borrow_mut();
                 if ids.len() >= MAX_CACHED_IDS {
                     ids.clear();
@@ -114,7 +103,7 @@ fn pool_stub(
     pool: &str,
     shard: u32,
 ) -> Result<worker::worker_sys::DurableObject, ApiError> {
-    let hint = POOLS.with(|p| {
+    let hint = isolate::pool_list().with(|p| {
         p.borrow().value.as_ref().and_then(|(_, list)| {
             list.iter()
                 .find(|e| e.name == pool)
@@ -132,7 +121,7 @@ fn pool_stub(
 /// An answer as it came back, unread: the platform's response to a `fetch` (the hot path reads
 /// status and body from it directly, with one promise for the body instead of `worker`'s stream
 /// reader), or a pool's RPC answer.
-pub enum Sent {
+pub enum UnreadAnswer {
     /// The answer of a `fetch`.
     Response(web_sys::Response),
     /// The answer of a pool's RPC call.
@@ -168,12 +157,14 @@ fn target<'a>(
 
 /// Sends `msg` to the object `to` names and returns the answer unread: by RPC to a pool or a rate
 /// limiter, by `fetch` to the directory.
-pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Sent, ApiError> {
+pub async fn send<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<UnreadAnswer, ApiError> {
     let route = msg.route();
     let body = msg.body().map_err(|e| ApiError::internal(e.to_string()))?;
     match target(env, to, &route)? {
-        (stub, _) if by_rpc(to) => Ok(Sent::Rpc(send_rpc(stub, to, &route, body).await?)),
-        (stub, address) => Ok(Sent::Response(send_web(stub, address, &route, body).await?)),
+        (stub, _) if by_rpc(to) => Ok(UnreadAnswer::Rpc(send_rpc(stub, to, &route, body).await?)),
+        (stub, address) => Ok(UnreadAnswer::Response(
+            send_web(stub, address, &route, body).await?,
+        )),
     }
 }
 
@@ -261,10 +252,10 @@ pub async fn call_raw<M: Call>(env: &Env, to: To<'_>, msg: &M) -> Result<Respons
 }
 
 /// Reads the answer to a call sent with [`send`].
-pub async fn answer_of<A: Answer>(sent: Sent) -> Result<A, ApiError> {
+pub async fn answer_of<A: Answer>(sent: UnreadAnswer) -> Result<A, ApiError> {
     let resp = match sent {
-        Sent::Response(resp) => resp,
-        Sent::Rpc(answer) => {
+        UnreadAnswer::Response(resp) => resp,
+        UnreadAnswer::Rpc(answer) => {
             return read_answer(answer.status, answer.retry_after_s, &answer.body)
                 .map_err(call_error)
         }
@@ -318,84 +309,6 @@ pub async fn error_from_response(resp: Response) -> ApiError {
     read_error(resp.status(), retry_after, &text).map_or_else(|e| e, ApiError::from)
 }
 
-/// A value an isolate keeps from the directory (the pool list, minted key hashes).
-pub struct CacheSlot<T> {
-    value: Option<(u64, T)>,
-    /// When the background refresh in flight started.
-    refreshing_since: Option<u64>,
-}
-
-impl<T> CacheSlot<T> {
-    /// An empty slot.
-    pub const fn new() -> Self {
-        CacheSlot {
-            value: None,
-            refreshing_since: None,
-        }
-    }
-
-    /// Forgets the value (this isolate just changed it).
-    pub fn clear(&mut self) {
-        self.value = None;
-    }
-}
-
-/// A background refresh that has run this long is presumed lost and may be started again.
-const REFRESH_GIVE_UP_MS: u64 = 10_000;
-
-/// Serves `slot`'s value: fresh for `fresh_ms`; after that the old copy is still served at once
-/// while one refresh runs in the background (`ctx.wait_until`), and a failed refresh keeps it.
-/// The directory is on the request path only while the isolate has no copy at all.
-pub async fn stale_while_revalidate<T, F, Fut>(
-    slot: &'static std::thread::LocalKey<RefCell<CacheSlot<T>>>,
-    fresh_ms: u64,
-    ctx: &Context,
-    fetch: F,
-) -> Result<T, ApiError>
-where
-    T: Clone + 'static,
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = Result<T, ApiError>> + 'static,
-{
-    let now = js_sys::Date::now() as u64;
-    let (value, refreshing_since) = slot.with(|s| {
-        let s = s.borrow();
-        (s.value.clone(), s.refreshing_since)
-    });
-    match value {
-        Some((at, v)) if now < at + fresh_ms => Ok(v),
-        Some((_, v)) => {
-            if refreshing_since.is_none_or(|t| now > t + REFRESH_GIVE_UP_MS) {
-                slot.with(|s| s.borrow_mut().refreshing_since = Some(now));
-                let refresh = fetch();
-                ctx.wait_until(async move {
-                    let result = refresh.await;
-                    slot.with(|s| {
-                        let mut s = s.borrow_mut();
-                        s.refreshing_since = None;
-                        match result {
-                            Ok(v) => s.value = Some((js_sys::Date::now() as u64, v)),
-                            Err(e) => worker::console_error!(
-                                "directory refresh failed; serving the cached copy: {e}"
-                            ),
-                        }
-                    });
-                });
-            }
-            Ok(v)
-        }
-        None => {
-            let v = fetch().await?;
-            slot.with(|s| s.borrow_mut().value = Some((now, v.clone())));
-            Ok(v)
-        }
-    }
-}
-
-thread_local! {
-    static POOLS: RefCell<CacheSlot<Vec<PoolEntry>>> = const { RefCell::new(CacheSlot::new()) };
-}
-
 /// How long an isolate trusts its copy of the pool list before refreshing it.
 const POOL_CACHE_MS: u64 = 2_000;
 
@@ -407,7 +320,7 @@ async fn fetch_pools(env: Env) -> Result<Vec<PoolEntry>, ApiError> {
 /// is fresh, else read now (an operator adding a pool in this isolate clears the copy).
 pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
     let now = js_sys::Date::now() as u64;
-    let cached = POOLS.with(|p| {
+    let cached = isolate::pool_list().with(|p| {
         p.borrow()
             .value
             .clone()
@@ -418,7 +331,7 @@ pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
         return Ok(list);
     }
     let list = fetch_pools(env.clone()).await?;
-    POOLS.with(|p| p.borrow_mut().value = Some((now, list.clone())));
+    isolate::pool_list().with(|p| p.borrow_mut().value = Some((now, list.clone())));
     Ok(list)
 }
 
@@ -426,12 +339,15 @@ pub async fn list_pools(env: &Env) -> Result<Vec<PoolEntry>, ApiError> {
 /// slow or failing directory does not hold up or fail requests a cached copy can route.
 pub async fn list_pools_cached(env: &Env, ctx: &Context) -> Result<Vec<PoolEntry>, ApiError> {
     let env = env.clone();
-    stale_while_revalidate(&POOLS, POOL_CACHE_MS, ctx, move || fetch_pools(env)).await
+    stale_while_revalidate(isolate::pool_list(), POOL_CACHE_MS, ctx, move || {
+        fetch_pools(env)
+    })
+    .await
 }
 
 /// Records a pool in the directory (idempotent).
 pub async fn remember_pool(env: &Env, entry: &PoolEntry) -> Result<(), ApiError> {
     call(env, To::Directory, entry).await?;
-    POOLS.with(|p| p.borrow_mut().clear());
+    isolate::pool_list().with(|p| p.borrow_mut().clear());
     Ok(())
 }

@@ -46,7 +46,8 @@ pub fn now_ms() -> u64 {
 /// `n` random bytes from the platform's CSPRNG, hex-encoded.
 pub fn random_hex(n: usize) -> String {
     thread_local! {
-        // The global `crypto`, looked up once per isolate.
+        // The global `crypto`, looked up once per isolate: the one static of the isolate not in
+        // `isolate.rs`, which imports the settings, which import this file.
         static CRYPTO: Option<web_sys::Crypto> = js_sys::Reflect::get(&js_sys::global(), &"crypto".into())
             .ok()
             .and_then(|c| c.dyn_into::<web_sys::Crypto>().ok());

@@ -10,10 +10,10 @@
 
 use crate::platform::auth::{hash_key, secret};
 use crate::platform::http::{json_var_or_default, var_or};
+use routing_core::region::ChoiceConfig;
 use routing_core::request::prompt::FeatureConfig;
 use routing_core::request::rate_limit::RateLimits;
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::time::Duration;
 use worker::Env;
 
@@ -66,7 +66,7 @@ pub struct Settings {
 }
 
 impl Settings {
-    fn read(env: &Env) -> Settings {
+    pub(crate) fn read(env: &Env) -> Settings {
         let defaults = FeatureConfig::default();
         Settings {
             features: FeatureConfig {
@@ -142,31 +142,18 @@ impl ProxySettings {
     }
 }
 
-thread_local! {
-    static SETTINGS: std::cell::OnceCell<Rc<Settings>> = const { std::cell::OnceCell::new() };
-}
-
-/// `SLOW_CLIENT_TIMEOUT_MS` as this isolate read it (the default before any request read the
-/// settings), for the relay, which has no `Env`.
-pub fn slow_client_timeout() -> Duration {
-    let ms = SETTINGS.with(|s| s.get().map(|s| s.slow_client_timeout_ms));
-    Duration::from_millis(ms.unwrap_or(30_000))
-}
-
 /// `RELAY_BUFFER_BYTES` unless set: about 20,000 tokens of chat events.
-const DEFAULT_RELAY_BUFFER_BYTES: u64 = 4 << 20;
+pub(crate) const DEFAULT_RELAY_BUFFER_BYTES: u64 = 4 << 20;
 /// The smallest `RELAY_BUFFER_BYTES` taken: a few events' worth.
 const MIN_RELAY_BUFFER_BYTES: u64 = 64 << 10;
 
-/// `RELAY_BUFFER_BYTES` as this isolate read it (the default before any request read the
-/// settings), for the relay, which has no `Env`.
-pub fn relay_buffer_bytes() -> u64 {
-    SETTINGS
-        .with(|s| s.get().map(|s| s.relay_buffer_bytes))
-        .unwrap_or(DEFAULT_RELAY_BUFFER_BYTES)
-}
-
-/// This isolate's settings, read from `env` on first use.
-pub fn settings(env: &Env) -> Rc<Settings> {
-    SETTINGS.with(|s| s.get_or_init(|| Rc::new(Settings::read(env))).clone())
+/// The pool choice's settings (`request/regions.rs` reads them, once per isolate).
+pub(crate) struct RegionSettings {
+    pub(crate) choice: ChoiceConfig,
+    pub(crate) home_capacity: usize,
+    /// `SIMULATE_NETWORK`: local runs wait out the configured round trips themselves.
+    pub(crate) simulate_network: bool,
+    /// `SIMULATE_LIMITER_RTT_MS`: with `simulate_network`, the round trip to a client's rate
+    /// limiter object that local runs wait out.
+    pub(crate) limiter_rtt_ms: u64,
 }

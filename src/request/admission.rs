@@ -61,10 +61,7 @@ pub fn validate_priority(p: i32) -> Result<(), ApiError> {
 /// isolate.
 /// Read once per isolate (an isolate's bindings do not change while it lives).
 pub fn tenant_salt(env: &Env) -> std::rc::Rc<str> {
-    thread_local! {
-        static SALT: std::cell::OnceCell<std::rc::Rc<str>> = const { std::cell::OnceCell::new() };
-    }
-    SALT.with(|s| {
+    crate::platform::isolate::with_tenant_salt(|s| {
         s.get_or_init(|| {
             let configured = env
                 .secret("TENANT_SALT")

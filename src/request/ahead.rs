@@ -18,18 +18,14 @@
 //! the isolate that made it forgets the backend at once ([`forget_backend`]), and every other
 //! isolate when the shard's next grant carries a new roster number (issue 42, item 11).
 
-use crate::request::forward::attempts::{send, Sent, UpstreamCall};
-use routing_core::pool::guess::{Granted, GuessBook, Place, Scored};
+use crate::platform::isolate;
+use crate::request::forward::attempts::{send, PendingFetch, UpstreamCall};
+use routing_core::pool::guess::{Granted, Place, Scored};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::request::prompt::SentAhead;
 use routing_core::PolicyKind;
 use std::cell::{Cell, RefCell};
 use worker::AbortSignal;
-
-thread_local! {
-    /// This isolate's record of its pool shards' choices.
-    static BOOK: RefCell<GuessBook> = RefCell::new(GuessBook::new());
-}
 
 /// The response header saying what became of a fetch sent ahead: `kept` (it is the answer's
 /// first attempt), `missed` (the pool chose another backend, and it was aborted) or `queued` (the
@@ -42,7 +38,7 @@ pub(crate) struct Ahead {
     /// The backend guessed, as the grant that taught it named it (URL and key included).
     guessed: Option<CandidateView>,
     /// The fetch, until it is kept or aborted.
-    sent: RefCell<Option<Sent>>,
+    sent: RefCell<Option<PendingFetch>>,
     told: Option<SentAhead>,
     resend_ms: u32,
     /// Whether the book has heard how the fetch sent ahead ended.
@@ -50,7 +46,7 @@ pub(crate) struct Ahead {
 }
 
 /// What a request gives [`Ahead::start`].
-pub(crate) struct Ask<'a> {
+pub(crate) struct AheadTarget<'a> {
     pub(crate) pool: &'a str,
     pub(crate) shard: u32,
     pub(crate) model: &'a str,
@@ -67,14 +63,14 @@ pub(crate) struct Ask<'a> {
 impl Ahead {
     /// Guesses the shard's choice and, when allowed, sends `body` to it now.
     pub(crate) fn start(
-        ask: Ask<'_>,
+        ask: AheadTarget<'_>,
         call: &UpstreamCall<'_>,
         body: &[u8],
         client_signal: &AbortSignal,
     ) -> Ahead {
         let now = crate::platform::http::now_ms();
         let place = Place::new(ask.pool, ask.shard, ask.model);
-        let guess = BOOK.with(|b| b.borrow().guess(&place, ask.block_hashes, now));
+        let guess = isolate::with_guess_book(|b| b.borrow().guess(&place, ask.block_hashes, now));
         let sent = match &guess {
             Some(g) if g.send && ask.may_send => {
                 // The fetch carries an id of its own (the request's, `-ahead`): when it is aborted
@@ -93,7 +89,7 @@ impl Ahead {
             _ => None,
         };
         if sent.is_some() {
-            BOOK.with(|b| b.borrow_mut().sending(&place));
+            isolate::with_guess_book(|b| b.borrow_mut().sending(&place));
         }
         let told = sent.as_ref().map(|s| SentAhead {
             backend: s.backend().0.clone(),
@@ -116,7 +112,7 @@ impl Ahead {
         if let Some(sent) = self.sent.borrow_mut().take() {
             sent.abort();
             self.settled.set(true);
-            BOOK.with(|b| {
+            isolate::with_guess_book(|b| {
                 b.borrow_mut()
                     .busy(&self.place, true, crate::platform::http::now_ms())
             });
@@ -135,12 +131,12 @@ impl Ahead {
         block_hashes: &[u64],
         grant: &Grant,
         queued: bool,
-    ) -> (Option<Sent>, Option<&'static str>) {
+    ) -> (Option<PendingFetch>, Option<&'static str>) {
         let paired = !grant.decode_candidates.is_empty();
         let Some(first) = grant.candidates.first() else {
             return (None, None);
         };
-        BOOK.with(|b| {
+        isolate::with_guess_book(|b| {
             let mut book = b.borrow_mut();
             // A backend left service or changed since the shard's last grant: forget the pool's
             // backends before learning this grant (issue 42, item 11).
@@ -208,7 +204,7 @@ impl Ahead {
     pub(crate) fn refused(self) {
         let sent = self.told.is_some() && !self.settled.get();
         self.settled.set(true);
-        BOOK.with(|b| {
+        isolate::with_guess_book(|b| {
             b.borrow_mut()
                 .busy(&self.place, sent, crate::platform::http::now_ms())
         });
@@ -218,7 +214,7 @@ impl Ahead {
 /// `backend` of `pool` was deleted, drained or changed by this isolate's admin call: nothing is
 /// sent ahead to it until a grant names it again.
 pub(crate) fn forget_backend(pool: &str, backend: &str) {
-    BOOK.with(|b| b.borrow_mut().forget_backend(pool, &backend.into()));
+    isolate::with_guess_book(|b| b.borrow_mut().forget_backend(pool, &backend.into()));
 }
 
 impl Drop for Ahead {
@@ -228,7 +224,7 @@ impl Drop for Ahead {
         }
         // The client left (or the limiter refused) before the pool answered: not scored.
         if self.told.is_some() && !self.settled.get() {
-            BOOK.with(|b| b.borrow_mut().abandoned(&self.place));
+            isolate::with_guess_book(|b| b.borrow_mut().abandoned(&self.place));
         }
     }
 }

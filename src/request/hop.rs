@@ -36,7 +36,7 @@
 use crate::clients::keys::Reservation;
 use crate::platform::auth::constant_time_eq;
 use crate::platform::http::{hex, unhex};
-use crate::platform::settings::settings;
+use crate::platform::isolate::settings;
 use crate::request::regions::{self, Plan};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;

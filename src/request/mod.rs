@@ -1,4 +1,4 @@
-//! The request path of the completion endpoints, in the order a request takes it: `completion.rs`
+//! The request path of the completion endpoints, in the order a request takes it: `completion/`
 //! (intake: the key, the body, the features, the walk over pools), `context.rs` (the
 //! `RequestContext` its stages share), `regions.rs` (the plan: pools ordered on predicted time),
 //! `hop.rs` (the hand-over to a regional Worker), `admission.rs` (the lease asked of each pool, the

@@ -16,7 +16,8 @@
 //! bounded (`routing_core::region`).
 
 use crate::platform::http::{json_var_or_default, var_or};
-use crate::platform::settings::Settings;
+use crate::platform::isolate::{self, InFlightRequest};
+use crate::platform::settings::{RegionSettings, Settings};
 use coordinator_protocol::messages::PoolEntry;
 use coordinator_protocol::ApiError;
 use routing_core::policy::ring::key_hash;
@@ -25,42 +26,17 @@ use routing_core::region::{
     order_pools, ChoiceConfig, ChoiceReason, HomePools, NetworkModel, PoolOption, TimeCard,
 };
 use routing_core::request::prompt::RequestFeatures;
-use std::cell::{OnceCell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use worker::{Env, Request};
 
 /// Conversations an isolate remembers the home pool of, unless `HOME_POOLS_MAX` says otherwise.
 const DEFAULT_HOME_POOLS: usize = 8192;
 
-/// The choice's settings, read once per isolate.
-struct RegionSettings {
-    choice: ChoiceConfig,
-    home_capacity: usize,
-    /// `SIMULATE_NETWORK`: local runs wait out the configured round trips themselves.
-    simulate_network: bool,
-    /// `SIMULATE_LIMITER_RTT_MS`: with `simulate_network`, the round trip to a client's rate
-    /// limiter object that local runs wait out.
-    limiter_rtt_ms: u64,
-}
-
-thread_local! {
-    static SETTINGS: OnceCell<RegionSettings> = const { OnceCell::new() };
-    static NETWORK: OnceCell<RefCell<NetworkModel>> = const { OnceCell::new() };
-    static HOMES: OnceCell<RefCell<HomePools>> = const { OnceCell::new() };
-    /// Per pool, the requests this isolate sent it that have not ended: when, their lease, and
-    /// the output tokens they asked for (at most [`SENT_KEPT`] a pool; those older than the
-    /// pool's card are counted in it and dropped).
-    static SENT: RefCell<HashMap<String, VecDeque<Sent>>> = RefCell::new(HashMap::new());
-    /// The newest time card a grant (or the answer to an overdue stream's renewal) brought from
-    /// each pool (fresher than the pool list's copy for the pools this isolate sends to; one per
-    /// pool).
-    static GRANT_CARDS: RefCell<HashMap<String, TimeCard>> = RefCell::new(HashMap::new());
-}
-
 /// Keeps the card a grant (or an overdue stream's renewal) from `pool` carried, when it is newer
 /// than the one kept.
 pub fn fresh_card(pool: &str, card: &TimeCard) {
-    GRANT_CARDS.with(|c| {
+    isolate::with_grant_cards(|c| {
         let mut c = c.borrow_mut();
         if c.get(pool).is_none_or(|kept| kept.at_ms < card.at_ms) {
             c.insert(pool.to_string(), card.clone());
@@ -71,18 +47,10 @@ pub fn fresh_card(pool: &str, card: &TimeCard) {
 /// Sends remembered per pool.
 const SENT_KEPT: usize = 512;
 
-/// One request this isolate sent a pool.
-#[derive(Clone, Copy)]
-struct Sent {
-    at_ms: u64,
-    lease: u64,
-    tokens: u32,
-}
-
 /// Of the requests this isolate sent `pool` after its card was computed (`card_at_ms`), how many
 /// have not ended (they hold a slot or wait for one), and their mean output tokens.
 fn sent_since(pool: &str, card_at_ms: u64) -> (u32, u32) {
-    SENT.with(|s| {
+    isolate::with_in_flight(|s| {
         let s = s.borrow();
         let Some(list) = s.get(pool) else {
             return (0, 0);
@@ -118,11 +86,11 @@ fn read_settings(env: &Env) -> RegionSettings {
 
 /// Reads this isolate's region settings (from `env`, the first time).
 fn with_settings<R>(env: &Env, f: impl FnOnce(&RegionSettings) -> R) -> R {
-    SETTINGS.with(|s| f(s.get_or_init(|| read_settings(env))))
+    isolate::with_region_settings(|s| f(s.get_or_init(|| read_settings(env))))
 }
 
 fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
-    NETWORK.with(|n| {
+    isolate::with_network(|n| {
         let cell = n.get_or_init(|| {
             let table: HashMap<String, HashMap<String, u32>> =
                 json_var_or_default(env, "REGION_RTT_MS");
@@ -137,7 +105,7 @@ fn with_network<R>(env: &Env, f: impl FnOnce(&mut NetworkModel) -> R) -> R {
 
 fn with_homes<R>(env: &Env, f: impl FnOnce(&mut HomePools) -> R) -> R {
     let capacity = with_settings(env, |s| s.home_capacity);
-    HOMES.with(|h| {
+    isolate::with_homes(|h| {
         f(&mut h
             .get_or_init(|| RefCell::new(HomePools::new(capacity)))
             .borrow_mut())
@@ -208,7 +176,7 @@ pub fn plan(
     let region = client_region(req, settings);
     let mut pools = pools;
     // Each pool's newest card: the pool list's, or a later grant's.
-    GRANT_CARDS.with(|c| {
+    isolate::with_grant_cards(|c| {
         let c = c.borrow();
         for p in &mut pools {
             if let Some(fresh) = c.get(&p.name) {
@@ -343,14 +311,14 @@ pub fn served(
     let Some(card) = card else {
         return;
     };
-    SENT.with(|s| {
+    isolate::with_in_flight(|s| {
         let mut s = s.borrow_mut();
         let list = s.entry(pool.to_string()).or_default();
         // Those sent before this card are counted in it.
         while list.front().is_some_and(|x| x.at_ms < card.at_ms) || list.len() >= SENT_KEPT {
             list.pop_front();
         }
-        list.push_back(Sent {
+        list.push_back(InFlightRequest {
             at_ms: now_ms,
             lease,
             tokens: features.max_tokens,
@@ -366,7 +334,7 @@ pub fn record_home(env: &Env, pool: &str, features: &RequestFeatures) {
 
 /// The request of `lease` on `pool` ended: it no longer counts against the pool.
 pub fn finished(pool: &str, lease: u64) {
-    SENT.with(|s| {
+    isolate::with_in_flight(|s| {
         if let Some(list) = s.borrow_mut().get_mut(pool) {
             list.retain(|x| x.lease != lease);
         }

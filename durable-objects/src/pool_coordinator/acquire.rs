@@ -8,7 +8,7 @@ use coordinator_protocol::messages::{DequeueAnswer, DequeueRequest, Queued};
 use coordinator_protocol::refusal::dropped;
 use futures_util::future::{select, Either};
 use routing_core::admission::DropReason;
-use routing_core::coordinator::{Coordinator, Step, Verdict};
+use routing_core::coordinator::{Coordinator, Step, WaitEnd};
 use routing_core::pool::Refusal;
 use std::time::Duration;
 use worker::Delay;
@@ -92,9 +92,9 @@ impl PoolCoordinator {
     }
 
     /// The answer to an acquire whose wait ended.
-    pub(super) fn answer(&self, verdict: Verdict) -> ApiResult {
+    pub(super) fn answer(&self, verdict: WaitEnd) -> ApiResult {
         match verdict {
-            Verdict::Granted {
+            WaitEnd::Granted {
                 mut grant,
                 waited_ms,
             } => {
@@ -104,7 +104,7 @@ impl PoolCoordinator {
                     queued_ms: waited_ms,
                 }))
             }
-            Verdict::Dropped { reason, waited_ms } => {
+            WaitEnd::Dropped { reason, waited_ms } => {
                 let refusal =
                     self.with(|shard| drop_refusal(&shard.coordinator, reason, waited_ms));
                 reply::<Acquire>(&AcquireAnswer::Refused(refusal))

@@ -2,7 +2,7 @@
 //! queue, else the waiting room; the first attempt a grant counts in the retry budget and the
 //! card it carries; and the waiting room's settle, pause and dequeue.
 
-use super::{Callers, Coordinator, Effects, Step, Verdict};
+use super::{Callers, Coordinator, Effects, Step, WaitEnd};
 use crate::admission::{AdmissionRequest, Ticket};
 use crate::pool::Grant;
 use crate::region::ChoiceNote;
@@ -39,12 +39,12 @@ impl Coordinator {
             let counts = &mut self.sent_ahead;
             match &step {
                 // A disaggregated pair is never kept (the Worker aborts what it sent).
-                Step::Done(Verdict::Granted { grant, .. })
+                Step::Done(WaitEnd::Granted { grant, .. })
                     if grant.backend.0 == sent_to && grant.decode_candidates.is_empty() =>
                 {
                     counts.kept += 1
                 }
-                Step::Done(Verdict::Granted { .. }) => counts.missed += 1,
+                Step::Done(WaitEnd::Granted { .. }) => counts.missed += 1,
                 _ => counts.not_granted += 1,
             }
         }
@@ -79,7 +79,7 @@ impl Coordinator {
                     if let Some(id) = admission.as_ref().and_then(|a| a.wait_id) {
                         self.room.record_delivered(id, grant.lease_id, now_ms);
                     }
-                    Step::Done(Verdict::Granted {
+                    Step::Done(WaitEnd::Granted {
                         grant,
                         waited_ms: 0,
                     })
@@ -131,7 +131,7 @@ impl Coordinator {
 
     /// The end of call `call_id`'s wait on `ticket` without a verdict (see
     /// [`super::WaitingRoom::pause`]).
-    pub fn pause(&mut self, ticket: Ticket, call_id: u64, now_ms: u64) -> Option<Verdict> {
+    pub fn pause(&mut self, ticket: Ticket, call_id: u64, now_ms: u64) -> Option<WaitEnd> {
         self.room.pause(ticket, call_id, now_ms)
     }
 
@@ -146,7 +146,7 @@ impl Coordinator {
 
     /// A verdict handed out in an [`super::Effect::Answer`] that no open call took: its lease
     /// goes back. Returns false when a lease went back (settle again: room freed).
-    pub fn unanswered(&mut self, ticket: Ticket, verdict: Verdict, now_ms: u64) -> bool {
+    pub fn unanswered(&mut self, ticket: Ticket, verdict: WaitEnd, now_ms: u64) -> bool {
         self.room
             .unanswered(&mut self.pool, ticket, verdict, now_ms)
     }

@@ -41,7 +41,7 @@ pub use exchange::LoadPush;
 pub use leases::Release;
 pub use probes::{AdapterCard, ProbeReport, ProbeTarget};
 pub use registry::Deletion;
-pub use waiting::{Callers, Step, Verdict, WaitingRoom, POLL_GRACE_MS};
+pub use waiting::{Callers, Step, WaitEnd, WaitingRoom, POLL_GRACE_MS};
 
 use crate::admission::Ticket;
 use crate::backend::{BackendId, BackendSpec};
@@ -76,7 +76,7 @@ pub enum Effect {
         /// Its open call.
         call_id: u64,
         /// What the call answers.
-        verdict: Verdict,
+        verdict: WaitEnd,
     },
     /// The wait `ticket` is over without a verdict for its open call `call_id`: close the call
     /// (it answers `202`, and its Worker learns the rest when it asks again).

@@ -51,7 +51,7 @@ const SWEEP_EVERY_MS: u64 = 250;
 
 /// How a queued request's wait ended.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub enum WaitEnd {
     /// A lease.
     Granted {
         /// The lease and candidates.
@@ -68,15 +68,15 @@ pub enum Verdict {
     },
 }
 
-impl From<Departure> for Verdict {
-    fn from(d: Departure) -> Verdict {
+impl From<Departure> for WaitEnd {
+    fn from(d: Departure) -> WaitEnd {
         match d {
             Departure::Admitted {
                 grant, waited_ms, ..
-            } => Verdict::Granted { grant, waited_ms },
+            } => WaitEnd::Granted { grant, waited_ms },
             Departure::Dropped {
                 reason, waited_ms, ..
-            } => Verdict::Dropped { reason, waited_ms },
+            } => WaitEnd::Dropped { reason, waited_ms },
         }
     }
 }
@@ -95,7 +95,7 @@ struct Waiter {
     /// The last call's id (a newer call with the same ticket supersedes an older one).
     call_id: u64,
     /// A verdict reached while no call was open, for the next call.
-    parked: Option<Verdict>,
+    parked: Option<WaitEnd>,
     /// When the last call ended (or the verdict was parked).
     since_ms: u64,
 }
@@ -113,7 +113,7 @@ impl Waiter {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     /// Answer now.
-    Done(Verdict),
+    Done(WaitEnd),
     /// The pool is saturated and a further pool can take the request: refuse it so.
     Saturated,
     /// The pool is full and the caller may try another pool: answer so, without queueing.
@@ -164,8 +164,8 @@ impl WaitingRoom {
 
     /// A verdict about to be answered under `ticket`: a grant is remembered (see
     /// [`Self::record_delivered`]).
-    fn answered(&mut self, ticket: Ticket, verdict: Verdict, now_ms: u64) -> Verdict {
-        if let Verdict::Granted { grant, .. } = &verdict {
+    fn answered(&mut self, ticket: Ticket, verdict: WaitEnd, now_ms: u64) -> WaitEnd {
+        if let WaitEnd::Granted { grant, .. } = &verdict {
             self.record_delivered(ticket, grant.lease_id, now_ms);
         }
         verdict
@@ -248,7 +248,7 @@ impl WaitingRoom {
                 Ok(grant) => {
                     self.queue.record_immediate();
                     let waited_ms = who.waited_ms;
-                    let verdict = Verdict::Granted { grant, waited_ms };
+                    let verdict = WaitEnd::Granted { grant, waited_ms };
                     return Step::Done(self.answered(ticket, verdict, now_ms));
                 }
                 Err(AcquireError::AtCapacity) => {}
@@ -265,10 +265,10 @@ impl WaitingRoom {
         if request.deadline_ms <= now_ms {
             self.queue.record_drop(DropReason::Timeout);
             let reason = DropReason::Timeout;
-            return Step::Done(Verdict::Dropped { reason, waited_ms });
+            return Step::Done(WaitEnd::Dropped { reason, waited_ms });
         }
         match self.queue.offer(request, config) {
-            Err(reason) => return Step::Done(Verdict::Dropped { reason, waited_ms }),
+            Err(reason) => return Step::Done(WaitEnd::Dropped { reason, waited_ms }),
             Ok(Some(evicted)) => {
                 let waited_ms = now_ms.saturating_sub(evicted.arrived_ms);
                 let ticket = evicted.ticket;
@@ -382,7 +382,7 @@ impl WaitingRoom {
         effects: &mut Effects,
     ) -> bool {
         let ticket = departure.ticket();
-        let verdict = Verdict::from(departure);
+        let verdict = WaitEnd::from(departure);
         let Some(w) = self.waiters.get_mut(&ticket) else {
             return self.refuse(pool, verdict, now_ms);
         };
@@ -393,7 +393,7 @@ impl WaitingRoom {
         match w.call {
             Some(call_id) => {
                 self.waiters.remove(&ticket);
-                if let Verdict::Granted { grant, .. } = &verdict {
+                if let WaitEnd::Granted { grant, .. } = &verdict {
                     self.record_delivered(ticket, grant.lease_id, now_ms);
                 }
                 effects.push(Effect::Answer {
@@ -417,10 +417,10 @@ impl WaitingRoom {
         &mut self,
         pool: &mut Pool,
         ticket: Ticket,
-        verdict: Verdict,
+        verdict: WaitEnd,
         now_ms: u64,
     ) -> bool {
-        if matches!(verdict, Verdict::Granted { .. }) {
+        if matches!(verdict, WaitEnd::Granted { .. }) {
             // Recorded as delivered when it was handed out; it was not.
             self.delivered.take(ticket);
         }
@@ -428,9 +428,9 @@ impl WaitingRoom {
     }
 
     /// A verdict nobody will receive: its lease goes back, and the client counts as gone.
-    fn refuse(&mut self, pool: &mut Pool, verdict: Verdict, now_ms: u64) -> bool {
+    fn refuse(&mut self, pool: &mut Pool, verdict: WaitEnd, now_ms: u64) -> bool {
         match verdict {
-            Verdict::Granted { grant, .. } => {
+            WaitEnd::Granted { grant, .. } => {
                 pool.release(
                     grant.lease_id,
                     &Outcome::of_kind(OutcomeKind::Cancelled),
@@ -439,7 +439,7 @@ impl WaitingRoom {
                 self.queue.record_drop(DropReason::ClientGone);
                 false
             }
-            Verdict::Dropped { .. } => true,
+            WaitEnd::Dropped { .. } => true,
         }
     }
 
@@ -476,7 +476,7 @@ impl WaitingRoom {
     /// The end of call `call_id`'s wait without a verdict: returns a verdict parked meanwhile,
     /// or `None` (the request still waits: answer `202`). The waiter then has no open call until
     /// the Worker asks again.
-    pub fn pause(&mut self, ticket: Ticket, call_id: u64, now_ms: u64) -> Option<Verdict> {
+    pub fn pause(&mut self, ticket: Ticket, call_id: u64, now_ms: u64) -> Option<WaitEnd> {
         let Some(w) = self.waiters.get_mut(&ticket) else {
             // Gone meanwhile without a verdict for this call (a newer call took it): still waits
             // as far as this call knows; the next call learns the truth.

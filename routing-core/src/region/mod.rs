@@ -25,4 +25,6 @@ pub use home::HomePools;
 pub use network::NetworkModel;
 pub use routed::{ChoiceNote, RoutedCounts};
 pub use time_card::TimeCard;
-pub use walk::{Ask, PoolAnswer, PoolWalk, RefusalKind, Turn, Verdict, WalkEnd, WalkRefusal};
+pub use walk::{
+    AfterAnswer, NextPool, PoolAnswer, PoolWalk, RefusalKind, Turn, WalkEnd, WalkRefusal,
+};

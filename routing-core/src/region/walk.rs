@@ -54,7 +54,7 @@ pub enum Turn {
 
 /// The next pool to ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ask {
+pub struct NextPool {
     /// Its index in the order.
     pub pool: usize,
     /// A further pool could take the request, so this one may refuse when saturated or full.
@@ -74,7 +74,7 @@ pub enum PoolAnswer<R> {
 
 /// What the walk does after an answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict<R> {
+pub enum AfterAnswer<R> {
     /// Ask the next pool ([`PoolWalk::next_pool`]).
     Go,
     /// Stop: this refusal is the request's answer.
@@ -107,7 +107,7 @@ enum Last<R> {
 pub struct PoolWalk<R> {
     pools: usize,
     next: usize,
-    asked: Option<Ask>,
+    asked: Option<NextPool>,
     queue_at: Option<usize>,
     saturated: Option<usize>,
     last: Last<R>,
@@ -130,23 +130,23 @@ impl<R: WalkRefusal> PoolWalk<R> {
     }
 
     /// The next pool to ask, or `None` when the walk is over ([`PoolWalk::end`]).
-    pub fn next_pool(&mut self) -> Option<Ask> {
+    pub fn next_pool(&mut self) -> Option<NextPool> {
         let ask = if self.next < self.pools {
             let pool = self.next;
             self.next += 1;
-            Ask {
+            NextPool {
                 pool,
                 spill_ok: pool + 1 < self.pools || self.queue_at.is_some(),
                 turn: Turn::Order,
             }
         } else if let Some(pool) = self.queue_at.take() {
-            Ask {
+            NextPool {
                 pool,
                 spill_ok: false,
                 turn: Turn::Queue,
             }
         } else if let Some(pool) = self.saturated.take() {
-            Ask {
+            NextPool {
                 pool,
                 spill_ok: false,
                 turn: Turn::Fallback,
@@ -159,7 +159,7 @@ impl<R: WalkRefusal> PoolWalk<R> {
     }
 
     /// Feeds the answer of the pool last asked.
-    pub fn feed(&mut self, answer: PoolAnswer<R>) -> Verdict<R> {
+    pub fn feed(&mut self, answer: PoolAnswer<R>) -> AfterAnswer<R> {
         let (pool, spill_ok) = self
             .asked
             .map_or((None, false), |a| (Some(a.pool), a.spill_ok));
@@ -168,19 +168,19 @@ impl<R: WalkRefusal> PoolWalk<R> {
                 if matches!(self.last, Last::Nothing) {
                     self.last = Last::NoAnswer;
                 }
-                return Verdict::Go;
+                return AfterAnswer::Go;
             }
             PoolAnswer::Refused(r) => r,
         };
         match refusal.kind() {
-            RefusalKind::NotServed => return Verdict::Go,
-            RefusalKind::Final => return Verdict::Stop(refusal),
+            RefusalKind::NotServed => return AfterAnswer::Go,
+            RefusalKind::Final => return AfterAnswer::Stop(refusal),
             RefusalKind::Full if spill_ok && self.queue_at.is_none() => self.queue_at = pool,
             RefusalKind::Saturated if spill_ok && self.saturated.is_none() => self.saturated = pool,
             RefusalKind::Full | RefusalKind::Saturated | RefusalKind::Busy => {}
         }
         self.last = Last::Refused(refusal);
-        Verdict::Go
+        AfterAnswer::Go
     }
 
     /// How the walk ends, once [`PoolWalk::next_pool`] said it is over.

@@ -10,7 +10,7 @@
 //! buckets serialize (the rate limiter's Durable Object writes them behind its changes, so an
 //! eviction or a deploy does not refill them).
 //!
-//! [`AheadBook`] is an isolate's view of its clients' buckets, from the limiter's answers, for
+//! [`LimitAheadBook`] is an isolate's view of its clients' buckets, from the limiter's answers, for
 //! admitting a request before the limiter has answered (`RATE_LIMIT_AHEAD`): only while every
 //! limited bucket would stay at least half full after the charges in flight and this one.
 
@@ -202,7 +202,7 @@ pub const AHEAD_MAX_AGE_MS: u64 = 10_000;
 /// Most clients a book remembers; past it, it starts again (every client then waits once).
 const AHEAD_MAX_CLIENTS: usize = 4_096;
 
-/// One client in an [`AheadBook`].
+/// One client in a [`LimitAheadBook`].
 #[derive(Debug, Clone, Default)]
 struct AheadEntry {
     /// What the answers say is left, and when that was.
@@ -219,10 +219,10 @@ struct AheadEntry {
     refused_seq: Option<u64>,
 }
 
-/// A charge counted in an [`AheadBook`]: whether its request may go ahead of the answer, and the
-/// number to give [`AheadBook::answered`] with the answer.
+/// A charge counted in a [`LimitAheadBook`]: whether its request may go ahead of the answer, and
+/// the number to give [`LimitAheadBook::answered`] with the answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sent {
+pub struct CountedCharge {
     /// Whether the request may be served before the answer.
     pub ahead: bool,
     /// The charge's number in this book.
@@ -230,7 +230,8 @@ pub struct Sent {
 }
 
 /// An isolate's view of its clients' rate-limit buckets, for serving a request before its charge
-/// is answered. A request goes ahead only when the limiter's last answer for its client is at
+/// is answered (`RATE_LIMIT_AHEAD`; unrelated to `ROUTE_AHEAD`'s fetch sent ahead, whose record is
+/// `pool::guess::GuessBook`). A request goes ahead only when the limiter's last answer for its client is at
 /// most [`AHEAD_MAX_AGE_MS`] old and every limited bucket, refilled since, less every charge this
 /// isolate has in flight and this one, stays at or above half its capacity; otherwise it waits
 /// for the answer, as without the book. Answers may come back in any order: the book keeps the
@@ -247,20 +248,26 @@ pub struct Sent {
 /// the excess is repaid by the client's next requests waiting.
 /// A randomized test checks both bounds (1 to 4 isolates, 300 orders each, no refill).
 #[derive(Debug, Default)]
-pub struct AheadBook {
+pub struct LimitAheadBook {
     clients: HashMap<String, AheadEntry>,
     next_seq: u64,
 }
 
-impl AheadBook {
+impl LimitAheadBook {
     /// An empty book.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// A charge of one request and `tokens` tokens is being sent for `client`: counted in flight
-    /// until [`AheadBook::answered`]. Says whether the request may go ahead of the answer.
-    pub fn charge(&mut self, client: &str, limits: &RateLimits, tokens: u64, now_ms: u64) -> Sent {
+    /// until [`LimitAheadBook::answered`]. Says whether the request may go ahead of the answer.
+    pub fn charge(
+        &mut self,
+        client: &str,
+        limits: &RateLimits,
+        tokens: u64,
+        now_ms: u64,
+    ) -> CountedCharge {
         if self.clients.len() >= AHEAD_MAX_CLIENTS && !self.clients.contains_key(client) {
             self.clients.clear();
         }
@@ -276,7 +283,7 @@ impl AheadBook {
         let ahead = entry.may_go_ahead(limits, tokens, now_ms);
         entry.in_flight.0 += 1;
         entry.in_flight.1 += tokens;
-        Sent { ahead, seq }
+        CountedCharge { ahead, seq }
     }
 
     /// The limiter answered charge `seq` of `tokens` for `client`: with what is left after it, or
@@ -572,7 +579,7 @@ mod tests {
 
     #[test]
     fn a_client_goes_ahead_only_after_an_answer_and_only_while_half_its_allowance_stays() {
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         // No answer yet: wait.
         assert!(!book.charge("a", &TPM, 100, 0).ahead);
         book.answered("a", 0, 100, tokens_left(900.0), 10);
@@ -598,7 +605,7 @@ mod tests {
 
     #[test]
     fn a_refusal_or_a_failure_makes_the_client_wait_again() {
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         book.charge("a", &TPM, 10, 0);
         book.answered("a", 0, 10, tokens_left(990.0), 0);
         assert!(book.charge("a", &TPM, 10, 0).ahead);
@@ -612,7 +619,7 @@ mod tests {
             requests_per_minute: 4,
             tokens_per_minute: 1000,
         };
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         book.charge("a", &limits, 10, 0);
         book.answered(
             "a",
@@ -629,7 +636,7 @@ mod tests {
         assert!(book.charge("a", &limits, 10, 0).ahead);
         // With that one in flight, another would leave 1.
         assert!(!book.charge("a", &limits, 10, 0).ahead);
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         book.charge("a", &limits, 10, 0);
         book.answered("a", 0, 10, tokens_left(990.0), 0);
         assert!(!book.charge("a", &limits, 10, 0).ahead);
@@ -641,7 +648,7 @@ mod tests {
             requests_per_minute: 60,
             tokens_per_minute: 1000,
         };
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         assert_eq!(book.view("a", &limits, 0), None);
         book.charge("a", &limits, 100, 0);
         book.answered(
@@ -710,7 +717,7 @@ mod tests {
             tokens_per_minute: 1000,
         };
         let mut limiter = RateLimiter::new();
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         let mut served = 0;
         for _ in 0..20 {
             let sent = book.charge("a", &limits, 90, 0);
@@ -731,7 +738,7 @@ mod tests {
 
     #[test]
     fn an_answer_older_than_the_view_only_takes_its_charge_out_of_those_in_flight() {
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         let first = book.charge("a", &TPM, 10, 0);
         book.answered("a", first.seq, 10, tokens_left(990.0), 0);
         let (a, b) = (
@@ -754,13 +761,13 @@ mod tests {
 
     #[test]
     fn an_admission_that_comes_after_a_later_charge_s_refusal_is_older_news() {
-        let mut book = AheadBook::new();
+        let mut book = LimitAheadBook::new();
         let first = book.charge("a", &TPM, 10, 0);
         book.answered("a", first.seq, 10, tokens_left(990.0), 0);
         // p goes ahead; its answer is slow. Three more go ahead and are refused (another isolate
         // spent the bucket meanwhile).
         let p = book.charge("a", &TPM, 10, 0);
-        let late: Vec<Sent> = (0..3).map(|_| book.charge("a", &TPM, 150, 0)).collect();
+        let late: Vec<CountedCharge> = (0..3).map(|_| book.charge("a", &TPM, 150, 0)).collect();
         assert!(p.ahead && late.iter().all(|s| s.ahead));
         for s in &late {
             assert!(book.answered("a", s.seq, 150, None, 0));
@@ -803,7 +810,7 @@ mod tests {
         const CAP: u64 = 1_000;
         let mut rng = SplitMix64::new(seed);
         let mut limiter = RateLimiter::new();
-        let mut books: Vec<AheadBook> = (0..isolates).map(|_| AheadBook::new()).collect();
+        let mut books: Vec<LimitAheadBook> = (0..isolates).map(|_| LimitAheadBook::new()).collect();
         // Charges on their way to the limiter, and answers on their way back:
         // (isolate, seq, tokens, served ahead, what the limiter said).
         let mut to_limiter: Vec<(usize, u64, u64, bool)> = Vec::new();

@@ -36,7 +36,6 @@ use routing_core::stream::usage::{body_report, Usage};
 use serde_json::Value;
 use std::rc::Rc;
 use std::time::Duration;
-use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use worker::{console_error, AbortSignal, Headers};
@@ -165,9 +164,9 @@ async fn error_body(resp: &web_sys::Response, deadline: &mut Sleep, backend: &st
 }
 
 /// An upstream fetch sent and not yet answered: its promise, its abort, its deadline.
-pub(crate) struct Sent {
+pub(crate) struct PendingFetch {
     fetch: js_sys::Promise,
-    /// Taken when the fetch is waited for; a `Sent` dropped before that aborts it.
+    /// Taken when the fetch is waited for; a `PendingFetch` dropped before that aborts it.
     abort: Option<LinkedAbort>,
     deadline: Sleep,
     started_ms: u64,
@@ -175,7 +174,7 @@ pub(crate) struct Sent {
     backend: BackendId,
 }
 
-impl Sent {
+impl PendingFetch {
     /// The backend it went to.
     pub(crate) fn backend(&self) -> &BackendId {
         &self.backend
@@ -216,15 +215,10 @@ impl Sent {
     }
 }
 
-impl Drop for Sent {
+impl Drop for PendingFetch {
     fn drop(&mut self) {
         self.abort_unread();
     }
-}
-
-thread_local! {
-    /// A rejection handler that does nothing (see `send`).
-    static IGNORE_REJECTION: Closure<dyn FnMut(JsValue)> = Closure::new(|_: JsValue| {});
 }
 
 /// Sends `body` to backend `c` now, after `delay_ms` (a modelled round trip, `SIMULATE_NETWORK`
@@ -235,7 +229,7 @@ pub(crate) fn send(
     body: &[u8],
     client_signal: &AbortSignal,
     delay_ms: u64,
-) -> Result<Sent, AttemptFailure> {
+) -> Result<PendingFetch, AttemptFailure> {
     let built = || -> Result<web_sys::RequestInit, JsValue> {
         let mut list = HeaderList::new();
         for (name, value) in call.forwarded_headers {
@@ -294,10 +288,10 @@ pub(crate) fn send(
     // Marked handled at once: a fetch sent ahead can reject (refused, or aborted by the client's
     // hang-up) before anything waits for it, which the runtime would log as an unhandled
     // rejection. Whatever waits for it later still sees the rejection.
-    IGNORE_REJECTION.with(|ignore| {
+    crate::platform::isolate::with_ignore_rejection(|ignore| {
         let _ = fetch.catch(ignore);
     });
-    Ok(Sent {
+    Ok(PendingFetch {
         fetch,
         abort: Some(abort),
         deadline,
@@ -368,7 +362,7 @@ impl Attempts {
     pub(crate) async fn attempt_sent(
         &self,
         c: &CandidateView,
-        sent: Sent,
+        sent: PendingFetch,
     ) -> Result<Answer, AttemptFailure> {
         let mut sent = sent;
         let (started, timeout) = (sent.started_ms, sent.timeout);

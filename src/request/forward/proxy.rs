@@ -21,8 +21,8 @@
 use crate::platform::http::HeaderList;
 use crate::request::context::RequestContext;
 use crate::request::forward::attempts::{
-    final_error, request_error, send, stream_upstream, with_usage, Answer, Attempts, Moved, Sent,
-    UpstreamCall, MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
+    final_error, request_error, send, stream_upstream, with_usage, Answer, Attempts, Moved,
+    PendingFetch, UpstreamCall, MAX_ANSWER_BYTES, PASSED_RESPONSE_HEADERS,
 };
 use crate::request::forward::relay::Relay;
 use crate::request::forward::resume::Resumption;
@@ -59,7 +59,7 @@ pub struct Forward<'a> {
     pub network_delay_ms: u64,
     /// The first attempt's fetch, sent beside the lease call to the backend the grant chose
     /// (`src/request/ahead.rs`), if it was.
-    pub ahead: Option<Sent>,
+    pub ahead: Option<PendingFetch>,
 }
 
 /// Where a request's time to its response went before the attempts, for `Server-Timing` (whole

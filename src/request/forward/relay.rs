@@ -232,8 +232,8 @@ impl Relay {
             status,
             state,
             transform,
-            slow_client_timeout: crate::platform::settings::slow_client_timeout(),
-            buffer_bytes: crate::platform::settings::relay_buffer_bytes(),
+            slow_client_timeout: crate::platform::isolate::slow_client_timeout(),
+            buffer_bytes: crate::platform::isolate::relay_buffer_bytes(),
             deadlines,
             endpoint: Default::default(),
         })

@@ -15,29 +15,15 @@
 //! per lease, and a lease's deadline stays the backstop, as for a single release.
 
 use crate::platform::do_client::{call, To};
+use crate::platform::isolate;
 use coordinator_protocol::messages::{ReleaseBatch, ReleaseRequest};
 use coordinator_protocol::ApiError;
-use std::cell::RefCell;
-use std::collections::HashMap;
 use worker::Env;
 
 /// Most calls one sender makes before it hands over (it keeps its invocation alive meanwhile).
 const MAX_ROUNDS: u32 = 8;
 /// A sender that has not come back for this long is presumed lost.
 const SENDER_LOST_MS: u64 = 10_000;
-
-/// The releases of one pool shard waiting for the sender in flight.
-#[derive(Default)]
-struct Queue {
-    /// The sender in flight: its id and when it started.
-    sender: Option<(u64, u64)>,
-    queued: Vec<ReleaseRequest>,
-}
-
-thread_local! {
-    static QUEUES: RefCell<HashMap<(String, u32), Queue>> = RefCell::new(HashMap::new());
-    static NEXT_SENDER: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
 
 /// Releases a lease in shard `shard` of `pool`: sent now, or with the next batch of the call in
 /// flight to that shard.
@@ -67,7 +53,7 @@ pub async fn release(env: &Env, pool: &str, shard: u32, req: ReleaseRequest) {
 /// batch (anything a lost sender left, then `req`).
 fn lead_or_queue(key: &(String, u32), req: ReleaseRequest) -> Option<(u64, Vec<ReleaseRequest>)> {
     let now = crate::platform::http::now_ms();
-    QUEUES.with(|q| {
+    isolate::with_release_queues(|q| {
         let mut q = q.borrow_mut();
         let queue = q.entry(key.clone()).or_default();
         match queue.sender {
@@ -76,10 +62,7 @@ fn lead_or_queue(key: &(String, u32), req: ReleaseRequest) -> Option<(u64, Vec<R
                 None
             }
             _ => {
-                let id = NEXT_SENDER.with(|n| {
-                    n.set(n.get() + 1);
-                    n.get()
-                });
+                let id = isolate::next_sender_id();
                 queue.sender = Some((id, now));
                 let mut batch = std::mem::take(&mut queue.queued);
                 batch.push(req);
@@ -98,7 +81,7 @@ struct Sending<'a> {
 impl Sending<'_> {
     /// What was queued meanwhile; `None` (and handed over) when nothing was.
     fn next_batch(&self) -> Option<Vec<ReleaseRequest>> {
-        QUEUES.with(|q| {
+        isolate::with_release_queues(|q| {
             let mut q = q.borrow_mut();
             let queue = q.get_mut(self.key)?;
             if queue.queued.is_empty() {
@@ -113,7 +96,7 @@ impl Sending<'_> {
 
     /// Hands over: the next release leads its own call.
     fn stop(&self) {
-        QUEUES.with(|q| {
+        isolate::with_release_queues(|q| {
             if let Some(queue) = q.borrow_mut().get_mut(self.key) {
                 if queue.sender.is_some_and(|(id, _)| id == self.id) {
                     queue.sender = None;
