@@ -7,6 +7,8 @@
 // - An admin change goes to every shard even when one fails, answers 502 `shards_incomplete`
 //   naming the failed shard, and the same call repeated completes it (registration, settings,
 //   delete).
+// - `/v1/models` is kept a few seconds in the isolate instead of asking every pool each time, and
+//   an admin change forgets it at once.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import {
@@ -155,3 +157,33 @@ test("an admin change reaches every shard though one fails, names the failed sha
   await setObjectFaults(gw, []);
 });
 
+test("/v1/models asks the pools once per few seconds, and an admin change shows at once", async () => {
+  const a = await startSim(["--model", "list-a", "--seed", "3"]);
+  const b = await startSim(["--model", "list-b", "--seed", "4"]);
+  sims.push(a, b);
+  for (const [pool, s, model] of [["la", a, "list-a"], ["lb", b, "list-b"]]) {
+    const r = await gw.admin("/admin/backends", { method: "POST", body: { url: s.url, pool, models: [model], id: `${pool}-b0` } });
+    assert.equal(r.status, 201, await r.text());
+  }
+  await waitReady(gw, "la-b0");
+  await waitReady(gw, "lb-b0");
+  const ids = async () => (await (await gw.fetch("/v1/models")).json()).data.map((m) => m.id);
+  await setObjectFaults(gw, [{ mode: "count", method: "GET", route: "/models" }]);
+  const hits = async () => (await (await gw.fetch("/__object-faults")).json())[0].hits;
+  const first = await ids();
+  assert.ok(first.includes("list-a") && first.includes("list-b"), JSON.stringify(first));
+  const pools = await hits();
+  assert.ok(pools >= 2, `the first listing asked ${pools} pools`);
+  for (let i = 0; i < 5; i++) assert.deepEqual(await ids(), first);
+  assert.equal(await hits(), pools, "the listings within the cache's life asked no pool again");
+  // A change through the admin API shows at once.
+  const patch = await gw.admin("/admin/backends/lb-b0", { method: "PATCH", body: { drain: true } });
+  assert.equal(patch.status, 200, await patch.text());
+  assert.ok(!(await ids()).includes("list-b"), "a drained backend's model is gone from the next listing");
+  // And the list is asked again once it is a few seconds old.
+  const before = await hits();
+  await new Promise((r) => setTimeout(r, 3500));
+  await ids();
+  assert.ok((await hits()) > before, "the pools were asked again after the cache's life");
+  await setObjectFaults(gw, []);
+});

@@ -119,8 +119,19 @@ async fn relay(resp: Response) -> AdminResult {
     Ok(resp)
 }
 
-/// Dispatches an authenticated admin request.
-pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
+/// Dispatches an authenticated admin request. After any change the isolate's model list is
+/// forgotten (`crate::operator::models`), so this isolate lists the change at once.
+pub async fn handle(req: Request, env: &Env, segments: &[&str]) -> AdminResult {
+    let change = req.method() != Method::Get;
+    let answer = route(req, env, segments).await;
+    if change {
+        crate::operator::models::forget();
+    }
+    answer
+}
+
+/// Routes an admin request.
+async fn route(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
     let method = req.method();
     let query_pool = req.url().ok().and_then(|u| {
         u.query_pairs()
