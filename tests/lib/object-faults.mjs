@@ -10,7 +10,8 @@
 // a number; any of the three absent matches every call;
 // `mode` "throw" (the call fails before the object runs it), "lost" (the object runs it, then the
 // caller gets an error instead of the answer) or "count" (nothing fails: the calls are counted);
-// `times` how many calls fail (absent: every one).
+// `times` how many calls fail (absent: every one); `answerIncludes` (with "lost") loses only an
+// answer whose body contains that text (e.g. "lease_id": a grant), the other calls pass uncounted.
 // `GET /__object-faults` answers the table with each fault's `hits`.
 import * as gateway from "../../build/index.js";
 
@@ -26,10 +27,20 @@ function fault(method, url, pool, shard) {
     if (f.shard !== undefined && String(f.shard) !== String(shard ?? "0")) continue;
     if (f.route !== undefined && !path.includes(f.route)) continue;
     if (f.method !== undefined && f.method.toUpperCase() !== String(method).toUpperCase()) continue;
-    f.hits += 1;
+    if (f.answerIncludes === undefined) f.hits += 1;
     return f;
   }
   return null;
+}
+
+/** Whether fault `f` loses an answer whose body is `body` (and counts it when it does). */
+function loses(f, body) {
+  if (f?.mode !== "lost") return false;
+  if (f.answerIncludes === undefined) return true;
+  if (f.times !== undefined && f.hits >= f.times) return false;
+  if (!String(body ?? "").includes(f.answerIncludes)) return false;
+  f.hits += 1;
+  return true;
 }
 
 function failure(f, path) {
@@ -41,7 +52,7 @@ export class PoolCoordinator extends gateway.PoolCoordinator {
     const f = fault(method, url, pool, shard);
     if (f?.mode === "throw") throw failure(f, url);
     const answer = await super.gatewayCall(method, url, pool, shard, body);
-    if (f?.mode === "lost") throw failure(f, url);
+    if (loses(f, answer?.[1])) throw failure(f, url);
     return answer;
   }
 
@@ -49,7 +60,7 @@ export class PoolCoordinator extends gateway.PoolCoordinator {
     const f = fault(request.method, request.url, request.headers.get("x-gateway-pool"), request.headers.get("x-gateway-shard"));
     if (f?.mode === "throw") throw failure(f, request.url);
     const answer = await super.fetch(request);
-    if (f?.mode === "lost") throw failure(f, request.url);
+    if (loses(f, f?.answerIncludes === undefined ? "" : await answer.clone().text())) throw failure(f, request.url);
     return answer;
   }
 }
