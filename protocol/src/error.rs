@@ -214,6 +214,13 @@ impl ApiError {
         Self::new(500, ErrorKind::Server, Some("internal_error"), message)
     }
 
+    /// 502 `shards_incomplete`: an admin change reached some of a pool's coordinator shards but
+    /// not every one; the message names the shards that failed and why. The admin changes are
+    /// safe to repeat, and repeating the same call completes it.
+    pub fn shards_incomplete(message: impl Into<String>) -> Self {
+        Self::new(502, ErrorKind::Server, Some("shards_incomplete"), message)
+    }
+
     /// 421: a regional Worker cannot read the hop context the edge sent (a newer version during a
     /// deploy); the edge serves the request itself (`src/request/hop.rs`).
     pub fn hop_context_unreadable(message: impl Into<String>) -> Self {

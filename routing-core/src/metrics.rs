@@ -254,6 +254,44 @@ const SHARED_COUNTERS: [&str; 1] = ["llm_gateway_health_transitions_total"];
 /// and lifecycle state, scraped and probe gauges, which every shard holds alike or only shard 0
 /// knows) as the first page that has the series shows them.
 pub fn sum_shard_pages(pages: &[String]) -> String {
+    merge_shard_pages(pages, true)
+}
+
+/// The gauge `/metrics` writes for every pool: how many of its coordinator shards did not answer
+/// this scrape (0: the pool's page is complete).
+pub const SHARDS_MISSING: &str = "llm_gateway_metrics_shards_missing";
+
+/// One pool's page for `/metrics` from the pages its shards answered (shard 0 first when it
+/// answered), `missing` shards not having answered, followed by [`SHARDS_MISSING`].
+///
+/// A sum over fewer shards than the last scrape's would make every counter of the pool look
+/// lower, and Prometheus reads a counter that went down as a reset: `rate()` and `increase()`
+/// would count the whole remaining value again. So a scrape that misses a shard leaves out the
+/// pool's counters, histograms and summed load gauges altogether (a gap, which `rate()` spans),
+/// keeps the state gauges of the shards that answered, and says how many shards it missed. No
+/// counter the gateway exposes ever goes backwards because a call failed.
+pub fn pool_page(pool: &str, pages: &[String], missing: u32) -> String {
+    let mut out = match (pages, missing) {
+        ([], _) => String::new(),
+        ([one], 0) => one.clone(),
+        (_, 0) => merge_shard_pages(pages, true),
+        _ => merge_shard_pages(pages, false),
+    };
+    if !out.is_empty() && !out.ends_with('\n') {
+        out.push('\n');
+    }
+    header(
+        &mut out,
+        SHARDS_MISSING,
+        "gauge",
+        "Coordinator shards of the pool that did not answer this scrape; while above 0 the pool's counters, histograms and summed load gauges are left out rather than summed over fewer shards.",
+    );
+    sample(&mut out, SHARDS_MISSING, pool, &[], f64::from(missing));
+    out
+}
+
+/// [`sum_shard_pages`], or with `summed` false the pages without the families it would sum.
+fn merge_shard_pages(pages: &[String], summed_too: bool) -> String {
     struct Family {
         headers: Vec<String>,
         summed: bool,
@@ -308,6 +346,9 @@ pub fn sum_shard_pages(pages: &[String]) -> String {
     let mut out = String::new();
     for name in order {
         let family = &families[&name];
+        if family.summed && !summed_too {
+            continue;
+        }
         for h in &family.headers {
             out.push_str(h);
             out.push('\n');
@@ -399,6 +440,87 @@ mod tests {
         // Each family's samples follow its own headers.
         let b = total.find("backend=\"b\"").unwrap();
         assert!(b < total.find("# HELP llm_gateway_leases_in_flight").unwrap());
+    }
+
+    /// Issue 42 (still open from the last round): a scrape that missed a shard summed the
+    /// others, so every counter of the pool went down and Prometheus counted a reset.
+    #[test]
+    fn a_missing_shard_leaves_the_counters_out_instead_of_lowering_them() {
+        let page = |requests: u32, leases: u32| {
+            let mut out = String::new();
+            header(
+                &mut out,
+                "llm_gateway_requests_total",
+                "counter",
+                "Requests.",
+            );
+            sample(
+                &mut out,
+                "llm_gateway_requests_total",
+                "p",
+                &[("backend", "a")],
+                requests.into(),
+            );
+            header(
+                &mut out,
+                "llm_gateway_latency_seconds",
+                "histogram",
+                "Latency.",
+            );
+            sample(
+                &mut out,
+                "llm_gateway_latency_seconds_count",
+                "p",
+                &[],
+                requests.into(),
+            );
+            header(&mut out, "llm_gateway_leases_in_flight", "gauge", "Leases.");
+            sample(
+                &mut out,
+                "llm_gateway_leases_in_flight",
+                "p",
+                &[("backend", "a")],
+                leases.into(),
+            );
+            header(&mut out, "llm_gateway_backend_healthy", "gauge", "Healthy.");
+            sample(
+                &mut out,
+                "llm_gateway_backend_healthy",
+                "p",
+                &[("backend", "a")],
+                1.0,
+            );
+            out
+        };
+        let complete = pool_page("p", &[page(10, 1), page(5, 2)], 0);
+        assert!(complete.contains("llm_gateway_requests_total{pool=\"p\",backend=\"a\"} 15\n"));
+        assert!(complete.contains("llm_gateway_metrics_shards_missing{pool=\"p\"} 0\n"));
+        // Shard 1 did not answer: no requests_total at all (not 10), no histogram, no summed
+        // gauge, the state gauge kept, the gap said.
+        let gap = pool_page("p", &[page(10, 1)], 1);
+        assert!(!gap.contains("llm_gateway_requests_total"), "{gap}");
+        assert!(!gap.contains("llm_gateway_latency_seconds"), "{gap}");
+        assert!(!gap.contains("llm_gateway_leases_in_flight"), "{gap}");
+        assert!(
+            gap.contains("llm_gateway_backend_healthy{pool=\"p\",backend=\"a\"} 1\n"),
+            "{gap}"
+        );
+        assert!(
+            gap.contains("# TYPE llm_gateway_metrics_shards_missing gauge\n"),
+            "{gap}"
+        );
+        assert!(
+            gap.contains("llm_gateway_metrics_shards_missing{pool=\"p\"} 1\n"),
+            "{gap}"
+        );
+        // A one-shard pool whose shard failed, and one that answered.
+        let none = pool_page("p", &[], 1);
+        assert!(
+            none.starts_with("# HELP llm_gateway_metrics_shards_missing"),
+            "{none}"
+        );
+        let one = pool_page("p", &[page(3, 0)], 0);
+        assert!(one.contains("llm_gateway_requests_total{pool=\"p\",backend=\"a\"} 3\n"));
     }
 
     #[test]

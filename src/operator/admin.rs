@@ -5,7 +5,10 @@
 //! to the pool's coordinator, which validates the rest and owns the data.
 //!
 //! A pool of several coordinator shards gets every change on every shard (the other shards first,
-//! shard 0 last, whose answer is returned); reads come from shard 0 with the requests in flight,
+//! shard 0 last, whose answer is returned). A shard that fails does not stop the others: the answer
+//! is then 502 `shards_incomplete` naming the shards that failed, and every change is safe to
+//! repeat (a settings `PUT` and a backend `PATCH` set the same state again; a registration or a
+//! delete a shard already carried out counts as done there), so the operator re-runs it; reads come from shard 0 with the requests in flight,
 //! queues and counters of the other shards added (`PoolSummary::add_shard`,
 //! `AdminBackend::add_shard`).
 //!
@@ -116,8 +119,19 @@ async fn relay(resp: Response) -> AdminResult {
     Ok(resp)
 }
 
-/// Dispatches an authenticated admin request.
-pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
+/// Dispatches an authenticated admin request. After any change the isolate's model list is
+/// forgotten (`crate::operator::models`), so this isolate lists the change at once.
+pub async fn handle(req: Request, env: &Env, segments: &[&str]) -> AdminResult {
+    let change = req.method() != Method::Get;
+    let answer = route(req, env, segments).await;
+    if change {
+        crate::operator::models::forget();
+    }
+    answer
+}
+
+/// Routes an admin request.
+async fn route(mut req: Request, env: &Env, segments: &[&str]) -> AdminResult {
     let method = req.method();
     let query_pool = req.url().ok().and_then(|u| {
         u.query_pairs()
@@ -136,7 +150,7 @@ pub async fn handle(mut req: Request, env: &Env, segments: &[&str]) -> AdminResu
             validate_pool_name(&pool)?;
             require_reachable_url(env, &reg.url)?;
             let shards = shard_count(env, &pool).await?;
-            let resp = to_every_shard(env, &pool, shards, &reg).await;
+            let resp = register_on_every_shard(env, &pool, shards, &reg).await;
             // The directory lists the pool once it holds a backend. A pool it does not list that
             // refused the registration is asked whether it holds backends: a directory that lost
             // the pool (local state kept across the v3 rename of its class: under wrangler dev
@@ -351,29 +365,145 @@ async fn shard_count(env: &Env, pool: &str) -> Result<u32, ApiError> {
         .map_or(1, PoolEntry::all_shards))
 }
 
-/// Sends an admin change to shards `1..shards` of `pool`, then to shard 0, and returns shard 0's
-/// answer as it is (the first error stops it).
-async fn to_every_shard<M: Call>(env: &Env, pool: &str, shards: u32, change: &M) -> AdminResult {
+/// What one shard made of an admin change: its answer, or why it has none.
+type ShardAnswer = (u32, Result<Response, ApiError>);
+
+/// Sends an admin change to every shard of `pool`: shards `1..shards`, then shard 0 (which then
+/// brings the others' registries in line with its own). A shard that fails does not stop the
+/// others; each shard's answer comes back, shard 0's last.
+async fn fan_out<M: Call>(env: &Env, pool: &str, shards: u32, change: &M) -> Vec<ShardAnswer> {
+    let mut answers = Vec::new();
     for k in (1..shards).chain([0]) {
-        let resp = relay(call_raw(env, To::Pool(pool, k), change).await?).await?;
-        if k == 0 {
-            return Ok(resp);
+        let answer = match call_raw(env, To::Pool(pool, k), change).await {
+            Ok(resp) => relay(resp).await,
+            Err(e) => Err(e),
+        };
+        answers.push((k, answer));
+    }
+    answers
+}
+
+/// The one answer of a change every shard was sent: shard 0's when every shard took it, or when
+/// every shard refused it as a request error (the same validation runs on each); otherwise 502
+/// `shards_incomplete` naming each shard that failed and its error, so the operator re-runs the
+/// call (each admin change is safe to repeat).
+fn one_answer(pool: &str, answers: Vec<ShardAnswer>) -> AdminResult {
+    let failed: Vec<(u32, String)> = answers
+        .iter()
+        .filter_map(|(k, a)| a.as_ref().err().map(|e| (*k, e)))
+        .map(|(k, e)| (k, format!("{} {}", e.status, e.message)))
+        .collect();
+    let all_refused = failed.len() == answers.len()
+        && answers
+            .iter()
+            .all(|(_, a)| a.as_ref().is_err_and(|e| e.status < 500));
+    if failed.is_empty() || all_refused {
+        return answers
+            .into_iter()
+            .find(|(k, _)| *k == 0)
+            .map_or_else(|| Err(ApiError::internal("no shard answered")), |(_, a)| a);
+    }
+    let mut done: Vec<String> = answers
+        .iter()
+        .filter(|(_, a)| a.is_ok())
+        .map(|(k, _)| k.to_string())
+        .collect();
+    done.sort_unstable();
+    let mut failed = failed;
+    failed.sort_unstable();
+    let shards: Vec<String> = failed.iter().map(|(k, _)| k.to_string()).collect();
+    let why: Vec<String> = failed
+        .iter()
+        .map(|(k, e)| format!("shard {k}: {e}"))
+        .collect();
+    Err(ApiError::shards_incomplete(format!(
+        "The change reached {} of the {} coordinator shards of pool `{pool}`: failed on shards [{}] ({}), \
+         done on shards [{}]. The call is safe to repeat: send the same request again to complete it.",
+        done.len(),
+        answers.len(),
+        shards.join(", "),
+        why.join("; "),
+        done.join(", "),
+    )))
+}
+
+/// Sends an admin change to every shard of `pool` and gives its one answer ([`one_answer`]).
+async fn to_every_shard<M: Call>(env: &Env, pool: &str, shards: u32, change: &M) -> AdminResult {
+    one_answer(pool, fan_out(env, pool, shards, change).await)
+}
+
+/// A registration sent to every shard. A shard that already holds the very backend (same id,
+/// URL, models, role, weight, region and key, the capacity aside, which probes refine: an earlier
+/// run of this call got that far)
+/// counts as done there, so repeating a registration that failed on some shards completes it;
+/// when every shard already held it the answer stays 409.
+async fn register_on_every_shard(
+    env: &Env,
+    pool: &str,
+    shards: u32,
+    reg: &BackendRegistration,
+) -> AdminResult {
+    let mut answers = fan_out(env, pool, shards, reg).await;
+    let Ok(spec) = coordinator_protocol::registration::validate_registration(reg.clone()) else {
+        return one_answer(pool, answers);
+    };
+    if !answers.iter().any(|(_, a)| a.is_ok()) {
+        return one_answer(pool, answers);
+    }
+    let show = ShowBackend(spec.id.0.clone());
+    for (k, answer) in answers.iter_mut() {
+        if !answer.as_ref().is_err_and(|e| e.status == 409) {
+            continue;
+        }
+        if let Ok(held) = call(env, To::Pool(pool, *k), &show).await {
+            let v = &held.view;
+            let same = v.url == spec.url
+                && v.models == spec.models
+                && v.role == spec.role
+                && v.weight == spec.weight
+                && v.region == spec.region
+                && v.has_api_key == spec.api_key.is_some();
+            if same {
+                *answer = Ok(Response::from_json(&held.view)?.with_status(201));
+            }
         }
     }
-    Err(ApiError::internal("no shard answered"))
+    one_answer(pool, answers)
 }
 
 /// `DELETE` on every shard: the backend is deleted when every shard removed it, else it drains
-/// with the requests still in flight on all shards.
+/// with the requests still in flight on all shards. A shard that no longer holds the backend (an
+/// earlier run of this call removed it there) counts as deleted, so repeating a delete that
+/// failed on some shards completes it; when no shard holds it the answer stays 404.
 async fn delete_on_every_shard(
     env: &Env,
     pool: &str,
     shards: u32,
     delete: &DeleteBackend,
 ) -> AdminResult {
-    let mut total: Option<DeleteAnswer> = None;
+    let mut answers = Vec::new();
     for k in (1..shards).chain([0]) {
-        let a = call(env, To::Pool(pool, k), delete).await?;
+        answers.push((k, call(env, To::Pool(pool, k), delete).await));
+    }
+    let gone = |a: &Result<DeleteAnswer, ApiError>| a.as_ref().is_err_and(|e| e.status == 404);
+    let some_held = answers.iter().any(|(_, a)| !gone(a));
+    let mut total: Option<DeleteAnswer> = None;
+    let mut each: Vec<ShardAnswer> = Vec::new();
+    for (k, answer) in answers {
+        let a = match answer {
+            Ok(a) => a,
+            Err(e) if e.status == 404 && some_held => DeleteAnswer {
+                id: delete.id.clone(),
+                deleted: true,
+                status: None,
+                leases_in_flight: None,
+            },
+            Err(e) => {
+                each.push((k, Err(e)));
+                continue;
+            }
+        };
+        each.push((k, Ok(Response::empty()?)));
         total = Some(match total {
             None => a,
             Some(t) => DeleteAnswer {
@@ -386,6 +516,9 @@ async fn delete_on_every_shard(
                 ..a
             },
         });
+    }
+    if each.iter().any(|(_, a)| a.is_err()) {
+        return one_answer(pool, each);
     }
     let total = total.ok_or_else(|| ApiError::internal("no shard answered"))?;
     let status = if total.deleted { 200 } else { 202 };
@@ -437,6 +570,17 @@ async fn find_backend(env: &Env, id: &str, hint: Option<&str>) -> Result<String,
         let list = call(env, To::Pool(&pool, 0), &ListBackends).await?;
         if list.data.iter().any(|b| b.view.id.0 == id) {
             return Ok(pool);
+        }
+        // The pool named by the hint is asked on every shard: a change that failed on some shards
+        // (and is being repeated) may have left the backend on them only.
+        if hint == Some(pool.as_str()) {
+            for k in 1..shard_count(env, &pool).await? {
+                if let Ok(list) = call(env, To::Pool(&pool, k), &ListBackends).await {
+                    if list.data.iter().any(|b| b.view.id.0 == id) {
+                        return Ok(pool);
+                    }
+                }
+            }
         }
     }
     Err(ApiError::not_found(format!("no backend `{id}`")))

@@ -2,7 +2,9 @@
 //!
 //! A pool of several coordinator shards is first made one page: counters and load gauges summed
 //! over its shards, state gauges (health, breakers, scraped gauges, probes) from shard 0
-//! (`routing_core::metrics::sum_shard_pages`).
+//! (`routing_core::metrics::sum_shard_pages`). A shard that fails to answer leaves its pool's
+//! counters out of that scrape and shows in `llm_gateway_metrics_shards_missing`
+//! (`routing_core::metrics::pool_page`).
 //!
 //! Each pool renders the same metric families with its own `pool` label; a valid exposition lists
 //! each family's `# HELP` / `# TYPE` once with all its samples together, so the pages are merged
@@ -11,7 +13,8 @@
 use crate::platform::do_client::{self, To};
 use coordinator_protocol::call::{Metrics, MetricsPage};
 use coordinator_protocol::ApiError;
-use routing_core::metrics::sum_shard_pages;
+use futures_util::future::join_all;
+use routing_core::metrics::pool_page;
 use worker::{Env, Response};
 
 /// Merges Prometheus text pages, keeping each family's header once and its samples together.
@@ -75,23 +78,35 @@ pub fn merge_expositions(pages: &[String]) -> String {
     out
 }
 
-/// Collects and merges the metrics of every pool.
+/// Collects and merges the metrics of every pool, every shard of every pool asked at once.
+///
+/// A shard that does not answer is logged and counted in the pool's
+/// `llm_gateway_metrics_shards_missing`; the pool's counters are then left out of this scrape
+/// rather than summed over fewer shards (`routing_core::metrics::pool_page`: a counter never goes
+/// backwards because a call failed).
 pub async fn handle(env: &Env) -> Result<Response, ApiError> {
-    let mut pages = Vec::new();
-    for pool in do_client::list_pools(env).await? {
-        let mut shard_pages = Vec::new();
-        for k in 0..pool.all_shards() {
-            match do_client::call(env, To::Pool(&pool.name, k), &Metrics).await {
-                Ok(MetricsPage(page)) => shard_pages.push(page),
-                Err(e) => worker::console_error!("metrics: pool {} shard {k}: {e}", pool.name),
+    let pools = do_client::list_pools(env).await?;
+    let asked = pools.iter().map(|pool| async move {
+        let calls = (0..pool.all_shards()).map(|k| async move {
+            (
+                k,
+                do_client::call(env, To::Pool(&pool.name, k), &Metrics).await,
+            )
+        });
+        let mut pages = Vec::new();
+        let mut missing = 0;
+        for (k, answer) in join_all(calls).await {
+            match answer {
+                Ok(MetricsPage(page)) => pages.push(page),
+                Err(e) => {
+                    missing += 1;
+                    worker::console_error!("metrics: pool {} shard {k}: {e}", pool.name);
+                }
             }
         }
-        match shard_pages.len() {
-            0 => {}
-            1 => pages.append(&mut shard_pages),
-            _ => pages.push(sum_shard_pages(&shard_pages)),
-        }
-    }
+        pool_page(&pool.name, &pages, missing)
+    });
+    let pages = join_all(asked).await;
     let mut resp = Response::ok(merge_expositions(&pages))?;
     resp.headers_mut()
         .set("content-type", "text/plain; version=0.0.4; charset=utf-8")?;

@@ -26,13 +26,19 @@ export const ADMIN_TOKEN = "test-admin-token-5f1c2a";
  * `extraWorkers` (Miniflare worker options, each with a `name`) run beside it in the same workerd;
  * the gateway is then the worker named `gateway`, and still the one `fetch` reaches. `workerOptions`
  * are more Miniflare options of the gateway worker itself (e.g. `serviceBindings`). With
- * `defaults: false` the Worker gets exactly `bindings` (no test defaults merged in).
+ * `defaults: false` the Worker gets exactly `bindings` (no test defaults merged in). With
+ * `objectFaults: true` the Worker runs behind tests/lib/object-faults.mjs, whose pool coordinator
+ * calls can be made to fail (`setObjectFaults`).
  */
-export async function startGateway({ bindings = {}, defaults = true, persistDir, options = {}, extraWorkers = [], workerOptions = {} } = {}) {
+export async function startGateway({ bindings = {}, defaults = true, persistDir, options = {}, extraWorkers = [], workerOptions = {}, objectFaults = false } = {}) {
   const worker = {
-    scriptPath: path.join(ROOT, "build/index.js"),
+    scriptPath: path.join(ROOT, objectFaults ? "tests/lib/object-faults.mjs" : "build/index.js"),
     modules: true,
-    modulesRules: [{ type: "CompiledWasm", include: ["**/*.wasm"], fallthrough: true }],
+    modulesRules: [
+      { type: "CompiledWasm", include: ["**/*.wasm"], fallthrough: true },
+      ...(objectFaults ? [{ type: "ESModule", include: ["**/*.js", "**/*.mjs"] }] : []),
+    ],
+    ...(objectFaults ? { modulesRoot: ROOT } : {}),
     compatibilityDate: "2026-08-01",
     compatibilityFlags: ["enable_request_signal"],
     durableObjects: {
@@ -82,6 +88,16 @@ export async function poolObjectCall(gw, pool) {
     headers: { "x-gateway-pool": pool, "content-type": "application/json" },
     body: JSON.stringify(body),
   });
+}
+
+/**
+ * Sets the pool coordinator faults of a gateway started with `objectFaults: true` (see
+ * tests/lib/object-faults.mjs; `[]` clears them). Returns the table as set.
+ */
+export async function setObjectFaults(gw, faults) {
+  const r = await gw.fetch("/__object-faults", { method: "POST", body: JSON.stringify(faults) });
+  if (r.status !== 200) throw new Error(`object faults: ${r.status} ${await r.text()}`);
+  return r.json();
 }
 
 /** A fresh directory for persisted Durable Object state; removed by the returned cleanup. */

@@ -30,6 +30,7 @@ use crate::request::forward::upstream_body::{read_whole, AttemptFailure};
 use crate::request::lease::lease_guard::LeaseGuard;
 use coordinator_protocol::timed_fetch::FetchFailure;
 use coordinator_protocol::ApiError;
+use futures_util::future::{select, Either};
 use routing_core::pool::{CandidateView, Grant};
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StoredResponse};
 use routing_core::stream::usage::body_usage;
@@ -344,7 +345,11 @@ impl Forward<'_> {
                 timeout: self.request.settings.proxy.response_timeout,
                 ..UpstreamCall::of(&self.request)
             };
-            let (resp, _abort) = send(&call, &prefill, &bytes, &client_signal, 0)?
+            // One deadline for the prefill's answer, its body included: a prefill server that
+            // sends its headers and then stalls cannot hold the request (and its lease) forever.
+            let timeout = call.timeout;
+            let mut deadline = call.deadlines.sleep(timeout);
+            let (resp, abort) = send(&call, &prefill, &bytes, &client_signal, 0)?
                 .response()
                 .await
                 .map_err(|f| match f {
@@ -375,7 +380,23 @@ impl Forward<'_> {
                 });
             }
             let bytes = match resp.body() {
-                Some(s) => read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0).await?,
+                Some(s) => {
+                    let read = Box::pin(read_whole(&s, MAX_ANSWER_BYTES, &prefill.id.0));
+                    match select(read, &mut deadline).await {
+                        Either::Left((bytes, _)) => bytes?,
+                        Either::Right(_) => {
+                            abort.abort();
+                            return Err(fail(
+                                OutcomeKind::Timeout,
+                                format!(
+                                    "prefill backend {} did not finish its answer within {} ms",
+                                    prefill.id.0,
+                                    timeout.as_millis()
+                                ),
+                            ));
+                        }
+                    }
+                }
                 None => Vec::new(),
             };
             let answer: Value = serde_json::from_slice(&bytes).map_err(|_| {
