@@ -9,24 +9,19 @@
 
 use crate::platform::do_client::{self, To};
 use crate::platform::http::now_ms;
+use crate::platform::isolate;
 use coordinator_protocol::call::Models;
 use coordinator_protocol::ApiError;
 use futures_util::future::join_all;
 use serde_json::{json, Value};
-use std::cell::RefCell;
 use worker::{console_error, Env, Response};
 
 /// How long an isolate answers `/v1/models` from the list it last built.
 pub const MODELS_CACHE_MS: u64 = 3_000;
 
-thread_local! {
-    /// The last complete list and when it was built.
-    static LISTED: RefCell<Option<(u64, Value)>> = const { RefCell::new(None) };
-}
-
 /// Forgets the isolate's list: the admin API calls this after every change.
 pub fn forget() {
-    LISTED.with(|l| l.borrow_mut().take());
+    isolate::with_model_list(|l| l.borrow_mut().take());
 }
 
 /// Every model some pool has a backend serving now (`routing_core::backend::serving`, the rule
@@ -34,7 +29,7 @@ pub fn forget() {
 /// that cannot answer is skipped (and logged), never turned into an error for the client.
 pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let now = now_ms();
-    let cached = LISTED.with(|l| {
+    let cached = isolate::with_model_list(|l| {
         l.borrow()
             .as_ref()
             .filter(|(at, _)| now.saturating_sub(*at) < MODELS_CACHE_MS)
@@ -46,7 +41,7 @@ pub async fn list_models(env: &Env) -> Result<Response, ApiError> {
     let (list, complete) = build_list(env).await?;
     let has_models = list["data"].as_array().is_some_and(|d| !d.is_empty());
     if complete && has_models {
-        LISTED.with(|l| *l.borrow_mut() = Some((now, list.clone())));
+        isolate::with_model_list(|l| *l.borrow_mut() = Some((now, list.clone())));
     }
     Ok(Response::from_json(&list)?)
 }

@@ -126,6 +126,10 @@ thread_local! {
         RefCell::new(HashMap::new());
     /// The last release sender's id (one counter). Written and read by `releases.rs`.
     static NEXT_SENDER: Cell<u64> = const { Cell::new(0) };
+    /// `GET /v1/models`' last complete list and when it was built: one list, kept
+    /// `MODELS_CACHE_MS` (3 s). Written and read by `operator/models.rs`; the admin API forgets it
+    /// after every change.
+    static MODEL_LIST: RefCell<Option<(u64, serde_json::Value)>> = const { RefCell::new(None) };
 }
 
 // ---- accessors, in the order above ----
@@ -244,6 +248,13 @@ pub(crate) fn next_sender_id() -> u64 {
         n.set(n.get() + 1);
         n.get()
     })
+}
+
+/// `GET /v1/models`' list, kept a few seconds.
+pub(crate) fn with_model_list<R>(
+    f: impl FnOnce(&RefCell<Option<(u64, serde_json::Value)>>) -> R,
+) -> R {
+    MODEL_LIST.with(f)
 }
 
 // ---- the cache shapes ----
