@@ -109,6 +109,9 @@ pub enum Effect {
     /// Scrape these backends now, outside the probe round (lease evidence says their model is
     /// wrong), and hand the findings to [`Coordinator::finish_evidence_scrape`].
     ScrapeNow(Vec<BackendId>),
+    /// Push this shard's load to its siblings ([`Coordinator::load_changed`]): a sibling shard's
+    /// lease evidence asks shard 0 for a scrape on it.
+    PushLoad,
 }
 
 /// The effects of one call, in order.
