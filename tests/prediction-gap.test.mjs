@@ -6,7 +6,10 @@
 // with `time_model.overdue_factor: 0` (no lease evidence) the same request is predicted as if the
 // backend were idle and its error is the whole wait. The metric's sum and count are read before the
 // burst, once every burst stream is released (before the measured request is), and after the
-// measured request's release, so its own error is the last difference.
+// measured request's release, so its own error is the last difference. The evidence costs no pool
+// call on the request path: `llm_gateway_lease_renewals_total` shows that streams on time renew
+// nothing (a request is its acquire and its release) and that only overdue streams renew early,
+// at most twice each, from the lease's background task.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { startGateway, startSim, waitFor, waitReady, parseMetrics, metricValue, ADMIN_TOKEN, drained } from "./lib/harness.mjs";
@@ -35,6 +38,12 @@ after(async () => {
 });
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** Pool `pool`'s lease renewals: `{ overdue, other }`. */
+function renewals(m, pool) {
+  const n = (overdue) => metricValue(m, "llm_gateway_lease_renewals_total", { pool, overdue }) ?? 0;
+  return { overdue: n("true"), other: n("false") };
+}
 
 async function metrics() {
   const text = await (await gw.fetch("/metrics", { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })).text();
@@ -93,6 +102,9 @@ async function burstThenMeasure(name, settings, { whileBursting }) {
   }
   const calm = await errorsCounted(backend, 2);
   const rounds = metricValue(calm.m, "llm_gateway_probe_rounds_total", { pool: name });
+  // Streams on time: no call beyond the acquire and the release.
+  assert.deepEqual(renewals(calm.m, name), { overdue: 0, other: 0 }, "calm streams renewed");
+  assert.equal(metricValue(calm.m, "llm_gateway_requests_total", { backend }), 2);
 
   const ctl = new AbortController();
   const load = Array.from({ length: BURST }, () =>
@@ -130,6 +142,8 @@ async function burstThenMeasure(name, settings, { whileBursting }) {
       predicted,
       ttft,
       evidenceScrapes: metricValue(m, "llm_gateway_evidence_scrapes_total", { pool: name }) ?? 0,
+      renewals: renewals(m, name),
+      requests: metricValue(m, "llm_gateway_requests_total", { backend }),
     };
   } finally {
     ctl.abort();
@@ -156,6 +170,12 @@ test("with lease evidence, the first request after a stream is overdue is predic
   assert.ok(got.predicted * FACTOR >= got.ttft && got.predicted <= got.ttft * FACTOR, `predicted within ${FACTOR}x: ${detail}`);
   assert.ok(got.errorMs <= got.ttft * (FACTOR - 1), `the metric's error of that request is within the same factor: ${detail}`);
   assert.ok(got.evidenceScrapes >= 1, detail);
+  // The evidence's calls: one early renewal per overdue stream (the 8 queued at most; the
+  // measured request was predicted its wait, so not overdue) and one more when its first token
+  // comes, all from the leases' background tasks; no retry, no other call.
+  assert.ok(got.renewals.overdue >= 1 && got.renewals.overdue <= BURST - 2, detail);
+  assert.ok(got.renewals.other <= got.renewals.overdue, detail);
+  assert.equal(got.requests, 3 + BURST, detail);
 });
 
 test("without lease evidence (overdue_factor 0) the same request is predicted as if the backend were idle", async (t) => {
@@ -166,4 +186,5 @@ test("without lease evidence (overdue_factor 0) the same request is predicted as
   assert.ok(got.predicted * FACTOR < got.ttft, `predicted far below its wait: ${detail}`);
   assert.ok(got.errorMs > got.ttft * (1 - 1 / FACTOR), `the metric's error of that request is most of its wait: ${detail}`);
   assert.equal(got.evidenceScrapes, 0, detail);
+  assert.deepEqual(got.renewals, { overdue: 0, other: 0 }, detail);
 });

@@ -27,6 +27,13 @@ impl Coordinator {
         self.pool.note_overdue(lease_id)
     }
 
+    /// Counts a lease renewal received, and whether it said its stream was overdue (lease
+    /// evidence's early renewal): `llm_gateway_lease_renewals_total`, which shows that streams on
+    /// time renew no sooner than their schedule.
+    pub fn count_renewal(&mut self, overdue: bool) {
+        self.renewals[usize::from(overdue)] += 1;
+    }
+
     /// Recounts the lease evidence at `now_ms`. When it shows backends' models wrong (streams
     /// queued beyond the last scrape, or first tokens past their overdue time), asks for those
     /// backends to be scraped now (at most once per

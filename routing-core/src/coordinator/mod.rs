@@ -172,6 +172,8 @@ pub struct Coordinator {
     spills: u64,
     /// Backends lease evidence asked to be scraped now (see `evidence`).
     evidence_scrapes: u64,
+    /// Lease renewals received, `[other, overdue]` (see `evidence`).
+    renewals: [u64; 2],
     /// Admission control's queue and the waits on it.
     room: WaitingRoom,
     /// The pool's load as of the last probe round or registry change (what spillover reads on
@@ -247,6 +249,7 @@ impl Coordinator {
             retries: 0,
             spills: 0,
             evidence_scrapes: 0,
+            renewals: [0; 2],
             room: WaitingRoom::default(),
             load: PoolLoad::default(),
             persisted: HashMap::new(),
