@@ -4,8 +4,9 @@
 // probe round runs after the burst: the busy pool learns of its queue only from its own leases (the
 // Worker reports the streams with no first token by their due time), scrapes that backend at once,
 // and hands its card back on those renewals. Short requests from the busy region sent 1-5 s after
-// the burst are served by the idle region. The test asserts where requests went, never how fast;
-// leases return to zero at the end.
+// the burst are served by the idle region. With `shards: 2`, a burst granted by shard 1 (which does
+// not probe) has its backend scraped by shard 0 all the same. The tests assert where requests went
+// and what was scraped, never how fast; leases return to zero at the end.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { startGateway, startSim, waitFor, waitReady, parseMetrics, metricValue, ADMIN_TOKEN, drained, poolState } from "./lib/harness.mjs";
@@ -140,4 +141,73 @@ test("a burst queued in a backend shows from the pool's own leases before any pr
   }
   await drained(gw, busy);
   await drained(gw, idle);
+});
+
+test("with shards: 2, a burst granted by shard 1 has its backend scraped by shard 0 before any probe round", async () => {
+  const s = await sim(["--model", "les", "--max-num-seqs", "2"]);
+  const name = "leshards";
+  const put = await gw.admin(`/admin/pools/${name}`, { method: "PUT", body: { region: "r-shards", shards: 2, shard_exchange_ms: 100 } });
+  assert.equal(put.status, 200, await put.text());
+  const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: s.url, pool: name, models: ["les"], id: `${name}-b0` } });
+  assert.equal(reg.status, 201, await reg.text());
+  await waitReady(gw, `${name}-b0`);
+
+  const send = (session, { stream = false, tokens = 8, signal } = {}) =>
+    gw.fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "content-type": "application/json", "x-gateway-region": "r-shards", "x-session-id": session },
+      body: JSON.stringify({ model: "les", stream, max_tokens: tokens, ignore_eos: true, messages: [{ role: "user", content: `question ${Math.random()}` }] }),
+      signal,
+    });
+  // A session the pool coordinates on shard 1 (not shard 0, the one that probes).
+  let session = null;
+  for (let i = 0; i < 64 && session === null; i++) {
+    const r = await waitFor(async () => {
+      const r = await send(`les-${i}`);
+      await r.text();
+      return r.status === 200 ? r : null;
+    }, { timeoutMs: 10000, what: "every shard serves" });
+    if (r.headers.get("x-gateway-shard") === "1") session = `les-${i}`;
+  }
+  assert.ok(session, "a session on shard 1");
+  const scrapes = async () => metricValue(await metrics(), "llm_gateway_evidence_scrapes_total", { pool: name }) ?? 0;
+  const rounds = async () => metricValue(await metrics(), "llm_gateway_probe_rounds_total", { pool: name });
+  const roundsBefore = await rounds();
+  assert.equal(await scrapes(), 0);
+
+  // Ten long streams of that session: shard 1 grants them, the backend runs 2 and queues 8.
+  const ctl = new AbortController();
+  const shardsSeen = [];
+  const load = Array.from({ length: 10 }, () =>
+    send(session, { stream: true, tokens: 4000, signal: ctl.signal })
+      .then(async (r) => {
+        shardsSeen.push(r.headers.get("x-gateway-shard"));
+        try { await r.text(); } catch {}
+      })
+      .catch(() => {}),
+  );
+  try {
+    await waitFor(async () => ((await poolState(gw, name)).in_flight >= 10 ? true : null), { timeoutMs: 15000, what: "the burst leased" });
+    // Shard 1's streams are overdue: it asks shard 0, which scrapes the backend.
+    await waitFor(async () => ((await scrapes()) >= 1 ? true : null), { timeoutMs: 5000, intervalMs: 100, what: "the backend scraped on shard 1's evidence" });
+    // The scrape's findings reach the directory's card: 2 sequence slots, a wait.
+    const card = await waitFor(async () => {
+      const c = (await poolState(gw, name)).time_card;
+      return c?.max_seqs <= 2 ? c : null;
+    }, { timeoutMs: 5000, what: "the directory's card shows the 2 slots" });
+    assert.ok(card.short_ms > 1000, JSON.stringify(card));
+    assert.equal(await rounds(), roundsBefore, "no probe round since the burst");
+    // The running streams answered: shard 1 granted them.
+    assert.ok(shardsSeen.length >= 2 && shardsSeen.every((k) => k === "1"), JSON.stringify(shardsSeen));
+    // Rate-limited: at most one scrape a second per backend.
+    await sleep(2000);
+    assert.ok((await scrapes()) <= 5, `scrapes ${await scrapes()}`);
+  } finally {
+    ctl.abort();
+    // A client's abort does not always reach the backend at once under Miniflare: stop the
+    // backend, so no stream waits for its turn.
+    await s.close();
+    await Promise.all(load);
+  }
+  await drained(gw, name);
 });

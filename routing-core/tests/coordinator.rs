@@ -905,6 +905,78 @@ fn a_follow_up_whose_holder_drains_waits_and_never_goes_elsewhere() {
     assert_ne!(g.backend, first.backend);
 }
 
+/// With shards, a sibling's overdue stream has its backend scraped: shard 1 (which does not probe)
+/// asks shard 0 on its next load push, shard 0 scrapes under the same once-a-second limit
+/// whichever shard asked, and hands the findings to its siblings with its probe reports.
+#[test]
+fn a_sibling_shards_overdue_stream_has_shard_zero_scrape_its_backend() {
+    let sharded = PoolConfig {
+        shards: 2,
+        ..routing()
+    };
+    let mut zero = coordinator(settings(sharded.clone()), 1, 256);
+    let mut one = coordinator(settings(sharded), 1, 256);
+    one.set_shard(1);
+    let hungup = Hungup::default();
+    let streamed = RequestFeatures {
+        stream: true,
+        ..features()
+    };
+    let (step, _) = one.acquire(streamed, None, None, false, 10, &hungup);
+    let g = grant(step);
+    assert!(one.overdue(g.lease_id));
+    // Shard 1 scrapes nothing itself: it pushes its load with the ask.
+    assert_eq!(one.check_evidence(600), vec![Effect::PushLoad]);
+    assert_eq!(one.counters().evidence_scrapes, 0);
+    assert_eq!(one.check_evidence(700), vec![], "asked once a second");
+    let push = one.take_load_push(600);
+    assert_eq!(
+        (push.siblings, &push.report.scrape),
+        (vec![0], &vec![id(0)])
+    );
+    assert!(
+        one.take_load_push(800).report.scrape.is_empty(),
+        "asked once"
+    );
+    // Shard 0 scrapes it now, counted, with its card.
+    let (accepted, effects) = zero.accept_load(push.report.clone(), 610);
+    assert!(accepted);
+    assert_eq!(effects.first(), Some(&Effect::ScrapeNow(vec![id(0)])));
+    assert!(matches!(effects.last(), Some(Effect::PublishCard(_))));
+    assert_eq!(zero.counters().evidence_scrapes, 1);
+    // The same ask within the second (another sibling, or shard 0's own evidence): none.
+    assert_eq!(zero.accept_load(push.report.clone(), 900).1, vec![]);
+    let (step, _) = zero.acquire(
+        RequestFeatures {
+            stream: true,
+            ..features()
+        },
+        None,
+        None,
+        false,
+        10,
+        &hungup,
+    );
+    let own = grant(step);
+    assert!(zero.overdue(own.lease_id));
+    assert_eq!(zero.check_evidence(900), vec![]);
+    // A second later, it may again.
+    assert_eq!(
+        zero.accept_load(push.report.clone(), 1_700).1.first(),
+        Some(&Effect::ScrapeNow(vec![id(0)]))
+    );
+    // The findings go to the siblings, as a probe round's do.
+    let effects = zero.finish_evidence_scrape(vec![(id(0), up())], 1_750, &hungup);
+    assert!(effects.contains(&Effect::PushProbeRound), "{effects:?}");
+    // A shard other than 0 takes no ask.
+    let mut asked = push.report;
+    asked.shard = 0;
+    assert_eq!(one.accept_load(asked, 3_000).1, vec![]);
+    let _ = release(&mut one, g.lease_id, &id(0), 3_100);
+    let _ = release(&mut zero, own.lease_id, &id(0), 3_100);
+    assert_eq!(one.pool().live_leases() + zero.pool().live_leases(), 0);
+}
+
 /// Lease evidence through the coordinator: the Worker's early renewal says a stream is overdue;
 /// the check asks for that backend's scrape and publishes the card that counts the queue; a
 /// second overdue renewal within a second asks for nothing; the scrape's findings take over; a

@@ -57,6 +57,7 @@ impl PoolCoordinator {
         let (renewed, performed) = self.with(|shard| {
             let now = now_ms();
             let c = &mut shard.coordinator;
+            c.count_renewal(req.overdue);
             if let Some(ttfb_ms) = req.first_token_ms {
                 c.first_token(req.lease_id, ttfb_ms);
             }

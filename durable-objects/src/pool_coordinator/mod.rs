@@ -99,6 +99,8 @@ struct Performed {
     card: Option<TimeCard>,
     /// Backends lease evidence asked to be scraped now.
     scrape: Vec<BackendId>,
+    /// Push this shard's load to its siblings (it asks shard 0 for a scrape).
+    push_load: bool,
 }
 
 impl Performed {
@@ -175,6 +177,10 @@ impl PoolShard {
                         .put_response(&response, &backend, at_ms, forget_before_ms),
                     Effect::ScrapeNow(ids) => {
                         performed.scrape.extend(ids);
+                        Ok(())
+                    }
+                    Effect::PushLoad => {
+                        performed.push_load = true;
                         Ok(())
                     }
                 };
@@ -376,7 +382,7 @@ impl PoolCoordinator {
             Route::Metrics => self.metrics(),
             Route::History => self.history(),
             Route::EnsureProbeAlarm => self.ensure_alarm().await,
-            Route::ShardLoad => self.accept_load(req.body("load report").await?),
+            Route::ShardLoad => self.accept_load(req.body("load report").await?).await,
             Route::ShardProbes => self.apply_probe_round(req.body("probe round").await?),
             Route::ShardRegistry => self.apply_registry(req.body("shard registry").await?),
             Route::ProbeNow => {
@@ -484,6 +490,9 @@ impl PoolCoordinator {
         }
         if let Some(card) = performed.card {
             self.publish_card(card).await;
+        }
+        if performed.push_load {
+            self.load_changed();
         }
     }
 

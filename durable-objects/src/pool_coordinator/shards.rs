@@ -93,12 +93,17 @@ impl PoolCoordinator {
         });
     }
 
-    /// `POST /shard/load`: a sibling's load report.
-    pub(super) fn accept_load(&self, report: LoadReport) -> ApiResult {
-        self.with(|shard| {
-            let accepted = shard.coordinator.accept_load(report, now_ms());
-            reply::<LoadReport>(&LoadReportAnswer { accepted })
-        })
+    /// `POST /shard/load`: a sibling's load report. On shard 0, the backends it asks to have
+    /// scraped (its lease evidence) are scraped before the answer (the sibling pushes in the
+    /// background).
+    pub(super) async fn accept_load(&self, report: LoadReport) -> ApiResult {
+        let (accepted, performed) = self.with(|shard| {
+            let now = now_ms();
+            let (accepted, effects) = shard.coordinator.accept_load(report, now);
+            (accepted, shard.perform(effects, now))
+        });
+        self.follow_up(performed).await;
+        reply::<LoadReport>(&LoadReportAnswer { accepted })
     }
 
     /// Sends the message `build` makes of this shard to every other shard.

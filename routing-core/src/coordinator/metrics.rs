@@ -16,6 +16,9 @@ pub struct CoordinatorCounters {
     pub spills: u64,
     /// Backends scraped outside the probe round because lease evidence showed their model wrong.
     pub evidence_scrapes: u64,
+    /// Lease renewals received: `[other, overdue]` (the stream said it had no first token by its
+    /// due time: lease evidence's early renewal).
+    pub renewals: [u64; 2],
     /// Probe rounds run.
     pub probe_rounds: u64,
     /// Probes that succeeded.
@@ -76,7 +79,7 @@ struct Figures {
 }
 
 /// The pool-wide families, in page order.
-const POOL_FAMILIES: [Family<Figures>; 12] = [
+const POOL_FAMILIES: [Family<Figures>; 13] = [
     Kind::Counter.family(
         "llm_gateway_retries_total",
         "Leases moved to the next candidate after a failure before the first byte.",
@@ -96,6 +99,14 @@ const POOL_FAMILIES: [Family<Figures>; 12] = [
         "llm_gateway_evidence_scrapes_total",
         "Backends scraped outside the probe round because overdue streams showed their model wrong.",
         |f, s| s.total(f.counters.evidence_scrapes),
+    ),
+    Kind::Counter.family(
+        "llm_gateway_lease_renewals_total",
+        "Lease renewals the pool received; overdue=\"true\": a stream with no first token by its due time said so early (lease evidence).",
+        |f, s| {
+            let [other, overdue] = f.counters.renewals;
+            s.each(&[], "overdue", [("false", other as f64), ("true", overdue as f64)])
+        },
     ),
     Kind::Gauge.family(
         "llm_gateway_pool_ready_backends",
@@ -209,7 +220,7 @@ mod tests {
             "llm_gateway_probe_duration_seconds{pool=\"eu\\\"west\",backend=\"b-1\"} 1.5\n"
         ));
         assert!(out.contains("llm_gateway_pool_desired_replicas{pool=\"eu\\\"west\"} 2\n"));
-        assert_eq!(out.matches("# HELP").count(), 15);
+        assert_eq!(out.matches("# HELP").count(), 16);
     }
 
     /// The whole page, byte for byte: family order, `# HELP` text, labels, numbers.
@@ -220,6 +231,7 @@ mod tests {
             retry_budget_exhausted: 1,
             spills: 2,
             evidence_scrapes: 4,
+            renewals: [6, 2],
             probe_rounds: 9,
             probes_ok: 17,
             probes_failed: 1,
@@ -267,6 +279,10 @@ llm_gateway_pool_spills_total{pool="eu\"1"} 2
 # HELP llm_gateway_evidence_scrapes_total Backends scraped outside the probe round because overdue streams showed their model wrong.
 # TYPE llm_gateway_evidence_scrapes_total counter
 llm_gateway_evidence_scrapes_total{pool="eu\"1"} 4
+# HELP llm_gateway_lease_renewals_total Lease renewals the pool received; overdue="true": a stream with no first token by its due time said so early (lease evidence).
+# TYPE llm_gateway_lease_renewals_total counter
+llm_gateway_lease_renewals_total{pool="eu\"1",overdue="false"} 6
+llm_gateway_lease_renewals_total{pool="eu\"1",overdue="true"} 2
 # HELP llm_gateway_pool_ready_backends Backends ready and healthy.
 # TYPE llm_gateway_pool_ready_backends gauge
 llm_gateway_pool_ready_backends{pool="eu\"1"} 2

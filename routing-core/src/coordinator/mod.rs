@@ -109,6 +109,9 @@ pub enum Effect {
     /// Scrape these backends now, outside the probe round (lease evidence says their model is
     /// wrong), and hand the findings to [`Coordinator::finish_evidence_scrape`].
     ScrapeNow(Vec<BackendId>),
+    /// Push this shard's load to its siblings ([`Coordinator::load_changed`]): a sibling shard's
+    /// lease evidence asks shard 0 for a scrape on it.
+    PushLoad,
 }
 
 /// The effects of one call, in order.
@@ -169,6 +172,8 @@ pub struct Coordinator {
     spills: u64,
     /// Backends lease evidence asked to be scraped now (see `evidence`).
     evidence_scrapes: u64,
+    /// Lease renewals received, `[other, overdue]` (see `evidence`).
+    renewals: [u64; 2],
     /// Admission control's queue and the waits on it.
     room: WaitingRoom,
     /// The pool's load as of the last probe round or registry change (what spillover reads on
@@ -244,6 +249,7 @@ impl Coordinator {
             retries: 0,
             spills: 0,
             evidence_scrapes: 0,
+            renewals: [0; 2],
             room: WaitingRoom::default(),
             load: PoolLoad::default(),
             persisted: HashMap::new(),

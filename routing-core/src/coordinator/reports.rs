@@ -20,6 +20,7 @@ impl Coordinator {
             retry_budget_exhausted: self.budget.exhausted_total(),
             spills: self.spills,
             evidence_scrapes: self.evidence_scrapes,
+            renewals: self.renewals,
             probe_rounds: self.probes.rounds,
             probes_ok: self.probes.ok,
             probes_failed: self.probes.failed,

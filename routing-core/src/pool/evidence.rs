@@ -202,13 +202,29 @@ impl Pool {
         for s in &mut self.slots {
             let Some(e) = s.entry.as_mut() else { continue };
             let ev = &mut e.evidence;
-            let asked_lately = ev
-                .scrape_asked_ms
-                .is_some_and(|t| now_ms < t.saturating_add(EVIDENCE_SCRAPE_INTERVAL_MS));
-            if (ev.queued > 0 || ev.late_first_tokens > 0) && !asked_lately {
-                ev.scrape_asked_ms = Some(now_ms);
+            if (ev.queued > 0 || ev.late_first_tokens > 0) && ev.ask_scrape(now_ms) {
                 ev.late_first_tokens = 0;
                 due.push(e.spec.id.clone());
+            }
+        }
+        due
+    }
+
+    /// Of `ids`, the backends a sibling shard's lease evidence showed wrong, the ones not
+    /// scraped on lease evidence within [`EVIDENCE_SCRAPE_INTERVAL_MS`] (this shard's or a
+    /// sibling's): scrape them now (they are marked asked at `now_ms`). Unknown ids are skipped.
+    pub fn sibling_scrapes(&mut self, ids: &[BackendId], now_ms: u64) -> Vec<BackendId> {
+        let mut due = Vec::new();
+        for id in ids {
+            let Some(e) = self
+                .index
+                .get(id)
+                .and_then(|&slot| self.slots[slot as usize].entry.as_mut())
+            else {
+                continue;
+            };
+            if !due.contains(id) && e.evidence.ask_scrape(now_ms) {
+                due.push(id.clone());
             }
         }
         due
@@ -224,6 +240,20 @@ impl Pool {
     pub fn lease_evidence(&self, id: &BackendId) -> Option<LeaseEvidence> {
         let slot = self.slot_of(id).ok()?;
         self.entry(slot).map(|e| e.evidence)
+    }
+}
+
+impl LeaseEvidence {
+    /// Whether a scrape may be asked for at `now_ms` (none was within
+    /// [`EVIDENCE_SCRAPE_INTERVAL_MS`]); if so, it is marked asked.
+    fn ask_scrape(&mut self, now_ms: u64) -> bool {
+        let asked_lately = self
+            .scrape_asked_ms
+            .is_some_and(|t| now_ms < t.saturating_add(EVIDENCE_SCRAPE_INTERVAL_MS));
+        if !asked_lately {
+            self.scrape_asked_ms = Some(now_ms);
+        }
+        !asked_lately
     }
 }
 

@@ -143,6 +143,11 @@ pub struct LoadReport {
     pub at_ms: u64,
     /// Per-backend load, busy backends only.
     pub backends: Vec<(BackendId, ShardLoad)>,
+    /// Backends whose model this shard's lease evidence showed wrong ([`crate::pool::evidence`]):
+    /// shard 0, which alone probes, scrapes them now (each at most once per
+    /// [`crate::pool::evidence::EVIDENCE_SCRAPE_INTERVAL_MS`]). The other shards ignore it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub scrape: Vec<BackendId>,
 }
 
 impl LoadReport {
@@ -156,6 +161,7 @@ impl LoadReport {
             shard,
             at_ms,
             backends: loads.into_iter().filter(|(_, l)| !l.is_idle()).collect(),
+            scrape: Vec::new(),
         }
     }
 }
