@@ -107,7 +107,7 @@
 mod common;
 
 use common::timed::{
-    averaged, pct, sim_rtt_ms, Conditions, Record, Report, Workload, BLOCK, SIM_SPEED,
+    averaged, pct, sim_rtt_ms, Conditions, EngineShape, Record, Report, Workload, BLOCK, SIM_SPEED,
 };
 use common::trace::{load, Trace, TraceRequest};
 use routing_core::PolicyKind;
@@ -128,9 +128,25 @@ const BASELINES: [PolicyKind; 4] = [
 ];
 /// 512-token trace blocks become 32 tokens (2 simulation blocks).
 const SCALE: u64 = 16;
-/// KV blocks per engine, as `make bench` runs vllm-sim (`bench/config/traces.json`): 65,536
-/// tokens, about 70 scaled prompts of the conversation trace.
+/// KV blocks per engine, as `make bench` runs vllm-sim (`bench/config/traces.json`): of 64
+/// tokens, 262,144 tokens, about 300 scaled prompts of the conversation trace (65,536 tokens with
+/// the 16-token blocks before vLLM 0.34).
 const KV_BLOCKS: usize = 4_096;
+
+/// The engines' shape: vllm-sim's with no flags, as the bench runs it (64-token blocks, 2,048-token
+/// steps, 256 sequences), unless `TRACE_ENGINE=16` (the simulation's engine before, 16-token
+/// blocks, 8,192-token steps, 64 sequences) or `TRACE_ENGINE=blocks` (that engine with 64-token
+/// blocks alone).
+fn engine() -> EngineShape {
+    match std::env::var("TRACE_ENGINE").as_deref() {
+        Ok("16") => EngineShape::SIM16,
+        Ok("blocks") => EngineShape {
+            block_tokens: 64,
+            ..EngineShape::SIM16
+        },
+        _ => EngineShape::VLLM_034,
+    }
+}
 
 /// One trace at one load: its file, how much faster than real time, and a name.
 struct Shape {
@@ -234,7 +250,7 @@ fn run(
         (0..seeds)
             .map(|seed| {
                 let w = Trace::window(all, seed as usize * window, window, scale(), 1.0);
-                pct(&mut w.floors(SIM_SPEED), q)
+                pct(&mut w.floors(SIM_SPEED, engine().block_tokens), q)
             })
             .sum::<f64>()
             / seeds as f64
@@ -243,7 +259,7 @@ fn run(
     let e2e_floor = (0..seeds)
         .map(|seed| {
             let w = Trace::window(all, seed as usize * window, window, scale(), 1.0);
-            pct(&mut w.e2e_floors(SIM_SPEED), 0.99)
+            pct(&mut w.e2e_floors(SIM_SPEED, engine().block_tokens), 0.99)
         })
         .sum::<f64>()
         / seeds as f64;
@@ -262,7 +278,10 @@ fn run(
             &make,
             &speeds,
             env("TRACE_KV", KV_BLOCKS),
-            Conditions::SINGLE,
+            Conditions {
+                engine: engine(),
+                ..Conditions::SINGLE
+            },
             seeds,
         );
         let e2e_p99 = r.e2e_p99;
@@ -361,9 +380,9 @@ fn explain(r: &Report) {
     // conversation's next turn) or not.
     let by_lease: HashMap<u64, &Record> = r.records.iter().map(|x| (x.lease, x)).collect();
     let hit = |lease: &u64| {
-        by_lease
-            .get(lease)
-            .is_some_and(|c| c.prompt.saturating_sub(c.uncached) > 2 * BLOCK)
+        by_lease.get(lease).is_some_and(|c| {
+            c.prompt.saturating_sub(c.uncached) > 2 * BLOCK.max(engine().block_tokens)
+        })
     };
     let stalled = |x: &Record, hits: bool| {
         x.stalled_by
