@@ -237,6 +237,9 @@ pub struct Candidate {
     /// elsewhere. Only `predicted_latency` prices it (as time to first token); the other
     /// policies decide as if no fetch had gone ahead.
     pub resend_ms: f64,
+    /// The prefill its computed prefix of the prompt saves there, in ms (the tokens it would not
+    /// compute, at its prefill rate): what `predicted_latency.affinity_weight` prices.
+    pub affinity_ms: f64,
 }
 
 impl Candidate {

@@ -45,6 +45,45 @@ pub const STEP_TOKEN_BUDGET: u64 = 8_192;
 pub const NETWORK_MS: f64 = 20.0;
 pub const MAX_NUM_SEQS: usize = 64;
 
+/// An engine's shape beyond its speed: the tokens in one KV (and prefix-cache) block, the step's
+/// token budget, the running batch's limit, and whether the budget is vLLM's (decodes count
+/// against it, running sequences are served first and the queue is admitted only from what is
+/// left) or the older simulation's (everyone admitted, the budget for prefill alone).
+#[derive(Debug, Clone, Copy)]
+pub struct EngineShape {
+    /// Tokens per engine block: a multiple of [`BLOCK`], the gateway's hashed block.
+    pub block_tokens: u64,
+    pub step_token_budget: u64,
+    pub max_num_seqs: usize,
+    pub vllm_budget: bool,
+}
+
+impl EngineShape {
+    /// The simulation's engine before vLLM 0.34 (16-token blocks, 8,192-token steps, 64
+    /// sequences), which `latency_sim`, `shard_sim` and their bounds were measured on.
+    pub const SIM16: EngineShape = EngineShape {
+        block_tokens: BLOCK,
+        step_token_budget: STEP_TOKEN_BUDGET,
+        max_num_seqs: MAX_NUM_SEQS,
+        vllm_budget: false,
+    };
+    /// vllm-sim with no flags, as `make bench-traces` runs it (vLLM 0.34's defaults on its A100
+    /// profile): 64-token blocks, `max_num_batched_tokens` 2,048, `max_num_seqs` 256.
+    pub const VLLM_034: EngineShape = EngineShape {
+        block_tokens: 64,
+        step_token_budget: 2_048,
+        max_num_seqs: 256,
+        vllm_budget: true,
+    };
+
+    /// The engine's block hashes of a prompt hashed in [`BLOCK`]-token blocks: one per whole
+    /// engine block, the last of its gateway blocks (which names the prefix up to it).
+    pub fn engine_blocks(&self, hashes: &[u64]) -> Vec<u64> {
+        let k = (self.block_tokens / BLOCK).max(1) as usize;
+        hashes.chunks_exact(k).map(|c| c[k - 1]).collect()
+    }
+}
+
 pub struct Seq {
     client: usize,
     lease: u64,
@@ -71,13 +110,14 @@ pub struct Seq {
 impl Seq {
     /// KV blocks the sequence holds beyond its full prompt blocks: the prompt's partial last
     /// block and the generated tokens.
-    fn tail_blocks(&self) -> usize {
-        ((self.prompt % BLOCK + u64::from(self.produced)).div_ceil(BLOCK)) as usize
+    fn tail_blocks(&self, block: u64) -> usize {
+        ((self.prompt % block + u64::from(self.produced)).div_ceil(block)) as usize
     }
 }
 
 pub struct Engine {
     speed: Speed,
+    shape: EngineShape,
     cache: ServerCache,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -94,9 +134,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    fn new(speed: Speed, kv_blocks: usize) -> Self {
+    fn new(speed: Speed, kv_blocks: usize, shape: EngineShape) -> Self {
         Engine {
             speed,
+            shape,
             cache: ServerCache::new(kv_blocks),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -115,7 +156,7 @@ impl Engine {
             + self
                 .running
                 .iter()
-                .map(|s| s.blocks.len() - s.shared.len() + s.tail_blocks())
+                .map(|s| s.blocks.len() - s.shared.len() + s.tail_blocks(self.shape.block_tokens))
                 .sum::<usize>()
     }
 
@@ -128,7 +169,7 @@ impl Engine {
             .filter(|b| !self.held.contains_key(b))
             .count()
             + (s.blocks.len() - hits)
-            + s.tail_blocks()
+            + s.tail_blocks(self.shape.block_tokens)
             + 1
     }
 
@@ -166,8 +207,19 @@ impl Engine {
             self.preempted += 1;
             self.waiting.push_front(s);
         }
+        // With vLLM's budget, the running sequences take theirs first (a token per decode, the
+        // next chunk per prefill) and the queue is admitted only while some is left.
+        let mut left = self.shape.step_token_budget;
+        if self.shape.vllm_budget {
+            for s in &self.running {
+                left = left.saturating_sub(s.prefill_left.max(1));
+            }
+        }
         // Admit from the queue in FIFO order while the batch has room and KV space.
-        while self.running.len() < MAX_NUM_SEQS {
+        while self.running.len() < self.shape.max_num_seqs {
+            if self.shape.vllm_budget && left == 0 {
+                break;
+            }
             let Some(s) = self.waiting.front() else {
                 break;
             };
@@ -177,7 +229,8 @@ impl Engine {
             }
             let mut s = self.waiting.pop_front().unwrap();
             let hit_blocks = self.cache.hits(&s.blocks);
-            let hits = (hit_blocks as u64 * BLOCK).min(s.prompt.saturating_sub(1));
+            let hits =
+                (hit_blocks as u64 * self.shape.block_tokens).min(s.prompt.saturating_sub(1));
             // A preempted sequence recomputes what it had generated too.
             let first = !s.started;
             if first {
@@ -189,6 +242,7 @@ impl Engine {
                 s.uncached = s.prefill_left;
             }
             self.computed_tokens += s.prefill_left;
+            left = left.saturating_sub(s.prefill_left);
             // The cached prefix is shared now; the rest is this sequence's own until computed.
             self.cache.prefill(&s.blocks[..hit_blocks]);
             s.shared = s.blocks[..hit_blocks].to_vec();
@@ -196,7 +250,12 @@ impl Engine {
             s.started = true;
             self.running.push(s);
         }
-        let mut budget = STEP_TOKEN_BUDGET;
+        let mut budget = self.shape.step_token_budget;
+        if self.shape.vllm_budget {
+            let decoding = self.running.iter().filter(|s| s.prefill_left == 0).count() as u64;
+            budget = budget.saturating_sub(decoding);
+        }
+        let full = budget;
         self.in_step.clear();
         let mut decoding = 0usize;
         for (i, s) in self.running.iter().enumerate() {
@@ -214,7 +273,7 @@ impl Engine {
             self.step_end = None;
             return;
         }
-        let prefill_tokens = STEP_TOKEN_BUDGET - budget;
+        let prefill_tokens = full - budget;
         if !self.in_step.is_empty() && decoding > 0 {
             // Who held up the sequences decoding in this step, for the receipts.
             let per = self.speed.prefill_us_per_token / 1000.0;
@@ -558,6 +617,8 @@ pub struct Conditions {
     /// How long a busy gateway takes, after the grant, to deliver the request to its engine:
     /// uniform in `[0, dispatch_jitter_ms]`.
     pub dispatch_jitter_ms: f64,
+    /// The engines' blocks, step budget and batch limit.
+    pub engine: EngineShape,
 }
 
 impl Conditions {
@@ -569,6 +630,7 @@ impl Conditions {
         open_rate: 0.0,
         think_ms: [20.0, 220.0],
         dispatch_jitter_ms: 0.0,
+        engine: EngineShape::SIM16,
     };
 }
 
@@ -584,8 +646,8 @@ pub fn simulate(
 ) -> (Report, Vec<Pool>) {
     let capacity = Capacity {
         kv_blocks: kv_blocks as u64,
-        block_size: 16,
-        max_num_seqs: MAX_NUM_SEQS as u32,
+        block_size: conditions.engine.block_tokens as u32,
+        max_num_seqs: conditions.engine.max_num_seqs as u32,
         kv_tokens: 0,
     };
     let shards = conditions.shards.max(1);
@@ -599,7 +661,10 @@ pub fn simulate(
     let index: HashMap<BackendId, usize> = (0..speeds.len())
         .map(|b| (BackendId::from(format!("gpu-{b}")), b))
         .collect();
-    let mut engines: Vec<Engine> = speeds.iter().map(|&s| Engine::new(s, kv_blocks)).collect();
+    let mut engines: Vec<Engine> = speeds
+        .iter()
+        .map(|&s| Engine::new(s, kv_blocks, conditions.engine))
+        .collect();
     let mut rng = SplitMix64::new(seed);
     let mut wrng = SplitMix64::new(seed ^ 0x77);
     let scheduled = workload.arrivals();
@@ -748,7 +813,7 @@ pub fn simulate(
                                 "{}+{}/{}k",
                                 e.waiting.len(),
                                 e.running.len(),
-                                e.used_blocks() as u64 * BLOCK / 1000
+                                e.used_blocks() as u64 * e.shape.block_tokens / 1000
                             )
                         })
                         .collect();
@@ -818,7 +883,7 @@ pub fn simulate(
                 let seq = Seq {
                     client,
                     lease: grant.lease_id,
-                    blocks: f.block_hashes.clone(),
+                    blocks: conditions.engine.engine_blocks(&f.block_hashes),
                     prompt: u64::from(f.prompt_tokens),
                     prefill_left: 0,
                     started: false,

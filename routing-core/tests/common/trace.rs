@@ -5,8 +5,9 @@
 //! Lengths are scaled as the real bench scales them: a 512-token trace block becomes
 //! `512 / scale` tokens (so a prompt of `input_length` tokens becomes `input_length / scale`, and
 //! its output `output_length / scale`, at least 1), and each trace block id becomes the
-//! simulation's 16-token block hashes in order, so requests that share their first k trace ids
-//! share the first k × `512 / scale` tokens of prefix, as in the trace. Arrivals are sped up by
+//! simulation's 16-token block hashes in order (the gateway's hashed blocks; an engine of 64-token
+//! blocks caches them four at a time, `timed::EngineShape`), so requests that share their first k
+//! trace ids share the first k × `512 / scale` tokens of prefix, as in the trace. Arrivals are sped up by
 //! `speedup` (the trace's time divided by it) to set the load.
 use super::timed::{Speed, Workload, BLOCK};
 use routing_core::{RequestFeatures, SplitMix64};
@@ -102,9 +103,10 @@ impl Trace {
     }
 
     /// Each request's floor: its time to first token alone on an engine of `speed` that caches
-    /// every block seen before in the window (its uncached prefill and one step). No policy
-    /// beats it, so its p99 bounds what any can reach.
-    pub fn floors(&self, speed: Speed) -> Vec<f64> {
+    /// every block seen before in the window (its uncached prefill and one step), counting only
+    /// whole engine blocks of `block` tokens. No policy beats it, so its p99 bounds what any can
+    /// reach.
+    pub fn floors(&self, speed: Speed, block: u64) -> Vec<f64> {
         let mut seen = HashSet::new();
         self.requests
             .iter()
@@ -115,8 +117,9 @@ impl Trace {
                     .take_while(|b| seen.contains(*b))
                     .count();
                 seen.extend(f.block_hashes.iter().copied());
+                let cached = hits as u64 * BLOCK;
                 let uncached = u64::from(f.prompt_tokens)
-                    .saturating_sub(hits as u64 * BLOCK)
+                    .saturating_sub(cached - cached % block.max(1))
                     .max(1);
                 uncached as f64 * speed.prefill_us_per_token / 1000.0 + speed.step_ms
             })
@@ -125,8 +128,8 @@ impl Trace {
 
     /// Each request's end-to-end floor: its time-to-first-token floor ([`Trace::floors`]) and its
     /// later tokens at one step each on an engine decoding it alone.
-    pub fn e2e_floors(&self, speed: Speed) -> Vec<f64> {
-        self.floors(speed)
+    pub fn e2e_floors(&self, speed: Speed, block: u64) -> Vec<f64> {
+        self.floors(speed, block)
             .into_iter()
             .zip(&self.requests)
             .map(|(ttft, (_, _, out))| {

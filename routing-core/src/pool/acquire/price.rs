@@ -234,6 +234,8 @@ impl<'a> Pricing<'a> {
         let first_token_harm_ms =
             entry.timing.prefilling(now_ms) as f64 * own_chunk as f64 * prefill_ms_per_token;
         Candidate {
+            affinity_ms: u64::from(f.prompt_tokens).saturating_sub(m.uncached) as f64
+                * prefill_ms_per_token,
             slot,
             weight: entry.spec.weight,
             leases: in_flight.leases,
