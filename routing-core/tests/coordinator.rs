@@ -983,3 +983,55 @@ fn an_overdue_stream_asks_for_a_scrape_of_its_backend_and_the_card_follows() {
     assert_eq!(c.pool().live_leases(), 0);
     assert_eq!(c.pool().in_flight_total(), 0);
 }
+
+/// Issue 42, "still open" (e): the retry budget is charged once per retry that happens, not per
+/// candidate the Worker asks for: a candidate the pool refuses (at capacity here) costs nothing,
+/// so the next candidate still gets the one retry the budget allows.
+#[test]
+fn a_candidate_the_pool_refuses_does_not_spend_the_retry_budget() {
+    let one_retry = CoordinatorSettings {
+        retry_budget: RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 1,
+            window_ms: 60_000,
+        },
+        ..settings(queued(5_000))
+    };
+    let mut c = coordinator(one_retry, 3, 1);
+    let calls = Hungup::default();
+    let first = grant(c.acquire(features(), who("a"), None, false, 10, &calls).0);
+    let other = grant(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    assert_ne!(first.backend, other.backend);
+    let free = first
+        .candidates
+        .iter()
+        .map(|v| v.id.clone())
+        .find(|b| *b != first.backend && *b != other.backend)
+        .unwrap();
+    let terms = LeaseTerms {
+        backend: first.backend.clone(),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..LeaseTerms::default()
+    };
+    let attempt = |to: &BackendId| FailedAttempt {
+        lease_id: first.lease_id,
+        to: to.clone(),
+        failure: Outcome::from_status(502),
+        terms: Some(terms.clone()),
+        block_hashes: Vec::new(),
+        missing_model: None,
+    };
+    // The Worker's walk: the next candidate is full, so the pool refuses the move ...
+    let (done, _) = c.reassign(&attempt(&other.backend), 30);
+    assert!(
+        matches!(done.result, Err(RetryRefused::Pool(_))),
+        "{:?}",
+        done.result
+    );
+    // ... and the one after it takes the request, within the budget's one retry.
+    let (done, _) = c.reassign(&attempt(&free), 31);
+    assert_eq!(done.result.map(|v| v.id), Ok(free.clone()));
+    assert_eq!(c.counters().retries, 1);
+    assert_eq!(c.counters().retry_budget_exhausted, 0);
+}

@@ -75,7 +75,8 @@ pub fn reassign(
         Some(terms) if forgot_model => pool.ask_probe_soon(&terms.backend, now_ms),
         _ => false,
     };
-    if !budget.try_retry(now_ms, budget_config) {
+    // Charged only once the move happened (below): a candidate the pool refuses costs nothing.
+    if !budget.allows_retry(now_ms, budget_config) {
         pool.release(attempt.lease_id, &attempt.failure, now_ms);
         return Reassignment {
             result: Err(RetryRefused::BudgetExhausted),
@@ -89,6 +90,9 @@ pub fn reassign(
         if pool.readmit(lease, terms, now_ms).is_ok() {
             result = pool.reassign(lease, to, failure, now_ms);
         }
+    }
+    if result.is_ok() {
+        budget.record_retry(now_ms, budget_config);
     }
     if result.is_ok() && !attempt.block_hashes.is_empty() {
         let _ = pool.record_prefix(to, &attempt.block_hashes);
