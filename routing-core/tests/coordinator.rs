@@ -1035,3 +1035,64 @@ fn a_candidate_the_pool_refuses_does_not_spend_the_retry_budget() {
     assert_eq!(c.counters().retries, 1);
     assert_eq!(c.counters().retry_budget_exhausted, 0);
 }
+
+/// Issue 42, "still open" (b): a renewal that was on its way when the pool refused the
+/// request's retry (the budget was spent, so the pool ended the lease) must not count the
+/// request again: the Worker already knows its lease ended and will never release it, so a lease
+/// readmitted here would hold its backend's slot until it expired.
+#[test]
+fn a_renewal_crossing_a_refused_retry_leaves_no_phantom_lease() {
+    let no_retry = CoordinatorSettings {
+        retry_budget: RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 0,
+            window_ms: 60_000,
+        },
+        ..settings(routing())
+    };
+    let mut c = coordinator(no_retry, 2, 8);
+    let g = acquire(&mut c, 100);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..LeaseTerms::default()
+    };
+    let attempt = FailedAttempt {
+        lease_id: g.lease_id,
+        to: g.candidates[1].id.clone(),
+        failure: Outcome::from_status(502),
+        terms: Some(terms.clone()),
+        block_hashes: Vec::new(),
+        missing_model: None,
+    };
+    let (done, _) = c.reassign(&attempt, 110);
+    assert_eq!(done.result, Err(RetryRefused::BudgetExhausted));
+    assert_eq!(c.pool().live_leases(), 0);
+    // The renewal the Worker sent before it learnt of the refusal arrives now.
+    assert!(c.renew(g.lease_id, &terms, 120).is_err());
+    assert_eq!(c.pool().live_leases(), 0, "no phantom lease");
+    assert_eq!(c.pool().backend(&g.backend).unwrap().leases_in_flight, 0);
+    // The same for a renewal that crosses the Worker's own release.
+    let g = acquire(&mut c, 200);
+    release(&mut c, g.lease_id, &g.backend, 210);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        ..terms
+    };
+    assert!(c.renew(g.lease_id, &terms, 220).is_err());
+    assert_eq!(c.pool().live_leases(), 0);
+    // A lease the pool lost by expiry (or a restart) is still counted again by its renewal.
+    let g = acquire(&mut c, 300);
+    let _ = c.expire(300 + TTL);
+    assert_eq!(c.pool().live_leases(), 0);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        ..terms
+    };
+    assert_eq!(
+        c.renew(g.lease_id, &terms, 301 + TTL),
+        Ok((301 + 2 * TTL, true))
+    );
+    assert_eq!(c.pool().live_leases(), 1);
+}

@@ -144,6 +144,9 @@ impl Pool {
             self.stats.unknown_releases += 1;
             return false;
         };
+        // A renewal still on its way must not bring it back.
+        self.leases
+            .mark_ended(lease_id, now_ms, self.config.lease_ttl_ms);
         // A resumed stream's times span two backends and its tokens only the continuation's:
         // nothing to learn a backend's rates from.
         if outcome.kind.is_success() && lease.decode.is_none() && outcome.resume.is_none() {
@@ -194,7 +197,9 @@ impl Pool {
     /// Counts a request again whose lease the pool lost (it expired while the request still
     /// ran, or the Durable Object restarted): a lease with the same id on the backend the Worker
     /// says serves it, counted in full (its cache hits are unknown) and not gated by the breaker
-    /// (the request is already running there). A live lease is just renewed. Returns the deadline.
+    /// (the request is already running there). A live lease is just renewed. A lease released
+    /// within the last `lease_ttl_ms` (by its Worker, or by the pool refusing its retry) is not
+    /// counted again: [`PoolError::UnknownLease`]. Returns the deadline.
     pub fn readmit(
         &mut self,
         lease_id: LeaseId,
@@ -204,7 +209,9 @@ impl Pool {
         if let Ok(deadline_ms) = self.renew(lease_id, now_ms) {
             return Ok(deadline_ms);
         }
-        if lease_id == 0 || lease_id > MAX_LEASE_ID {
+        // A lease released (or ended by the pool) lately is over: only an expired or forgotten
+        // one comes back.
+        if lease_id == 0 || lease_id > MAX_LEASE_ID || self.leases.ended_lately(lease_id, now_ms) {
             return Err(PoolError::UnknownLease { lease_id });
         }
         let slot = self.slot_of(&terms.backend)?;
