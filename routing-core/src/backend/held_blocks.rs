@@ -84,6 +84,14 @@ impl HeldBlocks {
         Some(held.blocks)
     }
 
+    /// How many leading blocks of lease `lease`'s prompt were cached here when it started.
+    pub fn cached_of(&self, lease: u64) -> Option<usize> {
+        self.prompts
+            .iter()
+            .find(|h| h.lease == lease)
+            .map(|h| h.computed)
+    }
+
     /// How many leading blocks of the chain `blocks` (at most `limit`) running requests hold, and
     /// how many of those they have computed by `now_ms` as far as the gateway can tell (a
     /// prompt's whole chain once its prefill should be under way, before that only what was

@@ -514,7 +514,7 @@ impl Pool {
     }
 
     /// The entry `key` names, if it is still that backend's.
-    fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
+    pub(super) fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
         let s = self.slots.get(key.slot as usize)?;
         (s.generation == key.generation)
             .then_some(s.entry.as_ref())
