@@ -13,6 +13,7 @@ use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{has_room, CandidateView, Pool, PoolError};
 use crate::backend::breaker::BreakerState;
+use crate::backend::held_blocks::HeldChain;
 use crate::backend::time_model::{Observation, SharePrediction};
 use crate::backend::{BackendId, BackendKey, Lifecycle};
 use crate::pool::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
@@ -409,13 +410,13 @@ impl Pool {
         out < self.config.breaker.max_open(ready)
     }
 
-    /// Counts `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
+    /// Counts the chain `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
     /// cached there already, the rest found computed by requests admitted from `ready_ms` on.
     pub(super) fn hold_blocks(
         &mut self,
         lease_id: LeaseId,
         slot: u32,
-        blocks: Vec<u64>,
+        blocks: HeldChain,
         computed: usize,
         ready_ms: u64,
         now_ms: u64,
@@ -428,7 +429,7 @@ impl Pool {
     }
 
     /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
-    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
+    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<HeldChain> {
         self.entry_for_key_mut(backend)?.held.release(lease_id)
     }
 

@@ -268,17 +268,13 @@ impl Pool {
                     e.spec.id, e.in_flight, expected
                 ));
             }
-            let held: std::collections::HashSet<u64> = e
-                .held
-                .prompts()
-                .flat_map(|(_, blocks)| blocks.iter().copied())
-                .collect();
-            if held.len() != e.held.distinct() {
+            let held = e.held.recount();
+            if held != e.held.distinct() {
                 return Err(format!(
                     "backend {}: {} blocks counted as held, live leases hold {}",
                     e.spec.id,
                     e.held.distinct(),
-                    held.len()
+                    held
                 ));
             }
             if let Some((id, _)) = e.held.prompts().find(|&(id, _)| {
