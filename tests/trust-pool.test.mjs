@@ -1,8 +1,9 @@
 // The pool's own rules hold whatever one client, request or backend does (issue 23): the admission
 // queue never blocks a request on a model it cannot place, a grant whose Worker gave up on it goes
-// back at once, a move onto a full backend is refused, and a drain survives a Durable Object restart
-// until the streams on it have renewed and ended. The built Worker runs under Miniflare with real
-// vllm-sim processes; where a test plays the Worker's side of the protocol (a wait it abandoned, a
+// back at once, a move onto a full backend is refused, a drain survives a Durable Object restart
+// until the streams on it have renewed and ended, and a restarted pool with admission control on
+// grants nothing on top of the streams it lost until they renewed (issue 42). The built Worker
+// runs under Miniflare with real vllm-sim processes; where a test plays the Worker's side of the protocol (a wait it abandoned, a
 // renewal after a restart, a retry onto a named backend) it calls the pool's Durable Object through
 // `poolObjectCall`, exactly as the Worker does. After each test, leases, queue lengths and in-flight
 // counters are back to zero.
@@ -256,6 +257,58 @@ test("a restart while draining: the drain holds until the streams on it renewed 
     assert.equal(after.in_flight, 0);
     assert.equal(after.queue.length, 0);
     assert.equal(after.backends, 0);
+  } finally {
+    await g?.close();
+    dir.cleanup();
+  }
+});
+
+test("a restart with admission control on: a new request waits until the stream the pool lost has renewed, then for its slot (issue 42)", async () => {
+  const dir = tempDir();
+  const name = "tp-restart-admission";
+  const model = "tp-model-r";
+  const bindings = { PROBE_INTERVAL_MS: "60000" };
+  let g = null;
+  try {
+    g = await startGateway({ bindings, persistDir: dir.dir });
+    // The shortest lease accepted: one renewal period is a third of it (3.3 s), plus 1 s.
+    await putPool(g, name, { lease_ttl_ms: 10000, admission: { enabled: true, poll_ms: 1000, max_wait_ms: 30000 } });
+    const s = await sim(model);
+    await register(g, name, "tp-restart-0", model, s);
+    let call = await poolObjectCall(g, name);
+    // A stream holds the backend's only sequence.
+    const acquired = await call("acquire", { features: features(model, "tp-running"), admission: { tenant: "t" } });
+    assert.equal(acquired.status, 200);
+    const lease = await acquired.json();
+
+    // A deploy restarts the Durable Object: the lease is gone from its memory, the stream is not.
+    await g.close();
+    g = await startGateway({ bindings, persistDir: dir.dir });
+    call = await poolObjectCall(g, name);
+    // A client's request right after the restart is not granted on top of the stream: it waits.
+    let servedAt = null;
+    const asked = g.fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ model, max_tokens: 2, ignore_eos: true, messages: [{ role: "user", content: "after the restart" }] }),
+    }).then(async (r) => { servedAt = Date.now(); return { status: r.status, body: await r.text() }; });
+    await waitFor(async () => ((await poolState(g, name)).queue.length === 1 ? true : null), { timeoutMs: 5000, intervalMs: 50, what: "the request queued" });
+    assert.equal((await poolState(g, name)).in_flight, 0, "nothing granted on top of the stream");
+    // The stream renews: the pool counts it again, and the request keeps waiting for its slot
+    // past the end of the hold.
+    const terms = { backend: "tp-restart-0", prompt_tokens: 10, max_tokens: 5, stream: true, request_id: "tp-running" };
+    const renewed = await (await call("renew", { lease_id: lease.lease_id, terms })).json();
+    assert.equal(renewed.reestablished, true);
+    await new Promise((r) => setTimeout(r, 5500));
+    assert.equal(servedAt, null, "granted while the stream held the only sequence");
+    assert.equal((await poolState(g, name)).queue.length, 1);
+    // The stream ends: the request gets the slot.
+    const releasedAt = Date.now();
+    assert.deepEqual(await (await call("release", { lease_id: lease.lease_id, outcome: { kind: "success" } })).json(), { released: true });
+    const answer = await asked;
+    assert.equal(answer.status, 200, answer.body);
+    assert.ok(servedAt >= releasedAt);
+    await drained(g, name);
   } finally {
     await g?.close();
     dir.cleanup();

@@ -1055,3 +1055,259 @@ fn an_overdue_stream_asks_for_a_scrape_of_its_backend_and_the_card_follows() {
     assert_eq!(c.pool().live_leases(), 0);
     assert_eq!(c.pool().in_flight_total(), 0);
 }
+
+/// Issue 42, "still open" (e): the retry budget is charged once per retry that happens, not per
+/// candidate the Worker asks for: a candidate the pool refuses (at capacity here) costs nothing,
+/// so the next candidate still gets the one retry the budget allows.
+#[test]
+fn a_candidate_the_pool_refuses_does_not_spend_the_retry_budget() {
+    let one_retry = CoordinatorSettings {
+        retry_budget: RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 1,
+            window_ms: 60_000,
+        },
+        ..settings(queued(5_000))
+    };
+    let mut c = coordinator(one_retry, 3, 1);
+    let calls = Hungup::default();
+    let first = grant(c.acquire(features(), who("a"), None, false, 10, &calls).0);
+    let other = grant(c.acquire(features(), who("b"), None, false, 20, &calls).0);
+    assert_ne!(first.backend, other.backend);
+    let free = first
+        .candidates
+        .iter()
+        .map(|v| v.id.clone())
+        .find(|b| *b != first.backend && *b != other.backend)
+        .unwrap();
+    let terms = LeaseTerms {
+        backend: first.backend.clone(),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..LeaseTerms::default()
+    };
+    let attempt = |to: &BackendId| FailedAttempt {
+        lease_id: first.lease_id,
+        to: to.clone(),
+        failure: Outcome::from_status(502),
+        terms: Some(terms.clone()),
+        block_hashes: Vec::new(),
+        missing_model: None,
+    };
+    // The Worker's walk: the next candidate is full, so the pool refuses the move ...
+    let (done, _) = c.reassign(&attempt(&other.backend), 30);
+    assert!(
+        matches!(done.result, Err(RetryRefused::Pool(_))),
+        "{:?}",
+        done.result
+    );
+    // ... and the one after it takes the request, within the budget's one retry.
+    let (done, _) = c.reassign(&attempt(&free), 31);
+    assert_eq!(done.result.map(|v| v.id), Ok(free.clone()));
+    assert_eq!(c.counters().retries, 1);
+    assert_eq!(c.counters().retry_budget_exhausted, 0);
+}
+
+/// Issue 42, "still open" (b): a renewal that was on its way when the pool refused the
+/// request's retry (the budget was spent, so the pool ended the lease) must not count the
+/// request again: the Worker already knows its lease ended and will never release it, so a lease
+/// readmitted here would hold its backend's slot until it expired.
+#[test]
+fn a_renewal_crossing_a_refused_retry_leaves_no_phantom_lease() {
+    let no_retry = CoordinatorSettings {
+        retry_budget: RetryBudgetConfig {
+            ratio: 0.0,
+            min_per_window: 0,
+            window_ms: 60_000,
+        },
+        ..settings(routing())
+    };
+    let mut c = coordinator(no_retry, 2, 8);
+    let g = acquire(&mut c, 100);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..LeaseTerms::default()
+    };
+    let attempt = FailedAttempt {
+        lease_id: g.lease_id,
+        to: g.candidates[1].id.clone(),
+        failure: Outcome::from_status(502),
+        terms: Some(terms.clone()),
+        block_hashes: Vec::new(),
+        missing_model: None,
+    };
+    let (done, _) = c.reassign(&attempt, 110);
+    assert_eq!(done.result, Err(RetryRefused::BudgetExhausted));
+    assert_eq!(c.pool().live_leases(), 0);
+    // The renewal the Worker sent before it learnt of the refusal arrives now.
+    assert!(c.renew(g.lease_id, &terms, 120).is_err());
+    assert_eq!(c.pool().live_leases(), 0, "no phantom lease");
+    assert_eq!(c.pool().backend(&g.backend).unwrap().leases_in_flight, 0);
+    // The same for a renewal that crosses the Worker's own release.
+    let g = acquire(&mut c, 200);
+    release(&mut c, g.lease_id, &g.backend, 210);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        ..terms
+    };
+    assert!(c.renew(g.lease_id, &terms, 220).is_err());
+    assert_eq!(c.pool().live_leases(), 0);
+    // A lease the pool lost by expiry (or a restart) is still counted again by its renewal.
+    let g = acquire(&mut c, 300);
+    let _ = c.expire(300 + TTL);
+    assert_eq!(c.pool().live_leases(), 0);
+    let terms = LeaseTerms {
+        backend: g.backend.clone(),
+        ..terms
+    };
+    assert_eq!(
+        c.renew(g.lease_id, &terms, 301 + TTL),
+        Ok((301 + 2 * TTL, true))
+    );
+    assert_eq!(c.pool().live_leases(), 1);
+}
+
+/// Issue 42, "still open" (a): leases live in memory only, so a restarted pool does not see the
+/// streams still running on its backends until they renew. With admission control on it must not
+/// grant a backend's whole `max_num_seqs` on top of them: for one renewal period after the
+/// restart it grants nothing new (requests wait in the queue, or spill), the renewals count the
+/// running streams again, and then the queue is admitted against the true counts.
+#[test]
+fn a_restarted_pool_holds_admission_until_running_streams_renewed() {
+    let ready = BackendSnapshot {
+        id: id(0),
+        lifecycle: Lifecycle::Ready,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    let stored = Stored {
+        backends: vec![(spec(0, 2), Some(ready))],
+        ..Stored::default()
+    };
+    let restart = 1_000;
+    let (mut c, failed) =
+        Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, restart);
+    assert!(failed.is_empty());
+    let calls = Hungup::default();
+    // Right after the restart the pool knows of no stream; two are still running on b0.
+    let (step, _) = c.acquire(features(), who("a"), None, false, restart + 10, &calls);
+    let (ticket, _, _) = wait(step);
+    assert_eq!(c.pool().live_leases(), 0, "nothing granted on top of them");
+    // A request that can go to another pool goes there rather than wait.
+    let (step, _) = c.acquire(features(), who("b"), None, true, restart + 20, &calls);
+    assert_eq!(step, Step::Spill);
+    // The running streams renew within one renewal period (a third of the lease TTL).
+    let terms = LeaseTerms {
+        backend: id(0),
+        prompt_tokens: 10,
+        max_tokens: 10,
+        ..LeaseTerms::default()
+    };
+    for (lease, at) in [(41, restart + 500), (42, restart + TTL / 3 - 1)] {
+        assert!(c.renew(lease, &terms, at).unwrap().1);
+        assert_eq!(c.settle(at, &calls), vec![]);
+    }
+    // The hold is over: b0 is full with the two streams that renewed, so the waiter still waits.
+    let over = restart + TTL / 3 + 1_000;
+    assert_eq!(c.settle(over, &calls), vec![]);
+    assert_eq!(c.pool().live_leases(), 2);
+    // One of them ends: the waiter gets its place.
+    release(&mut c, 41, &id(0), over + 1);
+    let effects = c.settle(over + 1, &calls);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. }] if *t == ticket),
+        "{effects:?}"
+    );
+}
+
+/// The hold ends by itself: a restarted pool that nobody renews to admits its queue once one
+/// renewal period is over.
+#[test]
+fn a_restarted_pool_admits_its_queue_once_the_hold_is_over() {
+    let ready = BackendSnapshot {
+        id: id(0),
+        lifecycle: Lifecycle::Ready,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    let stored = Stored {
+        backends: vec![(spec(0, 2), Some(ready))],
+        ..Stored::default()
+    };
+    let (mut c, _) = Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, 0);
+    let calls = Hungup::default();
+    let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
+    let (ticket, _, _) = wait(step);
+    assert_eq!(c.settle(TTL / 3, &calls), vec![]);
+    let effects = c.settle(TTL / 3 + 1_000, &calls);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. }] if *t == ticket),
+        "{effects:?}"
+    );
+    // Without admission control there is nothing to hold: a pool restarted with it off grants.
+    let ready = BackendSnapshot {
+        id: id(0),
+        lifecycle: Lifecycle::Ready,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    let stored = Stored {
+        backends: vec![(spec(0, 2), Some(ready))],
+        ..Stored::default()
+    };
+    let (mut c, _) = Coordinator::restore("p", 0, settings(routing()), stored, 1, 0);
+    acquire(&mut c, 10);
+}
+
+/// The hold ends at the first probe round that finds vLLM running nothing the pool does not
+/// count (an object evicted while idle and woken by a request): not while a backend runs more.
+#[test]
+fn a_probe_round_that_finds_no_hidden_stream_ends_the_restart_hold() {
+    let scraped = |running: f64| ProbeReport {
+        result: ProbeResult {
+            ok: true,
+            metrics: VllmMetrics {
+                gauges: routing_core::pool::ScrapedGauges {
+                    running: Some(running),
+                    waiting: Some(0.0),
+                    ..Default::default()
+                },
+                ..VllmMetrics::default()
+            },
+            ..ProbeResult::default()
+        },
+        ..ProbeReport::default()
+    };
+    let ready = BackendSnapshot {
+        id: id(0),
+        lifecycle: Lifecycle::Ready,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    let stored = Stored {
+        backends: vec![(spec(0, 2), Some(ready))],
+        ..Stored::default()
+    };
+    let (mut c, _) = Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, 0);
+    let calls = Hungup::default();
+    let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
+    let (ticket, _, _) = wait(step);
+    // vLLM runs a stream the pool has not seen renew yet: still held.
+    c.record_probes(vec![(id(0), scraped(1.0))], 100);
+    let effects = c.finish_probe_round(100, &calls);
+    assert!(
+        !effects.iter().any(|e| matches!(e, Effect::Answer { .. })),
+        "{effects:?}"
+    );
+    // Nothing runs: the waiter is admitted at once.
+    c.record_probes(vec![(id(0), scraped(0.0))], 200);
+    let effects = c.finish_probe_round(200, &calls);
+    assert!(
+        effects.iter().any(
+            |e| matches!(e, Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. } if *t == ticket)
+        ),
+        "{effects:?}"
+    );
+}

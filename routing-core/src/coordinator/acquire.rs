@@ -117,6 +117,10 @@ impl Coordinator {
     /// Lets queued requests in if backends have room (and drops those whose client left).
     pub fn settle(&mut self, now_ms: u64, callers: &dyn Callers) -> Effects {
         let mut effects = Effects::new();
+        if self.pool.end_admission_hold(now_ms) {
+            // A restart's hold is over: the queue is admitted against the renewed counts.
+            self.room.wake();
+        }
         let config = self.pool.config().admission;
         self.room.settle(
             &mut self.pool,

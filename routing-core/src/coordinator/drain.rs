@@ -8,6 +8,15 @@
 //! one lease lifetime after the restart ([`restart_hold_until`]), by which time every stream still
 //! running has renewed.
 //!
+//! Admission control is held the same way, for a shorter time: a restarted pool with backends
+//! restored grants nothing new for one renewal period ([`admission_hold_until`]; requests wait in
+//! the queue, or spill to another pool), so it never grants a backend's whole `max_num_seqs` on
+//! top of streams it cannot see yet. When the hold ends the renewals have counted them, and the
+//! queue is admitted against the true counts. It ends sooner when a probe round (shard 0's, at
+//! most a probe interval after the restart) scrapes every serving backend running and queueing no
+//! more requests than the pool counts there: an object evicted while idle and woken by a request
+//! waits for that round, not for the renewal period. Without admission control nothing is held.
+//!
 //! [`Drains`] is what a coordinator keeps of them: the deletes waiting, when each drain started,
 //! and the restart's hold.
 
@@ -19,6 +28,26 @@ use std::collections::{HashMap, HashSet};
 /// as draining: one lease lifetime, the longest a running stream goes without renewing.
 pub fn restart_hold_until(restarted_ms: u64, lease_ttl_ms: u64) -> u64 {
     restarted_ms.saturating_add(lease_ttl_ms)
+}
+
+/// How long after the answer to one renewal a running request sends the next at most: the
+/// Worker renews every third of the lease TTL (at most 20 s) for its first five minutes, then
+/// every third of what the pool's deadline leaves, which is never more.
+pub fn renewal_period_ms(lease_ttl_ms: u64) -> u64 {
+    lease_ttl_ms / 3
+}
+
+/// Time allowed on top of a renewal period for the renewal call itself to arrive.
+pub const RENEWAL_CALL_MS: u64 = 1_000;
+
+/// Until when, after a restart at `restarted_ms`, admission control grants nothing new: one
+/// renewal period and a renewal call, by when every stream still running has renewed and is
+/// counted again (a stream whose renewal failed during the restart comes back within its lease
+/// lifetime, like a drain's, but a hold that long would stop a busy pool for a minute).
+pub fn admission_hold_until(restarted_ms: u64, lease_ttl_ms: u64) -> u64 {
+    restarted_ms
+        .saturating_add(renewal_period_ms(lease_ttl_ms))
+        .saturating_add(RENEWAL_CALL_MS)
 }
 
 /// Whether a backend waiting to be removed (`None`: already gone) may be removed now, at `now_ms`,

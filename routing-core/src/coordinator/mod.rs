@@ -201,7 +201,8 @@ impl Coordinator {
     /// its random choices from `seed`. Returns the backends that could not be restored, with why.
     ///
     /// Leases are memory only: a restored backend may still run streams that renew within a lease
-    /// lifetime, so its drain (and any delete waiting for it) is held that long ([`drain`]).
+    /// lifetime, so its drain (and any delete waiting for it) is held that long, and admission
+    /// control grants nothing new for one renewal period ([`drain`]).
     pub fn restore(
         name: &str,
         shard: u32,
@@ -260,6 +261,11 @@ impl Coordinator {
             published_busy: false,
             exchange: Exchange::default(),
         };
+        if hold_until_ms != 0 {
+            // Grant nothing new until the streams still running renewed (with admission control).
+            let hold = drain::admission_hold_until(now_ms, settings.routing.lease_ttl_ms);
+            coordinator.pool.hold_admission(hold);
+        }
         coordinator.apply_shard_settings();
         coordinator.load = coordinator.measure_load();
         coordinator.persisted = coordinator

@@ -146,6 +146,12 @@ impl Coordinator {
     pub(super) fn after_probes(&mut self, now_ms: u64) -> Effects {
         let mut effects = Effects::new();
         self.pool.expire(now_ms);
+        if self.pool.admission_held(now_ms) && self.pool.scrapes_match_leases() {
+            // vLLM runs nothing the pool does not count: no stream is left to renew (an idle
+            // object that was evicted and woke up), so the restart's hold ends now.
+            self.pool.hold_admission(0);
+            self.room.wake();
+        }
         self.finish_drains(now_ms, &mut effects);
         self.persist_snapshots(&mut effects);
         self.record_history(now_ms);

@@ -6,7 +6,8 @@
 //! while the attempt hung, or the Durable Object restarted) counts it again from the Worker's
 //! terms first. A backend that answered vLLM's "model does not exist" 404 stops being offered the
 //! model (a backend serving only that model leaves rotation for it) until its next probe; the
-//! new backend records the request's prefix once it takes the request.
+//! new backend records the request's prefix once it takes the request, and the failed one keeps
+//! only what it held of it before (it never computed the rest).
 
 use super::retry_budget::{RetryBudget, RetryBudgetConfig};
 use crate::backend::BackendId;
@@ -75,7 +76,8 @@ pub fn reassign(
         Some(terms) if forgot_model => pool.ask_probe_soon(&terms.backend, now_ms),
         _ => false,
     };
-    if !budget.try_retry(now_ms, budget_config) {
+    // Charged only once the move happened (below): a candidate the pool refuses costs nothing.
+    if !budget.allows_retry(now_ms, budget_config) {
         pool.release(attempt.lease_id, &attempt.failure, now_ms);
         return Reassignment {
             result: Err(RetryRefused::BudgetExhausted),
@@ -83,6 +85,8 @@ pub fn reassign(
             probe_soon,
         };
     }
+    // Where the request failed and what that backend held of its prompt before it was chosen.
+    let failed_at = pool.lease_cache_hit(attempt.lease_id);
     let (lease, to, failure) = (attempt.lease_id, &attempt.to, &attempt.failure);
     let mut result = pool.reassign(lease, to, failure, now_ms);
     if let (Err(PoolError::UnknownLease { .. }), Some(terms)) = (&result, &attempt.terms) {
@@ -90,7 +94,14 @@ pub fn reassign(
             result = pool.reassign(lease, to, failure, now_ms);
         }
     }
+    if result.is_ok() {
+        budget.record_retry(now_ms, budget_config);
+    }
     if result.is_ok() && !attempt.block_hashes.is_empty() {
+        // The failed backend never computed the prompt: the next turn must not go there for it.
+        if let Some((from, keep)) = &failed_at {
+            let _ = pool.forget_prefix(from, &attempt.block_hashes, *keep);
+        }
         let _ = pool.record_prefix(to, &attempt.block_hashes);
     }
     Reassignment {
@@ -166,6 +177,72 @@ mod tests {
         assert_eq!(pool.backend(&to).unwrap().leases_in_flight, 1);
         assert_eq!(pool.backend(&grant.backend).unwrap().leases_in_flight, 0);
         assert_eq!(pool.backend(&to).unwrap().affinity_blocks, 2);
+    }
+
+    /// Issue 42, "still open" (c): the backend that failed before the first byte never
+    /// computed the prompt, so the prefix table stops sending the conversation there: it keeps
+    /// only what it held before the request (a shared system prompt), and the backend that served
+    /// the retry holds the prompt.
+    #[test]
+    fn a_retry_takes_the_prompt_off_the_failed_backend_in_the_prefix_table() {
+        let mut pool = pool(2);
+        let chain: Vec<u64> = (1..=40).collect();
+        let system = RequestFeatures {
+            block_hashes: chain[..16].to_vec(),
+            ..features()
+        };
+        let first = pool.acquire(&system, 1, &mut SplitMix64::new(1)).unwrap();
+        let failed = first.backend.clone();
+        pool.release(first.lease_id, &Outcome::from_status(200), 2);
+        let whole = RequestFeatures {
+            block_hashes: chain.clone(),
+            ..features()
+        };
+        // The request that fails lands where the system prompt is held.
+        let grant = (3..20)
+            .find_map(|t| {
+                let g = pool.acquire(&whole, t, &mut SplitMix64::new(t)).unwrap();
+                if g.backend == failed {
+                    return Some(g);
+                }
+                pool.release(g.lease_id, &Outcome::of_kind(OutcomeKind::Cancelled), t);
+                None
+            })
+            .expect("a grant on the backend holding the system prompt");
+        let to = grant
+            .candidates
+            .iter()
+            .find(|c| c.id != failed)
+            .unwrap()
+            .id
+            .clone();
+        // Forget whatever the other grants recorded on `to`, so the test sees only the retry's.
+        pool.remove_backend(&to, 30).unwrap();
+        let spec = BackendSpec {
+            id: to.clone(),
+            url: "http://again:8000".into(),
+            models: vec!["m".into()],
+            ..BackendSpec::default()
+        };
+        add_ready(&mut pool, spec);
+        assert_eq!(pool.backend(&failed).unwrap().affinity_blocks, 40);
+        let attempt = FailedAttempt {
+            lease_id: grant.lease_id,
+            to: to.clone(),
+            failure: timeout(),
+            terms: None,
+            block_hashes: chain.clone(),
+            missing_model: None,
+        };
+        let config = RetryBudgetConfig::default();
+        let done = reassign(&mut pool, &mut RetryBudget::new(), &config, &attempt, 31);
+        assert_eq!(done.result.unwrap().id, to);
+        assert_eq!(pool.backend(&to).unwrap().affinity_blocks, 40);
+        assert_eq!(
+            pool.backend(&failed).unwrap().affinity_blocks,
+            16,
+            "the failed backend keeps only the system prompt it held before"
+        );
     }
 
     #[test]

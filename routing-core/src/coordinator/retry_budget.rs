@@ -5,6 +5,11 @@
 //! fraction of recent first attempts (default 20%, as in Finagle's and Envoy's retry budgets),
 //! plus a small floor so a quiet pool can still retry. Counts are kept in two rotating windows,
 //! so the view is always between one and two windows long. Time is passed in.
+//!
+//! A retry is charged when it happens: each move of a lease to another backend after a failure
+//! (a retry before the first byte, or a stream's resumption) takes one. A candidate the pool
+//! refuses to move the lease to (it is full, or left service) costs nothing, so a request whose
+//! next candidate is full still gets its retry on the one after.
 
 use serde::{Deserialize, Serialize};
 
@@ -79,19 +84,35 @@ impl RetryBudget {
         self.requests[1] += 1;
     }
 
-    /// Takes one retry from the budget; `false` (and counted as exhaustion) when none is left.
-    pub fn try_retry(&mut self, now_ms: u64, cfg: &RetryBudgetConfig) -> bool {
+    /// Whether the budget has a retry left, without taking it; `false` is counted as
+    /// exhaustion. A retry that then happens is taken with [`Self::record_retry`]: a candidate
+    /// the pool refuses to move the lease to costs nothing.
+    pub fn allows_retry(&mut self, now_ms: u64, cfg: &RetryBudgetConfig) -> bool {
         self.rotate(now_ms, cfg);
         let requests = self.requests[0] + self.requests[1];
         let retries = self.retries[0] + self.retries[1];
         let allowed = (requests as f64 * cfg.ratio).floor() as u64 + u64::from(cfg.min_per_window);
         if retries < allowed {
-            self.retries[1] += 1;
             true
         } else {
             self.exhausted_total += 1;
             false
         }
+    }
+
+    /// Records a retry that happened (the lease moved to another backend).
+    pub fn record_retry(&mut self, now_ms: u64, cfg: &RetryBudgetConfig) {
+        self.rotate(now_ms, cfg);
+        self.retries[1] += 1;
+    }
+
+    /// Takes one retry from the budget; `false` (and counted as exhaustion) when none is left.
+    pub fn try_retry(&mut self, now_ms: u64, cfg: &RetryBudgetConfig) -> bool {
+        let allowed = self.allows_retry(now_ms, cfg);
+        if allowed {
+            self.record_retry(now_ms, cfg);
+        }
+        allowed
     }
 
     /// How many retries were refused since the budget was created.

@@ -298,6 +298,34 @@ impl PrefixAffinity {
         }
     }
 
+    /// Forgets that `backend` holds the prefix `blocks` past its first `keep` blocks (a request
+    /// recorded there failed before the backend computed it; `keep` is what the backend held
+    /// before). Entries keyed by a block of the chain from `keep` on name this prefix and go; the
+    /// entry that covers block `keep` from an earlier key is cut short before it if it agrees with
+    /// the chain that far (one that parts from it earlier is another prompt's). A lookup per
+    /// block from `keep` on: only a retry pays it.
+    pub fn forget(&mut self, backend: u32, blocks: &[u64], keep: usize) {
+        if keep >= blocks.len() {
+            return;
+        }
+        for &block in &blocks[keep..] {
+            if let Some(idx) = self.find(block, backend) {
+                self.discard(idx);
+            }
+        }
+        // An entry reaches at most to its chunk's end: only keys in `keep`'s chunk can cover it.
+        for k in keep - keep % CHUNK_BLOCKS..keep {
+            let Some(idx) = self.find(blocks[k], backend) else {
+                continue;
+            };
+            let room = (keep - 1 - k) as u8;
+            let tail = self.entries[idx as usize].tail;
+            if tail.len > room && tail.agreeing(&blocks[k + 1..]) > usize::from(room) {
+                self.shorten(idx, room);
+            }
+        }
+    }
+
     /// Writes into `lengths[b]` the number of leading blocks of `blocks` that backend `b` holds,
     /// for every registered backend (`lengths` is resized to cover them all).
     ///

@@ -13,7 +13,7 @@
 use crate::backend::time_model::SharePrediction;
 use crate::backend::{BackendId, BackendKey};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 /// A lease's identity. Random below 2^53, so it survives a round trip through JavaScript numbers
 /// and an id from before a restart is unlikely to name a new lease.
@@ -91,11 +91,29 @@ pub struct LeaseTerms {
     pub request_id: String,
 }
 
-/// The live leases of a pool, indexed by id and by deadline.
+/// The live leases of a pool, indexed by id and by deadline, and the leases ended lately.
 #[derive(Debug, Clone, Default)]
 pub struct LeaseTable {
     leases: HashMap<LeaseId, Lease>,
     deadlines: BTreeSet<(u64, LeaseId)>,
+    ended: EndedLeases,
+}
+
+/// Most leases remembered as ended ([`LeaseTable::mark_ended`]): about 40 bytes each, so at most
+/// about 2.6 MB, and the most a pool ends within a lease lifetime in practice (1,000 a second
+/// for a minute).
+pub const MAX_ENDED_LEASES: usize = 65_536;
+
+/// Leases released or ended by the pool itself, each until a lease lifetime after its end, so a
+/// renewal already on its way when the lease ended (it crossed the release, or the pool's refusal
+/// of a retry) does not count the request again: its Worker knows the lease ended and will never
+/// release it. A lease that expired is not remembered: its request may still run, and its next
+/// renewal counts it again.
+#[derive(Debug, Clone, Default)]
+struct EndedLeases {
+    /// Oldest first: until when each is remembered.
+    order: VecDeque<(u64, LeaseId)>,
+    ids: HashSet<LeaseId>,
 }
 
 impl LeaseTable {
@@ -177,6 +195,38 @@ impl LeaseTable {
         self.deadlines.first().map(|&(d, _)| d)
     }
 
+    /// Remembers that lease `id` ended at `now_ms` (released, or ended by the pool), until
+    /// `keep_ms` later: a renewal of it in that time must not count it again.
+    pub fn mark_ended(&mut self, id: LeaseId, now_ms: u64, keep_ms: u64) {
+        self.forget_ended(now_ms);
+        if self.ended.order.len() >= MAX_ENDED_LEASES {
+            if let Some((_, oldest)) = self.ended.order.pop_front() {
+                self.ended.ids.remove(&oldest);
+            }
+        }
+        if self.ended.ids.insert(id) {
+            self.ended
+                .order
+                .push_back((now_ms.saturating_add(keep_ms), id));
+        }
+    }
+
+    /// Whether lease `id` ended lately (see [`Self::mark_ended`]).
+    pub fn ended_lately(&mut self, id: LeaseId, now_ms: u64) -> bool {
+        self.forget_ended(now_ms);
+        self.ended.ids.contains(&id)
+    }
+
+    fn forget_ended(&mut self, now_ms: u64) {
+        while let Some(&(until_ms, id)) = self.ended.order.front() {
+            if until_ms > now_ms {
+                break;
+            }
+            self.ended.order.pop_front();
+            self.ended.ids.remove(&id);
+        }
+    }
+
     /// Iterates over live leases in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = &Lease> {
         self.leases.values()
@@ -239,6 +289,21 @@ mod tests {
         assert_eq!(t.next_deadline(), Some(300));
         assert!(t.take_expired(299).is_empty());
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn ended_leases_are_remembered_for_a_while_and_boundedly() {
+        let mut t = LeaseTable::new();
+        t.mark_ended(7, 100, 50);
+        assert!(t.ended_lately(7, 149));
+        assert!(!t.ended_lately(7, 150), "forgotten after keep_ms");
+        for id in 1..=(MAX_ENDED_LEASES as u64 + 1) {
+            t.mark_ended(id, 200, 1_000);
+        }
+        assert!(!t.ended_lately(1, 201), "the oldest goes first when full");
+        assert!(t.ended_lately(2, 201));
+        assert_eq!(t.ended.order.len(), MAX_ENDED_LEASES);
+        assert_eq!(t.ended.ids.len(), MAX_ENDED_LEASES);
     }
 
     #[test]

@@ -13,6 +13,7 @@ use super::entry::BackendEntry;
 use super::errors::unknown;
 use super::{has_room, CandidateView, Pool, PoolError};
 use crate::backend::breaker::BreakerState;
+use crate::backend::held_blocks::HeldChain;
 use crate::backend::time_model::{Observation, SharePrediction};
 use crate::backend::{BackendId, BackendKey, Lifecycle};
 use crate::pool::lease::{Lease, LeaseId, LeaseShare, LeaseTerms, MAX_LEASE_ID};
@@ -144,6 +145,9 @@ impl Pool {
             self.stats.unknown_releases += 1;
             return false;
         };
+        // A renewal still on its way must not bring it back.
+        self.leases
+            .mark_ended(lease_id, now_ms, self.config.lease_ttl_ms);
         // A resumed stream's times span two backends and its tokens only the continuation's:
         // nothing to learn a backend's rates from.
         if outcome.kind.is_success() && lease.decode.is_none() && outcome.resume.is_none() {
@@ -194,7 +198,9 @@ impl Pool {
     /// Counts a request again whose lease the pool lost (it expired while the request still
     /// ran, or the Durable Object restarted): a lease with the same id on the backend the Worker
     /// says serves it, counted in full (its cache hits are unknown) and not gated by the breaker
-    /// (the request is already running there). A live lease is just renewed. Returns the deadline.
+    /// (the request is already running there). A live lease is just renewed. A lease released
+    /// within the last `lease_ttl_ms` (by its Worker, or by the pool refusing its retry) is not
+    /// counted again: [`PoolError::UnknownLease`]. Returns the deadline.
     pub fn readmit(
         &mut self,
         lease_id: LeaseId,
@@ -204,7 +210,9 @@ impl Pool {
         if let Ok(deadline_ms) = self.renew(lease_id, now_ms) {
             return Ok(deadline_ms);
         }
-        if lease_id == 0 || lease_id > MAX_LEASE_ID {
+        // A lease released (or ended by the pool) lately is over: only an expired or forgotten
+        // one comes back.
+        if lease_id == 0 || lease_id > MAX_LEASE_ID || self.leases.ended_lately(lease_id, now_ms) {
             return Err(PoolError::UnknownLease { lease_id });
         }
         let slot = self.slot_of(&terms.backend)?;
@@ -402,13 +410,13 @@ impl Pool {
         out < self.config.breaker.max_open(ready)
     }
 
-    /// Counts `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
+    /// Counts the chain `blocks` as held on `slot` by lease `lease_id`, the first `computed` of them
     /// cached there already, the rest found computed by requests admitted from `ready_ms` on.
     pub(super) fn hold_blocks(
         &mut self,
         lease_id: LeaseId,
         slot: u32,
-        blocks: Vec<u64>,
+        blocks: HeldChain,
         computed: usize,
         ready_ms: u64,
         now_ms: u64,
@@ -421,7 +429,7 @@ impl Pool {
     }
 
     /// Stops counting the blocks lease `lease_id` holds on `backend`; returns them.
-    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<Vec<u64>> {
+    fn drop_blocks(&mut self, lease_id: LeaseId, backend: BackendKey) -> Option<HeldChain> {
         self.entry_for_key_mut(backend)?.held.release(lease_id)
     }
 
@@ -507,7 +515,7 @@ impl Pool {
     }
 
     /// The entry `key` names, if it is still that backend's.
-    fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
+    pub(super) fn entries_key(&self, key: BackendKey) -> Option<&super::entry::BackendEntry> {
         let s = self.slots.get(key.slot as usize)?;
         (s.generation == key.generation)
             .then_some(s.entry.as_ref())

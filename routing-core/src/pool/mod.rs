@@ -55,7 +55,7 @@ pub use views::{BackendSnapshot, BackendView, CandidateView, Grant, ProbeResult,
 
 use crate::backend::cost::InFlight;
 use crate::backend::time_model::{OutputRatio, TailEstimate};
-use crate::backend::{BackendId, BackendKey, BackendSpec};
+use crate::backend::{BackendId, BackendKey, BackendSpec, Lifecycle};
 use crate::policy::ring::RingMember;
 use crate::policy::{self, PoolPolicies};
 use crate::pool::affinity::PrefixAffinity;
@@ -107,6 +107,9 @@ pub struct Pool {
     roster: u32,
     /// Which backend holds each stored Responses API response (`previous_response_id`).
     responses: responses::ResponseBook,
+    /// After a restart: until when admission control grants nothing new (0: no hold), so the
+    /// streams still running renew first ([`Pool::hold_admission`]).
+    admission_hold_until_ms: u64,
 }
 
 impl fmt::Debug for Pool {
@@ -156,7 +159,45 @@ impl Pool {
             siblings_summed_ms: 0,
             roster: 0,
             responses: responses::ResponseBook::default(),
+            admission_hold_until_ms: 0,
         }
+    }
+
+    /// Holds admission control until `until_ms`: while it lasts, an acquire under a capacity rule
+    /// finds no backend with room ([`AcquireError::AtCapacity`]: the request waits in the queue
+    /// or spills), whatever the counters say. A restarted pool's counters know none of the
+    /// streams still running until they renew (see `crate::coordinator::drain`).
+    pub fn hold_admission(&mut self, until_ms: u64) {
+        self.admission_hold_until_ms = until_ms;
+    }
+
+    /// Ends the admission hold once `now_ms` reaches it. Returns whether it ended now (room
+    /// appeared: the queue should be dispatched).
+    pub fn end_admission_hold(&mut self, now_ms: u64) -> bool {
+        if self.admission_hold_until_ms == 0 || now_ms < self.admission_hold_until_ms {
+            return false;
+        }
+        self.admission_hold_until_ms = 0;
+        true
+    }
+
+    /// Whether admission is held at `now_ms` ([`Pool::hold_admission`]).
+    pub fn admission_held(&self, now_ms: u64) -> bool {
+        now_ms < self.admission_hold_until_ms
+    }
+
+    /// Whether vLLM's own counts, scraped since the restart, show no request the pool does not
+    /// count on any backend that may take one (ready and serving): each runs and queues no more
+    /// requests than it has leases here. A backend whose page gave no count answers `false`.
+    pub fn scrapes_match_leases(&self) -> bool {
+        self.entries()
+            .filter(|e| e.lifecycle == Lifecycle::Ready && e.health.is_serving())
+            .all(|e| {
+                let g = e.load_gauges();
+                g.running.is_some_and(|running| {
+                    running + g.waiting.unwrap_or(0.0) <= f64::from(e.in_flight.leases)
+                })
+            })
     }
 
     /// The pool's name.
@@ -227,17 +268,13 @@ impl Pool {
                     e.spec.id, e.in_flight, expected
                 ));
             }
-            let held: std::collections::HashSet<u64> = e
-                .held
-                .prompts()
-                .flat_map(|(_, blocks)| blocks.iter().copied())
-                .collect();
-            if held.len() != e.held.distinct() {
+            let held = e.held.recount();
+            if held != e.held.distinct() {
                 return Err(format!(
                     "backend {}: {} blocks counted as held, live leases hold {}",
                     e.spec.id,
                     e.held.distinct(),
-                    held.len()
+                    held
                 ));
             }
             if let Some((id, _)) = e.held.prompts().find(|&(id, _)| {

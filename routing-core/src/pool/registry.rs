@@ -300,6 +300,28 @@ impl Pool {
         Ok(())
     }
 
+    /// The backend lease `lease_id` is on and how many leading blocks of its prompt were cached
+    /// there when it was granted (`None`: not live, or counted again after the pool lost it).
+    pub fn lease_cache_hit(&self, lease_id: u64) -> Option<(BackendId, usize)> {
+        let key = self.leases.get(lease_id)?.primary.backend;
+        let entry = self.entries_key(key)?;
+        let hit = entry.held.cached_of(lease_id)?;
+        Some((entry.spec.id.clone(), hit))
+    }
+
+    /// Records that backend `id` does not hold a request's prompt prefix past its first `keep`
+    /// blocks after all: the request failed there before the first byte, and went elsewhere.
+    pub fn forget_prefix(
+        &mut self,
+        id: &BackendId,
+        block_hashes: &[u64],
+        keep: usize,
+    ) -> Result<(), PoolError> {
+        let slot = self.slot_of(id)?;
+        self.affinity.forget(slot, block_hashes, keep);
+        Ok(())
+    }
+
     /// Backend `id` answered that it does not serve `model` (vLLM's 404 "The model ... does not
     /// exist."): stop routing the model there until its next probe reports its models again. A
     /// backend whose only model it was is marked in its health instead (an empty list would mean

@@ -52,6 +52,8 @@ impl Pool {
             .match_lengths(&features.block_hashes, &mut scratch.lengths);
         let longest = scratch.lengths.iter().copied().max().unwrap_or(0);
         let pricing = Pricing::new(self, features, now_ms, longest);
+        // After a restart, admission is held until the running streams renewed.
+        let held = headroom.is_some() && self.admission_held(now_ms);
         let scratch = &mut self.scratch;
         scratch.primary.clear();
         scratch.decode.clear();
@@ -65,7 +67,7 @@ impl Pool {
             let prefix = pricing.prefix(entry, cached_blocks);
             if let Some(headroom) = headroom {
                 let tokens = prefix.uncached + u64::from(features.max_tokens);
-                if !has_room_for(entry, pricing.twins, tokens, headroom) {
+                if held || !has_room_for(entry, pricing.twins, tokens, headroom) {
                     at_capacity = true;
                     continue;
                 }

@@ -4,6 +4,7 @@
 
 use super::admit::Admitted;
 use super::price::whole_ms;
+use crate::backend::held_blocks::HeldChain;
 use crate::policy::{Candidate, DecisionKind};
 use crate::pool::entry::{BackendEntry, Slot};
 use crate::pool::lease::{Lease, MAX_LEASE_ID};
@@ -68,7 +69,7 @@ impl Pool {
         self.hold_blocks(
             lease_id,
             chosen.slot,
-            features.block_hashes.clone(),
+            HeldChain::of(&features.block_hashes),
             chosen.computed_blocks as usize,
             primary_ready_ms,
             now_ms,

@@ -194,10 +194,25 @@ impl PrefixAffinity {
         self.table = table;
     }
 
+    /// Evicts an entry (counted in [`PrefixAffinity::evictions`]).
     pub(super) fn remove(&mut self, idx: u32) {
         if idx == NIL {
             return;
         }
+        self.discard(idx);
+        self.evictions += 1;
+    }
+
+    /// Cuts an entry's tail to `len` blocks (no longer than it is).
+    pub(super) fn shorten(&mut self, idx: u32, len: u8) {
+        let e = &mut self.entries[idx as usize];
+        let cut = e.tail.len.saturating_sub(len);
+        e.tail.len -= cut;
+        self.backends[e.backend as usize].blocks -= u64::from(cut);
+    }
+
+    /// Takes an entry out of the index and both lists, and frees its slab position.
+    pub(super) fn discard(&mut self, idx: u32) {
         self.unlink(idx);
         let mask = self.table.len() - 1;
         let mut pos = tag(self.entries[idx as usize].block) as usize & mask;
@@ -227,7 +242,6 @@ impl PrefixAffinity {
         }
         self.entries[idx as usize].next = self.free;
         self.free = idx;
-        self.evictions += 1;
     }
 
     /// Moves an entry to the front, unless it is already among the newest quarter of its

@@ -183,3 +183,43 @@ fn zero_bound_records_nothing() {
     a.record(0, &blocks(1, 3));
     assert!(a.is_empty());
 }
+
+#[test]
+fn forgetting_a_prompt_keeps_what_was_held_before_and_other_prompts() {
+    let mut a = table(1000, &[100, 100]);
+    let p = blocks(1, 40);
+    // Another conversation behind the same first 20 blocks, parting mid-chunk.
+    let mut q = p[..20].to_vec();
+    q.extend(blocks(2, 10).iter().map(|b| b ^ p[19]));
+    a.record(0, &q);
+    a.record(0, &p);
+    a.record(1, &p);
+    assert_eq!(lengths_of(&a, &p), vec![40, 40]);
+    let evictions = a.evictions();
+    // Backend 0 failed the request for `p`; it held the 20 blocks `q` shares before.
+    a.forget(0, &p, 20);
+    a.verify().unwrap();
+    assert_eq!(lengths_of(&a, &p), vec![20, 40]);
+    assert_eq!(
+        lengths_of(&a, &q)[0],
+        30,
+        "the other conversation is untouched"
+    );
+    assert_eq!(
+        a.evictions(),
+        evictions,
+        "a forgotten prompt is not an eviction"
+    );
+    // Nothing held before: all of it goes; keeping all of it changes nothing.
+    a.forget(1, &p, 40);
+    a.forget(1, &p, 0);
+    a.verify().unwrap();
+    assert_eq!(lengths_of(&a, &p), vec![20, 0]);
+    // Held up to the middle of a chunk: the entry covering it is cut there.
+    let mut b = table(1000, &[100]);
+    b.record(0, &p);
+    b.forget(0, &p, 18);
+    b.verify().unwrap();
+    assert_eq!(lengths_of(&b, &p), vec![18]);
+    assert_eq!(b.backend_len(0), 18);
+}
