@@ -7,7 +7,7 @@
 import { test, before, after, afterEach } from "node:test";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
-import { startGatewayServer, startSim, waitFor, waitReady, parseMetrics } from "./lib/harness.mjs";
+import { startGatewayServer, startSim, waitFor, waitReady, parseMetrics, setFaults } from "./lib/harness.mjs";
 
 const BINDINGS = {
   PROBE_INTERVAL_MS: "500",
@@ -268,4 +268,67 @@ test("a pool with one backend left cannot resume: the error event", async () => 
   const r = await streamChat(pool.model, { max_tokens: 6 });
   assert.ok(r.error instanceof OpenAI.APIError);
   assert.deepEqual(await resumeCounts(pool.name), { not_resumed: 1 });
+});
+
+// Issue 42 (still open from the last round): resumption counted one token per content event. A
+// vLLM with speculative decoding (`--spec-tokens 2`: events of 1, 3, 2, 1, ... tokens) sends 7
+// tokens in 4 events before it drops the stream: the continuation must ask for 12 - 7 tokens, not
+// 12 - 4, so the client gets exactly `max_tokens`, and the usage it is told and the usage it is
+// charged (the lease's outcome, which the reservation settles with) count those tokens.
+test("a stream from a speculative-decoding backend resumes with the tokens sent counted exactly, not one per event", async () => {
+  // Both backends drop a stream after the event that reaches 7 tokens: a continuation that asks
+  // for the 5 left finishes; one that asks for 8 is dropped again (MAX_STREAM_RESUMES is 1).
+  const pool = await freshPool(2, ["--spec-tokens", "2", "--fault-disconnect-after-tokens", "7"]);
+  const prompt_tokens = await promptTokens(pool.model);
+  const max_tokens = 12;
+  const r = await streamChat(pool.model, { max_tokens });
+  const choices = r.chunks.flatMap((c) => c.choices);
+  // vllm-sim's tokens are 4 bytes each, however many an event carries.
+  const text = choices.map((ch) => ch.delta?.content ?? "").join("");
+  assert.equal(text.length / 4, max_tokens, `the client received ${text.length / 4} tokens for max_tokens ${max_tokens} (error: ${r.error})`);
+  assert.equal(r.error, null, `the stream raised ${r.error}`);
+  assert.ok(choices.some((ch) => (ch.delta?.content ?? "").length > 4), "several tokens in one event");
+  assert.equal(new Set(r.chunks.map((c) => c.id)).size, 1);
+  assert.equal(choices.filter((ch) => ch.delta?.role !== undefined).length, 1, "one role chunk");
+  assert.deepEqual(choices.filter((ch) => ch.finish_reason).map((ch) => ch.finish_reason), ["length"]);
+  const usage = r.chunks.filter((c) => c.usage).map((c) => c.usage);
+  assert.equal(usage.length, 1, "one usage total");
+  assert.deepEqual(
+    [usage[0].prompt_tokens, usage[0].completion_tokens, usage[0].total_tokens],
+    [prompt_tokens, max_tokens, prompt_tokens + max_tokens],
+    "the usage the client is told: the prompt once, every token it received",
+  );
+  assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
+  // What the request is charged: the continuation's usage (its prompt holds the partial answer).
+  const line = await waitFor(() => accessLines(pool.name).find((l) => l.stream_resume));
+  assert.equal(line.outcome, "success");
+  assert.equal(line.prompt_tokens + line.completion_tokens, prompt_tokens + max_tokens, JSON.stringify(line));
+
+  // Completions: the prompt extended by the partial text, the same count.
+  const plain = await client.completions.create({ model: pool.model, prompt: "Once upon a time", max_tokens: 1 });
+  const stream = await client.completions.create({
+    model: pool.model, prompt: "Once upon a time", max_tokens, ignore_eos: true, stream: true, stream_options: { include_usage: true },
+  });
+  const chunks = [];
+  for await (const c of stream) chunks.push(c);
+  const completed = chunks.flatMap((c) => c.choices).map((ch) => ch.text ?? "").join("");
+  assert.equal(completed.length / 4, max_tokens, "completions: every token asked for, once");
+  const u = chunks.filter((c) => c.usage).map((c) => c.usage);
+  assert.deepEqual([u.length, u[0].prompt_tokens, u[0].completion_tokens], [1, plain.usage.prompt_tokens, max_tokens]);
+  assert.deepEqual(await resumeCounts(pool.name), { success: 2 });
+});
+
+test("without the next backend's /tokenize, a resumption still goes on, counting one token per event, and says so in the log", async () => {
+  const pool = await freshPool(2, ["--spec-tokens", "2"]);
+  for (const s of pool.sims) await setFaults(s, { disconnect_after_tokens: 7, tokenize_not_found: true });
+  const before = logs.length;
+  // 7 tokens in 4 events, then the drop: counted as 4, the continuation asks for 5 of the 9 and
+  // finishes (the client gets 12: the count is too low without a tokenizer, never too high).
+  const r = await streamChat(pool.model, { max_tokens: 9 });
+  assert.equal(r.error, null, `the stream raised ${r.error}`);
+  const text = r.chunks.flatMap((c) => c.choices).map((ch) => ch.delta?.content ?? "").join("");
+  assert.equal(text.length / 4, 12);
+  assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
+  const line = await waitFor(() => logs.slice(before).find((l) => l.includes("counted one per event")), { what: "the fallback's log line" });
+  assert.match(line, /one per event \(4\): backend \S+'s \/tokenize answered 404/);
 });

@@ -52,7 +52,7 @@ fn per_token(c: &mut Criterion) {
         let first = Partial::new();
         b.iter(|| {
             let mut s = StreamScanner::new(true);
-            let mut splice = Splice::new(&first);
+            let mut splice = Splice::new(&first, 0);
             let mut p = Partial::new();
             for e in &events {
                 black_box(s.push(black_box(e)));

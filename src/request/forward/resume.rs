@@ -16,17 +16,37 @@
 //! client then drains what the relay queued (`Relay::drain`). A client cut off for not reading
 //! (`SLOW_CLIENT_TIMEOUT_MS`) ends it as cancelled: nobody is blamed.
 //!
+//! The continuation asks for `max_tokens` less the tokens the client already received. A content
+//! event is one token only without speculative decoding (vLLM then streams each step's accepted
+//! draft tokens and the sampled one as one event), so unless the client's continuous usage already
+//! counted them, the text sent is counted by the next candidate's tokenizer first ([`tokens_in`],
+//! vLLM's `POST /tokenize`, one call and only on a resumption; bounded by
+//! [`TOKENIZE_TIMEOUT`]). When that fails the count falls back to one token per event, logged.
+//!
 //! Each share the lease ends with says what became of the stream (`Outcome::resume`), which the
 //! pool counts in `llm_gateway_stream_resumes_total`; the lease guard's access log line names the
 //! backends the stream was resumed from.
 
 use crate::request::context::RequestContext;
-use crate::request::forward::attempts::{stream_upstream, with_usage, Attempts, Moved};
+use crate::request::forward::attempts::{
+    send, stream_upstream, with_usage, Attempts, Moved, UpstreamCall,
+};
 use crate::request::forward::relay::{Piped, Relay, Upstream};
+use crate::request::forward::upstream_body::read_whole;
+use futures_util::future::{select, Either};
+use routing_core::pool::CandidateView;
 use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StoredResponse, StreamResume};
 use routing_core::stream::resume::{continuation_body, NotResumable, Splice};
+use std::time::Duration;
 use worker::AbortSignal;
+
+/// The longest a resumption waits for the next candidate's tokenizer (the first byte's timeout
+/// when that is shorter); past it, the tokens sent are counted one per event.
+const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The largest `/tokenize` answer read (it lists every token id: about 8 bytes a token).
+const MAX_TOKENIZE_BYTES: usize = 4 * 1024 * 1024;
 
 /// Whether and how a stream may be resumed, decided before its answer flows.
 pub(crate) struct Resumption {
@@ -174,9 +194,37 @@ async fn resume(
         (None, true) => Some(NotResumable::MidEvent),
         (None, false) => None,
     };
+    // The text sent, when the stream did not count its tokens and could be continued: the next
+    // candidate's tokenizer counts it (the lease has not moved yet, so a count that leaves
+    // nothing to ask for ends the stream where it is).
+    let uncounted = match (ruled_out, relay.partial()) {
+        (None, Some(p)) if p.resumable().is_ok() => {
+            p.uncounted_text().map(|t| (t.to_string(), p.tokens))
+        }
+        _ => None,
+    };
+    let next = attempts.candidates.get(attempts.next_index).cloned();
+    let tokenized = match (uncounted, next) {
+        (Some((text, events)), Some(next)) => {
+            match tokens_in(attempts, &next, &text, client_signal).await {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    worker::console_log!(
+                        "request {}: the tokens sent before backend {from} failed are counted one per event ({events}): backend {}'s /tokenize {e}",
+                        attempts.request.request_id,
+                        next.id.0
+                    );
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let continued = match (&resumption.plan, relay.partial(), ruled_out) {
         (Some((endpoint, body)), Some(partial), None) => {
-            continuation_body(body, *endpoint, &partial).map(|b| (b, Splice::new(&partial)))
+            let sent = partial.tokens_sent_with(tokenized);
+            continuation_body(body, *endpoint, &partial, sent)
+                .map(|b| (b, Splice::new(&partial, sent)))
         }
         (_, _, Some(why)) => Err(why),
         _ => Err(NotResumable::Unreadable),
@@ -239,4 +287,50 @@ async fn resume(
         );
         return Next::Continue(upstream, answer.ttfb_ms);
     }
+}
+
+/// How many tokens `text` is by backend `c`'s tokenizer: vLLM's `POST /tokenize` (served with
+/// every generate model) with the request's model, `add_special_tokens: false`, answered with
+/// `{"count", ...}`; within [`TOKENIZE_TIMEOUT`], or why not.
+async fn tokens_in(
+    attempts: &Attempts,
+    c: &CandidateView,
+    text: &str,
+    client_signal: &AbortSignal,
+) -> Result<u32, String> {
+    #[derive(serde::Deserialize)]
+    struct Counted {
+        count: u32,
+    }
+    let request = &attempts.request;
+    let body = serde_json::json!({
+        "model": request.features.model,
+        "prompt": text,
+        "add_special_tokens": false,
+    });
+    let body = serde_json::to_vec(&body).map_err(|e| format!("could not be asked: {e}"))?;
+    let mut call = UpstreamCall::of(request);
+    call.endpoint = Endpoint::Tokenize;
+    call.timeout = call.timeout.min(TOKENIZE_TIMEOUT);
+    // One deadline for the answer and its body.
+    let deadline = request.deadlines.sleep(call.timeout);
+    let sent = send(&call, c, &body, client_signal, 0).map_err(|f| f.reason)?;
+    let (resp, abort) = sent.response().await.map_err(|f| f.to_string())?;
+    let status = resp.status();
+    let Some(stream) = resp.body().filter(|_| (200..300).contains(&status)) else {
+        abort.abort();
+        return Err(format!("answered {status}"));
+    };
+    let read = Box::pin(read_whole(&stream, MAX_TOKENIZE_BYTES, &c.id.0));
+    let bytes = match select(read, deadline).await {
+        Either::Left((Ok(bytes), _)) => bytes,
+        Either::Left((Err(f), _)) => return Err(f.reason),
+        Either::Right(_) => {
+            abort.abort();
+            return Err(format!("took longer than {} ms", call.timeout.as_millis()));
+        }
+    };
+    serde_json::from_slice::<Counted>(&bytes)
+        .map(|c| c.count)
+        .map_err(|e| format!("answered no count: {e}"))
 }

@@ -212,6 +212,17 @@ pub struct Config {
     #[arg(long, default_value_t = 32768)]
     pub max_model_len: u32,
 
+    /// Speculative decoding (vLLM's `--spec-tokens`, or `num_speculative_tokens` in
+    /// `--speculative-config`): each decode step verifies K draft tokens and keeps the accepted
+    /// ones plus one sampled token, so a streamed event carries 1 to K+1 tokens. Accepted drafts
+    /// follow a fixed cycle (K, K-1, ..., 0 per step); usage counts every token. 0: off.
+    #[arg(
+        long = "spec-tokens",
+        alias = "num-speculative-tokens",
+        default_value_t = 0
+    )]
+    pub spec_tokens: u32,
+
     /// Mean output length, in tokens, of requests that do not set ignore_eos (EOS is drawn uniformly
     /// from 1..2*mean, deterministically per seed and prompt).
     #[arg(long, default_value_t = 128)]
@@ -371,6 +382,9 @@ impl Config {
         if self.block_size == 0 {
             return invalid("--block-size must be at least 1");
         }
+        if self.spec_tokens > 32 {
+            return invalid("--spec-tokens must be between 0 and 32");
+        }
         if self.max_model_len < 2 {
             return invalid("--max-model-len must be at least 2");
         }
@@ -449,6 +463,7 @@ impl Config {
             num_blocks: self.kv_blocks,
             block_size: self.block_size,
             max_model_len: self.max_model_len,
+            spec_tokens: self.spec_tokens,
             timing: self.step_timing(),
         }
     }

@@ -409,6 +409,7 @@ mod tests {
             num_blocks: 256,
             block_size: 4,
             max_model_len: 4096,
+            spec_tokens: 0,
             timing: StepTiming {
                 base_us: 1000.0,
                 per_decode_seq_us: 100.0,
@@ -535,6 +536,7 @@ mod tests {
             num_blocks: 64,
             block_size: 4,
             max_model_len: 1024,
+            spec_tokens: 0,
             timing: crate::scheduler::StepTiming {
                 base_us: 100.0,
                 per_decode_seq_us: 0.0,

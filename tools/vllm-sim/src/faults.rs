@@ -13,7 +13,8 @@
 //! a request-specific engine error), `login_page` (every request but `/sim/*` gets a 200
 //! `text/html` login page, as from a proxy in front of the server) and `redirect_to` (every
 //! request but `/sim/*` gets a 307 to that URL); and `route_not_found` makes the generation
-//! endpoints answer a plain 404, as a server without the route does. See [`FaultSettings::front_door`] and
+//! endpoints answer a plain 404, as a server without the route does (`tokenize_not_found`: `/tokenize`
+//! and `/detokenize` do). See [`FaultSettings::front_door`] and
 //! [`FaultSettings::poisons`]. `request_id_linger_ms` refuses a second request with an
 //! `X-Request-Id` still taken (vLLM's 400 "already running"), as vLLM before PR #27987 does while
 //! an aborted request's abort has not reached its engine.
@@ -73,6 +74,9 @@ pub struct FaultSettings {
     /// Generation endpoints answer 404 `{"detail":"Not Found"}`, as a server without the route
     /// does (a backend registered with a wrong base URL): not vLLM's model-not-found answer.
     pub route_not_found: bool,
+    /// `/tokenize` and `/detokenize` answer 404 `{"detail":"Not Found"}`: a server (or a proxy in
+    /// front of it) that does not expose them, though vLLM 0.34 serves them with every model.
+    pub tokenize_not_found: bool,
     /// A generation request's `X-Request-Id` stays taken this long after it arrived (0: off),
     /// and a second request with the same id meanwhile gets vLLM's 400 "Request id ... already
     /// running". vLLM uses the header as its engine's request id and, from about 0.6.5 until a
@@ -111,6 +115,7 @@ impl Default for FaultSettings {
             login_page: false,
             redirect_to: None,
             route_not_found: false,
+            tokenize_not_found: false,
             request_id_linger_ms: 0,
             stream_error_after_tokens: None,
             loading_answers_503: false,
@@ -152,6 +157,8 @@ pub struct FaultUpdate {
     pub redirect_to: Option<String>,
     /// See [`FaultSettings::route_not_found`].
     pub route_not_found: Option<bool>,
+    /// See [`FaultSettings::tokenize_not_found`].
+    pub tokenize_not_found: Option<bool>,
     /// See [`FaultSettings::request_id_linger_ms`].
     pub request_id_linger_ms: Option<u64>,
     /// See [`FaultSettings::stream_error_after_tokens`].
@@ -222,6 +229,7 @@ impl FaultUpdate {
             login_page: self.login_page.unwrap_or(false),
             redirect_to: self.redirect_to.clone(),
             route_not_found: self.route_not_found.unwrap_or(false),
+            tokenize_not_found: self.tokenize_not_found.unwrap_or(false),
             request_id_linger_ms: self.request_id_linger_ms.unwrap_or(0),
             stream_error_after_tokens: self.stream_error_after_tokens,
             loading_answers_503: self.loading_answers_503.unwrap_or(false),

@@ -60,6 +60,15 @@ pub async fn serve(
     if !registered(state.config.task(), state.config.num_labels, path) {
         return Err(ApiError::RouteNotFound);
     }
+    let hidden = matches!(path, "/tokenize" | "/detokenize")
+        && state
+            .faults
+            .lock()
+            .map(|f| f.settings.tokenize_not_found)
+            .unwrap_or(false);
+    if hidden {
+        return Err(ApiError::RouteNotFound);
+    }
     if method != Method::POST {
         return Err(ApiError::MethodNotAllowed);
     }

@@ -53,6 +53,8 @@ struct Sequence {
     text: StopChecker,
     cached_tokens: u32,
     admitted_before: bool,
+    /// Decode steps taken under speculative decoding (the place in the acceptance cycle).
+    spec_steps: u32,
 }
 
 impl Sequence {
@@ -113,6 +115,7 @@ impl Scheduler {
             text: StopChecker::new(spec.stops.clone()),
             cached_tokens: 0,
             admitted_before: false,
+            spec_steps: 0,
             spec,
         };
         self.seqs.insert(id, seq);
@@ -323,12 +326,28 @@ impl Scheduler {
             if first_token {
                 self.stats.prompt_tokens += u64::from(seq.prompt_tokens);
             }
-            seq.output_tokens += 1;
-            self.stats.generation_tokens += 1;
-            let mut finish = None;
-            if seq.spec.eos_after == Some(seq.output_tokens) {
-                finish = Some((FinishReason::Stop, None));
+            // Speculative decoding (`--spec-tokens K`): a decode step (not the prefill's first
+            // token) keeps the drafts it accepted and samples one token after them, as vLLM's
+            // scheduler hands the engine's `sampled_token_ids` on whole
+            // (`vllm/v1/core/sched/scheduler.py`, `update_from_output`): one event of up to K+1
+            // tokens. Accepted drafts cycle K, K-1, ..., 0.
+            let k = self.config.spec_tokens;
+            let accepted = if first_token || k == 0 {
+                0
             } else {
+                seq.spec_steps += 1;
+                k - (seq.spec_steps - 1) % (k + 1)
+            };
+            let mut finish = None;
+            let mut sampled = 0;
+            while sampled <= accepted && finish.is_none() && !seq.stalled() {
+                sampled += 1;
+                seq.output_tokens += 1;
+                self.stats.generation_tokens += 1;
+                if seq.spec.eos_after == Some(seq.output_tokens) {
+                    finish = Some((FinishReason::Stop, None));
+                    break;
+                }
                 let text = piece(seq.sampler.next_u64());
                 seq.bytes.extend_from_slice(text.as_bytes());
                 extend_block_hashes_from(
@@ -346,6 +365,9 @@ impl Scheduler {
                     finish = Some((FinishReason::Length, None));
                 }
             }
+            // The accepted drafts' KV was computed while verifying them; only the last sampled
+            // token's is not.
+            seq.computed += sampled - 1;
             let delta = match (&finish, seq.spec.stream) {
                 (None, true) => Some(seq.text.take_delta()),
                 _ => None,

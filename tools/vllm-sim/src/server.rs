@@ -398,6 +398,7 @@ fn info(state: &AppState) -> Response<SimBody> {
             "kv_blocks": c.kv_blocks,
             "block_size": c.block_size,
             "max_model_len": c.max_model_len,
+            "spec_tokens": c.spec_tokens,
             "prefill_us_per_token": c.prefill_us_per_token,
             "decode_ms_per_step": c.decode_ms_per_step,
             "decode_ms_per_seq": c.decode_ms_per_seq,

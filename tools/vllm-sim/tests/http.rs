@@ -758,6 +758,25 @@ fn route_not_found_answers_a_plain_404_that_is_not_model_not_found() {
     assert_eq!(missing.json()["error"]["type"], "NotFoundError");
 }
 
+#[test]
+fn tokenize_not_found_hides_tokenize_only() {
+    let sim = Sim::start(&[]);
+    let ask = json!({"model": "m", "prompt": "abcdefgh", "add_special_tokens": false});
+    assert_eq!(sim.post("/tokenize", ask.clone()).json()["count"], 2);
+    sim.faults(json!({"tokenize_not_found": true}));
+    let reply = sim.post("/tokenize", ask.clone());
+    assert_eq!(reply.status, 404);
+    assert_eq!(reply.json(), json!({"detail": "Not Found"}));
+    assert_eq!(sim.post("/detokenize", json!({"tokens": [1]})).status, 404);
+    assert_eq!(
+        sim.post("/v1/chat/completions", chat(user("hi"), 2, false))
+            .status,
+        200
+    );
+    sim.faults(json!({}));
+    assert_eq!(sim.post("/tokenize", ask).status, 200);
+}
+
 /// One chat request with an `X-Request-Id`, read to the end.
 fn post_with_id(sim: &Sim, id: &str) -> Reply {
     let body = chat(user("hi"), 3, false).to_string();

@@ -424,3 +424,100 @@ fn version_defaults_and_metrics_are_vllm_0_34s() {
     );
     assert!(!quiet.metrics().contains("vllm:"));
 }
+
+/// The text of each content-bearing chunk of a stream (chat `delta.content` or completions
+/// `text`), and the usage of each chunk that has one.
+fn contents_and_usages(events: &[String]) -> (Vec<String>, Vec<Value>) {
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).expect("a JSON chunk"))
+        .collect();
+    let contents = chunks
+        .iter()
+        .filter_map(|c| {
+            let choice = c["choices"].get(0)?;
+            let text = choice["delta"]["content"]
+                .as_str()
+                .or(choice["text"].as_str())?;
+            (!text.is_empty()).then(|| text.to_string())
+        })
+        .collect();
+    let usages = chunks
+        .iter()
+        .filter(|c| c["usage"].is_object())
+        .map(|c| c["usage"].clone())
+        .collect();
+    (contents, usages)
+}
+
+#[test]
+fn speculative_decoding_streams_several_tokens_an_event_with_exact_usage() {
+    // vLLM 0.34 with `--spec-tokens K` (or `num_speculative_tokens` in `--speculative-config`)
+    // streams each step's accepted drafts and sampled token as one delta. The sim's tokens are 4
+    // bytes each, so an event's length says how many it carries.
+    let sim = Sim::start(&["--spec-tokens", "2"]);
+    let mut body = chat("tell me", 10, true);
+    body["stream_options"] = json!({"include_usage": true});
+    let reply = sim.post("/v1/chat/completions", body);
+    assert!(reply.complete);
+    let (contents, usages) = contents_and_usages(&reply.events().0);
+    let sizes: Vec<usize> = contents.iter().map(|c| c.len() / 4).collect();
+    assert_eq!(sizes, vec![1, 3, 2, 1, 3], "tokens per event");
+    assert_eq!(usages.len(), 1);
+    assert_eq!(
+        usages[0]["completion_tokens"], 10,
+        "usage counts tokens, not events"
+    );
+
+    // Continuous usage: each chunk's count is the tokens so far.
+    let mut body = chat("tell me", 7, true);
+    body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let reply = sim.post("/v1/chat/completions", body);
+    let (contents, usages) = contents_and_usages(&reply.events().0);
+    assert_eq!(contents.concat().len(), 28);
+    let counts: Vec<u64> = usages
+        .iter()
+        .map(|u| u["completion_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        counts,
+        vec![0, 1, 4, 6, 7, 7],
+        "role chunk, four steps, the usage chunk"
+    );
+
+    // Completions, and a whole answer.
+    let reply = sim.post(
+        "/v1/completions",
+        json!({"model": "m", "prompt": "once", "max_tokens": 5, "ignore_eos": true,
+               "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let (contents, usages) = contents_and_usages(&reply.events().0);
+    assert_eq!(
+        contents.iter().map(|c| c.len() / 4).collect::<Vec<_>>(),
+        vec![1, 3, 1]
+    );
+    assert_eq!(usages[0]["completion_tokens"], 5);
+    let whole = sim
+        .post("/v1/chat/completions", chat("tell me", 10, false))
+        .json();
+    assert_eq!(whole["usage"]["completion_tokens"], 10);
+    assert_eq!(
+        whole["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .len(),
+        40
+    );
+
+    // A drop after N tokens comes after the event that reaches N (events are never split).
+    sim.faults(json!({"disconnect_after_tokens": 5}));
+    let reply = sim.post("/v1/chat/completions", chat("tell me", 10, true));
+    assert!(!reply.complete, "the connection was dropped");
+    let (contents, _) = contents_and_usages(&reply.events().0);
+    assert_eq!(
+        contents.concat().len(),
+        6 * 4,
+        "1 + 3 + 2 tokens, then the drop"
+    );
+}

@@ -16,9 +16,13 @@
 //! - [`Splice`]: rewrites the continuation's events into the client's stream (the first
 //!   answer's id, `created` and model, no second role chunk, usage as one total).
 //!
-//! Tokens already sent are counted one per content event (vLLM streams one token per event
-//! without speculative decoding), or read from `usage.completion_tokens` when the client asked for
-//! `continuous_usage_stats`. The continuation's `usage.prompt_tokens` counts the prompt and the
+//! Tokens already sent are read from `usage.completion_tokens` when the client asked for
+//! `continuous_usage_stats`; otherwise the Worker has the resuming backend's tokenizer count the
+//! text sent ([`Partial::uncounted_text`], vLLM's `POST /tokenize`) and passes that count in
+//! ([`Partial::tokens_sent_with`]), because a content event is one token only without speculative
+//! decoding: with it, vLLM streams each step's accepted draft tokens and the sampled one as one
+//! event. Only when the tokenizer cannot answer is the count one per content event (too low under
+//! speculative decoding, never too high). The continuation's `usage.prompt_tokens` counts the prompt and the
 //! partial answer; the client's total counts the prompt once and every completion token:
 //! `prompt = continuation prompt - tokens sent`, `completion = tokens sent + continuation
 //! completion`, and `cached_tokens` is the resuming backend's figure, capped at that prompt.
@@ -318,7 +322,7 @@ pub struct Partial {
     pub model: Option<String>,
     /// The text so far.
     pub text: String,
-    /// Tokens sent so far.
+    /// Content events sent so far (one token each without speculative decoding, at least one).
     pub tokens: u32,
     /// The last `usage.completion_tokens` the client saw (continuous usage), if any.
     reported_tokens: Option<u32>,
@@ -390,10 +394,28 @@ impl Partial {
         }
     }
 
-    /// Tokens the client has received: the reported count with continuous usage, else one per
-    /// content event.
+    /// Tokens the client has received, as far as the stream itself tells: the reported count with
+    /// continuous usage, else one per content event.
     pub fn tokens_sent(&self) -> u32 {
-        self.reported_tokens.unwrap_or(self.tokens).max(self.tokens)
+        self.tokens_sent_with(None)
+    }
+
+    /// The text whose tokens the stream did not count (no continuous usage reported them): what a
+    /// resumption has a tokenizer count. `None` when the count is the backend's own, or nothing
+    /// was sent.
+    pub fn uncounted_text(&self) -> Option<&str> {
+        (self.reported_tokens.is_none() && !self.text.is_empty()).then_some(self.text.as_str())
+    }
+
+    /// Tokens the client has received, `tokenized` being a tokenizer's count of
+    /// [`Partial::uncounted_text`] when there is one: the reported count wins, then the
+    /// tokenizer's, then one per content event; never fewer than the content events (each carried
+    /// at least one token).
+    pub fn tokens_sent_with(&self, tokenized: Option<u32>) -> u32 {
+        self.reported_tokens
+            .or(tokenized)
+            .unwrap_or(self.tokens)
+            .max(self.tokens)
     }
 
     /// Whether the answer can still be continued (nothing in it rules that out).
@@ -408,15 +430,17 @@ impl Partial {
     }
 }
 
-/// The request that continues `partial`: see the module documentation.
+/// The request that continues `partial`, of which the client received `sent` tokens
+/// ([`Partial::tokens_sent_with`]): see the module documentation.
 pub fn continuation_body(
     original: &[u8],
     endpoint: Endpoint,
     partial: &Partial,
+    sent: u32,
 ) -> Result<Vec<u8>, NotResumable> {
     partial.resumable()?;
     let mut body: Value = serde_json::from_slice(original).map_err(|_| NotResumable::Unreadable)?;
-    let sent = u64::from(partial.tokens_sent());
+    let sent = u64::from(sent);
     match endpoint {
         Endpoint::Chat => {
             let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else {
@@ -462,14 +486,14 @@ pub struct Splice {
 }
 
 impl Splice {
-    /// A splice continuing `partial`.
-    pub fn new(partial: &Partial) -> Splice {
+    /// A splice continuing `partial`, of which the client received `sent` tokens.
+    pub fn new(partial: &Partial, sent: u32) -> Splice {
         Splice {
             events: Events::default(),
             id: partial.id.clone().map(Value::String),
             created: partial.created.map(Value::from),
             model: partial.model.clone().map(Value::String),
-            sent: partial.tokens_sent(),
+            sent,
         }
     }
 

@@ -129,7 +129,7 @@ fn tool_calls_reasoning_and_finished_answers_block_a_resume() {
         p.observe(event.as_bytes());
         assert_eq!(p.resumable(), Err(why), "{event}");
         assert_eq!(
-            continuation_body(b"{}", Endpoint::Chat, &p),
+            continuation_body(b"{}", Endpoint::Chat, &p, p.tokens_sent()),
             Err(why),
             "{event}"
         );
@@ -152,8 +152,10 @@ fn chat_continues_the_final_assistant_message_with_fewer_tokens() {
     let mut p = Partial::new();
     p.observe(format!("{ROLE}{}{}", chat_chunk(" the"), chat_chunk(" cat")).as_bytes());
     let original = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":10,"max_completion_tokens":12,"min_tokens":1,"stop":["x"],"temperature":0.5,"stream":true}"#;
-    let body: Value =
-        serde_json::from_slice(&continuation_body(original, Endpoint::Chat, &p).unwrap()).unwrap();
+    let body: Value = serde_json::from_slice(
+        &continuation_body(original, Endpoint::Chat, &p, p.tokens_sent()).unwrap(),
+    )
+    .unwrap();
     assert_eq!(
         body["messages"],
         json!([{"role":"user","content":"hi"},{"role":"assistant","content":" the cat"}])
@@ -168,7 +170,7 @@ fn chat_continues_the_final_assistant_message_with_fewer_tokens() {
     assert_eq!(body["stream"], json!(true));
     let spent = br#"{"messages":[],"max_tokens":2}"#;
     assert_eq!(
-        continuation_body(spent, Endpoint::Chat, &p),
+        continuation_body(spent, Endpoint::Chat, &p, p.tokens_sent()),
         Err(NotResumable::NothingLeft)
     );
 }
@@ -184,7 +186,7 @@ fn completions_continue_the_prompt_with_the_partial_text() {
         let original =
             serde_json::to_vec(&json!({"model":"m","prompt":prompt,"max_tokens":5})).unwrap();
         let body: Value = serde_json::from_slice(
-            &continuation_body(&original, Endpoint::Completions, &p).unwrap(),
+            &continuation_body(&original, Endpoint::Completions, &p, p.tokens_sent()).unwrap(),
         )
         .unwrap();
         assert_eq!(body["prompt"], want);
@@ -197,7 +199,7 @@ fn completions_continue_the_prompt_with_the_partial_text() {
 fn the_continuation_is_spliced_into_the_first_answer() {
     let mut p = Partial::new();
     p.observe(format!("{ROLE}{}{}", chat_chunk(" the"), chat_chunk(" cat")).as_bytes());
-    let mut s = Splice::new(&p);
+    let mut s = Splice::new(&p, p.tokens_sent());
     let cont = concat!(
         "data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":9,\"model\":\"m2\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n",
         "data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":9,\"model\":\"m2\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" sat\"},\"logprobs\":null,\"finish_reason\":\"length\"}]}\n\n",
@@ -228,7 +230,7 @@ fn the_continuation_is_spliced_into_the_first_answer() {
 #[test]
 fn a_role_chunk_with_content_keeps_its_content() {
     let p = Partial::new();
-    let mut s = Splice::new(&p);
+    let mut s = Splice::new(&p, p.tokens_sent());
     let out = s.rewrite(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"x\"}}]}\n\n");
     assert_eq!(
         events(&out)[0]["choices"][0]["delta"],
@@ -241,7 +243,7 @@ fn a_second_resume_reads_the_spliced_stream() {
     // The client's stream after one resume: its own id, two tokens from each backend.
     let mut p = Partial::new();
     p.observe(format!("{ROLE}{}{}", chat_chunk(" a"), chat_chunk(" b")).as_bytes());
-    let mut s = Splice::new(&p);
+    let mut s = Splice::new(&p, p.tokens_sent());
     let cont = "data: {\"id\":\"x\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" c\"},\"finish_reason\":null}]}\n\n";
     p.observe(&s.rewrite(cont.as_bytes()));
     assert_eq!((p.text.as_str(), p.tokens_sent()), (" a b c", 3));
@@ -256,8 +258,44 @@ fn embeddings_are_never_continued() {
         Err(NotResumable::Endpoint)
     );
     assert_eq!(
-        continuation_body(body, Endpoint::Embeddings, &Partial::new()),
+        continuation_body(body, Endpoint::Embeddings, &Partial::new(), 0),
         Err(NotResumable::Endpoint)
     );
     assert_eq!(NotResumable::Endpoint.as_str(), "endpoint");
+}
+
+#[test]
+fn a_tokenizers_count_replaces_one_token_per_event() {
+    // Speculative decoding: two events carried five tokens. The stream alone says two; the
+    // tokenizer's count of the text is what the continuation and the usage total go by.
+    let mut p = Partial::new();
+    p.observe(
+        format!(
+            "{ROLE}{}{}",
+            chat_chunk(" the cat"),
+            chat_chunk(" sat on it")
+        )
+        .as_bytes(),
+    );
+    assert_eq!(p.uncounted_text(), Some(" the cat sat on it"));
+    assert_eq!((p.tokens_sent(), p.tokens_sent_with(Some(5))), (2, 5));
+    // Never fewer than the events (each carried a token).
+    assert_eq!(p.tokens_sent_with(Some(1)), 2);
+    let original = br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":12}"#;
+    let body: Value = serde_json::from_slice(
+        &continuation_body(original, Endpoint::Chat, &p, p.tokens_sent_with(Some(5))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(body["max_tokens"], json!(7));
+    let mut s = Splice::new(&p, 5);
+    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":15,\"completion_tokens\":7,\"total_tokens\":22}}\n\n";
+    assert_eq!(
+        events(&s.rewrite(usage.as_bytes()))[0]["usage"],
+        json!({"prompt_tokens":10,"completion_tokens":12,"total_tokens":22})
+    );
+    // Continuous usage already counts tokens: nothing to ask a tokenizer, and its count wins.
+    let mut c = Partial::new();
+    c.observe(b"data: {\"choices\":[{\"index\":0,\"text\":\" catdog\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n");
+    assert_eq!((c.uncounted_text(), c.tokens_sent_with(Some(9))), (None, 2));
+    assert_eq!(Partial::new().uncounted_text(), None, "nothing sent");
 }

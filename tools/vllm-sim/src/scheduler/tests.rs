@@ -10,6 +10,7 @@ fn config() -> SchedulerConfig {
         num_blocks: 64,
         block_size: 4,
         max_model_len: 4096,
+        spec_tokens: 0,
         timing: StepTiming {
             base_us: 1000.0,
             per_decode_seq_us: 100.0,
@@ -360,4 +361,78 @@ fn a_salt_or_adapter_gives_the_same_prompt_other_blocks() {
         crate::kv_cache::root_hash(None, Some("sql"))
     );
     assert_eq!(crate::kv_cache::root_hash(None, None), 0);
+}
+
+#[test]
+fn speculative_decoding_yields_up_to_k_plus_one_tokens_a_step_and_counts_each() {
+    // K = 2: the first token alone (prefill), then steps of 3, 2, 1, 3, ... tokens; the last step
+    // stops at max_tokens, and the same text as without speculation comes out.
+    let mut s = Scheduler::new(SchedulerConfig {
+        spec_tokens: 2,
+        ..config()
+    });
+    s.add(1, spec(&[b'x'; 40], 10));
+    let (outputs, plans) = run(&mut s);
+    let counts: Vec<u32> = outputs.iter().map(|o| o.output_tokens).collect();
+    assert_eq!(counts, vec![1, 4, 6, 7, 10], "tokens after each step");
+    assert_eq!(plans.len(), 5, "five steps for ten tokens");
+    assert!(plans[1..]
+        .iter()
+        .all(|p| p.work == vec![(1, 1)] && p.decode_seqs == 1));
+    let deltas: Vec<usize> = outputs
+        .iter()
+        .filter_map(|o| o.delta.as_ref().map(String::len))
+        .collect();
+    assert_eq!(deltas, vec![4, 12, 8, 4], "each step's text in one delta");
+    let f = finish_of(&outputs, 1);
+    assert_eq!(
+        (f.reason, f.output_tokens, f.text.len()),
+        (FinishReason::Length, 10, 12)
+    );
+    assert_eq!(s.stats().generation_tokens, 10);
+    assert_eq!(s.pool().num_free(), 64, "every block back");
+    let mut plain = Scheduler::new(config());
+    plain.add(1, spec(&[b'x'; 40], 10));
+    let text = |outputs: &[SeqOutput]| -> String {
+        let f = finish_of(outputs, 1);
+        let streamed: String = outputs.iter().filter_map(|o| o.delta.clone()).collect();
+        format!("{streamed}{}", f.text)
+    };
+    assert_eq!(text(&outputs), text(&run(&mut plain).0));
+
+    // EOS, a stall and min_tokens cut a step's drafts short.
+    let mut s = Scheduler::new(SchedulerConfig {
+        spec_tokens: 3,
+        ..config()
+    });
+    s.add(
+        2,
+        SequenceSpec {
+            eos_after: Some(3),
+            ..spec(&[b'y'; 40], 50)
+        },
+    );
+    let (outputs, _) = run(&mut s);
+    let f = finish_of(&outputs, 2);
+    assert_eq!((f.reason, f.output_tokens), (FinishReason::Stop, 3));
+    let mut s = Scheduler::new(SchedulerConfig {
+        spec_tokens: 3,
+        ..config()
+    });
+    s.add(
+        3,
+        SequenceSpec {
+            stall_after: Some(2),
+            ..spec(&[b'z'; 40], 50)
+        },
+    );
+    for _ in 0..5 {
+        let plan = s.schedule();
+        s.complete(plan);
+    }
+    assert_eq!(
+        s.stats().generation_tokens,
+        2,
+        "a stall after 2 holds the drafts too"
+    );
 }

@@ -39,6 +39,9 @@ pub struct SchedulerConfig {
     pub block_size: u32,
     /// Longest sequence, prompt plus output (`--max-model-len`).
     pub max_model_len: u32,
+    /// Draft tokens verified per decode step (`--spec-tokens`; 0: no speculative decoding). A
+    /// decode step then yields 1 to `spec_tokens + 1` tokens, see `Scheduler::complete`.
+    pub spec_tokens: u32,
     /// Step duration model.
     pub timing: StepTiming,
 }
