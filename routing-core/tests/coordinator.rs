@@ -1217,7 +1217,7 @@ fn a_restarted_pool_holds_admission_until_running_streams_renewed() {
     release(&mut c, 41, &id(0), over + 1);
     let effects = c.settle(over + 1, &calls);
     assert!(
-        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. }] if *t == ticket),
+        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. }] if *t == ticket),
         "{effects:?}"
     );
 }
@@ -1243,7 +1243,7 @@ fn a_restarted_pool_admits_its_queue_once_the_hold_is_over() {
     assert_eq!(c.settle(TTL / 3, &calls), vec![]);
     let effects = c.settle(TTL / 3 + 1_000, &calls);
     assert!(
-        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. }] if *t == ticket),
+        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. }] if *t == ticket),
         "{effects:?}"
     );
     // Without admission control there is nothing to hold: a pool restarted with it off grants.
@@ -1306,7 +1306,7 @@ fn a_probe_round_that_finds_no_hidden_stream_ends_the_restart_hold() {
     let effects = c.finish_probe_round(200, &calls);
     assert!(
         effects.iter().any(
-            |e| matches!(e, Effect::Answer { ticket: t, verdict: Verdict::Granted { .. }, .. } if *t == ticket)
+            |e| matches!(e, Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. } if *t == ticket)
         ),
         "{effects:?}"
     );
