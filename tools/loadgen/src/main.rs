@@ -384,7 +384,13 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
                 .collect();
             // `run` sends no warm-up, so the bound counts every request.
             let fleet_blocks = cfg.fleet.backends * cfg.fleet.kv_blocks;
-            let bound = oracle::bound(&oracle::requests_of(&plan, seed), 0, 16, fleet_blocks);
+            let block_tokens = cfg.fleet.block_tokens();
+            let bound = oracle::bound(
+                &oracle::requests_of(&plan, seed),
+                0,
+                block_tokens,
+                fleet_blocks,
+            );
             let mut report = report::summarize(
                 report::RunLabel {
                     workload: run.as_ref().map_or(workload.kind(), |r| r.name()),
@@ -421,7 +427,8 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let plan = workload.generate(seed);
             let fleet_blocks =
                 backends.unwrap_or(cfg.fleet.backends) * kv_blocks.unwrap_or(cfg.fleet.kv_blocks);
-            let bound = oracle::workload_bound(&workload, seed, 16, fleet_blocks);
+            let bound =
+                oracle::workload_bound(&workload, seed, cfg.fleet.block_tokens(), fleet_blocks);
             let out = serde_json::json!({"workload": workload, "seed": seed, "requests": plan.requests(), "bound": bound});
             println!(
                 "{}",

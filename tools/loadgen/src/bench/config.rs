@@ -19,7 +19,7 @@ pub struct FleetConfig {
     pub backends: usize,
     /// Port of the first; the others follow.
     pub base_port: u16,
-    /// `--kv-blocks` of each (16 tokens per block).
+    /// `--kv-blocks` of each (of `--block-size` tokens, vllm-sim's default 64 as vLLM 0.34's).
     pub kv_blocks: usize,
     /// `--time-scale` of each.
     pub time_scale: f64,
@@ -284,7 +284,24 @@ impl BenchConfig {
 
     /// The oracle's bound for one workload on this fleet.
     pub fn oracle(&self, w: &Workload) -> oracle::OracleBound {
-        oracle::workload_bound(w, self.seed, 16, self.fleet.backends * self.fleet.kv_blocks)
+        let fleet_blocks = self.fleet.backends * self.fleet.kv_blocks;
+        oracle::workload_bound(w, self.seed, self.fleet.block_tokens(), fleet_blocks)
+    }
+}
+
+impl FleetConfig {
+    /// The engine each vllm-sim of the fleet runs: vllm-sim's own reading of the fleet's flags
+    /// (its defaults where the flags are not valid alone).
+    pub fn engine(extra_args: &[String]) -> vllm_sim::config::Config {
+        use clap::Parser;
+        let args = std::iter::once("vllm-sim".to_string()).chain(extra_args.iter().cloned());
+        vllm_sim::config::Config::try_parse_from(args)
+            .unwrap_or_else(|_| vllm_sim::config::Config::parse_from(["vllm-sim"]))
+    }
+
+    /// Tokens per KV block of the fleet's engines: the unit the oracle's cache bound counts in.
+    pub fn block_tokens(&self) -> usize {
+        Self::engine(&self.extra_args).block_size as usize
     }
 }
 
@@ -293,6 +310,21 @@ mod tests {
     use super::*;
     use crate::report;
     use serde_json::json;
+
+    /// The oracle counts the cache in the fleet's own blocks: vllm-sim's 64 tokens unless the
+    /// fleet's flags say otherwise.
+    #[test]
+    fn the_oracle_counts_in_the_engines_blocks() {
+        let fleet = |extra: &[&str]| FleetConfig {
+            backends: 2,
+            base_port: 9000,
+            kv_blocks: 100,
+            time_scale: 1.0,
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        assert_eq!(fleet(&[]).block_tokens(), 64);
+        assert_eq!(fleet(&["--block-size", "16"]).block_tokens(), 16);
+    }
 
     #[test]
     fn the_shipped_configs_parse() {

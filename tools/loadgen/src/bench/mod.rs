@@ -18,7 +18,7 @@ pub(crate) mod machine;
 mod overhead;
 pub(crate) mod run;
 
-pub use config::{parse_capacities, BenchConfig, Mode, OverheadConfig, WorkloadRun};
+pub use config::{parse_capacities, BenchConfig, FleetConfig, Mode, OverheadConfig, WorkloadRun};
 
 use crate::api::Api;
 use crate::client::Http;

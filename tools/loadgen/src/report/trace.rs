@@ -27,10 +27,7 @@ pub struct IdleModel {
 impl IdleModel {
     /// The fleet's timing, from vllm-sim's defaults and the fleet's extra flags.
     pub fn of_fleet(extra_args: &[String], time_scale: f64) -> IdleModel {
-        use clap::Parser;
-        let args = std::iter::once("vllm-sim".to_string()).chain(extra_args.iter().cloned());
-        let c = vllm_sim::config::Config::try_parse_from(args)
-            .unwrap_or_else(|_| vllm_sim::config::Config::parse_from(["vllm-sim"]));
+        let c = crate::bench::FleetConfig::engine(extra_args);
         IdleModel {
             prefill_us_per_token: c.prefill_us_per_token,
             step_ms: c.decode_ms_per_step,
