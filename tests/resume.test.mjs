@@ -299,10 +299,13 @@ test("a stream from a speculative-decoding backend resumes with the tokens sent 
     "the usage the client is told: the prompt once, every token it received",
   );
   assert.deepEqual(await resumeCounts(pool.name), { success: 1 });
-  // What the request is charged: the continuation's usage (its prompt holds the partial answer).
+  // What the request is charged, and its access log line says: the client's totals (the prompt
+  // once, every token it received), not the continuation's own usage (whose prompt holds the
+  // partial answer).
   const line = await waitFor(() => accessLines(pool.name).find((l) => l.stream_resume));
   assert.equal(line.outcome, "success");
-  assert.equal(line.prompt_tokens + line.completion_tokens, prompt_tokens + max_tokens, JSON.stringify(line));
+  assert.deepEqual([line.prompt_tokens, line.completion_tokens], [prompt_tokens, max_tokens], JSON.stringify(line));
+  assert.ok(line.cached_tokens === null || line.cached_tokens <= prompt_tokens, JSON.stringify(line));
 
   // Completions: the prompt extended by the partial text, the same count.
   const plain = await client.completions.create({ model: pool.model, prompt: "Once upon a time", max_tokens: 1 });

@@ -4,7 +4,9 @@
 // include the wait for the client's rate limiter; vLLM gets a request id the gateway made, never the
 // client's (two clients sending one id do not collide); a client (a Worker calling through a service
 // binding, whose hang-up fires the request's signal) that leaves before the first byte is charged
-// its prompt, streamed, or the estimate, whole (item 2); a client reading slowly holds no lease once the
+// its prompt, streamed, or the estimate, whole (item 2), and one that hangs up mid-stream from a
+// speculative-decoding backend the prompt plus the tokens it received, counted by the backend's
+// tokenizer, not one per event; a client reading slowly holds no lease once the
 // backend is done, and one that falls RELAY_BUFFER_BYTES behind is cut off (item 5). Native tests
 // cover the rules behind them (protocol/src/settings.rs, routing-core: stream/settle.rs, coordinator
 // waiting room, guesses); tests/ahead.test.mjs (item 11) and tests/hop.test.mjs (items 6, 7) the rest.
@@ -210,6 +212,114 @@ test("a client that hangs up before the first byte, streamed or not, is charged 
   assert.ok(left.stream < TPM - 600, `a streamed request's hang-up was refunded its prompt: ${JSON.stringify(left)}`);
   assert.ok(left.whole < TPM - 600, `a whole answer's hang-up was refunded: ${JSON.stringify(left)}`);
   await drained(g, name);
+});
+
+/** A Worker reading the gateway's stream through a service binding, as a client would: once it
+ * has `?tokens=` tokens of answer text (vllm-sim's are 4 bytes each) and nothing more came for
+ * 500 ms, it hangs up, and answers with what it received: `{tokens, events}`. */
+const READING_CLIENT = `
+export default {
+  async fetch(request, env) {
+    const want = Number(new URL(request.url).searchParams.get("tokens"));
+    const left = new AbortController();
+    const r = await env.GATEWAY.fetch("http://gateway.test/v1/chat/completions", {
+      method: "POST", headers: request.headers, body: await request.text(), signal: left.signal,
+    });
+    if (r.status !== 200) return new Response(await r.text(), { status: r.status });
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "", text = "", events = 0;
+    let quiet = null;
+    for (;;) {
+      const next = reader.read();
+      const got = text.length >= 4 * want
+        ? await Promise.race([next, new Promise((res) => { quiet = setTimeout(() => res(null), 500); })])
+        : await next;
+      clearTimeout(quiet);
+      if (got === null || got.done) break;
+      buf += dec.decode(got.value, { stream: true });
+      let end;
+      while ((end = buf.indexOf("\\n\\n")) >= 0) {
+        const data = buf.slice(0, end).replace(/^data: /, "");
+        buf = buf.slice(end + 2);
+        if (data === "[DONE]") continue;
+        const content = JSON.parse(data).choices?.[0]?.delta?.content;
+        if (content) { text += content; events += 1; }
+      }
+    }
+    left.abort();
+    return Response.json({ tokens: text.length / 4, events });
+  },
+};`;
+
+test("a client that hangs up mid-stream from a speculative-decoding backend is charged the prompt plus the tokens it received, not one per event", async () => {
+  // vLLM with speculative decoding streams each step's accepted draft tokens and the sampled one
+  // as one event (vllm-sim --spec-tokens 2: 1 to 3 tokens an event). The backend stalls after 30
+  // tokens; the client, having read them all, hangs up (through a service binding the gateway's
+  // request signal fires): nothing was in flight, so what it received is exactly known.
+  const key = "sk-r3-spec";
+  const TPM = 180;
+  const logs = [];
+  const g = await startGateway({
+    bindings: { PROBE_INTERVAL_MS: "500", CLIENT_API_KEYS: key, RATE_LIMIT_TPM: String(TPM), STREAM_IDLE_TIMEOUT_MS: "30000" },
+    extraWorkers: [{ name: "client", modules: true, script: READING_CLIENT, serviceBindings: { GATEWAY: "gateway" } }],
+    options: {
+      handleRuntimeStdio: (stdout, stderr) => {
+        for (const stream of [stdout, stderr]) {
+          let rest = "";
+          stream.on("data", (d) => {
+            const lines = (rest + d).split("\n");
+            rest = lines.pop();
+            logs.push(...lines);
+          });
+        }
+      },
+    },
+  });
+  closers.push(() => g.close());
+  const name = "r3-spec";
+  const model = "r3-spec-model";
+  await pool(g, name, model, {}, ["--time-scale", "1", "--spec-tokens", "2", "--fault-stall-after-tokens", "30"]);
+  const client = await g.mf.getWorker("client");
+  // The key's token bucket (TPM a minute's capacity, 3 tokens a second of refill) read before and
+  // after: a first request is charged its estimate (the prompt's estimate P, plus 1), then
+  // settled with its usage; what is left after the third says what the hang-up was charged.
+  const started = Date.now();
+  const first = await chat(g, model, { key, max_tokens: 1 });
+  assert.equal(first.status, 200, await first.clone().text());
+  const P = TPM - 1 - Number(first.headers.get("x-ratelimit-remaining-tokens"));
+  const firstUsage = (await first.json()).usage;
+  const r = await client.fetch("http://client.test/?tokens=30", {
+    method: "POST",
+    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+    body: JSON.stringify({ model, messages: [{ role: "user", content: "count" }], stream: true, max_tokens: 60, ignore_eos: true }),
+  });
+  assert.equal(r.status, 200, await r.clone().text());
+  const received = await r.json();
+  assert.ok(received.tokens >= 30, JSON.stringify(received));
+  assert.ok(received.events < received.tokens, `several tokens in some events: ${JSON.stringify(received)}`);
+  await drained(g, name, { timeoutMs: 15000 });
+  // The access log line shows what the client was charged (the settlement's own figures): the
+  // prompt's estimate and every token it received, counted by the backend's tokenizer.
+  const json = (l) => { try { return JSON.parse(l.slice(l.indexOf("{"))); } catch { return null; } };
+  const line = await waitFor(() => logs.filter((l) => l.includes('"event":"request"')).map(json)
+    .find((l) => l?.pool === name && l.outcome === "cancelled"), { what: "the hang-up's access log line" });
+  // The bucket: what the third request leaves is TPM less the first's usage, the hang-up's
+  // charge and the third's estimate, plus what refilled meanwhile (3 tokens a second).
+  await new Promise((resolve) => setTimeout(resolve, 500)); // the settlement follows the log line
+  const third = await chat(g, model, { key, max_tokens: 1 });
+  assert.equal(third.status, 200, await third.clone().text());
+  await third.text();
+  const refilled = ((Date.now() - started) / 1000) * (TPM / 60);
+  const left = Number(third.headers.get("x-ratelimit-remaining-tokens"));
+  const charged = TPM - (firstUsage.prompt_tokens + firstUsage.completion_tokens) - (P + 1) - left;
+  const expected = P + received.tokens;
+  assert.ok(charged <= expected + 1 && charged >= expected - refilled - 1,
+    `the hang-up was charged about ${charged} (up to ${refilled.toFixed(1)} refilled), not the prompt ${P} plus the ${received.tokens} tokens received (${received.events} events)`);
+  assert.equal(line.completion_tokens, received.tokens, `charged ${line.completion_tokens} completion tokens for ${received.tokens} received in ${received.events} events: ${JSON.stringify(line)}`);
+  assert.ok(line.prompt_tokens > 0, JSON.stringify(line));
+  assert.equal(line.prompt_tokens, P, "the prompt's estimate");
+  assert.ok(!logs.some((l) => l.includes("counted one per event")), "the count fell back to one per event");
 });
 
 // ---- 5. A slow reader holds no lease once the backend is done ------------------------------------

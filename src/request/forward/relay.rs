@@ -285,15 +285,10 @@ impl Relay {
 
     /// What the client received so far, read by the lease guard when it settles the request (a
     /// client that hangs up mid-stream is charged what it got).
-    pub fn meter(&self) -> impl Fn() -> Streamed + 'static {
+    pub fn meter(&self) -> Meter {
         // The state, not the relay: the guard may settle after the relay is gone.
-        let state = self.state.clone();
-        move || {
-            let st = state.borrow();
-            Streamed {
-                reported: st.scanner.usage(),
-                answer_events: st.answers_before + st.scanner.answer_events(),
-            }
+        Meter {
+            state: self.state.clone(),
         }
     }
 
@@ -336,6 +331,38 @@ impl Relay {
         JsFuture::from(self.writer.write_with_chunk(chunk))
             .await
             .is_ok()
+    }
+}
+
+/// What the client received of a stream, read when the request ends ([`Relay::meter`]).
+pub struct Meter {
+    state: Rc<RefCell<State>>,
+}
+
+impl Meter {
+    /// The answer events passed to the client, and the usage it was told (a resumed stream's
+    /// totals: the prompt once, every completion token).
+    pub fn streamed(&self) -> Streamed {
+        let st = self.state.borrow();
+        let reported = st
+            .scanner
+            .usage()
+            .map(|u| st.splice.as_ref().map_or(u, |s| s.client_usage(u)));
+        Streamed {
+            reported,
+            answer_events: st.answers_before + st.scanner.answer_events(),
+            counted: None,
+        }
+    }
+
+    /// The answer text the client received, when the stream was read on its way (one that could
+    /// be resumed) and all of it was (`Partial::received_text`).
+    pub fn received_text(&self) -> Option<String> {
+        let st = self.state.borrow();
+        st.partial
+            .as_ref()
+            .and_then(|p| p.received_text())
+            .map(str::to_string)
     }
 }
 

@@ -31,19 +31,26 @@ use crate::request::context::RequestContext;
 use crate::request::forward::attempts::{
     send, stream_upstream, with_usage, Attempts, Moved, UpstreamCall,
 };
-use crate::request::forward::relay::{Piped, Relay, Upstream};
+use crate::request::forward::relay::{Meter, Piped, Relay, Upstream};
 use crate::request::forward::upstream_body::read_whole;
-use futures_util::future::{select, Either};
+use crate::request::lease::lease_guard::StreamMeter;
+use futures_util::future::{select, Either, LocalBoxFuture};
 use routing_core::pool::CandidateView;
 use routing_core::request::endpoint::Endpoint;
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StoredResponse, StreamResume};
 use routing_core::stream::resume::{continuation_body, NotResumable, Splice};
+use routing_core::stream::settle::Streamed;
+use std::rc::Rc;
 use std::time::Duration;
 use worker::AbortSignal;
 
 /// The longest a resumption waits for the next candidate's tokenizer (the first byte's timeout
 /// when that is shorter); past it, the tokens sent are counted one per event.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The longest the lease guard waits for a tokenizer's count of what the client of a stream
+/// without usage received (it holds the lease meanwhile); past it, one token per event.
+const SETTLE_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The largest `/tokenize` answer read (it lists every token id: about 8 bytes a token).
 const MAX_TOKENIZE_BYTES: usize = 4 * 1024 * 1024;
@@ -110,7 +117,11 @@ pub(crate) async fn stream(
     let client_signal = attempts.request.client_signal.clone();
     let guard = attempts.guard.clone();
     // A client that hangs up mid-stream is charged what it received (the guard reads this).
-    guard.meter(Box::new(relay.meter()));
+    guard.meter(Box::new(Received {
+        relay: relay.meter(),
+        request: attempts.request.clone(),
+        candidates: attempts.candidates.clone(),
+    }));
     loop {
         let backend = upstream.backend.clone();
         let piped = relay.pipe(upstream, &client_signal).await;
@@ -206,7 +217,15 @@ async fn resume(
     let next = attempts.candidates.get(attempts.next_index).cloned();
     let tokenized = match (uncounted, next) {
         (Some((text, events)), Some(next)) => {
-            match tokens_in(attempts, &next, &text, client_signal).await {
+            match tokens_in(
+                &attempts.request,
+                &next,
+                &text,
+                client_signal,
+                TOKENIZE_TIMEOUT,
+            )
+            .await
+            {
                 Ok(n) => Some(n),
                 Err(e) => {
                     worker::console_log!(
@@ -289,20 +308,55 @@ async fn resume(
     }
 }
 
+/// What the client of a stream received, for the lease guard when the request ends: the relay's
+/// reading, and the count of its text by the tokenizer of the backend that streamed it last.
+struct Received {
+    relay: Meter,
+    request: Rc<RequestContext>,
+    candidates: Vec<CandidateView>,
+}
+
+impl StreamMeter for Received {
+    fn streamed(&self) -> Streamed {
+        self.relay.streamed()
+    }
+
+    fn count<'a>(&'a self, backend: &'a str) -> LocalBoxFuture<'a, Result<u32, String>> {
+        Box::pin(async move {
+            let text = self
+                .relay
+                .received_text()
+                .ok_or("its text was not read (a stream that could not be resumed)")?;
+            let c = self
+                .candidates
+                .iter()
+                .find(|c| c.id.0 == backend)
+                .ok_or_else(|| format!("backend {backend} is not one of the grant's candidates"))?;
+            // The client's signal may have fired (a hang-up): the count has its own.
+            let signal = worker::AbortController::default().signal();
+            tokens_in(&self.request, c, &text, &signal, SETTLE_TOKENIZE_TIMEOUT)
+                .await
+                .map_err(|e| format!("backend {backend}'s /tokenize {e}"))
+        })
+    }
+}
+
 /// How many tokens `text` is by backend `c`'s tokenizer: vLLM's `POST /tokenize` (served with
 /// every generate model) with the request's model, `add_special_tokens: false`, answered with
-/// `{"count", ...}`; within [`TOKENIZE_TIMEOUT`], or why not.
+/// `{"count", ...}`; within `bound` (or the first byte's timeout when shorter), or why not. A
+/// resumption counts the text sent with it, and so does the lease guard's settlement of a stream
+/// that ended without its usage.
 async fn tokens_in(
-    attempts: &Attempts,
+    request: &RequestContext,
     c: &CandidateView,
     text: &str,
-    client_signal: &AbortSignal,
+    signal: &AbortSignal,
+    bound: Duration,
 ) -> Result<u32, String> {
     #[derive(serde::Deserialize)]
     struct Counted {
         count: u32,
     }
-    let request = &attempts.request;
     let body = serde_json::json!({
         "model": request.features.model,
         "prompt": text,
@@ -311,10 +365,10 @@ async fn tokens_in(
     let body = serde_json::to_vec(&body).map_err(|e| format!("could not be asked: {e}"))?;
     let mut call = UpstreamCall::of(request);
     call.endpoint = Endpoint::Tokenize;
-    call.timeout = call.timeout.min(TOKENIZE_TIMEOUT);
+    call.timeout = call.timeout.min(bound);
     // One deadline for the answer and its body.
     let deadline = request.deadlines.sleep(call.timeout);
-    let sent = send(&call, c, &body, client_signal, 0).map_err(|f| f.reason)?;
+    let sent = send(&call, c, &body, signal, 0).map_err(|f| f.reason)?;
     let (resp, abort) = sent.response().await.map_err(|f| f.to_string())?;
     let status = resp.status();
     let Some(stream) = resp.body().filter(|_| (200..300).contains(&status)) else {

@@ -17,20 +17,25 @@
 //! add no call. When the request ends it releases the lease with the outcome, writes the access
 //! log line, and settles the client's token reservation by `routing_core::stream::settle`: the
 //! backend's reported usage; for a stream that started and has none (the client hung up mid-way),
-//! what the client received; for a hang-up before the first byte, the prompt's estimate, and
-//! during a whole answer, the estimate charged (a hang-up never refunds the prefill the backend
-//! did). Nothing on the response path waits for any of this.
+//! the prompt's estimate and the tokens the client received, counted by the tokenizer of the backend
+//! that streamed them (one bounded call before the release, [`StreamMeter::count`]: an answer
+//! event is several tokens with speculative decoding; one token an event when it cannot be
+//! counted, logged); for a hang-up before the first byte, the prompt's estimate, and during a
+//! whole answer, the estimate charged (a hang-up never refunds the prefill the backend did). The
+//! access log line shows what was charged (a resumed stream's totals as its client is told them).
+//! Nothing on the response path waits for any of this.
 
 use crate::clients::keys::{self, Reservation};
 use crate::platform::do_client::{call, To};
 use crate::request::context::RequestContext;
 use coordinator_protocol::messages::{PrefillDone, ReleaseRequest, RenewRequest};
-use futures_util::future::{select, Either};
+use futures_util::future::{select, Either, LocalBoxFuture};
 use routing_core::backend::BackendId;
 use routing_core::pool::lease::{LeaseId, LeaseTerms};
 use routing_core::pool::RouteReceipt;
 use routing_core::stream::outcome::{Outcome, OutcomeKind, StreamResume};
-use routing_core::stream::settle::{settled_tokens, Streamed};
+use routing_core::stream::settle::{charged_usage, counts_received, settled_tokens, Streamed};
+use routing_core::stream::usage::Usage;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -64,7 +69,7 @@ struct LeaseState {
     /// Wakes the task (the request ended, or its prefill stage did); taken when called.
     wake: Option<js_sys::Function>,
     /// What the client received of a streamed answer, once it started streaming.
-    meter: Option<Box<dyn Fn() -> Streamed>>,
+    meter: Option<Box<dyn StreamMeter>>,
     /// The decision's receipt (the chosen backend and the best alternative, predicted), logged.
     receipt: Option<(BackendId, RouteReceipt)>,
     /// The stream's first token, in ms, once seen; taken when a renewal carries it.
@@ -240,7 +245,7 @@ impl LeaseGuard {
 
     /// The answer started streaming: `meter` says what the client received, which is what it is
     /// charged when no usage is reported (it hung up, or the stream broke before the usage).
-    pub fn meter(&self, meter: Box<dyn Fn() -> Streamed>) {
+    pub fn meter(&self, meter: Box<dyn StreamMeter>) {
         self.shared.state.borrow_mut().meter = Some(meter);
     }
 
@@ -260,6 +265,16 @@ impl LeaseGuard {
             r.wake();
         }
     }
+}
+
+/// What the client received of a streamed answer, read when the request ends (the stream's relay
+/// and attempts, `src/request/forward/resume.rs`).
+pub trait StreamMeter {
+    /// What the client received so far.
+    fn streamed(&self) -> Streamed;
+    /// The tokens of the answer text the client received, as backend `backend`'s tokenizer counts
+    /// them, or why they cannot be counted.
+    fn count<'a>(&'a self, backend: &'a str) -> LocalBoxFuture<'a, Result<u32, String>>;
 }
 
 /// A promise and the function that resolves it.
@@ -389,6 +404,29 @@ impl Keeper {
         };
         let request_id = self.state.borrow().terms.request_id.clone();
         let receipt = self.state.borrow_mut().receipt.take();
+        // The pool choice stops counting this request against the pool (src/request/regions.rs).
+        crate::request::regions::finished(&self.request.pool, lease_id);
+        let meter = self.state.borrow_mut().meter.take();
+        let mut streamed = meter.as_ref().map(|m| m.streamed());
+        // A stream without usage is charged the tokens its client received: the backend's
+        // tokenizer counts its text (an event is several tokens with speculative decoding). One
+        // call, bounded, before the release: once the pool has the lease back, the request is
+        // settled.
+        if let (Some(m), Some(s)) = (&meter, &mut streamed) {
+            if counts_received(&ending.outcome, s) {
+                match m.count(&backend).await {
+                    Ok(n) => s.counted = Some(n),
+                    Err(why) => worker::console_log!(
+                        "request {request_id}: the tokens its client received are counted one per event ({}): {why}",
+                        s.answer_events
+                    ),
+                }
+            }
+        }
+        let (prompt_estimate, stream) = {
+            let r = self.state.borrow();
+            (r.terms.prompt_tokens, r.terms.stream)
+        };
         access_log(
             &Served {
                 request_id: &request_id,
@@ -400,38 +438,36 @@ impl Keeper {
                 pool_choice: self.request.pool_choice,
             },
             &ending.outcome,
+            charged_usage(&ending.outcome, streamed, prompt_estimate),
             crate::platform::http::now_ms().saturating_sub(self.started_ms),
         );
-        // The pool choice stops counting this request against the pool (src/request/regions.rs).
-        crate::request::regions::finished(&self.request.pool, lease_id);
         if !ending.released {
-            // Returned to the shard that granted it (with other requests' releases when this
-            // isolate has several); failures are logged, and the lease's deadline is the backstop.
-            let req = ReleaseRequest {
-                lease_id,
-                outcome: ending.outcome.clone(),
-                backend: Some(backend.as_str().into()),
-            };
-            crate::request::lease::releases::release(
-                &self.request.env,
-                &self.request.pool,
-                self.request.shard,
-                req,
-            )
-            .await;
+            self.release(lease_id, &backend, &ending.outcome).await;
         }
         if let Some(reservation) = &self.reservation {
-            let streamed = self.state.borrow().meter.as_ref().map(|m| m());
-            let (prompt_estimate, stream) = {
-                let r = self.state.borrow();
-                (r.terms.prompt_tokens, r.terms.stream)
-            };
             // A hang-up never refunds the prompt (routing_core::stream::settle).
             if let Some(actual) = settled_tokens(&ending.outcome, streamed, prompt_estimate, stream)
             {
                 keys::settle(&self.request.env, reservation, actual).await;
             }
         }
+    }
+
+    /// Returns the lease to the shard that granted it (with other requests' releases when this
+    /// isolate has several); failures are logged, and the lease's deadline is the backstop.
+    async fn release(&self, lease_id: LeaseId, backend: &str, outcome: &Outcome) {
+        let req = ReleaseRequest {
+            lease_id,
+            outcome: outcome.clone(),
+            backend: Some(backend.into()),
+        };
+        crate::request::lease::releases::release(
+            &self.request.env,
+            &self.request.pool,
+            self.request.shard,
+            req,
+        )
+        .await;
     }
 
     /// Tells the pool the prefill stage ended (once).
@@ -534,19 +570,21 @@ struct Served<'a> {
 /// One structured log line per proxied request (ids and figures only: never keys, URLs or bodies).
 /// A resumed stream adds `resumed_from` (the backends it was resumed from, in order) and
 /// `stream_resume` (what became of a stream that failed mid-answer).
-fn access_log(served: &Served<'_>, outcome: &Outcome, duration_ms: u64) {
+fn access_log(served: &Served<'_>, outcome: &Outcome, charged: Option<Usage>, duration_ms: u64) {
     let resumed = !served.resumed_from.is_empty() || outcome.resume.is_some();
     let line = AccessLine {
         attempts: served.attempts,
         backend: served.backend,
-        cached_tokens: outcome.cached_tokens,
-        completion_tokens: outcome.completion_tokens,
+        cached_tokens: charged.map_or(outcome.cached_tokens, |u| u.cached_tokens),
+        completion_tokens: charged
+            .map(|u| u.completion_tokens)
+            .or(outcome.completion_tokens),
         duration_ms,
         event: "request",
         outcome: outcome.kind,
         pool: served.pool,
         pool_choice: served.pool_choice,
-        prompt_tokens: outcome.prompt_tokens,
+        prompt_tokens: charged.map(|u| u.prompt_tokens).or(outcome.prompt_tokens),
         request_id: served.request_id,
         resumed_from: resumed.then_some(served.resumed_from),
         route_receipt: served.receipt.map(|(chosen, r)| RouteLog {

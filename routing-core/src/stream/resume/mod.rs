@@ -31,6 +31,7 @@
 mod tests;
 
 use crate::request::endpoint::Endpoint;
+use crate::stream::usage::Usage;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -407,6 +408,18 @@ impl Partial {
         (self.reported_tokens.is_none() && !self.text.is_empty()).then_some(self.text.as_str())
     }
 
+    /// The text the client received, when the stream did not count its tokens and the whole
+    /// answer was read: what a settlement has a tokenizer count (`crate::stream::settle`). `None`
+    /// as for [`Partial::uncounted_text`], and when reading stopped early (several choices,
+    /// logprobs, a tool call or reasoning: the text is not all the client got); a finished answer's
+    /// text is whole.
+    pub fn received_text(&self) -> Option<&str> {
+        match self.blocked {
+            None | Some(NotResumable::Finished) => self.uncounted_text(),
+            Some(_) => None,
+        }
+    }
+
     /// Tokens the client has received, `tokenized` being a tokenizer's count of
     /// [`Partial::uncounted_text`] when there is one: the reported count wins, then the
     /// tokenizer's, then one per content event; never fewer than the content events (each carried
@@ -553,12 +566,33 @@ impl Splice {
         serde_json::to_vec(&chunk).ok().map(Some)
     }
 
+    /// The client's usage for the continuation's own `usage` (whose prompt holds the partial
+    /// answer): the prompt once, every completion token, the cached count capped at that prompt,
+    /// as the client is told it.
+    pub fn client_usage(&self, usage: Usage) -> Usage {
+        let (prompt, completion) = self.totals(
+            u64::from(usage.prompt_tokens),
+            u64::from(usage.completion_tokens),
+        );
+        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        Usage {
+            prompt_tokens: clamp(prompt),
+            cached_tokens: usage.cached_tokens.map(|c| clamp(u64::from(c).min(prompt))),
+            completion_tokens: clamp(completion),
+        }
+    }
+
+    /// The prompt and completion tokens of the whole answer for the continuation's.
+    fn totals(&self, prompt: u64, completion: u64) -> (u64, u64) {
+        let sent = u64::from(self.sent);
+        (prompt.saturating_sub(sent), completion + sent)
+    }
+
     /// One total for the whole answer: the prompt once, every completion token.
     fn total_usage(&self, usage: &mut Value) {
         let get = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
-        let sent = u64::from(self.sent);
-        let prompt = get(usage, "prompt_tokens").saturating_sub(sent);
-        let completion = get(usage, "completion_tokens") + sent;
+        let (prompt, completion) =
+            self.totals(get(usage, "prompt_tokens"), get(usage, "completion_tokens"));
         usage["prompt_tokens"] = json!(prompt);
         usage["completion_tokens"] = json!(completion);
         usage["total_tokens"] = json!(prompt + completion);

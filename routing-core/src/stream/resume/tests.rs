@@ -299,3 +299,44 @@ fn a_tokenizers_count_replaces_one_token_per_event() {
     assert_eq!((c.uncounted_text(), c.tokens_sent_with(Some(9))), (None, 2));
     assert_eq!(Partial::new().uncounted_text(), None, "nothing sent");
 }
+
+#[test]
+fn the_text_received_is_counted_only_when_all_of_it_was_read() {
+    // A settlement counts the text the client received (issue 42): whole, or not at all.
+    let mut p = Partial::new();
+    p.observe(format!("{ROLE}{}", chat_chunk(" the cat")).as_bytes());
+    assert_eq!(p.received_text(), Some(" the cat"));
+    // A finished answer's text is whole.
+    p.observe(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" sat\"},\"finish_reason\":\"length\"}]}\n\n");
+    assert_eq!(p.received_text(), Some(" the cat sat"));
+    // Reading stopped at a tool call: what came after it is not in the text.
+    let mut t = Partial::new();
+    t.observe(chat_chunk(" hm").as_bytes());
+    t.observe(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}\n\n",
+    );
+    assert_eq!(t.received_text(), None);
+}
+
+#[test]
+fn a_continuations_usage_is_the_clients_totals() {
+    let mut p = Partial::new();
+    p.observe(format!("{ROLE}{}", chat_chunk(" the cat sat")).as_bytes());
+    // Three tokens sent; the continuation's prompt holds them.
+    let s = Splice::new(&p, 3);
+    let own = crate::stream::usage::Usage {
+        prompt_tokens: 13,
+        cached_tokens: Some(12),
+        completion_tokens: 4,
+    };
+    let client = s.client_usage(own);
+    assert_eq!(
+        (
+            client.prompt_tokens,
+            client.cached_tokens,
+            client.completion_tokens
+        ),
+        (10, Some(10), 7)
+    );
+    assert_eq!(client.total(), own.total());
+}
