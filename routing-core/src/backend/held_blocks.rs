@@ -397,6 +397,24 @@ mod tests {
     struct Counts(HashMap<u64, u32>);
 
     impl Counts {
+        /// A lease holds `blocks`: one more reference to each.
+        fn add(&mut self, blocks: &[u64]) {
+            for b in blocks {
+                *self.0.entry(*b).or_default() += 1;
+            }
+        }
+
+        /// A lease releases `blocks`: one reference fewer to each, forgotten at zero.
+        fn remove(&mut self, blocks: &[u64]) {
+            for b in blocks {
+                let n = self.0.get_mut(b).unwrap();
+                *n -= 1;
+                if *n == 0 {
+                    self.0.remove(b);
+                }
+            }
+        }
+
         fn distinct(&self) -> usize {
             self.0.len()
         }
@@ -430,20 +448,12 @@ mod tests {
             for (start, lease, family, shared, own) in ops {
                 let blocks = chain(family, shared, lease, own);
                 if start && live.iter().all(|(id, _)| *id != lease) {
-                    for b in &blocks {
-                        *counts.0.entry(*b).or_default() += 1;
-                    }
+                    counts.add(&blocks);
                     h.hold(lease, blocks.clone(), 0, 0, 0);
                     live.push((lease, blocks.clone()));
                 } else if let Some(i) = live.iter().position(|(id, _)| *id == lease) {
                     let (_, held) = live.swap_remove(i);
-                    for b in &held {
-                        let n = counts.0.get_mut(b).unwrap();
-                        *n -= 1;
-                        if *n == 0 {
-                            counts.0.remove(b);
-                        }
-                    }
+                    counts.remove(&held);
                     prop_assert_eq!(h.release(lease), Some(HeldChain::of(&held)));
                 } else {
                     prop_assert_eq!(h.release(lease), None);
@@ -478,20 +488,12 @@ mod tests {
             for (start, lease, family, shared, own) in ops {
                 let blocks = long_chain(family, shared, lease, own);
                 if start && live.iter().all(|(id, _)| *id != lease) {
-                    for b in &blocks {
-                        *counts.0.entry(*b).or_default() += 1;
-                    }
+                    counts.add(&blocks);
                     h.hold(lease, blocks.clone(), 0, 0, 0);
                     live.push((lease, blocks));
                 } else if let Some(i) = live.iter().position(|(id, _)| *id == lease) {
                     let (_, held) = live.swap_remove(i);
-                    for b in &held {
-                        let n = counts.0.get_mut(b).unwrap();
-                        *n -= 1;
-                        if *n == 0 {
-                            counts.0.remove(b);
-                        }
-                    }
+                    counts.remove(&held);
                     prop_assert_eq!(h.release(lease).map(|c| c.len()), Some(held.len()));
                 }
                 let total: usize = live.iter().map(|(_, b)| b.len()).sum();
