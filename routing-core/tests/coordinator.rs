@@ -1169,6 +1169,28 @@ fn a_renewal_crossing_a_refused_retry_leaves_no_phantom_lease() {
     assert_eq!(c.pool().live_leases(), 1);
 }
 
+/// What a restarted pool restores: one ready, healthy backend of 2 sequences.
+fn one_ready_backend() -> Stored {
+    let ready = BackendSnapshot {
+        id: id(0),
+        lifecycle: Lifecycle::Ready,
+        health: HealthState::Healthy,
+        ..BackendSnapshot::default()
+    };
+    Stored {
+        backends: vec![(spec(0, 2), Some(ready))],
+        ..Stored::default()
+    }
+}
+
+/// The settle's only effect is the answer granting `ticket`.
+fn assert_only_granted(effects: &[Effect], ticket: Ticket) {
+    assert!(
+        matches!(effects, [Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. }] if *t == ticket),
+        "{effects:?}"
+    );
+}
+
 /// Issue 42, "still open" (a): leases live in memory only, so a restarted pool does not see the
 /// streams still running on its backends until they renew. With admission control on it must not
 /// grant a backend's whole `max_num_seqs` on top of them: for one renewal period after the
@@ -1176,16 +1198,7 @@ fn a_renewal_crossing_a_refused_retry_leaves_no_phantom_lease() {
 /// running streams again, and then the queue is admitted against the true counts.
 #[test]
 fn a_restarted_pool_holds_admission_until_running_streams_renewed() {
-    let ready = BackendSnapshot {
-        id: id(0),
-        lifecycle: Lifecycle::Ready,
-        health: HealthState::Healthy,
-        ..BackendSnapshot::default()
-    };
-    let stored = Stored {
-        backends: vec![(spec(0, 2), Some(ready))],
-        ..Stored::default()
-    };
+    let stored = one_ready_backend();
     let restart = 1_000;
     let (mut c, failed) =
         Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, restart);
@@ -1216,47 +1229,23 @@ fn a_restarted_pool_holds_admission_until_running_streams_renewed() {
     // One of them ends: the waiter gets its place.
     release(&mut c, 41, &id(0), over + 1);
     let effects = c.settle(over + 1, &calls);
-    assert!(
-        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. }] if *t == ticket),
-        "{effects:?}"
-    );
+    assert_only_granted(&effects, ticket);
 }
 
 /// The hold ends by itself: a restarted pool that nobody renews to admits its queue once one
 /// renewal period is over.
 #[test]
 fn a_restarted_pool_admits_its_queue_once_the_hold_is_over() {
-    let ready = BackendSnapshot {
-        id: id(0),
-        lifecycle: Lifecycle::Ready,
-        health: HealthState::Healthy,
-        ..BackendSnapshot::default()
-    };
-    let stored = Stored {
-        backends: vec![(spec(0, 2), Some(ready))],
-        ..Stored::default()
-    };
+    let stored = one_ready_backend();
     let (mut c, _) = Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, 0);
     let calls = Hungup::default();
     let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
     let (ticket, _, _) = wait(step);
     assert_eq!(c.settle(TTL / 3, &calls), vec![]);
     let effects = c.settle(TTL / 3 + 1_000, &calls);
-    assert!(
-        matches!(effects.as_slice(), [Effect::Answer { ticket: t, verdict: WaitEnd::Granted { .. }, .. }] if *t == ticket),
-        "{effects:?}"
-    );
+    assert_only_granted(&effects, ticket);
     // Without admission control there is nothing to hold: a pool restarted with it off grants.
-    let ready = BackendSnapshot {
-        id: id(0),
-        lifecycle: Lifecycle::Ready,
-        health: HealthState::Healthy,
-        ..BackendSnapshot::default()
-    };
-    let stored = Stored {
-        backends: vec![(spec(0, 2), Some(ready))],
-        ..Stored::default()
-    };
+    let stored = one_ready_backend();
     let (mut c, _) = Coordinator::restore("p", 0, settings(routing()), stored, 1, 0);
     acquire(&mut c, 10);
 }
@@ -1280,16 +1269,7 @@ fn a_probe_round_that_finds_no_hidden_stream_ends_the_restart_hold() {
         },
         ..ProbeReport::default()
     };
-    let ready = BackendSnapshot {
-        id: id(0),
-        lifecycle: Lifecycle::Ready,
-        health: HealthState::Healthy,
-        ..BackendSnapshot::default()
-    };
-    let stored = Stored {
-        backends: vec![(spec(0, 2), Some(ready))],
-        ..Stored::default()
-    };
+    let stored = one_ready_backend();
     let (mut c, _) = Coordinator::restore("p", 0, settings(queued(60_000)), stored, 1, 0);
     let calls = Hungup::default();
     let (step, _) = c.acquire(features(), who("a"), None, false, 10, &calls);
