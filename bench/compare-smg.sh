@@ -183,7 +183,7 @@ start_fleet() {
 
 # smg in front of the fleet (`smg launch --help`). Its cache_aware defaults (cache threshold 0.3,
 # balance thresholds 64 / 1.5, eviction every 60 s, tree of 2^26, KV-usage thresholds off) are kept;
-# --block-size is the fleet's (vllm-sim's 16-token blocks, also smg's default; with HTTP workers smg
+# --block-size is the fleet's (vllm-sim's 64-token blocks, vLLM 0.34's; with HTTP workers smg
 # matches on its approximate tree of the request text, the block size only counts in its
 # event-driven mode). Its Prometheus listener would bind 0.0.0.0:29000 by default, so it gets a
 # free loopback port too.
@@ -193,7 +193,7 @@ start_smg() {
   prom=$(free_port)
   mapfile -t urls < <(members)
   SMG_CMD=("$SMG" launch --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" --policy cache_aware
-    --block-size 16 --prometheus-host 127.0.0.1 --prometheus-port "$prom")
+    --block-size 64 --prometheus-host 127.0.0.1 --prometheus-port "$prom")
   setsid "${SMG_CMD[@]}" >>"$TMP/smg.log" 2>&1 &
   SMG_PID=$!
   # Up when /readiness counts every worker healthy (its /health answers before they are registered).
