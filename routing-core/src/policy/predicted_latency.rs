@@ -37,6 +37,10 @@ use serde::{Deserialize, Serialize};
 /// 2% of the best cost to 1.25x.
 const NEAR_TIE_MS: f64 = 1.0;
 
+/// Added to the price of a backend outside `tail_harm_band`, so every backend within it ranks
+/// first (prices are ms; no prediction comes near).
+const OUT_OF_BAND: f64 = 1e12;
+
 /// Knobs of the predicted_latency policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -92,6 +96,12 @@ pub struct PredictedLatencyConfig {
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
     pub tail_quantile: f64,
+    /// Where tail harm may move a request (default 0: anywhere, priced with the rest). Above 0,
+    /// tail harm only chooses among the backends whose price without it is within this share of
+    /// the best's (0.25: at most 25% more, and 1 ms), so keeping a prompt's prefill off the
+    /// answers in the tail never costs that prompt more than the band; the others follow in
+    /// their order.
+    pub tail_harm_band: f64,
     /// Weight of the prefill a backend's computed prefix of the prompt saves (`affinity_ms`),
     /// subtracted from its price where every wait before the prefill there (`queue_ms`) is at
     /// most `affinity_queue_ms` (default 0, off): a bonus for the prefix's holder above the
@@ -106,6 +116,11 @@ pub struct PredictedLatencyConfig {
     pub affinity_weight: f64,
     /// The longest wait before the prefill (ms) at which `affinity_weight` applies (default 250).
     pub affinity_queue_ms: f64,
+    /// Above 0, `affinity_weight` also applies at any wait when every candidate waits at least
+    /// this long (ms) before its prefill (default 0, never): with no idle backend, a prefix
+    /// computed again elsewhere is GPU time taken from every request queued behind it there, so
+    /// the saved prefill is priced as capacity, not only as the request's own time.
+    pub affinity_busy_ms: f64,
 }
 
 impl Default for PredictedLatencyConfig {
@@ -119,8 +134,10 @@ impl Default for PredictedLatencyConfig {
             first_token_harm_weight: 0.3,
             tail_harm_weight: 0.0,
             tail_quantile: 0.95,
+            tail_harm_band: 0.0,
             affinity_weight: 0.0,
             affinity_queue_ms: 250.0,
+            affinity_busy_ms: 0.0,
         }
     }
 }
@@ -137,9 +154,11 @@ impl PredictedLatencyConfig {
             || !ok(self.tail_harm_weight)
             || !ok(self.affinity_weight)
             || !ok(self.affinity_queue_ms)
+            || !ok(self.tail_harm_band)
+            || !ok(self.affinity_busy_ms)
         {
             return Err(
-                "predicted_latency weights and affinity_queue_ms must be within [0, 1e6]".into(),
+                "predicted_latency weights, affinity_queue_ms, affinity_busy_ms and tail_harm_band must be within [0, 1e6]".into(),
             );
         }
         if !(self.wait_quantile.is_finite() && (1.0..=100.0).contains(&self.wait_quantile)) {
@@ -186,20 +205,39 @@ impl RoutingPolicy for PredictedLatency {
             return DecisionKind::CacheMiss;
         }
         let cfg = &self.config;
-        let score = |i: usize| {
+        let banded = cfg.tail_harm_band > 0.0;
+        // No idle backend: every candidate waits before its prefill.
+        let busy =
+            cfg.affinity_busy_ms > 0.0 && cands.iter().all(|c| c.queue_ms >= cfg.affinity_busy_ms);
+        let base = |i: usize| {
             let c = &cands[i];
             let ttft = c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms;
+            let tail = if banded { 0.0 } else { c.tail_harm_ms };
             cfg.ttft_weight * ttft
                 + cfg.decode_weight * c.decode_ms
                 + cfg.harm_weight * c.harm_ms
                 + cfg.stall_weight * c.stall_ms
                 + cfg.first_token_harm_weight * c.first_token_harm_ms
-                + cfg.tail_harm_weight * c.tail_harm_ms
-                - if c.queue_ms <= cfg.affinity_queue_ms {
+                + cfg.tail_harm_weight * tail
+                - if busy || c.queue_ms <= cfg.affinity_queue_ms {
                     cfg.affinity_weight * c.affinity_ms
                 } else {
                     0.0
                 }
+        };
+        // With a band, tail harm ranks only the backends priced within it of the best; the rest
+        // come after them, in their own order.
+        let base_best = (0..n).map(base).fold(f64::INFINITY, f64::min);
+        let band_edge = base_best + (cfg.tail_harm_band * base_best.abs()).max(NEAR_TIE_MS);
+        let score = |i: usize| {
+            let s = base(i);
+            if !banded {
+                s
+            } else if s <= band_edge {
+                s + cfg.tail_harm_weight * cands[i].tail_harm_ms
+            } else {
+                s + OUT_OF_BAND
+            }
         };
         // Predictions this close are the same to the model's precision (an idle pool's backends
         // tie exactly): among them the one whose KV cache holds least goes first, so new
@@ -355,6 +393,71 @@ mod tests {
         assert_eq!(with(4.0, 250.0), 0);
         // A queue longer than the bound gets no bonus.
         assert_eq!(with(4.0, 50.0), 1);
+        // Unless no backend is idle: with both waiting at least 80 ms, the busy rule prices it.
+        let busy = |c: &[Candidate], busy_ms: f64| {
+            let input = DecisionInput {
+                candidates: c,
+                slot_index: &identity(2),
+                key_hash: None,
+                limit: 2,
+            };
+            let mut order = Vec::new();
+            PredictedLatency::new(PredictedLatencyConfig {
+                affinity_weight: 4.0,
+                affinity_queue_ms: 0.0,
+                affinity_busy_ms: busy_ms,
+                ..Default::default()
+            })
+            .rank(&input, &mut SplitMix64::new(7), &mut order);
+            order[0]
+        };
+        assert_eq!(busy(&c, 80.0), 1, "slot 1 is idle: the fleet is not busy");
+        c[1].ttft_ms = 90.0;
+        c[1].queue_ms = 90.0;
+        assert_eq!(busy(&c, 80.0), 0);
+        assert_eq!(busy(&c, 0.0), 1, "off");
+        assert_eq!(busy(&c, 95.0), 1, "slot 1 waits less than the bound");
+    }
+
+    #[test]
+    fn a_tail_harm_band_lets_tail_harm_choose_only_among_the_backends_priced_near_the_best() {
+        let mut c = candidates(&[0.0; 3]);
+        // Slot 0 is the fastest but its prefill would push answers in the tail by 400 ms; slot 1
+        // is 20% slower with no tail harm; slot 2 is twice as slow with none either.
+        for (i, (t, tail)) in [(100.0, 400.0), (120.0, 0.0), (200.0, 0.0)]
+            .into_iter()
+            .enumerate()
+        {
+            c[i].ttft_ms = t;
+            c[i].tail_harm_ms = tail;
+        }
+        let first = |c: &[Candidate], band: f64| {
+            let input = DecisionInput {
+                candidates: c,
+                slot_index: &identity(3),
+                key_hash: None,
+                limit: 3,
+            };
+            let mut order = Vec::new();
+            PredictedLatency::new(PredictedLatencyConfig {
+                tail_harm_weight: 0.5,
+                tail_harm_band: band,
+                ..Default::default()
+            })
+            .rank(&input, &mut SplitMix64::new(7), &mut order);
+            order
+        };
+        // Unbanded, 0.5 x 400 ms of tail harm moves it to slot 1.
+        assert_eq!(first(&c, 0.0)[0], 1);
+        // A 25% band holds slot 1 (20% slower): the same choice, slot 2 last.
+        assert_eq!(first(&c, 0.25), vec![1, 0, 2]);
+        // A 10% band does not: slot 0 keeps it, the others follow by price.
+        assert_eq!(first(&c, 0.1), vec![0, 1, 2]);
+        // Without tail harm anywhere, the band changes nothing.
+        for x in &mut c {
+            x.tail_harm_ms = 0.0;
+        }
+        assert_eq!(first(&c, 0.25), vec![0, 1, 2]);
     }
 
     #[test]
@@ -411,6 +514,13 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+        for tail_harm_band in [-0.1, f64::INFINITY] {
+            let bad = PredictedLatencyConfig {
+                tail_harm_band,
+                ..Default::default()
+            };
+            assert!(bad.validate().is_err(), "{tail_harm_band}");
+        }
         for (affinity_weight, affinity_queue_ms) in [(-1.0, 250.0), (4.0, f64::NAN)] {
             let bad = PredictedLatencyConfig {
                 affinity_weight,

@@ -253,9 +253,10 @@ enum Cmd {
         /// Only these workloads, by name (`overhead` for the overhead benchmark); default all.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// These policies, in this order, instead of the config's list. A policy the gateway
-        /// refuses (HTTP 400) is skipped and reported as not run.
-        #[arg(long, value_delimiter = ',')]
+        /// These policies, in this order, instead of the config's list, comma-separated (a
+        /// policy's JSON knobs may hold commas). A policy the gateway refuses (HTTP 400) is
+        /// skipped and reported as not run.
+        #[arg(long)]
         policies: Vec<String>,
         /// The policy the targets table is about (default: the config's `default_policy`).
         #[arg(long)]
@@ -541,7 +542,7 @@ async fn main_inner(cli: Cli) -> Result<(), String> {
             let opts = bench::BenchOptions {
                 harness: h.harness(),
                 only_workloads: only,
-                policies,
+                policies: bench::gateway::split_policies(&policies),
                 capacity_rps: bench::parse_capacities(&capacity_rps)?,
                 levels,
                 closed_loop,

@@ -155,3 +155,48 @@ impl Gateway {
         }
     }
 }
+
+/// Splits a list of policies given as one comma-separated argument at its top-level commas only,
+/// so a policy's knobs (`name+{json}`) may hold commas of their own:
+/// `a,b+{"x":{"y":1,"z":2}}` is two policies.
+pub fn split_policies(args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for arg in args {
+        let (mut depth, mut start) = (0i32, 0);
+        for (i, ch) in arg.char_indices() {
+            match ch {
+                '{' | '[' => depth += 1,
+                '}' | ']' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(arg[start..i].to_string());
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        out.push(arg[start..].to_string());
+    }
+    out.retain(|p| !p.is_empty());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_policies;
+
+    #[test]
+    fn policies_split_at_top_level_commas_only() {
+        let args = vec![
+            r#"round_robin,predicted_latency+{"predicted_latency":{"a":1,"b":[2,3]}}"#.to_string(),
+            "smg,".to_string(),
+        ];
+        assert_eq!(
+            split_policies(&args),
+            vec![
+                "round_robin",
+                r#"predicted_latency+{"predicted_latency":{"a":1,"b":[2,3]}}"#,
+                "smg"
+            ]
+        );
+    }
+}

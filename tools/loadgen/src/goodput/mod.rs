@@ -101,9 +101,10 @@ pub struct Choices {
     /// Only these trace workloads, by name (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
-    /// These routers, in order: gateway policies or external routers' names (default: every
-    /// policy of the bench config, then every external router).
-    #[arg(long, value_delimiter = ',')]
+    /// These routers, in order, comma-separated: gateway policies (`name+{json}` with knobs,
+    /// whose commas stay inside) or external routers' names (default: every policy of the bench
+    /// config, then every external router).
+    #[arg(long)]
     pub routers: Vec<String>,
     /// Trace windows per load (default: the config's).
     #[arg(long)]
@@ -144,7 +145,7 @@ impl Plan {
             routers: if opts.routers.is_empty() {
                 routers
             } else {
-                opts.routers.clone()
+                crate::bench::gateway::split_policies(&opts.routers)
             },
             windows: opts.windows.unwrap_or(windows).max(1),
             search: SearchConfig {
