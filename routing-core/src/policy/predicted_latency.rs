@@ -275,16 +275,24 @@ mod tests {
     use crate::random::SplitMix64;
 
     fn rank(c: &[Candidate]) -> (DecisionKind, Vec<usize>) {
+        rank_with(c, 3, PredictedLatencyConfig::default())
+    }
+
+    /// The decision and the order of up to `limit` candidates under `config`.
+    fn rank_with(
+        c: &[Candidate],
+        limit: usize,
+        config: PredictedLatencyConfig,
+    ) -> (DecisionKind, Vec<usize>) {
         let idx = identity(c.len());
         let input = DecisionInput {
             candidates: c,
             slot_index: &idx,
             key_hash: None,
-            limit: 3,
+            limit,
         };
         let mut order = Vec::new();
-        let mut p = PredictedLatency::new(PredictedLatencyConfig::default());
-        let kind = p.rank(&input, &mut SplitMix64::new(7), &mut order);
+        let kind = PredictedLatency::new(config).rank(&input, &mut SplitMix64::new(7), &mut order);
         (kind, order)
     }
 
@@ -371,20 +379,12 @@ mod tests {
         c[0].affinity_ms = 300.0;
         c[1].ttft_ms = 0.0;
         let with = |weight: f64, queue_ms: f64| {
-            let input = DecisionInput {
-                candidates: &c,
-                slot_index: &identity(2),
-                key_hash: None,
-                limit: 2,
-            };
-            let mut order = Vec::new();
-            PredictedLatency::new(PredictedLatencyConfig {
+            let config = PredictedLatencyConfig {
                 affinity_weight: weight,
                 affinity_queue_ms: queue_ms,
                 ..Default::default()
-            })
-            .rank(&input, &mut SplitMix64::new(7), &mut order);
-            order[0]
+            };
+            rank_with(&c, 2, config).1[0]
         };
         // Off by default: the cold backend starts sooner (250 + 2 x 100 ms of priced wait).
         assert_eq!(rank(&c).1[0], 1);
@@ -395,21 +395,13 @@ mod tests {
         assert_eq!(with(4.0, 50.0), 1);
         // Unless no backend is idle: with both waiting at least 80 ms, the busy rule prices it.
         let busy = |c: &[Candidate], busy_ms: f64| {
-            let input = DecisionInput {
-                candidates: c,
-                slot_index: &identity(2),
-                key_hash: None,
-                limit: 2,
-            };
-            let mut order = Vec::new();
-            PredictedLatency::new(PredictedLatencyConfig {
+            let config = PredictedLatencyConfig {
                 affinity_weight: 4.0,
                 affinity_queue_ms: 0.0,
                 affinity_busy_ms: busy_ms,
                 ..Default::default()
-            })
-            .rank(&input, &mut SplitMix64::new(7), &mut order);
-            order[0]
+            };
+            rank_with(c, 2, config).1[0]
         };
         assert_eq!(busy(&c, 80.0), 1, "slot 1 is idle: the fleet is not busy");
         c[1].ttft_ms = 90.0;
@@ -432,20 +424,12 @@ mod tests {
             c[i].tail_harm_ms = tail;
         }
         let first = |c: &[Candidate], band: f64| {
-            let input = DecisionInput {
-                candidates: c,
-                slot_index: &identity(3),
-                key_hash: None,
-                limit: 3,
-            };
-            let mut order = Vec::new();
-            PredictedLatency::new(PredictedLatencyConfig {
+            let config = PredictedLatencyConfig {
                 tail_harm_weight: 0.5,
                 tail_harm_band: band,
                 ..Default::default()
-            })
-            .rank(&input, &mut SplitMix64::new(7), &mut order);
-            order
+            };
+            rank_with(c, 3, config).1
         };
         // Unbanded, 0.5 x 400 ms of tail harm moves it to slot 1.
         assert_eq!(first(&c, 0.0)[0], 1);
