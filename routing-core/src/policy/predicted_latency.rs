@@ -226,9 +226,13 @@ impl RoutingPolicy for PredictedLatency {
                 }
         };
         // With a band, tail harm ranks only the backends priced within it of the best; the rest
-        // come after them, in their own order.
-        let base_best = (0..n).map(base).fold(f64::INFINITY, f64::min);
-        let band_edge = base_best + (cfg.tail_harm_band * base_best.abs()).max(NEAR_TIE_MS);
+        // come after them, in their own order. Without one (the default) no edge is computed.
+        let band_edge = if banded {
+            let base_best = (0..n).map(base).fold(f64::INFINITY, f64::min);
+            base_best + (cfg.tail_harm_band * base_best.abs()).max(NEAR_TIE_MS)
+        } else {
+            f64::INFINITY
+        };
         let score = |i: usize| {
             let s = base(i);
             if !banded {
