@@ -115,6 +115,9 @@ pub struct Choices {
     /// Requests per window (default: the workload's).
     #[arg(long)]
     pub requests: Option<usize>,
+    /// A screen: probe exactly these speed-ups, in order, instead of searching (e.g. 19,20.7,22.6).
+    #[arg(long, value_delimiter = ',')]
+    pub at: Vec<f64>,
 }
 
 /// What was run, after the options: the routers, windows, steps and requests per window.
@@ -128,6 +131,8 @@ pub struct Plan {
     pub search: SearchConfig,
     /// Requests per window, if cut.
     pub requests: Option<usize>,
+    /// A screen's fixed speed-ups (empty: the search).
+    pub at: Vec<f64>,
 }
 
 impl Plan {
@@ -153,6 +158,7 @@ impl Plan {
                 ..cfg.search
             },
             requests: opts.requests.or(requests),
+            at: opts.at.clone(),
         }
     }
 }
@@ -438,7 +444,11 @@ pub async fn goodput(
                 broken_speedup: None,
                 points: Vec::new(),
             };
-            let mut search = Search::new(plan.search, start);
+            let mut search = if plan.at.is_empty() {
+                Search::new(plan.search, start)
+            } else {
+                Search::fixed(plan.search, &plan.at)
+            };
             while result.skipped.is_none() {
                 let Some(x) = search.next() else { break };
                 let mode = Mode::of(Load::Replay(x), None);

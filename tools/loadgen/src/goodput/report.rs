@@ -123,17 +123,28 @@ pub fn markdown(result: &GoodputResult, stem: &str) -> String {
     let m = &result.machine;
     let _ = writeln!(
         out,
-        "`{}` on {} cores ({}), {:.0} s. Bench config `{}` (fleet, seed, trace windows); {} window(s) per load (window i starts i x the window's requests later in the trace; the figures of a load are the median over its windows, with the lowest and highest in brackets); search: start at the config's lowest speed-up, x{} per step while the SLO holds (/{} while it does not), then geometric bisection, at most {} probes, stop within {}%; every window on a fresh fleet and a re-registered pool (or a fresh external router).\n",
+        "`{}` on {} cores ({}), {:.0} s. Bench config `{}` (fleet, seed, trace windows); {} window(s) per load (window i starts i x the window's requests later in the trace; the figures of a load are the median over its windows, with the lowest and highest in brackets); {}; every window on a fresh fleet and a re-registered pool (or a fresh external router).\n",
         result.command,
         m.get("nproc").map_or("?", String::as_str),
         m.get("cpu").map_or("?", String::as_str),
         result.seconds,
         c.bench.display(),
         result.plan.windows,
-        c.search.growth,
-        c.search.growth,
-        result.plan.search.steps,
-        c.search.tolerance * 100.0,
+        if result.plan.at.is_empty() {
+            format!(
+                "search: start at the config's lowest speed-up, x{} per step while the SLO holds (/{} while it does not), then geometric bisection, at most {} probes, stop within {}%",
+                c.search.growth,
+                c.search.growth,
+                result.plan.search.steps,
+                c.search.tolerance * 100.0,
+            )
+        } else {
+            let at: Vec<String> = result.plan.at.iter().map(|x| format!("x{x}")).collect();
+            format!(
+                "a screen, not a search: every router probed at {} only (its highest sustained load is the highest of these below every broken one)",
+                at.join(", ")
+            )
+        },
     );
     let _ = writeln!(
         out,

@@ -1,7 +1,8 @@
 //! The goodput benchmark's search over replay speed-ups: start at a load, multiply it by a growth
 //! factor while the SLO holds, divide it while it does not, then bisect (geometrically) between
 //! the highest load that held and the lowest that broke, within a bounded number of probes. Pure:
-//! the caller runs each probe and records whether the SLO held.
+//! the caller runs each probe and records whether the SLO held. A screen (`--at`) probes a fixed
+//! list of speed-ups instead, in order, so variants are compared at the loads that decide them.
 
 use serde::{Deserialize, Serialize};
 
@@ -60,6 +61,8 @@ impl Default for SearchConfig {
 pub struct Search {
     config: SearchConfig,
     start: f64,
+    /// A screen's speed-ups, probed in order instead of the search (empty: search).
+    fixed: Vec<f64>,
     probes: Vec<(f64, bool)>,
 }
 
@@ -74,6 +77,18 @@ impl Search {
         Search {
             start: round1(start.clamp(config.min, config.max)),
             config,
+            fixed: Vec::new(),
+            probes: Vec::new(),
+        }
+    }
+
+    /// A screen: probes exactly `speedups`, in order (each rounded to one decimal), whatever
+    /// they show.
+    pub fn fixed(config: SearchConfig, speedups: &[f64]) -> Search {
+        Search {
+            start: speedups.first().copied().map_or(config.min, round1),
+            config,
+            fixed: speedups.iter().copied().map(round1).collect(),
             probes: Vec::new(),
         }
     }
@@ -113,6 +128,9 @@ impl Search {
     /// or the bracket is within the tolerance).
     pub fn next(&self) -> Option<f64> {
         let c = &self.config;
+        if !self.fixed.is_empty() {
+            return self.fixed.get(self.probes.len()).copied();
+        }
         if self.probes.len() >= c.steps {
             return None;
         }
@@ -203,6 +221,19 @@ mod tests {
         let s = run(capped, 8.0, 100.0);
         assert_eq!(s.probes(), [(8.0, true), (16.0, true), (20.0, true)]);
         assert_eq!(s.next(), None, "at the ceiling");
+    }
+
+    #[test]
+    fn a_screen_probes_its_list_whatever_it_shows() {
+        let mut s = Search::fixed(SearchConfig::default(), &[19.0, 20.71, 22.6]);
+        let mut seen = Vec::new();
+        while let Some(x) = s.next() {
+            seen.push(x);
+            s.record(x, x < 20.0);
+        }
+        assert_eq!(seen, vec![19.0, 20.7, 22.6]);
+        assert_eq!(s.sustained(), Some(19.0));
+        assert_eq!(s.lowest_broken(), Some(20.7));
     }
 
     #[test]
