@@ -58,7 +58,10 @@ pub struct PredictedLatencyConfig {
     /// The wait before the prefill starts (prefill queue, room, other clients' queue) is priced
     /// at this multiple of its predicted mean (default 3): a high quantile of a wait, which
     /// varies about as much as it lasts, rather than its mean, so a backend whose queue might
-    /// run long loses to an idle one that only looks a little slower.
+    /// run long loses to an idle one that only looks a little slower. At 2 the conversation
+    /// trace's hit rate rose by 1-1.5 points on the real stack (2026-12-06), but in the timed
+    /// simulation `make bench`'s prefix groups (64 closed-loop clients) had their TTFT p99 go
+    /// from 360 to 461 ms with tail harm on, so it stays 3.
     pub wait_quantile: f64,
     /// Weight of the time other prompts' prefill would add to the request's decode there
     /// (`stall_ms`, from the backend's recent share of time in prefill; default 0, off). In the
@@ -90,8 +93,16 @@ pub struct PredictedLatencyConfig {
     /// 2026-12-05, three windows of each trace paired) 0.5 took e2e p99 to 0.90x / 0.89x / 0.85x
     /// / 0.92x of the default's at conversation x8 / x16, synthetic x12 / x24, but TTFT p99 to
     /// 1.05x / 0.99x / 1.03x / 1.14x (synthetic x24 in every window, which the simulation did not
-    /// show); the default ranks the first token first, so it is off, for fleets whose SLO is on
-    /// whole answers.
+    /// show). The goodput benchmark (`make bench-goodput`, 2026-12-06, 3 windows per load) then
+    /// showed what the e2e tail costs: near saturation every router broke on e2e p99 with TTFT p99
+    /// far inside its bound. At 1 (the default since) the conversation trace held x20.7 (e2e p99
+    /// 1,894 ms against a 2,004 ms bound; without tail harm 2,256 and 2,000 ms in two runs;
+    /// cache-aware's highest sustained load) and the synthetic trace x17 (the baselines' best,
+    /// x14.3), both breaking on e2e p99 one step up. At the bench's loads e2e p99 was 1,021 / 1,398 ms at conversation x8
+    /// / x16 and 627 ms at synthetic x12, 0.94x / 0.93x / 0.81x the best baseline's in a run of
+    /// the same day, and TTFT p99 600 / 660 / 382 ms, 0.99x / 0.97x / 1.01x. The first token of
+    /// the longest prompts, which set TTFT p99, is what tail harm can cost (at 1 with
+    /// `wait_quantile` 2: 1.05x at conversation x8 in one run, 0.98x in another).
     pub tail_harm_weight: f64,
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
@@ -102,6 +113,14 @@ pub struct PredictedLatencyConfig {
     /// answers in the tail never costs that prompt more than the band; the others follow in
     /// their order.
     pub tail_harm_band: f64,
+    /// Above 0, tail harm never moves a request's start past the pool's time to first byte at
+    /// this quantile (0.5 to 0.999; default 0, off): with tail harm on, a backend where the
+    /// request's start (priced as ranked: the wait at `wait_quantile`, and any re-send) would
+    /// come later than both that tail and the fastest start there ranks after every one where it
+    /// would not. A short prompt may then wait for a backend whose running answers it would not
+    /// hold up, as long as it still starts inside the tail; a long one, whose start sets the
+    /// tail, keeps the fastest start it has.
+    pub tail_harm_ttft_quantile: f64,
     /// Weight of the prefill a backend's computed prefix of the prompt saves (`affinity_ms`),
     /// subtracted from its price where every wait before the prefill there (`queue_ms`) is at
     /// most `affinity_queue_ms` (default 0, off): a bonus for the prefix's holder above the
@@ -132,9 +151,10 @@ impl Default for PredictedLatencyConfig {
             wait_quantile: 3.0,
             stall_weight: 0.0,
             first_token_harm_weight: 0.3,
-            tail_harm_weight: 0.0,
+            tail_harm_weight: 1.0,
             tail_quantile: 0.95,
             tail_harm_band: 0.0,
+            tail_harm_ttft_quantile: 0.0,
             affinity_weight: 0.0,
             affinity_queue_ms: 250.0,
             affinity_busy_ms: 0.0,
@@ -166,6 +186,12 @@ impl PredictedLatencyConfig {
         }
         if !(self.tail_quantile.is_finite() && (0.5..=0.999).contains(&self.tail_quantile)) {
             return Err("predicted_latency.tail_quantile must be within [0.5, 0.999]".into());
+        }
+        let q = self.tail_harm_ttft_quantile;
+        if !(q == 0.0 || (q.is_finite() && (0.5..=0.999).contains(&q))) {
+            return Err(
+                "predicted_latency.tail_harm_ttft_quantile must be 0 or within [0.5, 0.999]".into(),
+            );
         }
         if self.ttft_weight == 0.0 && self.decode_weight == 0.0 {
             return Err("predicted_latency weights must not both be 0".into());
@@ -206,12 +232,20 @@ impl RoutingPolicy for PredictedLatency {
         }
         let cfg = &self.config;
         let banded = cfg.tail_harm_band > 0.0;
+        // The pool's TTFT tail guards tail harm once learned (the pool prices it only then).
+        let ttft_tail = cands[0].ttft_tail_ms;
+        let guarded = cfg.tail_harm_weight > 0.0 && ttft_tail > 0.0;
         // No idle backend: every candidate waits before its prefill.
         let busy =
             cfg.affinity_busy_ms > 0.0 && cands.iter().all(|c| c.queue_ms >= cfg.affinity_busy_ms);
+        // The request's start there, as ranked: the wait at its quantile, and any re-send.
+        let start = |i: usize| {
+            let c = &cands[i];
+            c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms
+        };
         let base = |i: usize| {
             let c = &cands[i];
-            let ttft = c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms;
+            let ttft = start(i);
             let tail = if banded { 0.0 } else { c.tail_harm_ms };
             cfg.ttft_weight * ttft
                 + cfg.decode_weight * c.decode_ms
@@ -233,11 +267,19 @@ impl RoutingPolicy for PredictedLatency {
         } else {
             f64::INFINITY
         };
+        // With the guard, a start later than both the TTFT tail and the fastest start ranks last.
+        let start_edge = if guarded {
+            let fastest = (0..n).map(start).fold(f64::INFINITY, f64::min);
+            fastest.max(ttft_tail) + NEAR_TIE_MS
+        } else {
+            f64::INFINITY
+        };
         let score = |i: usize| {
             let s = base(i);
+            let late = start(i) > start_edge;
             if !banded {
-                s
-            } else if s <= band_edge {
+                s + if late { OUT_OF_BAND } else { 0.0 }
+            } else if s <= band_edge && !late {
                 s + cfg.tail_harm_weight * cands[i].tail_harm_ms
             } else {
                 s + OUT_OF_BAND
@@ -449,6 +491,56 @@ mod tests {
     }
 
     #[test]
+    fn the_ttft_guard_lets_tail_harm_move_a_start_only_within_the_pools_ttft_tail() {
+        // Slot 0 starts the request first but would push answers in the tail by 400 ms; slot 1
+        // starts it 300 ms later and holds up nothing in the tail.
+        let mut c = candidates(&[0.0; 2]);
+        for (i, (t, tail)) in [(100.0, 400.0), (400.0, 0.0)].into_iter().enumerate() {
+            c[i].ttft_ms = t;
+            c[i].tail_harm_ms = tail;
+        }
+        let first = |c: &[Candidate], ttft_tail: f64| {
+            let mut c = c.to_vec();
+            for x in &mut c {
+                x.ttft_tail_ms = ttft_tail;
+            }
+            let config = PredictedLatencyConfig {
+                tail_harm_weight: 1.0,
+                tail_harm_ttft_quantile: 0.99,
+                ..Default::default()
+            };
+            rank_with(&c, 2, config).1
+        };
+        // Not learned yet (0): tail harm alone decides, slot 1.
+        assert_eq!(first(&c, 0.0), vec![1, 0]);
+        // A TTFT tail of 500 ms: slot 1's start is inside it, so tail harm may move it there.
+        assert_eq!(first(&c, 500.0), vec![1, 0]);
+        // A tail of 300 ms: slot 1 would start past it, and slot 0 sooner, so slot 0 keeps it.
+        assert_eq!(first(&c, 300.0), vec![0, 1]);
+        // A long prompt whose fastest start is past the tail already keeps that start.
+        c[0].ttft_ms = 700.0;
+        c[1].ttft_ms = 750.0;
+        assert_eq!(first(&c, 300.0), vec![0, 1]);
+        // Within 1 ms of the fastest start counts as the fastest.
+        c[1].ttft_ms = 700.5;
+        assert_eq!(first(&c, 300.0), vec![1, 0]);
+        // Without tail harm the guard is off: a slower start with less harm may win as before.
+        c[0].ttft_ms = 100.0;
+        c[0].harm_ms = 2_000.0;
+        c[1].ttft_ms = 400.0;
+        let config = PredictedLatencyConfig {
+            tail_harm_weight: 0.0,
+            tail_harm_ttft_quantile: 0.99,
+            ..Default::default()
+        };
+        for x in &mut c {
+            x.ttft_tail_ms = 300.0;
+            x.tail_harm_ms = 0.0;
+        }
+        assert_eq!(rank_with(&c, 2, config).1, vec![1, 0]);
+    }
+
+    #[test]
     fn decode_harm_counts() {
         let mut c = candidates(&[0.0; 2]);
         c[0].ttft_ms = 50.0;
@@ -502,6 +594,13 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+        for tail_harm_ttft_quantile in [0.3, 1.0, f64::NAN, -0.5] {
+            let bad = PredictedLatencyConfig {
+                tail_harm_ttft_quantile,
+                ..Default::default()
+            };
+            assert!(bad.validate().is_err(), "{tail_harm_ttft_quantile}");
+        }
         for tail_harm_band in [-0.1, f64::INFINITY] {
             let bad = PredictedLatencyConfig {
                 tail_harm_band,

@@ -35,6 +35,8 @@ pub(super) struct Pricing<'a> {
     overhead_floor_ms: f64,
     /// The pool's tail of end-to-end times, in ms, when learned and priced.
     e2e_tail_ms: Option<f64>,
+    /// The pool's tail of times to first byte, in ms, when learned and guarding tail harm.
+    ttft_tail_ms: Option<f64>,
 }
 
 /// How much of the request's prompt one backend holds.
@@ -76,6 +78,9 @@ impl<'a> Pricing<'a> {
             e2e_tail_ms: pool
                 .e2e_tail
                 .ms()
+                .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
+            ttft_tail_ms: pool
+                .ttft_tail_ms()
                 .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
         }
     }
@@ -255,6 +260,7 @@ impl<'a> Pricing<'a> {
             stall_ms: predicted.decode_ms * share / (1.0 - share),
             tail_harm_ms,
             cache_fill,
+            ttft_tail_ms: self.ttft_tail_ms.unwrap_or(0.0),
             resend_ms: match &f.sent_ahead {
                 Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),
                 _ => 0.0,
