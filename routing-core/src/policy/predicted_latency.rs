@@ -98,11 +98,11 @@ pub struct PredictedLatencyConfig {
     /// far inside its bound. At 1 (the default since) the conversation trace held x20.7 (e2e p99
     /// 1,894 ms against a 2,004 ms bound; without tail harm 2,256 and 2,000 ms in two runs;
     /// cache-aware's highest sustained load) and the synthetic trace x17 (the baselines' best,
-    /// x14.3), both breaking on e2e p99 one step up. At the bench's loads e2e p99 was 1,021 / 1,398 ms at conversation x8
-    /// / x16 and 627 ms at synthetic x12, 0.94x / 0.93x / 0.81x the best baseline's in a run of
-    /// the same day, and TTFT p99 600 / 660 / 382 ms, 0.99x / 0.97x / 1.01x. The first token of
-    /// the longest prompts, which set TTFT p99, is what tail harm can cost (at 1 with
-    /// `wait_quantile` 2: 1.05x at conversation x8 in one run, 0.98x in another).
+    /// x14.3), both breaking on e2e p99 one step up. At the bench's loads e2e p99 was 1,021 /
+    /// 1,398 ms at conversation x8 / x16 and 627 ms at synthetic x12, 0.94x / 0.93x / 0.81x the
+    /// best baseline's in a run of the same day, and TTFT p99 600 / 660 / 382 ms, 0.99x / 0.97x
+    /// / 1.01x. The first token of the longest prompts, which set TTFT p99, is what tail harm can
+    /// cost (at 1 with `wait_quantile` 2: 1.05x at conversation x8 in one run, 0.98x in another).
     pub tail_harm_weight: f64,
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
