@@ -3,6 +3,11 @@
 //! computed beforehand, so hashing is not included; see `hashing.rs` for that.
 //!
 //! Also prints the affinity table's bytes per entry at each size.
+//!
+//! `live` measures what running answers add to a `predicted_latency` decision: at 64 and 512
+//! backends (100k entries), with the pool's end-to-end tail learned from streamed requests and 64
+//! answers in flight per backend, tail harm (which walks every candidate's running answers) on
+//! at its default weight against off, side by side.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use routing_core::request::prompt::block_hashes;
@@ -140,5 +145,49 @@ fn decisions(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decisions);
+/// See the module documentation: decisions with 64 answers running per backend, tail harm on
+/// (the default) and off.
+fn live(c: &mut Criterion) {
+    let mut group = c.benchmark_group("live");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let requests: Vec<RequestFeatures> = features(1024, 0)
+        .into_iter()
+        .map(|f| RequestFeatures { stream: true, ..f })
+        .collect();
+    for backends in [64usize, 512] {
+        for weight in [1.0, 0.0] {
+            let mut rng = SplitMix64::new(7);
+            let mut pool = pool(PolicyKind::PredictedLatency, backends, 100_000);
+            let mut config = pool.config().clone();
+            config.predicted_latency.tail_harm_weight = weight;
+            pool.set_config(config).unwrap();
+            warm(&mut pool, &mut rng);
+            // Streamed requests teach the pool its end-to-end tail (about 1 s)...
+            for (i, f) in requests.iter().take(64).enumerate() {
+                let g = pool.acquire(f, i as u64, &mut rng).unwrap();
+                pool.release(g.lease_id, &Outcome::from_status(200), i as u64 + 1_000);
+            }
+            // ...and 64 answers per backend stay running.
+            for f in requests.iter().cycle().take(64 * backends) {
+                pool.acquire(f, 2_000, &mut rng).unwrap();
+            }
+            let mut i = 0;
+            let id = BenchmarkId::new(format!("tail_harm_{weight}"), format!("{backends}b/100k"));
+            group.bench_function(id, |b| {
+                b.iter(|| {
+                    let f = &requests[i % requests.len()];
+                    i += 1;
+                    let g = pool.acquire(black_box(f), 2_001, &mut rng).unwrap();
+                    pool.release(g.lease_id, &Outcome::from_status(200), 2_001);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decisions, live);
 criterion_main!(benches);
