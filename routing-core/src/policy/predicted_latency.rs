@@ -276,7 +276,8 @@ impl RoutingPolicy for PredictedLatency {
         };
         let score = |i: usize| {
             let s = base(i);
-            let late = start(i) > start_edge;
+            // Unguarded (the default), no start is priced a second time.
+            let late = guarded && start(i) > start_edge;
             if !banded {
                 s + if late { OUT_OF_BAND } else { 0.0 }
             } else if s <= band_edge && !late {
