@@ -9,7 +9,10 @@
 //! answers in flight per backend, tail harm (which walks every candidate's running answers) on
 //! at its default weight against off, side by side.
 
-use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::measurement::WallTime;
+use criterion::{
+    black_box, criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion,
+};
 use routing_core::request::prompt::block_hashes;
 use routing_core::{
     BackendSpec, Capacity, Outcome, PolicyKind, Pool, PoolConfig, ProbeResult, RequestFeatures,
@@ -103,6 +106,26 @@ fn warm(pool: &mut Pool, rng: &mut SplitMix64) {
     }
 }
 
+/// Times one decision: `requests` in turn, each acquired at `now_ms` and released at once.
+fn measure(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    id: BenchmarkId,
+    pool: &mut Pool,
+    rng: &mut SplitMix64,
+    requests: &[RequestFeatures],
+    now_ms: u64,
+) {
+    let mut i = 0;
+    group.bench_function(id, |b| {
+        b.iter(|| {
+            let f = &requests[i % requests.len()];
+            i += 1;
+            let g = pool.acquire(black_box(f), now_ms, rng).unwrap();
+            pool.release(g.lease_id, &Outcome::from_status(200), now_ms);
+        })
+    });
+}
+
 fn decisions(c: &mut Criterion) {
     let mut group = c.benchmark_group("decision");
     group
@@ -128,17 +151,9 @@ fn decisions(c: &mut Criterion) {
                         a.memory_bytes() as f64 / a.len() as f64
                     );
                 }
-                let mut i = 0;
                 let id =
                     BenchmarkId::new(policy.as_str(), format!("{backends}b/{}k", entries / 1000));
-                group.bench_function(id, |b| {
-                    b.iter(|| {
-                        let f = &requests[i % requests.len()];
-                        i += 1;
-                        let g = pool.acquire(black_box(f), 1, &mut rng).unwrap();
-                        pool.release(g.lease_id, &Outcome::from_status(200), 1);
-                    })
-                });
+                measure(&mut group, id, &mut pool, &mut rng, &requests, 1);
             }
         }
     }
@@ -174,16 +189,8 @@ fn live(c: &mut Criterion) {
             for f in requests.iter().cycle().take(64 * backends) {
                 pool.acquire(f, 2_000, &mut rng).unwrap();
             }
-            let mut i = 0;
             let id = BenchmarkId::new(format!("tail_harm_{weight}"), format!("{backends}b/100k"));
-            group.bench_function(id, |b| {
-                b.iter(|| {
-                    let f = &requests[i % requests.len()];
-                    i += 1;
-                    let g = pool.acquire(black_box(f), 2_001, &mut rng).unwrap();
-                    pool.release(g.lease_id, &Outcome::from_status(200), 2_001);
-                })
-            });
+            measure(&mut group, id, &mut pool, &mut rng, &requests, 2_001);
         }
     }
     group.finish();
