@@ -223,6 +223,12 @@ pub struct Candidate {
     /// decode times `share / (1 - share)`, where `share` is the backend's recent time in prefill
     /// ([`crate::backend::time_model::BackendTiming::prefill_share`]).
     pub stall_ms: f64,
+    /// Predicted time the request's prefill there would add to the requests arriving there after
+    /// it, in ms: the prefill it computes there times `share / (1 - share)`, with `share` as for
+    /// `stall_ms` (a job of size x at a server busy a share ρ of the time delays the later
+    /// arrivals by about x·ρ/(1−ρ) in all). What a prefix computed again costs the fleet, which
+    /// the request's own time does not show; what `predicted_latency.backlog_harm_weight` prices.
+    pub backlog_harm_ms: f64,
     /// How far the request's prefill would push the answers running there past the pool's tail
     /// of end-to-end times, summed, in ms
     /// ([`crate::backend::time_model::BackendTiming::tail_harm_ms`]; 0 until the tail is

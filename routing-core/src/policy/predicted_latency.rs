@@ -5,7 +5,7 @@
 //! ([`crate::backend::time_model`]); this policy ranks by
 //! `ttft_weight × (ttft + (wait_quantile − 1) × wait) + decode_weight × own decode +
 //! harm_weight × harm + first_token_harm_weight × first-token harm + stall_weight × stall +
-//! tail_harm_weight × tail harm − affinity_weight × saved prefill (where the wait is short)`,
+//! backlog_harm_weight × backlog harm + tail_harm_weight × tail harm − affinity_weight × saved prefill (where the wait is short)`,
 //! lowest first, where `wait` is the part of `ttft` spent before the
 //! prefill starts (priced at a quantile rather than its mean: waits are what runs long).
 //!
@@ -70,6 +70,13 @@ pub struct PredictedLatencyConfig {
     /// nothing for the conversation trace's (1.06x / 1.08x), and raised the synthetic trace's TTFT
     /// p99 near saturation from 0.94x to 1.06x: for fleets whose SLO is on whole answers.
     pub stall_weight: f64,
+    /// Weight of the time the request's prefill there would add to the requests arriving there
+    /// after it (`backlog_harm_ms`: its prefill times `share / (1 - share)`, the backend's recent
+    /// share of time in prefill; default 0, off). A prefix computed again on a busy backend is
+    /// GPU time the requests behind it wait for, which the request's own time to first token
+    /// does not show; the price grows with the backend's load, so an idle backend still takes a
+    /// spill at no extra cost.
+    pub backlog_harm_weight: f64,
     /// Weight of the time the request's prefill adds to the first token of requests still in
     /// their prefill there (`first_token_harm_ms`), on top of `harm_weight`'s share of it
     /// (default 0.3). vLLM computes a new prompt in the same steps as the prompts before it, so
@@ -107,6 +114,13 @@ pub struct PredictedLatencyConfig {
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
     pub tail_quantile: f64,
+    /// Above 0, tail harm predicts where each running answer ends with the prefill still to come
+    /// in its steps (default 0, off): its predicted remaining time times this times `share / (1 -
+    /// share)`, the backend's recent share of time in prefill. At grant an answer's end counts only
+    /// its own queue, prefill and decode, and then the prefill admitted there after it; a long
+    /// answer that has just started is then seen far inside the tail, though the prompts still to
+    /// arrive in its steps (half of a busy backend's time) will carry it there.
+    pub tail_harm_ahead: f64,
     /// Where tail harm may move a request (default 0: anywhere, priced with the rest). Above 0,
     /// tail harm only chooses among the backends whose price without it is within this share of
     /// the best's (0.25: at most 25% more, and 1 ms), so keeping a prompt's prefill off the
@@ -150,9 +164,11 @@ impl Default for PredictedLatencyConfig {
             harm_weight: 0.4,
             wait_quantile: 3.0,
             stall_weight: 0.0,
+            backlog_harm_weight: 0.0,
             first_token_harm_weight: 0.3,
             tail_harm_weight: 1.0,
             tail_quantile: 0.95,
+            tail_harm_ahead: 0.0,
             tail_harm_band: 0.0,
             tail_harm_ttft_quantile: 0.0,
             affinity_weight: 0.0,
@@ -170,6 +186,8 @@ impl PredictedLatencyConfig {
             || !ok(self.decode_weight)
             || !ok(self.harm_weight)
             || !ok(self.stall_weight)
+            || !ok(self.backlog_harm_weight)
+            || !ok(self.tail_harm_ahead)
             || !ok(self.first_token_harm_weight)
             || !ok(self.tail_harm_weight)
             || !ok(self.affinity_weight)
@@ -251,6 +269,7 @@ impl RoutingPolicy for PredictedLatency {
                 + cfg.decode_weight * c.decode_ms
                 + cfg.harm_weight * c.harm_ms
                 + cfg.stall_weight * c.stall_ms
+                + cfg.backlog_harm_weight * c.backlog_harm_ms
                 + cfg.first_token_harm_weight * c.first_token_harm_ms
                 + cfg.tail_harm_weight * tail
                 - if busy || c.queue_ms <= cfg.affinity_queue_ms {
@@ -414,6 +433,35 @@ mod tests {
         assert_eq!(rank(&c).1[0], 0);
         c[0].ttft_ms = 150.0; // a backlog of 130 ms at the holder
         assert_eq!(rank(&c), (DecisionKind::Spill, vec![1, 0]));
+    }
+
+    #[test]
+    fn backlog_harm_keeps_a_prefix_on_its_holder_when_the_cold_backend_is_busy() {
+        let mut c = candidates(&[0.0; 2]);
+        // Slot 0 holds the prefix: 60 ms of prefill left, but 100 ms of queue (priced 3x);
+        // slot 1 is cold: 300 ms of prefill and no queue.
+        c[0].cached_blocks = 40;
+        c[0].ttft_ms = 160.0;
+        c[0].queue_ms = 100.0;
+        c[1].ttft_ms = 300.0;
+        let with = |c: &[Candidate], weight: f64| {
+            let config = PredictedLatencyConfig {
+                backlog_harm_weight: weight,
+                ..Default::default()
+            };
+            rank_with(c, 2, config)
+        };
+        // Off (the default): the cold backend starts sooner (300 against 160 + 200).
+        assert_eq!(with(&c, 0.0).0, DecisionKind::Spill);
+        // The cold backend spends 2/3 of its time in prefill: its 300 ms delay later arrivals
+        // there by 600 ms, the holder's 60 ms (at 50%) by 60 ms.
+        c[0].backlog_harm_ms = 60.0;
+        c[1].backlog_harm_ms = 600.0;
+        assert_eq!(with(&c, 0.0).1[0], 1, "off: unpriced");
+        assert_eq!(with(&c, 1.0), (DecisionKind::CacheHit, vec![0, 1]));
+        // An idle cold backend costs the later arrivals nothing: the spill stays.
+        c[1].backlog_harm_ms = 0.0;
+        assert_eq!(with(&c, 1.0).0, DecisionKind::Spill);
     }
 
     #[test]

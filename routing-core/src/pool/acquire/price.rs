@@ -37,6 +37,9 @@ pub(super) struct Pricing<'a> {
     e2e_tail_ms: Option<f64>,
     /// The pool's tail of times to first byte, in ms, when learned and guarding tail harm.
     ttft_tail_ms: Option<f64>,
+    /// `predicted_latency.tail_harm_ahead`: how much of a backend's recent prefill share tail
+    /// harm expects to keep coming through its running answers' remaining time.
+    tail_ahead: f64,
 }
 
 /// How much of the request's prompt one backend holds.
@@ -82,6 +85,7 @@ impl<'a> Pricing<'a> {
             ttft_tail_ms: pool
                 .ttft_tail_ms()
                 .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
+            tail_ahead: pool.config.predicted_latency.tail_harm_ahead,
         }
     }
 
@@ -232,9 +236,14 @@ impl<'a> Pricing<'a> {
         // Prompts arriving after this one share its prefill's steps (see
         // `BackendTiming::interference_ms`).
         predicted.ttft_ms += entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
-        let tail_harm_ms = self
-            .e2e_tail_ms
-            .map_or(0.0, |tail| entry.timing.tail_harm_ms(own_prefill_ms, tail));
+        // Prefill keeps arriving at the backend's recent rate: `share / (1 - share)` ms of it
+        // per ms of decode, which tail harm may expect through the running answers' rest.
+        let ahead = self.tail_ahead * share / (1.0 - share);
+        let tail_harm_ms = self.e2e_tail_ms.map_or(0.0, |tail| {
+            entry
+                .timing
+                .tail_harm_ms(own_prefill_ms, tail, ahead, self.now_ms)
+        });
         let own_chunk = own_uncached.min(u64::from(tm.step_token_budget));
         let first_token_harm_ms =
             entry.timing.prefilling(now_ms) as f64 * own_chunk as f64 * prefill_ms_per_token;
@@ -258,6 +267,7 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
+            backlog_harm_ms: own_prefill_ms * share / (1.0 - share),
             tail_harm_ms,
             cache_fill,
             ttft_tail_ms: self.ttft_tail_ms.unwrap_or(0.0),
