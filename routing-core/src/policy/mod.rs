@@ -227,8 +227,8 @@ pub struct Candidate {
     /// it, in ms: the prefill it computes there times `share / (1 - share)`, with `share` as for
     /// `stall_ms` (a job of size x at a server busy a share ρ of the time delays the later
     /// arrivals by about x·ρ/(1−ρ) in all). What a prefix computed again costs the fleet, which
-    /// the request's own time does not show; what `predicted_latency.backlog_harm_weight` prices.
-    pub backlog_harm_ms: f64,
+    /// the request's own time does not show; what `predicted_latency.arrival_harm_weight` prices.
+    pub arrival_harm_ms: f64,
     /// How far the request's prefill would push the answers running there past the pool's tail
     /// of end-to-end times, summed, in ms
     /// ([`crate::backend::time_model::BackendTiming::tail_harm_ms`]; 0 until the tail is

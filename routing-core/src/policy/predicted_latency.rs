@@ -5,9 +5,10 @@
 //! ([`crate::backend::time_model`]); this policy ranks by
 //! `ttft_weight × (ttft + (wait_quantile − 1) × wait) + decode_weight × own decode +
 //! harm_weight × harm + first_token_harm_weight × first-token harm + stall_weight × stall +
-//! backlog_harm_weight × backlog harm + tail_harm_weight × tail harm − affinity_weight × saved prefill (where the wait is short)`,
-//! lowest first, where `wait` is the part of `ttft` spent before the
-//! prefill starts (priced at a quantile rather than its mean: waits are what runs long).
+//! arrival_harm_weight × arrival harm + tail_harm_weight × tail harm − affinity_weight × saved
+//! prefill (where the wait is short)`, lowest first, where `wait` is the part of `ttft` spent
+//! before the prefill starts (priced at a quantile rather than its mean: waits are what runs
+//! long), and arrival harm is what its prefill there would cost the requests arriving after it.
 //!
 //! Cache hits are not weighted separately: a backend that holds the prompt's prefix skips that
 //! prefill, which shows up as a shorter time to first token and less harm to its running
@@ -71,16 +72,18 @@ pub struct PredictedLatencyConfig {
     /// p99 near saturation from 0.94x to 1.06x: for fleets whose SLO is on whole answers.
     pub stall_weight: f64,
     /// Weight of the time the request's prefill there would add to the requests arriving there
-    /// after it (`backlog_harm_ms`: its prefill times `share / (1 - share)`, the backend's recent
+    /// after it (`arrival_harm_ms`: its prefill times `share / (1 - share)`, the backend's recent
     /// share of time in prefill; default 1). A prefix computed again on a busy backend is GPU
     /// time the requests behind it wait for, which the request's own time to first token does
     /// not show; the price grows with the backend's load, so an idle backend still takes a spill
-    /// at no extra cost. On the real stack (2026-12-06, 3 windows per load, paired with the
-    /// default of before) 1 took conversation e2e p99 at x16 / x22.6 from 1,453 / 2,200 ms to
-    /// 1,367 / 2,069 and TTFT p99 at x22.6 from 808 to 731 ms, and the synthetic trace's hit rate
-    /// from 17.9-20.8% to 21.0-21.7% with TTFT p99 within 1%; in the timed simulation
-    /// (conversation at x22.4, 6 windows) e2e p99 2,232 to 2,139 ms. 2 and 4 did no better.
-    pub backlog_harm_weight: f64,
+    /// at no extra cost. On the real stack (2026-12-06, screens of 3 windows per load, each in one
+    /// run with the default of before) 1 took conversation e2e p99 at x16 / x22.6 from 1,453 /
+    /// 2,200 ms to 1,367 / 2,069 and TTFT p99 at x22.6 from 808 to 731 ms, and the synthetic
+    /// trace's hit rate at x12 / x17 / x18.5 from 17.9 / 18.2 / 20.8% to 21.7 / 21.0 / 21.5% with
+    /// TTFT p99 within 1%, but its e2e p99 at x18.5 went from 989 to 1,168 ms (windows 870-1,300
+    /// against 821-1,243); in the timed simulation (conversation at x22.4, 6 windows) e2e p99 went
+    /// from 2,232 to 2,139 ms. At 2 the real stack gave the same (2,067 ms at x22.6).
+    pub arrival_harm_weight: f64,
     /// Weight of the time the request's prefill adds to the first token of requests still in
     /// their prefill there (`first_token_harm_ms`), on top of `harm_weight`'s share of it
     /// (default 0.3). vLLM computes a new prompt in the same steps as the prompts before it, so
@@ -168,7 +171,7 @@ impl Default for PredictedLatencyConfig {
             harm_weight: 0.4,
             wait_quantile: 3.0,
             stall_weight: 0.0,
-            backlog_harm_weight: 1.0,
+            arrival_harm_weight: 1.0,
             first_token_harm_weight: 0.3,
             tail_harm_weight: 1.0,
             tail_quantile: 0.95,
@@ -190,7 +193,7 @@ impl PredictedLatencyConfig {
             || !ok(self.decode_weight)
             || !ok(self.harm_weight)
             || !ok(self.stall_weight)
-            || !ok(self.backlog_harm_weight)
+            || !ok(self.arrival_harm_weight)
             || !ok(self.tail_harm_ahead)
             || !ok(self.first_token_harm_weight)
             || !ok(self.tail_harm_weight)
@@ -273,7 +276,7 @@ impl RoutingPolicy for PredictedLatency {
                 + cfg.decode_weight * c.decode_ms
                 + cfg.harm_weight * c.harm_ms
                 + cfg.stall_weight * c.stall_ms
-                + cfg.backlog_harm_weight * c.backlog_harm_ms
+                + cfg.arrival_harm_weight * c.arrival_harm_ms
                 + cfg.first_token_harm_weight * c.first_token_harm_ms
                 + cfg.tail_harm_weight * tail
                 - if busy || c.queue_ms <= cfg.affinity_queue_ms {
@@ -440,7 +443,7 @@ mod tests {
     }
 
     #[test]
-    fn backlog_harm_keeps_a_prefix_on_its_holder_when_the_cold_backend_is_busy() {
+    fn arrival_harm_keeps_a_prefix_on_its_holder_when_the_cold_backend_is_busy() {
         let mut c = candidates(&[0.0; 2]);
         // Slot 0 holds the prefix: 60 ms of prefill left, but 100 ms of queue (priced 3x);
         // slot 1 is cold: 300 ms of prefill and no queue.
@@ -450,7 +453,7 @@ mod tests {
         c[1].ttft_ms = 300.0;
         let with = |c: &[Candidate], weight: f64| {
             let config = PredictedLatencyConfig {
-                backlog_harm_weight: weight,
+                arrival_harm_weight: weight,
                 ..Default::default()
             };
             rank_with(c, 2, config)
@@ -459,12 +462,12 @@ mod tests {
         assert_eq!(with(&c, 0.0).0, DecisionKind::Spill);
         // The cold backend spends 2/3 of its time in prefill: its 300 ms delay later arrivals
         // there by 600 ms, the holder's 60 ms (at 50%) by 60 ms.
-        c[0].backlog_harm_ms = 60.0;
-        c[1].backlog_harm_ms = 600.0;
+        c[0].arrival_harm_ms = 60.0;
+        c[1].arrival_harm_ms = 600.0;
         assert_eq!(with(&c, 0.0).1[0], 1, "off: unpriced");
         assert_eq!(with(&c, 1.0), (DecisionKind::CacheHit, vec![0, 1]));
         // An idle cold backend costs the later arrivals nothing: the spill stays.
-        c[1].backlog_harm_ms = 0.0;
+        c[1].arrival_harm_ms = 0.0;
         assert_eq!(with(&c, 1.0).0, DecisionKind::Spill);
     }
 

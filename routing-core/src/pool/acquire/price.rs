@@ -267,7 +267,7 @@ impl<'a> Pricing<'a> {
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
             stall_ms: predicted.decode_ms * share / (1.0 - share),
-            backlog_harm_ms: own_prefill_ms * share / (1.0 - share),
+            arrival_harm_ms: own_prefill_ms * share / (1.0 - share),
             tail_harm_ms,
             cache_fill,
             ttft_tail_ms: self.ttft_tail_ms.unwrap_or(0.0),
