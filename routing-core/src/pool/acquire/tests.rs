@@ -394,6 +394,58 @@ fn a_prompt_keeps_off_the_answer_that_ends_in_the_tail() {
     );
 }
 
+/// Arrival harm: a cold prompt priced on a backend that has just taken a long prefill carries its
+/// own prefill there times `share / (1 - share)` (what it would make the later arrivals wait),
+/// and nothing on an idle backend.
+#[test]
+fn a_busy_backend_prices_what_a_prefill_adds_for_later_arrivals() {
+    let config = PoolConfig {
+        policy: PolicyKind::PredictedLatency,
+        ..PoolConfig::default()
+    };
+    let mut pool = Pool::new("p1", config);
+    add_ready(&mut pool, spec("b0"));
+    add_ready(&mut pool, spec("b1"));
+    let mut rng = SplitMix64::new(5);
+    let now = 10_000;
+    let long = features(&"one long cold document ".repeat(400));
+    let busy = pool.acquire(&long, now, &mut rng).unwrap().backend;
+    let cold = features(&"another cold question ".repeat(40));
+    // Each backend's share of time in prefill as the next request is priced (before it is
+    // admitted anywhere).
+    let shares: Vec<(BackendId, f64)> = (0..2)
+        .map(|slot| {
+            let entry = pool.entry(slot).unwrap();
+            (entry.spec.id.clone(), entry.timing.prefill_share(now + 100))
+        })
+        .collect();
+    pool.acquire(&cold, now + 100, &mut rng).unwrap();
+    let tm = pool.config.time_model;
+    let mut seen = 0;
+    for c in pool.scratch.primary.clone() {
+        let entry = pool.entry(c.slot).unwrap();
+        let share = shares
+            .iter()
+            .find(|(id, _)| *id == entry.spec.id)
+            .unwrap()
+            .1;
+        if entry.spec.id == busy {
+            assert!(share > 0.01, "{share}");
+            let own_prefill = c.arrival_harm_ms * (1.0 - share) / share;
+            let whole = f64::from(cold.prompt_tokens) * entry.timing.prefill_ms_per_token(&tm);
+            assert!(
+                (0.8 * whole..=whole + 1e-6).contains(&own_prefill),
+                "{own_prefill} of {whole}"
+            );
+        } else {
+            assert_eq!(share, 0.0);
+            assert_eq!(c.arrival_harm_ms, 0.0);
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, 2);
+}
+
 /// The TTFT guard of tail harm: the pool learns its tail of times to first byte from streamed
 /// requests' releases, and prices it on every candidate, only while tail harm and the guard's
 /// quantile are both on.
