@@ -230,15 +230,18 @@ impl<'a> Pricing<'a> {
                 .timing
                 .excess_overhead_ms(self.overhead_floor_ms, now_ms);
         let share = entry.timing.prefill_share(now_ms);
+        // Prefill time per ms of anything else there, at the recent share: what stalls a decode,
+        // delays later arrivals, and keeps coming through running answers.
+        let prefill_per_ms = share / (1.0 - share);
         let own_uncached = if role == Role::Decode { 0 } else { m.uncached };
         let prefill_ms_per_token = entry.timing.prefill_ms_per_token(tm);
         let own_prefill_ms = own_uncached as f64 * prefill_ms_per_token;
         // Prompts arriving after this one share its prefill's steps (see
         // `BackendTiming::interference_ms`).
         predicted.ttft_ms += entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
-        // Prefill keeps arriving at the backend's recent rate: `share / (1 - share)` ms of it
-        // per ms of decode, which tail harm may expect through the running answers' rest.
-        let ahead = self.tail_ahead * share / (1.0 - share);
+        // Prefill keeps arriving at the backend's recent rate, which tail harm may expect through
+        // the running answers' rest.
+        let ahead = self.tail_ahead * prefill_per_ms;
         let tail_harm_ms = self.e2e_tail_ms.map_or(0.0, |tail| {
             entry
                 .timing
@@ -266,8 +269,8 @@ impl<'a> Pricing<'a> {
             room_ms: room_wait,
             queue_ms: room_wait + external_queue_ms + entry.timing.backlog_ms(now_ms),
             first_token_harm_ms,
-            stall_ms: predicted.decode_ms * share / (1.0 - share),
-            arrival_harm_ms: own_prefill_ms * share / (1.0 - share),
+            stall_ms: predicted.decode_ms * prefill_per_ms,
+            arrival_harm_ms: own_prefill_ms * prefill_per_ms,
             tail_harm_ms,
             cache_fill,
             ttft_tail_ms: self.ttft_tail_ms.unwrap_or(0.0),

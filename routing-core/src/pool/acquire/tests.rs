@@ -422,7 +422,7 @@ fn a_busy_backend_prices_what_a_prefill_adds_for_later_arrivals() {
     pool.acquire(&cold, now + 100, &mut rng).unwrap();
     let tm = pool.config.time_model;
     let mut seen = 0;
-    for c in pool.scratch.primary.clone() {
+    for c in &pool.scratch.primary {
         let entry = pool.entry(c.slot).unwrap();
         let share = shares
             .iter()
