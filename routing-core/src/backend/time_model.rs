@@ -182,8 +182,6 @@ pub struct SharePrediction {
     /// prefill admitted there since, its end-to-end time as predicted now
     /// ([`BackendTiming::tail_harm_ms`]).
     pub answer_base_us: i64,
-    /// When it was granted, in microseconds of pool time.
-    pub granted_us: u64,
 }
 
 impl SharePrediction {
@@ -293,7 +291,7 @@ pub struct BackendTiming {
     /// (one entry per share; pruned as time passes, removed when a share leaves early).
     pending_ends_us: Vec<u64>,
     /// The shares here, by [`SharePrediction::answer_base_us`], kept sorted (see `tail.rs`).
-    answers: Vec<tail::TailAnswer>,
+    answers: Vec<i64>,
 }
 
 /// The largest lateness credited to a backend (see [`BackendTiming::lateness`]).
@@ -538,8 +536,7 @@ impl BackendTiming {
             extra_wait_us: 0,
             first_step_us,
             tpot_us,
-            answer_base_us: self.track_answer(e2e_us, now_us),
-            granted_us: now_us,
+            answer_base_us: self.track_answer(e2e_us),
         }
     }
 
@@ -547,7 +544,7 @@ impl BackendTiming {
     /// the virtual queue (vLLM aborts it, or it was faster than predicted).
     pub fn leave(&mut self, share: &SharePrediction, now_ms: u64) {
         let now_us = now_ms.saturating_mul(1000);
-        self.forget_answer(share.answer_base_us, share.granted_us);
+        self.forget_answer(share.answer_base_us);
         if let Some(i) = self
             .pending_ends_us
             .iter()

@@ -246,10 +246,6 @@ pub struct Candidate {
     /// The prefill its computed prefix of the prompt saves there, in ms (the tokens it would not
     /// compute, at its prefill rate): what `predicted_latency.affinity_weight` prices.
     pub affinity_ms: f64,
-    /// The pool's learned tail of times to first byte, in ms, the same for every candidate: how
-    /// late `predicted_latency`'s tail harm may move a request's start (0: not learned, or
-    /// `predicted_latency.tail_harm_ttft_quantile` is 0, or tail harm is off).
-    pub ttft_tail_ms: f64,
 }
 
 impl Candidate {

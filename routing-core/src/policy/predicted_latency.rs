@@ -38,10 +38,6 @@ use serde::{Deserialize, Serialize};
 /// 2% of the best cost to 1.25x.
 const NEAR_TIE_MS: f64 = 1.0;
 
-/// Added to the price of a backend outside `tail_harm_band`, so every backend within it ranks
-/// first (prices are ms; no prediction comes near).
-const OUT_OF_BAND: f64 = 1e12;
-
 /// Knobs of the predicted_latency policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -121,27 +117,6 @@ pub struct PredictedLatencyConfig {
     /// The quantile of the pool's end-to-end times that `tail_harm_weight` protects answers from
     /// crossing (0.5 to 0.999).
     pub tail_quantile: f64,
-    /// Above 0, tail harm predicts where each running answer ends with the prefill still to come
-    /// in its steps (default 0, off): its predicted remaining time times this times `share / (1 -
-    /// share)`, the backend's recent share of time in prefill. At grant an answer's end counts only
-    /// its own queue, prefill and decode, and then the prefill admitted there after it; a long
-    /// answer that has just started is then seen far inside the tail, though the prompts still to
-    /// arrive in its steps (half of a busy backend's time) will carry it there.
-    pub tail_harm_ahead: f64,
-    /// Where tail harm may move a request (default 0: anywhere, priced with the rest). Above 0,
-    /// tail harm only chooses among the backends whose price without it is within this share of
-    /// the best's (0.25: at most 25% more, and 1 ms), so keeping a prompt's prefill off the
-    /// answers in the tail never costs that prompt more than the band; the others follow in
-    /// their order.
-    pub tail_harm_band: f64,
-    /// Above 0, tail harm never moves a request's start past the pool's time to first byte at
-    /// this quantile (0.5 to 0.999; default 0, off): with tail harm on, a backend where the
-    /// request's start (priced as ranked: the wait at `wait_quantile`, and any re-send) would
-    /// come later than both that tail and the fastest start there ranks after every one where it
-    /// would not. A short prompt may then wait for a backend whose running answers it would not
-    /// hold up, as long as it still starts inside the tail; a long one, whose start sets the
-    /// tail, keeps the fastest start it has.
-    pub tail_harm_ttft_quantile: f64,
     /// Weight of the prefill a backend's computed prefix of the prompt saves (`affinity_ms`),
     /// subtracted from its price where every wait before the prefill there (`queue_ms`) is at
     /// most `affinity_queue_ms` (default 0, off): a bonus for the prefix's holder above the
@@ -156,11 +131,6 @@ pub struct PredictedLatencyConfig {
     pub affinity_weight: f64,
     /// The longest wait before the prefill (ms) at which `affinity_weight` applies (default 250).
     pub affinity_queue_ms: f64,
-    /// Above 0, `affinity_weight` also applies at any wait when every candidate waits at least
-    /// this long (ms) before its prefill (default 0, never): with no idle backend, a prefix
-    /// computed again elsewhere is GPU time taken from every request queued behind it there, so
-    /// the saved prefill is priced as capacity, not only as the request's own time.
-    pub affinity_busy_ms: f64,
 }
 
 impl Default for PredictedLatencyConfig {
@@ -175,12 +145,8 @@ impl Default for PredictedLatencyConfig {
             first_token_harm_weight: 0.3,
             tail_harm_weight: 1.0,
             tail_quantile: 0.95,
-            tail_harm_ahead: 0.0,
-            tail_harm_band: 0.0,
-            tail_harm_ttft_quantile: 0.0,
             affinity_weight: 0.0,
             affinity_queue_ms: 250.0,
-            affinity_busy_ms: 0.0,
         }
     }
 }
@@ -194,16 +160,13 @@ impl PredictedLatencyConfig {
             || !ok(self.harm_weight)
             || !ok(self.stall_weight)
             || !ok(self.arrival_harm_weight)
-            || !ok(self.tail_harm_ahead)
             || !ok(self.first_token_harm_weight)
             || !ok(self.tail_harm_weight)
             || !ok(self.affinity_weight)
             || !ok(self.affinity_queue_ms)
-            || !ok(self.tail_harm_band)
-            || !ok(self.affinity_busy_ms)
         {
             return Err(
-                "predicted_latency weights, affinity_queue_ms, affinity_busy_ms and tail_harm_band must be within [0, 1e6]".into(),
+                "predicted_latency weights and affinity_queue_ms must be within [0, 1e6]".into(),
             );
         }
         if !(self.wait_quantile.is_finite() && (1.0..=100.0).contains(&self.wait_quantile)) {
@@ -211,12 +174,6 @@ impl PredictedLatencyConfig {
         }
         if !(self.tail_quantile.is_finite() && (0.5..=0.999).contains(&self.tail_quantile)) {
             return Err("predicted_latency.tail_quantile must be within [0.5, 0.999]".into());
-        }
-        let q = self.tail_harm_ttft_quantile;
-        if !(q == 0.0 || (q.is_finite() && (0.5..=0.999).contains(&q))) {
-            return Err(
-                "predicted_latency.tail_harm_ttft_quantile must be 0 or within [0.5, 0.999]".into(),
-            );
         }
         if self.ttft_weight == 0.0 && self.decode_weight == 0.0 {
             return Err("predicted_latency weights must not both be 0".into());
@@ -256,61 +213,23 @@ impl RoutingPolicy for PredictedLatency {
             return DecisionKind::CacheMiss;
         }
         let cfg = &self.config;
-        let banded = cfg.tail_harm_band > 0.0;
-        // The pool's TTFT tail guards tail harm once learned (the pool prices it only then).
-        let ttft_tail = cands[0].ttft_tail_ms;
-        let guarded = cfg.tail_harm_weight > 0.0 && ttft_tail > 0.0;
-        // No idle backend: every candidate waits before its prefill.
-        let busy =
-            cfg.affinity_busy_ms > 0.0 && cands.iter().all(|c| c.queue_ms >= cfg.affinity_busy_ms);
-        // The request's start there, as ranked: the wait at its quantile, and any re-send.
-        let start = |i: usize| {
+        // The price: the request's start there as ranked (the wait at its quantile, and any
+        // re-send), then the weighted times and harms.
+        let score = |i: usize| {
             let c = &cands[i];
-            c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms
-        };
-        let base = |i: usize| {
-            let c = &cands[i];
-            let ttft = start(i);
-            let tail = if banded { 0.0 } else { c.tail_harm_ms };
-            cfg.ttft_weight * ttft
+            let start = c.ttft_ms + (cfg.wait_quantile - 1.0) * c.queue_ms + c.resend_ms;
+            cfg.ttft_weight * start
                 + cfg.decode_weight * c.decode_ms
                 + cfg.harm_weight * c.harm_ms
                 + cfg.stall_weight * c.stall_ms
                 + cfg.arrival_harm_weight * c.arrival_harm_ms
                 + cfg.first_token_harm_weight * c.first_token_harm_ms
-                + cfg.tail_harm_weight * tail
-                - if busy || c.queue_ms <= cfg.affinity_queue_ms {
+                + cfg.tail_harm_weight * c.tail_harm_ms
+                - if c.queue_ms <= cfg.affinity_queue_ms {
                     cfg.affinity_weight * c.affinity_ms
                 } else {
                     0.0
                 }
-        };
-        // With a band, tail harm ranks only the backends priced within it of the best; the rest
-        // come after them, in their own order. Without one (the default) no edge is computed.
-        let band_edge = if banded {
-            let base_best = (0..n).map(base).fold(f64::INFINITY, f64::min);
-            base_best + (cfg.tail_harm_band * base_best.abs()).max(NEAR_TIE_MS)
-        } else {
-            f64::INFINITY
-        };
-        // With the guard, a start later than both the TTFT tail and the fastest start ranks last.
-        let start_edge = if guarded {
-            let fastest = (0..n).map(start).fold(f64::INFINITY, f64::min);
-            fastest.max(ttft_tail) + NEAR_TIE_MS
-        } else {
-            f64::INFINITY
-        };
-        let score = |i: usize| {
-            let s = base(i);
-            // Unguarded (the default), no start is priced a second time.
-            let late = guarded && start(i) > start_edge;
-            if !banded {
-                s + if late { OUT_OF_BAND } else { 0.0 }
-            } else if s <= band_edge && !late {
-                s + cfg.tail_harm_weight * cands[i].tail_harm_ms
-            } else {
-                s + OUT_OF_BAND
-            }
         };
         // Predictions this close are the same to the model's precision (an idle pool's backends
         // tie exactly): among them the one whose KV cache holds least goes first, so new
@@ -495,105 +414,6 @@ mod tests {
         assert_eq!(with(4.0, 250.0), 0);
         // A queue longer than the bound gets no bonus.
         assert_eq!(with(4.0, 50.0), 1);
-        // Unless no backend is idle: with both waiting at least 80 ms, the busy rule prices it.
-        let busy = |c: &[Candidate], busy_ms: f64| {
-            let config = PredictedLatencyConfig {
-                affinity_weight: 4.0,
-                affinity_queue_ms: 0.0,
-                affinity_busy_ms: busy_ms,
-                ..Default::default()
-            };
-            rank_with(c, 2, config).1[0]
-        };
-        assert_eq!(busy(&c, 80.0), 1, "slot 1 is idle: the fleet is not busy");
-        c[1].ttft_ms = 90.0;
-        c[1].queue_ms = 90.0;
-        assert_eq!(busy(&c, 80.0), 0);
-        assert_eq!(busy(&c, 0.0), 1, "off");
-        assert_eq!(busy(&c, 95.0), 1, "slot 1 waits less than the bound");
-    }
-
-    #[test]
-    fn a_tail_harm_band_lets_tail_harm_choose_only_among_the_backends_priced_near_the_best() {
-        let mut c = candidates(&[0.0; 3]);
-        // Slot 0 is the fastest but its prefill would push answers in the tail by 400 ms; slot 1
-        // is 20% slower with no tail harm; slot 2 is twice as slow with none either.
-        for (i, (t, tail)) in [(100.0, 400.0), (120.0, 0.0), (200.0, 0.0)]
-            .into_iter()
-            .enumerate()
-        {
-            c[i].ttft_ms = t;
-            c[i].tail_harm_ms = tail;
-        }
-        let first = |c: &[Candidate], band: f64| {
-            let config = PredictedLatencyConfig {
-                tail_harm_weight: 0.5,
-                tail_harm_band: band,
-                ..Default::default()
-            };
-            rank_with(c, 3, config).1
-        };
-        // Unbanded, 0.5 x 400 ms of tail harm moves it to slot 1.
-        assert_eq!(first(&c, 0.0)[0], 1);
-        // A 25% band holds slot 1 (20% slower): the same choice, slot 2 last.
-        assert_eq!(first(&c, 0.25), vec![1, 0, 2]);
-        // A 10% band does not: slot 0 keeps it, the others follow by price.
-        assert_eq!(first(&c, 0.1), vec![0, 1, 2]);
-        // Without tail harm anywhere, the band changes nothing.
-        for x in &mut c {
-            x.tail_harm_ms = 0.0;
-        }
-        assert_eq!(first(&c, 0.25), vec![0, 1, 2]);
-    }
-
-    #[test]
-    fn the_ttft_guard_lets_tail_harm_move_a_start_only_within_the_pools_ttft_tail() {
-        // Slot 0 starts the request first but would push answers in the tail by 400 ms; slot 1
-        // starts it 300 ms later and holds up nothing in the tail.
-        let mut c = candidates(&[0.0; 2]);
-        for (i, (t, tail)) in [(100.0, 400.0), (400.0, 0.0)].into_iter().enumerate() {
-            c[i].ttft_ms = t;
-            c[i].tail_harm_ms = tail;
-        }
-        let first = |c: &[Candidate], ttft_tail: f64| {
-            let mut c = c.to_vec();
-            for x in &mut c {
-                x.ttft_tail_ms = ttft_tail;
-            }
-            let config = PredictedLatencyConfig {
-                tail_harm_weight: 1.0,
-                tail_harm_ttft_quantile: 0.99,
-                ..Default::default()
-            };
-            rank_with(&c, 2, config).1
-        };
-        // Not learned yet (0): tail harm alone decides, slot 1.
-        assert_eq!(first(&c, 0.0), vec![1, 0]);
-        // A TTFT tail of 500 ms: slot 1's start is inside it, so tail harm may move it there.
-        assert_eq!(first(&c, 500.0), vec![1, 0]);
-        // A tail of 300 ms: slot 1 would start past it, and slot 0 sooner, so slot 0 keeps it.
-        assert_eq!(first(&c, 300.0), vec![0, 1]);
-        // A long prompt whose fastest start is past the tail already keeps that start.
-        c[0].ttft_ms = 700.0;
-        c[1].ttft_ms = 750.0;
-        assert_eq!(first(&c, 300.0), vec![0, 1]);
-        // Within 1 ms of the fastest start counts as the fastest.
-        c[1].ttft_ms = 700.5;
-        assert_eq!(first(&c, 300.0), vec![1, 0]);
-        // Without tail harm the guard is off: a slower start with less harm may win as before.
-        c[0].ttft_ms = 100.0;
-        c[0].harm_ms = 2_000.0;
-        c[1].ttft_ms = 400.0;
-        let config = PredictedLatencyConfig {
-            tail_harm_weight: 0.0,
-            tail_harm_ttft_quantile: 0.99,
-            ..Default::default()
-        };
-        for x in &mut c {
-            x.ttft_tail_ms = 300.0;
-            x.tail_harm_ms = 0.0;
-        }
-        assert_eq!(rank_with(&c, 2, config).1, vec![1, 0]);
     }
 
     #[test]
@@ -650,20 +470,6 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
-        for tail_harm_ttft_quantile in [0.3, 1.0, f64::NAN, -0.5] {
-            let bad = PredictedLatencyConfig {
-                tail_harm_ttft_quantile,
-                ..Default::default()
-            };
-            assert!(bad.validate().is_err(), "{tail_harm_ttft_quantile}");
-        }
-        for tail_harm_band in [-0.1, f64::INFINITY] {
-            let bad = PredictedLatencyConfig {
-                tail_harm_band,
-                ..Default::default()
-            };
-            assert!(bad.validate().is_err(), "{tail_harm_band}");
-        }
         for (affinity_weight, affinity_queue_ms) in [(-1.0, 250.0), (4.0, f64::NAN)] {
             let bad = PredictedLatencyConfig {
                 affinity_weight,

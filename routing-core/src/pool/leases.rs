@@ -273,12 +273,6 @@ impl Pool {
                 self.config.predicted_latency.tail_quantile,
             );
         }
-        let ttft_quantile = self.config.predicted_latency.tail_harm_ttft_quantile;
-        if lease.stream && ttft_quantile > 0.0 {
-            if let Some(ttfb_ms) = outcome.ttfb_ms {
-                self.ttft_tail.observe(ttfb_ms, ttft_quantile);
-            }
-        }
         let time_model = self.config.time_model;
         if let Some(entry) = self.entry_for_key_mut(lease.primary.backend) {
             entry

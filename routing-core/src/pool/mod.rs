@@ -88,10 +88,6 @@ pub struct Pool {
     /// release), learned: answers predicted to end past it are the ones a prompt's prefill holds
     /// up in the tail (`Candidate::tail_harm_ms`).
     e2e_tail: TailEstimate,
-    /// A high quantile of the times to first byte of successful streamed requests (the
-    /// `predicted_latency` policy's `tail_harm_ttft_quantile`), learned: where tail harm may not
-    /// move a request's start past (`Candidate::ttft_tail_ms`).
-    ttft_tail: TailEstimate,
     /// The overhead the backends have in common, as of the last release (see
     /// [`crate::backend::time_model::Observation::pool_overhead_ms`]).
     common_overhead_ms: Option<f64>,
@@ -154,7 +150,6 @@ impl Pool {
             output_ratio: OutputRatio::default(),
             mean_uncached_tokens: 0.0,
             e2e_tail: TailEstimate::default(),
-            ttft_tail: TailEstimate::default(),
             common_overhead_ms: None,
             now_hint_ms: 0,
             freed: Vec::new(),
@@ -379,14 +374,6 @@ impl Pool {
     /// once enough requests have taught it.
     pub fn e2e_tail_ms(&self) -> Option<f64> {
         self.e2e_tail.ms()
-    }
-
-    /// The learned tail of the pool's times to first byte, in ms (the `predicted_latency`
-    /// policy's `tail_harm_ttft_quantile` of successful streamed requests'), once enough requests
-    /// have taught it and that knob is on.
-    pub fn ttft_tail_ms(&self) -> Option<f64> {
-        let q = self.config.predicted_latency.tail_harm_ttft_quantile;
-        (q > 0.0).then(|| self.ttft_tail.ms()).flatten()
     }
 
     fn entry(&self, slot: u32) -> Option<&BackendEntry> {

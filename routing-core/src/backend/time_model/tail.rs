@@ -66,86 +66,52 @@ impl TailEstimate {
     }
 }
 
-/// A running answer tracked for the tail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct TailAnswer {
-    /// Its predicted end-to-end time less the prefill admitted through it, in microseconds
-    /// ([`super::SharePrediction::answer_base_us`]).
-    base: i64,
-    /// When it was granted, in microseconds of pool time.
-    granted_us: u64,
-}
-
 impl BackendTiming {
-    /// Tracks a share granted at `now_us` whose end-to-end time is predicted `e2e_us` from its
-    /// grant; returns the base kept in its prediction (its end-to-end time less the prefill
-    /// admitted through it, so that adding what is admitted later gives its end-to-end time now).
-    pub(super) fn track_answer(&mut self, e2e_us: u64, now_us: u64) -> i64 {
+    /// Tracks a share whose end-to-end time is predicted `e2e_us` from its grant; returns the
+    /// base kept in its prediction (its end-to-end time less the prefill admitted through it, so
+    /// that adding what is admitted later gives its end-to-end time now).
+    pub(super) fn track_answer(&mut self, e2e_us: u64) -> i64 {
         let base = e2e_us as i64 - self.admitted_prefill_us as i64;
         if self.answers.len() < MAX_TRACKED {
             // Kept sorted, so a price reads only the answers near the tail.
-            let at = self.answers.partition_point(|a| a.base < base);
-            let answer = TailAnswer {
-                base,
-                granted_us: now_us,
-            };
-            self.answers.insert(at, answer);
+            let at = self.answers.partition_point(|&a| a < base);
+            self.answers.insert(at, base);
         }
         base
     }
 
-    /// Stops tracking a share that left (equal bases are interchangeable but for their grant,
-    /// which is matched when it can be).
-    pub(super) fn forget_answer(&mut self, base: i64, granted_us: u64) {
-        let from = self.answers.partition_point(|a| a.base < base);
-        let to = self.answers.partition_point(|a| a.base <= base);
-        if from < to {
-            let i = (from..to)
-                .find(|&i| self.answers[i].granted_us == granted_us)
-                .unwrap_or(from);
-            self.answers.remove(i);
+    /// Stops tracking a share that left (equal bases are interchangeable).
+    pub(super) fn forget_answer(&mut self, base: i64) {
+        let at = self.answers.partition_point(|&a| a < base);
+        if self.answers.get(at) == Some(&base) {
+            self.answers.remove(at);
         }
     }
 
     /// How far a prefill of `prefill_ms` here would push the answers running here past the tail of
-    /// `tail_ms`, summed, in ms (see the module's formula). With `ahead` = 0 each answer's end is
-    /// as predicted at its grant plus the prefill admitted here since; the answers are sorted by
-    /// it, so those already past the tail cost the whole prefill each, counted at once, and only
-    /// the ones ending within `prefill_ms` before the tail are read one by one. Above 0, each
-    /// answer's end also counts the prefill still to come in its steps: `ahead` ms of it per ms
-    /// of its predicted remaining time (at `now_ms`), so a long answer that has just started is
-    /// seen to end where it will; that order changes with time, so every answer is read.
-    pub fn tail_harm_ms(&self, prefill_ms: f64, tail_ms: f64, ahead: f64, now_ms: u64) -> f64 {
+    /// `tail_ms`, summed, in ms (see the module's formula). Each answer's end is as predicted at
+    /// its grant plus the prefill admitted here since; the answers are sorted by it, so those
+    /// already past the tail cost the whole prefill each, counted at once, and only the ones
+    /// ending within `prefill_ms` before the tail are read one by one.
+    pub fn tail_harm_ms(&self, prefill_ms: f64, tail_ms: f64) -> f64 {
         if prefill_ms <= 0.0 {
             return 0.0;
         }
         let admitted = self.admitted_prefill_us as f64;
         let pushed =
             |end_ms: f64| (end_ms + prefill_ms - tail_ms).max(0.0) - (end_ms - tail_ms).max(0.0);
-        if ahead > 0.0 {
-            let now_us = now_ms.saturating_mul(1000);
-            return self
-                .answers
-                .iter()
-                .map(|a| {
-                    let end_us = a.base as f64 + admitted;
-                    let left_us = (end_us - now_us.saturating_sub(a.granted_us) as f64).max(0.0);
-                    pushed((end_us + ahead * left_us) / 1000.0)
-                })
-                .sum();
-        }
         // An answer's end in ms is (base + admitted) / 1000: the bases of the ends at `ms`.
         let base_at = |ms: f64| ms * 1000.0 - admitted;
         let past = self
             .answers
-            .partition_point(|a| (a.base as f64) < base_at(tail_ms));
+            .partition_point(|&a| (a as f64) < base_at(tail_ms));
         let near = self
             .answers
-            .partition_point(|a| (a.base as f64) <= base_at(tail_ms - prefill_ms))
+            .partition_point(|&a| (a as f64) <= base_at(tail_ms - prefill_ms))
             .min(past);
         let near_tail: f64 = self.answers[near..past]
             .iter()
-            .map(|a| pushed((a.base as f64 + admitted) / 1000.0))
+            .map(|&a| pushed((a as f64 + admitted) / 1000.0))
             .sum();
         near_tail + (self.answers.len() - past) as f64 * prefill_ms
     }
@@ -204,45 +170,22 @@ mod tests {
             let formula: f64 = b
                 .answers
                 .iter()
-                .map(|a| {
-                    let e = (a.base + admitted) as f64 / 1000.0;
+                .map(|&a| {
+                    let e = (a + admitted) as f64 / 1000.0;
                     (e + prefill - tail).max(0.0) - (e - tail).max(0.0)
                 })
                 .sum();
-            let priced = b.tail_harm_ms(prefill, tail, 0.0, 3_000);
+            let priced = b.tail_harm_ms(prefill, tail);
             assert!(
                 (priced - formula).abs() < 1e-6,
                 "{prefill} {tail}: {priced} vs {formula}"
             );
-            // Read one by one with nothing ahead, the same.
-            let walked = b.tail_harm_ms(prefill, tail, 1e-12, 3_000);
-            assert!(
-                (walked - formula).abs() < 1e-3,
-                "{prefill} {tail}: {walked} vs {formula}"
-            );
         }
-        assert!(b.answers.windows(2).all(|w| w[0].base <= w[1].base));
+        assert!(b.answers.windows(2).all(|w| w[0] <= w[1]));
         for share in &kept {
             b.leave(share, 3_000);
         }
         assert_eq!(b.tracked_answers(), 0);
-    }
-
-    #[test]
-    fn prefill_still_to_come_moves_a_young_answer_into_the_tail() {
-        let c = TimeModelConfig::default();
-        let mut b = BackendTiming::default();
-        // An answer granted at 0 and predicted to end at about 3 s, the tail at 4 s: as
-        // predicted at grant, a 100 ms prefill does not reach the tail.
-        let share = b.admit(&c, 0, 0.0, 290.0, 0);
-        let end_ms = share.answer_base_us as f64 / 1000.0;
-        assert!((2_500.0..3_500.0).contains(&end_ms), "{end_ms}");
-        assert_eq!(b.tail_harm_ms(100.0, 4_000.0, 0.0, 0), 0.0);
-        // With as much prefill to come as decode (a backend half its time in prefill), just
-        // started it ends near 6 s: the whole prefill counts; near its end, little is to come.
-        assert!((b.tail_harm_ms(100.0, 4_000.0, 1.0, 0) - 100.0).abs() < 1e-6);
-        let late = (end_ms - 200.0) as u64;
-        assert_eq!(b.tail_harm_ms(100.0, 4_000.0, 1.0, late), 0.0);
     }
 
     #[test]
@@ -256,15 +199,15 @@ mod tests {
         assert_eq!(b.tracked_answers(), 2);
         // The long one ends past 5 s, the short one at about 30 ms: a 100 ms prefill pushes only
         // the long one past a 5 s tail, by all of it; with a 10 s tail, nothing.
-        assert!((b.tail_harm_ms(100.0, 5_000.0, 0.0, 0) - 100.0).abs() < 1e-6);
-        assert_eq!(b.tail_harm_ms(100.0, 20_000.0, 0.0, 0), 0.0);
+        assert!((b.tail_harm_ms(100.0, 5_000.0) - 100.0).abs() < 1e-6);
+        assert_eq!(b.tail_harm_ms(100.0, 20_000.0), 0.0);
         // A prompt admitted after them runs in their steps: it counts in their end-to-end time.
-        let before = b.tail_harm_ms(100.0, 10_400.0, 0.0, 0);
+        let before = b.tail_harm_ms(100.0, 10_400.0);
         b.admit(&c, 5_000, 2.0, 1.0, 0);
-        assert!(b.tail_harm_ms(100.0, 10_400.0, 0.0, 0) > before);
+        assert!(b.tail_harm_ms(100.0, 10_400.0) > before);
         b.leave(&long, 0);
         b.leave(&short, 0);
         assert_eq!(b.tracked_answers(), 1);
-        assert_eq!(b.tail_harm_ms(0.0, 0.0, 0.0, 0), 0.0);
+        assert_eq!(b.tail_harm_ms(0.0, 0.0), 0.0);
     }
 }

@@ -35,11 +35,6 @@ pub(super) struct Pricing<'a> {
     overhead_floor_ms: f64,
     /// The pool's tail of end-to-end times, in ms, when learned and priced.
     e2e_tail_ms: Option<f64>,
-    /// The pool's tail of times to first byte, in ms, when learned and guarding tail harm.
-    ttft_tail_ms: Option<f64>,
-    /// `predicted_latency.tail_harm_ahead`: how much of a backend's recent prefill share tail
-    /// harm expects to keep coming through its running answers' remaining time.
-    tail_ahead: f64,
 }
 
 /// How much of the request's prompt one backend holds.
@@ -82,10 +77,6 @@ impl<'a> Pricing<'a> {
                 .e2e_tail
                 .ms()
                 .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
-            ttft_tail_ms: pool
-                .ttft_tail_ms()
-                .filter(|_| pool.config.predicted_latency.tail_harm_weight > 0.0),
-            tail_ahead: pool.config.predicted_latency.tail_harm_ahead,
         }
     }
 
@@ -230,8 +221,8 @@ impl<'a> Pricing<'a> {
                 .timing
                 .excess_overhead_ms(self.overhead_floor_ms, now_ms);
         let share = entry.timing.prefill_share(now_ms);
-        // Prefill time per ms of anything else there, at the recent share: what stalls a decode,
-        // delays later arrivals, and keeps coming through running answers.
+        // Prefill time per ms of anything else there, at the recent share: what stalls a decode
+        // and delays later arrivals.
         let prefill_per_ms = share / (1.0 - share);
         let own_uncached = if role == Role::Decode { 0 } else { m.uncached };
         let prefill_ms_per_token = entry.timing.prefill_ms_per_token(tm);
@@ -239,14 +230,9 @@ impl<'a> Pricing<'a> {
         // Prompts arriving after this one share its prefill's steps (see
         // `BackendTiming::interference_ms`).
         predicted.ttft_ms += entry.timing.interference_ms(tm, own_prefill_ms, now_ms);
-        // Prefill keeps arriving at the backend's recent rate, which tail harm may expect through
-        // the running answers' rest.
-        let ahead = self.tail_ahead * prefill_per_ms;
-        let tail_harm_ms = self.e2e_tail_ms.map_or(0.0, |tail| {
-            entry
-                .timing
-                .tail_harm_ms(own_prefill_ms, tail, ahead, self.now_ms)
-        });
+        let tail_harm_ms = self
+            .e2e_tail_ms
+            .map_or(0.0, |tail| entry.timing.tail_harm_ms(own_prefill_ms, tail));
         let own_chunk = own_uncached.min(u64::from(tm.step_token_budget));
         let first_token_harm_ms =
             entry.timing.prefilling(now_ms) as f64 * own_chunk as f64 * prefill_ms_per_token;
@@ -273,7 +259,6 @@ impl<'a> Pricing<'a> {
             arrival_harm_ms: own_prefill_ms * prefill_per_ms,
             tail_harm_ms,
             cache_fill,
-            ttft_tail_ms: self.ttft_tail_ms.unwrap_or(0.0),
             resend_ms: match &f.sent_ahead {
                 Some(ahead) if ahead.backend != entry.spec.id.0 => f64::from(ahead.resend_ms),
                 _ => 0.0,

@@ -446,53 +446,6 @@ fn a_busy_backend_prices_what_a_prefill_adds_for_later_arrivals() {
     assert_eq!(seen, 2);
 }
 
-/// The TTFT guard of tail harm: the pool learns its tail of times to first byte from streamed
-/// requests' releases, and prices it on every candidate, only while tail harm and the guard's
-/// quantile are both on.
-#[test]
-fn the_pool_learns_its_ttft_tail_for_the_guard_only_when_it_is_on() {
-    let learned = |tail_harm_weight: f64, quantile: f64| {
-        let mut config = PoolConfig {
-            policy: PolicyKind::PredictedLatency,
-            ..PoolConfig::default()
-        };
-        config.predicted_latency.tail_harm_weight = tail_harm_weight;
-        config.predicted_latency.tail_harm_ttft_quantile = quantile;
-        let mut pool = Pool::new("p1", config);
-        add_ready(&mut pool, spec("b0"));
-        let mut rng = SplitMix64::new(3);
-        for i in 0..40u64 {
-            let mut f = features(&format!("request {i}"));
-            f.stream = true;
-            let g = pool.acquire(&f, i * 2_000, &mut rng).unwrap();
-            let outcome = Outcome {
-                ttfb_ms: Some(200 + i % 5),
-                ..Outcome::from_status(200)
-            };
-            assert!(pool.release(g.lease_id, &outcome, i * 2_000 + 1_000));
-        }
-        let mut f = features("one more");
-        f.stream = true;
-        pool.acquire(&f, 100_000, &mut rng).unwrap();
-        // The candidates the decision just ranked.
-        let priced = pool
-            .scratch
-            .primary
-            .first()
-            .map_or(-1.0, |c| c.ttft_tail_ms);
-        (pool.ttft_tail_ms(), priced)
-    };
-    let (tail, priced) = learned(1.0, 0.99);
-    let tail = tail.unwrap();
-    assert!((190.0..=215.0).contains(&tail), "{tail}");
-    assert_eq!(priced, tail);
-    // Off without the quantile, and unpriced without tail harm.
-    assert_eq!(learned(1.0, 0.0), (None, 0.0));
-    let (tail, priced) = learned(0.0, 0.99);
-    assert!(tail.is_some());
-    assert_eq!(priced, 0.0);
-}
-
 /// vLLM reuses whole KV blocks of its own size only: a prefix shared for 900 tokens is no hit
 /// on a backend whose engine blocks are 1,024 tokens, and a hit on one whose blocks are 16 (the
 /// gateway's own hashes are finer than either).
