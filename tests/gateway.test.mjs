@@ -225,8 +225,11 @@ test("cache_aware: a new backend starts cold and is neither flooded nor starved"
   const reg = await gw.admin("/admin/backends", { method: "POST", body: { url: sim.url, pool: p.name, models: [MODEL], id: `${p.name}-new` } });
   assert.equal(reg.status, 201);
   await waitReady(gw, `${p.name}-new`);
+  // Fresh users tie on load and go to a random one of the four, so the newcomer takes about a
+  // quarter: over 32 the odds of none are (3/4)^32 (1 in 10,000; over 16 they were 1 in 100, and
+  // a run saw it), and of more than 24 smaller still.
   let toNew = 0;
-  for (let i = 0; i < 16; i++) {
+  for (let i = 0; i < 32; i++) {
     const fresh = await chat([{ role: "user", content: `brand new user ${i} ${"unique ".repeat(40)} ${i}` }]);
     if (fresh.backend === `${p.name}-new`) toNew += 1;
     // Existing conversations keep their homes: the newcomer does not steal cached prefixes.
@@ -234,5 +237,5 @@ test("cache_aware: a new backend starts cold and is neither flooded nor starved"
     assert.equal((await chat(old[c])).backend, homes[c], `existing conversation ${c} moved`);
   }
   assert.ok(toNew >= 1, "the new backend was starved");
-  assert.ok(toNew <= 12, `the new backend was flooded (${toNew}/16)`);
+  assert.ok(toNew <= 24, `the new backend was flooded (${toNew}/32)`);
 });
