@@ -181,6 +181,25 @@ pub fn window(w: &WorkloadRun, index: usize, requests: Option<usize>) -> Workloa
     w
 }
 
+/// The `count` windows of trace workload `w`, of `requests` each if given (else the workload's).
+fn trace_windows(
+    w: &WorkloadRun,
+    count: usize,
+    requests: Option<usize>,
+) -> Result<Vec<WorkloadRun>, String> {
+    let whole = w
+        .workload
+        .trace_window()
+        .is_some_and(|(_, t)| t.requests == 0);
+    if count > 1 && whole && requests.is_none() {
+        return Err(format!(
+            "{}: several windows need a window of some requests (the workload's `requests`, or --requests)",
+            w.name()
+        ));
+    }
+    Ok((0..count).map(|i| window(w, i, requests)).collect())
+}
+
 /// What the SLO and the time limits need of some windows: every request's (prompt tokens, output
 /// tokens), and each window's span in trace time, seconds.
 type WindowFacts = (Vec<(u32, u32)>, Vec<f64>);
@@ -362,6 +381,21 @@ pub async fn goodput(
     let http = Http::new();
     let (date, time) = utc_now();
     let plan = Plan::of(&cfg, &bench_cfg, &opts.choices);
+    // Every trace's windows are cut and read before anything starts, so a window past a trace's
+    // end stops the run at once, not after the traces before it have run.
+    let workloads = bench_cfg
+        .workloads
+        .iter()
+        .filter(|w| {
+            w.workload.trace_window().is_some()
+                && (opts.choices.only.is_empty() || opts.choices.only.iter().any(|o| o == w.name()))
+        })
+        .map(|w| {
+            let windows = trace_windows(w, plan.windows, plan.requests)?;
+            let facts = window_facts(&windows)?;
+            Ok((w, windows, facts))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let (gw, fleet) = opts.harness.connect(&bench_cfg, &http).await?;
     let mut bench = Bench {
         cfg: &bench_cfg,
@@ -385,24 +419,7 @@ pub async fn goodput(
             unavailable.push((ext.name.clone(), e));
         }
     }
-    for w in bench_cfg.workloads.iter().filter(|w| {
-        w.workload.trace_window().is_some()
-            && (opts.choices.only.is_empty() || opts.choices.only.iter().any(|o| o == w.name()))
-    }) {
-        let whole = w
-            .workload
-            .trace_window()
-            .is_some_and(|(_, t)| t.requests == 0);
-        if plan.windows > 1 && whole && plan.requests.is_none() {
-            return Err(format!(
-                "{}: several windows need a window of some requests (the workload's `requests`, or --requests)",
-                w.name()
-            ));
-        }
-        let windows: Vec<WorkloadRun> = (0..plan.windows)
-            .map(|i| window(w, i, plan.requests))
-            .collect();
-        let (requests, spans) = window_facts(&windows)?;
+    for (w, windows, (requests, spans)) in workloads {
         let bounds = cfg.slo.bounds(&idle, &requests);
         let start = w
             .replay_speedups
@@ -597,5 +614,32 @@ mod tests {
             (200, 50)
         );
         assert_eq!(cut.name(), "conv-w2");
+    }
+
+    #[test]
+    fn a_window_past_the_traces_end_is_found_before_anything_runs() {
+        // The shipped synthetic trace has 3,993 requests: a 4th window of 1,000 is cut short, a
+        // 5th starts past its end.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let w: WorkloadRun = serde_json::from_value(serde_json::json!({
+            "name": "synthetic",
+            "workload": {"kind": "trace",
+                "path": root.join("bench/traces/mooncake_synthetic_trace.jsonl.gz"),
+                "start": 0, "requests": 1000},
+            "replay_speedups": [12],
+            "max_duration_s": 60
+        }))
+        .unwrap();
+        let facts = |count: usize, requests: Option<usize>| {
+            window_facts(&trace_windows(&w, count, requests).unwrap())
+        };
+        let (requests, spans) = facts(4, None).unwrap();
+        assert_eq!((requests.len(), spans.len()), (3_993, 4));
+        let err = facts(5, None).unwrap_err();
+        assert!(
+            err.contains("synthetic-w4: the window is past the trace's end"),
+            "{err}"
+        );
+        assert_eq!(facts(5, Some(798)).unwrap().0.len(), 3_990);
     }
 }
