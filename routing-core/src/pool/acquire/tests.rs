@@ -411,24 +411,17 @@ fn a_busy_backend_prices_what_a_prefill_adds_for_later_arrivals() {
     let long = features(&"one long cold document ".repeat(400));
     let busy = pool.acquire(&long, now, &mut rng).unwrap().backend;
     let cold = features(&"another cold question ".repeat(40));
-    // Each backend's share of time in prefill as the next request is priced (before it is
+    // Each slot's share of time in prefill as the next request is priced (before it is
     // admitted anywhere).
-    let shares: Vec<(BackendId, f64)> = (0..2)
-        .map(|slot| {
-            let entry = pool.entry(slot).unwrap();
-            (entry.spec.id.clone(), entry.timing.prefill_share(now + 100))
-        })
+    let shares: Vec<f64> = (0..2)
+        .map(|slot| pool.entry(slot).unwrap().timing.prefill_share(now + 100))
         .collect();
     pool.acquire(&cold, now + 100, &mut rng).unwrap();
     let tm = pool.config.time_model;
     let mut seen = 0;
     for c in &pool.scratch.primary {
         let entry = pool.entry(c.slot).unwrap();
-        let share = shares
-            .iter()
-            .find(|(id, _)| *id == entry.spec.id)
-            .unwrap()
-            .1;
+        let share = shares[c.slot as usize];
         if entry.spec.id == busy {
             assert!(share > 0.01, "{share}");
             let own_prefill = c.arrival_harm_ms * (1.0 - share) / share;

@@ -208,13 +208,18 @@ type WindowFacts = (Vec<(u32, u32)>, Vec<f64>);
 fn window_facts(windows: &[WorkloadRun]) -> Result<WindowFacts, String> {
     let mut requests = Vec::new();
     let mut spans = Vec::new();
+    // The windows of one workload share its trace: read once.
+    let mut read: Option<(&str, Vec<crate::trace::TraceRequest>)> = None;
     for w in windows {
         let (path, tw) = w
             .workload
             .trace_window()
             .ok_or_else(|| format!("{}: not a trace workload", w.name()))?;
-        let trace = crate::trace::read(Path::new(path))?;
-        let selected = tw.select(&trace);
+        if read.as_ref().is_none_or(|(p, _)| *p != path) {
+            read = Some((path, crate::trace::read(Path::new(path))?));
+        }
+        let trace = read.as_ref().map_or(&[][..], |(_, t)| &t[..]);
+        let selected = tw.select(trace);
         let (Some(first), Some(last)) = (selected.first(), selected.last()) else {
             return Err(format!("{}: the window is past the trace's end", w.name()));
         };
